@@ -1,0 +1,119 @@
+"""Decoder blocks: one small class per norm placement, chosen through `BLOCKS`.
+
+Every block owns `self_attn`, `mlp` and the norms its placement needs, named by where they sit
+(`pre_attn_norm`, `post_attn_norm`, `pre_mlp_norm`, `post_mlp_norm`); its `forward` is the
+diagram in its docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .attention import StandardAttention
+from .mlp import MLPS
+from .norms import build_norm
+
+ATTENTIONS: dict[str, type[nn.Module]] = {"standard": StandardAttention}
+
+
+def register_attention(name: str, cls: type[nn.Module]) -> None:
+    ATTENTIONS[name] = cls
+
+
+class DecoderBlock(GradientCheckpointingLayer):
+    """Shared construction; subclasses name the norms they use in `NORMS`."""
+
+    NORMS: tuple[str, ...] = ()
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = ATTENTIONS[config.attention_type](config, layer_idx)
+        self.mlp = MLPS[config.mlp_type](config)
+        for name in self.NORMS:
+            setattr(self, name, build_norm(config))
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        out, _ = self.self_attn(x, **kwargs)
+        return self.dropout(out)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.mlp(x))
+
+
+class PreNormBlock(DecoderBlock):
+    """x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>    (GPT-2, Llama)
+          └───────────────────────────┘└──────────────────────────┘"""
+
+    NORMS = ("pre_attn_norm", "pre_mlp_norm")
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        x = x + self.attend(self.pre_attn_norm(x), **kwargs)
+        return x + self.feed_forward(self.pre_mlp_norm(x))
+
+
+class PostNormBlock(DecoderBlock):
+    """x ─┬─ attn ─(+)─ post_attn_norm ─┬─ mlp ─(+)─ post_mlp_norm ─>  (GPT-1, original Transformer)
+          └────────┘                    └───────┘"""
+
+    NORMS = ("post_attn_norm", "post_mlp_norm")
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        x = self.post_attn_norm(x + self.attend(x, **kwargs))
+        return self.post_mlp_norm(x + self.feed_forward(x))
+
+
+class SandwichNormBlock(DecoderBlock):
+    """x ─┬─ pre_attn_norm ─ attn ─ post_attn_norm ─(+)─┬─ pre_mlp_norm ─ mlp ─ post_mlp_norm ─(+)─>
+          └─────────────────────────────────────────┘   └───────────────────────────────────────┘
+    (Gemma 2 / 3)"""
+
+    NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs))
+        return x + self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x)))
+
+
+class OutputNormBlock(DecoderBlock):
+    """x ─┬─ attn ─ post_attn_norm ─(+)─┬─ mlp ─ post_mlp_norm ─(+)─>   (OLMo 2: norm on the sublayer output)
+          └─────────────────────────┘   └───────────────────────┘"""
+
+    NORMS = ("post_attn_norm", "post_mlp_norm")
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attend(x, **kwargs))
+        return x + self.post_mlp_norm(self.feed_forward(x))
+
+
+class ParallelBlock(DecoderBlock):
+    """x ─┬─ pre_attn_norm ─ attn ─┐
+          ├─ pre_mlp_norm ── mlp ──(+)─>     (GPT-NeoX / Falcon-40B: separate norms)
+          └─────────────────────────┘
+    With `parallel_norms="shared"` (GPT-J, Falcon-7B, Phi) one `pre_attn_norm` feeds both branches."""
+
+    NORMS = ("pre_attn_norm",)
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.pre_mlp_norm = build_norm(config) if config.parallel_norms == "separate" else None
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        attn_in = self.pre_attn_norm(x)
+        mlp_in = attn_in if self.pre_mlp_norm is None else self.pre_mlp_norm(x)
+        return x + self.attend(attn_in, **kwargs) + self.feed_forward(mlp_in)
+
+
+BLOCKS: dict[str, type[DecoderBlock]] = {
+    "pre": PreNormBlock,
+    "post": PostNormBlock,
+    "sandwich": SandwichNormBlock,
+    "output": OutputNormBlock,
+    "parallel": ParallelBlock,
+}
+
+
+def block_class(config) -> type[DecoderBlock]:
+    return BLOCKS["parallel" if config.parallel_block else config.norm_position]

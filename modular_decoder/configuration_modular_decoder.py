@@ -1,0 +1,322 @@
+"""The architecture contract: one config whose fields span the decoder-only design space.
+
+Every field that changes the math is explicit, serialized in ``config.json`` and validated at
+construction: a bad combination raises ``ValueError`` naming the field and the allowed values,
+never a shape error deep inside ``forward``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+NORM_TYPES = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("post", "pre", "sandwich", "output")
+PARALLEL_NORMS = ("shared", "separate")
+MLP_TYPES = ("dense", "gated")
+POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
+ATTENTION_TYPES = ("standard", "mla")
+QK_NORMS = ("none", "head", "full")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{name}`={value!r} is not one of the allowed values {list(allowed)}.")
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+
+
+class ModularDecoderConfig(PretrainedConfig):
+    r"""Configuration of a modular decoder-only transformer.
+
+    Args:
+        vocab_size (`int`): Number of token ids; `input_ids` must lie in `[0, vocab_size)`.
+        hidden_size (`int`): Residual stream width d.
+        intermediate_size (`int`, *optional*): FFN inner width d_f. Defaults to 4·d.
+        num_hidden_layers (`int`): Number of decoder blocks L.
+        num_attention_heads (`int`): Query heads H.
+        num_key_value_heads (`int`, *optional*): K/V heads H_kv: H for MHA, 1 for MQA, a divisor of H
+            in between for GQA. Defaults to H.
+        head_dim (`int`, *optional*): Per-head width d_h. Defaults to d / H.
+        max_position_embeddings (`int`): The longest sequence the model is configured for. A hard limit
+            for learned positions (longer input raises), the pre-training length for RoPE scalings.
+        norm_type (`str`): `"layernorm"` or `"rmsnorm"`.
+        norm_eps (`float`): Epsilon inside every norm.
+        norm_bias (`bool`): Whether LayerNorms carry a bias (ignored by RMSNorm).
+        norm_unit_offset (`bool`): Scale by `1 + w` instead of `w` (Gemma's RMSNorm); the stored
+            weight is then initialised at 0.
+        norm_position (`str`): Where the block's norms sit. `"post"`: x = N(x + F(x)) (GPT-1);
+            `"pre"`: x = x + F(N(x)) (GPT-2, Llama); `"sandwich"`: x = x + N'(F(N(x))) (Gemma 2/3);
+            `"output"`: x = x + N(F(x)) (OLMo 2).
+        final_norm (`bool`, *optional*): Whether a norm follows the last block. Defaults to `True`
+            except for `norm_position="post"`, whose blocks already end in a norm.
+        parallel_block (`bool`): x + Attn(N(x)) + FFN(N(x)) instead of the serial block (GPT-J,
+            GPT-NeoX, Falcon, PaLM). Requires `norm_position="pre"`.
+        parallel_norms (`str`): For parallel blocks, `"shared"` (one norm feeds both branches, GPT-J)
+            or `"separate"` (one each, GPT-NeoX).
+        mlp_type (`str`): `"dense"` (act(x W1) W2) or `"gated"` (act(x W_gate) * (x W_up) W_down).
+        hidden_act (`str`): Any `transformers.activations.ACT2FN` key. With `mlp_type="gated"`,
+            sigmoid / relu / gelu / silu give GLU / ReGLU / GEGLU / SwiGLU.
+        mlp_bias (`bool`): Biases on the FFN projections.
+        position_embedding_type (`str`): `"learned"`, `"sinusoidal"` (added to the token embedding),
+            `"rope"` (rotary on q and k), `"alibi"` (linear bias on the scores) or `"none"`.
+        learned_position_offset (`int`): Rows of the learned table before position 0 (OPT uses 2).
+        rope_parameters (`dict`, *optional*): transformers' RoPE dict (`rope_type` in default, linear,
+            dynamic, yarn, longrope, llama3, ...; `rope_theta`; the type's own keys). May be nested per
+            layer type (`{"full_attention": {...}, "sliding_attention": {...}}`) to give local layers
+            their own base, as Gemma 3 does.
+        partial_rotary_factor (`float`): Fraction of each head's width that is rotated (GPT-J, NeoX, Phi).
+        rope_interleaved (`bool`): Rotate adjacent pairs (x0, x1), (x2, x3), ... (GPT-J) instead of the
+            two halves (GPT-NeoX / Llama layout).
+        attention_type (`str`): `"standard"` (MHA / GQA / MQA through `num_key_value_heads`) or `"mla"`.
+        q_lora_rank (`int`, *optional*): MLA query bottleneck width; `None` projects queries directly.
+        kv_lora_rank (`int`, *optional*): MLA joint KV latent width d_c.
+        qk_nope_head_dim (`int`, *optional*): MLA per-head content (non-rotary) q/k width.
+        qk_rope_head_dim (`int`, *optional*): MLA shared rotary key width d_R.
+        v_head_dim (`int`, *optional*): MLA per-head value width.
+        attention_bias (`bool`): Biases on the q, k and v projections.
+        attention_output_bias (`bool`, *optional*): Bias on the output projection. Defaults to
+            `attention_bias` (Qwen 2 sets q/k/v biases but none on the output).
+        qk_norm (`str`): `"none"`, `"head"` (a norm over each head's d_h, Qwen 3 / Gemma 3) or `"full"`
+            (over the whole projected q and k, OLMo 2).
+        sliding_window (`int`, *optional*): Window of the `"sliding_attention"` layers.
+        layer_types (`list[str]`, *optional*): One of `"full_attention"` / `"sliding_attention"` per
+            layer. Defaults to all sliding when `sliding_window` is set, else all full.
+        attn_logit_softcapping (`float`, *optional*): Scores become c·tanh(s/c) (Gemma 2).
+        final_logit_softcapping (`float`, *optional*): Logits become c·tanh(z/c) (Gemma 2).
+        query_pre_attn_scalar (`float`, *optional*): Scores are scaled by this value^-1/2 instead of
+            d_h^-1/2 (Gemma 2/3).
+        attention_dropout (`float`): Dropout on attention probabilities while training.
+        hidden_dropout (`float`): Dropout on the embedding and on each sublayer output while training.
+        tie_word_embeddings (`bool`): Share the output projection with the token embedding.
+        embedding_multiplier (`float`): Token embeddings are multiplied by this (Gemma: sqrt(d)).
+        embedding_norm (`bool`): A norm right after the embedding (BLOOM).
+        lm_head_bias (`bool`): Bias on the output projection (GPT-J, Phi).
+        initializer_range (`float`): Standard deviation of the normal weight init.
+        use_cache (`bool`): Whether forward returns a cache by default.
+    """
+
+    model_type = "modular_decoder"
+    keys_to_ignore_at_inference = ["cache"]
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "final_norm": (["hidden_states"], ["hidden_states"]),
+    }
+    default_theta = 10_000.0
+
+    # sizes
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int | None = None
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    # norms
+    norm_type: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    norm_unit_offset: bool = False
+    norm_position: str = "pre"
+    final_norm: bool | None = None
+    # block
+    parallel_block: bool = False
+    parallel_norms: str = "shared"
+    # FFN
+    mlp_type: str = "gated"
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+    # positions
+    position_embedding_type: str = "rope"
+    learned_position_offset: int = 0
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float = 1.0
+    rope_interleaved: bool = False
+    # attention
+    attention_type: str = "standard"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    attention_bias: bool = False
+    attention_output_bias: bool | None = None
+    qk_norm: str = "none"
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    # ends
+    tie_word_embeddings: bool = True
+    embedding_multiplier: float = 1.0
+    embedding_norm: bool = False
+    lm_head_bias: bool = False
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads and self.hidden_size:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"`hidden_size`={self.hidden_size} is not divisible by `num_attention_heads`="
+                    f"{self.num_attention_heads}; set `head_dim` explicitly."
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
+        if self.final_norm is None:
+            self.final_norm = self.norm_position != "post"
+        if self.attention_output_bias is None:
+            self.attention_output_bias = self.attention_bias
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        else:
+            self.layer_types = list(self.layer_types)
+        super().__post_init__(**kwargs)
+        self.validate_contract()
+
+    # RoPE parameters only mean something for rotary positions (and MLA's decoupled rotary key):
+    # other position types keep `rope_parameters=None` instead of a default dict nobody reads.
+    def convert_rope_params_to_dict(self, **kwargs):
+        if self.position_embedding_type != "rope":
+            kwargs.pop("rope_scaling", None)
+            kwargs.pop("rope_theta", None)
+            self.rope_parameters = None
+            return kwargs
+        return super().convert_rope_params_to_dict(**kwargs)
+
+    @property
+    def uses_rope(self) -> bool:
+        return self.position_embedding_type == "rope"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width of the rotated part of each q/k head (d_R for MLA)."""
+        if self.attention_type == "mla":
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def rope_parameters_for(self, layer_type: str) -> dict | None:
+        """The RoPE dict a layer of `layer_type` uses (nested dicts give each type its own)."""
+        if not self.uses_rope:
+            return None
+        params = self.rope_parameters
+        return params[layer_type] if self.rope_is_nested else params
+
+    @property
+    def rope_is_nested(self) -> bool:
+        return bool(self.rope_parameters) and all(key in LAYER_TYPES for key in self.rope_parameters)
+
+    def validate_contract(self) -> None:
+        """Check every contract field and their combinations; raises `ValueError` naming the field."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be an integer, got {getattr(self, name)!r}.")
+            _positive(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads`={self.num_attention_heads} must be a multiple of "
+                f"`num_key_value_heads`={self.num_key_value_heads} (MHA: equal, MQA: 1, GQA: a divisor)."
+            )
+        _choice("norm_type", self.norm_type, NORM_TYPES)
+        _positive("norm_eps", self.norm_eps)
+        _choice("norm_position", self.norm_position, NORM_POSITIONS)
+        _choice("parallel_norms", self.parallel_norms, PARALLEL_NORMS)
+        if self.parallel_block and self.norm_position != "pre":
+            raise ValueError(
+                f"`parallel_block=True` needs `norm_position='pre'` (x + Attn(N(x)) + FFN(N(x))), "
+                f"got `norm_position`={self.norm_position!r}."
+            )
+        _choice("mlp_type", self.mlp_type, MLP_TYPES)
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"`hidden_act`={self.hidden_act!r} is not a transformers activation; "
+                             f"allowed: {sorted(ACT2FN)}.")
+        _choice("position_embedding_type", self.position_embedding_type, POSITION_TYPES)
+        if self.learned_position_offset < 0:
+            raise ValueError(f"`learned_position_offset` must be >= 0, got {self.learned_position_offset}.")
+        _choice("attention_type", self.attention_type, ATTENTION_TYPES)
+        _choice("qk_norm", self.qk_norm, QK_NORMS)
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"`partial_rotary_factor` must be in (0, 1], got {self.partial_rotary_factor}.")
+        if self.attention_type == "mla":
+            self._validate_mla()
+        if self.uses_rope and (self.rotary_dim <= 0 or self.rotary_dim % 2):
+            raise ValueError(
+                f"The rotary width (`head_dim`·`partial_rotary_factor` = {self.head_dim}·"
+                f"{self.partial_rotary_factor} = {self.rotary_dim}) must be a positive even number."
+            )
+        if self.uses_rope and self.rope_is_nested:
+            missing = sorted(set(self.layer_types) - set(self.rope_parameters))
+            if missing:
+                raise ValueError(f"`rope_parameters` is nested per layer type but lacks {missing}.")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"`layer_types` has {len(self.layer_types)} entries for "
+                             f"`num_hidden_layers`={self.num_hidden_layers}.")
+        for layer_type in self.layer_types:
+            _choice("layer_types[...]", layer_type, LAYER_TYPES)
+        if "sliding_attention" in self.layer_types:
+            if self.sliding_window is None:
+                raise ValueError("`layer_types` has sliding layers but `sliding_window` is None.")
+            if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
+                raise ValueError(f"`sliding_window` must be a positive integer, got {self.sliding_window!r}.")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            _positive(name, getattr(self, name), allow_none=True)
+        _positive("embedding_multiplier", self.embedding_multiplier)
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"`{name}` must be in [0, 1), got {getattr(self, name)}.")
+
+    def _validate_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) is None:
+                raise ValueError(f"`attention_type='mla'` needs `{name}`.")
+            _positive(name, getattr(self, name))
+        _positive("q_lora_rank", self.q_lora_rank, allow_none=True)
+        if self.position_embedding_type != "rope":
+            raise ValueError(
+                "`attention_type='mla'` carries position only in its decoupled rotary key: it needs "
+                f"`position_embedding_type='rope'`, got {self.position_embedding_type!r} (ALiBi and "
+                "absolute positions cannot reach the absorbed latent scores)."
+            )
+        if self.qk_norm != "none":
+            raise ValueError("`qk_norm` is not defined for `attention_type='mla'` (its latent is normed).")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"`qk_rope_head_dim` must be even, got {self.qk_rope_head_dim}.")
+
+    @property
+    def qk_head_dim(self) -> int:
+        if self.attention_type == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.head_dim
+
+
+__all__ = ["ModularDecoderConfig"]

@@ -1,0 +1,150 @@
+"""The contract's arithmetic: parameter counts and KV-cache bytes from the config alone.
+
+These follow the seed's formulas, written independently of the modules, so tests can compare
+them with `model.num_parameters()` and with what a filled cache actually stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .configuration_modular_decoder import ModularDecoderConfig
+
+BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
+
+
+def _norm(config, width: int) -> int:
+    return width * (2 if config.norm_type == "layernorm" and config.norm_bias else 1)
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def attention_parameters(config: ModularDecoderConfig) -> int:
+    """Standard: 2·d·H·d_h + 2·d·H_kv·d_h (+ biases, + QK-norms); MLA: its low-rank projections."""
+    d = config.hidden_size
+    if config.attention_type == "mla":
+        return _mla_parameters(config)
+    h, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    total = _linear(d, h * hd, config.attention_bias) + 2 * _linear(d, kv * hd, config.attention_bias)
+    total += _linear(h * hd, d, config.attention_output_bias)
+    if config.qk_norm == "head":
+        total += 2 * _norm(config, hd)
+    elif config.qk_norm == "full":
+        total += _norm(config, h * hd) + _norm(config, kv * hd)
+    return total
+
+
+def _mla_parameters(config: ModularDecoderConfig) -> int:
+    d, h = config.hidden_size, config.num_attention_heads
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    bias = config.attention_bias
+    if config.q_lora_rank:
+        q = _linear(d, config.q_lora_rank, bias) + _norm(config, config.q_lora_rank) + _linear(config.q_lora_rank, h * qk, False)
+    else:
+        q = _linear(d, h * qk, False)
+    kv = _linear(d, config.kv_lora_rank + config.qk_rope_head_dim, bias) + _norm(config, config.kv_lora_rank)
+    kv += _linear(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), False)
+    return q + kv + _linear(h * config.v_head_dim, d, config.attention_output_bias)
+
+
+def mlp_parameters(config: ModularDecoderConfig) -> int:
+    """Dense 2·d·d_f, gated 3·d·d_f (+ biases)."""
+    d, f, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+    up = 2 if config.mlp_type == "gated" else 1
+    return up * _linear(d, f, b) + _linear(f, d, b)
+
+
+def block_norm_count(config: ModularDecoderConfig) -> int:
+    if config.parallel_block:
+        return 2 if config.parallel_norms == "separate" else 1
+    return BLOCK_NORMS[config.norm_position]
+
+
+def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
+    """Parameters by component, tied weights counted once; `total` is their sum."""
+    d, v = config.hidden_size, config.vocab_size
+    parts = {"embedding": v * d}
+    if config.position_embedding_type == "learned":
+        parts["positions"] = (config.max_position_embeddings + config.learned_position_offset) * d
+    if config.embedding_norm:
+        parts["embedding_norm"] = _norm(config, d)
+    layers = config.num_hidden_layers
+    parts["attention"] = layers * attention_parameters(config)
+    parts["mlp"] = layers * mlp_parameters(config)
+    parts["block_norms"] = layers * block_norm_count(config) * _norm(config, d)
+    if config.final_norm:
+        parts["final_norm"] = _norm(config, d)
+    lm_head = (0 if config.tie_word_embeddings else v * d) + (v if config.lm_head_bias else 0)
+    if lm_head:
+        parts["lm_head"] = lm_head
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _dtype_bytes(dtype: torch.dtype | int) -> int:
+    return dtype if isinstance(dtype, int) else torch.empty((), dtype=dtype).element_size()
+
+
+def layer_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16) -> int:
+    """One layer's cached bytes per token: 2·H_kv·d_h·b for K/V, (d_c + d_R)·b for an MLA latent."""
+    b = _dtype_bytes(dtype)
+    if config.attention_type == "mla":
+        return (config.kv_lora_rank + config.qk_rope_head_dim) * b
+    return 2 * config.num_key_value_heads * config.head_dim * b
+
+
+def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16) -> int:
+    """The seed's formula summed over layers: 2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for MLA.
+
+    Sliding-window layers count per token only until they hold their window; `cache_bytes` gives
+    the exact total at a given context length.
+    """
+    return config.num_hidden_layers * layer_bytes_per_token(config, dtype)
+
+
+def cached_tokens(config: ModularDecoderConfig, layer_type: str, context: int) -> int:
+    """Tokens a layer keeps between decode steps: all of them, or the last `sliding_window - 1`
+    for a sliding layer (the next query brings it back to a full window)."""
+    if layer_type == "sliding_attention":
+        return min(context, config.sliding_window - 1)
+    return context
+
+
+def cache_bytes(config: ModularDecoderConfig, context: int, batch_size: int = 1,
+                dtype: torch.dtype | int = torch.bfloat16) -> int:
+    """Exact payload of a cache holding `context` tokens for `batch_size` sequences."""
+    per_token = layer_bytes_per_token(config, dtype)
+    return batch_size * per_token * sum(cached_tokens(config, t, context) for t in config.layer_types)
+
+
+def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: torch.dtype | int = torch.bfloat16) -> float:
+    """Context length at which one sequence's cache equals `weight_bytes` (full layers only)."""
+    return weight_bytes / cache_bytes_per_token(config, dtype)
+
+
+def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bfloat16) -> str:
+    """A markdown table of every contract field, parameters by component and cache cost."""
+    from .configuration_modular_decoder import ModularDecoderConfig as _Config
+
+    names = [f.name for f in dataclasses.fields(_Config) if f.name not in _NON_CONTRACT]
+    rows = ["| field | value |", "| --- | --- |"]
+    rows += [f"| `{name}` | `{getattr(config, name)!r}` |" for name in names]
+    params = parameter_count(config)
+    rows += ["", "| component | parameters |", "| --- | ---: |"]
+    rows += [f"| {name} | {count:,} |" for name, count in params.items()]
+    rows += ["", f"| KV cache ({dtype}) | bytes |", "| --- | ---: |",
+             f"| per token (all layers) | {cache_bytes_per_token(config, dtype):,} |"]
+    for context in (4096, 32768, 131072):
+        rows.append(f"| at {context // 1024}k context | {cache_bytes(config, context, 1, dtype):,} |")
+    return "\n".join(rows)
+
+
+_NON_CONTRACT = {
+    "transformers_version", "architectures", "output_hidden_states", "return_dict", "dtype",
+    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type", "use_cache",
+    "pad_token_id", "bos_token_id", "eos_token_id", "initializer_range",
+}

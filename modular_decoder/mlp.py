@@ -1,0 +1,43 @@
+"""Feed-forward sublayers, chosen by `config.mlp_type` through `MLPS`.
+
+Module names follow the Llama convention (`up_proj`, `gate_proj`, `down_proj`) so PEFT's usual
+`target_modules` work on every variant.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+
+class DenseMLP(nn.Module):
+    """act(x W_up) W_down: GPT-1/2, OPT, GPT-J, NeoX, Falcon, BLOOM, Phi. 2·d·d_f weights."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class GatedMLP(nn.Module):
+    """(act(x W_gate) ⊙ x W_up) W_down: GLU / ReGLU / GEGLU / SwiGLU by `hidden_act`. 3·d·d_f weights."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+MLPS: dict[str, type[nn.Module]] = {"dense": DenseMLP, "gated": GatedMLP}

@@ -1,0 +1,286 @@
+"""The modular decoder: embeddings, a stack of configurable blocks, and a language-model head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.utils.deprecation import deprecate_kwarg
+
+from .attention import StandardAttention, eager_attention
+from .backends import check_backend, default_backend
+from .blocks import BLOCKS, DecoderBlock, block_class
+from .cache import ModularDecoderCache
+from .configuration_modular_decoder import ModularDecoderConfig
+from .norms import LayerNorm, RMSNorm, build_norm
+from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
+
+# Kept literally so transformers' `_can_set_attn_implementation` sees that this file dispatches
+# through the attention registry: ALL_ATTENTION_FUNCTIONS.get_interface(
+_ = (ALL_ATTENTION_FUNCTIONS, eager_attention)
+
+MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+class ModularDecoderPreTrainedModel(PreTrainedModel):
+    config_class = ModularDecoderConfig
+    config: ModularDecoderConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = [cls.__name__ for cls in BLOCKS.values()]
+    _skip_keys_device_placement = ["cache"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": StandardAttention}
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
+        """Default to SDPA only where it can honour the contract; refuse a backend that cannot."""
+        if attn_implementation is None:
+            attn_implementation = default_backend(self.config)
+        chosen = super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check, **kwargs)
+        check_backend(self.config, chosen)
+        return chosen
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (RMSNorm, LayerNorm)):
+            # `1 + w` norms start at w = 0 so that they start as the identity scale
+            init.zeros_(module.weight) if module.unit_offset else init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, RotaryEmbedding):
+            fresh = RotaryEmbedding(self.config)
+            for name, buffer in fresh.named_buffers():
+                init.copy_(getattr(module, name), buffer)
+        elif isinstance(module, AlibiBias):
+            init.copy_(module.slopes, AlibiBias(self.config).slopes)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif hasattr(module, "inv_freq"):  # sinusoidal table
+            fresh = ABSOLUTE_POSITIONS["sinusoidal"](self.config)
+            init.copy_(module.inv_freq, fresh.inv_freq)
+
+
+class ModularDecoderModel(ModularDecoderPreTrainedModel):
+    """Embeddings (+ absolute positions, multiplier, optional norm), the blocks, the final norm."""
+
+    def __init__(self, config: ModularDecoderConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        position_cls = ABSOLUTE_POSITIONS.get(config.position_embedding_type)
+        self.embed_positions = position_cls(config) if position_cls is not None else None
+        self.embed_norm = build_norm(config) if config.embedding_norm else None
+        self.embed_dropout = nn.Dropout(config.hidden_dropout)
+        self.rotary_emb = RotaryEmbedding(config) if config.uses_rope else None
+        self.alibi = AlibiBias(config) if config.position_embedding_type == "alibi" else None
+        block = block_class(config)
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
+        self.final_norm = build_norm(config) if config.final_norm else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed_tokens = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if inputs_embeds is None:
+            self._check_token_ids(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = ModularDecoderCache(self.config)
+        past_seen = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_seen)
+
+        hidden = self._embed(inputs_embeds, position_ids)
+        layer_types = self.config.layer_types
+        masks = {
+            layer_type: MASK_BUILDERS[layer_type](
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+            )
+            for layer_type in set(layer_types)
+        }
+        rotary = self.rotary_emb.tables(hidden, position_ids, layer_types) if self.rotary_emb is not None else {}
+        biases = self._alibi_biases(hidden, cache, past_seen) if self.alibi is not None else {}
+
+        for layer_idx, block in enumerate(self.layers):
+            layer_type = layer_types[layer_idx]
+            hidden = block(
+                hidden,
+                attention_mask=masks[layer_type],
+                position_embeddings=rotary.get(layer_type),
+                position_bias=biases.get(layer_type),
+                position_ids=position_ids,
+                cache=cache,
+                **kwargs,
+            )
+        if self.final_norm is not None:
+            hidden = self.final_norm(hidden)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
+
+    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
+        # One host sync per call; skipped under compilation where it would break the graph.
+        if torch.compiler.is_compiling() or input_ids.numel() == 0:
+            return
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"`input_ids` must lie in [0, vocab_size={self.config.vocab_size}); got values in [{low}, {high}]."
+            )
+
+    def _default_position_ids(self, inputs_embeds, attention_mask, past_seen: int) -> torch.Tensor:
+        """Positions count real tokens only, so a left-padded row gets the positions it gets alone."""
+        seq = inputs_embeds.shape[1]
+        if attention_mask is not None and attention_mask.dim() == 2:
+            positions = attention_mask.long().cumsum(-1) - 1
+            return positions.clamp(min=0)[:, -seq:]
+        return (torch.arange(seq, device=inputs_embeds.device) + past_seen).unsqueeze(0)
+
+    def _embed(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = inputs_embeds
+        if self.config.embedding_multiplier != 1.0:
+            # Gemma rounds the multiplier to the activation dtype first
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
+        if self.embed_positions is not None:
+            if isinstance(self.embed_positions, LearnedPositions) and not torch.compiler.is_compiling():
+                longest = int(position_ids.max())
+                if longest >= self.config.max_position_embeddings:
+                    raise ValueError(
+                        f"Position {longest} is beyond the {self.config.max_position_embeddings} learned positions "
+                        "(`max_position_embeddings`); shorten the input."
+                    )
+            hidden = hidden + self.embed_positions(position_ids).to(hidden.dtype)
+        if self.embed_norm is not None:
+            hidden = self.embed_norm(hidden)
+        return self.embed_dropout(hidden)
+
+    def _alibi_biases(self, hidden: torch.Tensor, cache, past_seen: int) -> dict:
+        """ALiBi bias per layer type, from the absolute positions of the keys each layer will see."""
+        seq = hidden.shape[1]
+        query_positions = torch.arange(seq, device=hidden.device) + past_seen
+        biases = {}
+        for layer_type in set(self.config.layer_types):
+            layer_idx = self.config.layer_types.index(layer_type)
+            kv_length, kv_offset = cache.get_mask_sizes(seq, layer_idx) if cache is not None else (seq, 0)
+            key_positions = torch.arange(kv_length, device=hidden.device) + kv_offset
+            biases[layer_type] = self.alibi(query_positions, key_positions, hidden.dtype)
+        return biases
+
+
+class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
+    """The decoder with a language-model head; loss shifts labels and skips `-100`."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: ModularDecoderConfig):
+        super().__init__(config)
+        self.model = ModularDecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.lm_head = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        if return_dict is False:
+            return output.to_tuple()
+        return output
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+    ):
+        """generate() builds this family's own cache unless the user passed one or asked for another."""
+        implementation = generation_config.cache_implementation
+        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if implementation is None or implementation == "dynamic":
+            model_kwargs["cache"] = ModularDecoderCache(self.config)
+            return
+        if implementation == "static":
+            if generation_config.max_cache_len is not None:
+                max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+            model_kwargs["cache"] = ModularDecoderCache(self.config, "static", max_cache_len=max_cache_length)
+            return
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+
+
+__all__ = ["ModularDecoderPreTrainedModel", "ModularDecoderModel", "ModularDecoderForCausalLM"]

@@ -1,0 +1,56 @@
+"""Normalization layers, chosen by `config.norm_type` through `NORMS`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) · w, computed in fp32 (as Llama and Gemma do) and cast back.
+
+    With `unit_offset` the scale is `1 + w` and `w` starts at zero (Gemma's parameterisation).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, bias: bool = False, unit_offset: bool = False):
+        super().__init__()
+        del bias  # RMSNorm has none; the argument keeps one constructor signature for the registry
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            # Gemma multiplies in fp32 before the cast (see transformers' Gemma3RMSNorm)
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * x32.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm with an optional bias and the optional `1 + w` scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, unit_offset: bool = False):
+        super().__init__(dim, eps=eps, bias=bias)
+        self.unit_offset = unit_offset
+        if unit_offset:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = 1.0 + self.weight if self.unit_offset else self.weight
+        return nn.functional.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+
+
+NORMS: dict[str, type[nn.Module]] = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+
+
+def build_norm(config, dim: int | None = None) -> nn.Module:
+    """The norm the contract asks for, over `dim` features (default: the hidden size)."""
+    return NORMS[config.norm_type](
+        dim or config.hidden_size, eps=config.norm_eps, bias=config.norm_bias, unit_offset=config.norm_unit_offset
+    )

@@ -1,0 +1,157 @@
+"""A pairwise-covering matrix of contract variants: every value of every axis appears, and every
+pair of values of two axes appears together in at least one config (where the pair is valid)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from modular_decoder import ModularDecoderConfig
+
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+AXES: dict[str, dict[str, dict]] = {
+    "norm": {
+        "layernorm": dict(norm_type="layernorm"),
+        "layernorm_nobias": dict(norm_type="layernorm", norm_bias=False),
+        "rmsnorm": dict(norm_type="rmsnorm"),
+        "rmsnorm_offset": dict(norm_type="rmsnorm", norm_unit_offset=True),
+    },
+    "placement": {
+        "post": dict(norm_position="post"),
+        "pre": dict(norm_position="pre"),
+        "sandwich": dict(norm_position="sandwich"),
+        "output": dict(norm_position="output"),
+        "parallel_shared": dict(norm_position="pre", parallel_block=True, parallel_norms="shared"),
+        "parallel_separate": dict(norm_position="pre", parallel_block=True, parallel_norms="separate"),
+    },
+    "ffn": {
+        "dense_gelu": dict(mlp_type="dense", hidden_act="gelu"),
+        "dense_relu": dict(mlp_type="dense", hidden_act="relu"),
+        "glu": dict(mlp_type="gated", hidden_act="sigmoid"),
+        "reglu": dict(mlp_type="gated", hidden_act="relu"),
+        "geglu": dict(mlp_type="gated", hidden_act="gelu_pytorch_tanh"),
+        "swiglu": dict(mlp_type="gated", hidden_act="silu"),
+    },
+    "positions": {
+        "learned": dict(position_embedding_type="learned"),
+        "learned_offset": dict(position_embedding_type="learned", learned_position_offset=2),
+        "sinusoidal": dict(position_embedding_type="sinusoidal"),
+        "none": dict(position_embedding_type="none"),
+        "alibi": dict(position_embedding_type="alibi"),
+        "rope": dict(position_embedding_type="rope", rope_parameters=dict(_ROPE)),
+        "rope_partial": dict(position_embedding_type="rope", partial_rotary_factor=0.5, rope_parameters=dict(_ROPE)),
+        "rope_interleaved": dict(position_embedding_type="rope", partial_rotary_factor=0.5, rope_interleaved=True,
+                                 rope_parameters=dict(_ROPE)),
+        "rope_linear": dict(position_embedding_type="rope",
+                            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+        "rope_dynamic": dict(position_embedding_type="rope",
+                             rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        "rope_yarn": dict(position_embedding_type="rope",
+                          rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                           "original_max_position_embeddings": 16}),
+        "rope_llama3": dict(position_embedding_type="rope",
+                            rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 16}),
+        "rope_longrope": dict(position_embedding_type="rope", max_position_embeddings=64,
+                              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                               "short_factor": [1.0, 1.1, 1.2, 1.3],
+                                               "long_factor": [2.0, 2.1, 2.2, 2.3],
+                                               "original_max_position_embeddings": 16}),
+    },
+    "heads": {
+        "mha": dict(num_key_value_heads=4),
+        "gqa": dict(num_key_value_heads=2),
+        "mqa": dict(num_key_value_heads=1),
+    },
+    "bias": {
+        "none": dict(attention_bias=False, mlp_bias=False),
+        "qkv_only": dict(attention_bias=True, attention_output_bias=False),
+        "all": dict(attention_bias=True, mlp_bias=True, lm_head_bias=True),
+    },
+    "qk_norm": {"none": dict(qk_norm="none"), "head": dict(qk_norm="head"), "full": dict(qk_norm="full")},
+    "softcap": {
+        "none": {},
+        "attn": dict(attn_logit_softcapping=5.0),
+        "final": dict(final_logit_softcapping=3.0),
+        "both_scaled": dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=12),
+    },
+    "window": {
+        "full": {},
+        "sliding": dict(sliding_window=4),
+        "mixed": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+        "mixed_local_base": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                 local_rope_theta=100.0),
+    },
+    "ends": {
+        "tied": dict(tie_word_embeddings=True),
+        "untied": dict(tie_word_embeddings=False),
+        "multiplier": dict(embedding_multiplier=4.0),
+        "embed_norm": dict(embedding_norm=True, tie_word_embeddings=False),
+        "dropout_cfg": dict(attention_dropout=0.1, hidden_dropout=0.1),
+    },
+}
+
+BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64)
+
+
+def valid(choice: dict[str, str]) -> bool:
+    positions = choice.get("positions", "rope")
+    if choice.get("window") == "mixed_local_base" and not positions.startswith("rope"):
+        return False
+    # dynamic/longrope rescale with the longest position seen, so per-layer-type tables are not
+    # combined with them here; the combination is covered by plain RoPE.
+    if choice.get("window") == "mixed_local_base" and positions in ("rope_dynamic", "rope_longrope"):
+        return False
+    return True
+
+
+def build(choice: dict[str, str]) -> ModularDecoderConfig:
+    fields = dict(BASE)
+    for axis, value in choice.items():
+        fields.update(AXES[axis][value])
+    theta = fields.pop("local_rope_theta", None)
+    if theta is not None:
+        global_params = fields["rope_parameters"]
+        fields["rope_parameters"] = {"full_attention": dict(global_params),
+                                     "sliding_attention": dict(global_params, rope_theta=theta)}
+    return ModularDecoderConfig(**fields)
+
+
+def pairwise_choices(seed: int = 0, minimum: int = 40) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    axes = list(AXES)
+    uncovered = set()
+    for a, b in itertools.combinations(axes, 2):
+        for va in AXES[a]:
+            for vb in AXES[b]:
+                if valid({a: va, b: vb}):
+                    uncovered.add(((a, va), (b, vb)))
+    chosen: list[dict[str, str]] = []
+    while uncovered or len(chosen) < minimum:
+        best, best_gain = None, -1
+        for _ in range(200):
+            cand = {axis: rng.choice(list(AXES[axis])) for axis in axes}
+            # seed the candidate with one uncovered pair so progress is guaranteed
+            if uncovered:
+                (a, va), (b, vb) = rng.choice(sorted(uncovered))
+                cand[a], cand[b] = va, vb
+            if not valid(cand):
+                continue
+            gain = sum(1 for p in itertools.combinations(sorted(cand.items(), key=lambda kv: axes.index(kv[0])), 2)
+                       if p in uncovered)
+            if gain > best_gain:
+                best, best_gain = cand, gain
+        chosen.append(best)
+        for p in itertools.combinations(sorted(best.items(), key=lambda kv: axes.index(kv[0])), 2):
+            uncovered.discard(p)
+    return chosen
+
+
+CHOICES = pairwise_choices()
+
+
+def variant_id(choice: dict[str, str]) -> str:
+    return "-".join(choice[a] for a in AXES)
