@@ -10,7 +10,10 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .attention import StandardAttention, eager_attention
 from .backends import check_backend, default_backend
@@ -97,6 +100,8 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         self.embed_tokens = value
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -107,6 +112,12 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """Embeds, runs every block with the masks / positions of its layer type, and norms.
+
+        `position_ids` default to counting the real tokens of a 2-D `attention_mask` (so left
+        padding does not shift positions), else to the cache length onwards. Packed documents
+        are expressed by `position_ids` restarting at 0 with no `attention_mask`.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         use_cache = use_cache if use_cache is not None else self.config.use_cache
@@ -226,6 +237,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -236,9 +248,10 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """Logits (soft-capped if configured) and, with `labels`, the next-token loss: labels are
+        shifted inside, `-100` is ignored. `logits_to_keep=k` projects only the last k positions."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -256,10 +269,13 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
-        if return_dict is False:
-            return output.to_tuple()
-        return output
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
