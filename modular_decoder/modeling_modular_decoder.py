@@ -52,6 +52,17 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         check_backend(self.config, chosen)
         return chosen
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save weights, config and the code files; `auto_map` names all three Auto classes so the
+        folder loads with `trust_remote_code=True` where this package is not installed."""
+        module = "modeling_modular_decoder"
+        self.config.auto_map = {
+            "AutoConfig": "configuration_modular_decoder.ModularDecoderConfig",
+            "AutoModel": f"{module}.ModularDecoderModel",
+            "AutoModelForCausalLM": f"{module}.ModularDecoderForCausalLM",
+        }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
