@@ -76,7 +76,7 @@ def test_gradient_checkpointing_gives_same_gradients():
     model(ids, labels=ids).loss.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    model.activation_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model(ids, labels=ids).loss.backward()
     for name, grad in plain.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-5, atol=1e-6)
