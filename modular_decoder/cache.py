@@ -20,6 +20,8 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
+from .latent_cache import latent_layer
+
 
 def _tensor_bytes(tensor) -> int:
     if not isinstance(tensor, torch.Tensor):
@@ -28,6 +30,8 @@ def _tensor_bytes(tensor) -> int:
 
 
 def _dynamic_layer(config, layer_type: str, max_cache_len: int | None):
+    if config.attention_type == "mla":
+        return latent_layer(layer_type, "dynamic", config)
     if layer_type == "sliding_attention":
         return DynamicSlidingWindowLayer(sliding_window=config.sliding_window)
     return DynamicLayer()
@@ -36,6 +40,8 @@ def _dynamic_layer(config, layer_type: str, max_cache_len: int | None):
 def _static_layer(config, layer_type: str, max_cache_len: int | None):
     if max_cache_len is None:
         raise ValueError("A static cache needs `max_cache_len`.")
+    if config.attention_type == "mla":
+        return latent_layer(layer_type, "static", config, max_cache_len)
     if layer_type == "sliding_attention":
         return StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=config.sliding_window)
     return StaticLayer(max_cache_len=max_cache_len)
