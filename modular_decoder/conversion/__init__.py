@@ -1,0 +1,34 @@
+"""Conversion between public checkpoints and modular_decoder, in both directions.
+
+Not part of the remote-code files: the model modules never import from here. Each source family
+is one small declarative module in `families/`, registered in `FAMILIES` by its transformers
+`model_type`; add a family by adding one line.
+
+    from modular_decoder.conversion import convert, export
+    convert("path/to/llama", "out/llama-md")                   # Hugging Face folder
+    convert("path/to/dir", "out/smollm2", gguf_file="x.gguf")  # GGUF file
+    export("out/llama-md", "out/llama-again", family="llama")
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .core import Family
+
+# source `model_type` -> module exposing `FAMILY`
+FAMILIES: dict[str, str] = {
+    "llama": "modular_decoder.conversion.families.llama",
+}
+
+
+def get_family(name: str) -> Family:
+    """The family registered for transformers `model_type` `name`; `ValueError` if there is none."""
+    if name not in FAMILIES:
+        raise ValueError(f"Unknown source family {name!r}; convertible families: {sorted(FAMILIES)}.")
+    return importlib.import_module(FAMILIES[name]).FAMILY
+
+
+from .api import convert, export, verify  # noqa: E402
+
+__all__ = ["FAMILIES", "get_family", "convert", "export", "verify"]

@@ -1,0 +1,203 @@
+"""`convert`, `export` and `verify`: the public entry points the CLI and the demo use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import get_family
+from .core import Family, apply_rules, check_shapes
+from .io import atomic_folder, copy_side_files, read_gguf, read_safetensors_folder
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Contract fields that do not change the function a checkpoint computes (compared on export).
+_NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "pad_token_id",
+             "bos_token_id", "eos_token_id", "max_position_embeddings"}
+VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+def _dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"`dtype`={dtype!r} is not one of {sorted(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def _with_prefix(state: dict, prefix: str) -> dict:
+    """Checkpoints saved from a base model lack the causal-LM prefix (`transformer.`, `model.`)."""
+    if not prefix:
+        return state
+    return {k if k.startswith(prefix) or k.startswith("lm_head.") else prefix + k: v for k, v in state.items()}
+
+
+def _drop_ignored(state: dict, family: Family) -> dict:
+    """Buffers that old checkpoints saved but that carry no weights (causal masks, rotary tables)."""
+    return {k: v for k, v in state.items() if not any(k.endswith(suffix) for suffix in family.ignore)}
+
+
+def _untie(state: dict, tied: bool, embed_key: str, head_key: str, where: str) -> dict:
+    """Drop a tied head (checked equal to the embedding first); a tied contract never stores it."""
+    if tied and head_key in state:
+        if not torch.equal(state[head_key], state[embed_key]):
+            raise ValueError(f"{where}: `tie_word_embeddings` is set but `{head_key}` differs from `{embed_key}`.")
+        state = {k: v for k, v in state.items() if k != head_key}
+    return state
+
+
+def _meta_model(build):
+    with torch.device("meta"):
+        return build()
+
+
+def _load_assigned(model, state: dict, head_key: str, embed_key: str, tied: bool) -> None:
+    """Put real tensors into a meta-initialised model (no random init anywhere)."""
+    state = dict(state)
+    if tied:
+        state[head_key] = state[embed_key]
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.tie_weights()
+
+
+def _read_source(src: Path, gguf_file: str | None, allow_bin: bool):
+    from transformers import AutoConfig
+
+    if gguf_file is not None:
+        state, src_cfg, tokenizer, generation_config = read_gguf(src, gguf_file)
+        return state, src_cfg, tokenizer, generation_config
+    if not (src / "config.json").exists():
+        raise ValueError(f"{src} has no config.json: not a Hugging Face model folder (for GGUF pass `gguf_file`).")
+    src_cfg = AutoConfig.from_pretrained(str(src))
+    return read_safetensors_folder(src, allow_bin=allow_bin), src_cfg, None, None
+
+
+def convert(
+    src_dir,
+    out_dir,
+    gguf_file: str | None = None,
+    dtype=None,
+    force: bool = False,
+    verify: bool = False,
+    allow_bin: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Convert a Hugging Face folder (or a GGUF file in `src_dir`) into a modular_decoder folder.
+
+    The output is written to a temporary folder next to `out_dir` and moved into place only when
+    complete; an existing `out_dir` is left alone unless `force`. Tokenizer files, chat template and
+    generation config come along. With `verify`, the source model (transformers' own class) runs
+    beside the converted one and the largest logit difference is printed. Returns `out_dir`.
+    """
+    from tqdm.auto import tqdm
+
+    from .. import ModularDecoderConfig, ModularDecoderForCausalLM
+
+    src, out = Path(src_dir), Path(out_dir)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} already exists; pass force=True (`--force`) to replace it.")
+    torch_dtype = _dtype(dtype)
+    state, src_cfg, tokenizer, generation_config = _read_source(src, gguf_file, allow_bin)
+    family = get_family(src_cfg.model_type)
+    cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
+    cfg.architectures = ["ModularDecoderForCausalLM"]
+    state = _drop_ignored(_with_prefix(state, family.prefix), family)
+
+    with tqdm(total=len(state), desc=f"converting {family.name}", unit="tensor", disable=not progress) as bar:
+        ours = apply_rules(family.rules(src_cfg), state, cfg, progress=bar.update)
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    ours = _untie(ours, cfg.tie_word_embeddings, embed, head, "source")
+    if torch_dtype is None:
+        torch_dtype = ours[embed].dtype
+    ours = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in ours.items()}
+    cfg.dtype = torch_dtype
+
+    model = _meta_model(lambda: ModularDecoderForCausalLM(cfg))
+    expected = {k: v.shape for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == head)}
+    check_shapes(ours, expected, f"converting {src}")
+    _load_assigned(model, ours, head, embed, cfg.tie_word_embeddings)
+
+    with atomic_folder(out, force=force) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        copy_side_files(src, tmp)
+    if verify:
+        diff = globals()["verify"](src, out, gguf_file=gguf_file)
+        print(f"largest logit difference (source vs converted, fp32): {diff:.3e}")
+    return out
+
+
+def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = True) -> Path:
+    """Write a modular_decoder folder back in `family`'s own transformers format (the inverse map).
+
+    Raises `ValueError` naming the contract fields the family cannot express.
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .. import ModularDecoderConfig
+
+    src, out = Path(src_dir), Path(out_dir)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} already exists; pass force=True (`--force`) to replace it.")
+    fam = get_family(family)
+    cfg = AutoConfig.from_pretrained(str(src))
+    if not isinstance(cfg, ModularDecoderConfig):
+        raise ValueError(f"{src} is not a modular_decoder checkpoint (model_type={cfg.model_type!r}).")
+    src_cfg = fam.from_contract(cfg)
+    _check_round_trip(cfg, ModularDecoderConfig(**fam.to_contract(src_cfg)), fam.name)
+
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    state = _untie(read_safetensors_folder(src), cfg.tie_word_embeddings, embed, head, str(src))
+    with tqdm(total=len(state), desc=f"exporting {fam.name}", unit="tensor", disable=not progress) as bar:
+        theirs = apply_rules(fam.rules(src_cfg), state, cfg, direction="inverse", progress=bar.update)
+    src_cfg.architectures = None
+    model = _meta_model(lambda: AutoModelForCausalLM.from_config(src_cfg))
+    their_embed_key = _param_name(model, model.get_input_embeddings().weight)
+    their_head_key = _param_name(model, model.get_output_embeddings().weight, exclude=their_embed_key)
+    tied = cfg.tie_word_embeddings
+    expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == their_head_key)}
+    check_shapes(theirs, expected, f"exporting to {fam.name}")
+    src_cfg.dtype = theirs[their_embed_key].dtype
+    _load_assigned(model, theirs, their_head_key, their_embed_key, tied)
+    with atomic_folder(out, force=force) as tmp:
+        model.save_pretrained(tmp)
+        copy_side_files(src, tmp)
+    return out
+
+
+def _param_name(model, param, exclude: str | None = None) -> str:
+    return next(name for name, p in model.named_parameters(remove_duplicate=False) if p is param and name != exclude)
+
+
+def _check_round_trip(cfg, back, family: str) -> None:
+    """Export may not change the math: the family's config must translate back to the same contract."""
+    ours, theirs = cfg.to_dict(), back.to_dict()
+    fields = [name for name in type(cfg).__annotations__ if name not in _NOT_MATH]
+    differ = [f"{name}={ours.get(name)!r} (the {family} config gives {theirs.get(name)!r})"
+              for name in fields if ours.get(name) != theirs.get(name)]
+    if differ:
+        raise ValueError(f"The {family} format cannot express this checkpoint's " + "; ".join(differ) + ".")
+
+
+@torch.no_grad()
+def verify(src_dir, converted_dir, gguf_file: str | None = None, prompt: str = VERIFY_PROMPT) -> float:
+    """Largest |logit| difference between the source (transformers' own class) and the converted model
+    on a fixed prompt, both in fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .. import ModularDecoderForCausalLM  # noqa: F401  (registers the family)
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    source = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32, **kwargs).eval()
+    converted = AutoModelForCausalLM.from_pretrained(str(converted_dir), dtype=torch.float32).eval()
+    try:
+        ids = AutoTokenizer.from_pretrained(str(converted_dir))(prompt, return_tensors="pt").input_ids
+    except (OSError, ValueError, TypeError):
+        ids = torch.arange(16).unsqueeze(0) % converted.config.vocab_size
+    ids = ids[:, : converted.config.max_position_embeddings]
+    return (source(ids).logits.float() - converted(ids).logits.float()).abs().max().item()

@@ -1,0 +1,29 @@
+"""`modular-decoder convert SRC OUT [--gguf-file NAME] [--dtype ...] [--verify] [--force] [--allow-bin]`."""
+
+from __future__ import annotations
+
+import argparse
+
+from .api import DTYPES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="a Hugging Face model folder, or the folder holding --gguf-file")
+    parser.add_argument("out", help="the modular_decoder folder to write")
+    parser.add_argument("--gguf-file", default=None, help="name of a GGUF file inside SRC")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="weight dtype to write (default: the source's; GGUF dequantizes to float32)")
+    parser.add_argument("--verify", action="store_true",
+                        help="run the source model beside the converted one and print the largest logit difference")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--allow-bin", action="store_true",
+                        help="read legacy pytorch_model*.bin weights (unpickling: only for trusted sources)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .api import convert
+
+    out = convert(args.src, args.out, gguf_file=args.gguf_file, dtype=args.dtype, force=args.force,
+                  verify=args.verify, allow_bin=args.allow_bin)
+    print(f"wrote {out}")
+    return 0

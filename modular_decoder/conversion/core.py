@@ -1,0 +1,219 @@
+"""The conversion machinery every family shares: rules, named transforms, and applying a map both ways.
+
+A family is data: a config translation and a list of `Rule`s, each naming source tensors, target
+tensors (both `{layer}`-templated) and one transform from `TRANSFORMS`. Conversion applies each
+rule's `forward`; export applies its `inverse` to the same rules. Every source tensor must be
+consumed and every produced shape must match the target model's, or a `ValueError` names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Tensors = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A tensor transform and its exact inverse; both take the tensors and the target contract."""
+
+    forward: Callable[[Tensors, Any], Tensors]
+    inverse: Callable[[Tensors, Any], Tensors]
+
+
+def _copy(tensors: Tensors, cfg) -> Tensors:
+    return list(tensors)
+
+
+def _transpose(tensors: Tensors, cfg) -> Tensors:
+    # GPT-1/GPT-2 `Conv1D` stores (in, out); `nn.Linear` stores (out, in)
+    return [t.t().contiguous() if t.dim() == 2 else t for t in tensors]
+
+
+def _qkv_widths(cfg) -> list[int]:
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    return [q, kv, kv]
+
+
+def _split_qkv(tensors: Tensors, cfg) -> Tensors:
+    """One fused (q | k | v) projection, blocks one after another along the output dim."""
+    return [t.contiguous() for t in torch.split(tensors[0], _qkv_widths(cfg), dim=0)]
+
+
+def _fuse_qkv(tensors: Tensors, cfg) -> Tensors:
+    return [torch.cat(tensors, dim=0)]
+
+
+def _split_conv1d_qkv(tensors: Tensors, cfg) -> Tensors:
+    return _split_qkv(_transpose(tensors, cfg), cfg)
+
+
+def _fuse_conv1d_qkv(tensors: Tensors, cfg) -> Tensors:
+    return _transpose(_fuse_qkv(tensors, cfg), cfg)
+
+
+def _split_grouped_qkv(tensors: Tensors, cfg) -> Tensors:
+    """Fused projection laid out per K/V group: [q_1..q_g, k, v] for each of the H_kv groups
+    (GPT-NeoX and BLOOM with g = 1, i.e. per head [q, k, v]; Falcon's new decoder and MQA)."""
+    fused = tensors[0]
+    groups, d = cfg.num_key_value_heads, cfg.head_dim
+    per_group = cfg.num_attention_heads // groups
+    grouped = fused.reshape(groups, per_group + 2, d, *fused.shape[1:])
+    q = grouped[:, :per_group].reshape(-1, *fused.shape[1:])
+    k = grouped[:, per_group].reshape(-1, *fused.shape[1:])
+    v = grouped[:, per_group + 1].reshape(-1, *fused.shape[1:])
+    return [q.contiguous(), k.contiguous(), v.contiguous()]
+
+
+def _fuse_grouped_qkv(tensors: Tensors, cfg) -> Tensors:
+    q, k, v = tensors
+    groups, d = cfg.num_key_value_heads, cfg.head_dim
+    per_group = cfg.num_attention_heads // groups
+    rest = q.shape[1:]
+    grouped = torch.cat(
+        (q.reshape(groups, per_group, d, *rest), k.reshape(groups, 1, d, *rest), v.reshape(groups, 1, d, *rest)), dim=1
+    )
+    return [grouped.reshape(-1, *rest).contiguous()]
+
+
+def _split_gate_up(tensors: Tensors, cfg) -> Tensors:
+    """One fused (gate | up) projection (Phi-3 style)."""
+    return [t.contiguous() for t in tensors[0].chunk(2, dim=0)]
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "copy": Transform(_copy, _copy),
+    "transpose": Transform(_transpose, _transpose),
+    "split_qkv": Transform(_split_qkv, _fuse_qkv),
+    "split_conv1d_qkv": Transform(_split_conv1d_qkv, _fuse_conv1d_qkv),
+    "split_grouped_qkv": Transform(_split_grouped_qkv, _fuse_grouped_qkv),
+    "split_gate_up": Transform(_split_gate_up, lambda tensors, cfg: [torch.cat(tensors, dim=0)]),
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Source tensor name(s) -> target tensor name(s) through one named transform.
+
+    Names may contain `{layer}`. An `optional` rule is skipped when none of its source tensors exist
+    (biases, tied heads); a partial match is always an error.
+    """
+
+    src: tuple[str, ...]
+    dst: tuple[str, ...]
+    transform: str = "copy"
+    optional: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.src, str):
+            object.__setattr__(self, "src", (self.src,))
+        if isinstance(self.dst, str):
+            object.__setattr__(self, "dst", (self.dst,))
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"Unknown transform {self.transform!r}; known: {sorted(TRANSFORMS)}.")
+
+
+def rule(src, dst, transform: str = "copy", optional: bool = False) -> Rule:
+    return Rule(src, dst, transform, optional)
+
+
+@dataclass
+class Family:
+    """One source family: config translation both ways and a tensor map used both ways.
+
+    Args:
+        name: The `model_type` of the source family's transformers config.
+        to_contract: source config -> `ModularDecoderConfig` keyword arguments; raises `ValueError`
+            naming any source feature the contract lacks.
+        from_contract: `ModularDecoderConfig` -> source config (for export).
+        rules: source config -> list of `Rule`s (the map may depend on the layout, e.g. Falcon's).
+        prefix: Added to source names that lack it (checkpoints saved from the base model).
+        config_class: The source family's transformers config class.
+    """
+
+    name: str
+    to_contract: Callable[[Any], dict]
+    from_contract: Callable[[Any], Any]
+    rules: Callable[[Any], list[Rule]]
+    prefix: str = ""
+    config_class: Any = None
+    ignore: tuple[str, ...] = field(default_factory=tuple)
+
+
+def refuse(features: dict[str, bool], family: str) -> None:
+    """Raise one `ValueError` naming every source feature the contract cannot express."""
+    bad = [name for name, present in features.items() if present]
+    if bad:
+        raise ValueError(
+            f"This {family} checkpoint uses {', '.join(bad)}, which the modular_decoder contract cannot "
+            "express; it cannot be converted without changing what the model computes."
+        )
+
+
+def _expand(names: tuple[str, ...], layer: int | None) -> list[str]:
+    return [name.format(layer=layer) if layer is not None else name for name in names]
+
+
+def _is_layered(r: Rule) -> bool:
+    return any("{layer}" in name for name in r.src + r.dst)
+
+
+def _instances(rules: list[Rule], num_layers: int):
+    for r in rules:
+        for layer in range(num_layers) if _is_layered(r) else [None]:
+            yield r, _expand(r.src, layer), _expand(r.dst, layer)
+
+
+def apply_rules(
+    rules: list[Rule],
+    tensors: dict[str, torch.Tensor],
+    cfg,
+    direction: str = "forward",
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Apply every rule instance to `tensors`; `direction="inverse"` maps target names back to source.
+
+    Raises `ValueError` for partly present rules and for tensors no rule consumed.
+    """
+    inverse = direction == "inverse"
+    remaining = dict(tensors)
+    out: dict[str, torch.Tensor] = {}
+    for r, src, dst in _instances(rules, cfg.num_hidden_layers):
+        ins, outs = (dst, src) if inverse else (src, dst)
+        present = [name for name in ins if name in remaining]
+        if not present and r.optional:
+            continue
+        if len(present) != len(ins):
+            missing = [name for name in ins if name not in remaining]
+            raise ValueError(f"Missing tensors {missing} (rule {r.src} -> {r.dst}).")
+        transform = TRANSFORMS[r.transform]
+        fn = transform.inverse if inverse else transform.forward
+        results = fn([remaining.pop(name) for name in ins], cfg)
+        out.update(zip(outs, results, strict=True))
+        if progress is not None:
+            progress(len(ins))
+    if remaining:
+        raise ValueError(f"Unexpected tensors that no rule of the map consumes: {sorted(remaining)[:20]}.")
+    return out
+
+
+def check_shapes(produced: dict[str, torch.Tensor], expected: dict[str, tuple], where: str) -> None:
+    """Every expected tensor present with its shape; nothing extra."""
+    missing = sorted(set(expected) - set(produced))
+    extra = sorted(set(produced) - set(expected))
+    wrong = [f"{k}: got {tuple(produced[k].shape)}, expected {tuple(expected[k])}"
+             for k in sorted(set(produced) & set(expected)) if tuple(produced[k].shape) != tuple(expected[k])]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing[:20]}")
+    if extra:
+        problems.append(f"unexpected tensors {extra[:20]}")
+    if wrong:
+        problems.append(f"shape mismatches {wrong[:20]}")
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems) + ".")

@@ -1,0 +1,22 @@
+"""`modular-decoder export SRC OUT --family NAME [--force]`: back into a family's own format."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from . import FAMILIES
+
+    parser.add_argument("src", help="a modular_decoder model folder")
+    parser.add_argument("out", help="the folder to write in the family's own format")
+    parser.add_argument("--family", required=True, choices=sorted(FAMILIES), help="target transformers model_type")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .api import export
+
+    out = export(args.src, args.out, family=args.family, force=args.force)
+    print(f"wrote {out}")
+    return 0

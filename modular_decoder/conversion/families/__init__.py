@@ -1,0 +1,1 @@
+"""One module per source family; each exposes `FAMILY` (a `conversion.core.Family`)."""

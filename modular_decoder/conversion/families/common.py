@@ -1,0 +1,85 @@
+"""Pieces most family modules share: the size fields every config has, and the Llama-style map."""
+
+from __future__ import annotations
+
+from ..core import Rule, rule
+
+# Fields that differ in name only between a transformers config and the contract.
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "max_position_embeddings")
+TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def sizes(src) -> dict:
+    """The size and special-token fields, read from a transformers config with standard names."""
+    out = {name: getattr(src, name) for name in SIZE_FIELDS}
+    out["num_key_value_heads"] = getattr(src, "num_key_value_heads", None) or src.num_attention_heads
+    out["head_dim"] = getattr(src, "head_dim", None) or src.hidden_size // src.num_attention_heads
+    out["tie_word_embeddings"] = bool(getattr(src, "tie_word_embeddings", False))
+    out.update(tokens(src))
+    return out
+
+
+def tokens(src) -> dict:
+    return {name: getattr(src, name, None) for name in TOKEN_FIELDS}
+
+
+def source_sizes(cfg) -> dict:
+    """The inverse of `sizes`: standard transformers size fields from a contract."""
+    out = {name: getattr(cfg, name) for name in SIZE_FIELDS}
+    out.update(num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+               tie_word_embeddings=cfg.tie_word_embeddings)
+    out.update({name: getattr(cfg, name) for name in TOKEN_FIELDS})
+    return out
+
+
+def linear(src: str, dst: str, transform: str = "copy") -> list[Rule]:
+    """A weight and its optional bias."""
+    return [rule(f"{src}.weight", f"{dst}.weight", transform), rule(f"{src}.bias", f"{dst}.bias", transform, True)]
+
+
+def norm(src: str, dst: str) -> list[Rule]:
+    return [rule(f"{src}.weight", f"{dst}.weight"), rule(f"{src}.bias", f"{dst}.bias", optional=True)]
+
+
+def llama_rules(norms: dict[str, str], qk_norm: bool = False) -> list[Rule]:
+    """The `model.layers.{layer}.self_attn.q_proj` layout shared by Llama, Mistral, Qwen, Gemma and OLMo 2.
+
+    `norms` maps each source block norm to the contract's norm named by where it sits.
+    """
+    src, dst = "model.layers.{layer}", "model.layers.{layer}"
+    rules = [rule("model.embed_tokens.weight", "model.embed_tokens.weight")]
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        rules += linear(f"{src}.self_attn.{proj}", f"{dst}.self_attn.{proj}")
+    if qk_norm:
+        rules += norm(f"{src}.self_attn.q_norm", f"{dst}.self_attn.qk_norm.q_norm")
+        rules += norm(f"{src}.self_attn.k_norm", f"{dst}.self_attn.qk_norm.k_norm")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        rules += linear(f"{src}.mlp.{proj}", f"{dst}.mlp.{proj}")
+    for name, ours in norms.items():
+        rules += norm(f"{src}.{name}", f"{dst}.{ours}")
+    rules += norm("model.norm", "model.final_norm")
+    rules.append(rule("lm_head.weight", "lm_head.weight", optional=True))
+    return rules
+
+
+PRE_NORMS = {"input_layernorm": "pre_attn_norm", "post_attention_layernorm": "pre_mlp_norm"}
+
+
+def rope(src) -> dict:
+    """RoPE fields: transformers v5 keeps theta, type and scaling in `rope_parameters`."""
+    params = dict(src.rope_parameters) if getattr(src, "rope_parameters", None) else {"rope_type": "default"}
+    if any(isinstance(value, dict) for value in params.values()):  # nested per layer type
+        return {"position_embedding_type": "rope", "rope_parameters": {k: dict(v) for k, v in params.items()}}
+    factor = params.pop("partial_rotary_factor", None) or getattr(src, "partial_rotary_factor", None) or 1.0
+    return {"position_embedding_type": "rope", "rope_parameters": params, "partial_rotary_factor": factor}
+
+
+def source_rope(cfg) -> dict:
+    params = cfg.rope_parameters
+    if cfg.rope_is_nested:
+        return {k: {kk: vv for kk, vv in v.items() if kk != "partial_rotary_factor"} for k, v in params.items()}
+    out = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
+    if cfg.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = cfg.partial_rotary_factor
+    return out
