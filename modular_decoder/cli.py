@@ -13,6 +13,8 @@ import sys
 # command name -> (module path, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("modular_decoder.demo", "convert the bundled SmolLM2 checkpoint, load it, generate, print its contract"),
+    "convert": ("modular_decoder.conversion.convert_command", "convert a public checkpoint (HF folder or GGUF)"),
+    "export": ("modular_decoder.conversion.export_command", "write a modular_decoder checkpoint in a family's format"),
 }
 
 
