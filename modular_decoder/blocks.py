@@ -12,10 +12,11 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import StandardAttention
+from .mla import MultiHeadLatentAttention
 from .mlp import MLPS
 from .norms import build_norm
 
-ATTENTIONS: dict[str, type[nn.Module]] = {"standard": StandardAttention}
+ATTENTIONS: dict[str, type[nn.Module]] = {"standard": StandardAttention, "mla": MultiHeadLatentAttention}
 
 
 def register_attention(name: str, cls: type[nn.Module]) -> None:
