@@ -311,6 +311,11 @@ class ModularDecoderConfig(PretrainedConfig):
             raise ValueError("`qk_norm` is not defined for `attention_type='mla'` (its latent is normed).")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"`qk_rope_head_dim` must be even, got {self.qk_rope_head_dim}.")
+        if self.partial_rotary_factor != 1.0:
+            raise ValueError(
+                "`partial_rotary_factor` must be 1.0 with `attention_type='mla'`: the rotated width is "
+                f"`qk_rope_head_dim`, got `partial_rotary_factor`={self.partial_rotary_factor}."
+            )
 
     @property
     def qk_head_dim(self) -> int:
