@@ -145,16 +145,20 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
 
         hidden = self._embed(inputs_embeds, position_ids)
         layer_types = self.config.layer_types
-        masks = {
-            layer_type: MASK_BUILDERS[layer_type](
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                cache=cache,
-                position_ids=position_ids,
-            )
-            for layer_type in set(layer_types)
-        }
+        if isinstance(attention_mask, dict):
+            # generate() pre-builds the masks per layer type for a compileable (static) cache
+            masks = attention_mask
+        else:
+            masks = {
+                layer_type: MASK_BUILDERS[layer_type](
+                    config=self.config,
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=attention_mask,
+                    cache=cache,
+                    position_ids=position_ids,
+                )
+                for layer_type in set(layer_types)
+            }
         rotary = self.rotary_emb.tables(hidden, position_ids, layer_types) if self.rotary_emb is not None else {}
         biases = self._alibi_biases(hidden, cache, past_seen) if self.alibi is not None else {}
 
@@ -186,7 +190,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
     def _default_position_ids(self, inputs_embeds, attention_mask, past_seen: int) -> torch.Tensor:
         """Positions count real tokens only, so a left-padded row gets the positions it gets alone."""
         seq = inputs_embeds.shape[1]
-        if attention_mask is not None and attention_mask.dim() == 2:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             positions = attention_mask.long().cumsum(-1) - 1
             return positions.clamp(min=0)[:, -seq:]
         return (torch.arange(seq, device=inputs_embeds.device) + past_seen).unsqueeze(0)
@@ -298,16 +302,19 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
         if implementation is None or implementation == "dynamic":
-            model_kwargs["cache"] = ModularDecoderCache(self.config)
-            return
-        if implementation == "static":
+            cache = ModularDecoderCache(self.config)
+        elif implementation == "static":
             if generation_config.max_cache_len is not None:
                 max_cache_length = max(max_cache_length, generation_config.max_cache_len)
-            model_kwargs["cache"] = ModularDecoderCache(self.config, "static", max_cache_len=max_cache_length)
-            return
-        return super()._prepare_cache_for_generation(
-            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-        )
+            cache = ModularDecoderCache(self.config, "static", max_cache_len=max_cache_length)
+        else:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        if generation_config.is_assistant:
+            # A draft model's cache is cropped after each verification, also past a sliding window
+            cache.activate_past_recording()
+        model_kwargs["cache"] = cache
 
 
 __all__ = ["ModularDecoderPreTrainedModel", "ModularDecoderModel", "ModularDecoderForCausalLM"]

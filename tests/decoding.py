@@ -1,0 +1,39 @@
+"""Shared helpers for the cache and generate tests: tiny models and the no-cache reference loop."""
+
+from __future__ import annotations
+
+import torch
+
+from modular_decoder import ModularDecoderForCausalLM, preset_config
+
+# Presets covering every position scheme and layer kind: rope (llama), learned (gpt2), alibi
+# (bloom), all-sliding (mistral) and alternating local/global with soft-caps (gemma2).
+PRESETS = ["llama", "gpt2", "bloom", "mistral", "gemma2"]
+SLIDING_PRESETS = ["mistral", "gemma2"]
+
+
+def tiny_model(name: str, seed: int = 0, **overrides) -> ModularDecoderForCausalLM:
+    """A tiny preset model with perturbed norms (fresh norms are the identity and hide misplacements)."""
+    config = preset_config(name, tiny=True, **overrides)
+    torch.manual_seed(seed)
+    model = ModularDecoderForCausalLM(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.add_(torch.randn_like(param) * 0.3)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@torch.no_grad()
+def greedy_no_cache(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The reference: re-run the whole sequence every step, no cache at all."""
+    for _ in range(new_tokens):
+        logits = model(ids, use_cache=False).logits[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=-1)
+    return ids
+
+
+def prompt(batch: int = 1, length: int = 6, vocab: int = 128, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, length), generator=generator)
