@@ -1,12 +1,21 @@
 """The family's own `Cache`: each layer stored in the form its attention needs, with its cost.
 
-Layer kinds (`LAYER_KINDS`): full K/V, sliding-window K/V (keeps the last `sliding_window - 1`
-positions, as Mistral and Gemma local layers need), and static pre-allocated K/V for
-`torch.compile`. They reuse transformers' layer classes, so every `generate()` strategy (beam
-reorder, crop for assisted decoding, batch repeat / select, reset) works unchanged.
+Implementations (`LAYER_KINDS`), each mapping `config.layer_types` to layers:
 
-`payload_bytes()` measures what is stored; `allocated_bytes()` what is reserved (a static cache
-reserves its whole length up front). `contract.cache_bytes_per_token` gives the formula.
+- `"dynamic"`: full K/V that grows, and for sliding layers the last `sliding_window - 1` tokens
+  (as Mistral and Gemma local layers need);
+- `"static"`: K/V pre-allocated for `max_cache_len` tokens (a ring of `sliding_window` slots for
+  sliding layers), for `torch.compile`;
+- `"int8"`: dynamic, with K/V stored as int8 plus one scale per token and head (`int8_cache.py`
+  states the granularity and the error bound);
+- with `attention_type="mla"`, `"dynamic"` / `"static"` store the latent (`latent_cache.py`).
+
+They reuse transformers' layer classes, so every `generate()` strategy (beam reorder, crop for
+assisted decoding, batch repeat / select, reset) works unchanged.
+
+`payload_bytes()` counts the stored bytes of the tokens the next step can attend to;
+`allocated_bytes()` counts every byte reserved (a static cache reserves its whole length up front).
+`contract.cache_bytes` predicts the payload from the config alone.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
+from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .latent_cache import latent_layer
 
 
@@ -47,8 +57,16 @@ def _static_layer(config, layer_type: str, max_cache_len: int | None):
     return StaticLayer(max_cache_len=max_cache_len)
 
 
+def _int8_layer(config, layer_type: str, max_cache_len: int | None):
+    if config.attention_type == "mla":
+        raise ValueError("The int8 cache quantizes per-head K/V; `attention_type='mla'` stores a latent instead.")
+    if layer_type == "sliding_attention":
+        return Int8SlidingWindowLayer(sliding_window=config.sliding_window)
+    return Int8Layer()
+
+
 # Cache layouts: name -> factory(config, layer_type, max_cache_len) -> layer
-LAYER_KINDS = {"dynamic": _dynamic_layer, "static": _static_layer}
+LAYER_KINDS = {"dynamic": _dynamic_layer, "static": _static_layer, "int8": _int8_layer}
 
 
 class ModularDecoderCache(Cache):
@@ -56,7 +74,8 @@ class ModularDecoderCache(Cache):
 
     Args:
         config: the model's `ModularDecoderConfig`.
-        implementation: `"dynamic"` (grows as tokens come) or `"static"` (pre-allocated, compileable).
+        implementation: `"dynamic"` (grows as tokens come), `"static"` (pre-allocated, compileable)
+            or `"int8"` (dynamic, int8 K/V with a scale per token and head).
         max_cache_len: capacity of a static cache.
     """
 
@@ -75,17 +94,25 @@ class ModularDecoderCache(Cache):
         super().__init__(layers=layers, **kwargs)
 
     def payload_bytes(self) -> int:
-        """Bytes of cached state that hold tokens seen so far (what the formula predicts)."""
+        """Bytes stored for the tokens the next step can attend to (what `contract.cache_bytes` predicts).
+
+        Dynamic layers hold exactly those. A static layer counts its filled slots; a static sliding
+        ring counts `sliding_window - 1` of its `sliding_window` slots, since the oldest is overwritten
+        by the next token before any query reads it.
+        """
         total = 0
         for layer in self.layers:
             if not getattr(layer, "is_initialized", False):
                 continue
+            tensors = _layer_tensors(layer)
             if isinstance(layer, StaticLayer):
-                stored = min(int(layer.get_seq_length()), layer.keys.shape[-2])
-                per_slot = (_tensor_bytes(layer.keys) + _tensor_bytes(layer.values)) // max(layer.keys.shape[-2], 1)
-                total += stored * per_slot
+                slots = layer.keys.shape[-2]
+                held = min(int(layer.get_seq_length()), slots)
+                if getattr(layer, "is_sliding", False):
+                    held = min(held, self.config.sliding_window - 1)
+                total += held * (sum(_tensor_bytes(t) for t in tensors) // max(slots, 1))
             else:
-                total += sum(_tensor_bytes(t) for t in _layer_tensors(layer))
+                total += sum(_tensor_bytes(t) for t in tensors)
         return total
 
     def allocated_bytes(self) -> int:
