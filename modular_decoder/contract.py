@@ -89,21 +89,33 @@ def _dtype_bytes(dtype: torch.dtype | int) -> int:
     return dtype if isinstance(dtype, int) else torch.empty((), dtype=dtype).element_size()
 
 
-def layer_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16) -> int:
-    """One layer's cached bytes per token: 2·H_kv·d_h·b for K/V, (d_c + d_R)·b for an MLA latent."""
+def layer_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,
+                          quantization: str | None = None) -> int:
+    """One layer's cached bytes per token: 2·H_kv·d_h·b for K/V, (d_c + d_R)·b for an MLA latent.
+
+    `quantization="int8"`: 2·H_kv·(d_h + b), one int8 code per element plus one b-byte scale per
+    head and token (b is then the scale's dtype).
+    """
     b = _dtype_bytes(dtype)
+    if quantization not in (None, "int8"):
+        raise ValueError(f"`quantization`={quantization!r} is not one of [None, 'int8'].")
     if config.attention_type == "mla":
+        if quantization is not None:
+            raise ValueError("`quantization='int8'` applies to per-head K/V, not to an MLA latent.")
         return (config.kv_lora_rank + config.qk_rope_head_dim) * b
+    if quantization == "int8":
+        return 2 * config.num_key_value_heads * (config.head_dim + b)
     return 2 * config.num_key_value_heads * config.head_dim * b
 
 
-def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16) -> int:
+def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,
+                          quantization: str | None = None) -> int:
     """The seed's formula summed over layers: 2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for MLA.
 
     Sliding-window layers count per token only until they hold their window; `cache_bytes` gives
     the exact total at a given context length.
     """
-    return config.num_hidden_layers * layer_bytes_per_token(config, dtype)
+    return config.num_hidden_layers * layer_bytes_per_token(config, dtype, quantization)
 
 
 def cached_tokens(config: ModularDecoderConfig, layer_type: str, context: int) -> int:
@@ -115,9 +127,9 @@ def cached_tokens(config: ModularDecoderConfig, layer_type: str, context: int) -
 
 
 def cache_bytes(config: ModularDecoderConfig, context: int, batch_size: int = 1,
-                dtype: torch.dtype | int = torch.bfloat16) -> int:
+                dtype: torch.dtype | int = torch.bfloat16, quantization: str | None = None) -> int:
     """Exact payload of a cache holding `context` tokens for `batch_size` sequences."""
-    per_token = layer_bytes_per_token(config, dtype)
+    per_token = layer_bytes_per_token(config, dtype, quantization)
     return batch_size * per_token * sum(cached_tokens(config, t, context) for t in config.layer_types)
 
 
