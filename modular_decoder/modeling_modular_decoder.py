@@ -307,6 +307,10 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             if generation_config.max_cache_len is not None:
                 max_cache_length = max(max_cache_length, generation_config.max_cache_len)
             cache = ModularDecoderCache(self.config, "static", max_cache_len=max_cache_length)
+        elif implementation == "quantized" and (generation_config.cache_config or {}).get("backend", "int8") == "int8":
+            # This family's int8 K/V (`cache_config={"backend": "int8"}`, the default here); other
+            # backends go to transformers' QuantizedCache.
+            cache = ModularDecoderCache(self.config, "int8")
         else:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
