@@ -1,0 +1,130 @@
+"""PEFT on the family: LoRA / DoRA with Llama-style `target_modules` on every preset, training,
+save -> reload on a fresh base, merge; prefix tuning against transformers' Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from modular_decoder import PRESETS, ModularDecoderForCausalLM, preset_config
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _counting_batch(batch: int = 8, length: int = 24, vocab: int = 128, seed: int = 0) -> torch.Tensor:
+    """Rows that count up from a random start: learnable, unlike random tokens."""
+    starts = torch.randint(0, vocab, (batch, 1), generator=torch.Generator().manual_seed(seed))
+    return (starts + torch.arange(length)) % vocab
+
+
+def _perturb_adapter(model) -> None:
+    """LoRA's B starts at zero, which would make every comparison below trivially equal."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.05)
+
+
+def test_lora_finetune_halves_loss():
+    # A random base at the default init (std 0.02) has a frozen head whose logits span ~1 nat at
+    # most, so no adapter can halve the loss; std 0.1 stands in for a trained base's larger norms.
+    model = ModularDecoderForCausalLM(preset_config("llama", tiny=True, initializer_range=0.1))
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    assert all(("lora_" in n) == p.requires_grad for n, p in peft_model.named_parameters())
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    batch = _counting_batch()
+    losses = []
+    for _ in range(30):
+        loss = peft_model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] / 2, losses
+
+
+# LoRA on every preset; DoRA (slower: a weight norm per layer) on one dense and two gated layouts.
+CASES = [(name, False) for name in sorted(PRESETS)] + [(name, True) for name in ("gpt2", "llama", "gemma3")]
+
+
+@pytest.mark.parametrize(("preset", "use_dora"), CASES, ids=[f"{p}-{'dora' if d else 'lora'}" for p, d in CASES])
+def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
+    config = preset_config(preset, tiny=True)
+    base = ModularDecoderForCausalLM(config).eval()
+    base.save_pretrained(tmp_path / "base")
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=use_dora))
+    wrapped = {name.rsplit(".", 1)[-1] for name, module in peft_model.named_modules() if hasattr(module, "lora_A")}
+    expected = {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"}
+    expected |= {"gate_proj"} if config.mlp_type == "gated" else set()
+    assert wrapped == expected
+    _perturb_adapter(peft_model)
+    peft_model.eval()
+    ids = _counting_batch(2, 12)
+    with torch.no_grad():
+        plain = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()(ids).logits
+        adapted = peft_model(input_ids=ids).logits
+    assert (adapted - plain).abs().max() > 1e-3  # the adapter does something
+
+    peft_model.save_pretrained(tmp_path / "adapter")
+    fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()
+    reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, rtol=0, atol=0)
+        merged = reloaded.merge_and_unload()
+        assert isinstance(merged, ModularDecoderForCausalLM)
+        assert not any("lora_" in n for n, _ in merged.named_parameters())
+        torch.testing.assert_close(merged(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+def _llama_twin(model: ModularDecoderForCausalLM) -> LlamaForCausalLM:
+    """transformers' Llama with the same weights as a tiny `llama` preset model."""
+    c = model.config
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_word_embeddings, rope_parameters=c.rope_parameters,
+    ))
+    renames = {"pre_attn_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm", "final_norm": "norm"}
+    state = {}
+    for key, value in model.state_dict().items():
+        for ours, theirs in renames.items():
+            key = key.replace(ours, theirs)
+        state[key] = value
+    llama.load_state_dict(state, strict=True)
+    return llama.eval()
+
+
+def test_prefix_tuning_matches_llama():
+    """PEFT prefix tuning hands the prefix in as `past_key_values`; the forwards accept it through
+    `deprecate_kwarg` and must attend to it exactly as Llama does."""
+    model = ModularDecoderForCausalLM(preset_config("llama", tiny=True)).eval()
+    llama = _llama_twin(model)
+    ids = _counting_batch(2, 10)
+    prefix = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    ours, theirs = get_peft_model(model, prefix), get_peft_model(llama, prefix)
+    theirs.prompt_encoder.load_state_dict(ours.prompt_encoder.state_dict())
+    with torch.no_grad():
+        for mask in (None, torch.ones_like(ids)):
+            got = ours(input_ids=ids, attention_mask=mask).logits
+            torch.testing.assert_close(got, theirs(input_ids=ids, attention_mask=mask).logits)
+            assert (got - model(ids).logits).abs().max() > 1e-2  # the prefix is attended to
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PEFT 0.21 injects the prefix into generate() as `past_key_values`, but transformers 5 generate() "
+    "already passes its own `cache`, which wins; Llama behaves the same. Strict: flags the upstream fix."))
+def test_prefix_tuning_generate_uses_prefix():
+    model = ModularDecoderForCausalLM(preset_config("llama", tiny=True)).eval()
+    ids = _counting_batch(1, 6)
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False)
+    peft_model = get_peft_model(model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with torch.no_grad():
+        for param in peft_model.prompt_encoder.parameters():
+            param.mul_(50)  # a prefix strong enough to change greedy tokens
+        first = peft_model(input_ids=ids).logits[:, -1].argmax(-1)
+    assert first.item() != plain[0, 6].item(), "prefix too weak to observe"
+    assert not torch.equal(peft_model.generate(input_ids=ids, max_new_tokens=8, do_sample=False), plain)
