@@ -18,7 +18,24 @@ from .core import Family
 
 # source `model_type` -> module exposing `FAMILY`
 FAMILIES: dict[str, str] = {
+    "openai-gpt": "modular_decoder.conversion.families.openai_gpt",
+    "gpt2": "modular_decoder.conversion.families.gpt2",
+    "opt": "modular_decoder.conversion.families.opt",
+    "gptj": "modular_decoder.conversion.families.gptj",
+    "gpt_neox": "modular_decoder.conversion.families.gpt_neox",
+    "falcon": "modular_decoder.conversion.families.falcon",
+    "bloom": "modular_decoder.conversion.families.bloom",
     "llama": "modular_decoder.conversion.families.llama",
+    "mistral": "modular_decoder.conversion.families.mistral",
+    "qwen2": "modular_decoder.conversion.families.qwen2",
+    "qwen3": "modular_decoder.conversion.families.qwen3",
+    "gemma": "modular_decoder.conversion.families.gemma",
+    "gemma2": "modular_decoder.conversion.families.gemma2",
+    "gemma3_text": "modular_decoder.conversion.families.gemma3",
+    "olmo2": "modular_decoder.conversion.families.olmo2",
+    "phi": "modular_decoder.conversion.families.phi",
+    "deepseek_v2": "modular_decoder.conversion.families.deepseek_v2",
+    "deepseek_v3": "modular_decoder.conversion.families.deepseek_v3",
 }
 
 

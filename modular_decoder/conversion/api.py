@@ -25,11 +25,15 @@ def _dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def _with_prefix(state: dict, prefix: str) -> dict:
-    """Checkpoints saved from a base model lack the causal-LM prefix (`transformer.`, `model.`)."""
-    if not prefix:
+def _model_names(state: dict, family: Family) -> dict:
+    """File names -> the transformers model's names: old prefixes renamed as transformers does on load,
+    and the causal-LM prefix (`transformer.`, `model.`) added where a base model was saved."""
+    for old, new in family.renames.items():
+        state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
+    keep = (family.prefix, *family.head) if family.prefix else None
+    if keep is None:
         return state
-    return {k if k.startswith(prefix) or k.startswith("lm_head.") else prefix + k: v for k, v in state.items()}
+    return {k if k.startswith(keep) else family.prefix + k: v for k, v in state.items()}
 
 
 def _drop_ignored(state: dict, family: Family) -> dict:
@@ -102,7 +106,7 @@ def convert(
     family = get_family(src_cfg.model_type)
     cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
     cfg.architectures = ["ModularDecoderForCausalLM"]
-    state = _drop_ignored(_with_prefix(state, family.prefix), family)
+    state = _drop_ignored(_model_names(state, family), family)
 
     with tqdm(total=len(state), desc=f"converting {family.name}", unit="tensor", disable=not progress) as bar:
         ours = apply_rules(family.rules(src_cfg), state, cfg, progress=bar.update)

@@ -134,6 +134,10 @@ class Family:
         rules: source config -> list of `Rule`s (the map may depend on the layout, e.g. Falcon's).
         prefix: Added to source names that lack it (checkpoints saved from the base model).
         config_class: The source family's transformers config class.
+        ignore: Name suffixes of saved buffers that hold no weights (old causal-mask tensors).
+        head: Name prefixes that live outside the base model and never take `prefix`.
+        renames: Old file-name prefixes -> the transformers model's names (what transformers' own
+            checkpoint conversion mapping renames on load and back on save). Rules use model names.
     """
 
     name: str
@@ -143,6 +147,8 @@ class Family:
     prefix: str = ""
     config_class: Any = None
     ignore: tuple[str, ...] = field(default_factory=tuple)
+    head: tuple[str, ...] = ("lm_head.",)
+    renames: dict[str, str] = field(default_factory=dict)
 
 
 def refuse(features: dict[str, bool], family: str) -> None:

@@ -10,13 +10,15 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def sizes(src) -> dict:
-    """The size and special-token fields, read from a transformers config with standard names."""
-    out = {name: getattr(src, name) for name in SIZE_FIELDS}
+def sizes(src, **overrides) -> dict:
+    """The size and special-token fields, read from a transformers config with standard names
+    (`overrides` for those a family names differently)."""
+    out = {name: getattr(src, name, None) for name in SIZE_FIELDS}
     out["num_key_value_heads"] = getattr(src, "num_key_value_heads", None) or src.num_attention_heads
     out["head_dim"] = getattr(src, "head_dim", None) or src.hidden_size // src.num_attention_heads
     out["tie_word_embeddings"] = bool(getattr(src, "tie_word_embeddings", False))
     out.update(tokens(src))
+    out.update(overrides)
     return out
 
 

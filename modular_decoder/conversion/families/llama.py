@@ -23,4 +23,4 @@ def from_contract(cfg) -> LlamaConfig:
     )
 
 
-FAMILY = Family("llama", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), config_class=LlamaConfig)
+FAMILY = Family("llama", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", LlamaConfig)
