@@ -1,0 +1,164 @@
+"""Model cards rendered from a config: Hub metadata, a usage snippet and the architecture contract.
+
+`render_model_card(config, base_model=...)` is what `save_for_hub` and the conversion package
+write as `README.md`; `write_preset_cards(folder)` regenerates `model_cards/` (one card per
+preset plus `TEMPLATE.md`), and `python -m modular_decoder.cards [folder]` runs it.
+Not a remote-code file: the model modules never import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from string import Template
+
+import yaml
+
+from .configuration_modular_decoder import ModularDecoderConfig
+from .contract import contract_table
+from .presets import PRESETS, preset_config
+
+DEFAULT_LICENSE = "apache-2.0"
+
+CARD_TEMPLATE = Template("""\
+---
+$metadata---
+
+# $title
+
+$description
+
+This is a `modular_decoder` checkpoint: one `transformers` model family whose
+whole decoder-only design space is configuration. The code ships in this repository, so it loads
+without installing anything beyond `transformers`:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("$repo_id", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("$repo_id")
+inputs = tokenizer("The decoder-only transformer", return_tensors="pt")
+print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))
+```
+
+LoRA / DoRA adapters use the Llama module names (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
+`gate_proj`, `up_proj`, `down_proj`) as `target_modules`.
+
+## Architecture contract
+
+Every field that changes the math, the parameter count by component and the KV-cache cost,
+computed from the config by `modular_decoder.contract`.
+
+$contract
+""")
+
+
+def attention_kind(config: ModularDecoderConfig) -> str:
+    """`mha`, `gqa`, `mqa` (one integer, `num_key_value_heads`) or `mla`."""
+    if config.attention_type == "mla":
+        return "mla"
+    if config.num_key_value_heads == config.num_attention_heads:
+        return "mha"
+    return "mqa" if config.num_key_value_heads == 1 else "gqa"
+
+
+def variant_tags(config: ModularDecoderConfig) -> list[str]:
+    """Hub tags naming the value of every variant axis, so the Hub can filter by design choice."""
+    tags = [
+        f"norm-{config.norm_type}",
+        f"norm-position-{config.norm_position}",
+        "parallel-block" if config.parallel_block else "serial-block",
+        f"mlp-{config.mlp_type}",
+        f"activation-{config.hidden_act}",
+        f"positions-{config.position_embedding_type}",
+        f"attention-{attention_kind(config)}",
+    ]
+    if config.qk_norm != "none":
+        tags.append(f"qk-norm-{config.qk_norm}")
+    if "sliding_attention" in config.layer_types:
+        tags.append("sliding-window")
+    if config.attn_logit_softcapping or config.final_logit_softcapping:
+        tags.append("logit-softcapping")
+    if config.tie_word_embeddings:
+        tags.append("tied-embeddings")
+    return [tag.replace("_", "-") for tag in tags]
+
+
+def card_metadata(config: ModularDecoderConfig, base_model: str | None = None, license: str = DEFAULT_LICENSE,
+                  tags: list[str] | tuple[str, ...] = ()) -> dict:
+    """The YAML front matter of a card (Hub model-card metadata)."""
+    metadata = {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "license": license,
+        "tags": ["modular-decoder", "custom_code", *variant_tags(config), *tags],
+    }
+    if base_model:
+        metadata["base_model"] = base_model
+    return metadata
+
+
+def render_model_card(
+    config: ModularDecoderConfig,
+    base_model: str | None = None,
+    *,
+    title: str | None = None,
+    description: str | None = None,
+    repo_id: str = "<user>/<repo>",
+    license: str = DEFAULT_LICENSE,
+    tags: list[str] | tuple[str, ...] = (),
+) -> str:
+    """A Hub model card (`README.md`) for a checkpoint of `config`.
+
+    Args:
+        config: The checkpoint's contract.
+        base_model: The Hub id the weights were converted / fine-tuned from; goes into the metadata.
+        title, description: Heading and first paragraph; defaults name the base model if any.
+        repo_id: Shown in the usage snippet.
+        license: A Hub license id.
+        tags: Extra Hub tags, after the variant tags.
+    """
+    if title is None:
+        title = f"{base_model.split('/')[-1]} (modular_decoder)" if base_model else "modular_decoder checkpoint"
+    if description is None:
+        description = (f"The weights of [{base_model}](https://huggingface.co/{base_model}), converted to the "
+                       "modular_decoder family." if base_model else "A modular_decoder checkpoint.")
+    metadata = yaml.safe_dump(card_metadata(config, base_model, license, tags), sort_keys=False)
+    return CARD_TEMPLATE.substitute(metadata=metadata, title=title, description=description, repo_id=repo_id,
+                                    contract=contract_table(config))
+
+
+def preset_card(name: str) -> str:
+    """The card of preset `name` at its published sizes (a layout: the weights are not included)."""
+    return render_model_card(
+        preset_config(name),
+        title=f"modular_decoder preset `{name}`",
+        description=(f"The `{name}` layout (`modular_decoder.preset_config({name!r})`) at its published sizes. "
+                     "This card documents the layout; convert public weights with `modular-decoder convert`."),
+        repo_id=f"<user>/modular-decoder-{name}",
+    )
+
+
+def write_preset_cards(folder: str | Path) -> list[Path]:
+    """Write `TEMPLATE.md` and `<preset>.md` for every preset into `folder`; returns the paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [folder / "TEMPLATE.md"]
+    written[0].write_text(CARD_TEMPLATE.template)
+    for name in sorted(PRESETS):
+        path = folder / f"{name}.md"
+        path.write_text(preset_card(name))
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Regenerate the preset model cards.")
+    parser.add_argument("folder", nargs="?", default="model_cards")
+    for path in write_preset_cards(parser.parse_args(argv).folder):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""model_cards/: every committed card is what the code renders now, parses as a Hub card, and its
+numbers agree with the contract functions and with a model actually built from the config."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from modular_decoder import PRESETS, ModularDecoderForCausalLM, cache_bytes, cache_bytes_per_token, preset_config
+from modular_decoder.cards import CARD_TEMPLATE, preset_card, render_model_card, variant_tags
+
+CARDS = Path(__file__).resolve().parent.parent / "model_cards"
+
+
+def _row(text: str, label: str) -> int:
+    match = re.search(rf"^\| {re.escape(label)} \| ([\d,]+) \|$", text, re.MULTILINE)
+    assert match, f"no row {label!r}"
+    return int(match.group(1).replace(",", ""))
+
+
+def test_template_is_committed():
+    assert (CARDS / "TEMPLATE.md").read_text() == CARD_TEMPLATE.template
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_card(name):
+    committed = (CARDS / f"{name}.md").read_text()
+    assert committed == preset_card(name), f"stale card: run `python -m modular_decoder.cards model_cards`"
+
+    card = ModelCard(committed)
+    meta = card.data.to_dict()
+    assert meta["library_name"] == "transformers"
+    assert meta["pipeline_tag"] == "text-generation"
+    assert meta["license"] == "apache-2.0"
+    config = preset_config(name)
+    assert set(variant_tags(config)) <= set(meta["tags"])
+
+    with torch.device("meta"):  # the real module tree, without allocating the weights
+        model = ModularDecoderForCausalLM(config)
+    assert _row(card.text, "total") == model.num_parameters()
+    assert _row(card.text, "per token (all layers)") == cache_bytes_per_token(config)
+    for k in (4, 32, 128):
+        assert _row(card.text, f"at {k}k context") == cache_bytes(config, k * 1024)
+    for field in ("hidden_size", "num_key_value_heads", "norm_position", "position_embedding_type"):
+        assert f"| `{field}` | `{getattr(config, field)!r}` |" in card.text
+
+
+def test_tags_name_the_variant_choices():
+    tags = variant_tags(preset_config("gemma2"))
+    assert {"norm-position-sandwich", "mlp-gated", "activation-gelu-pytorch-tanh", "attention-gqa",
+            "sliding-window", "logit-softcapping"} <= set(tags)
+    assert "attention-mqa" in variant_tags(preset_config("falcon"))
+    assert "parallel-block" in variant_tags(preset_config("falcon"))
+    assert "attention-mha" in variant_tags(preset_config("gpt2"))
+
+
+def test_converted_card_names_base_model():
+    text = render_model_card(preset_config("smollm2", tiny=True), base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                             repo_id="me/smollm2-md")
+    card = ModelCard(text)
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert 'from_pretrained("me/smollm2-md", trust_remote_code=True)' in card.text
+    assert "base_model" not in ModelCard(render_model_card(preset_config("gpt2", tiny=True))).data.to_dict()
