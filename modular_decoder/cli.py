@@ -15,6 +15,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("modular_decoder.demo", "convert the bundled SmolLM2 checkpoint, load it, generate, print its contract"),
     "convert": ("modular_decoder.conversion.convert_command", "convert a public checkpoint (HF folder or GGUF)"),
     "export": ("modular_decoder.conversion.export_command", "write a modular_decoder checkpoint in a family's format"),
+    "generate": ("modular_decoder.generate_command", "complete a prompt with a checkpoint, streaming tokens"),
+    "chat": ("modular_decoder.chat_command", "chat with a checkpoint through its chat template, streaming replies"),
+    "push": ("modular_decoder.push_command", "upload a checkpoint folder to the Hugging Face Hub"),
+    "plot": ("modular_decoder.plot_command", "plots: `plot cache` draws KV-cache bytes against context length"),
 }
 
 

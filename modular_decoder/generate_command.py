@@ -1,0 +1,58 @@
+"""`modular-decoder generate FOLDER PROMPT`: complete a prompt with a checkpoint, streaming tokens
+to stdout as they are generated (transformers' `TextStreamer`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `generate` and `chat`."""
+    parser.add_argument("folder", type=Path, help="a checkpoint folder (model + tokenizer)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_generation_arguments(parser)
+    parser.add_argument("prompt", help="text to complete")
+
+
+def load_checkpoint(folder: Path):
+    """Model (eval mode) and tokenizer from a checkpoint folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modular_decoder  # noqa: F401  (registers the family with the Auto classes)
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    if args.temperature <= 0:
+        return {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    return {"max_new_tokens": args.max_new_tokens, "do_sample": True, "temperature": args.temperature,
+            "top_p": args.top_p}
+
+
+def stream(model, tokenizer, inputs: dict, args: argparse.Namespace):
+    """Generate from `inputs`, printing the new text as it comes; returns the new token ids."""
+    import torch
+    from transformers import TextStreamer
+
+    torch.manual_seed(args.seed)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    with torch.no_grad():
+        output = model.generate(**inputs, streamer=streamer, pad_token_id=tokenizer.pad_token_id,
+                                **generation_kwargs(args))
+    return output[0, inputs["input_ids"].shape[1]:]
+
+
+def run(args: argparse.Namespace) -> int:
+    model, tokenizer = load_checkpoint(args.folder)
+    print(args.prompt, end="", flush=True)
+    stream(model, tokenizer, tokenizer(args.prompt, return_tensors="pt"), args)
+    return 0

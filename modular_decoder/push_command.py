@@ -1,0 +1,44 @@
+"""`modular-decoder push FOLDER REPO_ID`: upload a converted or trained checkpoint folder to the Hub.
+
+Checks that the folder is a complete remote-code repository first (writes the model card if it is
+the only thing missing), then `HfApi.create_repo` + `HfApi.upload_folder`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from huggingface_hub import HfApi
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", type=Path, help="a checkpoint folder written by save_pretrained / convert")
+    parser.add_argument("repo_id", help="target repository, e.g. user/my-model")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--token", default=None, help="Hub token (default: the logged-in one)")
+    parser.add_argument("--revision", default=None, help="branch to push to")
+    parser.add_argument("--commit-message", default="Upload modular_decoder checkpoint")
+    parser.add_argument("--base-model", default=None, help="Hub id of the source weights, for a card written here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cards import render_model_card
+    from .configuration_modular_decoder import ModularDecoderConfig
+    from .hub import check_hub_folder
+
+    folder: Path = args.folder
+    if "README.md" in check_hub_folder(folder) and (folder / "config.json").exists():
+        config = ModularDecoderConfig.from_pretrained(folder)
+        (folder / "README.md").write_text(render_model_card(config, base_model=args.base_model, repo_id=args.repo_id))
+        print(f"wrote a model card: {folder / 'README.md'}")
+    missing = check_hub_folder(folder)
+    if missing:
+        print(f"error: {folder} is not a complete modular_decoder repository; missing: {', '.join(missing)}")
+        return 1
+    api = HfApi(token=args.token)
+    url = api.create_repo(args.repo_id, private=args.private, exist_ok=True, repo_type="model")
+    api.upload_folder(folder_path=str(folder), repo_id=args.repo_id, repo_type="model",
+                      revision=args.revision, commit_message=args.commit_message)
+    print(f"pushed {folder} -> {url}")
+    return 0
