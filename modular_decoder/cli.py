@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("modular_decoder.chat_command", "chat with a checkpoint through its chat template, streaming replies"),
     "push": ("modular_decoder.push_command", "upload a checkpoint folder to the Hugging Face Hub"),
     "plot": ("modular_decoder.plot_command", "plots: `plot cache` draws KV-cache bytes against context length"),
+    "validate": ("modular_decoder.validate", "run the seed's validation checklist on a checkpoint or preset"),
 }
 
 
