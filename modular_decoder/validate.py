@@ -1,0 +1,647 @@
+"""`validate`: the seed's checklist run on a checkpoint, a config or a model, as a pass/fail table.
+
+    from modular_decoder.validate import validate
+    report = validate("path/to/checkpoint")        # or a ModularDecoderConfig, or a model
+    print(report.table()); assert report.ok, report.failed
+
+    modular-decoder validate PATH
+    modular-decoder validate --preset gemma2 --tiny
+
+Each check measures something and compares it with an independent expectation: the contract's
+formulas (`contract.parameter_count`, `contract.cache_bytes`), the no-cache forward, the eager
+attention path, and the tensors actually serialized. The checks, in the seed's order:
+
+1. ``shapes``: every serialized tensor has the shape a model built from the config has, and the
+   parameter count (tied weights once) equals `contract.parameter_count` by component;
+2. ``causality``: perturbing future tokens leaves earlier logits unchanged, with left padding, with
+   packed documents (`position_ids` restarting, no mask) and, per sliding layer, outside the window;
+3. ``backends``: each attention backend that can run here and honour the config against eager;
+4. ``cached_decoding``: token-by-token decoding (dynamic and static cache) equals the full forward;
+5. ``cache_bytes``: `cache.payload_bytes()` equals `contract.cache_bytes` across batches and lengths;
+6. ``positions``: the trained length, the configured maximum (learned positions raise past it) and
+   prefix-cache offsets (a cached prefix, continued, equals the full forward);
+7. ``benchmark``: prefill and decode throughput and peak memory (a measurement; fails only on error).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import contract
+from .backends import BACKEND_FEATURES, missing_features
+from .cache import ModularDecoderCache
+from .configuration_modular_decoder import ModularDecoderConfig
+from .modeling_modular_decoder import ModularDecoderForCausalLM
+
+# Largest |Δlogit| accepted where the same math runs in a different order (cache vs full forward,
+# chunked vs whole prefix), by compute dtype. Exact checks (causality, bytes) use no tolerance.
+TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+# Each backend against eager, in the dtype it runs (flash kernels only run in half precision).
+BACKEND_TOLERANCES = {
+    "sdpa": 1e-4,
+    "flex_attention": 1e-4,
+    "flash_attention_2": 5e-2,
+    "flash_attention_3": 5e-2,
+    "flash_attention_4": 5e-2,
+}
+CHECKS = ("shapes", "causality", "backends", "cached_decoding", "cache_bytes", "positions", "benchmark")
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """One row of the report: `status` is "pass", "fail" or "skip"; `measured` the numbers."""
+
+    name: str
+    status: str
+    measured: str
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status != "fail"
+
+
+@dataclasses.dataclass
+class Report:
+    """The checks run on one model; `ok` is True when none failed."""
+
+    target: str
+    checks: list[CheckResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def failed(self) -> list[str]:
+        return [check.name for check in self.checks if not check.passed]
+
+    def __getitem__(self, name: str) -> CheckResult:
+        for check in self.checks:
+            if check.name == name:
+                return check
+        raise KeyError(name)
+
+    def table(self) -> str:
+        """A markdown table: check | status | measured | detail."""
+        rows = [f"validate: {self.target}", "", "| check | status | measured | detail |", "| --- | --- | --- | --- |"]
+        for c in self.checks:
+            rows.append(f"| {c.name} | {c.status.upper()} | {c.measured} | {c.detail} |")
+        rows += ["", "all checks passed" if self.ok else f"FAILED: {', '.join(self.failed)}"]
+        return "\n".join(rows)
+
+    __str__ = table
+
+
+class CheckFailed(AssertionError):
+    """Raised inside a check with the measured numbers; becomes a "fail" row."""
+
+    def __init__(self, measured: str, detail: str = ""):
+        super().__init__(f"{measured} {detail}")
+        self.measured, self.detail = measured, detail
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+class _Context:
+    """What every check needs: the model, its config, a seeded generator and the serialized state."""
+
+    def __init__(self, model, serialized: dict[str, tuple[int, ...]] | None, seq_len: int, seed: int):
+        self.model = model
+        self.config: ModularDecoderConfig = model.config
+        self.serialized = serialized
+        self.seq_len = seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.tolerance = TOLERANCES.get(self.dtype, 1e-4)
+
+    def ids(self, batch: int, seq: int) -> torch.Tensor:
+        return torch.randint(0, self.config.vocab_size, (batch, seq), generator=self.generator).to(self.device)
+
+    def logits(self, ids, **kwargs) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(ids, **kwargs).logits.float()
+
+    def perturbed(self, ids: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
+        """`ids` with every token in [start, stop) replaced by a different id."""
+        changed = ids.clone()
+        shift = torch.randint(1, self.config.vocab_size, changed[:, start:stop].shape, generator=self.generator)
+        changed[:, start:stop] = (changed[:, start:stop] + shift.to(ids.device)) % self.config.vocab_size
+        return changed
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. shapes and parameter counts
+
+
+def _component(name: str) -> str:
+    """The `contract.parameter_count` component a parameter belongs to."""
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if ".embed_tokens." in name:
+        return "embedding"
+    if ".embed_positions." in name:
+        return "positions"
+    if ".embed_norm." in name:
+        return "embedding_norm"
+    if ".final_norm." in name:
+        return "final_norm"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    return "block_norms"
+
+
+def check_shapes(ctx: _Context) -> str:
+    config, model = ctx.config, ctx.model
+    expected = _expected_shapes(config)
+    actual = ctx.serialized if ctx.serialized is not None else _unique_state_shapes(model)
+    wrong = [f"{k}: {tuple(actual[k])} != {expected[k]}" for k in expected.keys() & actual.keys()
+             if tuple(actual[k]) != expected[k]]
+    missing = sorted(expected.keys() - actual.keys())
+    unexpected = sorted(actual.keys() - expected.keys())
+    if config.tie_word_embeddings:
+        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+            raise CheckFailed("lm_head not tied", "`tie_word_embeddings=True` but lm_head is a separate tensor")
+    if wrong or missing or unexpected:
+        problems = wrong[:3] + [f"missing {k}" for k in missing[:3]] + [f"unexpected {k}" for k in unexpected[:3]]
+        raise CheckFailed(f"{len(wrong)} wrong, {len(missing)} missing, {len(unexpected)} unexpected tensors",
+                          "; ".join(problems))
+
+    formula = contract.parameter_count(config)
+    counted: dict[str, int] = {}
+    for name, param in model.named_parameters():  # named_parameters yields a tied tensor once
+        counted[_component(name)] = counted.get(_component(name), 0) + param.numel()
+    total = model.num_parameters()
+    serialized = sum(_numel(shape) for shape in actual.values())
+    off = {k: (counted.get(k, 0), formula.get(k, 0)) for k in set(counted) | set(formula) - {"total"}
+           if counted.get(k, 0) != formula.get(k, 0)}
+    measured = f"params {total:,} = contract {formula['total']:,}; serialized {serialized:,}"
+    if off or total != formula["total"] or serialized != formula["total"]:
+        parts = "; ".join(f"{k}: weights {w:,} vs contract {f:,}" for k, (w, f) in sorted(off.items()))
+        raise CheckFailed(measured.replace(" = ", " vs "), parts or "serialized tensors disagree with the contract")
+    return measured
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _expected_shapes(config: ModularDecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a model built from `config` alone (on the meta device: no memory)."""
+    with torch.device("meta"):
+        reference = ModularDecoderForCausalLM(copy.deepcopy(config))
+    return {name: tuple(p.shape) for name, p in reference.named_parameters()}  # a tied head once
+
+
+def _unique_state_shapes(model) -> dict[str, tuple[int, ...]]:
+    """What `save_pretrained` writes: each parameter once (a tied head is dropped)."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. causality
+
+
+def check_causality(ctx: _Context) -> str:
+    seq, config = ctx.seq_len, ctx.config
+    ids = ctx.ids(2, seq)
+    worst, moved = 0.0, float("inf")
+    for cut in (1, seq // 2, seq - 1):
+        a, b = ctx.logits(ids, use_cache=False), ctx.logits(ctx.perturbed(ids, cut), use_cache=False)
+        worst = max(worst, _max_diff(a[:, :cut], b[:, :cut]))
+        moved = min(moved, _max_diff(a[:, cut:], b[:, cut:]))
+    measured = [f"future->past max|Δ| {worst:.1e}"]
+    if worst > 0:
+        raise CheckFailed(measured[0], "earlier logits changed when later tokens changed")
+    if moved == 0:
+        raise CheckFailed(measured[0], "perturbed positions' own logits did not change: the check saw nothing")
+
+    # left padding: pad tokens and future tokens leave the real earlier positions alone
+    pad = seq // 3
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    a = ctx.logits(ids, attention_mask=mask, use_cache=False)
+    b = ctx.logits(_repad(ctx, ids, pad, seq), attention_mask=mask, use_cache=False)
+    padded = max(_max_diff(a[0, : seq - 2], b[0, : seq - 2]), _max_diff(a[1, pad : seq - 2], b[1, pad : seq - 2]))
+    measured.append(f"padded {padded:.1e}")
+    if padded > 0:
+        raise CheckFailed(", ".join(measured), "with left padding, pad or future tokens reached earlier positions")
+
+    # packed documents: positions restart, no mask; a document sees nothing of the one before it
+    first = seq // 2
+    position_ids = torch.cat([torch.arange(first), torch.arange(seq - first)]).unsqueeze(0).to(ctx.device)
+    packed = ctx.logits(ids[:1], position_ids=position_ids, use_cache=False)
+    alone = ctx.logits(ids[:1, first:], use_cache=False)
+    other = ctx.logits(ctx.perturbed(ids[:1], 0, first), position_ids=position_ids, use_cache=False)
+    leak = _max_diff(packed[:, first:], other[:, first:])
+    match = _max_diff(packed[:, first:], alone)
+    measured.append(f"packed leak {leak:.1e}, vs alone {match:.1e}")
+    if leak > 0 or match > ctx.tolerance:
+        raise CheckFailed(", ".join(measured), "a packed document saw the document before it")
+
+    if "sliding_attention" in config.layer_types:
+        measured.append(_sliding_windows(ctx))
+    return ", ".join(measured)
+
+
+def _repad(ctx: _Context, ids: torch.Tensor, pad: int, seq: int) -> torch.Tensor:
+    """Row 0: the last two tokens changed; row 1: its pad tokens and its last two tokens changed."""
+    changed = ctx.perturbed(ids, seq - 2)
+    changed[1:] = ctx.perturbed(changed[1:], 0, pad)
+    return changed
+
+
+def _capture_attention_inputs(ctx: _Context, ids: torch.Tensor) -> dict[int, tuple]:
+    """The (hidden, kwargs) each attention module receives in a no-cache forward."""
+    captured, handles = {}, []
+    for idx, block in enumerate(ctx.model.model.layers):
+        def hook(module, args, kwargs, idx=idx):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            captured[idx] = (hidden.detach(), {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        handles.append(block.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        ctx.logits(ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def _sliding_windows(ctx: _Context) -> str:
+    """Per sliding layer: a change at position p reaches exactly positions [p, p + window)."""
+    window = ctx.config.sliding_window
+    seq = max(ctx.seq_len, 2 * window + 4)
+    ids = ctx.ids(1, seq)
+    p = 2
+    worst_outside, weakest_inside = 0.0, float("inf")
+    for idx, (hidden, kwargs) in _capture_attention_inputs(ctx, ids).items():
+        if ctx.config.layer_types[idx] != "sliding_attention":
+            continue
+        attn = ctx.model.model.layers[idx].self_attn
+        changed = hidden.clone()
+        changed[:, p] += torch.randn(changed[:, p].shape, generator=ctx.generator).to(changed)
+        kwargs = dict(kwargs, cache=None)
+        with torch.no_grad():
+            a, b = attn(hidden, **kwargs)[0], attn(changed, **kwargs)[0]
+        delta = (a - b).abs().amax(dim=(0, 2))  # per position
+        worst_outside = max(worst_outside, delta[:p].max().item(), delta[p + window :].max().item())
+        weakest_inside = min(weakest_inside, delta[p : p + window].min().item())
+    text = f"window {window}: outside {worst_outside:.1e}, inside min {weakest_inside:.1e}"
+    if worst_outside > 0 or weakest_inside == 0:
+        raise CheckFailed(text, "a sliding layer sees outside its window or not all of it")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. backends against eager
+
+
+def _backend_unavailable(backend: str, device: torch.device, requested: bool) -> str | None:
+    from transformers.utils import (
+        is_flash_attn_2_available,
+        is_flash_attn_3_available,
+        is_torch_flex_attn_available,
+    )
+
+    if backend.startswith("flash_attention"):
+        if device.type != "cuda":
+            return "needs a CUDA device"
+        probe = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}
+        if backend in probe and not probe[backend]():
+            return "kernel not installed"
+    if backend == "flex_attention":
+        if not is_torch_flex_attn_available():
+            return "torch lacks flex_attention"
+        if device.type == "cpu" and not requested:
+            return "compiles for ~40 s on CPU; request it with --backends flex_attention"
+    return None
+
+
+def check_backends(ctx: _Context, backends: list[str] | None = None) -> str:
+    model, config = ctx.model, ctx.config
+    original = config._attn_implementation
+    names = backends or [b for b in BACKEND_FEATURES if b != "eager"]
+    seq = ctx.seq_len
+    ids = ctx.ids(2, seq)
+    mask = torch.ones_like(ids)
+    mask[1, : seq // 4] = 0  # a left-padded row
+    rows, failures = [], []
+    try:
+        model.set_attn_implementation("eager")
+        for backend in names:
+            reason = (f"cannot honour {sorted(missing_features(config, backend))}" if missing_features(config, backend)
+                      else _backend_unavailable(backend, ctx.device, requested=backends is not None))
+            if reason:
+                rows.append(f"{backend} skipped ({reason})")
+                continue
+            half = backend.startswith("flash") and ctx.dtype == torch.float32
+            dtype = torch.bfloat16 if half else ctx.dtype
+            model.set_attn_implementation("eager")
+            with torch.autocast(ctx.device.type, dtype=dtype, enabled=half):
+                ref = ctx.logits(ids, attention_mask=mask, use_cache=False)
+                model.set_attn_implementation(backend)
+                out = ctx.logits(ids, attention_mask=mask, use_cache=False)
+            diff = max(_max_diff(ref[0], out[0]), _max_diff(ref[1, seq // 4 :], out[1, seq // 4 :]))
+            tol = BACKEND_TOLERANCES.get(backend, ctx.tolerance)
+            rows.append(f"{backend} {diff:.1e} (tol {tol:.0e})")
+            if diff > tol:
+                failures.append(backend)
+    finally:
+        model.set_attn_implementation(original)
+    if failures:
+        raise CheckFailed("; ".join(rows), f"beyond tolerance: {failures}")
+    return "; ".join(rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. cached decoding
+
+
+def check_cached_decoding(ctx: _Context) -> str:
+    seq = ctx.seq_len
+    ids = ctx.ids(2, seq)
+    full = ctx.logits(ids, use_cache=False)
+    rows, worst = [], 0.0
+    for implementation in ("dynamic", "static"):
+        cache = ModularDecoderCache(ctx.config, implementation, max_cache_len=seq)
+        steps = []
+        with torch.no_grad():
+            for t in range(seq):
+                steps.append(ctx.model(ids[:, t : t + 1], cache=cache, use_cache=True).logits.float())
+        diff = _max_diff(torch.cat(steps, dim=1), full)
+        worst = max(worst, diff)
+        rows.append(f"{implementation} max|Δ| {diff:.1e}")
+    text = f"{', '.join(rows)} over {seq} positions (tol {ctx.tolerance:.0e})"
+    if worst > ctx.tolerance:
+        raise CheckFailed(text, "token-by-token decoding differs from the full-prefix forward")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. cache bytes against the formula
+
+
+def check_cache_bytes(ctx: _Context) -> str:
+    config = ctx.config
+    lengths = sorted({1, ctx.seq_len // 2, ctx.seq_len} | (
+        {config.sliding_window - 1, config.sliding_window, config.sliding_window + 3} if config.sliding_window else set()))
+    lengths = [n for n in lengths if n >= 1]
+    mismatches, cases = [], 0
+    for batch in (1, 3):
+        for length in lengths:
+            for implementation in ("dynamic", "static"):
+                cache = ModularDecoderCache(config, implementation, max_cache_len=max(lengths))
+                with torch.no_grad():
+                    # prefill half, then decode one token at a time: both paths fill the cache
+                    prefill = max(1, length // 2)
+                    ids = ctx.ids(batch, length)
+                    ctx.model(ids[:, :prefill], cache=cache, use_cache=True)
+                    for t in range(prefill, length):
+                        ctx.model(ids[:, t : t + 1], cache=cache, use_cache=True)
+                measured = cache.payload_bytes()
+                expected = contract.cache_bytes(config, length, batch, ctx.dtype)
+                cases += 1
+                if measured != expected:
+                    mismatches.append(f"{implementation} B={batch} S={length}: {measured:,} != {expected:,}")
+    per_token = contract.cache_bytes_per_token(config, ctx.dtype)
+    text = f"{cases} cases (B 1,3; S {','.join(map(str, lengths))}); {per_token:,} B/token ({ctx.dtype})"
+    if mismatches:
+        raise CheckFailed(f"{len(mismatches)}/{cases} differ", "; ".join(mismatches[:3]))
+    return text
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. position boundaries
+
+
+def trained_length(config: ModularDecoderConfig) -> int:
+    """The length a RoPE scaling was applied to (`original_max_position_embeddings`), else the maximum."""
+    params = config.rope_parameters or {}
+    flat = [params] if not config.rope_is_nested else list(params.values())
+    for p in flat:
+        if p and p.get("original_max_position_embeddings"):
+            return int(p["original_max_position_embeddings"])
+    return config.max_position_embeddings
+
+
+def check_positions(ctx: _Context) -> str:
+    config, rows, k = ctx.config, [], 4
+    maximum, trained = config.max_position_embeddings, trained_length(config)
+    ids = ctx.ids(1, k)
+    for name, last in (("trained", trained), ("maximum", maximum)):
+        # the last k positions up to the boundary, cheaply through position_ids
+        position_ids = torch.arange(last - k, last, device=ctx.device).unsqueeze(0)
+        logits = ctx.logits(ids, position_ids=position_ids, use_cache=False)
+        if not torch.isfinite(logits).all():
+            raise CheckFailed(f"non-finite logits at positions {last - k}..{last - 1}", f"{name} length {last}")
+        rows.append(f"{name} {last} ok")
+    beyond = torch.arange(maximum - k + 1, maximum + 1, device=ctx.device).unsqueeze(0)
+    if config.position_embedding_type == "learned":
+        try:
+            ctx.logits(ids, position_ids=beyond, use_cache=False)
+        except ValueError:
+            rows.append(f"position {maximum} raises")
+        else:
+            raise CheckFailed(", ".join(rows), f"learned positions accepted position {maximum} (past the maximum)")
+
+    # prefix caching: one cached prefix continued by two different suffixes, each in one chunk
+    seq = ctx.seq_len
+    worst = 0.0
+    for prefix in (1, seq // 2, seq - 1):
+        base = ctx.ids(2, seq)
+        with torch.no_grad():
+            shared = ctx.model(base[:, :prefix], use_cache=True).cache
+        for suffix_ids in (base, ctx.perturbed(base, prefix)):
+            full = ctx.logits(suffix_ids, use_cache=False)
+            cache = copy.deepcopy(shared)
+            with torch.no_grad():
+                rest = ctx.model(suffix_ids[:, prefix:], cache=cache, use_cache=True).logits.float()
+            worst = max(worst, _max_diff(rest, full[:, prefix:]))
+    rows.append(f"prefix offsets 1,{seq // 2},{seq - 1}: max|Δ| {worst:.1e}")
+    if worst > ctx.tolerance:
+        raise CheckFailed(", ".join(rows), "a continued cached prefix differs from the full forward")
+    return ", ".join(rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. benchmark
+
+
+def check_benchmark(ctx: _Context, batch: int = 4, prompt: int = 32, new_tokens: int = 16) -> str:
+    prompt = min(prompt, ctx.config.max_position_embeddings - new_tokens)
+    ids = ctx.ids(batch, prompt)
+    ctx.model.generation_config.pad_token_id = 0
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.no_grad():
+        ctx.model(ids[:, :4], use_cache=True)  # warm-up
+        start = time.perf_counter()
+        out = ctx.model(ids, use_cache=True)
+        prefill = time.perf_counter() - start
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            token = ctx.model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        decode = time.perf_counter() - start
+    if ctx.device.type == "cuda":
+        peak = f"peak GPU {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB"
+    else:  # ru_maxrss is KiB on Linux; torch's CPU tensors are invisible to tracemalloc
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        scale = 1 if sys.platform == "darwin" else 1024
+        peak = f"peak RSS {rss * scale / 2**20:.0f} MiB (+{(rss - rss_before) * scale / 2**20:.0f})"
+    return (f"prefill {batch * prompt / prefill:,.0f} tok/s (B={batch}, S={prompt}), "
+            f"decode {batch * new_tokens / decode:,.0f} tok/s, {peak}")
+
+
+# ----------------------------------------------------------------------------------------------
+# loading and running
+
+
+def _serialized_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def _shape_mismatches(config: ModularDecoderConfig, serialized: dict) -> list[str]:
+    expected = _expected_shapes(config)
+    wrong = [f"{k}: {serialized.get(k)} != {v}" for k, v in expected.items() if serialized.get(k) != v]
+    return wrong + [f"unexpected {k}" for k in sorted(serialized.keys() - expected.keys())]
+
+
+def load_target(target, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
+    """(model, serialized shapes or None, description) for a path, config or model."""
+    if isinstance(target, ModularDecoderForCausalLM):
+        return target.eval(), None, f"model {type(target).__name__}"
+    if isinstance(target, ModularDecoderConfig):
+        torch.manual_seed(0)
+        model = ModularDecoderForCausalLM._from_config(target, attn_implementation=attn_implementation, dtype=dtype)
+        return model.eval(), None, "config (random weights)"
+    folder = Path(target)
+    if not (folder / "config.json").exists():
+        raise ValueError(f"{folder} has no config.json: pass a modular_decoder checkpoint folder, a config or a model.")
+    config = ModularDecoderConfig(**{k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+                                     if k not in ("model_type", "auto_map", "architectures", "transformers_version")})
+    serialized = _serialized_shapes(folder)
+    if serialized is not None and _shape_mismatches(config, serialized):
+        # the weights cannot be loaded into this config: report the shape check only
+        return None, serialized, str(folder), config
+    model = ModularDecoderForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval(), serialized, str(folder)
+
+
+def validate(
+    target,
+    checks: tuple[str, ...] | list[str] = CHECKS,
+    seq_len: int = 16,
+    seed: int = 0,
+    backends: list[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    benchmark_kwargs: dict | None = None,
+) -> Report:
+    """Run the seed's validation checklist on `target` and return a `Report`.
+
+    Args:
+        target: a checkpoint folder (its config.json and safetensors are read), a
+            `ModularDecoderConfig` (random weights, seeded) or a `ModularDecoderForCausalLM`.
+        checks: which of `CHECKS` to run, in order.
+        seq_len: sequence length of the causality, decoding and offset checks (sliding-window
+            checks lengthen it past the window).
+        seed: seeds the random token ids and perturbations.
+        backends: attention backends to compare with eager; `None` means every backend in
+            `backends.BACKEND_FEATURES` that can run here and honour the config.
+        dtype: the dtype a folder or config is loaded in.
+    """
+    unknown = set(checks) - set(CHECKS)
+    if unknown:
+        raise ValueError(f"Unknown checks {sorted(unknown)}; choose from {list(CHECKS)}.")
+    loaded = load_target(target, dtype=dtype)
+    if loaded[0] is None:  # config and weights disagree on shapes: nothing else can run
+        _, serialized, description, config = loaded
+        wrong = _shape_mismatches(config, serialized)
+        rows = [CheckResult("shapes", "fail", f"{len(wrong)} tensors disagree with config.json", "; ".join(wrong[:3]))]
+        rows += [CheckResult(name, "skip", "not run: weights do not fit the config") for name in checks if name != "shapes"]
+        return Report(description, rows)
+    model, serialized, description = loaded
+    seq_len = min(seq_len, model.config.max_position_embeddings)
+    ctx = _Context(model, serialized, seq_len, seed)
+    runners: dict[str, Callable[[], str]] = {
+        "shapes": lambda: check_shapes(ctx),
+        "causality": lambda: check_causality(ctx),
+        "backends": lambda: check_backends(ctx, backends),
+        "cached_decoding": lambda: check_cached_decoding(ctx),
+        "cache_bytes": lambda: check_cache_bytes(ctx),
+        "positions": lambda: check_positions(ctx),
+        "benchmark": lambda: check_benchmark(ctx, **(benchmark_kwargs or {})),
+    }
+    results = []
+    for name in checks:
+        try:
+            results.append(CheckResult(name, "pass", runners[name]()))
+        except CheckFailed as failure:
+            results.append(CheckResult(name, "fail", failure.measured, failure.detail))
+        except Exception as error:  # a crash inside a check is that check failing, with the reason
+            last = traceback.extract_tb(error.__traceback__)[-1]
+            results.append(CheckResult(name, "fail", f"error: {type(error).__name__}: {error}",
+                                       f"at {Path(last.filename).name}:{last.lineno}"))
+    return Report(description, results)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("path", nargs="?", help="a modular_decoder checkpoint folder")
+    parser.add_argument("--preset", help="validate a preset's config (random weights) instead of a folder")
+    parser.add_argument("--tiny", action="store_true", help="with --preset: the tiny version of the layout")
+    parser.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS), help="which checks to run")
+    parser.add_argument("--backends", nargs="+", help="backends to compare with eager (default: all that run here)")
+    parser.add_argument("--seq-len", type=int, default=16, help="sequence length of the checks (default 16)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    from .presets import preset_config
+
+    if (args.path is None) == (args.preset is None):
+        print("modular-decoder validate: give a checkpoint PATH or --preset NAME", file=sys.stderr)
+        return 2
+    target = preset_config(args.preset, tiny=args.tiny) if args.preset else args.path
+    report = validate(target, checks=args.checks, seq_len=args.seq_len, seed=args.seed,
+                      backends=args.backends, dtype=getattr(torch, args.dtype))
+    if args.preset:
+        report.target = f"preset {args.preset}{' (tiny)' if args.tiny else ''}"
+    print(report.table())
+    if not report.ok:
+        print(f"validate: failed check(s): {', '.join(report.failed)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,170 @@
+"""`validate` passes on every preset and on converted checkpoints, and names the check that fails
+on deliberately broken models: a leaking mask, a cache that keeps too much or loses tokens, and
+a config.json that disagrees with the weights."""
+
+import json
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from modular_decoder import PRESETS, ModularDecoderForCausalLM, cache, preset_config
+from modular_decoder import modeling_modular_decoder as modeling
+from modular_decoder.cli import main
+from modular_decoder.validate import CHECKS, validate
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models gain nothing from threads, and lose a lot on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_tiny_preset_passes(name):
+    report = validate(preset_config(name, tiny=True))
+    assert [c.name for c in report.checks] == list(CHECKS)
+    assert report.ok, report.table()
+    assert "skip" not in {c.status for c in report.checks}
+
+
+def test_cli_prints_the_table_and_exits_zero(capsys):
+    assert main(["validate", "--preset", "gemma2", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    for name in CHECKS:
+        assert f"| {name} | PASS |" in out
+    assert "softcap" in out  # SDPA is skipped for Gemma 2, with the reason
+
+
+def test_saved_checkpoint_passes(tmp_path):
+    torch.manual_seed(0)
+    ModularDecoderForCausalLM(preset_config("qwen3", tiny=True)).save_pretrained(tmp_path)
+    assert main(["validate", str(tmp_path), "--checks", "shapes", "causality", "cache_bytes"]) == 0
+
+
+def _eager(name, **overrides):
+    torch.manual_seed(0)
+    config = preset_config(name, tiny=True, **overrides)
+    return ModularDecoderForCausalLM._from_config(config, attn_implementation="eager").eval()
+
+
+def test_leaking_mask_fails_causality(monkeypatch, capsys):
+    model = _eager("llama")
+    assert validate(model, checks=["causality"]).ok
+    # the bug: full-attention layers get no mask at all, so every token sees the future
+    monkeypatch.setitem(modeling.MASK_BUILDERS, "full_attention", lambda **kwargs: None)
+    report = validate(model, checks=["causality", "shapes"])
+    assert report.failed == ["causality"]
+    assert "earlier logits changed" in report["causality"].detail
+
+
+def test_packed_documents_leaking_fails_causality(monkeypatch):
+    model = _eager("llama")
+    real = modeling.MASK_BUILDERS["full_attention"]
+
+    def ignore_position_ids(**kwargs):  # the bug: a plain causal mask across document boundaries
+        return real(**dict(kwargs, position_ids=None))
+
+    monkeypatch.setitem(modeling.MASK_BUILDERS, "full_attention", ignore_position_ids)
+    report = validate(model, checks=["causality"])
+    assert report.failed == ["causality"]
+    assert "packed" in report["causality"].detail
+
+
+def test_sliding_window_too_wide_fails_causality(monkeypatch):
+    model = _eager("mistral")
+    # the bug: sliding layers get the full causal mask
+    monkeypatch.setitem(modeling.MASK_BUILDERS, "sliding_attention", modeling.MASK_BUILDERS["full_attention"])
+    report = validate(model, checks=["causality"])
+    assert report.failed == ["causality"]
+    assert "window" in report["causality"].detail
+
+
+def test_cache_keeping_too_much_fails_cache_bytes(monkeypatch):
+    model = _eager("mistral")
+    real = cache.LAYER_KINDS["dynamic"]
+    # the bug: sliding layers keep every token (the mask still hides them, so logits agree)
+    monkeypatch.setitem(cache.LAYER_KINDS, "dynamic", lambda config, layer_type, n: DynamicLayer()
+                        if layer_type == "sliding_attention" else real(config, layer_type, n))
+    report = validate(model, checks=["cached_decoding", "cache_bytes"])
+    assert report.failed == ["cache_bytes"]
+    assert "dynamic" in report["cache_bytes"].detail
+
+
+class _ForgetfulLayer(DynamicLayer):
+    """Keeps only the newest token: the bug of overwriting instead of appending."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.is_initialized:
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def test_forgetful_cache_fails_cached_decoding(monkeypatch, capsys):
+    model = _eager("llama")
+    monkeypatch.setitem(cache.LAYER_KINDS, "dynamic", lambda config, layer_type, n: _ForgetfulLayer())
+    report = validate(model, checks=["cached_decoding", "positions"])
+    assert set(report.failed) == {"cached_decoding", "positions"}
+    assert "differs from the full-prefix forward" in report["cached_decoding"].detail
+
+
+def test_config_disagreeing_with_weights_fails_shapes(tmp_path, capsys):
+    ModularDecoderForCausalLM(preset_config("llama", tiny=True)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_key_value_heads"] = 2  # the weights were saved with 4 K/V heads
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["validate", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "| shapes | FAIL |" in captured.out
+    assert "k_proj" in captured.out
+    assert "failed check(s): shapes" in captured.err
+
+
+def test_tied_config_with_separate_head_fails_shapes(tmp_path):
+    ModularDecoderForCausalLM(preset_config("llama", tiny=True)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["tie_word_embeddings"] = True  # loading would silently drop the stored head
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    report = validate(tmp_path)
+    assert report.failed == ["shapes"]
+    assert "unexpected lm_head.weight" in report["shapes"].detail
+
+
+def test_in_memory_count_mismatch_fails_shapes():
+    model = _eager("gpt2")
+    model.config.intermediate_size = 96  # the modules were built with 128
+    report = validate(model, checks=["shapes"])
+    assert report.failed == ["shapes"]
+    assert "mlp" in report["shapes"].detail
+
+
+def _convertible(family):
+    conversion = pytest.importorskip("modular_decoder.conversion")
+    if family not in getattr(conversion, "FAMILIES", {}):
+        pytest.skip(f"conversion family {family!r} has not landed")
+    return conversion
+
+
+@pytest.mark.parametrize("family", ["gpt2", "openai-gpt", "llama"])
+def test_converted_checkpoint_passes(family, tmp_path):
+    conversion = _convertible(family)
+    import transformers
+
+    configs = {
+        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+        "openai-gpt": lambda: transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(
+            vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)),
+    }
+    torch.manual_seed(0)
+    configs[family]().save_pretrained(tmp_path / "source")
+    conversion.convert(tmp_path / "source", tmp_path / "converted", progress=False)
+    report = validate(tmp_path / "converted")
+    assert report.ok, report.table()
