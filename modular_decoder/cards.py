@@ -36,7 +36,7 @@ without installing anything beyond `transformers`:
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("$repo_id", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("$repo_id")
+tokenizer = AutoTokenizer.from_pretrained("$repo_id", trust_remote_code=True)  # it reads config.json
 inputs = tokenizer("The decoder-only transformer", return_tensors="pt")
 print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))
 ```
