@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "push": ("modular_decoder.push_command", "upload a checkpoint folder to the Hugging Face Hub"),
     "plot": ("modular_decoder.plot_command", "plots: `plot cache` draws KV-cache bytes against context length"),
     "validate": ("modular_decoder.validate", "run the seed's validation checklist on a checkpoint or preset"),
+    "experiment": ("modular_decoder.experiments", "reproduce the seed's findings: gradnorm, ffn-budget, ablation"),
 }
 
 
