@@ -1,0 +1,61 @@
+"""`modular-decoder experiment ...`: small runs that check the seed's findings.
+
+    modular-decoder experiment gradnorm      # post- vs pre-norm FFN gradient norms per layer (+ PNG)
+    modular-decoder experiment ffn-budget    # the 8d/3 rule, checked against the built modules
+    modular-decoder experiment ablation      # matched-budget training of small variants (+ PNG)
+
+Not part of the remote-code files: the model modules never import from here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser) -> None:
+    sub = parser.add_subparsers(dest="experiment", required=True)
+    grad = sub.add_parser("gradnorm", help="post- vs pre-norm gradient norm of each layer's FFN weight")
+    grad.add_argument("--hidden", type=int, default=512)
+    grad.add_argument("--layers", type=int, default=6)
+    grad.add_argument("--steps", type=int, default=20, help="optimizer steps for the trained conditions")
+    grad.add_argument("--seed", type=int, default=0)
+    grad.add_argument("--out", default="experiments_out", help="folder for gradnorm.md and gradnorm.png")
+    ffn = sub.add_parser("ffn-budget", help="parameter-matched dense vs gated FFN widths (8d/3)")
+    ffn.add_argument("--multiple-of", type=int, default=256)
+    abl = sub.add_parser("ablation", help="matched-budget training of small variants on a generated corpus")
+    abl.add_argument("--tokens", type=int, default=32_768, help="training tokens per variant")
+    abl.add_argument("--variants", nargs="+", help="subset of variant names (default: all)")
+    abl.add_argument("--seed", type=int, default=0)
+    abl.add_argument("--out", default="experiments_out", help="folder for ablation.md and ablation.png")
+
+
+def run(args) -> int:
+    if args.experiment == "ffn-budget":
+        from .ffn_budget import table
+
+        text, ok = table(multiple_of=args.multiple_of)
+        print(text)
+        if not ok:
+            print("ffn-budget: a formula disagrees with the built module", file=sys.stderr)
+        return 0 if ok else 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.experiment == "gradnorm":
+        from . import gradnorm
+
+        rows = gradnorm.run(gradnorm.default_grid(args.hidden, args.layers, args.steps), seed=args.seed)
+        (out / "gradnorm.md").write_text(gradnorm.markdown(rows) + "\n")
+        gradnorm.plot(rows, out / "gradnorm.png")
+        print(gradnorm.markdown(rows))
+        print(f"wrote {out / 'gradnorm.md'} and {out / 'gradnorm.png'}")
+        return 0
+    from . import ablation
+
+    results = ablation.run(args.tokens, names=args.variants, seed=args.seed)
+    text = ablation.markdown(results, args.tokens)
+    (out / "ablation.md").write_text(text + "\n")
+    ablation.plot(results, out / "ablation.png")
+    print(text)
+    print(f"wrote {out / 'ablation.md'} and {out / 'ablation.png'}")
+    return 0
