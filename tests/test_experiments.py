@@ -1,0 +1,94 @@
+"""The seed experiments: gradient norms equal transformers' own GPT-1 / GPT-2 classes on the same
+weights and batch; the 8d/3 rule agrees with the built modules and with published configs; the
+ablation runs (smoke-sized only: the real run is a CLI command, see the README)."""
+
+import pytest
+import torch
+import transformers
+
+from modular_decoder import preset_config
+from modular_decoder.cli import main
+from modular_decoder.conversion import export
+from modular_decoder.experiments import ablation, ffn_budget, gradnorm
+from modular_decoder.experiments.gradnorm import Condition, decoder_model, layer_grad_norms
+
+REFERENCES = {"post": ("openai-gpt", transformers.OpenAIGPTLMHeadModel),
+              "pre": ("gpt2", transformers.GPT2LMHeadModel)}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("init", ["normal", "xavier"])
+@pytest.mark.parametrize("layout", ["post", "pre"])
+def test_gradient_norms_equal_transformers_reference(layout, init, tmp_path):
+    """The experiment's model (GPT-1 / GPT-2 layout), exported with the conversion package and
+    loaded into transformers' own class: the same per-layer FFN gradient norms on the same batch."""
+    family, reference_class = REFERENCES[layout]
+    model = decoder_model(Condition(layout, init, layers=3, hidden=64, seq=16))
+    model.save_pretrained(tmp_path / "ours")
+    export(tmp_path / "ours", tmp_path / "reference", family=family)
+    reference = reference_class.from_pretrained(tmp_path / "reference").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+
+    reference(ids, labels=ids).loss.backward()
+    for weight, name in (("up", "c_fc"), ("down", "c_proj")):
+        ours = layer_grad_norms(model, ids, weight)
+        theirs = [getattr(block.mlp, name).weight.grad.norm().item() for block in reference.transformer.h]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
+    assert len(set(round(n, 6) for n in ours)) == 3  # three distinct layers were measured
+
+
+def test_measure_runs_every_kind_of_condition():
+    for condition in (Condition("post", "xavier", "down", "decoder", layers=2, hidden=32, steps=2, warmup=2,
+                                batch=2, seq=8),
+                      Condition("pre", "normal", "up", "encdec", layers=2, hidden=32, steps=1, batch=2, seq=8),
+                      Condition("post", "normal", "up", "decoder", layers=3, hidden=32, batch=2, seq=8,
+                                data="random")):
+        norms = gradnorm.measure(condition)
+        assert len(norms) == condition.layers and all(n > 0 for n in norms)
+
+
+def test_gradnorm_report_and_plot(tmp_path):
+    rows = [{"condition": Condition(layout), "norms": norms, "ratio": gradnorm.ratio(norms)}
+            for layout, norms in (("post", [0.05, 0.2, 1.25]), ("pre", [0.2, 0.2, 0.2]))]
+    assert "| 25.00 |" in gradnorm.markdown(rows)
+    gradnorm.plot(rows, tmp_path / "g.png")
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eight_thirds_rule_matches_published_configs_and_built_modules():
+    text, ok = ffn_budget.table()
+    assert ok, text
+    # Llama 2 7B and SmolLM2-135M chose exactly the rounded 8d/3 width
+    assert ffn_budget.gated_width(4096, multiple_of=256) == preset_config("llama").intermediate_size == 11008
+    assert ffn_budget.gated_width(576, multiple_of=256) == preset_config("smollm2").intermediate_size == 1536
+    built, formula = ffn_budget.built_parameters(768, 2048, "gated")
+    assert built == formula == 8 * 768 * 768  # 8d/3 exactly integral: the budgets are equal
+
+
+def test_ffn_budget_cli(capsys):
+    assert main(["experiment", "ffn-budget"]) == 0
+    assert "| 4096 | 16384 | 134,217,728 | 10922.67 | 11008 |" in capsys.readouterr().out
+
+
+def test_ablation_smoke(tmp_path, capsys):
+    assert main(["experiment", "ablation", "--tokens", "1024", "--out", str(tmp_path),
+                 "--variants", "pre-norm (base)", "MQA (1 kv head)", "MLA (d_c=32)"]) == 0
+    table = (tmp_path / "ablation.md").read_text()
+    assert "| MQA (1 kv head) |" in table and "| MLA (d_c=32) |" in table
+    assert (tmp_path / "ablation.png").read_bytes()[:4] == b"\x89PNG"
+    mha, mqa = ablation.config_for("pre-norm (base)"), ablation.config_for("MQA (1 kv head)")
+    assert f"| {ablation.cache_bytes_per_token(mha):,} |" in table
+    assert ablation.cache_bytes_per_token(mha) == 4 * ablation.cache_bytes_per_token(mqa)  # H / H_kv
+
+
+def test_swiglu_variant_is_parameter_matched():
+    dense, gated = ablation.config_for("pre-norm (base)"), ablation.config_for("SwiGLU (8d/3)")
+    ratio = 3 * gated.intermediate_size / (2 * dense.intermediate_size)
+    assert abs(ratio - 1) < 0.02
