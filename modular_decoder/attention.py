@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .backends import attention_function
 from .norms import build_norm
 from .positions import apply_rotary
 
@@ -126,8 +126,9 @@ class StandardAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention
+        # ALiBi reaches flex / flash as `alibi_slopes` (see backends.py), the others as `position_bias`
+        attention_interface: Callable = attention_function(
+            self.config._attn_implementation, eager_attention, alibi_slopes="alibi_slopes" in kwargs
         )
         extra = {}
         if self.softcap is not None:

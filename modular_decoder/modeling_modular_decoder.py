@@ -16,7 +16,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention import StandardAttention, eager_attention
-from .backends import check_backend, default_backend
+from .backends import check_backend, default_backend, takes_alibi_slopes
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .configuration_modular_decoder import ModularDecoderConfig
@@ -48,6 +48,7 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         """Default to SDPA only where it can honour the contract; refuse a backend that cannot."""
         if attn_implementation is None:
             attn_implementation = default_backend(self.config)
+        check_backend(self.config, attn_implementation)  # the contract first, whether or not a kernel is installed
         chosen = super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check, **kwargs)
         check_backend(self.config, chosen)
         return chosen
@@ -149,18 +150,21 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             # generate() pre-builds the masks per layer type for a compileable (static) cache
             masks = attention_mask
         else:
+            # An empty dynamic cache sizes the masks as no cache would, but transformers detects packed
+            # documents (position_ids restarting at 0) only when it is given no cache.
+            mask_cache = cache if cache is not None and (past_seen or cache.is_compileable) else None
             masks = {
                 layer_type: MASK_BUILDERS[layer_type](
                     config=self.config,
                     inputs_embeds=inputs_embeds,
                     attention_mask=attention_mask,
-                    cache=cache,
+                    cache=mask_cache,
                     position_ids=position_ids,
                 )
                 for layer_type in set(layer_types)
             }
         rotary = self.rotary_emb.tables(hidden, position_ids, layer_types) if self.rotary_emb is not None else {}
-        biases = self._alibi_biases(hidden, cache, past_seen) if self.alibi is not None else {}
+        alibi = self._alibi_kwargs(hidden, cache, past_seen) if self.alibi is not None else {}
 
         for layer_idx, block in enumerate(self.layers):
             layer_type = layer_types[layer_idx]
@@ -168,9 +172,9 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 hidden,
                 attention_mask=masks[layer_type],
                 position_embeddings=rotary.get(layer_type),
-                position_bias=biases.get(layer_type),
                 position_ids=position_ids,
                 cache=cache,
+                **alibi.get(layer_type, {}),
                 **kwargs,
             )
         if self.final_norm is not None:
@@ -213,17 +217,23 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = self.embed_norm(hidden)
         return self.embed_dropout(hidden)
 
-    def _alibi_biases(self, hidden: torch.Tensor, cache, past_seen: int) -> dict:
-        """ALiBi bias per layer type, from the absolute positions of the keys each layer will see."""
+    def _alibi_kwargs(self, hidden: torch.Tensor, cache, past_seen: int) -> dict:
+        """ALiBi per layer type, from the absolute positions of the keys each layer will see: the
+        slopes and the query-minus-key offset for backends that take slopes (flex, flash), else the
+        (1, H, T_q, T_k) `position_bias` (eager, sdpa)."""
         seq = hidden.shape[1]
+        slopes = takes_alibi_slopes(self.config._attn_implementation)
         query_positions = torch.arange(seq, device=hidden.device) + past_seen
-        biases = {}
+        kwargs = {}
         for layer_type in set(self.config.layer_types):
             layer_idx = self.config.layer_types.index(layer_type)
             kv_length, kv_offset = cache.get_mask_sizes(seq, layer_idx) if cache is not None else (seq, 0)
-            key_positions = torch.arange(kv_length, device=hidden.device) + kv_offset
-            biases[layer_type] = self.alibi(query_positions, key_positions, hidden.dtype)
-        return biases
+            if slopes:
+                kwargs[layer_type] = {"alibi_slopes": self.alibi.slopes, "alibi_offset": past_seen - kv_offset}
+            else:
+                key_positions = torch.arange(kv_length, device=hidden.device) + kv_offset
+                kwargs[layer_type] = {"position_bias": self.alibi(query_positions, key_positions, hidden.dtype)}
+        return kwargs
 
 
 class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):

@@ -1,0 +1,155 @@
+"""Shared fixtures for the backend tests: attention variants, input batches, and a reference
+implementation of the flash-attn kernel contract to stand in for the CUDA kernel on CPU."""
+
+from __future__ import annotations
+
+import torch
+import transformers.modeling_flash_attention_utils as fa_utils
+
+from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM
+
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, position_embedding_type="rope", rope_parameters=dict(_ROPE))
+
+# One config per attention variant; together they cover every contract feature in backends.FEATURE_FIELDS.
+VARIANTS: dict[str, dict] = {
+    "mha": dict(num_key_value_heads=4),
+    "gqa": dict(num_key_value_heads=2),
+    "mqa": dict(num_key_value_heads=1),
+    "sliding_mixed": dict(num_key_value_heads=2, sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+    "softcap_scale": dict(num_key_value_heads=2, attn_logit_softcapping=5.0, query_pre_attn_scalar=12),
+    "alibi": dict(num_key_value_heads=4, position_embedding_type="alibi", rope_parameters=None),
+    "alibi_gqa_sliding": dict(num_key_value_heads=2, position_embedding_type="alibi", rope_parameters=None,
+                              sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+    "mla": dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+}
+
+
+def make_config(variant: str) -> ModularDecoderConfig:
+    fields = dict(BASE)
+    fields.update(VARIANTS[variant])
+    if fields.get("rope_parameters") is None:
+        fields.pop("rope_parameters")
+    return ModularDecoderConfig(**fields)
+
+
+def make_model(variant: str, backend: str = "eager") -> ModularDecoderForCausalLM:
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM._from_config(make_config(variant), attn_implementation="eager").eval()
+    # Set directly: flash kernels are not installed on CPU, so loading through the availability
+    # check is not possible; the contract check itself is tested separately.
+    model.config._attn_implementation = backend
+    return model
+
+
+def packed_batch(lengths=(7, 5, 9), vocab: int = 97, seed: int = 1):
+    """Documents packed as DataCollatorWithFlattening packs them: batch 1, position_ids restarting at 0."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    input_ids = torch.cat(docs)[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    return docs, input_ids, position_ids
+
+
+def padded_batch(lengths=(12, 7), vocab: int = 97, seed: int = 2, side: str = "left"):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        input_ids[row, cols] = torch.randint(1, vocab, (n,), generator=g)
+        attention_mask[row, cols] = 1
+    return input_ids, attention_mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference implementation of the flash-attn 2 kernel contract (flash_attn/flash_attn_interface.py
+# docstrings): q (total_q, H, D), k/v (total_k, H_k, D), H divisible by H_k; causal mask aligned to
+# the bottom-right corner; window_size=(left, right) keeps keys j with
+# i + T_k - T_q - left <= j <= i + T_k - T_q + right (-1: unbounded); softcap: s -> c·tanh(s/c)
+# after scaling; alibi_slopes (H,) add -slope·|i + T_k - T_q - j|; a row with no key outputs 0.
+
+KERNEL_CALLS: list[dict] = []
+
+
+def _reference_attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    t_q, heads, dim = q.shape
+    t_k, kv_heads, _ = k.shape
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
+    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(t_q)[:, None]
+    j = torch.arange(t_k)[None, :]
+    diagonal = i + t_k - t_q
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.float()[:, None, None] * (diagonal - j).abs()
+    keep = torch.ones(t_q, t_k, dtype=torch.bool)
+    if causal:
+        keep &= j <= diagonal
+    left, right = window_size
+    if left >= 0:
+        keep &= j >= diagonal - left
+    if right >= 0:
+        keep &= j <= diagonal + right
+    p = s.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v.float()).to(q.dtype)
+
+
+def reference_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                     block_table=None):
+    """flash_attn_varlen_func's documented semantics, in plain torch (fp32 inside)."""
+    assert dropout_p == 0.0
+    KERNEL_CALLS.append(dict(kind="varlen", q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+                             cu_seqlens_q=cu_seqlens_q.tolist(), cu_seqlens_k=cu_seqlens_k.tolist(),
+                             max_seqlen_q=int(max_seqlen_q), softmax_scale=softmax_scale, causal=causal,
+                             window_size=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes))
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
+    for b in range(len(cu_seqlens_q) - 1):
+        qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        ks, ke = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        out[qs:qe] = _reference_attend(q[qs:qe], k[ks:ke], v[ks:ke], softmax_scale, causal, tuple(window_size),
+                                       softcap, alibi_slopes)
+    return out
+
+
+def reference_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func's documented semantics: (B, T, H, D) batches of equal length."""
+    assert dropout_p == 0.0
+    KERNEL_CALLS.append(dict(kind="dense", q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+                             softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+                             softcap=softcap, alibi_slopes=alibi_slopes))
+    return torch.stack([
+        _reference_attend(q[b], k[b], v[b], softmax_scale, causal, tuple(window_size), softcap, alibi_slopes)
+        for b in range(q.shape[0])
+    ])
+
+
+def reference_fa3_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              deterministic=False):
+    """The FA3 (hopper) interface: the same maths, and no `alibi_slopes` argument."""
+    return reference_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                            softcap=softcap)
+
+
+def install_reference_kernels(monkeypatch, varlen=reference_flash_attn_varlen_func, dense=reference_flash_attn_func):
+    """Make transformers' flash loader (`lazy_import_flash_attention`, which our ALiBi path uses
+    too) return the reference kernels instead of importing flash_attn."""
+    for name in ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn",
+                 "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn"):
+        monkeypatch.setattr(fa_utils, name, None)
+    monkeypatch.setattr(
+        fa_utils, "_lazy_imports",
+        lambda implementation, *args, **kwargs: (dense, varlen, None, fa_utils._pad_input, fa_utils._unpad_input),
+    )
+    KERNEL_CALLS.clear()
+    return KERNEL_CALLS
