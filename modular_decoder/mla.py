@@ -181,13 +181,14 @@ class MultiHeadLatentAttention(nn.Module):
 
 
 def _mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Apply a boolean (keep) or additive mask; without one, causal with the queries last (as sdpa
-    leaves it to `is_causal`)."""
+    """Apply a boolean (keep) or additive mask. `None` means what it means to sdpa, for which
+    transformers skips building masks: one query sees every key; several are causal aligned at the
+    first key (torch's `is_causal`), which is also right for a prefill into an empty static cache."""
     q_len, kv_len = scores.shape[-2:]
     if attention_mask is None:
         if q_len == 1:
             return scores
-        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril()
         return scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     attention_mask = attention_mask[..., :kv_len]
     if attention_mask.dtype == torch.bool:

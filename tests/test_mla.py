@@ -1,0 +1,288 @@
+"""Multi-head latent attention: cached decoding vs the full forward for every position scaling,
+absorbed vs expanded scores, the latent cache's bytes, generate() strategies, and parity with
+transformers' DeepSeek-V2 / V3 through the conversion package."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count
+from modular_decoder.cache import ModularDecoderCache
+from modular_decoder.contract import cache_bytes, cache_bytes_per_token
+from modular_decoder.conversion import convert, export, get_family
+from modular_decoder.latent_cache import LatentLayerMixin
+from modular_decoder.mla import mla_softmax_scale, set_decode_mode
+
+SEQ = 20
+MLA = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+           max_position_embeddings=64, attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8,
+           qk_rope_head_dim=4, v_head_dim=6)
+# DeepSeek-V2/V3 configure YaRN like this (scaled down): mscale on cos/sin, mscale_all_dim on all scores.
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn_deepseek": DEEPSEEK_YARN,
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    # longrope switches factor tables at `original_max_position_embeddings` per call, which no cache
+    # can follow (transformers' own models neither); keep the test inside the short range.
+    "longrope": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1],
+                 "long_factor": [2.0, 2.1], "original_max_position_embeddings": 32},
+}
+
+
+def _config(**overrides) -> ModularDecoderConfig:
+    return ModularDecoderConfig(**{**MLA, **overrides})
+
+
+def _scramble(model: nn.Module) -> nn.Module:
+    """Weights large enough that attention is far from uniform and norms are not the identity, so a
+    wrong scale, rotary layout or mask moves the logits well past the tolerances."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif param.dim() == 2:
+                param.copy_(torch.randn_like(param) * (0.3 if "embed" in name else param.shape[1] ** -0.5))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def _model(config, backend="eager") -> ModularDecoderForCausalLM:
+    torch.manual_seed(0)
+    return _scramble(ModularDecoderForCausalLM._from_config(config, attn_implementation=backend))
+
+
+@torch.no_grad()
+def _incremental_logits(model, ids, prefill: int = 5):
+    out = model(ids[:, :prefill], use_cache=True)
+    steps, cache = [out.logits], out.cache
+    for t in range(prefill, ids.shape[1]):
+        out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
+        steps.append(out.logits)
+    return torch.cat(steps, dim=1), cache
+
+
+CASES = [(rope, q, "auto") for rope in ROPES for q in (None, 12)] + [
+    ("default", 12, "expanded"), ("yarn_deepseek", None, "expanded")]
+
+
+@pytest.mark.parametrize("rope, q_lora_rank, mode", CASES, ids=[f"{r}-q{q}-{m}" for r, q, m in CASES])
+def test_cached_decoding_matches_full_forward(rope, q_lora_rank, mode):
+    config = _config(rope_parameters=dict(ROPES[rope]), q_lora_rank=q_lora_rank,
+                     rope_interleaved=rope == "yarn_deepseek")
+    model = _model(config)
+    ids = torch.randint(0, config.vocab_size, (2, SEQ))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+    set_decode_mode(model, mode)  # "auto" decodes absorbed against the latent cache
+    steps, cache = _incremental_logits(model, ids)
+    torch.testing.assert_close(steps, full, rtol=0, atol=1e-5)
+    assert all(isinstance(layer, LatentLayerMixin) for layer in cache.layers)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(norm_position="post"),
+        dict(parallel_block=True, parallel_norms="separate", mlp_type="dense", hidden_act="gelu"),
+        dict(norm_position="sandwich", attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+        dict(norm_type="layernorm", attention_bias=True, q_lora_rank=12, query_pre_attn_scalar=10.0),
+    ],
+    ids=["post_norm", "parallel", "softcaps", "sliding", "layernorm_bias"],
+)
+@pytest.mark.parametrize("implementation", ["dynamic", "static"])
+def test_mla_composes_with_the_contract(overrides, implementation):
+    model = _model(_config(**overrides))
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = ModularDecoderCache(model.config, implementation, max_cache_len=SEQ + 4)
+        out = model(ids[:, :5], cache=cache)
+        steps = [out.logits]
+        for t in range(5, SEQ):
+            steps.append(model(ids[:, t : t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_absorbed_equals_expanded(backend, q_lora_rank):
+    """Whole sequences (left-padded batch included) scored both ways give the same logits."""
+    model = _model(_config(q_lora_rank=q_lora_rank, rope_parameters=dict(DEEPSEEK_YARN)), backend)
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    results = {}
+    for mode in ("expanded", "absorbed"):
+        set_decode_mode(model, mode)
+        with torch.no_grad():
+            results[mode] = (model(ids).logits, model(ids, attention_mask=mask).logits)
+    for a, b in zip(results["expanded"], results["absorbed"]):
+        torch.testing.assert_close(a[:, 4:], b[:, 4:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=1e-5)
+    # the paths are not trivially the same code: forcing a wrong scale on one is visible
+    layer = model.model.layers[0].self_attn
+    layer.scaling *= 1.5
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, results["absorbed"][0], atol=1e-3)
+
+
+def test_absorbed_decode_reads_latents_only():
+    """The absorbed step never calls kv_b_proj (no per-head K/V for the cached tokens)."""
+    model = _model(_config())
+    calls = []
+    for block in model.model.layers:
+        block.self_attn.kv_b_proj.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    with torch.no_grad():
+        cache = model(ids[:, :7]).cache
+        calls.clear()
+        model(ids[:, 7:], cache=cache)
+    assert calls == []
+
+
+def test_latent_cache_bytes_match_the_formula():
+    # DeepSeek-V2's ratios: d_c = 4·d_h, d_R = d_h / 2 -> 4.5·d_h elements per token and layer
+    d_h = 16
+    config = _config(hidden_size=64, head_dim=d_h, kv_lora_rank=4 * d_h, qk_rope_head_dim=d_h // 2,
+                     qk_nope_head_dim=d_h, v_head_dim=d_h)
+    L = config.num_hidden_layers
+    assert cache_bytes_per_token(config, torch.float32) == L * 4.5 * d_h * 4
+    assert cache_bytes_per_token(config, torch.bfloat16) == L * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+    model = _model(config)
+    batch, tokens = 3, 11
+    ids = torch.randint(0, config.vocab_size, (batch, tokens))
+    for implementation in ("dynamic", "static"):
+        cache = ModularDecoderCache(config, implementation, max_cache_len=32)
+        with torch.no_grad():
+            model(ids, cache=cache)
+        expected = batch * tokens * cache_bytes_per_token(config, torch.float32)
+        assert cache.payload_bytes() == expected == cache_bytes(config, tokens, batch, torch.float32)
+        for layer in cache.layers:
+            assert layer.latents.shape[-1] == config.kv_lora_rank and layer.rope_keys.shape[-1] == d_h // 2
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+@pytest.mark.parametrize("norm_type", ["rmsnorm", "layernorm"])
+def test_parameter_count_matches_formula(q_lora_rank, norm_type):
+    config = _config(q_lora_rank=q_lora_rank, norm_type=norm_type, attention_bias=True,
+                     attention_output_bias=False)
+    assert ModularDecoderForCausalLM(config).num_parameters() == parameter_count(config)["total"]
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(position_embedding_type="alibi"), "position_embedding_type"),
+        (dict(position_embedding_type="learned"), "position_embedding_type"),
+        (dict(position_embedding_type="sinusoidal"), "position_embedding_type"),
+        (dict(position_embedding_type="none"), "position_embedding_type"),
+        (dict(qk_norm="head"), "qk_norm"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(qk_rope_head_dim=5), "qk_rope_head_dim"),
+        (dict(kv_lora_rank=None), "kv_lora_rank"),
+        (dict(q_lora_rank=0), "q_lora_rank"),
+    ],
+)
+def test_bad_combinations_raise(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        _config(**overrides)
+
+
+def test_decode_mode_is_validated():
+    with pytest.raises(ValueError, match="decode_mode"):
+        set_decode_mode(_model(_config()), "fast")
+
+
+# --- DeepSeek-V2 / V3 parity through the conversion package ------------------------------------
+
+DEEPSEEK = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64,
+                # every layer dense: the contract has no mixture-of-experts
+                first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+REFERENCES = {
+    "v2": lambda **kw: DeepseekV2ForCausalLM(DeepseekV2Config(**DEEPSEEK, **kw)),
+    "v3": lambda **kw: DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK, n_group=1, topk_group=1, **kw)),
+    "v3_halves": lambda **kw: DeepseekV3ForCausalLM(
+        DeepseekV3Config(**DEEPSEEK, n_group=1, topk_group=1, rope_interleave=False, **kw)),
+}
+
+
+@pytest.mark.parametrize("yarn", [False, True], ids=["rope", "yarn"])
+@pytest.mark.parametrize("q_lora_rank", [None, 12], ids=["q_direct", "q_lora"])
+@pytest.mark.parametrize("reference", list(REFERENCES))
+def test_parity_with_deepseek(reference, q_lora_rank, yarn, tmp_path):
+    torch.manual_seed(0)
+    rope = dict(DEEPSEEK_YARN) if yarn else None
+    ref = _scramble(REFERENCES[reference](q_lora_rank=q_lora_rank, rope_parameters=rope))
+    ref.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "ours", progress=False)
+    ours = ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert ours.config.attention_type == "mla" and ours.config.rope_interleaved == (reference != "v3_halves")
+
+    ids = torch.randint(0, 97, (2, 40))  # past `original_max_position_embeddings`: YaRN's range matters
+    with torch.no_grad():
+        expected, got = ref(ids).logits, ours(ids).logits
+    assert expected.abs().max() > 1.0  # not a near-zero model where any error would hide
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    prompt = ids[:, :6]
+    kwargs = dict(max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        assert torch.equal(ours.generate(prompt, **kwargs), ref.generate(prompt, **kwargs))
+
+
+def test_softmax_scale_matches_deepseek():
+    for rope in (None, DEEPSEEK_YARN, dict(DEEPSEEK_YARN, mscale=0.707, mscale_all_dim=0.707)):
+        ref_config = DeepseekV3Config(**DEEPSEEK, n_group=1, topk_group=1, rope_parameters=rope and dict(rope))
+        ours = ModularDecoderConfig(**get_family("deepseek_v3").to_contract(ref_config))
+        expected = DeepseekV3ForCausalLM(ref_config).model.layers[0].self_attn.scaling
+        assert mla_softmax_scale(ours) == pytest.approx(expected, rel=1e-12)
+
+
+def test_beam_search_and_assisted_decoding_match_deepseek(tmp_path):
+    """Beam reorder / batch repeat (beams) and crop (prompt lookup) on the latent cache."""
+    torch.manual_seed(0)
+    ref = _scramble(REFERENCES["v3"](q_lora_rank=12, rope_parameters=dict(DEEPSEEK_YARN)))
+    ref.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "ours", progress=False)
+    ours = ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    prompt = torch.randint(0, 97, (2, 6))
+    prompt = torch.cat([prompt, prompt[:, :4]], dim=1)  # repeated n-grams give prompt lookup candidates
+    mask = torch.ones_like(prompt)
+    with torch.no_grad():
+        beams = dict(max_new_tokens=12, num_beams=3, num_return_sequences=2, do_sample=False, attention_mask=mask)
+        assert torch.equal(ours.generate(prompt, **beams), ref.generate(prompt, **beams))
+        greedy = dict(max_new_tokens=16, do_sample=False, attention_mask=mask[:1])
+        expected = ref.generate(prompt[:1], **greedy)
+        assert torch.equal(ours.generate(prompt[:1], prompt_lookup_num_tokens=3, **greedy), expected)
+        assert torch.equal(ours.generate(prompt[:1], cache_implementation="static", **greedy), expected)
+
+
+@pytest.mark.parametrize("reference", ["v2", "v3"])
+def test_export_round_trip(reference, tmp_path):
+    torch.manual_seed(0)
+    ref = _scramble(REFERENCES[reference](q_lora_rank=12, rope_parameters=dict(DEEPSEEK_YARN)))
+    ref.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "ours", progress=False)
+    export(tmp_path / "ours", tmp_path / "back", family=f"deepseek_{reference}", progress=False)
+    back = type(ref).from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_conversion_refuses_mixture_of_experts():
+    src = DeepseekV3Config(**{**DEEPSEEK, "first_k_dense_replace": 1}, n_group=1, topk_group=1)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        get_family("deepseek_v3").to_contract(src)
