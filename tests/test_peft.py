@@ -79,6 +79,30 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
         torch.testing.assert_close(merged(ids).logits, adapted, rtol=1e-5, atol=1e-5)
 
 
+MLA_TARGETS = TARGETS + ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]  # DeepSeek's names
+
+
+def test_lora_on_mla_low_rank_projections(tmp_path):
+    config = preset_config("llama", tiny=True, attention_type="mla", q_lora_rank=32, kv_lora_rank=16,
+                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    base = ModularDecoderForCausalLM(config).eval()
+    base.save_pretrained(tmp_path / "base")
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=MLA_TARGETS)).eval()
+    wrapped = {name.rsplit(".", 1)[-1] for name, module in peft_model.named_modules() if hasattr(module, "lora_A")}
+    assert wrapped == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"}
+    _perturb_adapter(peft_model)
+    ids = _counting_batch(2, 12)
+    with torch.no_grad():
+        adapted = peft_model(input_ids=ids).logits
+        peft_model.save_pretrained(tmp_path / "adapter")
+        fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()
+        assert (fresh(ids).logits - adapted).abs().max() > 1e-3
+        reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, rtol=0, atol=0)
+        torch.testing.assert_close(reloaded.merge_and_unload()(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
 def _llama_twin(model: ModularDecoderForCausalLM) -> LlamaForCausalLM:
     """transformers' Llama with the same weights as a tiny `llama` preset model."""
     c = model.config
