@@ -20,6 +20,7 @@ from .backends import check_backend, default_backend, takes_alibi_slopes
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .configuration_modular_decoder import ModularDecoderConfig
+from .mla import MultiHeadLatentAttention
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
 
@@ -42,7 +43,7 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
-    _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": StandardAttention}
+    _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": [StandardAttention, MultiHeadLatentAttention]}
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
         """Default to SDPA only where it can honour the contract; refuse a backend that cannot."""
