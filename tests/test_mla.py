@@ -286,3 +286,18 @@ def test_conversion_refuses_mixture_of_experts():
     src = DeepseekV3Config(**{**DEEPSEEK, "first_k_dense_replace": 1}, n_group=1, topk_group=1)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         get_family("deepseek_v3").to_contract(src)
+
+
+def test_output_attentions_from_both_paths():
+    model = _model(_config())
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    weights = {}
+    for mode in ("expanded", "absorbed"):
+        set_decode_mode(model, mode)
+        with torch.no_grad():
+            weights[mode] = model(ids, output_attentions=True).attentions
+    assert len(weights["absorbed"]) == model.config.num_hidden_layers
+    for a, b in zip(weights["expanded"], weights["absorbed"]):
+        assert a.shape == (2, 4, 8, 8)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a.sum(-1), torch.ones(2, 4, 8), rtol=0, atol=1e-5)
