@@ -1,0 +1,180 @@
+"""GPU checks for the attention backends: each backend against eager, in fp32 and bf16, on plain,
+left-padded and packed batches for every attention variant; then prefill timings at 4k and 16k
+tokens. Not collected by pytest (no `test_` prefix) and not run in CI: it needs CUDA.
+
+    python tests/gpu/run_gpu_checks.py            # about 5-8 minutes on one H200, no network
+    python tests/gpu/run_gpu_checks.py --quick    # parity only, no timings
+
+Flash backends run only where their package is importable (flash-attn 2: `flash_attn`; 3:
+`flash_attn_interface`; 4: `flash_attn.cute`, installable offline from carried wheels). Flash
+kernels take fp16/bf16 only, so their fp32 rows are skipped. Exit status 1 if any difference is
+above its tolerance: fp32 max|Δlogit| <= 1e-3 (TF32 off), bf16 max|Δlogit| <= 0.05·max|logit|
+plus agreement of the greedy next token on >= 97% of positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from backend_cases import VARIANTS  # noqa: E402
+from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available  # noqa: E402
+
+from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM  # noqa: E402
+from modular_decoder.backends import missing_features  # noqa: E402
+
+BACKENDS = {
+    "sdpa": True,
+    "flex_attention": True,
+    "flash_attention_2": is_flash_attn_2_available(),
+    "flash_attention_3": is_flash_attn_3_available(),
+    "flash_attention_4": is_flash_attn_4_available(),
+}
+# Parity model: small but with realistic head sizes (d_h 64) and lengths past the flex block size.
+PARITY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              head_dim=64, max_position_embeddings=4096, position_embedding_type="rope",
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+# MLA in the parity model: 64 + 32 wide q/k, 64 wide v
+MLA = dict(attention_type="mla", kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
+# Timing model: a 1B-class layer shape, GQA 16/4, 4 layers (prefill time is per layer anyway).
+TIMING = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=16384,
+              position_embedding_type="rope", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def config_for(variant: str, base: dict) -> ModularDecoderConfig:
+    fields = dict(base)
+    fields.update(MLA if variant == "mla" else VARIANTS[variant])
+    if variant == "mla":
+        fields.pop("head_dim", None)
+    if "sliding_window" in fields:
+        fields["sliding_window"] = 64
+    if fields.get("rope_parameters") is None:
+        fields.pop("rope_parameters")
+    return ModularDecoderConfig(**fields)
+
+
+def build(config, backend: str, dtype) -> ModularDecoderForCausalLM:
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM._from_config(config, attn_implementation="eager", dtype=dtype)
+    model = model.cuda().eval()
+    if backend != "eager":
+        model.set_attn_implementation(backend)  # the real load-time path, kernel lookup included
+    return model
+
+
+def batches(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    plain = dict(input_ids=torch.randint(0, vocab, (2, 300), generator=g))
+    ids = torch.randint(1, vocab, (2, 300), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :120] = 0  # left padding
+    padded = dict(input_ids=ids, attention_mask=mask)
+    lengths = [130, 70, 200]
+    packed = dict(input_ids=torch.randint(0, vocab, (1, sum(lengths)), generator=g),
+                  position_ids=torch.cat([torch.arange(n) for n in lengths])[None])
+    return {"plain": plain, "padded": padded, "packed": packed}
+
+
+@torch.no_grad()
+def parity() -> bool:
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ok = True
+    print(f"{'variant':18} {'backend':18} {'dtype':9} {'batch':7} {'max|d|':>10} {'rel':>8} {'argmax':>7}  verdict")
+    for variant in VARIANTS:
+        config = config_for(variant, PARITY)
+        for dtype in (torch.float32, torch.bfloat16):
+            eager = build(config, "eager", dtype)
+            data = batches(config.vocab_size)
+            reference = {}
+            for name, inputs in data.items():
+                inputs = {k: v.cuda() for k, v in inputs.items()}
+                reference[name] = eager(**inputs, use_cache=False).logits.float()
+            for backend, available in BACKENDS.items():
+                status = None
+                if not available:
+                    status = "not installed"
+                elif missing_features(config, backend):
+                    status = "refused at load (declared)"
+                elif backend.startswith("flash") and dtype == torch.float32:
+                    status = "fp32 not taken by flash kernels"
+                if status:
+                    print(f"{variant:18} {backend:18} {str(dtype)[6:]:9} {'-':7} {'':>10} {'':>8} {'':>7}  {status}")
+                    continue
+                model = build(config, backend, dtype)
+                for name, inputs in data.items():
+                    inputs = {k: v.cuda() for k, v in inputs.items()}
+                    got = model(**inputs, use_cache=False).logits.float()
+                    want = reference[name]
+                    keep = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones(
+                        got.shape[:2], dtype=torch.bool, device=got.device)
+                    diff = (got - want).abs()[keep].max().item()
+                    rel = diff / want[keep].abs().max().item()
+                    agree = (got.argmax(-1) == want.argmax(-1))[keep].float().mean().item()
+                    good = diff <= 1e-3 if dtype == torch.float32 else (rel <= 0.05 and agree >= 0.97)
+                    ok &= good
+                    print(f"{variant:18} {backend:18} {str(dtype)[6:]:9} {name:7} {diff:10.2e} {rel:8.1e} "
+                          f"{agree:7.3f}  {'ok' if good else 'FAIL'}")
+                del model
+            del eager
+            torch.cuda.empty_cache()
+    return ok
+
+
+@torch.no_grad()
+def timings() -> None:
+    config = config_for("gqa", TIMING)
+    config.num_key_value_heads = 4
+    print("\nprefill, bf16, batch 1, 4 layers of d=2048 H=16/4 d_h=128 (median of 5 after 2 warm-ups)")
+    print(f"{'backend':18} {'tokens':>7} {'ms':>9} {'tok/s':>10} {'peak GiB':>9}")
+    for backend, available in {"eager": True, **BACKENDS}.items():
+        if not available:
+            continue
+        model = build(config, backend, torch.bfloat16)
+        for tokens in (4096, 16384):
+            ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")
+            try:
+                for _ in range(2):
+                    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                times = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                ms = sorted(times)[2] * 1000
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                print(f"{backend:18} {tokens:7d} {ms:9.1f} {tokens / ms * 1000:10.0f} {peak:9.1f}")
+            except torch.OutOfMemoryError:
+                print(f"{backend:18} {tokens:7d}  out of memory")
+                torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="parity only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device; these checks need a GPU.")
+        return 0
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, {k: v for k, v in BACKENDS.items()})
+    ok = parity()
+    if not args.quick:
+        timings()
+    print("\nALL OK" if ok else "\nSOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
