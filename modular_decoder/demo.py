@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.force or not (args.out / "config.json").exists():
         start = time.perf_counter()
-        convert(bundled_smollm2(), args.out, gguf_file=GGUF_NAME, force=args.force)
+        convert(bundled_smollm2(), args.out, gguf_file=GGUF_NAME, force=args.force,
+                base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
         print(f"converted {GGUF_NAME} -> {args.out} in {time.perf_counter() - start:.1f} s")
     model = AutoModelForCausalLM.from_pretrained(args.out).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.out)

@@ -185,3 +185,16 @@ def test_gemma3_gguf_matches_transformers_gemma3(tmp_path):
     expected = reference.generate(ids, max_new_tokens=8, do_sample=False)
     got = ours.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, expected), (tokenizer.decode(got[0]), tokenizer.decode(expected[0]))
+
+
+def test_converted_folder_carries_a_model_card(llama_dir, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from modular_decoder import parameter_count
+
+    out = convert(llama_dir, tmp_path / "out", progress=False, base_model="meta-llama/Llama-2-7b-hf")
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "meta-llama/Llama-2-7b-hf"
+    assert card.data.library_name == "transformers"
+    config = AutoModelForCausalLM.from_pretrained(out).config
+    assert f"{parameter_count(config)['total']:,}" in card.text

@@ -46,6 +46,6 @@ def get_family(name: str) -> Family:
     return importlib.import_module(FAMILIES[name]).FAMILY
 
 
-from .api import convert, export, verify  # noqa: E402
+from .api import compare_with_source, convert, export  # noqa: E402
 
-__all__ = ["FAMILIES", "get_family", "convert", "export", "verify"]
+__all__ = ["FAMILIES", "get_family", "convert", "export", "compare_with_source"]

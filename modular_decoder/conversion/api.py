@@ -86,17 +86,20 @@ def convert(
     verify: bool = False,
     allow_bin: bool = False,
     progress: bool = True,
+    base_model: str | None = None,
 ) -> Path:
     """Convert a Hugging Face folder (or a GGUF file in `src_dir`) into a modular_decoder folder.
 
     The output is written to a temporary folder next to `out_dir` and moved into place only when
     complete; an existing `out_dir` is left alone unless `force`. Tokenizer files, chat template and
-    generation config come along. With `verify`, the source model (transformers' own class) runs
+    generation config come along, and a model card (`README.md`) with the contract table naming
+    `base_model` (a Hub id) when given. With `verify`, the source model (transformers' own class) runs
     beside the converted one and the largest logit difference is printed. Returns `out_dir`.
     """
     from tqdm.auto import tqdm
 
     from .. import ModularDecoderConfig, ModularDecoderForCausalLM
+    from ..cards import render_model_card
 
     src, out = Path(src_dir), Path(out_dir)
     if out.exists() and not force:
@@ -129,8 +132,9 @@ def convert(
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         copy_side_files(src, tmp)
+        (tmp / "README.md").write_text(render_model_card(cfg, base_model=base_model))
     if verify:
-        diff = globals()["verify"](src, out, gguf_file=gguf_file)
+        diff = compare_with_source(src, out, gguf_file=gguf_file)
         print(f"largest logit difference (source vs converted, fp32): {diff:.3e}")
     return out
 
@@ -189,7 +193,7 @@ def _check_round_trip(cfg, back, family: str) -> None:
 
 
 @torch.no_grad()
-def verify(src_dir, converted_dir, gguf_file: str | None = None, prompt: str = VERIFY_PROMPT) -> float:
+def compare_with_source(src_dir, converted_dir, gguf_file: str | None = None, prompt: str = VERIFY_PROMPT) -> float:
     """Largest |logit| difference between the source (transformers' own class) and the converted model
     on a fixed prompt, both in fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="run the source model beside the converted one and print the largest logit difference")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--base-model", default=None,
+                        help="Hub id of the source checkpoint, recorded as `base_model` in the model card")
     parser.add_argument("--allow-bin", action="store_true",
                         help="read legacy pytorch_model*.bin weights (unpickling: only for trusted sources)")
 
@@ -24,6 +26,6 @@ def run(args: argparse.Namespace) -> int:
     from .api import convert
 
     out = convert(args.src, args.out, gguf_file=args.gguf_file, dtype=args.dtype, force=args.force,
-                  verify=args.verify, allow_bin=args.allow_bin)
+                  verify=args.verify, allow_bin=args.allow_bin, base_model=args.base_model)
     print(f"wrote {out}")
     return 0
