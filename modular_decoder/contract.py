@@ -144,7 +144,7 @@ def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bflo
 
     names = [f.name for f in dataclasses.fields(_Config) if f.name not in _NON_CONTRACT]
     rows = ["| field | value |", "| --- | --- |"]
-    rows += [f"| `{name}` | `{getattr(config, name)!r}` |" for name in names]
+    rows += [f"| `{name}` | {_render(name, getattr(config, name))} |" for name in names]
     params = parameter_count(config)
     rows += ["", "| component | parameters |", "| --- | ---: |"]
     rows += [f"| {name} | {count:,} |" for name, count in params.items()]
@@ -153,6 +153,16 @@ def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bflo
     for context in (4096, 32768, 131072):
         rows.append(f"| at {context // 1024}k context | {cache_bytes(config, context, 1, dtype):,} |")
     return "\n".join(rows)
+
+
+def _render(name: str, value) -> str:
+    """A table cell; `layer_types` as counts and a one-letter pattern (F: full, S: sliding)."""
+    if name == "layer_types":
+        if len(set(value)) == 1:
+            return f"{len(value)} × `{value[0]}`"
+        pattern = "".join("S" if t == "sliding_attention" else "F" for t in value)
+        return f"`{pattern}` (S: sliding_attention, F: full_attention)"
+    return f"`{value!r}`"
 
 
 _NON_CONTRACT = {
