@@ -219,9 +219,12 @@ REFERENCES = {
 }
 
 
-@pytest.mark.parametrize("yarn", [False, True], ids=["rope", "yarn"])
-@pytest.mark.parametrize("q_lora_rank", [None, 12], ids=["q_direct", "q_lora"])
-@pytest.mark.parametrize("reference", list(REFERENCES))
+# V2 and V3 with and without the query bottleneck and YaRN; V3's halves layout once with both.
+PARITY = [(ref, q, yarn) for ref in ("v2", "v3") for q in (None, 12) for yarn in (False, True)] + [("v3_halves", 12, True)]
+
+
+@pytest.mark.parametrize("reference, q_lora_rank, yarn", PARITY,
+                         ids=[f"{r}-q{q}-{'yarn' if y else 'rope'}" for r, q, y in PARITY])
 def test_parity_with_deepseek(reference, q_lora_rank, yarn, tmp_path):
     torch.manual_seed(0)
     rope = dict(DEEPSEEK_YARN) if yarn else None
