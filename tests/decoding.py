@@ -9,7 +9,6 @@ from modular_decoder import ModularDecoderForCausalLM, preset_config
 # Presets covering every position scheme and layer kind: rope (llama), learned (gpt2), alibi
 # (bloom), all-sliding (mistral) and alternating local/global with soft-caps (gemma2).
 PRESETS = ["llama", "gpt2", "bloom", "mistral", "gemma2"]
-SLIDING_PRESETS = ["mistral", "gemma2"]
 
 
 def tiny_model(name: str, seed: int = 0, **overrides) -> ModularDecoderForCausalLM:
