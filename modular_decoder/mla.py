@@ -117,7 +117,9 @@ class MultiHeadLatentAttention(nn.Module):
         k_rot = apply_rotary(k_rot, cos, sin, self.interleaved)
         if cache is not None:
             latents, k_rot = cache.update(latents, k_rot, self.layer_idx)
-        if self._absorb(seq, latents.shape[-2]):
+        # The absorbed path masks scores itself, so it takes tensor masks only (flex's BlockMask
+        # goes through the backend on the expanded path).
+        if self._absorb(seq, latents.shape[-2]) and (attention_mask is None or torch.is_tensor(attention_mask)):
             out, weights = self.absorbed_attention(q_nope, q_rot, latents, k_rot, attention_mask)
         else:
             out, weights = self.expanded_attention(q_nope, q_rot, latents, k_rot, attention_mask, **kwargs)
@@ -172,7 +174,7 @@ class MultiHeadLatentAttention(nn.Module):
         ).view(batch, heads, q_len, kv_len) * self.scaling  # (B, H, T, S)
         if self.softcap is not None:
             scores = self.softcap * torch.tanh(scores / self.softcap)
-        scores = _mask_scores(scores, attention_mask)
+        scores = _mask_scores(scores, attention_mask, self.sliding_window)
         probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
         probs = nn.functional.dropout(probs, p=self.config.attention_dropout, training=self.training)
         out_latent = probs.view(batch, heads * q_len, kv_len) @ cache_latents  # (B, H·T, d_c)
@@ -180,15 +182,28 @@ class MultiHeadLatentAttention(nn.Module):
         return out, probs
 
 
-def _mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Apply a boolean (keep) or additive mask. `None` means what it means to sdpa, for which
-    transformers skips building masks: one query sees every key; several are causal aligned at the
-    first key (torch's `is_causal`), which is also right for a prefill into an empty static cache."""
+def _mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None, sliding_window: int | None = None):
+    """Apply a boolean (keep) or additive 4-D mask, or the 2-D padding mask the flash backends get.
+
+    `None` means what it means to sdpa, for which transformers skips building masks: one query
+    sees every key; several are causal aligned at the first key (torch's `is_causal`), which is
+    also right for a prefill into an empty static cache. A 2-D (B, S) padding mask carries no
+    causal structure, so it is combined with the flash kernels' own rule: causal aligned at the
+    bottom-right corner, and the window on sliding layers.
+    """
     q_len, kv_len = scores.shape[-2:]
     if attention_mask is None:
         if q_len == 1:
             return scores
         keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril()
+        return scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+    if attention_mask.dim() == 2:
+        query = torch.arange(q_len, device=scores.device)[:, None] + (kv_len - q_len)
+        key = torch.arange(kv_len, device=scores.device)[None, :]
+        keep = key <= query
+        if sliding_window is not None:
+            keep = keep & (key > query - sliding_window)
+        keep = keep[None, None] & attention_mask[:, None, None, -kv_len:].bool()  # (B, 1, T, S)
         return scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     attention_mask = attention_mask[..., :kv_len]
     if attention_mask.dtype == torch.bool:

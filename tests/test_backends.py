@@ -143,7 +143,7 @@ def test_flash_alibi_refuses_a_kernel_without_slopes(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("variant", ["gqa", "sliding_mixed", "alibi_gqa_sliding", "softcap_scale"])
+@pytest.mark.parametrize("variant", ["gqa", "sliding_mixed", "alibi_gqa_sliding", "softcap_scale", "mla"])
 def test_cached_decoding_matches_eager(variant, backend, kernels):
     """Prefill a left-padded batch, then decode step by step through the cache: the per-step logits
     (queries bottom-right aligned against a growing, then sliding, cache) equal eager's."""
