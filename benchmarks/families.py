@@ -1,0 +1,102 @@
+"""The model pairs the suite measures: transformers' own class and ours with the same weights.
+
+Each entry builds the reference with transformers (random weights at a small-but-real shape, or
+the real SmolLM2 checkpoint for `llama`), converts it with `modular_decoder.conversion.convert`
+(the production path) and loads the result with `AutoModelForCausalLM`. `quick=True` gives tiny
+shapes for a smoke test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+import modular_decoder  # noqa: F401  (registers the family with the Auto classes)
+from modular_decoder.conversion import convert
+from modular_decoder.demo import GGUF_NAME, bundled_smollm2
+
+# Tiny shapes for --quick (hidden 64, 2 layers, vocab 128)
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=1024)
+
+
+def _llama_config(quick: bool):
+    return tf.LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def _gpt2_config(quick: bool):
+    if quick:
+        return tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=1024)
+    # distilgpt2's shape (82M parameters)
+    return tf.GPT2Config(vocab_size=50257, n_embd=768, n_layer=6, n_head=12, n_positions=1024)
+
+
+def _gpt_neox_config(quick: bool):
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    if quick:
+        return tf.GPTNeoXConfig(**TINY, rope_parameters=rope)
+    # pythia-70m's shape
+    return tf.GPTNeoXConfig(vocab_size=50304, hidden_size=512, intermediate_size=2048, num_hidden_layers=6,
+                            num_attention_heads=8, max_position_embeddings=2048, rope_parameters=rope)
+
+
+def _gemma2_config(quick: bool):
+    # Gemma 2's structure (sandwich norms, alternating sliding/global layers, soft-caps) at a small
+    # width: the smallest published Gemma 2 (2B) is too slow for a CPU suite.
+    if quick:
+        return tf.Gemma2Config(**TINY, num_key_value_heads=2, head_dim=16, sliding_window=16, query_pre_attn_scalar=16)
+    return tf.Gemma2Config(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=6,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=64, sliding_window=256,
+                           query_pre_attn_scalar=64, max_position_embeddings=4096)
+
+
+def _deepseek_v3_config(quick: bool):
+    # DeepSeek-V3's MLA (q and kv low-rank, interleaved rotary part) with dense layers only.
+    if quick:
+        sizes = dict(**TINY, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+        layers = TINY["num_hidden_layers"]
+    else:
+        sizes = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                     num_attention_heads=8, max_position_embeddings=4096, q_lora_rank=256, kv_lora_rank=128,
+                     qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64)
+        layers = 6
+    return tf.DeepseekV3Config(**sizes, num_key_value_heads=sizes["num_attention_heads"],
+                               first_k_dense_replace=layers, n_routed_experts=0, rms_norm_eps=1e-6)
+
+
+CONFIGS: dict[str, Callable] = {
+    "llama": _llama_config,
+    "gpt2": _gpt2_config,
+    "gpt_neox": _gpt_neox_config,
+    "gemma2": _gemma2_config,
+    "deepseek_v3": _deepseek_v3_config,
+}
+LABELS = {
+    "llama": "SmolLM2-135M (real, GGUF Q4_1 -> fp32)",
+    "gpt2": "distilgpt2 shape (random)",
+    "gpt_neox": "pythia-70m shape (random)",
+    "gemma2": "Gemma 2 structure, d=512 x 6 (random)",
+    "deepseek_v3": "DeepSeek-V3 MLA dense, d=512 x 6 (random)",
+}
+
+
+def build_pair(name: str, folder: Path, quick: bool) -> tuple[torch.nn.Module, torch.nn.Module, str]:
+    """(transformers' model, ours, label), both fp32 in eval mode, same weights."""
+    folder = Path(folder)
+    if name == "llama" and not quick:
+        source, gguf = bundled_smollm2(), GGUF_NAME
+        reference = tf.AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+        convert(source, folder / "ours", gguf_file=gguf, progress=False)
+        label = LABELS[name]
+    else:
+        torch.manual_seed(0)
+        config = CONFIGS[name](quick)
+        reference = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        reference.save_pretrained(folder / "hf")
+        convert(folder / "hf", folder / "ours", progress=False)
+        label = "tiny (random)" if quick else LABELS[name]
+    ours = tf.AutoModelForCausalLM.from_pretrained(folder / "ours", dtype=torch.float32)
+    return reference.eval(), ours.eval(), label
