@@ -2,7 +2,7 @@
 
 Implementations (`LAYER_KINDS`), each mapping `config.layer_types` to layers:
 
-- `"dynamic"`: full K/V that grows, and for sliding layers the last `sliding_window - 1` tokens
+- `"dynamic"`: full K/V that grows (into doubling pre-allocated storage, `growing_cache.py`), and for sliding layers the last `sliding_window - 1` tokens
   (as Mistral and Gemma local layers need);
 - `"static"`: K/V pre-allocated for `max_cache_len` tokens (a ring of `sliding_window` slots for
   sliding layers), for `torch.compile`;
@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import (
     Cache,
-    DynamicLayer,
     DynamicSlidingWindowLayer,
     StaticLayer,
     StaticSlidingWindowLayer,
 )
 
+from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .latent_cache import latent_layer
 
@@ -44,7 +44,7 @@ def _dynamic_layer(config, layer_type: str, max_cache_len: int | None):
         return latent_layer(layer_type, "dynamic", config)
     if layer_type == "sliding_attention":
         return DynamicSlidingWindowLayer(sliding_window=config.sliding_window)
-    return DynamicLayer()
+    return GrowingLayer()  # DynamicLayer's semantics without a torch.cat per step
 
 
 def _static_layer(config, layer_type: str, max_cache_len: int | None):
@@ -118,7 +118,8 @@ class ModularDecoderCache(Cache):
     def allocated_bytes(self) -> int:
         """Bytes reserved by the cache tensors, used or not."""
         return sum(
-            sum(_tensor_bytes(t) for t in _layer_tensors(layer))
+            sum(_tensor_bytes(t) for t in (layer.allocated_tensors() if hasattr(layer, "allocated_tensors")
+                                           else _layer_tensors(layer)))
             for layer in self.layers
             if getattr(layer, "is_initialized", False)
         )
