@@ -25,10 +25,14 @@ from pathlib import Path
 import torch
 import transformers
 
+from modular_decoder.layout import decode_layout, standard_layout
+
 from .families import CONFIGS, build_pair
 from .measure import bytes_read_per_step, copy_bandwidth, decode, prefill
 
-MODELS = ("transformers", "ours")
+# "ours, decode layout" is the same model object after `modular_decoder.layout.decode_layout`
+# (wide weights column-major), switched on and off around its measurements.
+MODELS = ("transformers", "ours", "ours, decode layout")
 # metric key -> (row label, higher is better)
 ROWS = {
     "prefill_1": ("prefill 1x{P} tok/s", True),
@@ -47,16 +51,17 @@ def measure_family(reference, ours, args) -> dict:
     generator = torch.Generator().manual_seed(1)
     long = torch.randint(0, vocab, (4, args.prefill), generator=generator)
     short = torch.randint(0, vocab, (args.decode_batch, args.prompt), generator=generator)
-    models = {"transformers": reference, "ours": ours}
+    models = {"transformers": reference, "ours": ours, "ours, decode layout": ours}
     values = {key: {name: [] for name in MODELS} for key in ROWS}
     with torch.inference_mode():
-        for model in models.values():  # warm-up: first-call allocations, lazy inits
+        for model in (reference, ours):  # warm-up: first-call allocations, lazy inits
             prefill(model, long[:1, :32])
             decode(model, short[:1], 4)
         for repeat in range(args.repeats):
             order = MODELS if repeat % 2 == 0 else MODELS[::-1]
             for name in order:
                 model = models[name]
+                (decode_layout if name == "ours, decode layout" else standard_layout)(ours)
                 values["prefill_1"][name].append(prefill(model, long[:1])["tokens_per_s"])
                 values["prefill_4"][name].append(prefill(model, long)["tokens_per_s"])
                 one = decode(model, short[:1], args.new_tokens)
@@ -75,7 +80,7 @@ def summarise(values: dict) -> dict:
         row = {name: {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
                for name, v in per_model.items()}
         ref = row["transformers"]["median"]
-        row["ratio"] = row["ours"]["median"] / ref if ref else float("nan")
+        row["ratio"] = {name: row[name]["median"] / ref if ref else float("nan") for name in MODELS[1:]}
         out[key] = row
     return out
 
@@ -87,8 +92,8 @@ def _cell(stats: dict) -> str:
 
 def table(results: dict, args) -> str:
     lines = [
-        "| family | metric | transformers | ours | ours / transformers |",
-        "|---|---|---:|---:|---:|",
+        "| family | metric | transformers | ours | ours, decode layout | ratio | ratio, decode layout |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for family, result in results["families"].items():
         first = True
@@ -97,11 +102,12 @@ def table(results: dict, args) -> str:
             name = f"**{family}** ({result['label']}, {result['params_m']:.0f}M)" if first else ""
             first = False
             lines.append(f"| {name} | {label.format(P=args.prefill, B=args.decode_batch)} | "
-                         f"{_cell(row['transformers'])} | {_cell(row['ours'])} | {row['ratio']:.2f} |")
+                         + " | ".join(_cell(row[name]) for name in MODELS) + " | "
+                         + " | ".join(f"{row['ratio'][name]:.2f}" for name in MODELS[1:]) + " |")
         bound = result["roofline_b1_tok_s"]
-        lines.append(f"| | b1 roofline tok/s ({result['step_mb']:.0f} MB/step) | "
-                     f"{100 * result['metrics']['decode_1']['transformers']['median'] / bound:.0f}% | "
-                     f"{100 * result['metrics']['decode_1']['ours']['median'] / bound:.0f}% | {bound:.1f} |")
+        shares = " | ".join(f"{100 * result['metrics']['decode_1'][name]['median'] / bound:.0f}% of it"
+                            for name in MODELS)
+        lines.append(f"| | b1 roofline {bound:.1f} tok/s ({result['step_mb']:.0f} MB/step) | {shares} | | |")
     return "\n".join(lines)
 
 

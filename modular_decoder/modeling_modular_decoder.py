@@ -20,6 +20,7 @@ from .backends import check_backend, default_backend, takes_alibi_slopes
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .configuration_modular_decoder import ModularDecoderConfig
+from .layout import decode_layout, standard_layout
 from .mla import MultiHeadLatentAttention
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
@@ -63,7 +64,13 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
             "AutoModel": f"{module}.ModularDecoderModel",
             "AutoModelForCausalLM": f"{module}.ModularDecoderForCausalLM",
         }
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        # transformers' save flattens tensors with `view`: undo `decode_layout` for the save only
+        relaid = standard_layout(self)
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            if relaid:
+                decode_layout(self)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -137,8 +144,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if self.gradient_checkpointing and self.training:
             use_cache = False
         if inputs_embeds is None:
-            self._check_token_ids(input_ids)
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self._embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = ModularDecoderCache(self.config)
         past_seen = cache.get_seq_length() if cache is not None else 0
@@ -182,9 +188,25 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = self.final_norm(hidden)
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
 
+    def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; an id outside the vocabulary raises a `ValueError` naming it.
+
+        On CPU the embedding's own bounds check catches such ids, so the range is read only on the
+        error path (no extra pass and host sync per decode step); on accelerators a bad id is a
+        device-side assert, so the range is checked first there (not while compiling).
+        """
+        if input_ids.device.type == "cpu":
+            try:
+                return self.embed_tokens(input_ids)
+            except IndexError:
+                self._check_token_ids(input_ids)
+                raise
+        if not torch.compiler.is_compiling():
+            self._check_token_ids(input_ids)
+        return self.embed_tokens(input_ids)
+
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
-        # One host sync per call; skipped under compilation where it would break the graph.
-        if torch.compiler.is_compiling() or input_ids.numel() == 0:
+        if input_ids.numel() == 0:
             return
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= self.config.vocab_size:
