@@ -99,7 +99,8 @@ def table(results: dict, args) -> str:
         first = True
         for key, (label, _) in ROWS.items():
             row = result["metrics"][key]
-            name = f"**{family}** ({result['label']}, {result['params_m']:.0f}M)" if first else ""
+            backends = "/".join(sorted(set(result["attn_implementation"].values())))
+            name = f"**{family}** ({result['label']}, {result['params_m']:.0f}M, {backends})" if first else ""
             first = False
             lines.append(f"| {name} | {label.format(P=args.prefill, B=args.decode_batch)} | "
                          + " | ".join(_cell(row[name]) for name in MODELS) + " | "
@@ -146,10 +147,12 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             reference, ours, label = build_pair(family, Path(tmp), args.quick)
             step_bytes = bytes_read_per_step(ours)
+            params_m = sum(p.numel() for p in ours.parameters()) / 1e6
+            backends = {"transformers": reference.config._attn_implementation, "ours": ours.config._attn_implementation}
             metrics = summarise(measure_family(reference, ours, args))
         del reference, ours
         results["families"][family] = {
-            "label": label, "params_m": step_bytes / 4e6, "step_mb": step_bytes / 1e6,
+            "label": label, "attn_implementation": backends, "params_m": params_m, "step_mb": step_bytes / 1e6,
             "roofline_b1_tok_s": bandwidth / step_bytes, "metrics": metrics,
             "seconds": time.perf_counter() - start, "load_average": os.getloadavg(),
         }
