@@ -75,7 +75,7 @@ def main() -> None:
                           args.repeats)
     ref, mine = results["transformers"], results["modular_decoder"]
     print(f"{'':22}{'transformers':>14}{'modular_decoder':>17}{'ratio':>8}")
-    for key, label in (("prefill", f"prefill 1x{args.prefill} tok/s"), ("decode", f"greedy decode tok/s")):
+    for key, label in (("prefill", f"prefill 1x{args.prefill} tok/s"), ("decode", "greedy decode tok/s")):
         print(f"{label:22}{ref[key]:14.1f}{mine[key]:17.1f}{mine[key] / ref[key]:8.2f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -29,7 +29,7 @@ def test_template_is_committed():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_card(name):
     committed = (CARDS / f"{name}.md").read_text()
-    assert committed == preset_card(name), f"stale card: run `python -m modular_decoder.cards model_cards`"
+    assert committed == preset_card(name), "stale card: run `python -m modular_decoder.cards model_cards`"
 
     card = ModelCard(committed)
     meta = card.data.to_dict()

@@ -16,12 +16,7 @@ REFERENCES = {"post": ("openai-gpt", transformers.OpenAIGPTLMHeadModel),
               "pre": ("gpt2", transformers.GPT2LMHeadModel)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("init", ["normal", "xavier"])

@@ -2,7 +2,6 @@
 absorbed vs expanded scores, the latent cache's bytes, generate() strategies, and parity with
 transformers' DeepSeek-V2 / V3 through the conversion package."""
 
-import math
 
 import pytest
 import torch

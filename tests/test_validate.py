@@ -14,13 +14,7 @@ from modular_decoder.cli import main
 from modular_decoder.validate import CHECKS, validate
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models gain nothing from threads, and lose a lot on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

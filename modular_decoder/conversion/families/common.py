@@ -44,18 +44,22 @@ def norm(src: str, dst: str) -> list[Rule]:
     return [rule(f"{src}.weight", f"{dst}.weight"), rule(f"{src}.bias", f"{dst}.bias", optional=True)]
 
 
-def llama_rules(norms: dict[str, str], qk_norm: bool = False) -> list[Rule]:
-    """The `model.layers.{layer}.self_attn.q_proj` layout shared by Llama, Mistral, Qwen, Gemma and OLMo 2.
+def llama_rules(norms: dict[str, str], qk_norm: bool = False, attention: list[Rule] | None = None) -> list[Rule]:
+    """The `model.layers.{layer}.self_attn.q_proj` layout shared by Llama, Mistral, Qwen, Gemma, OLMo 2
+    and (with its own `attention` rules) DeepSeek.
 
     `norms` maps each source block norm to the contract's norm named by where it sits.
     """
     src, dst = "model.layers.{layer}", "model.layers.{layer}"
     rules = [rule("model.embed_tokens.weight", "model.embed_tokens.weight")]
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        rules += linear(f"{src}.self_attn.{proj}", f"{dst}.self_attn.{proj}")
-    if qk_norm:
-        rules += norm(f"{src}.self_attn.q_norm", f"{dst}.self_attn.qk_norm.q_norm")
-        rules += norm(f"{src}.self_attn.k_norm", f"{dst}.self_attn.qk_norm.k_norm")
+    if attention is None:
+        attention = []
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            attention += linear(f"{src}.self_attn.{proj}", f"{dst}.self_attn.{proj}")
+        if qk_norm:
+            attention += norm(f"{src}.self_attn.q_norm", f"{dst}.self_attn.qk_norm.q_norm")
+            attention += norm(f"{src}.self_attn.k_norm", f"{dst}.self_attn.qk_norm.k_norm")
+    rules += attention
     for proj in ("gate_proj", "up_proj", "down_proj"):
         rules += linear(f"{src}.mlp.{proj}", f"{dst}.mlp.{proj}")
     for name, ours in norms.items():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from transformers import DeepseekV2Config
 
 from ..core import Family, Rule, refuse
-from .common import PRE_NORMS, linear, norm, rope, source_rope, source_sizes, sizes
+from .common import PRE_NORMS, linear, llama_rules, norm, rope, source_rope, source_sizes, sizes
 
 # transformers builds DeepSeek's latent norms (q_a_layernorm, kv_a_layernorm) with this fixed eps,
 # whereas the contract has one `norm_eps` for every norm.
@@ -60,23 +60,17 @@ def mla_source_fields(cfg) -> dict:
 
 
 def mla_rules(src) -> list[Rule]:
-    """`model.layers.{layer}.self_attn.kv_a_proj_with_mqa` etc.: the same names on both sides."""
-    layer = "model.layers.{layer}"
-    attn = f"{layer}.self_attn"
+    """`model.layers.{layer}.self_attn.kv_a_proj_with_mqa` etc.: the same names on both sides, in
+    the Llama-style layout for everything else."""
+    attn = "model.layers.{layer}.self_attn"
     q_parts = ["q_proj"] if src.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
-    rules = [Rule("model.embed_tokens.weight", "model.embed_tokens.weight")]
+    attention = []
     for proj in q_parts + ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]:
-        rules += linear(f"{attn}.{proj}", f"{attn}.{proj}")
+        attention += linear(f"{attn}.{proj}", f"{attn}.{proj}")
     if src.q_lora_rank is not None:
-        rules += norm(f"{attn}.q_a_layernorm", f"{attn}.q_a_layernorm")
-    rules += norm(f"{attn}.kv_a_layernorm", f"{attn}.kv_a_layernorm")
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        rules += linear(f"{layer}.mlp.{proj}", f"{layer}.mlp.{proj}")
-    for name, ours in PRE_NORMS.items():
-        rules += norm(f"{layer}.{name}", f"{layer}.{ours}")
-    rules += norm("model.norm", "model.final_norm")
-    rules.append(Rule("lm_head.weight", "lm_head.weight", optional=True))
-    return rules
+        attention += norm(f"{attn}.q_a_layernorm", f"{attn}.q_a_layernorm")
+    attention += norm(f"{attn}.kv_a_layernorm", f"{attn}.kv_a_layernorm")
+    return llama_rules(PRE_NORMS, attention=attention)
 
 
 def to_contract(src) -> dict:
