@@ -12,7 +12,9 @@ let `ModularDecoderCache.payload_bytes()` find it through `payload_tensors`.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+
+from .growing_cache import GrowingLayer
 
 
 class LatentLayerMixin:
@@ -41,8 +43,9 @@ class LatentLayerMixin:
         return super().update(latents, rope_keys, *args, **kwargs)
 
 
-class DynamicLatentLayer(LatentLayerMixin, DynamicLayer):
-    """Grows with every token (the default)."""
+class DynamicLatentLayer(LatentLayerMixin, GrowingLayer):
+    """Grows with every token (the default), into doubling storage: no copy of the whole latent
+    cache per decode step."""
 
 
 class DynamicSlidingLatentLayer(LatentLayerMixin, DynamicSlidingWindowLayer):
