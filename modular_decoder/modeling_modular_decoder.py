@@ -189,21 +189,8 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
 
     def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings; an id outside the vocabulary raises a `ValueError` naming it.
-
-        On CPU the embedding's own bounds check catches such ids, so the range is read only on the
-        error path (no extra pass and host sync per decode step); on accelerators a bad id is a
-        device-side assert, so the range is checked first there (not while compiling).
-        """
-        if input_ids.device.type == "cpu":
-            try:
-                return self.embed_tokens(input_ids)
-            except IndexError:
-                self._check_token_ids(input_ids)
-                raise
-        if not torch.compiler.is_compiling():
-            self._check_token_ids(input_ids)
-        return self.embed_tokens(input_ids)
+        """Token embeddings; an id outside the vocabulary raises a `ValueError` naming it."""
+        return _checked_lookup(self.embed_tokens, input_ids, self._check_token_ids)
 
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.numel() == 0:
@@ -212,6 +199,14 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if low < 0 or high >= self.config.vocab_size:
             raise ValueError(
                 f"`input_ids` must lie in [0, vocab_size={self.config.vocab_size}); got values in [{low}, {high}]."
+            )
+
+    def _check_positions(self, position_ids: torch.Tensor) -> None:
+        longest = int(position_ids.max())
+        if longest >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"Position {longest} is beyond the {self.config.max_position_embeddings} learned positions "
+                "(`max_position_embeddings`); shorten the input."
             )
 
     def _default_position_ids(self, inputs_embeds, attention_mask, past_seen: int) -> torch.Tensor:
@@ -227,14 +222,9 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if self.config.embedding_multiplier != 1.0:
             # Gemma rounds the multiplier to the activation dtype first
             hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
-        if self.embed_positions is not None:
-            if isinstance(self.embed_positions, LearnedPositions) and not torch.compiler.is_compiling():
-                longest = int(position_ids.max())
-                if longest >= self.config.max_position_embeddings:
-                    raise ValueError(
-                        f"Position {longest} is beyond the {self.config.max_position_embeddings} learned positions "
-                        "(`max_position_embeddings`); shorten the input."
-                    )
+        if isinstance(self.embed_positions, LearnedPositions):
+            hidden = hidden + _checked_lookup(self.embed_positions, position_ids, self._check_positions).to(hidden.dtype)
+        elif self.embed_positions is not None:
             hidden = hidden + self.embed_positions(position_ids).to(hidden.dtype)
         if self.embed_norm is not None:
             hidden = self.embed_norm(hidden)
@@ -257,6 +247,25 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 key_positions = torch.arange(kv_length, device=hidden.device) + kv_offset
                 kwargs[layer_type] = {"position_bias": self.alibi(query_positions, key_positions, hidden.dtype)}
         return kwargs
+
+
+def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor:
+    """`lookup(ids)` for an embedding table, with `check(ids)` turning an out-of-range id into a
+    `ValueError` that names the limit.
+
+    On CPU the table's own bounds error catches such ids, so the range is read only on the error
+    path (no extra pass and host sync per decode step); on accelerators a bad id is a device-side
+    assert, so the range is checked first there (not while compiling).
+    """
+    if ids.device.type == "cpu":
+        try:
+            return lookup(ids)
+        except IndexError:
+            check(ids)
+            raise
+    if not torch.compiler.is_compiling():
+        check(ids)
+    return lookup(ids)
 
 
 class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
