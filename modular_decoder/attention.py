@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .backends import attention_function
+from .layout import fused_projection, project
 from .norms import build_norm
 from .positions import apply_rotary
 
@@ -83,6 +84,9 @@ class QKNorm(nn.Module):
 class StandardAttention(nn.Module):
     """q/k/v/o projections, optional QK-norm, RoPE or ALiBi, a cache, and a pluggable score backend."""
 
+    # One matrix product for q, k and v once `layout.decode_layout` has fused their weights
+    FUSED_PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.config = config
@@ -104,6 +108,35 @@ class StandardAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.attention_output_bias)
         self.qk_norm = QKNorm(config, per_head=config.qk_norm == "head") if config.qk_norm != "none" else None
 
+    def _project_qkv(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
+        """q (B, H, T, D), k and v (B, H_kv, T, D), normed and rotated as configured."""
+        batch, seq = hidden_states.shape[:2]
+        fused = fused_projection(self, "qkv")
+        if fused is not None and self.qk_norm is None:
+            # q and k lie side by side in the fused output: view them as one tensor of heads and
+            # rotate it in one pass (half the small ops of a decode step's RoPE)
+            q_width, k_width, _ = fused.sizes
+            qkv = fused.product(hidden_states)
+            qk = qkv[..., : q_width + k_width].view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            v = qkv[..., q_width + k_width :].view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            if position_embeddings is not None:
+                qk = apply_rotary(qk, *position_embeddings, self.interleaved)
+            q, k = qk.split([self.num_heads, self.num_key_value_heads], dim=1)
+            return q, k, v
+        if fused is not None:
+            q, k, v = fused(hidden_states)
+        else:
+            q, k, v = (project(layer, hidden_states) for layer in (self.q_proj, self.k_proj, self.v_proj))
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k, self.head_dim)
+        q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
+        return q, k, v
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -114,15 +147,7 @@ class StandardAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq = hidden_states.shape[:2]
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        if self.qk_norm is not None:
-            q, k = self.qk_norm(q, k, self.head_dim)
-        q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        if position_embeddings is not None:
-            cos, sin = position_embeddings
-            q, k = apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
+        q, k, v = self._project_qkv(hidden_states, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
 
@@ -148,4 +173,4 @@ class StandardAttention(nn.Module):
             **kwargs,
         )
         out = out.reshape(batch, seq, -1).contiguous()
-        return self.o_proj(out), weights
+        return project(self.o_proj, out), weights

@@ -38,10 +38,11 @@ class DecoderBlock(GradientCheckpointingLayer):
 
     def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         out, _ = self.self_attn(x, **kwargs)
-        return self.dropout(out)
+        return self.dropout(out) if self.training else out  # (eval dropout is the identity: skip the call)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.mlp(x))
+        out = self.mlp(x)
+        return self.dropout(out) if self.training else out
 
 
 class PreNormBlock(DecoderBlock):

@@ -29,6 +29,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import eager_attention
+from .layout import project
 from .norms import build_norm
 from .positions import apply_rotary
 
@@ -92,9 +93,9 @@ class MultiHeadLatentAttention(nn.Module):
     def queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, T, d) -> (B, H, T, d_qk)."""
         if self.config.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
+            q = project(self.q_proj, hidden_states)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q = project(self.q_b_proj, self.q_a_layernorm(project(self.q_a_proj, hidden_states)))
         return q.unflatten(-1, (self.num_heads, self.qk_dim)).transpose(1, 2)
 
     def forward(
@@ -109,7 +110,7 @@ class MultiHeadLatentAttention(nn.Module):
         del position_bias  # config validation rules out ALiBi with MLA
         batch, seq = hidden_states.shape[:2]
         q_nope, q_rot = self.queries(hidden_states).split([self.nope_dim, self.rope_dim], dim=-1)
-        latents, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.latent_dim, self.rope_dim], dim=-1)
+        latents, k_rot = project(self.kv_a_proj_with_mqa, hidden_states).split([self.latent_dim, self.rope_dim], dim=-1)
         latents = self.kv_a_layernorm(latents).unsqueeze(1)  # (B, 1, T, d_c)
         k_rot = k_rot.unsqueeze(1)  # (B, 1, T, d_R): one rotary key shared by all heads
         cos, sin = position_embeddings
@@ -123,7 +124,7 @@ class MultiHeadLatentAttention(nn.Module):
             out, weights = self.absorbed_attention(q_nope, q_rot, latents, k_rot, attention_mask)
         else:
             out, weights = self.expanded_attention(q_nope, q_rot, latents, k_rot, attention_mask, **kwargs)
-        return self.o_proj(out.reshape(batch, seq, -1)), weights
+        return project(self.o_proj, out.reshape(batch, seq, -1)), weights
 
     def _absorb(self, q_len: int, kv_len: int) -> bool:
         if self.decode_mode == "auto":

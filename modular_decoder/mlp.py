@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .layout import fused_projection, project
+
 
 class DenseMLP(nn.Module):
     """act(x W_up) W_down: GPT-1/2, OPT, GPT-J, NeoX, Falcon, BLOOM, Phi. 2·d·d_f weights."""
@@ -22,11 +24,14 @@ class DenseMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+        return project(self.down_proj, self.act_fn(project(self.up_proj, x)))
 
 
 class GatedMLP(nn.Module):
     """(act(x W_gate) ⊙ x W_up) W_down: GLU / ReGLU / GEGLU / SwiGLU by `hidden_act`. 3·d·d_f weights."""
+
+    # One matrix product for gate and up once `layout.decode_layout` has fused their weights
+    FUSED_PROJECTIONS = {"gate_up": ("gate_proj", "up_proj")}
 
     def __init__(self, config):
         super().__init__()
@@ -37,7 +42,9 @@ class GatedMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        fused = fused_projection(self, "gate_up")
+        gate, up = fused(x) if fused is not None else (project(self.gate_proj, x), project(self.up_proj, x))
+        return project(self.down_proj, self.act_fn(gate) * up)
 
 
 MLPS: dict[str, type[nn.Module]] = {"dense": DenseMLP, "gated": GatedMLP}

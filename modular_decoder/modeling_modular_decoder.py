@@ -20,7 +20,7 @@ from .backends import check_backend, default_backend, takes_alibi_slopes
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .configuration_modular_decoder import ModularDecoderConfig
-from .layout import decode_layout, standard_layout
+from .layout import apply_decode_layout, has_decode_layout, project, standard_layout
 from .mla import MultiHeadLatentAttention
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
@@ -64,13 +64,31 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
             "AutoModel": f"{module}.ModularDecoderModel",
             "AutoModelForCausalLM": f"{module}.ModularDecoderForCausalLM",
         }
-        # transformers' save flattens tensors with `view`: undo `decode_layout` for the save only
-        relaid = standard_layout(self)
+        # transformers' save flattens tensors with `view` and refuses shared storage: write the
+        # standard layout, then restore the decode layout
+        relaid = has_decode_layout(self)
+        standard_layout(self)
         try:
             return super().save_pretrained(save_directory, *args, **kwargs)
         finally:
             if relaid:
-                decode_layout(self)
+                apply_decode_layout(self)
+
+    @classmethod
+    def from_pretrained(cls, *args, decode_layout: bool | None = None, **kwargs):
+        """transformers' `from_pretrained`, then `layout.decode_layout` (fused q/k/v and gate/up,
+        wide weights column-major: faster decoding, same values and names) when the model sits
+        wholly on the CPU without offload hooks. `decode_layout=False` keeps the saved layout,
+        `True` applies it wherever the model is."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if decode_layout is None:
+            decode_layout = getattr(model, "hf_device_map", None) is None and all(
+                p.device.type == "cpu" for p in model.parameters()
+            )
+        if decode_layout:
+            apply_decode_layout(model)
+        return loaded
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -319,7 +337,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden)
+        logits = project(self.lm_head, hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)

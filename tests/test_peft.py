@@ -64,12 +64,12 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
     peft_model.eval()
     ids = _counting_batch(2, 12)
     with torch.no_grad():
-        plain = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()(ids).logits
+        plain = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base", decode_layout=False).eval()(ids).logits
         adapted = peft_model(input_ids=ids).logits
     assert (adapted - plain).abs().max() > 1e-3  # the adapter does something
 
     peft_model.save_pretrained(tmp_path / "adapter")
-    fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()
+    fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base", decode_layout=False).eval()
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, rtol=0, atol=0)
@@ -77,6 +77,14 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
         assert isinstance(merged, ModularDecoderForCausalLM)
         assert not any("lora_" in n for n, _ in merged.named_parameters())
         torch.testing.assert_close(merged(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+
+    # The same through the default CPU load (decode layout: fused q/k/v and gate/up): the adapter
+    # wraps fused members, merging writes into (or replaces) the fused buffer's views
+    laid_out = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(tmp_path / "base"),
+                                         tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(laid_out(input_ids=ids).logits, adapted, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(laid_out.merge_and_unload()(ids).logits, adapted, rtol=1e-5, atol=1e-5)
 
 
 MLA_TARGETS = TARGETS + ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]  # DeepSeek's names
@@ -96,7 +104,7 @@ def test_lora_on_mla_low_rank_projections(tmp_path):
     with torch.no_grad():
         adapted = peft_model(input_ids=ids).logits
         peft_model.save_pretrained(tmp_path / "adapter")
-        fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()
+        fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base", decode_layout=False).eval()
         assert (fresh(ids).logits - adapted).abs().max() > 1e-3
         reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
         torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, rtol=0, atol=0)
