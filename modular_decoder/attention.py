@@ -46,15 +46,20 @@ def eager_attention(
     n_rep = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T_q, T_k)
+    # Without autograd the steps below reuse the scores tensor (same arithmetic, no new
+    # B x H x T_q x T_k tensor per step); autograd needs each intermediate kept.
+    fresh = not scores.requires_grad
     if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.div_(softcap).tanh_().mul_(softcap) if fresh else softcap * torch.tanh(scores / softcap)
     if position_bias is not None:
-        scores = scores + position_bias
+        scores = scores.add_(position_bias) if fresh else scores + position_bias
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+            fill = torch.finfo(scores.dtype).min
+            scores = scores.masked_fill_(~attention_mask, fill) if fresh else scores.masked_fill(~attention_mask, fill)
         else:
-            scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+            mask = attention_mask[:, :, :, : key.shape[-2]]
+            scores = scores.add_(mask) if fresh else scores + mask
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     out = torch.matmul(probs, value)  # (B, H, T_q, D_v)
