@@ -46,6 +46,10 @@ ROWS = {
 }
 
 
+def _select_layout(ours, name: str) -> None:
+    (standard_layout if name == "ours, standard layout" else decode_layout)(ours)
+
+
 def measure_family(reference, ours, args) -> dict:
     """{metric: {model: [value per repeat]}}, the two models interleaved inside every repeat."""
     vocab = reference.config.get_text_config().vocab_size
@@ -60,11 +64,20 @@ def measure_family(reference, ours, args) -> dict:
             decode(model, short[:1], 4)
         for repeat in range(args.repeats):
             order = MODELS if repeat % 2 == 0 else MODELS[::-1]
+            # Prefill forwards are short (0.2-5 s): several per repeat, interleaved across the
+            # models, and their median taken, so that a burst of machine noise hits all alike.
+            samples = {key: {name: [] for name in MODELS} for key in ("prefill_1", "prefill_4")}
+            for _ in range(args.prefill_samples):
+                for name in order:
+                    _select_layout(ours, name)
+                    for key, batch in (("prefill_1", long[:1]), ("prefill_4", long)):
+                        samples[key][name].append(prefill(models[name], batch)["tokens_per_s"])
+            for key, per_model in samples.items():
+                for name, rates in per_model.items():
+                    values[key][name].append(statistics.median(rates))
             for name in order:
                 model = models[name]
-                (standard_layout if name == "ours, standard layout" else decode_layout)(ours)
-                values["prefill_1"][name].append(prefill(model, long[:1])["tokens_per_s"])
-                values["prefill_4"][name].append(prefill(model, long)["tokens_per_s"])
+                _select_layout(ours, name)
                 one = decode(model, short[:1], args.new_tokens)
                 values["decode_1"][name].append(one["tokens_per_s"])
                 values["step_start_1"][name].append(one["step_ms_start"])
@@ -119,6 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", type=int, default=512, help="prompt length P of the prefill rows")
     parser.add_argument("--prompt", type=int, default=32, help="prompt length before decoding")
+    parser.add_argument("--prefill-samples", type=int, default=3,
+                        help="prefill forwards per model and repeat; their median is the repeat's value")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -127,6 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.prefill, args.prompt, args.new_tokens, args.decode_batch = 1, 32, 8, 8, 2
+        args.prefill_samples = 1
     return args
 
 

@@ -1,9 +1,8 @@
-"""Weight memory layout for batch-1 decoding on CPU.
+"""Weight memory layout and matrix-vector products for batch-1 decoding on CPU.
 
-A decode step multiplies one token's activations by every weight matrix: matrix-vector products
-that only stream the weights from memory, so their speed is the speed at which MKL streams each
-matrix, plus a fixed cost per call. Two changes of layout (never of values, names or shapes) make
-that faster:
+A decode step multiplies one token's activations by every weight matrix: products that only
+stream the weights from memory, so their speed is the speed at which each matrix is streamed,
+plus a fixed cost per call. Three changes (never of values, names or shapes) make that faster:
 
 - fusion: linear layers that read the same input (q/k/v; an MLP's gate and up) get their weights
   stored as slices of one column-major buffer, so one product serves them all. Modules declare
@@ -12,11 +11,16 @@ that faster:
   a dtype/device move, a PEFT wrap or a forward hook on a member) and no gradient must reach the
   parameters, else the module runs its separate layers as usual.
 - column-major wide weights: a weight with more outputs than inputs (the vocabulary head, a dense
-  MLP's up projection) streams faster with strides (1, out).
+  MLP's up projection) is stored with strides (1, out).
+- `linear`: MKL runs a matrix-vector product on one core; a product with at most `FEW_ROWS` rows
+  is instead issued as one batched product over the thread count, which torch runs in parallel
+  (a column-major weight split along its inputs, a row-major one along its outputs).
 
-Measured on the 2-core AVX2 CPU this project benchmarks on (`benchmarks/`), fp32, per call: the
-49152 x 576 head 9.6 -> 4.7 ms; q/k/v of SmolLM2 (576 -> 576 + 192 + 192) 0.19 -> 0.13 ms; gate+up
-(576 -> 2 x 1536) 0.54 -> 0.35 ms. Matrix-matrix products (prefill, training) are not slowed.
+Measured on the 2-core AVX2 VM of `benchmarks/` (fp32, one row, weights cycled through memory,
+`F.linear` on the standard layout -> this module): SmolLM2's q/k/v 0.19 -> 0.08 ms, o 0.11 ->
+0.06 ms, gate+up 0.58 -> 0.25 ms, down 0.21 -> 0.12 ms, the 49152 x 576 head 9.3 -> 3.4 ms: a
+whole decode step's products 42 -> 19 ms, about 27 GB/s, the read bandwidth of the machine.
+Matrix-matrix products (prefill, training) run at the same speed in either layout.
 
 `ModularDecoderForCausalLM.from_pretrained` applies `decode_layout` to models loaded on the CPU;
 `save_pretrained` writes the standard layout.
@@ -113,8 +117,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear`, with a few rows on a multi-core CPU computed as one batched product whose batch is
     the thread count: torch runs the batch in parallel, where MKL streams a matrix-vector product
     on one core. A column-major weight is split along its inputs (partial products summed), a
-    row-major one along its outputs. Measured (2 cores, fp32, one row): the 49152 x 576 head 5.3 ->
-    3.4 ms, 576 -> 3072 0.35 -> 0.25 ms, 1536 -> 576 0.21 -> 0.12 ms."""
+    row-major one along its outputs. Measured (2 cores, fp32, one row, same layout): the 49152 x 576
+    head 5.3 -> 3.4 ms, 576 -> 3072 0.35 -> 0.25 ms, 1536 -> 576 0.21 -> 0.12 ms."""
     shape = x.shape
     rows = x.numel() // shape[-1] if shape[-1] else 0
     if (
