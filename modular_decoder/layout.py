@@ -83,21 +83,15 @@ class FusedProjection:
         return True
 
     def usable(self, owner: nn.Module) -> bool:
-        """`intact`, no hooks on the members, and no gradient has to reach them (the fused product
-        bypasses their parameters). Runs before every fused product: one pass, cheap checks first."""
-        if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks or torch.compiler.is_compiling():
+        """`intact`, each member a plain layer without hooks, and no gradient has to reach them (the
+        fused product bypasses their parameters). Runs before every fused product."""
+        if torch.compiler.is_compiling() or not self.intact(owner):
             return False
-        modules = owner._modules
         grad = torch.is_grad_enabled()
-        for name, member, (weight_ptr, bias_ptr) in zip(self.names, self.members, self.pointers):
-            if modules.get(name) is not member or member._forward_hooks or member._forward_pre_hooks:
+        for member in self.members:
+            if not _runs_plain(member):
                 return False
-            weight, bias = member.weight, member.bias
-            if weight.data_ptr() != weight_ptr or (bias is not None and bias.data_ptr() != bias_ptr):
-                return False
-            if grad and (weight.requires_grad or (bias is not None and bias.requires_grad)):
-                return False
-            if "forward" in member.__dict__:
+            if grad and (member.weight.requires_grad or (member.bias is not None and member.bias.requires_grad)):
                 return False
         return True
 
@@ -153,29 +147,32 @@ def _split_plan(weight: torch.Tensor, parts: int) -> tuple:
     out_features, in_features = weight.shape
     split, by_inputs = None, False
     if parts > 1:
-        with torch.no_grad():
-            if weight.stride() == (1, out_features) and in_features % parts == 0:
-                split, by_inputs = weight.detach().t().view(parts, in_features // parts, out_features), True
-            elif weight.is_contiguous() and out_features % parts == 0:
-                split = weight.detach().view(parts, out_features // parts, in_features).transpose(1, 2)
+        if weight.stride() == (1, out_features) and in_features % parts == 0:
+            split, by_inputs = weight.detach().t().view(parts, in_features // parts, out_features), True
+        elif weight.is_contiguous() and out_features % parts == 0:
+            split = weight.detach().view(parts, out_features // parts, in_features).transpose(1, 2)
     plan = ((weight.data_ptr(), weight.stride(), parts), split, by_inputs, out_features)
     weight.__dict__["_decode_split"] = plan
     return plan
 
 
+def _runs_plain(layer: nn.Module) -> bool:
+    """True for a plain `nn.Linear` whose call would run nothing but its own forward: no module or
+    global hooks, no instance-level `forward` (accelerate's wrappers)."""
+    return (
+        type(layer) is nn.Linear
+        and not layer._forward_hooks
+        and not layer._forward_pre_hooks
+        and "forward" not in layer.__dict__
+        and not module_hooks._global_forward_hooks
+        and not module_hooks._global_forward_pre_hooks
+    )
+
+
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`; a plain `nn.Linear` without hooks goes through `linear` (a few rows run on all
     cores). Anything else (PEFT / quantised layers, hooked modules) is called as usual."""
-    if (
-        type(layer) is not nn.Linear
-        or layer._forward_hooks
-        or layer._forward_pre_hooks
-        or "forward" in layer.__dict__
-        or module_hooks._global_forward_hooks
-        or module_hooks._global_forward_pre_hooks
-    ):
-        return layer(x)
-    return linear(x, layer.weight, layer.bias)
+    return linear(x, layer.weight, layer.bias) if _runs_plain(layer) else layer(x)
 
 
 def fused_projection(owner: nn.Module, key: str) -> FusedProjection | None:
