@@ -206,13 +206,12 @@ def decode_layout(model: nn.Module) -> int:
     sharing the embedding) move once. Returns the number of weights moved (0 when already laid out).
     """
     moved = _fuse(model)
-    fused_weights = {
+    seen = {  # fused members are laid out already
         id(member.weight)
         for module in model.modules()
         for group in module.__dict__.get("_fused_projections", {}).values()
         for member in group.members
     }
-    seen = set(fused_weights)
     for module in model.modules():
         if type(module) is not nn.Linear or id(module.weight) in seen or module.weight.device.type == "meta":
             continue

@@ -97,12 +97,13 @@ class RotaryEmbedding(nn.Module):
     def tables(self, x: torch.Tensor, position_ids: torch.Tensor, layer_types: list[str]) -> dict:
         """{layer_type: (cos, sin)} for the layer types present, each (B, 1, T, rot): shaped once per
         forward to broadcast over heads, not once per layer."""
+        def for_heads(cos_sin):
+            return tuple(table.unsqueeze(1) for table in cos_sin)
+
         if not self.nested:
-            cos, sin = self(x, position_ids)
-            cos_sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            return {layer_type: cos_sin for layer_type in set(layer_types)}
-        tables = {layer_type: self(x, position_ids, layer_type) for layer_type in set(layer_types)}
-        return {layer_type: (cos.unsqueeze(1), sin.unsqueeze(1)) for layer_type, (cos, sin) in tables.items()}
+            shared = for_heads(self(x, position_ids))
+            return {layer_type: shared for layer_type in set(layer_types)}
+        return {layer_type: for_heads(self(x, position_ids, layer_type)) for layer_type in set(layer_types)}
 
 
 def default_rope_parameters(config, device=None, layer_type: str | None = None, **kwargs):
@@ -127,11 +128,9 @@ def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate the first `cos.shape[-1]` features of each head of `x` (B, H, T, D); pass the rest.
 
-    `cos`/`sin` are (B, T, rot) or, shaped for the heads already, (B, 1, T, rot). The half layout
-    pairs feature i with i + rot/2 (GPT-NeoX, Llama); the interleaved layout pairs 2i with 2i+1 (GPT-J).
+    `cos`/`sin` are (B, 1, T, rot), as `RotaryEmbedding.tables` shapes them. The half layout pairs
+    feature i with i + rot/2 (GPT-NeoX, Llama); the interleaved layout pairs 2i with 2i+1 (GPT-J).
     """
-    if cos.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rot = cos.shape[-1]
     rotate = _rotate_pairs if interleaved else _rotate_half
     if rot == x.shape[-1]:
