@@ -16,7 +16,7 @@ import transformers as tf
 
 import modular_decoder  # noqa: F401  (registers the family with the Auto classes)
 from modular_decoder.conversion import convert
-from modular_decoder.demo import GGUF_NAME, bundled_smollm2
+from modular_decoder.commands.demo import GGUF_NAME, bundled_smollm2
 
 # Tiny shapes for --quick (hidden 64, 2 layers, vocab 128)
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

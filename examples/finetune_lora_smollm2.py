@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modular_decoder.conversion import convert
-from modular_decoder.demo import DEFAULT_OUT, GGUF_NAME, bundled_smollm2
+from modular_decoder.commands.demo import DEFAULT_OUT, GGUF_NAME, bundled_smollm2
 
 TEXT = """\
 The decoder-only transformer reads a sequence of tokens and predicts the next one. Each block

@@ -15,7 +15,7 @@ from .modeling_modular_decoder import (
     ModularDecoderModel,
     ModularDecoderPreTrainedModel,
 )
-from .presets import PRESETS, preset_config
+from .tools.presets import PRESETS, preset_config
 
 __version__ = "0.1.0"
 

@@ -1,69 +1,26 @@
 """Standard multi-head attention: MHA, GQA and MQA are one integer (`num_key_value_heads`).
 
-The score computation goes through transformers' attention interface, so `attn_implementation`
-picks the backend; `eager_attention` below is the readable reference every backend is tested
-against.
+The score computation goes through `backends.attend` (transformers' attention interface), so
+`attn_implementation` picks the backend; `backends.eager_attention` is the readable reference every
+backend is tested against. `STANDARD_ATTENTION` is this kind's registry entry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
-from .backends import attention_function
+from .backends import attend
+from .growing_cache import GrowingLayer
+from .int8_cache import Int8Layer, Int8SlidingWindowLayer
+from .kinds import AttentionKind
 from .layout import fused_projection, project
-from .norms import build_norm
+from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, H_kv, T, D) -> (B, H_kv·n_rep, T, D), each K/V head serving n_rep query heads."""
-    if n_rep == 1:
-        return x
-    b, h, t, d = x.shape
-    return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
-
-
-def eager_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    softcap: float | None = None,
-    position_bias: torch.Tensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: scores = softcap(q·kᵀ·scale) + bias + mask, softmax in fp32.
-
-    query (B, H, T_q, D_qk), key (B, H_kv, T_k, D_qk), value (B, H_kv, T_k, D_v) -> (B, T_q, H, D_v).
-    The order (scale, soft-cap, bias, mask) is Gemma 2's and FlexAttention's.
-    """
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T_q, T_k)
-    # Without autograd the steps below reuse the scores tensor (same arithmetic, no new
-    # B x H x T_q x T_k tensor per step); autograd needs each intermediate kept.
-    fresh = not scores.requires_grad
-    if softcap is not None:
-        scores = scores.div_(softcap).tanh_().mul_(softcap) if fresh else softcap * torch.tanh(scores / softcap)
-    if position_bias is not None:
-        scores = scores.add_(position_bias) if fresh else scores + position_bias
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            fill = torch.finfo(scores.dtype).min
-            scores = scores.masked_fill_(~attention_mask, fill) if fresh else scores.masked_fill(~attention_mask, fill)
-        else:
-            mask = attention_mask[:, :, :, : key.shape[-2]]
-            scores = scores.add_(mask) if fresh else scores + mask
-    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
-    out = torch.matmul(probs, value)  # (B, H, T_q, D_v)
-    return out.transpose(1, 2).contiguous(), probs
+QK_NORMS = ("none", "head", "full")
 
 
 class QKNorm(nn.Module):
@@ -157,25 +114,63 @@ class StandardAttention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx)
 
         # ALiBi reaches flex / flash as `alibi_slopes` (see backends.py), the others as `position_bias`
-        attention_interface: Callable = attention_function(
-            self.config._attn_implementation, eager_attention, alibi_slopes="alibi_slopes" in kwargs
-        )
-        extra = {}
-        if self.softcap is not None:
-            extra["softcap"] = self.softcap
-        if position_bias is not None:
-            extra["position_bias"] = position_bias
-        out, weights = attention_interface(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **extra,
-            **kwargs,
-        )
+        out, weights = attend(self, q, k, v, attention_mask, position_bias=position_bias, **kwargs)
         out = out.reshape(batch, seq, -1).contiguous()
         return project(self.o_proj, out), weights
+
+
+class StandardKind(AttentionKind):
+    """`attention_type="standard"`: MHA, GQA or MQA by `num_key_value_heads`; per-head K/V cached."""
+
+    name = "standard"
+    module = StandardAttention
+    fields = ("qk_norm",)
+    cache_implementations = ("dynamic", "static", "int8")
+
+    def validate(self, config) -> None:
+        if config.qk_norm not in QK_NORMS:
+            raise ValueError(f"`qk_norm`={config.qk_norm!r} is not one of the allowed values {list(QK_NORMS)}.")
+
+    def rope_head_dim(self, config) -> int:
+        return config.head_dim
+
+    def cache_layer(self, config, layer_type: str, implementation: str, max_cache_len: int | None):
+        sliding = layer_type == "sliding_attention"
+        window = config.sliding_window
+        if implementation == "dynamic":  # full layers grow into doubling storage (no torch.cat per step)
+            return DynamicSlidingWindowLayer(sliding_window=window) if sliding else GrowingLayer()
+        if implementation == "static":
+            if sliding:
+                return StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=window)
+            return StaticLayer(max_cache_len=max_cache_len)
+        return Int8SlidingWindowLayer(sliding_window=window) if sliding else Int8Layer()
+
+    def parameters(self, config) -> int:
+        """2·d·H·d_h + 2·d·H_kv·d_h (+ biases, + QK-norms)."""
+        d, h, kv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        total = linear_parameters(d, h * hd, config.attention_bias)
+        total += 2 * linear_parameters(d, kv * hd, config.attention_bias)
+        total += linear_parameters(h * hd, d, config.attention_output_bias)
+        if config.qk_norm == "head":
+            total += 2 * norm_parameters(config, hd)
+        elif config.qk_norm == "full":
+            total += norm_parameters(config, h * hd) + norm_parameters(config, kv * hd)
+        return total
+
+    def bytes_per_token(self, config, element_bytes: int, quantization: str | None = None) -> int:
+        """2·H_kv·d_h·b; int8: 2·H_kv·(d_h + b), one code per element and one b-byte scale per head."""
+        if quantization == "int8":
+            return 2 * config.num_key_value_heads * (config.head_dim + element_bytes)
+        return 2 * config.num_key_value_heads * config.head_dim * element_bytes
+
+    def describe(self, config) -> str:
+        if config.num_key_value_heads == config.num_attention_heads:
+            return "mha"
+        return "mqa" if config.num_key_value_heads == 1 else "gqa"
+
+
+def linear_parameters(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+STANDARD_ATTENTION = StandardKind()

@@ -11,27 +11,22 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .attention import StandardAttention
-from .mla import MultiHeadLatentAttention
-from .mlp import MLPS
+from .kinds import require_bool, require_choice
 from .norms import build_norm
-
-ATTENTIONS: dict[str, type[nn.Module]] = {"standard": StandardAttention, "mla": MultiHeadLatentAttention}
-
-
-def register_attention(name: str, cls: type[nn.Module]) -> None:
-    ATTENTIONS[name] = cls
 
 
 class DecoderBlock(GradientCheckpointingLayer):
-    """Shared construction; subclasses name the norms they use in `NORMS`."""
+    """Shared construction; subclasses name the norms they use in `NORMS` and the placement they
+    implement (`norm_position`, `parallel`)."""
 
     NORMS: tuple[str, ...] = ()
+    norm_position: str = ""
+    parallel: bool = False
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        self.self_attn = ATTENTIONS[config.attention_type](config, layer_idx)
-        self.mlp = MLPS[config.mlp_type](config)
+        self.self_attn = config.attention_kind.build(config, layer_idx)
+        self.mlp = config.mlp_kind.build(config, layer_idx)
         for name in self.NORMS:
             setattr(self, name, build_norm(config))
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -50,6 +45,7 @@ class PreNormBlock(DecoderBlock):
           └───────────────────────────┘└──────────────────────────┘"""
 
     NORMS = ("pre_attn_norm", "pre_mlp_norm")
+    norm_position = "pre"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         x = x + self.attend(self.pre_attn_norm(x), **kwargs)
@@ -61,6 +57,7 @@ class PostNormBlock(DecoderBlock):
           └────────┘                    └───────┘"""
 
     NORMS = ("post_attn_norm", "post_mlp_norm")
+    norm_position = "post"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         x = self.post_attn_norm(x + self.attend(x, **kwargs))
@@ -73,6 +70,7 @@ class SandwichNormBlock(DecoderBlock):
     (Gemma 2 / 3)"""
 
     NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
+    norm_position = "sandwich"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         x = x + self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs))
@@ -84,6 +82,7 @@ class OutputNormBlock(DecoderBlock):
           └─────────────────────────┘   └───────────────────────┘"""
 
     NORMS = ("post_attn_norm", "post_mlp_norm")
+    norm_position = "output"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         x = x + self.post_attn_norm(self.attend(x, **kwargs))
@@ -97,6 +96,8 @@ class ParallelBlock(DecoderBlock):
     With `parallel_norms="shared"` (GPT-J, Falcon-7B, Phi) one `pre_attn_norm` feeds both branches."""
 
     NORMS = ("pre_attn_norm",)
+    norm_position = "pre"
+    parallel = True
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -115,7 +116,28 @@ BLOCKS: dict[str, type[DecoderBlock]] = {
     "output": OutputNormBlock,
     "parallel": ParallelBlock,
 }
+NORM_POSITIONS = tuple(dict.fromkeys(block.norm_position for block in BLOCKS.values()))
+PARALLEL_NORMS = ("shared", "separate")
 
 
 def block_class(config) -> type[DecoderBlock]:
-    return BLOCKS["parallel" if config.parallel_block else config.norm_position]
+    """The block implementing `norm_position` (serial, or parallel with `parallel_block`)."""
+    for block in BLOCKS.values():
+        if block.norm_position == config.norm_position and block.parallel == config.parallel_block:
+            return block
+    raise ValueError(f"`parallel_block={config.parallel_block}` has no block with `norm_position`="
+                     f"{config.norm_position!r}.")
+
+
+def validate_block(config) -> None:
+    """`norm_position`, `parallel_block` and `parallel_norms`, and that one block implements them."""
+    require_choice("norm_position", config.norm_position, NORM_POSITIONS)
+    require_bool("parallel_block", config.parallel_block)
+    require_choice("parallel_norms", config.parallel_norms, PARALLEL_NORMS)
+    if config.parallel_block:
+        positions = [b.norm_position for b in BLOCKS.values() if b.parallel]
+        if config.norm_position not in positions:
+            raise ValueError(
+                f"`parallel_block=True` needs `norm_position` in {positions} (x + Attn(N(x)) + FFN(N(x))), "
+                f"got `norm_position`={config.norm_position!r}."
+            )

@@ -1,9 +1,10 @@
 """The family's own `Cache`: each layer stored in the form its attention needs, with its cost.
 
-Implementations (`LAYER_KINDS`), each mapping `config.layer_types` to layers:
+Implementations (`IMPLEMENTATIONS`), each mapping `config.layer_types` to layers, which the
+config's attention kind builds (`AttentionKind.cache_layer`):
 
-- `"dynamic"`: full K/V that grows (into doubling pre-allocated storage, `growing_cache.py`), and for sliding layers the last `sliding_window - 1` tokens
-  (as Mistral and Gemma local layers need);
+- `"dynamic"`: full K/V that grows (into doubling pre-allocated storage, `growing_cache.py`), and
+  for sliding layers the last `sliding_window - 1` tokens (as Mistral and Gemma local layers need);
 - `"static"`: K/V pre-allocated for `max_cache_len` tokens (a ring of `sliding_window` slots for
   sliding layers), for `torch.compile`;
 - `"int8"`: dynamic, with K/V stored as int8 plus one scale per token and head (`int8_cache.py`
@@ -21,52 +22,15 @@ assisted decoding, batch repeat / select, reset) works unchanged.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import (
-    Cache,
-    DynamicSlidingWindowLayer,
-    StaticLayer,
-    StaticSlidingWindowLayer,
-)
+from transformers.cache_utils import Cache, StaticLayer
 
-from .growing_cache import GrowingLayer
-from .int8_cache import Int8Layer, Int8SlidingWindowLayer
-from .latent_cache import latent_layer
+IMPLEMENTATIONS = ("dynamic", "static", "int8")
 
 
 def _tensor_bytes(tensor) -> int:
     if not isinstance(tensor, torch.Tensor):
         return 0
     return tensor.numel() * tensor.element_size()
-
-
-def _dynamic_layer(config, layer_type: str, max_cache_len: int | None):
-    if config.attention_type == "mla":
-        return latent_layer(layer_type, "dynamic", config)
-    if layer_type == "sliding_attention":
-        return DynamicSlidingWindowLayer(sliding_window=config.sliding_window)
-    return GrowingLayer()  # DynamicLayer's semantics without a torch.cat per step
-
-
-def _static_layer(config, layer_type: str, max_cache_len: int | None):
-    if max_cache_len is None:
-        raise ValueError("A static cache needs `max_cache_len`.")
-    if config.attention_type == "mla":
-        return latent_layer(layer_type, "static", config, max_cache_len)
-    if layer_type == "sliding_attention":
-        return StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=config.sliding_window)
-    return StaticLayer(max_cache_len=max_cache_len)
-
-
-def _int8_layer(config, layer_type: str, max_cache_len: int | None):
-    if config.attention_type == "mla":
-        raise ValueError("The int8 cache quantizes per-head K/V; `attention_type='mla'` stores a latent instead.")
-    if layer_type == "sliding_attention":
-        return Int8SlidingWindowLayer(sliding_window=config.sliding_window)
-    return Int8Layer()
-
-
-# Cache layouts: name -> factory(config, layer_type, max_cache_len) -> layer
-LAYER_KINDS = {"dynamic": _dynamic_layer, "static": _static_layer, "int8": _int8_layer}
 
 
 class ModularDecoderCache(Cache):
@@ -80,8 +44,16 @@ class ModularDecoderCache(Cache):
     """
 
     def __init__(self, config, implementation: str = "dynamic", max_cache_len: int | None = None, **kwargs):
-        if implementation not in LAYER_KINDS:
-            raise ValueError(f"`implementation`={implementation!r} is not one of {sorted(LAYER_KINDS)}.")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"`implementation`={implementation!r} is not one of {list(IMPLEMENTATIONS)}.")
+        kind = config.attention_kind
+        if implementation not in kind.cache_implementations:
+            raise ValueError(
+                f"`attention_type={kind.name!r}` has no {implementation!r} cache (it stores "
+                f"{list(kind.cache_implementations)}); the int8 cache quantizes per-head K/V."
+            )
+        if implementation == "static" and max_cache_len is None:
+            raise ValueError("A static cache needs `max_cache_len`.")
         if implementation == "static" and config.position_embedding_type == "alibi" and config.sliding_window:
             # A static sliding layer is a ring: slot order is not position order, so the ALiBi
             # distances computed from slot indices would be wrong.
@@ -89,8 +61,7 @@ class ModularDecoderCache(Cache):
         self.config = config
         self.implementation = implementation
         self.max_cache_len = max_cache_len
-        factory = LAYER_KINDS[implementation]
-        layers = [factory(config, layer_type, max_cache_len) for layer_type in config.layer_types]
+        layers = [kind.cache_layer(config, layer_type, implementation, max_cache_len) for layer_type in config.layer_types]
         super().__init__(layers=layers, **kwargs)
 
     def payload_bytes(self) -> int:

@@ -7,31 +7,66 @@ never a shape error deep inside ``forward``.
 
 from __future__ import annotations
 
-from typing import Any
-
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
-NORM_TYPES = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("post", "pre", "sandwich", "output")
-PARALLEL_NORMS = ("shared", "separate")
-MLP_TYPES = ("dense", "gated")
-POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
-ATTENTION_TYPES = ("standard", "mla")
-QK_NORMS = ("none", "head", "full")
+from .blocks import validate_block
+from .kinds import require_bool, require_choice, require_int, require_number
+from .norms import NORMS
+from .registries import ATTENTIONS, MLPS, POSITIONS
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# The smallest window the sliding cache layers keep correctly: they hold the last `window - 1`
+# tokens between steps, so a window of 1 would leave nothing to slice by.
+MIN_SLIDING_WINDOW = 2
 
 
-def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"`{name}`={value!r} is not one of the allowed values {list(allowed)}.")
+def _int(minimum: int, optional: bool = False):
+    return lambda name, value: require_int(name, value, minimum=minimum, optional=optional)
 
 
-def _positive(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+def _number(optional: bool = False, **bounds):
+    return lambda name, value: require_number(name, value, optional=optional, **bounds)
+
+
+def _flag(name: str, value) -> None:
+    require_bool(name, value)
+
+
+def _token_ids(name: str, value) -> None:
+    ids = value if isinstance(value, list) else [value]
+    for token_id in ids:
+        require_int(name, token_id, minimum=0, optional=not isinstance(value, list))
+
+
+# The sizes everything else derives from: checked before any default is computed from them.
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+# Rules of the fields that do not pick a variant (those are checked by their registry entries, which
+# own the fields only they read: see `registries.py`).
+FIELD_RULES = {
+    **{name: _int(1) for name in SIZE_FIELDS},
+    "norm_eps": _number(above=0),
+    "norm_bias": _flag,
+    "norm_unit_offset": _flag,
+    "final_norm": _flag,
+    "attention_bias": _flag,
+    "attention_output_bias": _flag,
+    "sliding_window": _int(MIN_SLIDING_WINDOW, optional=True),
+    "attn_logit_softcapping": _number(optional=True, above=0),
+    "final_logit_softcapping": _number(optional=True, above=0),
+    "query_pre_attn_scalar": _number(optional=True, above=0),
+    "attention_dropout": _number(at_least=0, below=1),
+    "hidden_dropout": _number(at_least=0, below=1),
+    "tie_word_embeddings": _flag,
+    "embedding_multiplier": _number(above=0),
+    "embedding_norm": _flag,
+    "lm_head_bias": _flag,
+    "initializer_range": _number(at_least=0),
+    "use_cache": _flag,
+    "pad_token_id": _int(0, optional=True),
+    "bos_token_id": _token_ids,
+    "eos_token_id": _token_ids,
+}
 
 
 class ModularDecoderConfig(PretrainedConfig):
@@ -115,6 +150,12 @@ class ModularDecoderConfig(PretrainedConfig):
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
     }
+    # transformers' default names `norm`; this family's final norm is `final_norm`
+    base_model_fsdp_plan = {
+        "embed_tokens": "free_full_weight",
+        "layers.*": "free_full_weight",
+        "final_norm": "keep_full_weight",
+    }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -180,9 +221,11 @@ class ModularDecoderConfig(PretrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        for name in SIZE_FIELDS:  # before the defaults below compute with them
+            require_int(name, getattr(self, name), minimum=1, optional=True)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and self.num_attention_heads and self.hidden_size:
+        if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
                     f"`hidden_size`={self.hidden_size} is not divisible by `num_attention_heads`="
@@ -198,8 +241,10 @@ class ModularDecoderConfig(PretrainedConfig):
         if self.layer_types is None:
             kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
             self.layer_types = [kind] * self.num_hidden_layers
-        else:
+        elif isinstance(self.layer_types, (list, tuple)):
             self.layer_types = list(self.layer_types)
+        else:
+            raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
         super().__post_init__(**kwargs)
         self.validate_contract()
 
@@ -218,11 +263,24 @@ class ModularDecoderConfig(PretrainedConfig):
         return self.position_embedding_type == "rope"
 
     @property
+    def attention_kind(self):
+        """The registry entry of `attention_type` (`registries.ATTENTIONS`)."""
+        return ATTENTIONS.of(self)
+
+    @property
+    def mlp_kind(self):
+        """The registry entry of `mlp_type` (`registries.MLPS`)."""
+        return MLPS.of(self)
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The head width RoPE tables are built for (the attention kind decides: d_h, or MLA's d_R)."""
+        return self.attention_kind.rope_head_dim(self)
+
+    @property
     def rotary_dim(self) -> int:
         """Width of the rotated part of each q/k head (d_R for MLA)."""
-        if self.attention_type == "mla":
-            return self.qk_rope_head_dim
-        return int(self.head_dim * self.partial_rotary_factor)
+        return self.attention_kind.rotary_dim(self)
 
     def rope_parameters_for(self, layer_type: str) -> dict | None:
         """The RoPE dict a layer of `layer_type` uses (nested dicts give each type its own)."""
@@ -236,92 +294,35 @@ class ModularDecoderConfig(PretrainedConfig):
         return bool(self.rope_parameters) and all(key in LAYER_TYPES for key in self.rope_parameters)
 
     def validate_contract(self) -> None:
-        """Check every contract field and their combinations; raises `ValueError` naming the field."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be an integer, got {getattr(self, name)!r}.")
-            _positive(name, getattr(self, name))
+        """Check every contract field and their combinations; raises `ValueError` naming the field.
+
+        General fields follow `FIELD_RULES`; each variant field is checked by its registry, whose
+        chosen entry checks the fields it owns, and whose other entries' fields must keep their
+        defaults (a setting nothing would read is refused, not ignored).
+        """
+        for name, rule in FIELD_RULES.items():
+            rule(name, getattr(self, name))
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"`num_attention_heads`={self.num_attention_heads} must be a multiple of "
                 f"`num_key_value_heads`={self.num_key_value_heads} (MHA: equal, MQA: 1, GQA: a divisor)."
             )
-        _choice("norm_type", self.norm_type, NORM_TYPES)
-        _positive("norm_eps", self.norm_eps)
-        _choice("norm_position", self.norm_position, NORM_POSITIONS)
-        _choice("parallel_norms", self.parallel_norms, PARALLEL_NORMS)
-        if self.parallel_block and self.norm_position != "pre":
-            raise ValueError(
-                f"`parallel_block=True` needs `norm_position='pre'` (x + Attn(N(x)) + FFN(N(x))), "
-                f"got `norm_position`={self.norm_position!r}."
-            )
-        _choice("mlp_type", self.mlp_type, MLP_TYPES)
-        if self.hidden_act not in ACT2FN:
-            raise ValueError(f"`hidden_act`={self.hidden_act!r} is not a transformers activation; "
-                             f"allowed: {sorted(ACT2FN)}.")
-        _choice("position_embedding_type", self.position_embedding_type, POSITION_TYPES)
-        if self.learned_position_offset < 0:
-            raise ValueError(f"`learned_position_offset` must be >= 0, got {self.learned_position_offset}.")
-        _choice("attention_type", self.attention_type, ATTENTION_TYPES)
-        _choice("qk_norm", self.qk_norm, QK_NORMS)
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ValueError(f"`partial_rotary_factor` must be in (0, 1], got {self.partial_rotary_factor}.")
-        if self.attention_type == "mla":
-            self._validate_mla()
-        if self.uses_rope and (self.rotary_dim <= 0 or self.rotary_dim % 2):
-            raise ValueError(
-                f"The rotary width (`head_dim`·`partial_rotary_factor` = {self.head_dim}·"
-                f"{self.partial_rotary_factor} = {self.rotary_dim}) must be a positive even number."
-            )
-        if self.uses_rope and self.rope_is_nested:
-            missing = sorted(set(self.layer_types) - set(self.rope_parameters))
-            if missing:
-                raise ValueError(f"`rope_parameters` is nested per layer type but lacks {missing}.")
+        if self.pad_token_id is not None and self.pad_token_id >= self.vocab_size:
+            raise ValueError(f"`pad_token_id`={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size}).")
+        require_choice("norm_type", self.norm_type, NORMS)
+        validate_block(self)
+        self._validate_layer_types()
+        for registry in (ATTENTIONS, POSITIONS, MLPS):
+            registry.check(self)
+
+    def _validate_layer_types(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"`layer_types` has {len(self.layer_types)} entries for "
                              f"`num_hidden_layers`={self.num_hidden_layers}.")
         for layer_type in self.layer_types:
-            _choice("layer_types[...]", layer_type, LAYER_TYPES)
-        if "sliding_attention" in self.layer_types:
-            if self.sliding_window is None:
-                raise ValueError("`layer_types` has sliding layers but `sliding_window` is None.")
-            if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
-                raise ValueError(f"`sliding_window` must be a positive integer, got {self.sliding_window!r}.")
-        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
-            _positive(name, getattr(self, name), allow_none=True)
-        _positive("embedding_multiplier", self.embedding_multiplier)
-        for name in ("attention_dropout", "hidden_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"`{name}` must be in [0, 1), got {getattr(self, name)}.")
-
-    def _validate_mla(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if getattr(self, name) is None:
-                raise ValueError(f"`attention_type='mla'` needs `{name}`.")
-            _positive(name, getattr(self, name))
-        _positive("q_lora_rank", self.q_lora_rank, allow_none=True)
-        if self.position_embedding_type != "rope":
-            raise ValueError(
-                "`attention_type='mla'` carries position only in its decoupled rotary key: it needs "
-                f"`position_embedding_type='rope'`, got {self.position_embedding_type!r} (ALiBi and "
-                "absolute positions cannot reach the absorbed latent scores)."
-            )
-        if self.qk_norm != "none":
-            raise ValueError("`qk_norm` is not defined for `attention_type='mla'` (its latent is normed).")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"`qk_rope_head_dim` must be even, got {self.qk_rope_head_dim}.")
-        if self.partial_rotary_factor != 1.0:
-            raise ValueError(
-                "`partial_rotary_factor` must be 1.0 with `attention_type='mla'`: the rotated width is "
-                f"`qk_rope_head_dim`, got `partial_rotary_factor`={self.partial_rotary_factor}."
-            )
-
-    @property
-    def qk_head_dim(self) -> int:
-        if self.attention_type == "mla":
-            return self.qk_nope_head_dim + self.qk_rope_head_dim
-        return self.head_dim
+            require_choice("layer_types[...]", layer_type, LAYER_TYPES)
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("`layer_types` has sliding layers but `sliding_window` is None.")
 
 
 __all__ = ["ModularDecoderConfig"]

@@ -1,7 +1,8 @@
 """The contract's arithmetic: parameter counts and KV-cache bytes from the config alone.
 
-These follow the seed's formulas, written independently of the modules, so tests can compare
-them with `model.num_parameters()` and with what a filled cache actually stores.
+These follow the seed's formulas, written independently of the modules (each attention and
+feed-forward kind states its own formula next to its module, without building it), so tests can
+compare them with `model.num_parameters()` and with what a filled cache actually stores.
 """
 
 from __future__ import annotations
@@ -11,51 +12,19 @@ import dataclasses
 import torch
 
 from .configuration_modular_decoder import ModularDecoderConfig
+from .norms import norm_parameters
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
 
 
-def _norm(config, width: int) -> int:
-    return width * (2 if config.norm_type == "layernorm" and config.norm_bias else 1)
-
-
-def _linear(n_in: int, n_out: int, bias: bool) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
 def attention_parameters(config: ModularDecoderConfig) -> int:
-    """Standard: 2·d·H·d_h + 2·d·H_kv·d_h (+ biases, + QK-norms); MLA: its low-rank projections."""
-    d = config.hidden_size
-    if config.attention_type == "mla":
-        return _mla_parameters(config)
-    h, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    total = _linear(d, h * hd, config.attention_bias) + 2 * _linear(d, kv * hd, config.attention_bias)
-    total += _linear(h * hd, d, config.attention_output_bias)
-    if config.qk_norm == "head":
-        total += 2 * _norm(config, hd)
-    elif config.qk_norm == "full":
-        total += _norm(config, h * hd) + _norm(config, kv * hd)
-    return total
+    """One layer's attention (the attention kind's formula: standard 2·d·H·d_h + 2·d·H_kv·d_h + ...)."""
+    return config.attention_kind.parameters(config)
 
 
-def _mla_parameters(config: ModularDecoderConfig) -> int:
-    d, h = config.hidden_size, config.num_attention_heads
-    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-    bias = config.attention_bias
-    if config.q_lora_rank:
-        q = _linear(d, config.q_lora_rank, bias) + _norm(config, config.q_lora_rank) + _linear(config.q_lora_rank, h * qk, False)
-    else:
-        q = _linear(d, h * qk, False)
-    kv = _linear(d, config.kv_lora_rank + config.qk_rope_head_dim, bias) + _norm(config, config.kv_lora_rank)
-    kv += _linear(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), False)
-    return q + kv + _linear(h * config.v_head_dim, d, config.attention_output_bias)
-
-
-def mlp_parameters(config: ModularDecoderConfig) -> int:
-    """Dense 2·d·d_f, gated 3·d·d_f (+ biases)."""
-    d, f, b = config.hidden_size, config.intermediate_size, config.mlp_bias
-    up = 2 if config.mlp_type == "gated" else 1
-    return up * _linear(d, f, b) + _linear(f, d, b)
+def mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> int:
+    """One block's feed-forward (the kind's formula: dense 2·d·d_f, gated 3·d·d_f, + biases)."""
+    return config.mlp_kind.parameters(config, layer_idx)
 
 
 def block_norm_count(config: ModularDecoderConfig) -> int:
@@ -71,13 +40,13 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
     if config.position_embedding_type == "learned":
         parts["positions"] = (config.max_position_embeddings + config.learned_position_offset) * d
     if config.embedding_norm:
-        parts["embedding_norm"] = _norm(config, d)
+        parts["embedding_norm"] = norm_parameters(config, d)
     layers = config.num_hidden_layers
     parts["attention"] = layers * attention_parameters(config)
-    parts["mlp"] = layers * mlp_parameters(config)
-    parts["block_norms"] = layers * block_norm_count(config) * _norm(config, d)
+    parts["mlp"] = sum(mlp_parameters(config, i) for i in range(layers))
+    parts["block_norms"] = layers * block_norm_count(config) * norm_parameters(config, d)
     if config.final_norm:
-        parts["final_norm"] = _norm(config, d)
+        parts["final_norm"] = norm_parameters(config, d)
     lm_head = (0 if config.tie_word_embeddings else v * d) + (v if config.lm_head_bias else 0)
     if lm_head:
         parts["lm_head"] = lm_head
@@ -96,16 +65,9 @@ def layer_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int
     `quantization="int8"`: 2·H_kv·(d_h + b), one int8 code per element plus one b-byte scale per
     head and token (b is then the scale's dtype).
     """
-    b = _dtype_bytes(dtype)
     if quantization not in (None, "int8"):
         raise ValueError(f"`quantization`={quantization!r} is not one of [None, 'int8'].")
-    if config.attention_type == "mla":
-        if quantization is not None:
-            raise ValueError("`quantization='int8'` applies to per-head K/V, not to an MLA latent.")
-        return (config.kv_lora_rank + config.qk_rope_head_dim) * b
-    if quantization == "int8":
-        return 2 * config.num_key_value_heads * (config.head_dim + b)
-    return 2 * config.num_key_value_heads * config.head_dim * b
+    return config.attention_kind.bytes_per_token(config, _dtype_bytes(dtype), quantization)
 
 
 def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,

@@ -22,15 +22,16 @@ checkpoints convert by a near-identity map and PEFT targets read naturally.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention import eager_attention
+from .attention import linear_parameters
+from .backends import attend, attention_probs, explicit_mask
+from .kinds import AttentionKind, require_int
+from .latent_cache import latent_layer
 from .layout import project
-from .norms import build_norm
+from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 
 # "auto": absorbed when the queries are fewer than the keys they attend to (decoding against a
@@ -133,40 +134,19 @@ class MultiHeadLatentAttention(nn.Module):
 
     def expanded_attention(self, q_nope, q_rot, latents, k_rot, attention_mask, **kwargs):
         """Per-head keys and values for every cached token, then the configured attention backend."""
-        batch, _, kv_len, _ = latents.shape
         kv = self.kv_b_proj(latents[:, 0]).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, H, S, d_n+d_v)
         k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
         keys = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)  # (B, H, S, d_qk)
         queries = torch.cat((q_nope, q_rot), dim=-1)  # (B, H, T, d_qk)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention
-        )
-        extra = {"softcap": self.softcap} if self.softcap is not None else {}
-        # torch's CPU SDPA runs its flash kernel only when V is as wide as q/k, else the math path
-        # (3x slower at 512 tokens, measured): pad V with zeros and crop the output instead.
-        width = queries.shape[-1]
-        pad = self.config._attn_implementation == "sdpa" and values.device.type == "cpu" and self.v_dim < width
-        if pad:
-            values = nn.functional.pad(values, [0, width - self.v_dim])
-        out, weights = attention_interface(
-            self,
-            queries,
-            keys,
-            values,
-            attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **extra,
-            **kwargs,
-        )
-        return (out[..., : self.v_dim] if pad else out), weights
+        return attend(self, queries, keys, values, attention_mask, **kwargs)
 
     def absorbed_attention(self, q_nope, q_rot, latents, k_rot, attention_mask):
         """Scores against the cached latents: W_UK folded into the query, W_UV applied after the sum.
 
         q_nope (B, H, T, d_n), q_rot (B, H, T, d_R), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R)
-        -> (B, T, H, d_v). The cost per step is one pass over the cache, with no re-expansion.
+        -> (B, T, H, d_v). The cost per step is one pass over the cache, with no re-expansion. The
+        mask is read as the model's backend means it (`backends.explicit_mask`), so every backend
+        scores the same keys here as on the expanded path.
         """
         batch, heads, q_len, _ = q_nope.shape
         kv_len = latents.shape[-2]
@@ -180,43 +160,73 @@ class MultiHeadLatentAttention(nn.Module):
             q_latent.reshape(batch, heads * q_len, -1),
             cache_latents.transpose(1, 2),
         ).view(batch, heads, q_len, kv_len) * self.scaling  # (B, H, T, S)
-        if self.softcap is not None:
-            scores = self.softcap * torch.tanh(scores / self.softcap)
-        scores = _mask_scores(scores, attention_mask, self.sliding_window)
-        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
-        probs = nn.functional.dropout(probs, p=self.config.attention_dropout, training=self.training)
+        mask = explicit_mask(attention_mask, q_len, kv_len, self.sliding_window, self.config._attn_implementation)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        probs = attention_probs(self, scores, mask, self.softcap, dropout=dropout)
         out_latent = probs.view(batch, heads * q_len, kv_len) @ cache_latents  # (B, H·T, d_c)
         out = torch.einsum("bhtc,hvc->bthv", out_latent.view(batch, heads, q_len, -1), w_uv)  # (B, T, H, d_v)
         return out, probs
 
 
-def _mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None, sliding_window: int | None = None):
-    """Apply a boolean (keep) or additive 4-D mask, or the 2-D padding mask the flash backends get.
+class LatentKind(AttentionKind):
+    """`attention_type="mla"`: DeepSeek's latent attention; the cache stores the latent and rotary key."""
 
-    `None` means what it means to sdpa, for which transformers skips building masks: one query
-    sees every key; several are causal aligned at the first key (torch's `is_causal`), which is
-    also right for a prefill into an empty static cache. A 2-D (B, S) padding mask carries no
-    causal structure, so it is combined with the flash kernels' own rule: causal aligned at the
-    bottom-right corner, and the window on sliding layers.
-    """
-    q_len, kv_len = scores.shape[-2:]
-    if attention_mask is None:
-        if q_len == 1:
-            return scores
-        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril()
-        return scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    if attention_mask.dim() == 2:
-        query = torch.arange(q_len, device=scores.device)[:, None] + (kv_len - q_len)
-        key = torch.arange(kv_len, device=scores.device)[None, :]
-        keep = key <= query
-        if sliding_window is not None:
-            keep = keep & (key > query - sliding_window)
-        keep = keep[None, None] & attention_mask[:, None, None, -kv_len:].bool()  # (B, 1, T, S)
-        return scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    attention_mask = attention_mask[..., :kv_len]
-    if attention_mask.dtype == torch.bool:
-        return scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-    return scores + attention_mask
+    name = "mla"
+    module = MultiHeadLatentAttention
+    fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+    def validate(self, config) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(config, name) is None:
+                raise ValueError(f"`attention_type='mla'` needs `{name}`.")
+            require_int(name, getattr(config, name), minimum=1)
+        require_int("q_lora_rank", config.q_lora_rank, minimum=1, optional=True)
+        if config.position_embedding_type != "rope":
+            raise ValueError(
+                "`attention_type='mla'` carries position only in its decoupled rotary key: it needs "
+                f"`position_embedding_type='rope'`, got {config.position_embedding_type!r} (ALiBi and "
+                "absolute positions cannot reach the absorbed latent scores)."
+            )
+        if config.qk_rope_head_dim % 2:
+            raise ValueError(f"`qk_rope_head_dim` must be even, got {config.qk_rope_head_dim}.")
+        if config.partial_rotary_factor != 1.0:
+            raise ValueError(
+                "`partial_rotary_factor` must be 1.0 with `attention_type='mla'`: the rotated width is "
+                f"`qk_rope_head_dim`, got `partial_rotary_factor`={config.partial_rotary_factor}."
+            )
+
+    def rope_head_dim(self, config) -> int:
+        return config.qk_rope_head_dim
+
+    def backend_features(self, config) -> set[str]:
+        return {"mla"}
+
+    def cache_layer(self, config, layer_type: str, implementation: str, max_cache_len: int | None):
+        return latent_layer(layer_type, implementation, config, max_cache_len)
+
+    def parameters(self, config) -> int:
+        """Query (direct or through its q_lora_rank bottleneck), the joint latent and rotary key,
+        the per-head up-projection of the latent, the output."""
+        d, h, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        if config.q_lora_rank:
+            q = linear_parameters(d, config.q_lora_rank, bias) + norm_parameters(config, config.q_lora_rank)
+            q += linear_parameters(config.q_lora_rank, h * qk, False)
+        else:
+            q = linear_parameters(d, h * qk, False)
+        kv = linear_parameters(d, config.kv_lora_rank + config.qk_rope_head_dim, bias)
+        kv += norm_parameters(config, config.kv_lora_rank)
+        kv += linear_parameters(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), False)
+        return q + kv + linear_parameters(h * config.v_head_dim, d, config.attention_output_bias)
+
+    def bytes_per_token(self, config, element_bytes: int, quantization: str | None = None) -> int:
+        """(d_c + d_R)·b: the latent and the shared rotary key."""
+        if quantization is not None:
+            raise ValueError(f"`quantization={quantization!r}` applies to per-head K/V, not to an MLA latent.")
+        return (config.kv_lora_rank + config.qk_rope_head_dim) * element_bytes
+
+
+LATENT_ATTENTION = LatentKind()
 
 
 def set_decode_mode(model: nn.Module, mode: str) -> None:
@@ -228,4 +238,4 @@ def set_decode_mode(model: nn.Module, mode: str) -> None:
             module.decode_mode = mode
 
 
-__all__ = ["MultiHeadLatentAttention", "mla_softmax_scale", "set_decode_mode", "DECODE_MODES"]
+__all__ = ["MultiHeadLatentAttention", "LATENT_ATTENTION", "mla_softmax_scale", "set_decode_mode", "DECODE_MODES"]

@@ -1,4 +1,4 @@
-"""Feed-forward sublayers, chosen by `config.mlp_type` through `MLPS`.
+"""Feed-forward sublayers, chosen by `config.mlp_type` through `registries.MLPS` (entries below).
 
 Module names follow the Llama convention (`up_proj`, `gate_proj`, `down_proj`) so PEFT's usual
 `target_modules` work on every variant.
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .kinds import FeedForwardKind, require_bool, require_choice
 from .layout import fused_projection, project
 
 
@@ -47,4 +48,24 @@ class GatedMLP(nn.Module):
         return project(self.down_proj, self.act_fn(gate) * up)
 
 
-MLPS: dict[str, type[nn.Module]] = {"dense": DenseMLP, "gated": GatedMLP}
+class ActivatedKind(FeedForwardKind):
+    """Dense or gated: one activation (`hidden_act`) between `up_projections` d x d_f matrices and d_f x d."""
+
+    up_projections: int
+
+    def __init__(self, name: str, module: type[nn.Module], up_projections: int):
+        self.name, self.module, self.up_projections = name, module, up_projections
+
+    def validate(self, config) -> None:
+        require_choice("hidden_act", config.hidden_act, ACT2FN)
+        require_bool("mlp_bias", config.mlp_bias)
+
+    def parameters(self, config, layer_idx: int = 0) -> int:
+        """Dense 2·d·d_f, gated 3·d·d_f (+ biases)."""
+        d, f = config.hidden_size, config.intermediate_size
+        bias = f if config.mlp_bias else 0
+        return self.up_projections * (d * f + bias) + f * d + (d if config.mlp_bias else 0)
+
+
+DENSE_MLP = ActivatedKind("dense", DenseMLP, up_projections=1)
+GATED_MLP = ActivatedKind("gated", GatedMLP, up_projections=2)

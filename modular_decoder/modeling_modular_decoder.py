@@ -9,25 +9,19 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .attention import StandardAttention, eager_attention
-from .backends import check_backend, default_backend, takes_alibi_slopes
+from .backends import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend, takes_alibi_slopes
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .configuration_modular_decoder import ModularDecoderConfig
 from .layout import apply_decode_layout, has_decode_layout, project, standard_layout
-from .mla import MultiHeadLatentAttention
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
-
-# Kept literally so transformers' `_can_set_attn_implementation` sees that this file dispatches
-# through the attention registry: ALL_ATTENTION_FUNCTIONS.get_interface(
-_ = (ALL_ATTENTION_FUNCTIONS, eager_attention)
 
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -44,7 +38,11 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
-    _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": [StandardAttention, MultiHeadLatentAttention]}
+    # Attention weights are what each block's `self_attn` returns second, whatever kind built it
+    _can_record_outputs = {
+        "hidden_states": DecoderBlock,
+        "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
+    }
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
         """Default to SDPA only where it can honour the contract; refuse a backend that cannot."""
@@ -178,6 +176,8 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             # An empty dynamic cache sizes the masks as no cache would, but transformers detects packed
             # documents (position_ids restarting at 0) only when it is given no cache.
             mask_cache = cache if cache is not None and (past_seen or cache.is_compileable) else None
+            if attention_mask is None and mask_cache is not None and mask_cache.is_compileable:
+                attention_mask = self._filled_slots_mask(inputs_embeds, past_seen)
             masks = {
                 layer_type: MASK_BUILDERS[layer_type](
                     config=self.config,
@@ -189,7 +189,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 for layer_type in set(layer_types)
             }
         rotary = self.rotary_emb.tables(hidden, position_ids, layer_types) if self.rotary_emb is not None else {}
-        alibi = self._alibi_kwargs(hidden, cache, past_seen) if self.alibi is not None else {}
+        alibi = self._alibi_kwargs(hidden, cache) if self.alibi is not None else {}
 
         for layer_idx, block in enumerate(self.layers):
             layer_type = layer_types[layer_idx]
@@ -205,6 +205,15 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
+
+    def _filled_slots_mask(self, inputs_embeds: torch.Tensor, past_seen: int) -> torch.Tensor | None:
+        """A (B, seen + new) all-ones mask for the flash backends over a static cache: with no mask,
+        they would attend to the cache's empty slots (their causal mask ends at the last slot).
+        transformers' own models share this gap; the other backends mask by position already."""
+        if canonical_backend(self.config._attn_implementation) not in BOTTOM_RIGHT_CAUSAL:
+            return None
+        batch, seq = inputs_embeds.shape[:2]
+        return torch.ones(batch, past_seen + seq, dtype=torch.long, device=inputs_embeds.device)
 
     def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings; an id outside the vocabulary raises a `ValueError` naming it."""
@@ -248,22 +257,17 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = self.embed_norm(hidden)
         return self.embed_dropout(hidden)
 
-    def _alibi_kwargs(self, hidden: torch.Tensor, cache, past_seen: int) -> dict:
-        """ALiBi per layer type, from the absolute positions of the keys each layer will see: the
-        slopes and the query-minus-key offset for backends that take slopes (flex, flash), else the
-        (1, H, T_q, T_k) `position_bias` (eager, sdpa)."""
+    def _alibi_kwargs(self, hidden: torch.Tensor, cache) -> dict:
+        """ALiBi per layer type: the slopes for backends that take them (flex, flash), else the
+        (1, H, T_q, T_k) `position_bias` over the keys each layer will see (eager, sdpa)."""
+        if takes_alibi_slopes(self.config._attn_implementation):
+            return {layer_type: {"alibi_slopes": self.alibi.slopes} for layer_type in set(self.config.layer_types)}
         seq = hidden.shape[1]
-        slopes = takes_alibi_slopes(self.config._attn_implementation)
-        query_positions = torch.arange(seq, device=hidden.device) + past_seen
         kwargs = {}
         for layer_type in set(self.config.layer_types):
             layer_idx = self.config.layer_types.index(layer_type)
-            kv_length, kv_offset = cache.get_mask_sizes(seq, layer_idx) if cache is not None else (seq, 0)
-            if slopes:
-                kwargs[layer_type] = {"alibi_slopes": self.alibi.slopes, "alibi_offset": past_seen - kv_offset}
-            else:
-                key_positions = torch.arange(kv_length, device=hidden.device) + kv_offset
-                kwargs[layer_type] = {"position_bias": self.alibi(query_positions, key_positions, hidden.dtype)}
+            kv_length = cache.get_mask_sizes(seq, layer_idx)[0] if cache is not None else seq
+            kwargs[layer_type] = {"position_bias": self.alibi(seq, kv_length, hidden.dtype)}
         return kwargs
 
 

@@ -34,6 +34,10 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"
 
+    @staticmethod
+    def parameter_count(config, width: int) -> int:
+        return width
+
 
 class LayerNorm(nn.LayerNorm):
     """torch's LayerNorm with an optional bias and the optional `1 + w` scale."""
@@ -48,8 +52,18 @@ class LayerNorm(nn.LayerNorm):
         weight = 1.0 + self.weight if self.unit_offset else self.weight
         return nn.functional.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
 
+    @staticmethod
+    def parameter_count(config, width: int) -> int:
+        return width * (2 if config.norm_bias else 1)
 
+
+# `norm_type` -> norm class (its allowed values)
 NORMS: dict[str, type[nn.Module]] = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+
+
+def norm_parameters(config, width: int) -> int:
+    """Parameters of one norm of the configured type over `width` features."""
+    return NORMS[config.norm_type].parameter_count(config, width)
 
 
 def build_norm(config, dim: int | None = None) -> nn.Module:

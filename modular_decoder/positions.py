@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
+from .kinds import Kind, Registry, require_bool, require_int, require_number
+
 
 class LearnedPositions(nn.Module):
     """A trained table of `max_position_embeddings` rows (+ `learned_position_offset`, OPT's 2)."""
@@ -56,11 +58,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        # transformers' init functions read `head_dim`; MLA rotates only its d_R-wide key, so they
-        # see a copy whose head is exactly the rotated width.
+        # transformers' init functions read `head_dim`; an attention kind may rotate another width
+        # (MLA: its d_R-wide key), so they see a copy whose head is the kind's `rope_head_dim`.
         rope_config = copy.copy(config)
-        if config.attention_type == "mla":
-            rope_config.head_dim = config.qk_rope_head_dim
+        rope_config.head_dim = config.rope_head_dim
         self.config = rope_config
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.interleaved = config.rope_interleaved
@@ -152,13 +153,108 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 class AlibiBias(nn.Module):
-    """Bias[h, i, j] = -slope_h · (i - j): a per-head linear penalty on query-key distance."""
+    """Bias[h, i, j] = -slope_h · (i + T_k - T_q - j): a per-head linear penalty on query-key distance,
+    with the T_q queries at the last T_q key positions (bottom-right, as the flash kernel aligns them).
+
+    Only distances within a query's row matter (softmax ignores a constant per row), so this holds
+    for every cache that keeps keys in position order ending at the newest token.
+    """
 
     def __init__(self, config):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(config.num_attention_heads), persistent=False)
 
-    def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        distance = (key_positions[None, :] - query_positions[:, None]).float()  # (T_q, T_k), <= 0 for the past
-        bias = self.slopes.to(distance.device)[:, None, None] * distance  # (H, T_q, T_k)
+    def forward(self, q_len: int, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+        device = self.slopes.device
+        query = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+        distance = (torch.arange(kv_len, device=device)[None, :] - query).float()  # (T_q, T_k), <= 0 for the past
+        bias = self.slopes[:, None, None] * distance  # (H, T_q, T_k)
         return bias.unsqueeze(0).to(dtype)  # (1, H, T_q, T_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# `position_embedding_type` entries
+
+
+class PositionKind(Kind):
+    """A value of `position_embedding_type`: where position enters and the fields it reads."""
+
+    def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None):
+        self.name, self.fields = name, fields
+        if validate is not None:
+            self.validate = validate
+
+
+def _validate_learned(config) -> None:
+    require_int("learned_position_offset", config.learned_position_offset, minimum=0)
+
+
+def _validate_rope(config) -> None:
+    """Every RoPE dict (flat, or one per layer type) names a known `rope_type` with the keys
+    transformers needs for it, finite values, and a rotary width the type can use."""
+    require_number("partial_rotary_factor", config.partial_rotary_factor, above=0, at_most=1)
+    require_bool("rope_interleaved", config.rope_interleaved)
+    params = config.rope_parameters
+    if not isinstance(params, dict) or not params:
+        raise ValueError(f"`rope_parameters` must be a dict with a `rope_type`, got {params!r}.")
+    if config.rope_is_nested:
+        missing = sorted(set(config.layer_types) - set(params))
+        if missing:
+            raise ValueError(f"`rope_parameters` is nested per layer type but lacks {missing}.")
+        per_type = {f"rope_parameters[{key!r}]": value for key, value in params.items()}
+    else:
+        per_type = {"rope_parameters": params}
+    rotary = config.rotary_dim
+    if rotary <= 0 or rotary % 2:
+        raise ValueError(
+            f"The rotary width (the attention kind's RoPE head width {config.rope_head_dim} x "
+            f"`partial_rotary_factor`={config.partial_rotary_factor} = {rotary}) must be a positive even number."
+        )
+    for where, one in per_type.items():
+        _validate_rope_dict(config, where, one, rotary)
+    try:  # the keys transformers' own validation requires for each rope type
+        config.validate_rope()
+    except KeyError as error:
+        raise ValueError(f"`rope_parameters` is incomplete: {error.args[0]}") from None
+
+
+ROPE_TYPES = ("default", *sorted(ROPE_INIT_FUNCTIONS))
+
+
+def _validate_rope_dict(config, where: str, params, rotary: int) -> None:
+    if not isinstance(params, dict):
+        raise ValueError(f"`{where}` must be a dict with a `rope_type`, got {params!r}.")
+    rope_type = params.get("rope_type")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"`{where}['rope_type']`={rope_type!r} is not one of the allowed values {list(ROPE_TYPES)}.")
+    if "rope_theta" not in params:
+        raise ValueError(f"`{where}` needs `rope_theta`.")
+    factor = params.get("partial_rotary_factor", config.partial_rotary_factor)
+    if factor != config.partial_rotary_factor:
+        raise ValueError(f"`{where}['partial_rotary_factor']`={factor} differs from `partial_rotary_factor`="
+                         f"{config.partial_rotary_factor}; set one value.")
+    for key, value in params.items():
+        if key in ("rope_type", "type"):
+            continue
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                require_number(f"{where}['{key}'][...]", item)
+            if key in ("short_factor", "long_factor") and len(value) != rotary // 2:
+                raise ValueError(f"`{where}['{key}']` needs one entry per rotated pair ({rotary // 2}), got {len(value)}.")
+        elif value is not None and not isinstance(value, bool):
+            require_number(f"{where}['{key}']", value)
+    require_number(f"{where}['rope_theta']", params["rope_theta"], above=0)
+    if params.get("factor") is not None:
+        require_number(f"{where}['factor']", params["factor"], above=0)
+    if rope_type == "dynamic" and rotary <= 2:
+        raise ValueError(f"`{where}` rope_type='dynamic' needs a rotary width above 2 (its base rescaling divides by "
+                         f"width - 2), got {rotary}.")
+
+
+POSITIONS: Registry[PositionKind] = Registry("position_embedding_type", [
+    PositionKind("learned", ("learned_position_offset",), _validate_learned),
+    PositionKind("sinusoidal"),
+    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved"), _validate_rope),
+    PositionKind("alibi"),
+    PositionKind("none"),
+])

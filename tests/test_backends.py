@@ -28,7 +28,7 @@ from backend_cases import (
     reference_fa3_varlen_func,
 )
 
-from modular_decoder import ModularDecoderForCausalLM
+from modular_decoder import ModularDecoderCache, ModularDecoderForCausalLM
 from modular_decoder.backends import (
     BACKEND_FEATURES,
     FEATURE_FIELDS,
@@ -207,3 +207,48 @@ def test_readme_table_is_the_generated_one():
     found = re.search(r"<!-- backends:start -->\n(.*?)\n<!-- backends:end -->", readme, re.S)
     assert found, "README.md lacks the <!-- backends:start --> ... <!-- backends:end --> section"
     assert found.group(1).strip() == compatibility_table().strip()
+
+
+# --- several new tokens against a cache -------------------------------------------------------
+
+CHUNKS = (5, 4, 1, 3)  # prefill, then chunks of several tokens and one, against a filling cache
+ALL_PAIRS = [(v, b) for v in VARIANTS for b in ["eager"] + CPU_BACKENDS if runnable(v, b)]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("variant,backend", ALL_PAIRS, ids=[f"{v}-{b}" for v, b in ALL_PAIRS])
+def test_chunked_prefill_against_a_cache_equals_the_full_forward(variant, backend, implementation, padded, kernels):
+    """Chunked prefill / continuation from a cache: each chunk's queries are aligned after the cached
+    keys as the backend aligns them (MLA scores such chunks on its absorbed path), so the logits of
+    every chunk equal the no-cache forward's, with and without left padding."""
+    if implementation == "static" and variant.startswith("alibi") and "sliding" in variant:
+        pytest.skip("ALiBi with a static sliding cache is refused (ring slots are not in position order)")
+    model = make_model(variant, backend)
+    ids, mask = padded_batch(lengths=(sum(CHUNKS), sum(CHUNKS) - 3 if padded else sum(CHUNKS)))
+    real = mask.bool()
+    want = logits(model, input_ids=ids, attention_mask=mask if padded else None)
+    cache = ModularDecoderCache(model.config, implementation, max_cache_len=sum(CHUNKS) + 2)
+    got, start = [], 0
+    with torch.no_grad():
+        for size in CHUNKS:
+            chunk_mask = mask[:, :start + size] if padded else None
+            out = model(input_ids=ids[:, start:start + size], attention_mask=chunk_mask, cache=cache)
+            got.append(out.logits)
+            start += size
+    got = torch.cat(got, dim=1)
+    torch.testing.assert_close(got[real], want[real], **TOL)
+
+
+@pytest.mark.parametrize("variant,backend", ALL_PAIRS, ids=[f"{v}-{b}" for v, b in ALL_PAIRS])
+def test_assisted_and_prompt_lookup_decoding_equal_greedy(variant, backend, kernels):
+    """Candidate tokens are verified several at a time against the cache, then the cache is cropped."""
+    model = make_model(variant, backend)
+    prompt = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+    prompt = torch.cat([prompt, prompt, prompt[:, :3]], dim=1)  # repeated n-grams give lookup candidates
+    kwargs = dict(max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        greedy = make_model(variant, "eager").generate(prompt, **kwargs)
+        assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=3, **kwargs), greedy)
+        assistant = make_model(variant, backend)
+        assert torch.equal(model.generate(prompt, assistant_model=assistant, **kwargs), greedy)

@@ -11,7 +11,7 @@ import torch
 from huggingface_hub import ModelCard
 
 from modular_decoder import PRESETS, ModularDecoderForCausalLM, cache_bytes, cache_bytes_per_token, preset_config
-from modular_decoder.cards import CARD_TEMPLATE, preset_card, render_model_card, variant_tags
+from modular_decoder.tools.cards import CARD_TEMPLATE, preset_card, render_model_card, variant_tags
 
 CARDS = Path(__file__).resolve().parent.parent / "model_cards"
 
@@ -29,7 +29,7 @@ def test_template_is_committed():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_card(name):
     committed = (CARDS / f"{name}.md").read_text()
-    assert committed == preset_card(name), "stale card: run `python -m modular_decoder.cards model_cards`"
+    assert committed == preset_card(name), "stale card: run `python -m modular_decoder.tools.cards model_cards`"
 
     card = ModelCard(committed)
     meta = card.data.to_dict()

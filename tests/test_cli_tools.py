@@ -9,7 +9,7 @@ import torch
 from tiny_tokenizer import tiny_tokenizer
 
 from modular_decoder import ModularDecoderForCausalLM, cache_bytes, preset_config
-from modular_decoder.cli import main
+from modular_decoder.commands import main
 
 
 def _checkpoint(tmp_path):
@@ -43,7 +43,7 @@ def test_chat_uses_the_template_and_streams(tmp_path, capsys, monkeypatch):
 
 
 def test_plot_cache_png(tmp_path, capsys):
-    from modular_decoder.plot_command import figure_configs
+    from modular_decoder.commands.plot import figure_configs
 
     out = tmp_path / "cache.png"
     assert main(["plot", "cache", "--out", str(out)]) == 0

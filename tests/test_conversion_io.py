@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 import modular_decoder  # noqa: F401
 from modular_decoder import ModularDecoderForCausalLM
-from modular_decoder.cli import main
+from modular_decoder.commands import main
 from modular_decoder.conversion import convert, export
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -7,10 +7,10 @@ import torch
 import transformers
 
 from modular_decoder import preset_config
-from modular_decoder.cli import main
+from modular_decoder.commands import main
 from modular_decoder.conversion import export
-from modular_decoder.experiments import ablation, ffn_budget, gradnorm
-from modular_decoder.experiments.gradnorm import Condition, decoder_model, layer_grad_norms
+from modular_decoder.tools.experiments import ablation, ffn_budget, gradnorm
+from modular_decoder.tools.experiments.gradnorm import Condition, decoder_model, layer_grad_norms
 
 REFERENCES = {"post": ("openai-gpt", transformers.OpenAIGPTLMHeadModel),
               "pre": ("gpt2", transformers.GPT2LMHeadModel)}

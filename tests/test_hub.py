@@ -14,8 +14,8 @@ from huggingface_hub import ModelCard
 from tiny_tokenizer import tiny_tokenizer
 
 from modular_decoder import ModularDecoderForCausalLM, preset_config
-from modular_decoder.cli import main
-from modular_decoder.hub import check_hub_folder, save_for_hub
+from modular_decoder.commands import main
+from modular_decoder.tools.hub import check_hub_folder, save_for_hub
 
 CHILD = textwrap.dedent("""
     import json, sys
@@ -81,7 +81,7 @@ class FakeApi:
 
 
 def test_push_command_up_to_upload(tmp_path, monkeypatch):
-    import modular_decoder.push_command as push
+    import modular_decoder.commands.push as push
 
     monkeypatch.setattr(push, "HfApi", FakeApi)
     FakeApi.calls = []
@@ -97,7 +97,7 @@ def test_push_command_up_to_upload(tmp_path, monkeypatch):
 
 
 def test_push_refuses_an_incomplete_folder(tmp_path, monkeypatch, capsys):
-    import modular_decoder.push_command as push
+    import modular_decoder.commands.push as push
 
     monkeypatch.setattr(push, "HfApi", FakeApi)
     FakeApi.calls = []

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from decoding import prompt, tiny_model
 from modular_decoder.layout import FusedProjection, decode_layout, has_decode_layout, linear, standard_layout
-from modular_decoder.presets import PRESETS
+from modular_decoder.tools.presets import PRESETS
 
 MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
            v_head_dim=6)

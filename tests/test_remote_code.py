@@ -1,11 +1,16 @@
-"""A saved folder loads with trust_remote_code=True in a process that cannot import the package."""
+"""A saved folder carries exactly the model code and loads with trust_remote_code=True in a process
+that cannot import the package; folders saved by earlier code still load."""
 
 import json
 import subprocess
 import sys
+import tarfile
 import textwrap
+from pathlib import Path
 
+import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from modular_decoder import ModularDecoderForCausalLM, preset_config
 
@@ -50,3 +55,54 @@ def test_trust_remote_code_without_package(tmp_path):
     torch.testing.assert_close(torch.tensor(child["logits"]), expected, rtol=0, atol=1e-6)
     assert child["tokens"] == model.generate(ids, max_new_tokens=6, do_sample=False)[0].tolist()
     assert child["base"] == "ModularDecoderModel"
+
+
+# The model code a saved folder carries: the modules the modeling and config files reach through
+# relative imports, and nothing else (no CLI, tools, conversion, presets or contract arithmetic).
+SHIPPED = {
+    "configuration_modular_decoder.py", "modeling_modular_decoder.py", "attention.py", "backends.py", "blocks.py",
+    "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py", "layout.py",
+    "mla.py", "mlp.py", "norms.py", "positions.py", "registries.py",
+}
+
+
+def test_saved_folder_carries_exactly_the_model_code(tmp_path):
+    ModularDecoderForCausalLM(preset_config("llama", tiny=True)).save_pretrained(tmp_path)
+    assert {p.name for p in tmp_path.glob("*.py")} == SHIPPED
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+    package = Path(__file__).resolve().parents[1] / "modular_decoder"
+    for name in SHIPPED:  # copies of the package's own files
+        assert (tmp_path / name).read_text() == (package / name).read_text()
+
+
+OLD_CHILD = textwrap.dedent(
+    """
+    import sys
+    sys.modules["modular_decoder"] = None
+    import json, torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.no_grad():
+        print(json.dumps(model(ids).logits[0].tolist()))
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["saved_before_move_gemma3", "saved_before_move_mla"])
+def test_folder_saved_before_the_move_still_loads(name, tmp_path):
+    """tests/fixtures/saved_before_move.tar.gz holds folders saved by the code before `conversion/`,
+    `commands/` and the registries moved (with that code inside): the package loads them, and
+    computes what their own saved code computes."""
+    with tarfile.open(Path(__file__).resolve().parent / "fixtures" / "saved_before_move.tar.gz") as archive:
+        archive.extractall(tmp_path, filter="data")
+    folder = tmp_path / name
+    result = subprocess.run([sys.executable, "-c", OLD_CHILD, str(folder)], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    old = torch.tensor(json.loads(result.stdout.strip().splitlines()[-1]))
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()  # this package's classes, no remote code
+    assert type(model) is ModularDecoderForCausalLM
+    with torch.no_grad():
+        new = model(torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])).logits[0]
+    torch.testing.assert_close(new, old, rtol=0, atol=1e-5)

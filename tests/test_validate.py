@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from modular_decoder import PRESETS, ModularDecoderForCausalLM, cache, preset_config
+from modular_decoder import PRESETS, ModularDecoderForCausalLM, preset_config
+from modular_decoder.attention import STANDARD_ATTENTION
 from modular_decoder import modeling_modular_decoder as modeling
-from modular_decoder.cli import main
-from modular_decoder.validate import CHECKS, validate
+from modular_decoder.commands import main
+from modular_decoder.tools.validate import CHECKS, validate
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,10 +80,10 @@ def test_sliding_window_too_wide_fails_causality(monkeypatch):
 
 def test_cache_keeping_too_much_fails_cache_bytes(monkeypatch):
     model = _eager("mistral")
-    real = cache.LAYER_KINDS["dynamic"]
+    real = STANDARD_ATTENTION.cache_layer
     # the bug: sliding layers keep every token (the mask still hides them, so logits agree)
-    monkeypatch.setitem(cache.LAYER_KINDS, "dynamic", lambda config, layer_type, n: DynamicLayer()
-                        if layer_type == "sliding_attention" else real(config, layer_type, n))
+    monkeypatch.setattr(STANDARD_ATTENTION, "cache_layer", lambda config, layer_type, kind, n: DynamicLayer()
+                        if layer_type == "sliding_attention" else real(config, layer_type, kind, n))
     report = validate(model, checks=["cached_decoding", "cache_bytes"])
     assert report.failed == ["cache_bytes"]
     assert "dynamic" in report["cache_bytes"].detail
@@ -100,7 +101,7 @@ class _ForgetfulLayer(DynamicLayer):
 
 def test_forgetful_cache_fails_cached_decoding(monkeypatch, capsys):
     model = _eager("llama")
-    monkeypatch.setitem(cache.LAYER_KINDS, "dynamic", lambda config, layer_type, n: _ForgetfulLayer())
+    monkeypatch.setattr(STANDARD_ATTENTION, "cache_layer", lambda config, layer_type, kind, n: _ForgetfulLayer())
     report = validate(model, checks=["cached_decoding", "positions"])
     assert set(report.failed) == {"cached_decoding", "positions"}
     assert "differs from the full-prefix forward" in report["cached_decoding"].detail

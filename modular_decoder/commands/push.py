@@ -23,9 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cards import render_model_card
-    from .configuration_modular_decoder import ModularDecoderConfig
-    from .hub import check_hub_folder
+    from modular_decoder.tools.cards import render_model_card
+    from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
+    from modular_decoder.tools.hub import check_hub_folder
 
     folder: Path = args.folder
     if "README.md" in check_hub_folder(folder) and (folder / "config.json").exists():

@@ -27,8 +27,8 @@ import math
 import torch
 from torch import nn
 
-from ..modeling_modular_decoder import ModularDecoderForCausalLM
-from ..presets import preset_config
+from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
+from modular_decoder.tools.presets import preset_config
 from . import corpus
 
 LAYOUTS = {"post": "gpt1", "pre": "gpt2"}

@@ -1,6 +1,6 @@
 """`validate`: the seed's checklist run on a checkpoint, a config or a model, as a pass/fail table.
 
-    from modular_decoder.validate import validate
+    from modular_decoder.tools.validate import validate
     report = validate("path/to/checkpoint")        # or a ModularDecoderConfig, or a model
     print(report.table()); assert report.ok, report.failed
 
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from . import contract
-from .backends import BACKEND_FEATURES, missing_features
-from .cache import ModularDecoderCache
-from .configuration_modular_decoder import ModularDecoderConfig
-from .modeling_modular_decoder import ModularDecoderForCausalLM
+from modular_decoder import contract
+from modular_decoder.backends import BACKEND_FEATURES, missing_features
+from modular_decoder.cache import ModularDecoderCache
+from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
+from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
 
 # Largest |Δlogit| accepted where the same math runs in a different order (cache vs full forward,
 # chunked vs whole prefix), by compute dtype. Exact checks (causality, bytes) use no tolerance.
@@ -612,36 +612,3 @@ def validate(
             results.append(CheckResult(name, "fail", f"error: {type(error).__name__}: {error}",
                                        f"at {Path(last.filename).name}:{last.lineno}"))
     return Report(description, results)
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("path", nargs="?", help="a modular_decoder checkpoint folder")
-    parser.add_argument("--preset", help="validate a preset's config (random weights) instead of a folder")
-    parser.add_argument("--tiny", action="store_true", help="with --preset: the tiny version of the layout")
-    parser.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS), help="which checks to run")
-    parser.add_argument("--backends", nargs="+", help="backends to compare with eager (default: all that run here)")
-    parser.add_argument("--seq-len", type=int, default=16, help="sequence length of the checks (default 16)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def run(args) -> int:
-    from .presets import preset_config
-
-    if (args.path is None) == (args.preset is None):
-        print("modular-decoder validate: give a checkpoint PATH or --preset NAME", file=sys.stderr)
-        return 2
-    target = preset_config(args.preset, tiny=args.tiny) if args.preset else args.path
-    report = validate(target, checks=args.checks, seq_len=args.seq_len, seed=args.seed,
-                      backends=args.backends, dtype=getattr(torch, args.dtype))
-    if args.preset:
-        report.target = f"preset {args.preset}{' (tiny)' if args.tiny else ''}"
-    print(report.table())
-    if not report.ok:
-        print(f"validate: failed check(s): {', '.join(report.failed)}", file=sys.stderr)
-        return 1
-    return 0

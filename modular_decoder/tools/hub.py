@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .cards import render_model_card
+from modular_decoder.tools.cards import render_model_card
 
 AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")

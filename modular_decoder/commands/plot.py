@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .configuration_modular_decoder import ModularDecoderConfig
-from .contract import cache_bytes
-from .presets import PRESETS, preset_config
+from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
+from modular_decoder.contract import cache_bytes
+from modular_decoder.tools.presets import PRESETS, preset_config
 
 _SHAPE = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
               num_attention_heads=32, max_position_embeddings=131072)

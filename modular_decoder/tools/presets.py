@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .configuration_modular_decoder import ModularDecoderConfig
+from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
 
 _GPT_STYLE = dict(norm_type="layernorm", norm_eps=1e-5, mlp_type="dense", mlp_bias=True, attention_bias=True)
 

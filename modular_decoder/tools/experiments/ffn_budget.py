@@ -12,9 +12,8 @@ import math
 
 import torch
 
-from ..configuration_modular_decoder import ModularDecoderConfig
-from ..contract import mlp_parameters
-from ..mlp import MLPS
+from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
+from modular_decoder.contract import mlp_parameters
 
 
 def gated_width(d: int, multiple_of: int = 1, expansion: float = 4.0) -> int:
@@ -29,7 +28,7 @@ def built_parameters(d: int, d_f: int, mlp_type: str) -> int:
     config = ModularDecoderConfig(hidden_size=d, intermediate_size=d_f, num_attention_heads=1, head_dim=d,
                                   num_hidden_layers=1, vocab_size=8, mlp_type=mlp_type, mlp_bias=False)
     with torch.device("meta"):
-        module = MLPS[mlp_type](config)
+        module = config.mlp_kind.build(config, 0)
     return sum(p.numel() for p in module.parameters()), mlp_parameters(config)
 
 

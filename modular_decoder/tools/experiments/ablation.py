@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from ..configuration_modular_decoder import ModularDecoderConfig
-from ..contract import cache_bytes_per_token
-from ..modeling_modular_decoder import ModularDecoderForCausalLM
+from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
+from modular_decoder.contract import cache_bytes_per_token
+from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
 from . import corpus
 from .ffn_budget import gated_width
 

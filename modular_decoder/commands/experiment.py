@@ -3,8 +3,6 @@
     modular-decoder experiment gradnorm      # post- vs pre-norm FFN gradient norms per layer (+ PNG)
     modular-decoder experiment ffn-budget    # the 8d/3 rule, checked against the built modules
     modular-decoder experiment ablation      # matched-budget training of small variants (+ PNG)
-
-Not part of the remote-code files: the model modules never import from here.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if args.experiment == "ffn-budget":
-        from .ffn_budget import table
+        from modular_decoder.tools.experiments.ffn_budget import table
 
         text, ok = table(multiple_of=args.multiple_of)
         print(text)
@@ -42,7 +40,7 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.experiment == "gradnorm":
-        from . import gradnorm
+        from modular_decoder.tools.experiments import gradnorm
 
         rows = gradnorm.run(gradnorm.default_grid(args.hidden, args.layers, args.steps), seed=args.seed)
         (out / "gradnorm.md").write_text(gradnorm.markdown(rows) + "\n")
@@ -50,7 +48,7 @@ def run(args) -> int:
         print(gradnorm.markdown(rows))
         print(f"wrote {out / 'gradnorm.md'} and {out / 'gradnorm.png'}")
         return 0
-    from . import ablation
+    from modular_decoder.tools.experiments import ablation
 
     results = ablation.run(args.tokens, names=args.variants, seed=args.seed)
     text = ablation.markdown(results, args.tokens)

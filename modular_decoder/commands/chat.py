@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .generate_command import add_generation_arguments, load_checkpoint, stream
+from modular_decoder.commands.generate import add_generation_arguments, load_checkpoint, stream
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 `render_model_card(config, base_model=...)` is what `save_for_hub` and the conversion package
 write as `README.md`; `write_preset_cards(folder)` regenerates `model_cards/` (one card per
-preset plus `TEMPLATE.md`), and `python -m modular_decoder.cards [folder]` runs it.
+preset plus `TEMPLATE.md`), and `python -m modular_decoder.tools.cards [folder]` runs it.
 Not a remote-code file: the model modules never import it.
 """
 
@@ -14,9 +14,9 @@ from string import Template
 
 import yaml
 
-from .configuration_modular_decoder import ModularDecoderConfig
-from .contract import contract_table
-from .presets import PRESETS, preset_config
+from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
+from modular_decoder.contract import contract_table
+from modular_decoder.tools.presets import PRESETS, preset_config
 
 DEFAULT_LICENSE = "apache-2.0"
 

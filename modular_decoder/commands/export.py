@@ -6,7 +6,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from . import FAMILIES
+    from modular_decoder.conversion import FAMILIES
 
     parser.add_argument("src", help="a modular_decoder model folder")
     parser.add_argument("out", help="the folder to write in the family's own format")
@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .api import export
+    from modular_decoder.conversion import export
 
     out = export(args.src, args.out, family=args.family, force=args.force)
     print(f"wrote {out}")

@@ -98,8 +98,8 @@ def convert(
     """
     from tqdm.auto import tqdm
 
-    from .. import ModularDecoderConfig, ModularDecoderForCausalLM
-    from ..cards import render_model_card
+    from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM
+    from modular_decoder.tools.cards import render_model_card
 
     src, out = Path(src_dir), Path(out_dir)
     if out.exists() and not force:
@@ -147,7 +147,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .. import ModularDecoderConfig
+    from modular_decoder import ModularDecoderConfig
 
     src, out = Path(src_dir), Path(out_dir)
     if out.exists() and not force:
@@ -198,7 +198,7 @@ def compare_with_source(src_dir, converted_dir, gguf_file: str | None = None, pr
     on a fixed prompt, both in fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import ModularDecoderForCausalLM  # noqa: F401  (registers the family)
+    from modular_decoder import ModularDecoderForCausalLM  # noqa: F401  (registers the family)
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     source = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32, **kwargs).eval()

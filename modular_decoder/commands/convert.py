@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .api import DTYPES
+from modular_decoder.conversion.api import DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .api import convert
+    from modular_decoder.conversion import convert
 
     out = convert(args.src, args.out, gguf_file=args.gguf_file, dtype=args.dtype, force=args.force,
                   verify=args.verify, allow_bin=args.allow_bin, base_model=args.base_model)

@@ -1,0 +1,50 @@
+"""The transformers internals this family uses beyond its public model API, in one place.
+
+They are private helpers of transformers' flash- and flex-attention paths, which only the ALiBi
+functions of `backends.py` need, so they are looked up when such a backend runs, never at module
+import: an upstream rename then breaks that one backend with a clear error, not every load.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+# backend -> {module: the private names taken from it}
+_INTERNALS = {
+    "flash": {
+        "transformers.modeling_flash_attention_utils": (
+            "_is_packed_sequence", "_prepare_from_posids", "_upad_input", "fa_peft_integration_check",
+            "lazy_import_flash_attention",
+        ),
+        "transformers.integrations.flash_attention": ("_use_top_left_mask", "get_target_dtype"),
+    },
+    "flex": {
+        "transformers.integrations.flex_attention": (
+            "compile_friendly_flex_attention", "get_flex_attention_lse_kwargs",
+        ),
+    },
+}
+
+
+def internals(backend: str) -> SimpleNamespace:
+    """transformers' helpers for `backend` ("flash" or "flex") by name, e.g. `internals("flash")._upad_input`."""
+    found = {}
+    for module_name, names in _INTERNALS[backend].items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            if not hasattr(module, name):
+                raise ImportError(
+                    f"`{module_name}.{name}` is missing from this transformers version; modular_decoder's "
+                    f"{backend}-attention ALiBi path needs it. Use `attn_implementation='sdpa'` or 'eager', or "
+                    "the transformers version pyproject.toml names."
+                )
+            found[name] = getattr(module, name)
+    return SimpleNamespace(**found)
+
+
+def flash_kernel_fallbacks() -> dict[str, str]:
+    """transformers' `{flash implementation: Hub kernel repo}` used when flash-attn is not installed
+    (empty where this transformers has none)."""
+    module = importlib.import_module("transformers.modeling_flash_attention_utils")
+    return getattr(module, "FLASH_ATTN_KERNEL_FALLBACK", {})

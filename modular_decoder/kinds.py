@@ -1,0 +1,183 @@
+"""Registries of variants: every config field that picks a variant names an entry of one registry,
+and the entry owns that variant's rules.
+
+A registry maps the field's values to entries; its keys are the values the config allows, so
+registering an entry is all a new variant needs (`register_attention`, `register_mlp`). An entry
+declares the config fields only it reads (`fields`): under any other entry they must keep their
+defaults, so a setting that would be ignored is refused instead. Each entry's `validate(config)`
+checks its own fields and combinations with a `ValueError` that names the field.
+
+The attention and feed-forward entries carry what the rest of the model asks of a kind (its
+module, rotary width, backend features, cache layers, parameter and cache arithmetic), so no
+other module tests `config.attention_type == ...`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Generic, TypeVar
+
+from torch import nn
+
+Entry = TypeVar("Entry")
+
+
+def field_default(config, name: str) -> Any:
+    """The dataclass default of config field `name`."""
+    for field in dataclasses.fields(type(config)):
+        if field.name == name:
+            return field.default
+    raise KeyError(name)
+
+
+class Registry(dict, Generic[Entry]):
+    """`value of config.<field>` -> entry. `of(config)` is the chosen entry; `check(config)` validates
+    the choice, the chosen entry's own rules, and that no other entry's fields were set."""
+
+    def __init__(self, field: str, entries=()):
+        super().__init__((entry.name, entry) for entry in entries)
+        self.field = field
+
+    def register(self, entry: Entry, replace: bool = False) -> Entry:
+        if entry.name in self and not replace:
+            raise ValueError(f"{self.field}={entry.name!r} is registered already; pass replace=True to replace it.")
+        self[entry.name] = entry
+        return entry
+
+    def of(self, config) -> Entry:
+        value = getattr(config, self.field)
+        require_choice(self.field, value, self)
+        return self[value]
+
+    def check(self, config) -> None:
+        chosen = self.of(config)
+        for entry in self.values():
+            if entry is chosen:
+                continue
+            for name in getattr(entry, "fields", ()):
+                if name in getattr(chosen, "fields", ()):
+                    continue
+                value, default = getattr(config, name), field_default(config, name)
+                if value != default:
+                    raise ValueError(
+                        f"`{name}`={value!r} only applies to `{self.field}={entry.name!r}`; with "
+                        f"`{self.field}={chosen.name!r}` leave it at {default!r}."
+                    )
+        chosen.validate(config)
+
+
+class Kind:
+    """Base of a registry entry: a name, the fields only it reads, and its validation."""
+
+    name: str = ""
+    fields: tuple[str, ...] = ()
+
+    def validate(self, config) -> None:
+        """Raise `ValueError` naming the field when `config` is not a valid use of this kind."""
+
+
+class AttentionKind(Kind):
+    """A value of `attention_type`: the module every layer builds and what the model needs of it."""
+
+    module: type[nn.Module]
+    # `ModularDecoderCache` implementations this kind stores (see `cache_layer`)
+    cache_implementations: tuple[str, ...] = ("dynamic", "static")
+
+    def build(self, config, layer_idx: int) -> nn.Module:
+        """The attention of layer `layer_idx`."""
+        return self.module(config, layer_idx)
+
+    def rope_head_dim(self, config) -> int:
+        """The head width RoPE sees (transformers' init functions apply `partial_rotary_factor` to it)."""
+        raise NotImplementedError
+
+    def rotary_dim(self, config) -> int:
+        """The rotated width of each q/k head."""
+        return int(self.rope_head_dim(config) * config.partial_rotary_factor)
+
+    def backend_features(self, config) -> set[str]:
+        """Features of `backends.FEATURE_FIELDS` a backend needs to run this kind."""
+        return set()
+
+    def cache_layer(self, config, layer_type: str, implementation: str, max_cache_len: int | None):
+        """The cache layer (transformers' `CacheLayerMixin`) a layer of `layer_type` stores."""
+        raise NotImplementedError
+
+    def parameters(self, config) -> int:
+        """Parameters of one layer's attention, from the config alone."""
+        raise NotImplementedError
+
+    def bytes_per_token(self, config, element_bytes: int, quantization: str | None = None) -> int:
+        """Bytes one layer caches per token (`quantization="int8"` where the kind supports it)."""
+        raise NotImplementedError
+
+    def describe(self, config) -> str:
+        """A short tag for cards and tables (`mha`, `gqa`, `mqa`, `mla`, ...)."""
+        return self.name
+
+
+class FeedForwardKind(Kind):
+    """A value of `mlp_type`: the feed-forward module of every block and its arithmetic."""
+
+    module: type[nn.Module]
+
+    def build(self, config, layer_idx: int) -> nn.Module:
+        """The feed-forward of block `layer_idx`."""
+        return self.module(config)
+
+    def parameters(self, config, layer_idx: int) -> int:
+        """Parameters of block `layer_idx`'s feed-forward, from the config alone."""
+        raise NotImplementedError
+
+    def active_parameters(self, config, layer_idx: int) -> int:
+        """Parameters block `layer_idx`'s feed-forward applies to one token (all of them unless routed)."""
+        return self.parameters(config, layer_idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field rules: each raises `ValueError` naming the field, the value and what is allowed.
+
+
+def require_int(name: str, value, minimum: int | None = None, maximum: int | None = None,
+                optional: bool = False) -> None:
+    """An integer (not a bool, not a float) in [minimum, maximum]; `None` too when `optional`."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"`{name}` must be an integer, got {value!r}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"`{name}` must be at least {minimum}, got {value}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"`{name}` must be at most {maximum}, got {value}.")
+
+
+def require_number(name: str, value, above: float | None = None, at_least: float | None = None,
+                   below: float | None = None, at_most: float | None = None, optional: bool = False) -> None:
+    """A finite real number (int or float, not a bool) within the given bounds; `None` too when `optional`."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
+    for bound, holds, relation in ((above, lambda b: value > b, "greater than"),
+                                   (at_least, lambda b: value >= b, "at least"),
+                                   (below, lambda b: value < b, "less than"),
+                                   (at_most, lambda b: value <= b, "at most")):
+        if bound is not None and not holds(bound):
+            raise ValueError(f"`{name}` must be {relation} {bound}, got {value}.")
+
+
+def require_bool(name: str, value, optional: bool = False) -> None:
+    """`True` or `False` (a string such as "no" is refused rather than read as true)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be true or false, got {value!r}.")
+
+
+def require_choice(name: str, value, allowed) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"`{name}`={value!r} is not one of the allowed values {sorted(allowed)}.")
+
+
+__all__ = ["require_int", "require_number", "require_bool", "require_choice", "Registry", "Kind", "AttentionKind", "FeedForwardKind", "field_default"]

@@ -1,0 +1,38 @@
+"""Every axis of the design space and its entries, in one place.
+
+    ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla
+    MLPS        `mlp_type`                 dense, gated
+    POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
+    NORMS       `norm_type`                rmsnorm, layernorm
+    BLOCKS      `norm_position` (+ `parallel_block`)  pre, post, sandwich, output, parallel
+
+Each registry's keys are the values its config field allows. A new attention or feed-forward kind
+is one `register_attention(kind)` / `register_mlp(kind)` call with an `AttentionKind` /
+`FeedForwardKind` (see kinds.py) before the config is built.
+"""
+
+from __future__ import annotations
+
+from .attention import STANDARD_ATTENTION
+from .blocks import BLOCKS
+from .kinds import AttentionKind, FeedForwardKind, Registry
+from .mla import LATENT_ATTENTION
+from .mlp import DENSE_MLP, GATED_MLP
+from .norms import NORMS
+from .positions import POSITIONS
+
+ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION])
+MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP])
+
+
+def register_attention(kind: AttentionKind, replace: bool = False) -> AttentionKind:
+    """Add an attention kind: configs may then use `attention_type=kind.name`."""
+    return ATTENTIONS.register(kind, replace=replace)
+
+
+def register_mlp(kind: FeedForwardKind, replace: bool = False) -> FeedForwardKind:
+    """Add a feed-forward kind: configs may then use `mlp_type=kind.name`."""
+    return MLPS.register(kind, replace=replace)
+
+
+__all__ = ["ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "BLOCKS", "register_attention", "register_mlp"]

@@ -1,0 +1,105 @@
+"""The registries: the config's allowed values come from them, each entry owns its rules, and
+registering a new kind is one entry that works end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count
+from modular_decoder.attention import STANDARD_ATTENTION, linear_parameters
+from modular_decoder.backends import attend, missing_features
+from modular_decoder.kinds import AttentionKind
+from modular_decoder.positions import apply_rotary
+from modular_decoder.registries import ATTENTIONS, MLPS, register_attention
+
+BASE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64)
+
+
+class TiedQKAttention(nn.Module):
+    """A toy kind: queries and keys share one projection (one K/V head per query head)."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim, self.scaling, self.softcap, self.is_causal = config.head_dim, config.head_dim**-0.5, None, True
+        self.sliding_window = None
+        width = config.num_attention_heads * config.head_dim
+        self.qk_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.o_proj = nn.Linear(width, config.hidden_size, bias=False)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+        batch, seq = hidden_states.shape[:2]
+        qk = self.qk_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        qk = apply_rotary(qk, *position_embeddings)
+        k, v = (qk, v) if cache is None else cache.update(qk, v, self.layer_idx)
+        out, weights = attend(self, qk, k, v, attention_mask, **kwargs)
+        return self.o_proj(out.reshape(batch, seq, -1)), weights
+
+
+class TiedQKKind(AttentionKind):
+    name = "tied_qk"
+    module = TiedQKAttention
+
+    def rope_head_dim(self, config):
+        return config.head_dim
+
+    def cache_layer(self, config, layer_type, implementation, max_cache_len):
+        return STANDARD_ATTENTION.cache_layer(config, layer_type, implementation, max_cache_len)
+
+    def parameters(self, config):
+        width = config.num_attention_heads * config.head_dim
+        return 2 * linear_parameters(config.hidden_size, width, False) + linear_parameters(width, config.hidden_size, False)
+
+    def bytes_per_token(self, config, element_bytes, quantization=None):
+        return 2 * config.num_attention_heads * config.head_dim * element_bytes
+
+
+@pytest.fixture
+def tied_qk():
+    kind = register_attention(TiedQKKind())
+    yield kind
+    del ATTENTIONS[kind.name]
+
+
+def test_allowed_values_come_from_the_registries():
+    with pytest.raises(ValueError, match=r"\['mla', 'standard'\]"):
+        ModularDecoderConfig(**BASE, attention_type="tied_qk")
+    with pytest.raises(ValueError, match=r"\['dense', 'gated'\]"):
+        ModularDecoderConfig(**BASE, mlp_type="sparse")
+    assert set(MLPS) == {"dense", "gated"}
+
+
+def test_a_registered_attention_kind_works_end_to_end(tied_qk):
+    config = ModularDecoderConfig(**BASE, attention_type="tied_qk")
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(config).eval()
+    assert isinstance(model.model.layers[0].self_attn, TiedQKAttention)
+    assert parameter_count(config)["total"] == model.num_parameters()
+    assert not missing_features(config, "sdpa")
+    ids = torch.randint(0, 61, (1, 7))
+    with torch.no_grad():
+        # cached greedy decoding equals recomputing every step without a cache
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        loop = ids
+        for _ in range(6):
+            logits = model(loop, use_cache=False).logits[:, -1]
+            loop = torch.cat([loop, logits.argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(tokens, loop)
+        model.set_attn_implementation("eager")
+        out = model(ids, output_attentions=True)
+    assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 4, 7, 7)  # recorded like any kind's
+
+
+def test_another_kinds_fields_are_refused_not_ignored():
+    with pytest.raises(ValueError, match="kv_lora_rank.*attention_type='mla'"):
+        ModularDecoderConfig(**BASE, kv_lora_rank=16)
+    with pytest.raises(ValueError, match="qk_norm.*attention_type='standard'"):
+        ModularDecoderConfig(**BASE, attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                             v_head_dim=8, qk_norm="head")
+    with pytest.raises(ValueError, match="learned_position_offset.*'learned'"):
+        ModularDecoderConfig(**BASE, learned_position_offset=2)
