@@ -22,7 +22,7 @@ assisted decoding, batch repeat / select, reset) works unchanged.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLayer
 
 IMPLEMENTATIONS = ("dynamic", "static", "int8")
 
@@ -36,6 +36,11 @@ def _tensor_bytes(tensor) -> int:
 class ModularDecoderCache(Cache):
     """A cache whose layers follow `config.layer_types` (and, with MLA, store latents).
 
+    `ModularDecoderCache(config, implementation)` builds the class of that implementation, each a
+    transformers cache type, so code that branches on the type treats it as it treats Llama's:
+    `"dynamic"` -> `DynamicModularDecoderCache` (a `DynamicCache`), `"static"` ->
+    `StaticModularDecoderCache` (a `StaticCache`), `"int8"` -> `Int8ModularDecoderCache`.
+
     Args:
         config: the model's `ModularDecoderConfig`.
         implementation: `"dynamic"` (grows as tokens come), `"static"` (pre-allocated, compileable)
@@ -43,9 +48,19 @@ class ModularDecoderCache(Cache):
         max_cache_len: capacity of a static cache.
     """
 
-    def __init__(self, config, implementation: str = "dynamic", max_cache_len: int | None = None, **kwargs):
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"`implementation`={implementation!r} is not one of {list(IMPLEMENTATIONS)}.")
+    implementation = "dynamic"
+
+    def __new__(cls, config=None, implementation: str = "dynamic", *args, **kwargs):
+        if cls is ModularDecoderCache:
+            if implementation not in IMPLEMENTATIONS:
+                raise ValueError(f"`implementation`={implementation!r} is not one of {list(IMPLEMENTATIONS)}.")
+            cls = CACHE_CLASSES[implementation]
+        return super().__new__(cls)
+
+    def __init__(self, config, implementation: str | None = None, max_cache_len: int | None = None, **kwargs):
+        implementation = implementation or self.implementation
+        if implementation != self.implementation:
+            raise ValueError(f"{type(self).__name__} is the {self.implementation!r} cache, not {implementation!r}.")
         kind = config.attention_kind
         if implementation not in kind.cache_implementations:
             raise ValueError(
@@ -59,10 +74,9 @@ class ModularDecoderCache(Cache):
             # distances computed from slot indices would be wrong.
             raise ValueError("ALiBi with a static sliding-window cache is not supported; use the dynamic cache.")
         self.config = config
-        self.implementation = implementation
         self.max_cache_len = max_cache_len
         layers = [kind.cache_layer(config, layer_type, implementation, max_cache_len) for layer_type in config.layer_types]
-        super().__init__(layers=layers, **kwargs)
+        Cache.__init__(self, layers=layers, **kwargs)  # the layers are ours, not the ones DynamicCache / StaticCache pick
 
     def payload_bytes(self) -> int:
         """Bytes stored for the tokens the next step can attend to (what `contract.cache_bytes` predicts).
@@ -98,3 +112,27 @@ class ModularDecoderCache(Cache):
 
 def _layer_tensors(layer) -> list:
     return [getattr(layer, name, None) for name in getattr(layer, "payload_tensors", ("keys", "values"))]
+
+
+class DynamicModularDecoderCache(ModularDecoderCache, DynamicCache):
+    """The default: grows with the tokens (full layers into doubling storage, sliding layers keep
+    their window, MLA layers their latents)."""
+
+
+class StaticModularDecoderCache(ModularDecoderCache, StaticCache):
+    """Pre-allocated for `max_cache_len` tokens (compileable, exportable)."""
+
+    implementation = "static"
+
+
+class Int8ModularDecoderCache(ModularDecoderCache):
+    """Dynamic, with K/V stored as int8 and one scale per token and head (`int8_cache.py`)."""
+
+    implementation = "int8"
+
+
+CACHE_CLASSES: dict[str, type[ModularDecoderCache]] = {
+    "dynamic": DynamicModularDecoderCache,
+    "static": StaticModularDecoderCache,
+    "int8": Int8ModularDecoderCache,
+}

@@ -175,7 +175,8 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         else:
             # An empty dynamic cache sizes the masks as no cache would, but transformers detects packed
             # documents (position_ids restarting at 0) only when it is given no cache.
-            mask_cache = cache if cache is not None and (past_seen or cache.is_compileable) else None
+            # (A static cache is tested first: its length is a tensor, which export cannot branch on.)
+            mask_cache = cache if cache is not None and (cache.is_compileable or past_seen) else None
             if attention_mask is None and mask_cache is not None and mask_cache.is_compileable:
                 attention_mask = self._filled_slots_mask(inputs_embeds, past_seen)
             masks = {
@@ -368,8 +369,12 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if implementation is None or implementation == "dynamic":
             cache = ModularDecoderCache(self.config)
         elif implementation == "static":
-            if generation_config.max_cache_len is not None:
-                max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+            # As transformers' models do: never shorter than an earlier call's static cache, so a
+            # compiled decode step sees the same shapes (no recompilation) call after call.
+            max_cache_length = max(
+                max_cache_length, generation_config.max_cache_len or 0, getattr(self, "_previous_max_cache_length", 0)
+            )
+            self._previous_max_cache_length = max_cache_length
             cache = ModularDecoderCache(self.config, "static", max_cache_len=max_cache_length)
         elif implementation == "quantized" and (generation_config.cache_config or {}).get("backend", "int8") == "int8":
             # This family's int8 K/V (`cache_config={"backend": "int8"}`, the default here); other

@@ -206,3 +206,51 @@ def test_beam_and_assisted_decoding_match_transformers(family, kind, tmp_path):
     assisted = ours.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=draft, **_kwargs(kind))
     assert torch.equal(assisted, greedy)
     assert torch.equal(ours.generate(ids, max_new_tokens=NEW, do_sample=False, **_kwargs(kind)), greedy)
+
+
+# --- the caches are transformers' types -------------------------------------------------------
+
+
+def _llama_twin():
+    """transformers' Llama and our llama preset with the same shape (weights need not match here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ours = tiny_model("llama")
+    c = ours.config
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+    )).eval()
+    return ours, llama
+
+
+def _generated_cache(model, ids, **kwargs):
+    out = model.generate(ids, do_sample=False, return_dict_in_generate=True, **kwargs)
+    return out.cache
+
+
+def test_default_and_static_caches_are_transformers_types_as_for_llama():
+    from transformers.cache_utils import DynamicCache, StaticCache
+
+    ours, llama = _llama_twin()
+    ids = prompt()
+    with torch.no_grad():
+        for model in (llama, ours):
+            assert isinstance(_generated_cache(model, ids, max_new_tokens=3), DynamicCache)
+            assert isinstance(_generated_cache(model, ids, max_new_tokens=3, cache_implementation="static"), StaticCache)
+    assert isinstance(ModularDecoderCache(ours.config), DynamicCache)
+    assert isinstance(ModularDecoderCache(ours.config, "static", max_cache_len=8), StaticCache)
+
+
+def test_a_shorter_later_static_generate_keeps_the_larger_cache_length_as_llama():
+    ours, llama = _llama_twin()
+    ids = prompt()
+    lengths = {}
+    with torch.no_grad():
+        for name, model in (("llama", llama), ("ours", ours)):
+            first = _generated_cache(model, ids, max_new_tokens=12, cache_implementation="static")
+            second = _generated_cache(model, ids, max_new_tokens=3, cache_implementation="static")
+            lengths[name] = [c.layers[0].max_cache_len for c in (first, second)]
+    assert lengths["ours"] == lengths["llama"]
+    assert lengths["ours"][0] == lengths["ours"][1] > ids.shape[1] + 3  # the second call needed less
