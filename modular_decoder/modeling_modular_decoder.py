@@ -19,7 +19,7 @@ from .attention import StandardAttention, eager_attention
 from .backends import check_backend, default_backend, takes_alibi_slopes
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
-from .checks import check_checkpoint, check_generate_inputs, check_inputs
+from .checks import check_checkpoint, check_generate_inputs, check_inputs, prompt_checked
 from .configuration_modular_decoder import ModularDecoderConfig
 from .layout import apply_decode_layout, has_decode_layout, project, standard_layout
 from .mla import MultiHeadLatentAttention
@@ -364,14 +364,16 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """transformers' `generate`, with the prompt (`input_ids`, `attention_mask`, `inputs_embeds`)
-        checked first: an empty or 1-D prompt or a mask that does not fit it raises a `ValueError`."""
+        checked first: an empty or 1-D prompt or a mask that does not fit it raises a `ValueError`.
+        The steps then skip re-reading the mask's values (generate only appends ones to it)."""
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),
             attention_mask=kwargs.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
         )
-        return super().generate(inputs, *args, **kwargs)
+        with prompt_checked():
+            return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int

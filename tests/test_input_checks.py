@@ -113,3 +113,11 @@ def test_generate_from_embeddings(model):
     assert out.shape[-1] == 3
     with pytest.raises(ValueError, match=r"`inputs_embeds` must have shape"):
         model.generate(inputs_embeds=embeds[0], max_new_tokens=3)
+
+
+def test_mask_values_are_checked_again_after_generate(model):
+    """generate() skips re-reading the mask of its own steps; a forward after it checks again."""
+    prompt = ids(model, 1, 4)
+    model.generate(prompt, attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="only 0"):
+        model(prompt, attention_mask=torch.full((1, 4), 2))
