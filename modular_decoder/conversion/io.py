@@ -221,6 +221,8 @@ def _partial_name(out: Path, prefix: str = PARTIAL) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there: assume it runs
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -352,7 +354,7 @@ def atomic_folder(out: Path, force: bool = False, sources=()):
     it behind, and the next run into the same `out` removes or names it (`clean_stale_partials`).
     The folder follows the umask, like `save_pretrained`'s.
     """
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # `.` or `..` get a real name and parent; links are not followed
     check_destination(out, force, sources)
     clean_stale_partials(out)
     try:
