@@ -56,7 +56,9 @@ def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None
     if attention_mask is None or isinstance(attention_mask, dict):
         return
     if not isinstance(attention_mask, torch.Tensor):
-        raise ValueError(f"`attention_mask` must be a torch tensor of shape (batch, seq), got {type(attention_mask).__name__}.")
+        raise ValueError(
+            f"`attention_mask` must be a torch tensor of shape (batch, seq), got {type(attention_mask).__name__}."
+        )
     if attention_mask.dim() == 4:  # a custom (batch, 1, q, kv) mask: used as given
         return
     if attention_mask.dim() != 2:

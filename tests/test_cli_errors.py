@@ -88,7 +88,8 @@ def test_read_only_output_parent(capsys, llama_dir, tmp_path, monkeypatch):
     parent.chmod(0o555)
     if os.geteuid() == 0:  # root may write anyway: the OS answers as it does for everyone else
         real_access = os.access
-        monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != parent and real_access(path, mode, **kw))
+        monkeypatch.setattr(os, "access",
+                            lambda path, mode, **kw: Path(path) != parent and real_access(path, mode, **kw))
     try:
         message = user_error(capsys, ["convert", str(llama_dir), str(parent / "out")])
     finally:
@@ -138,7 +139,8 @@ def test_validate_broken_folders(capsys, tmp_path, llama_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "has no config.json" in user_error(capsys, ["validate", str(empty)])
-    assert "is not a modular_decoder checkpoint (model_type='llama')" in user_error(capsys, ["validate", str(llama_dir)])
+    message = user_error(capsys, ["validate", str(llama_dir)])
+    assert "is not a modular_decoder checkpoint (model_type='llama')" in message
     (empty / "config.json").write_text("{nope")
     assert "config.json is not valid JSON" in user_error(capsys, ["validate", str(empty)])
 
@@ -182,7 +184,8 @@ def test_traceback_on_request(tmp_path, monkeypatch, how):
 
 
 def test_console_entry_prints_one_line_and_exits_2(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    here = str(Path(__file__).parents[1])  # this checkout, whatever the installed package points at
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
            "HF_HUB_OFFLINE": "1"}
     env.pop("MODULAR_DECODER_TRACEBACK", None)
     result = subprocess.run([sys.executable, "-m", "modular_decoder.cli", "convert", str(tmp_path / "nope"),

@@ -286,7 +286,8 @@ sys.exit(main(sys.argv[1:]))
 
 def start_slow_convert(src: Path, out: Path) -> tuple[subprocess.Popen, Path]:
     """Start the convert; return it and its temporary folder once the weights are written there."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    here = str(Path(__file__).parents[1])  # this checkout, whatever the installed package points at
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     child = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT, "convert", str(src), str(out)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -438,5 +439,6 @@ def test_unwritable_folder_found_late_is_named(llama_dir, tmp_path, monkeypatch)
         return real_mkdir(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
-    with pytest.raises(PermissionError, match=f"cannot write {tmp_path / 'out'}: its folder {tmp_path} is not writable"):
+    message = f"cannot write {tmp_path / 'out'}: its folder {tmp_path} is not writable"
+    with pytest.raises(PermissionError, match=message):
         convert(llama_dir, tmp_path / "out", progress=False)

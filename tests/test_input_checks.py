@@ -49,7 +49,8 @@ FORWARD_CASES = {
     "narrow embeds": (lambda m: dict(inputs_embeds=torch.randn(1, 5, 7)), r"`inputs_embeds` must have shape"),
     "integer embeds": (lambda m: dict(inputs_embeds=torch.ones(1, 5, m.config.hidden_size, dtype=torch.long)),
                        r"`inputs_embeds` must be a floating-point tensor"),
-    "empty embeds": (lambda m: dict(inputs_embeds=torch.randn(1, 0, m.config.hidden_size)), r"`inputs_embeds` is empty"),
+    "empty embeds": (lambda m: dict(inputs_embeds=torch.randn(1, 0, m.config.hidden_size)),
+                     r"`inputs_embeds` is empty"),
 }
 
 

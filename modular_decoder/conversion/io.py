@@ -204,7 +204,8 @@ def check_destination(out, force: bool = False, sources=()) -> None:
         if target == source or target in source.parents:
             what = "is" if target == source else "contains"
             raise ValueError(
-                f"{out} {what} the source {source}: writing there would delete the source; choose another output folder."
+                f"{out} {what} the source {source}: writing there would delete the source; "
+                "choose another output folder."
             )
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists; pass force=True (`--force`) to replace it.")
