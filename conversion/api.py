@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from . import get_family
 from .core import Family, apply_rules, check_shapes
-from .io import atomic_folder, copy_side_files, read_gguf, read_safetensors_folder
+from .io import atomic_folder, check_destination, copy_side_files, read_gguf, read_safetensors_folder
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Contract fields that do not change the function a checkpoint computes (compared on export).
@@ -65,15 +66,41 @@ def _load_assigned(model, state: dict, head_key: str, embed_key: str, tied: bool
         model.tie_weights()
 
 
-def _read_source(src: Path, gguf_file: str | None, allow_bin: bool):
+def _check_source(src: Path, gguf_file: str | None = None) -> None:
+    """A source folder that exists and looks like what was asked for; else a one-line error naming it."""
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist.")
+    if not src.is_dir():
+        hint = f" (for a GGUF file pass its folder and `--gguf-file {src.name}`)" if src.suffix == ".gguf" else ""
+        raise NotADirectoryError(f"{src} is a file, not a model folder{hint}.")
+    if gguf_file is None and not (src / "config.json").exists():
+        ggufs = sorted(p.name for p in src.glob("*.gguf"))
+        if ggufs:
+            raise ValueError(f"{src} has no config.json but holds GGUF file(s) {ggufs}: pass `--gguf-file NAME` "
+                             "(`gguf_file=`) to convert one.")
+        raise ValueError(f"{src} has no config.json: not a Hugging Face model folder.")
+
+
+def _source_config(src: Path):
+    """The source's transformers config; a malformed config.json or an unknown `model_type` is named."""
     from transformers import AutoConfig
 
+    try:
+        raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{src / 'config.json'} is not valid JSON ({error}).") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(f"{src / 'config.json'} has no `model_type`, so its family is unknown.")
+    get_family(raw["model_type"])  # an unknown family is refused by name before transformers is asked
+    return AutoConfig.from_pretrained(str(src))
+
+
+def _read_source(src: Path, gguf_file: str | None, allow_bin: bool):
+    _check_source(src, gguf_file)
     if gguf_file is not None:
         state, src_cfg, tokenizer, generation_config = read_gguf(src, gguf_file)
         return state, src_cfg, tokenizer, generation_config
-    if not (src / "config.json").exists():
-        raise ValueError(f"{src} has no config.json: not a Hugging Face model folder (for GGUF pass `gguf_file`).")
-    src_cfg = AutoConfig.from_pretrained(str(src))
+    src_cfg = _source_config(src)
     return read_safetensors_folder(src, allow_bin=allow_bin), src_cfg, None, None
 
 
@@ -102,8 +129,7 @@ def convert(
     from modular_decoder.tools.cards import render_model_card
 
     src, out = Path(src_dir), Path(out_dir)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists; pass force=True (`--force`) to replace it.")
+    check_destination(out, force, sources=(src,))  # before any work: never the source, nor a folder holding it
     torch_dtype = _dtype(dtype)
     state, src_cfg, tokenizer, generation_config = _read_source(src, gguf_file, allow_bin)
     family = get_family(src_cfg.model_type)
@@ -125,7 +151,7 @@ def convert(
     check_shapes(ours, expected, f"converting {src}")
     _load_assigned(model, ours, head, embed, cfg.tie_word_embeddings)
 
-    with atomic_folder(out, force=force) as tmp:
+    with atomic_folder(out, force=force, sources=(src,)) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -150,9 +176,9 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     from modular_decoder import ModularDecoderConfig
 
     src, out = Path(src_dir), Path(out_dir)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists; pass force=True (`--force`) to replace it.")
+    check_destination(out, force, sources=(src,))
     fam = get_family(family)
+    _check_source(src)
     cfg = AutoConfig.from_pretrained(str(src))
     if not isinstance(cfg, ModularDecoderConfig):
         raise ValueError(f"{src} is not a modular_decoder checkpoint (model_type={cfg.model_type!r}).")
@@ -172,7 +198,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     check_shapes(theirs, expected, f"exporting to {fam.name}")
     src_cfg.dtype = theirs[their_embed_key].dtype
     _load_assigned(model, theirs, their_head_key, their_embed_key, tied)
-    with atomic_folder(out, force=force) as tmp:
+    with atomic_folder(out, force=force, sources=(src,)) as tmp:
         model.save_pretrained(tmp)
         copy_side_files(src, tmp)
     return out

@@ -19,6 +19,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .backends import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend, takes_alibi_slopes
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
+from .checks import check_checkpoint, check_generate_inputs, check_inputs, prompt_checked
 from .configuration_modular_decoder import ModularDecoderConfig
 from .layout import apply_decode_layout, has_decode_layout, project, standard_layout
 from .norms import LayerNorm, RMSNorm, build_norm
@@ -74,11 +75,19 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
                 apply_decode_layout(self)
 
     @classmethod
-    def from_pretrained(cls, *args, decode_layout: bool | None = None, **kwargs):
+    def from_pretrained(cls, *args, decode_layout: bool | None = None, strict: bool = True, **kwargs):
         """transformers' `from_pretrained`, then `layout.decode_layout` (fused q/k/v and gate/up,
         wide weights column-major: faster decoding, same values and names) when the model sits
         wholly on the CPU without offload hooks. `decode_layout=False` keeps the saved layout,
-        `True` applies it wherever the model is."""
+        `True` applies it wherever the model is.
+
+        With `strict=True` (the default) a checkpoint whose tensors do not match its config (missing,
+        unexpected or mis-shaped tensors) raises a `ValueError` naming them, before the model is built
+        (`checks.check_checkpoint` reads only the safetensors headers). `strict=False` loads a
+        partial or different checkpoint as transformers does: what is missing is initialised randomly.
+        """
+        if strict:
+            check_checkpoint(cls, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
         loaded = super().from_pretrained(*args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         if decode_layout is None:
@@ -157,6 +166,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        check_inputs(self.config, input_ids, attention_mask, inputs_embeds, cache)
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -357,6 +367,19 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        """transformers' `generate`, with the prompt (`input_ids`, `attention_mask`, `inputs_embeds`)
+        checked first: an empty or 1-D prompt or a mask that does not fit it raises a `ValueError`.
+        The steps then skip re-reading the mask's values (generate only appends ones to it)."""
+        check_generate_inputs(
+            self.config,
+            input_ids=inputs if inputs is not None else kwargs.get("input_ids"),
+            attention_mask=kwargs.get("attention_mask"),
+            inputs_embeds=kwargs.get("inputs_embeds"),
+        )
+        with prompt_checked():
+            return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int

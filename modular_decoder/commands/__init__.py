@@ -3,13 +3,23 @@
 Not model code: a saved checkpoint never carries these files. Each command module exposes
 `add_arguments(parser)` and `run(args) -> int`; it is imported only when its command runs, so
 `modular-decoder --help` stays fast. `python -m modular_decoder.commands` is the same entry point.
+
+User errors (a `ValueError` or `OSError`: a missing path, an existing output, a malformed file, a
+refused checkpoint) print one line `error: <message>` to stderr and exit with status 2; any other
+exception is a bug and keeps its traceback. `--traceback` (or `MODULAR_DECODER_TRACEBACK=1`) shows
+the traceback of user errors too, for bug reports. Ctrl-C prints `interrupted` and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# What a user's input can cause (bad paths, bad files, bad values); everything else is a bug.
+USER_ERRORS = (ValueError, OSError)
+TRACEBACK_ENV = "MODULAR_DECODER_TRACEBACK"
 
 # command name -> (module in this package, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -27,17 +37,44 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modular-decoder", description=__doc__.splitlines()[0])
+    traceback_help = f"on an error show the full traceback (also: {TRACEBACK_ENV}=1)"
+    parser.add_argument("--traceback", action="store_true", help=traceback_help)
     sub = parser.add_subparsers(dest="command", required=True)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)  # the main parser's options are flags
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         command.set_defaults(_module=f"{__name__}.{module_name}")
-        if argv[:1] == [name]:  # only the chosen command's module is imported
+        # accepted after the command too; SUPPRESS keeps the subparser from resetting the main flag
+        command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=traceback_help)
+        if name == chosen:  # only the chosen command's module is imported
             importlib.import_module(f"{__name__}.{module_name}").add_arguments(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status (2 for a user error, 130 when interrupted)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    verbose = args.traceback or os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except USER_ERRORS as error:
+        if verbose:
+            raise
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if verbose:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line; an OS error as `<what>: <path>` rather than `[Errno 2] ...`."""
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        text = f"{error.strerror}: {error.filename}" + (f" -> {error.filename2}" if error.filename2 else "")
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split())
 

@@ -27,6 +27,8 @@ def load_checkpoint(folder: Path):
 
     import modular_decoder  # noqa: F401  (registers the family with the Auto classes)
 
+    if not Path(folder).exists():
+        raise FileNotFoundError(f"{folder} does not exist.")
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     return model, AutoTokenizer.from_pretrained(folder)
 

@@ -517,16 +517,14 @@ def check_benchmark(ctx: _Context, batch: int = 4, prompt: int = 32, new_tokens:
 
 
 def _serialized_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
-    from safetensors import safe_open
+    from modular_decoder.checks import read_safetensors_header
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
     shapes = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
+    for file in files:  # headers only; a truncated or damaged file raises a ValueError naming it
+        shapes.update({key: shape for key, (_, shape) in read_safetensors_header(file).items()})
     return shapes
 
 
@@ -545,9 +543,18 @@ def load_target(target, dtype: torch.dtype = torch.float32, attn_implementation:
         model = ModularDecoderForCausalLM._from_config(target, attn_implementation=attn_implementation, dtype=dtype)
         return model.eval(), None, "config (random weights)"
     folder = Path(target)
+    if not folder.exists():
+        raise FileNotFoundError(f"{folder} does not exist.")
     if not (folder / "config.json").exists():
         raise ValueError(f"{folder} has no config.json: pass a modular_decoder checkpoint folder, a config or a model.")
-    config = ModularDecoderConfig(**{k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{folder / 'config.json'} is not valid JSON ({error}).") from None
+    if not isinstance(raw, dict) or raw.get("model_type") != ModularDecoderConfig.model_type:
+        found = raw.get("model_type") if isinstance(raw, dict) else None
+        raise ValueError(f"{folder} is not a modular_decoder checkpoint (model_type={found!r}); convert it first.")
+    config = ModularDecoderConfig(**{k: v for k, v in raw.items()
                                      if k not in ("model_type", "auto_map", "architectures", "transformers_version")})
     serialized = _serialized_shapes(folder)
     if serialized is not None and _shape_mismatches(config, serialized):

@@ -1,0 +1,198 @@
+"""Every user error of the CLI is one line `error: <message>` on stderr and exit status 2; bugs keep
+their traceback; `--traceback` / MODULAR_DECODER_TRACEBACK=1 show it for user errors too."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig
+
+import modular_decoder  # noqa: F401
+from modular_decoder.commands import main
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64)
+
+
+@pytest.fixture
+def llama_dir(tmp_path) -> Path:
+    config = LlamaConfig(**TINY, num_key_value_heads=2)
+    config.architectures = None
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def user_error(capsys, argv: list[str]) -> str:
+    """Run the CLI; assert exit status 2 and exactly one stderr line `error: ...`; return that message."""
+    capsys.readouterr()  # drop what the fixtures printed
+    status = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), (status, err)
+    return lines[0][len("error: "):]
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_missing_source(capsys, tmp_path):
+    message = user_error(capsys, ["convert", str(tmp_path / "nope"), str(tmp_path / "out")])
+    assert message == f"{tmp_path / 'nope'} does not exist."
+
+
+def test_existing_output(capsys, llama_dir, tmp_path):
+    (tmp_path / "out").mkdir()
+    message = user_error(capsys, ["convert", str(llama_dir), str(tmp_path / "out")])
+    assert message.startswith(f"{tmp_path / 'out'} already exists") and "--force" in message
+
+
+def test_malformed_config(capsys, llama_dir, tmp_path):
+    (llama_dir / "config.json").write_text('{"model_type": "llama", ')
+    message = user_error(capsys, ["convert", str(llama_dir), str(tmp_path / "out")])
+    assert message.startswith(f"{llama_dir / 'config.json'} is not valid JSON")
+
+
+def test_unknown_model_type(capsys, llama_dir, tmp_path):
+    config = json.loads((llama_dir / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    assert user_error(capsys, ["convert", str(llama_dir), str(tmp_path / "out")]).startswith(
+        "Unknown source family 'bert'")
+
+
+def test_no_weights(capsys, llama_dir, tmp_path):
+    (llama_dir / "model.safetensors").unlink()
+    assert "holds no `*.safetensors`" in user_error(capsys, ["convert", str(llama_dir), str(tmp_path / "out")])
+
+
+def test_legacy_bin_refused(capsys, tmp_path):
+    src = tmp_path / "gpt2"
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+    model.config.save_pretrained(src)
+    torch.save(model.state_dict(), src / "pytorch_model.bin")
+    assert "--allow-bin" in user_error(capsys, ["convert", str(src), str(tmp_path / "out")])
+
+
+def test_read_only_output_parent(capsys, llama_dir, tmp_path, monkeypatch):
+    parent = tmp_path / "read-only"
+    parent.mkdir()
+    parent.chmod(0o555)
+    if os.geteuid() == 0:  # root may write anyway: the OS answers as it does for everyone else
+        real_access = os.access
+        monkeypatch.setattr(os, "access",
+                            lambda path, mode, **kw: Path(path) != parent and real_access(path, mode, **kw))
+    try:
+        message = user_error(capsys, ["convert", str(llama_dir), str(parent / "out")])
+    finally:
+        parent.chmod(0o755)
+    assert message == f"cannot write {parent / 'out'}: its folder {parent} is not writable."
+    assert [p.name for p in parent.iterdir()] == []
+
+
+def test_missing_gguf_file_flag(capsys, tmp_path):
+    src = tmp_path / "gguf"
+    src.mkdir()
+    (src / "model.gguf").write_bytes(b"GGUF")
+    message = user_error(capsys, ["convert", str(src), str(tmp_path / "out")])
+    assert "--gguf-file" in message and "model.gguf" in message
+    message = user_error(capsys, ["convert", str(src), str(tmp_path / "out"), "--gguf-file", "other.gguf"])
+    assert message.startswith("GGUF file 'other.gguf' not found in") and "model.gguf" in message
+    message = user_error(capsys, ["convert", str(src / "model.gguf"), str(tmp_path / "out")])
+    assert "is a file" in message and "--gguf-file model.gguf" in message
+
+
+def test_damaged_gguf(capsys, tmp_path):
+    src = tmp_path / "gguf"
+    src.mkdir()
+    (src / "model.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(10))
+    message = user_error(capsys, ["convert", str(src), str(tmp_path / "out"), "--gguf-file", "model.gguf"])
+    assert message.startswith(f"{src / 'model.gguf'} is truncated")
+
+
+@pytest.mark.parametrize("where", ["same", "parent"])
+def test_source_is_never_replaced(capsys, llama_dir, where):
+    out = llama_dir if where == "same" else llama_dir.parent
+    before = digest(llama_dir)
+    message = user_error(capsys, ["convert", str(llama_dir), str(out), "--force"])
+    assert ("is the source" if where == "same" else "contains the source") in message
+    assert digest(llama_dir) == before
+
+
+def test_export_into_its_source(capsys, llama_dir, tmp_path):
+    assert main(["convert", str(llama_dir), str(tmp_path / "md")]) == 0
+    capsys.readouterr()
+    assert "is the source" in user_error(capsys, ["export", str(tmp_path / "md"), str(tmp_path / "md"),
+                                                  "--family", "llama", "--force"])
+
+
+def test_validate_broken_folders(capsys, tmp_path, llama_dir):
+    assert user_error(capsys, ["validate", str(tmp_path / "nope")]) == f"{tmp_path / 'nope'} does not exist."
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "has no config.json" in user_error(capsys, ["validate", str(empty)])
+    message = user_error(capsys, ["validate", str(llama_dir)])
+    assert "is not a modular_decoder checkpoint (model_type='llama')" in message
+    (empty / "config.json").write_text("{nope")
+    assert "config.json is not valid JSON" in user_error(capsys, ["validate", str(empty)])
+
+
+def test_validate_truncated_weights(capsys, tmp_path, llama_dir):
+    assert main(["convert", str(llama_dir), str(tmp_path / "md")]) == 0
+    capsys.readouterr()
+    weights = tmp_path / "md" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    assert user_error(capsys, ["validate", str(tmp_path / "md")]).startswith(f"{weights} is truncated")
+
+
+def test_generate_and_chat_on_a_missing_path(capsys, tmp_path):
+    assert user_error(capsys, ["generate", str(tmp_path / "nope"), "hello"]) == f"{tmp_path / 'nope'} does not exist."
+    assert user_error(capsys, ["chat", str(tmp_path / "nope")]) == f"{tmp_path / 'nope'} does not exist."
+
+
+def test_bugs_keep_their_traceback(monkeypatch):
+    import modular_decoder.commands.validate as command
+
+    def broken(args):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(command, "run", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        main(["validate", "x"])
+
+
+@pytest.mark.parametrize("how", ["flag-before", "flag-after", "env"])
+def test_traceback_on_request(tmp_path, monkeypatch, how):
+    argv = ["validate", str(tmp_path / "nope")]
+    if how == "flag-before":
+        argv = ["--traceback", *argv]
+    elif how == "flag-after":
+        argv = [*argv, "--traceback"]
+    else:
+        monkeypatch.setenv("MODULAR_DECODER_TRACEBACK", "1")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        main(argv)
+
+
+def test_console_entry_prints_one_line_and_exits_2(tmp_path):
+    here = str(Path(__file__).parents[1])  # this checkout, whatever the installed package points at
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1"}
+    env.pop("MODULAR_DECODER_TRACEBACK", None)
+    result = subprocess.run([sys.executable, "-m", "modular_decoder.commands", "convert", str(tmp_path / "nope"),
+                             str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope'} does not exist."]
+    result = subprocess.run([sys.executable, "-m", "modular_decoder.commands", "--traceback", "convert",
+                             str(tmp_path / "nope"), str(tmp_path / "out")], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
