@@ -15,7 +15,7 @@ from .backends import attend
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kinds import AttentionKind
-from .layout import fused_projection, project
+from .layout import project
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 
@@ -46,9 +46,6 @@ class QKNorm(nn.Module):
 class StandardAttention(nn.Module):
     """q/k/v/o projections, optional QK-norm, RoPE or ALiBi, a cache, and a pluggable score backend."""
 
-    # One matrix product for q, k and v once `layout.decode_layout` has fused their weights
-    FUSED_PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj")}
-
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.config = config
@@ -73,22 +70,7 @@ class StandardAttention(nn.Module):
     def _project_qkv(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
         """q (B, H, T, D), k and v (B, H_kv, T, D), normed and rotated as configured."""
         batch, seq = hidden_states.shape[:2]
-        fused = fused_projection(self, "qkv")
-        if fused is not None and self.qk_norm is None:
-            # q and k lie side by side in the fused output: view them as one tensor of heads and
-            # rotate it in one pass (half the small ops of a decode step's RoPE)
-            q_width, k_width, _ = fused.sizes
-            qkv = fused.product(hidden_states)
-            qk = qkv[..., : q_width + k_width].view(batch, seq, -1, self.head_dim).transpose(1, 2)
-            v = qkv[..., q_width + k_width :].view(batch, seq, -1, self.head_dim).transpose(1, 2)
-            if position_embeddings is not None:
-                qk = apply_rotary(qk, *position_embeddings, self.interleaved)
-            q, k = qk.split([self.num_heads, self.num_key_value_heads], dim=1)
-            return q, k, v
-        if fused is not None:
-            q, k, v = fused(hidden_states)
-        else:
-            q, k, v = (project(layer, hidden_states) for layer in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (project(layer, hidden_states) for layer in (self.q_proj, self.k_proj, self.v_proj))
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k, self.head_dim)
         q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)

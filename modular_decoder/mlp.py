@@ -11,7 +11,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .kinds import FeedForwardKind, require_bool, require_choice
-from .layout import fused_projection, project
+from .layout import project
 
 
 class DenseMLP(nn.Module):
@@ -31,9 +31,6 @@ class DenseMLP(nn.Module):
 class GatedMLP(nn.Module):
     """(act(x W_gate) ⊙ x W_up) W_down: GLU / ReGLU / GEGLU / SwiGLU by `hidden_act`. 3·d·d_f weights."""
 
-    # One matrix product for gate and up once `layout.decode_layout` has fused their weights
-    FUSED_PROJECTIONS = {"gate_up": ("gate_proj", "up_proj")}
-
     def __init__(self, config):
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
@@ -43,9 +40,7 @@ class GatedMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fused_projection(self, "gate_up")
-        gate, up = fused(x) if fused is not None else (project(self.gate_proj, x), project(self.up_proj, x))
-        return project(self.down_proj, self.act_fn(gate) * up)
+        return project(self.down_proj, self.act_fn(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class ActivatedKind(FeedForwardKind):

@@ -21,7 +21,7 @@ from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .checks import check_checkpoint, check_generate_inputs, check_inputs, prompt_checked
 from .configuration_modular_decoder import ModularDecoderConfig
-from .layout import apply_decode_layout, has_decode_layout, project, standard_layout
+from .layout import project
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
 
@@ -64,39 +64,25 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
             "AutoModel": f"{module}.ModularDecoderModel",
             "AutoModelForCausalLM": f"{module}.ModularDecoderForCausalLM",
         }
-        # transformers' save flattens tensors with `view` and refuses shared storage: write the
-        # standard layout, then restore the decode layout
-        relaid = has_decode_layout(self)
-        standard_layout(self)
-        try:
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        finally:
-            if relaid:
-                apply_decode_layout(self)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, *args, decode_layout: bool | None = None, strict: bool = True, **kwargs):
-        """transformers' `from_pretrained`, then `layout.decode_layout` (fused q/k/v and gate/up,
-        wide weights column-major: faster decoding, same values and names) when the model sits
-        wholly on the CPU without offload hooks. `decode_layout=False` keeps the saved layout,
-        `True` applies it wherever the model is.
+    def from_pretrained(cls, *args, strict: bool = True, **kwargs):
+        """transformers' `from_pretrained`, after a check of the checkpoint against its config.
 
         With `strict=True` (the default) a checkpoint whose tensors do not match its config (missing,
         unexpected or mis-shaped tensors) raises a `ValueError` naming them, before the model is built
         (`checks.check_checkpoint` reads only the safetensors headers). `strict=False` loads a
         partial or different checkpoint as transformers does: what is missing is initialised randomly.
         """
+        if "decode_layout" in kwargs:  # transformers would store an unknown keyword in the config
+            raise ValueError(
+                "`decode_layout` was removed: parameters are always stored as saved; the few-row products "
+                "that made decoding fast are computation only (`MODULAR_DECODER_SPLIT_PRODUCTS=0` turns them off)."
+            )
         if strict:
             check_checkpoint(cls, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
-        loaded = super().from_pretrained(*args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        if decode_layout is None:
-            decode_layout = getattr(model, "hf_device_map", None) is None and all(
-                p.device.type == "cpu" for p in model.parameters()
-            )
-        if decode_layout:
-            apply_decode_layout(model)
-        return loaded
+        return super().from_pretrained(*args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

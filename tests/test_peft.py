@@ -64,12 +64,12 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
     peft_model.eval()
     ids = _counting_batch(2, 12)
     with torch.no_grad():
-        plain = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base", decode_layout=False).eval()(ids).logits
+        plain = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()(ids).logits
         adapted = peft_model(input_ids=ids).logits
     assert (adapted - plain).abs().max() > 1e-3  # the adapter does something
 
     peft_model.save_pretrained(tmp_path / "adapter")
-    fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base", decode_layout=False).eval()
+    fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, rtol=0, atol=0)
@@ -104,7 +104,7 @@ def test_lora_on_mla_low_rank_projections(tmp_path):
     with torch.no_grad():
         adapted = peft_model(input_ids=ids).logits
         peft_model.save_pretrained(tmp_path / "adapter")
-        fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base", decode_layout=False).eval()
+        fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()
         assert (fresh(ids).logits - adapted).abs().max() > 1e-3
         reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
         torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, rtol=0, atol=0)

@@ -85,7 +85,7 @@ def test_save_and_reload(config, tmp_path):
     model.save_pretrained(tmp_path)
     # The saved layout reloads bit for bit; the decode layout (fused, column-major products: the
     # default on CPU) computes the same function up to fp32 reassociation.
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", decode_layout=False)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     laid_out = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     ids = torch.randint(0, config.vocab_size, (1, SEQ))
     with torch.no_grad():
