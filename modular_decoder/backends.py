@@ -150,7 +150,7 @@ def attention_probs(
     position_bias: torch.Tensor | None = None,
     dropout: float = 0.0,
 ) -> torch.Tensor:
-    """Scaled scores (B, H, T_q, T_k) -> probabilities: soft-cap, bias, mask, softmax in fp32, dropout.
+    """Scaled scores (B, H, T_q, T_k) -> probabilities: soft-cap, bias, mask, softmax in (at least) fp32, dropout.
 
     The order (soft-cap, bias, mask) is Gemma 2's and FlexAttention's. `attention_mask` is a 4-D
     boolean keep-mask or additive mask (sliced to T_k). Without autograd the steps reuse the scores
@@ -168,7 +168,11 @@ def attention_probs(
             scores = scores.masked_fill_(~attention_mask, fill) if fresh else scores.masked_fill(~attention_mask, fill)
         else:
             scores = scores.add_(attention_mask) if fresh else scores + attention_mask
-    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    # At least fp32 (half precision is upcast), never below the scores' own precision: a float64
+    # model's mask fill (finfo(float64).min) would become -inf in fp32, and a row with no key to
+    # see (a left-padding query) would turn into NaN that reaches the real tokens through its values.
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
+    probs = nn.functional.softmax(scores, dim=-1, dtype=softmax_dtype).to(scores.dtype)
     return nn.functional.dropout(probs, p=dropout, training=module.training)
 
 

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from .blocks import validate_block
 from .kinds import require_bool, require_choice, require_int, require_number
 from .norms import NORMS
+from .positions import require_rope_dicts, transformers_rope_check
 from .registries import ATTENTIONS, MLPS, POSITIONS
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -162,6 +163,10 @@ class ModularDecoderConfig(PretrainedConfig):
         "final_norm": (["hidden_states"], ["hidden_states"]),
     }
     default_theta = 10_000.0
+    # The keys of a `rope_parameters` dict nested by layer type. transformers takes them from
+    # `layer_types` otherwise, and then neither fills in nor checks a table for a layer type no layer
+    # has (a sliding table in an all-full config), which the config would still carry.
+    _rope_type_labels = LAYER_TYPES
 
     # sizes
     vocab_size: int = 32000
@@ -256,7 +261,20 @@ class ModularDecoderConfig(PretrainedConfig):
             kwargs.pop("rope_theta", None)
             self.rope_parameters = None
             return kwargs
+        require_rope_dicts(kwargs.get("rope_scaling") or self.rope_parameters, LAYER_TYPES)
         return super().convert_rope_params_to_dict(**kwargs)
+
+    def validate_rope(self) -> None:
+        """transformers' RoPE validation, on the head the attention kind rotates
+        (`positions.transformers_rope_check`); `save_pretrained` runs it through `validate()`."""
+        if self.uses_rope:
+            transformers_rope_check(self)
+
+    def validate(self) -> None:
+        """The class validators transformers runs when saving, looked up on this class, so that the
+        `validate_rope` above replaces the mixin's (which reads an MLA config's unused `head_dim`)."""
+        for validator in getattr(PretrainedConfig, "__class_validators__", ()):
+            getattr(self, validator.__name__)()
 
     @property
     def uses_rope(self) -> bool:

@@ -14,6 +14,14 @@ from .kinds import FeedForwardKind, require_bool, require_choice
 from .layout import project
 
 
+def activation(name: str) -> nn.Module:
+    """`ACT2FN[name]`, with any parameters and buffers it has (PReLU, xIELU) in the dtype the model is
+    being built in: transformers' xIELU makes them bfloat16 whatever the model's dtype, so an fp32
+    model would compute them in bf16 after a save / load, and load fp32 checkpoint values rounded."""
+    act = ACT2FN[name]
+    return act.to(torch.get_default_dtype()) if isinstance(act, nn.Module) else act
+
+
 class DenseMLP(nn.Module):
     """act(x W_up) W_down: GPT-1/2, OPT, GPT-J, NeoX, Falcon, BLOOM, Phi. 2·d·d_f weights."""
 
@@ -22,7 +30,7 @@ class DenseMLP(nn.Module):
         d, f = config.hidden_size, config.intermediate_size
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.down_proj, self.act_fn(project(self.up_proj, x)))
@@ -37,7 +45,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.down_proj, self.act_fn(project(self.gate_proj, x)) * project(self.up_proj, x))

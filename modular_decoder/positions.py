@@ -11,7 +11,7 @@ import math
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
 from .kinds import Kind, Registry, require_bool, require_int, require_number
 
@@ -213,12 +213,34 @@ def _validate_rope(config) -> None:
     for where, one in per_type.items():
         _validate_rope_dict(config, where, one, rotary)
     try:  # the keys transformers' own validation requires for each rope type
-        config.validate_rope()
+        transformers_rope_check(config)
     except KeyError as error:
         raise ValueError(f"`rope_parameters` is incomplete: {error.args[0]}") from None
 
 
 ROPE_TYPES = ("default", *sorted(ROPE_INIT_FUNCTIONS))
+
+
+def transformers_rope_check(config) -> None:
+    """transformers' own RoPE validation (`validate_rope`: the keys each rope type needs), on a view of
+    `config` whose `head_dim` is the attention kind's RoPE head, as `RotaryEmbedding` builds its tables
+    (MLA rotates `qk_rope_head_dim`; its unused `head_dim` may be odd)."""
+    view = copy.copy(config)
+    view.head_dim = config.rope_head_dim
+    RotaryEmbeddingConfigMixin.validate_rope(view)
+
+
+def require_rope_dicts(params, layer_types) -> None:
+    """`rope_parameters` as given, before transformers standardises it (which assumes dicts and fails
+    with an AttributeError / TypeError on anything else): `None`, one dict, or a dict nested by layer type."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ValueError(f"`rope_parameters` must be a dict with a `rope_type` (or one such dict per layer type "
+                         f"{list(layer_types)}), got {params!r}.")
+    for key, value in params.items():
+        if key in layer_types and not isinstance(value, dict):
+            raise ValueError(f"`rope_parameters[{key!r}]` must be a dict with a `rope_type`, got {value!r}.")
 
 
 def _validate_rope_dict(config, where: str, params, rotary: int) -> None:

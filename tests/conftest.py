@@ -12,6 +12,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
+# Property-based tests (tests/test_properties.py): a fixed, derandomized example budget keeps CI fast
+# and reproducible; `HYPOTHESIS_PROFILE=thorough` runs many more examples on demand (README, Tests).
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # only the property tests need it (the `test` extra installs it)
+    pass
+else:
+    _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+    settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True, database=None,
+                              suppress_health_check=_QUIET, print_blob=True)
+    settings.register_profile("thorough", max_examples=600, deadline=None, suppress_health_check=_QUIET,
+                              print_blob=True)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 
 @pytest.fixture(autouse=True)
 def _seed():
