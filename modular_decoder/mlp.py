@@ -34,9 +34,10 @@ class GatedMLP(nn.Module):
     # One matrix product for gate and up once `layout.decode_layout` has fused their weights
     FUSED_PROJECTIONS = {"gate_up": ("gate_proj", "up_proj")}
 
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
+        # `intermediate_size` overrides the config's width (an MoE block's shared experts)
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
