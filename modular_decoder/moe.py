@@ -236,10 +236,14 @@ def validate_moe(config, allowed_kinds: Sequence[str] = MLP_LAYER_KINDS) -> None
     """
     kinds = mlp_layer_types(config)
     if len(kinds) != config.num_hidden_layers:
-        raise ValueError(f"`mlp_layer_types` has {len(kinds)} entries for `num_hidden_layers`={config.num_hidden_layers}.")
+        raise ValueError(
+            f"`mlp_layer_types` has {len(kinds)} entries for `num_hidden_layers`={config.num_hidden_layers}."
+        )
     for kind in kinds:
         if kind not in allowed_kinds:
-            raise ValueError(f"`mlp_layer_types` entry {kind!r} is not one of the allowed values {list(allowed_kinds)}.")
+            raise ValueError(
+                f"`mlp_layer_types` entry {kind!r} is not one of the allowed values {list(allowed_kinds)}."
+            )
     has_moe = "moe" in kinds
     if _field(config, "mlp_layer_types") is not None and has_moe != (config.mlp_type == "moe"):
         raise ValueError(
@@ -360,7 +364,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
         # `num_experts` is the local count under expert parallelism; other ids sort to the end
         local = self.num_experts

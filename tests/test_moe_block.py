@@ -207,7 +207,8 @@ def test_group_limited_routing_stays_in_the_best_groups():
 # --------------------------------------------------------------------------------------------- losses
 
 
-def _router_logits(layers: int = 3, batch: int = 2, seq: int = 5, num_experts: int = 6):
+def _router_logits(layers: int = 3, batch: int = 2, seq: int = 5):
+    """One (batch·seq, 6) logits tensor per layer, from the 6-expert Qwen2-MoE router."""
     _, ours = family_pair("qwen2_moe")
     with torch.no_grad():
         return tuple(ours.gate(torch.randn(batch * seq, D) * (1 + i))[0] for i in range(layers))
@@ -418,7 +419,8 @@ def test_family_fields_are_valid(family):
         (dict(num_experts=8, n_group=3), "n_group"),
         (dict(num_experts=8, n_group=4, topk_group=5), "topk_group"),
         (dict(num_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3), "num_experts_per_tok"),
-        (dict(num_experts=8, n_group=8, topk_group=4, router_type="sigmoid_topk", num_experts_per_tok=1), "router_type"),
+        (dict(num_experts=8, n_group=8, topk_group=4, router_type="sigmoid_topk", num_experts_per_tok=1),
+         "router_type"),
         (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
         (dict(router_aux_loss_coef=-0.1), "router_aux_loss_coef"),
         (dict(router_z_loss_coef="1e-3"), "router_z_loss_coef"),
