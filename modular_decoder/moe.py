@@ -1,8 +1,10 @@
-"""Mixture of experts: the `"moe"` feed-forward kind (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2/V3).
+"""Mixture of experts: the `mlp_type="moe"` feed-forward kind (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2/V3).
 
-A sparse block replaces the feed-forward network of the layers `mlp_layer_types` marks `"moe"`:
+A sparse block replaces the feed-forward network of the layers `mlp_layer_types` marks `"sparse"`:
 a router scores the experts for each token and keeps the top k, each expert (a gated MLP) runs
-once on the tokens routed to it, and optional shared experts see every token.
+once on the tokens routed to it, and optional shared experts see every token. The layers marked
+`"dense"` (DeepSeek's first k layers, Qwen's `mlp_only_layers`) hold a gated MLP of
+`intermediate_size`.
 
     x ─┬─ gate (router) ── top-k (weights w, experts i) ─┐
        ├─ experts ──────────── Σ_k w_k · E_{i_k}(x) ─────(+)──>
@@ -18,27 +20,10 @@ experts kernels and PEFT's `target_parameters` apply unchanged:
     mlp.shared_experts.{gate,up,down}_proj.weight      one gated MLP of width n_shared·f_shared
     mlp.shared_expert_gate.weight        (1, d)        `shared_expert_gate=True` only
 
-Config fields (transformers' names where a family has one):
-
-| field | type, default | meaning |
-|---|---|---|
-| `mlp_layer_types` | list[str] or None | one feed-forward kind per layer (`"dense"`, `"gated"`, `"moe"`), like `layer_types`; `None`: `mlp_type` everywhere. DeepSeek `first_k_dense_replace=k`: k × `"gated"` then `"moe"`; Qwen2-MoE: `"moe"` where `(i+1) % decoder_sparse_step == 0` and `i not in mlp_only_layers` |
-| `num_experts` | int, 8 | routed experts E (Mixtral `num_local_experts`, DeepSeek `n_routed_experts`) |
-| `num_experts_per_tok` | int, 2 | experts per token k |
-| `moe_intermediate_size` | int or None | width f of each routed expert; `None`: `intermediate_size` (Mixtral) |
-| `num_shared_experts` | int, 0 | always-on experts (DeepSeek `n_shared_experts`; Qwen2-MoE: 1) |
-| `shared_expert_intermediate_size` | int or None | width of each shared expert; `None`: `moe_intermediate_size` (DeepSeek) |
-| `shared_expert_gate` | bool, False | scale the shared output by σ(x·w_g) (Qwen2-MoE) |
-| `router_type` | str, `"softmax_topk"` | a key of `ROUTERS`: `"softmax_topk"` (Mixtral, Qwen, OLMoE, DeepSeek-V2) or `"sigmoid_topk"` (DeepSeek-V3) |
-| `norm_topk_prob` | bool, True | renormalise the k kept weights to sum to 1 (Mixtral, Qwen3-MoE, DeepSeek-V3: yes; Qwen2-MoE, OLMoE, DeepSeek-V2: no) |
-| `n_group`, `topk_group` | int, 1 / None | group-limited routing: experts in `n_group` equal groups, top-k only among the `topk_group` best groups (`None`: all) |
-| `routed_scaling_factor` | float, 1.0 | multiplies the routed weights (DeepSeek) |
-| `router_aux_loss_coef` | float, 0.001 | weight of the load-balancing loss added to the LM loss |
-| `router_z_loss_coef` | float, 0.0 | weight of the ST-MoE router z-loss |
-| `output_router_logits` | bool, False | return router logits (and add the router losses) by default |
-
-The experts always have the gated form act(x W_gate) ⊙ (x W_up) W_down with `hidden_act`, as
-every supported family's experts do, and carry no biases (`mlp_bias` must be False).
+The config fields this kind owns (refused under other `mlp_type`s) are documented on
+`ModularDecoderConfig`; `MOE_FIELDS` lists them. The experts always have the gated form
+act(x W_gate) ⊙ (x W_up) W_down with `hidden_act`, as every supported family's experts do, and
+carry no biases (`mlp_bias` must be False).
 """
 
 from __future__ import annotations
@@ -46,60 +31,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .mlp import GatedMLP
+from .compat import experts_kernels
+from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
+from .mlp import GatedMLP, activated_parameters, mlp_tp_plan
 
-MOE_DEFAULTS: dict[str, Any] = {
-    "mlp_layer_types": None,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": None,
-    "num_shared_experts": 0,
-    "shared_expert_intermediate_size": None,
-    "shared_expert_gate": False,
-    "router_type": "softmax_topk",
-    "norm_topk_prob": True,
-    "n_group": 1,
-    "topk_group": None,
-    "routed_scaling_factor": 1.0,
-    "router_aux_loss_coef": 0.001,
-    "router_z_loss_coef": 0.0,
-    "output_router_logits": False,
-}
-"""The MoE fields and their defaults (a Mixtral-style router) for configs that predate them."""
-
-MLP_LAYER_KINDS = ("dense", "gated", "moe")
-
-
-def _field(config, name: str) -> Any:
-    return getattr(config, name, MOE_DEFAULTS[name])
-
-
-# ---------------------------------------------------------------------------------------------
-# transformers compatibility: its pluggable experts kernels (moves into the internals module)
-# ---------------------------------------------------------------------------------------------
-
-
-def _experts_kernels() -> Callable[[type], type]:
-    """transformers' `use_experts_implementation` decorator, or the identity where it is missing.
-
-    With it, `config._experts_implementation` ("eager" = our own forward below, "grouped_mm",
-    "batched_mm", "deepgemm", "sonicmoe") picks the experts kernel, `from_pretrained(...,
-    experts_implementation=...)` and `set_experts_implementation` work, `generate` switches
-    grouped_mm to batched_mm for GPU decoding, and the expert-parallel plans can shard the experts.
-    """
-    try:
-        from transformers.integrations import use_experts_implementation
-    except ImportError:  # older transformers: our grouped forward is the only implementation
-        return lambda cls: cls
-    return use_experts_implementation
-
+# transformers' own values for `mlp_layer_types` (`configuration_utils.ALLOWED_MLP_LAYER_TYPES`),
+# which it checks whenever a config is saved
+MLP_LAYER_TYPES = ("sparse", "dense")
 
 # ---------------------------------------------------------------------------------------------
 # Routers: pure selection functions, registered with what they need
@@ -186,130 +130,6 @@ ROUTERS: dict[str, RouterKind] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Config: resolution and validation
-# ---------------------------------------------------------------------------------------------
-
-
-def mlp_layer_types(config) -> list[str]:
-    """The feed-forward kind of every layer: `mlp_layer_types`, or `mlp_type` repeated."""
-    kinds = _field(config, "mlp_layer_types")
-    return list(kinds) if kinds is not None else [config.mlp_type] * config.num_hidden_layers
-
-
-def expert_intermediate_size(config) -> int:
-    """Width f of one routed expert."""
-    return _field(config, "moe_intermediate_size") or config.intermediate_size
-
-
-def shared_experts_intermediate_size(config) -> int:
-    """Width of the one gated MLP that holds all shared experts (0 without shared experts)."""
-    each = _field(config, "shared_expert_intermediate_size") or expert_intermediate_size(config)
-    return _field(config, "num_shared_experts") * each
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_in(name: str, value: Any, low: int, high: int | None = None, why: str = "") -> None:
-    if not _is_int(value) or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"`{name}` must be an integer {bound}{why}, got {value!r}.")
-
-
-def _number_at_least(name: str, value: Any, low: float, strict: bool) -> None:
-    bad = isinstance(value, bool) or not isinstance(value, (int, float))
-    if bad or (value <= low if strict else value < low):
-        raise ValueError(f"`{name}` must be a number {'>' if strict else '>='} {low}, got {value!r}.")
-
-
-def _bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}.")
-
-
-def validate_moe(config, allowed_kinds: Sequence[str] = MLP_LAYER_KINDS) -> None:
-    """Check `mlp_layer_types` and, when a layer is `"moe"`, every MoE field and combination.
-
-    Raises `ValueError` naming the field. `config` is any object with the model config's
-    attributes; MoE fields it lacks take `MOE_DEFAULTS`.
-    """
-    kinds = mlp_layer_types(config)
-    if len(kinds) != config.num_hidden_layers:
-        raise ValueError(
-            f"`mlp_layer_types` has {len(kinds)} entries for `num_hidden_layers`={config.num_hidden_layers}."
-        )
-    for kind in kinds:
-        if kind not in allowed_kinds:
-            raise ValueError(
-                f"`mlp_layer_types` entry {kind!r} is not one of the allowed values {list(allowed_kinds)}."
-            )
-    has_moe = "moe" in kinds
-    if _field(config, "mlp_layer_types") is not None and has_moe != (config.mlp_type == "moe"):
-        raise ValueError(
-            f"`mlp_type`={config.mlp_type!r} disagrees with `mlp_layer_types`: a model with \"moe\" layers has "
-            "`mlp_type='moe'`, and `mlp_type='moe'` needs at least one \"moe\" layer."
-        )
-    if has_moe:
-        _validate_moe_fields(config)
-
-
-def _validate_moe_fields(config) -> None:
-    get = partial(_field, config)
-    _int_in("num_experts", get("num_experts"), 1)
-    num_experts = get("num_experts")
-    _int_in("num_experts_per_tok", get("num_experts_per_tok"), 1, num_experts, " (at most `num_experts`)")
-    if get("moe_intermediate_size") is not None:
-        _int_in("moe_intermediate_size", get("moe_intermediate_size"), 1)
-    _int_in("num_shared_experts", get("num_shared_experts"), 0)
-    shared = get("num_shared_experts")
-    if get("shared_expert_intermediate_size") is not None:
-        _int_in("shared_expert_intermediate_size", get("shared_expert_intermediate_size"), 1)
-        if shared == 0:
-            raise ValueError("`shared_expert_intermediate_size` is set but `num_shared_experts` is 0.")
-    _bool("shared_expert_gate", get("shared_expert_gate"))
-    if get("shared_expert_gate") and shared == 0:
-        raise ValueError("`shared_expert_gate=True` gates the shared experts, but `num_shared_experts` is 0.")
-    if get("router_type") not in ROUTERS:
-        raise ValueError(f"`router_type`={get('router_type')!r} is not one of the allowed values {list(ROUTERS)}.")
-    _bool("norm_topk_prob", get("norm_topk_prob"))
-    _validate_groups(config)
-    _number_at_least("routed_scaling_factor", get("routed_scaling_factor"), 0.0, strict=True)
-    _number_at_least("router_aux_loss_coef", get("router_aux_loss_coef"), 0.0, strict=False)
-    _number_at_least("router_z_loss_coef", get("router_z_loss_coef"), 0.0, strict=False)
-    _bool("output_router_logits", get("output_router_logits"))
-    if getattr(config, "mlp_bias", False):
-        raise ValueError("`mlp_bias=True` is not supported with \"moe\" layers: experts carry no biases.")
-    if config.hidden_act not in ACT2FN:
-        raise ValueError(f"`hidden_act`={config.hidden_act!r} is not a transformers activation.")
-
-
-def _validate_groups(config) -> None:
-    get = partial(_field, config)
-    num_experts, top_k = get("num_experts"), get("num_experts_per_tok")
-    _int_in("n_group", get("n_group"), 1, num_experts)
-    n_group = get("n_group")
-    if num_experts % n_group:
-        raise ValueError(f"`num_experts`={num_experts} must be divisible by `n_group`={n_group}.")
-    topk_group = get("topk_group")
-    if topk_group is not None:
-        _int_in("topk_group", topk_group, 1, n_group, " (at most `n_group`)")
-    per_group = num_experts // n_group
-    reachable = (topk_group or n_group) * per_group
-    if top_k > reachable:
-        raise ValueError(
-            f"`num_experts_per_tok`={top_k} exceeds the {reachable} experts of the `topk_group`={topk_group} "
-            f"kept groups ({per_group} experts per group)."
-        )
-    needed = ROUTERS[get("router_type")].min_experts_per_group
-    if n_group > 1 and per_group < needed:
-        raise ValueError(
-            f"`router_type`={get('router_type')!r} scores a group by its {needed} best experts: `n_group`={n_group} "
-            f"leaves {per_group} per group."
-        )
-
-
-# ---------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------
 
@@ -323,19 +143,17 @@ class TopKRouter(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        get = partial(_field, config)
-        num_experts = get("num_experts")
-        kind = ROUTERS[get("router_type")]
-        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size))
-        bias = torch.zeros(num_experts, dtype=torch.float32) if kind.score_correction_bias else None
+        kind = ROUTERS[config.router_type]
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        bias = torch.zeros(config.num_experts, dtype=torch.float32) if kind.score_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         self.select = partial(
             kind.select,
-            top_k=get("num_experts_per_tok"),
-            norm_topk_prob=get("norm_topk_prob"),
-            n_group=get("n_group"),
-            topk_group=get("topk_group") or get("n_group"),
-            routed_scaling_factor=get("routed_scaling_factor"),
+            top_k=config.num_experts_per_tok,
+            norm_topk_prob=config.norm_topk_prob,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            routed_scaling_factor=config.routed_scaling_factor,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -344,7 +162,6 @@ class TopKRouter(nn.Module):
         return logits, weights, indices
 
 
-@_experts_kernels()
 class Experts(nn.Module):
     """E gated MLPs stored as two 3-D parameters (transformers' v5 layout).
 
@@ -353,13 +170,17 @@ class Experts(nn.Module):
     each expert with tokens runs once, as two matrix products on its own slices of the weights; a
     decode step reads only the chosen experts. Ids outside [0, E) are skipped (transformers'
     expert-parallel code marks tokens of experts on other ranks that way).
+
+    Where transformers has its experts kernels, the class is wrapped by its decorator (below):
+    `config._experts_implementation` then picks "eager" (this forward) or one of its kernels on the
+    same weights.
     """
 
     def __init__(self, config):
         super().__init__()
-        self.num_experts = _field(config, "num_experts")
+        self.num_experts = config.num_experts
         self.hidden_dim = config.hidden_size
-        self.intermediate_dim = expert_intermediate_size(config)
+        self.intermediate_dim = config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
@@ -391,12 +212,25 @@ class Experts(nn.Module):
         return summed.index_add_(0, tokens, weighted).to(hidden_states.dtype)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        # f from the tensor, not the config: tensor parallelism shards each half of gate_up_proj
         gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n, f) each
         return F.linear(self.act_fn(gate) * up, self.down_proj[expert])  # (n, d)
 
 
+_EXPERTS_KERNELS = experts_kernels()
+if _EXPERTS_KERNELS is not None:
+    # transformers' kernels ("grouped_mm", "batched_mm", ...), `experts_implementation=` and its
+    # expert-parallel dispatch work on this module; without the decorator its own forward is all there is
+    Experts = _EXPERTS_KERNELS(Experts)
+
+
+def experts_kernels_available() -> bool:
+    """Whether `Experts` dispatches on `config._experts_implementation` (transformers has the kernels)."""
+    return _EXPERTS_KERNELS is not None
+
+
 class SparseMoeBlock(nn.Module):
-    """The `"moe"` feed-forward kind: router, routed experts, optional (gated) shared experts.
+    """The feed-forward of a `"sparse"` layer: router, routed experts, optional (gated) shared experts.
 
     x ─┬─ gate ── top-k (w, i) ──┐
        ├─ experts ── Σ w·E_i(x) ─(+)─>
@@ -409,7 +243,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(config)
         shared = shared_experts_intermediate_size(config)
         self.shared_experts = GatedMLP(config, intermediate_size=shared) if shared else None
-        use_gate = shared and _field(config, "shared_expert_gate")
+        use_gate = shared and config.shared_expert_gate
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if use_gate else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -423,6 +257,13 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out.view(shape)
+
+
+def shared_experts_intermediate_size(config) -> int:
+    """Width of the one gated MLP that holds all shared experts (0 without shared experts)."""
+    if not config.n_shared_experts:
+        return 0
+    return config.n_shared_experts * config.shared_expert_intermediate_size
 
 
 def init_moe_weights(module: nn.Module, std: float, init) -> bool:
@@ -504,50 +345,180 @@ def router_losses(
     router_logits: Sequence[torch.Tensor], config, attention_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted sum to add to the LM loss, load-balancing loss, z-loss) for one forward's router logits."""
-    get = partial(_field, config)
-    aux = load_balancing_loss(router_logits, get("num_experts"), get("num_experts_per_tok"), attention_mask)
+    aux = load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, attention_mask)
     z = router_z_loss(router_logits, attention_mask)
-    return get("router_aux_loss_coef") * aux + get("router_z_loss_coef") * z, aux, z
+    return config.router_aux_loss_coef * aux + config.router_z_loss_coef * z, aux, z
 
 
 # ---------------------------------------------------------------------------------------------
-# Arithmetic
+# The registry entry
 # ---------------------------------------------------------------------------------------------
 
+MOE_FIELDS = (
+    "mlp_layer_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+    "shared_expert_intermediate_size", "shared_expert_gate", "router_type", "norm_topk_prob", "n_group",
+    "topk_group", "routed_scaling_factor", "router_aux_loss_coef", "router_z_loss_coef", "output_router_logits",
+)
 
-def moe_parameters(config) -> tuple[int, int]:
-    """(total, active per token) parameters of one MoE feed-forward layer.
+# transformers' names and styles for the experts module (mixtral, qwen*_moe, olmoe, deepseek_v2/v3)
+EXPERTS_TP_PLAN = {"mlp.experts.gate_up_proj": "packed_colwise", "mlp.experts.down_proj": "rowwise",
+                   "mlp.experts": "moe_tp_experts"}
+EXPERTS_EP_PLAN = {"mlp.experts.gate_up_proj": "grouped_gemm", "mlp.experts.down_proj": "grouped_gemm",
+                   "mlp.experts": "ep_dispatch_experts"}
 
-    total  = E·d (router) + E·3·d·f + 3·d·f_s (+ d for the shared gate)
-    active = E·d          + k·3·d·f + 3·d·f_s (+ d)
-    with f = `moe_intermediate_size`, f_s = `num_shared_experts`·`shared_expert_intermediate_size`.
-    The router's correction bias is a buffer, not a parameter.
-    """
-    get = partial(_field, config)
-    d, num_experts, top_k = config.hidden_size, get("num_experts"), get("num_experts_per_tok")
-    expert = 3 * d * expert_intermediate_size(config)
-    always = num_experts * d + 3 * d * shared_experts_intermediate_size(config)
-    if shared_experts_intermediate_size(config) and get("shared_expert_gate"):
-        always += d
-    return always + num_experts * expert, always + top_k * expert
+
+class MixtureOfExpertsKind(FeedForwardKind):
+    """`mlp_type="moe"`: `SparseMoeBlock` in the `"sparse"` layers, a gated MLP in the `"dense"` ones."""
+
+    name = "moe"
+    module = SparseMoeBlock
+    fields = MOE_FIELDS
+    routed = True
+
+    def complete(self, config) -> None:
+        """`mlp_layer_types` all sparse, experts as wide as `intermediate_size`, shared experts as wide as
+        routed ones, and every group eligible, unless set."""
+        if config.mlp_layer_types is None:
+            config.mlp_layer_types = ["sparse"] * config.num_hidden_layers
+        elif isinstance(config.mlp_layer_types, tuple):
+            config.mlp_layer_types = list(config.mlp_layer_types)
+        if config.moe_intermediate_size is None:
+            config.moe_intermediate_size = config.intermediate_size
+        if config.shared_expert_intermediate_size is None and config.n_shared_experts:
+            config.shared_expert_intermediate_size = config.moe_intermediate_size
+        if config.topk_group is None:
+            config.topk_group = config.n_group
+
+    def validate(self, config) -> None:
+        self._validate_layer_types(config)
+        for name in ("num_experts", "num_experts_per_tok"):
+            if getattr(config, name) is None:
+                raise ValueError(f"`mlp_type='moe'` needs `{name}`.")
+        require_int("num_experts", config.num_experts, minimum=1)
+        require_int("num_experts_per_tok", config.num_experts_per_tok, minimum=1, maximum=config.num_experts)
+        require_int("moe_intermediate_size", config.moe_intermediate_size, minimum=1)
+        require_int("n_shared_experts", config.n_shared_experts, minimum=0)
+        require_int("shared_expert_intermediate_size", config.shared_expert_intermediate_size, minimum=1,
+                    optional=True)
+        require_bool("shared_expert_gate", config.shared_expert_gate)
+        if config.n_shared_experts == 0:
+            for name in ("shared_expert_intermediate_size", "shared_expert_gate"):
+                if getattr(config, name):
+                    raise ValueError(f"`{name}` is set but `n_shared_experts` is 0: there are no shared experts.")
+        require_choice("router_type", config.router_type, ROUTERS)
+        require_bool("norm_topk_prob", config.norm_topk_prob)
+        self._validate_groups(config)
+        require_number("routed_scaling_factor", config.routed_scaling_factor, above=0)
+        require_number("router_aux_loss_coef", config.router_aux_loss_coef, at_least=0)
+        require_number("router_z_loss_coef", config.router_z_loss_coef, at_least=0)
+        require_bool("output_router_logits", config.output_router_logits)
+        require_choice("hidden_act", config.hidden_act, ACT2FN)
+        require_bool("mlp_bias", config.mlp_bias)
+        if config.mlp_bias:
+            raise ValueError("`mlp_bias=True` is not supported with `mlp_type='moe'`: experts carry no biases.")
+
+    @staticmethod
+    def _validate_layer_types(config) -> None:
+        kinds = config.mlp_layer_types
+        if not isinstance(kinds, list) or len(kinds) != config.num_hidden_layers:
+            raise ValueError(f"`mlp_layer_types` must list one entry per layer (`num_hidden_layers`="
+                             f"{config.num_hidden_layers}), got {kinds!r}.")
+        for kind in kinds:
+            require_choice("mlp_layer_types[...]", kind, MLP_LAYER_TYPES)
+        if "sparse" not in kinds:
+            raise ValueError("`mlp_layer_types` has no \"sparse\" layer: a model without experts is `mlp_type='gated'`.")
+
+    @staticmethod
+    def _validate_groups(config) -> None:
+        num_experts, top_k = config.num_experts, config.num_experts_per_tok
+        require_int("n_group", config.n_group, minimum=1, maximum=num_experts)
+        n_group = config.n_group
+        if num_experts % n_group:
+            raise ValueError(f"`num_experts`={num_experts} must be divisible by `n_group`={n_group}.")
+        require_int("topk_group", config.topk_group, minimum=1, maximum=n_group)
+        per_group = num_experts // n_group
+        reachable = config.topk_group * per_group
+        if top_k > reachable:
+            raise ValueError(
+                f"`num_experts_per_tok`={top_k} exceeds the {reachable} experts of the `topk_group`="
+                f"{config.topk_group} kept groups ({per_group} experts per group)."
+            )
+        needed = ROUTERS[config.router_type].min_experts_per_group
+        if n_group > 1 and per_group < needed:
+            raise ValueError(
+                f"`router_type`={config.router_type!r} scores a group by its {needed} best experts: `n_group`="
+                f"{n_group} leaves {per_group} per group."
+            )
+
+    def build(self, config, layer_idx: int) -> nn.Module:
+        """`SparseMoeBlock` for a `"sparse"` layer, `GatedMLP` of `intermediate_size` for a `"dense"` one."""
+        return SparseMoeBlock(config) if config.mlp_layer_types[layer_idx] == "sparse" else GatedMLP(config)
+
+    def parameters(self, config, layer_idx: int) -> int:
+        """Sparse: E·d (router) + E·3·d·f + 3·d·f_s (+ d for the shared gate); dense: 3·d·d_f."""
+        if config.mlp_layer_types[layer_idx] == "dense":
+            return activated_parameters(config, 2, config.intermediate_size)
+        return self._always(config) + config.num_experts * self._expert(config)
+
+    def active_parameters(self, config, layer_idx: int) -> int:
+        """Sparse: only k of the E routed experts (the router and shared experts see every token)."""
+        if config.mlp_layer_types[layer_idx] == "dense":
+            return activated_parameters(config, 2, config.intermediate_size)
+        return self._always(config) + config.num_experts_per_tok * self._expert(config)
+
+    @staticmethod
+    def _expert(config) -> int:
+        return activated_parameters(config, 2, config.moe_intermediate_size)
+
+    @staticmethod
+    def _always(config) -> int:
+        """Router, shared experts and their gate: what every token of a sparse layer uses."""
+        total = config.num_experts * config.hidden_size
+        shared = shared_experts_intermediate_size(config)
+        if shared:
+            total += activated_parameters(config, 2, shared) + (config.hidden_size if config.shared_expert_gate else 0)
+        return total
+
+    def tp_plan(self, config) -> dict[str, str]:
+        """transformers' MoE families' plan: experts split inside each expert (`packed_colwise` keeps each
+        half of [gate; up] on its rank), shared experts and dense layers Megatron-split, the router replicated."""
+        plan = mlp_tp_plan("mlp", gated=True) if "dense" in config.mlp_layer_types else {}
+        plan.update(EXPERTS_TP_PLAN)
+        if config.n_shared_experts:
+            plan.update(mlp_tp_plan("mlp.shared_experts", gated=True))
+        return plan
+
+    def ep_plan(self, config) -> dict[str, str]:
+        """Whole experts per rank (`grouped_gemm` shards dim 0); tokens dispatched to their experts' rank."""
+        return dict(EXPERTS_EP_PLAN)
+
+    def fp32_parameters(self, config) -> tuple[str, ...]:
+        """A sigmoid router's weight and correction bias stay fp32, as DeepSeek-V3 keeps them: its scores
+        are compared with a bias of order 1e-3, which bf16 logits would blur."""
+        if ROUTERS[config.router_type].score_correction_bias:
+            return ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+        return ()
+
+
+MIXTURE_OF_EXPERTS = MixtureOfExpertsKind()
 
 
 __all__ = [
-    "MOE_DEFAULTS",
+    "MIXTURE_OF_EXPERTS",
+    "MLP_LAYER_TYPES",
+    "MOE_FIELDS",
     "ROUTERS",
     "Experts",
+    "MixtureOfExpertsKind",
     "RouterKind",
     "SparseMoeBlock",
     "TopKRouter",
-    "expert_intermediate_size",
+    "experts_kernels_available",
     "init_moe_weights",
     "load_balancing_loss",
-    "mlp_layer_types",
-    "moe_parameters",
     "router_losses",
     "router_z_loss",
     "shared_experts_intermediate_size",
     "sigmoid_topk",
     "softmax_topk",
-    "validate_moe",
 ]

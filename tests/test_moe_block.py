@@ -25,15 +25,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
-from modular_decoder.moe import (
-    MOE_DEFAULTS,
-    SparseMoeBlock,
-    load_balancing_loss,
-    moe_parameters,
-    router_losses,
-    router_z_loss,
-    validate_moe,
-)
+from modular_decoder.moe import MIXTURE_OF_EXPERTS, SparseMoeBlock, load_balancing_loss, router_losses, router_z_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +44,7 @@ FAMILIES = {
         transformers.Qwen2MoeConfig, Qwen2MoeSparseMoeBlock,
         dict(moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=6, num_experts_per_tok=2,
              norm_topk_prob=False),
-        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=12, num_shared_experts=1,
+        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1,
              shared_expert_intermediate_size=20, shared_expert_gate=True, norm_topk_prob=False),
         {"shared_expert.": "shared_experts."},
     ),
@@ -78,7 +70,7 @@ FAMILIES = {
         transformers.DeepseekV2Config, DeepseekV2Moe,
         dict(moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
              topk_method="greedy", routed_scaling_factor=1.5),
-        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, num_shared_experts=2,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=2,
              norm_topk_prob=False, routed_scaling_factor=1.5),
         {},
     ),
@@ -86,7 +78,7 @@ FAMILIES = {
         transformers.DeepseekV2Config, DeepseekV2Moe,
         dict(moe_intermediate_size=12, n_routed_experts=16, num_experts_per_tok=3, n_shared_experts=1,
              topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0),
-        dict(num_experts=16, num_experts_per_tok=3, moe_intermediate_size=12, num_shared_experts=1,
+        dict(num_experts=16, num_experts_per_tok=3, moe_intermediate_size=12, n_shared_experts=1,
              norm_topk_prob=False, n_group=4, topk_group=2, routed_scaling_factor=16.0),
         {},
     ),
@@ -94,7 +86,7 @@ FAMILIES = {
         transformers.DeepseekV3Config, DeepseekV3MoE,
         dict(moe_intermediate_size=12, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
              n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
-        dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=12, num_shared_experts=1,
+        dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=12, n_shared_experts=1,
              router_type="sigmoid_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
         {},
     ),
@@ -102,7 +94,7 @@ FAMILIES = {
         transformers.DeepseekV3Config, DeepseekV3MoE,
         dict(moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
              n_group=2, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False),
-        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, num_shared_experts=2,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=2,
              router_type="sigmoid_topk", n_group=2, topk_group=1, norm_topk_prob=False),
         {},
     ),
@@ -110,9 +102,9 @@ FAMILIES = {
 
 
 def our_config(implementation: str = "eager", **moe_fields) -> ModularDecoderConfig:
-    """A tiny model config carrying the MoE fields (the config class does not declare them yet)."""
+    """A tiny `mlp_type="moe"` model config with the family's MoE fields."""
     config = ModularDecoderConfig(hidden_size=D, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
-                                  vocab_size=32, **moe_fields)
+                                  vocab_size=32, mlp_type="moe", **moe_fields)
     config._experts_implementation = implementation
     return config
 
@@ -385,34 +377,34 @@ def test_lora_on_router_and_experts_trains_and_merges():
 
 # --------------------------------------------------------------------------------------------- config
 
-
-def _namespace(**fields):
-    base = dict(hidden_size=D, intermediate_size=40, num_hidden_layers=4, hidden_act="silu", mlp_bias=False,
-                mlp_type="moe")
-    return types.SimpleNamespace(**{**base, **MOE_DEFAULTS, **fields})
+MOE_BASE = dict(hidden_size=D, intermediate_size=40, num_hidden_layers=4, num_attention_heads=2, vocab_size=32,
+                mlp_type="moe", num_experts=8, num_experts_per_tok=2)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_fields_are_valid(family):
-    validate_moe(_namespace(**FAMILIES[family][3]))
+    ModularDecoderConfig(**{**MOE_BASE, **FAMILIES[family][3]})
 
 
 @pytest.mark.parametrize(
     "fields, named",
     [
-        (dict(mlp_layer_types=["moe"] * 3), "mlp_layer_types"),
-        (dict(mlp_layer_types=["moe", "sparse", "moe", "moe"]), "mlp_layer_types"),
-        (dict(mlp_type="gated", mlp_layer_types=["gated", "moe", "moe", "moe"]), "mlp_type"),
-        (dict(mlp_layer_types=["gated"] * 4), "mlp_type"),
+        (dict(mlp_layer_types=["sparse"] * 3), "mlp_layer_types"),
+        (dict(mlp_layer_types=["sparse", "moe", "sparse", "sparse"]), "mlp_layer_types"),
+        (dict(mlp_layer_types=["dense"] * 4), "mlp_layer_types"),
+        (dict(mlp_layer_types="sparse"), "mlp_layer_types"),
+        (dict(mlp_type="gated", mlp_layer_types=["dense", "sparse", "sparse", "sparse"]), "mlp_layer_types"),
+        (dict(num_experts=None), "num_experts"),
+        (dict(num_experts_per_tok=None), "num_experts_per_tok"),
         (dict(num_experts=0), "num_experts"),
         (dict(num_experts=2.0), "num_experts"),
         (dict(num_experts_per_tok=0), "num_experts_per_tok"),
         (dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
         (dict(moe_intermediate_size=0), "moe_intermediate_size"),
-        (dict(num_shared_experts=-1), "num_shared_experts"),
+        (dict(n_shared_experts=-1), "n_shared_experts"),
         (dict(shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),
         (dict(shared_expert_gate=True), "shared_expert_gate"),
-        (dict(num_shared_experts=1, shared_expert_gate="yes"), "shared_expert_gate"),
+        (dict(n_shared_experts=1, shared_expert_gate="yes"), "shared_expert_gate"),
         (dict(router_type="softmax"), "router_type"),
         (dict(norm_topk_prob=1), "norm_topk_prob"),
         (dict(n_group=0), "n_group"),
@@ -428,17 +420,37 @@ def test_family_fields_are_valid(family):
         (dict(mlp_bias=True), "mlp_bias"),
     ],
 )
-def test_validate_moe_names_the_field(fields, named):
+def test_bad_moe_config_names_the_field(fields, named):
     with pytest.raises(ValueError, match=rf"`{named}\b"):
-        validate_moe(_namespace(**fields))
+        ModularDecoderConfig(**{**MOE_BASE, **fields})
 
 
-def test_moe_fields_are_inert_without_moe_layers():
-    validate_moe(_namespace(mlp_type="gated", num_experts=0))
+@pytest.mark.parametrize("field, value", [("num_experts", 8), ("n_shared_experts", 1), ("router_type", "sigmoid_topk"),
+                                          ("mlp_layer_types", ["dense", "sparse"]), ("output_router_logits", True),
+                                          ("router_aux_loss_coef", 0.01)])
+def test_moe_fields_are_refused_under_other_mlp_types(field, value):
+    with pytest.raises(ValueError, match=rf"`{field}`.*only applies to `mlp_type='moe'`"):
+        ModularDecoderConfig(hidden_size=D, num_hidden_layers=2, num_attention_heads=2, mlp_type="gated",
+                             **{field: value})
 
 
-def test_deepseek_layer_rule_as_a_list():
-    validate_moe(_namespace(mlp_layer_types=["gated", "moe", "moe", "moe"], num_shared_experts=1))
+def test_defaults_are_resolved_into_the_config():
+    config = ModularDecoderConfig(**{**MOE_BASE, "n_shared_experts": 2, "moe_intermediate_size": 12})
+    assert config.mlp_layer_types == ["sparse"] * 4
+    assert config.shared_expert_intermediate_size == 12 and config.topk_group == config.n_group == 1
+    assert ModularDecoderConfig(**MOE_BASE).moe_intermediate_size == 40  # Mixtral: experts as wide as the MLP
+    assert ModularDecoderConfig(**{**MOE_BASE, "mlp_layer_types": ("dense", "sparse", "sparse", "sparse")}
+                                ).mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
+
+
+def test_saved_config_passes_transformers_layer_type_validation(tmp_path):
+    """transformers checks `mlp_layer_types` against its own allowed values when a config is saved."""
+    from transformers.configuration_utils import ALLOWED_MLP_LAYER_TYPES
+
+    config = ModularDecoderConfig(**{**MOE_BASE, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]})
+    assert set(config.mlp_layer_types) <= set(ALLOWED_MLP_LAYER_TYPES)
+    config.save_pretrained(tmp_path)
+    assert ModularDecoderConfig.from_pretrained(tmp_path).mlp_layer_types == config.mlp_layer_types
 
 
 # --------------------------------------------------------------------------------------------- arithmetic
@@ -468,7 +480,7 @@ PUBLISHED = {
              n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4,
              kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
              routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False),
-        dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, num_shared_experts=1,
+        dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
              router_type="sigmoid_topk", n_group=8, topk_group=4),
         671_026_404_352,
     ),
@@ -483,7 +495,8 @@ def test_moe_parameters_match_the_family_class_on_meta(name):
         model = transformers.AutoModelForCausalLM.from_config(their_config)
     assert sum(p.numel() for p in model.parameters()) == published
     moe_layer = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
-    total, active = moe_parameters(_namespace(hidden_size=fields["hidden_size"], **ours))
+    config = ModularDecoderConfig(**{**MOE_BASE, "hidden_size": fields["hidden_size"], **ours})
+    total, active = MIXTURE_OF_EXPERTS.parameters(config, 0), MIXTURE_OF_EXPERTS.active_parameters(config, 0)
     assert total == sum(p.numel() for p in moe_layer.parameters())
     expert = 3 * fields["hidden_size"] * ours["moe_intermediate_size"]
     assert total - active == (ours["num_experts"] - ours["num_experts_per_tok"]) * expert
