@@ -189,7 +189,8 @@ def check_shapes(ctx: _Context) -> str:
     for name, param in model.named_parameters():  # named_parameters yields a tied tensor once
         counted[_component(name)] = counted.get(_component(name), 0) + param.numel()
     total = model.num_parameters()
-    serialized = sum(_numel(shape) for shape in actual.values())
+    parameters = {name for name, _ in model.named_parameters()}  # buffers are not parameters
+    serialized = sum(_numel(shape) for name, shape in actual.items() if name in parameters)
     components = set(counted) | (set(formula) - {"total", "active"})  # the sums, not components
     off = {k: (counted.get(k, 0), formula.get(k, 0)) for k in components if counted.get(k, 0) != formula.get(k, 0)}
     measured = f"params {total:,} = contract {formula['total']:,}; serialized {serialized:,}"
@@ -209,15 +210,19 @@ def _numel(shape) -> int:
 
 
 def _expected_shapes(config: ModularDecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of a model built from `config` alone (on the meta device: no memory)."""
+    """Serialized tensor shapes of a model built from `config` alone (on the meta device: no memory)."""
     with torch.device("meta"):
         reference = ModularDecoderForCausalLM(copy.deepcopy(config))
-    return {name: tuple(p.shape) for name, p in reference.named_parameters()}  # a tied head once
+    return _unique_state_shapes(reference)
 
 
 def _unique_state_shapes(model) -> dict[str, tuple[int, ...]]:
-    """What `save_pretrained` writes: each parameter once (a tied head is dropped)."""
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    """What `save_pretrained` writes: each parameter once (a tied head is dropped) and the persistent
+    buffers (a sigmoid router's correction bias)."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    saved = model.state_dict()
+    shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name in saved})
+    return shapes
 
 
 # ----------------------------------------------------------------------------------------------
