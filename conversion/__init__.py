@@ -40,6 +40,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "modular_decoder.conversion.families.qwen2_moe",
     "qwen3_moe": "modular_decoder.conversion.families.qwen3_moe",
     "olmoe": "modular_decoder.conversion.families.olmoe",
+    "granitemoe": "modular_decoder.conversion.families.granitemoe",
 }
 
 

@@ -59,6 +59,8 @@ FIELD_RULES = {
     "hidden_dropout": _number(at_least=0, below=1),
     "tie_word_embeddings": _flag,
     "embedding_multiplier": _number(above=0),
+    "residual_multiplier": _number(above=0),
+    "logits_scaling": _number(above=0),
     "embedding_norm": _flag,
     "lm_head_bias": _flag,
     "initializer_range": _number(at_least=0),
@@ -164,6 +166,9 @@ class ModularDecoderConfig(PretrainedConfig):
         hidden_dropout (`float`): Dropout on the embedding and on each sublayer output while training.
         tie_word_embeddings (`bool`): Share the output projection with the token embedding.
         embedding_multiplier (`float`): Token embeddings are multiplied by this (Gemma: sqrt(d)).
+        residual_multiplier (`float`): Each sublayer's output is multiplied by this before it is added to
+            the residual stream, x + m·F(...) (Granite's μP scaling).
+        logits_scaling (`float`): The logits are divided by this (Granite), before any soft-capping.
         embedding_norm (`bool`): A norm right after the embedding (BLOOM).
         lm_head_bias (`bool`): Bias on the output projection (GPT-J, Phi).
         initializer_range (`float`): Standard deviation of the normal weight init.
@@ -239,6 +244,8 @@ class ModularDecoderConfig(PretrainedConfig):
     # ends
     tie_word_embeddings: bool = True
     embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     embedding_norm: bool = False
     lm_head_bias: bool = False
     initializer_range: float = 0.02

@@ -390,6 +390,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         )
         hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = project(self.lm_head, hidden)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)

@@ -53,6 +53,9 @@ CASES: dict[str, tuple[str, callable]] = {
         decoder_sparse_step=2, norm_topk_prob=False)),
     "olmoe": ("olmoe", lambda: tf.OlmoeConfig(**{**COMMON, "intermediate_size": 24}, num_experts=8,
                                                num_experts_per_tok=2, eos_token_id=2)),
+    "granitemoe": ("granitemoe", lambda: tf.GraniteMoeConfig(
+        **{**COMMON, "intermediate_size": 24}, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2,
+        embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5, attention_multiplier=0.3)),
     # DeepSeek: a dense first layer, then MLA with routed + shared experts
     "deepseek_v2-moe": ("deepseek_v2", lambda: tf.DeepseekV2Config(
         **COMMON, **MLA, q_lora_rank=None, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
@@ -67,4 +70,4 @@ CASES: dict[str, tuple[str, callable]] = {
 
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe") or name.endswith(("-moe", "-moe-grouped"))]
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe") or name.endswith(("-moe", "-moe-grouped"))]

@@ -97,6 +97,7 @@ AXES: dict[str, dict[str, dict]] = {
         "multiplier": dict(embedding_multiplier=4.0),
         "embed_norm": dict(embedding_norm=True, tie_word_embeddings=False),
         "dropout_cfg": dict(attention_dropout=0.1, hidden_dropout=0.1),
+        "mup_scales": dict(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0),  # Granite
     },
 }
 
