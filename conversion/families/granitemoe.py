@@ -11,7 +11,8 @@ from __future__ import annotations
 from transformers import GraniteMoeConfig
 
 from ..core import Family, rule
-from .common import PRE_NORMS, llama_rules, rope, router_training, source_rope, source_router_training, source_sizes, sizes
+from .common import (PRE_NORMS, llama_rules, rope, router_training, source_rope, source_router_training, source_sizes,
+                     sizes)
 
 MOE = "model.layers.{layer}.block_sparse_moe"
 
