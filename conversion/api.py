@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import Family, apply_rules, check_shapes
+from .core import Family, apply_rules, check_shapes, rename_prefixes
 from .io import atomic_folder, check_destination, copy_side_files, read_gguf, read_safetensors_folder
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -28,13 +28,15 @@ def _dtype(dtype) -> torch.dtype | None:
 
 def _model_names(state: dict, family: Family) -> dict:
     """File names -> the transformers model's names: old prefixes renamed as transformers does on load,
-    and the causal-LM prefix (`transformer.`, `model.`) added where a base model was saved."""
-    for old, new in family.renames.items():
-        state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
+    the causal-LM prefix (`transformer.`, `model.`) added where a base model was saved, and per-expert
+    tensors stacked into the model's 3-D experts tensors."""
+    state = rename_prefixes(state, family.renames)
     keep = (family.prefix, *family.head) if family.prefix else None
-    if keep is None:
-        return state
-    return {k if k.startswith(keep) else family.prefix + k: v for k, v in state.items()}
+    if keep is not None:
+        state = {k if k.startswith(keep) else family.prefix + k: v for k, v in state.items()}
+    for stack in family.experts:
+        state = stack.stack(state)
+    return state
 
 
 def _drop_ignored(state: dict, family: Family) -> dict:
@@ -211,11 +213,19 @@ def _param_name(model, param, exclude: str | None = None) -> str:
 def _check_round_trip(cfg, back, family: str) -> None:
     """Export may not change the math: the family's config must translate back to the same contract."""
     ours, theirs = cfg.to_dict(), back.to_dict()
-    fields = [name for name in type(cfg).__annotations__ if name not in _NOT_MATH]
+    unread = _NOT_MATH | _unread_fields(cfg)
+    fields = [name for name in type(cfg).__annotations__ if name not in unread]
     differ = [f"{name}={ours.get(name)!r} (the {family} config gives {theirs.get(name)!r})"
               for name in fields if ours.get(name) != theirs.get(name)]
     if differ:
         raise ValueError(f"The {family} format cannot express this checkpoint's " + "; ".join(differ) + ".")
+
+
+def _unread_fields(cfg) -> set[str]:
+    """Fields no module of this config reads: the dense width of a model whose layers are all sparse
+    (families such as Mixtral name only the experts' width)."""
+    kinds = getattr(cfg, "mlp_layer_types", None)
+    return {"intermediate_size"} if kinds and "dense" not in kinds else set()
 
 
 @torch.no_grad()

@@ -4,10 +4,17 @@ A family is data: a config translation and a list of `Rule`s, each naming source
 tensors (both `{layer}`-templated) and one transform from `TRANSFORMS`. Conversion applies each
 rule's `forward`; export applies its `inverse` to the same rules. Every source tensor must be
 consumed and every produced shape must match the target model's, or a `ValueError` names them.
+
+Rules speak of the names the family's transformers model holds in memory. Where a checkpoint file
+stores a tensor differently, the family says so declaratively and the file is read into the
+model's names first: `renames` for moved prefixes, `ExpertStack`s for mixture-of-experts weights
+saved one 2-D tensor per expert (`{expert}`) that the model holds as one 3-D tensor (transformers
+stacks them on load and splits them again in `save_pretrained`, so export writes per-expert files).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,13 +108,16 @@ class Rule:
     """Source tensor name(s) -> target tensor name(s) through one named transform.
 
     Names may contain `{layer}`. An `optional` rule is skipped when none of its source tensors exist
-    (biases, tied heads); a partial match is always an error.
+    (biases, tied heads); a partial match is always an error. `layers` ("sparse" or "dense") limits a
+    `{layer}` rule to the layers the contract's `mlp_layer_types` marks so (a config without it has
+    dense layers only).
     """
 
     src: tuple[str, ...]
     dst: tuple[str, ...]
     transform: str = "copy"
     optional: bool = False
+    layers: str | None = None
 
     def __post_init__(self):
         if isinstance(self.src, str):
@@ -116,10 +126,62 @@ class Rule:
             object.__setattr__(self, "dst", (self.dst,))
         if self.transform not in TRANSFORMS:
             raise ValueError(f"Unknown transform {self.transform!r}; known: {sorted(TRANSFORMS)}.")
+        if self.layers not in (None, "sparse", "dense"):
+            raise ValueError(f"`layers`={self.layers!r} is not one of None, 'sparse', 'dense'.")
 
 
-def rule(src, dst, transform: str = "copy", optional: bool = False) -> Rule:
-    return Rule(src, dst, transform, optional)
+def rule(src, dst, transform: str = "copy", optional: bool = False, layers: str | None = None) -> Rule:
+    return Rule(src, dst, transform, optional, layers)
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """How a checkpoint file stores one 3-D experts tensor of the transformers model: one 2-D tensor per
+    expert, named by `parts` (templates with `{layer}` and `{expert}`), stacked along a new dim 0; with
+    several parts ([gate, up]) each is stacked and the stacks are concatenated along dim 1."""
+
+    parts: tuple[str, ...]
+    dst: str
+
+    def _pattern(self, part: str) -> re.Pattern:
+        escaped = re.escape(part).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+        return re.compile(escaped.replace(re.escape("{expert}"), r"(?P<expert>\d+)") + "$")
+
+    def stack(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with every layer's per-expert tensors replaced by the stacked one (files that hold the
+        stacked tensor already pass through)."""
+        found: dict[int, set[int]] = {}
+        pattern = self._pattern(self.parts[0])
+        for name in state:
+            match = pattern.match(name)
+            if match:
+                found.setdefault(int(match["layer"]), set()).add(int(match["expert"]))
+        state = dict(state)
+        for layer, experts in sorted(found.items()):
+            count = max(experts) + 1
+            names = [[part.format(layer=layer, expert=e) for e in range(count)] for part in self.parts]
+            missing = [name for group in names for name in group if name not in state]
+            if missing:
+                raise ValueError(f"Experts of layer {layer} are incomplete: missing {missing[:5]}.")
+            stacks = [torch.stack([state.pop(name) for name in group]) for group in names]  # (E, out, in) each
+            state[self.dst.format(layer=layer)] = torch.cat(stacks, dim=1) if len(stacks) > 1 else stacks[0]
+        return state
+
+
+def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Old name prefixes -> new ones; a prefix may contain `{layer}` (any layer number, kept)."""
+    for old, new in renames.items():
+        if "{layer}" in old:
+            pattern = re.compile(re.escape(old).replace(re.escape("{layer}"), r"(?P<layer>\d+)"))
+
+            def renamed(name: str, pattern=pattern, new=new) -> str:
+                match = pattern.match(name)
+                return new.format(layer=match["layer"]) + name[match.end():] if match else name
+
+            state = {renamed(k): v for k, v in state.items()}
+        else:
+            state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
+    return state
 
 
 @dataclass
@@ -137,7 +199,9 @@ class Family:
         ignore: Name suffixes of saved buffers that hold no weights (old causal-mask tensors).
         head: Name prefixes that live outside the base model and never take `prefix`.
         renames: Old file-name prefixes -> the transformers model's names (what transformers' own
-            checkpoint conversion mapping renames on load and back on save). Rules use model names.
+            checkpoint conversion mapping renames on load and back on save); `{layer}` matches any layer.
+            Rules use model names.
+        experts: Per-expert file tensors the model holds stacked (see `ExpertStack`), read after `renames`.
     """
 
     name: str
@@ -149,6 +213,7 @@ class Family:
     ignore: tuple[str, ...] = field(default_factory=tuple)
     head: tuple[str, ...] = ("lm_head.",)
     renames: dict[str, str] = field(default_factory=dict)
+    experts: tuple[ExpertStack, ...] = ()
 
 
 def refuse(features: dict[str, bool], family: str) -> None:
@@ -169,9 +234,16 @@ def _is_layered(r: Rule) -> bool:
     return any("{layer}" in name for name in r.src + r.dst)
 
 
-def _instances(rules: list[Rule], num_layers: int):
+def _layers(r: Rule, cfg) -> list[int | None]:
+    if not _is_layered(r):
+        return [None]
+    kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"] * cfg.num_hidden_layers
+    return [layer for layer in range(cfg.num_hidden_layers) if r.layers in (None, kinds[layer])]
+
+
+def _instances(rules: list[Rule], cfg):
     for r in rules:
-        for layer in range(num_layers) if _is_layered(r) else [None]:
+        for layer in _layers(r, cfg):
             yield r, _expand(r.src, layer), _expand(r.dst, layer)
 
 
@@ -189,7 +261,7 @@ def apply_rules(
     inverse = direction == "inverse"
     remaining = dict(tensors)
     out: dict[str, torch.Tensor] = {}
-    for r, src, dst in _instances(rules, cfg.num_hidden_layers):
+    for r, src, dst in _instances(rules, cfg):
         ins, outs = (dst, src) if inverse else (src, dst)
         present = [name for name in ins if name in remaining]
         if not present and r.optional:

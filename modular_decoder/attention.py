@@ -150,6 +150,17 @@ class StandardKind(AttentionKind):
             return "mha"
         return "mqa" if config.num_key_value_heads == 1 else "gqa"
 
+    def tp_plan(self, config) -> dict[str, str]:
+        """Heads split across ranks: q/k/v column-parallel, o row-parallel. A norm over the whole q / k
+        projection (`qk_norm="full"`) needs all heads, so q/k/v then gather and o splits its input, as
+        transformers plans OLMo 2 and OLMoE."""
+        if config.qk_norm == "full":
+            styles = {"q_proj": "colwise_gather_output", "k_proj": "colwise_gather_output",
+                      "v_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}
+        else:
+            styles = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+        return {f"self_attn.{name}": style for name, style in styles.items()}
+
 
 def linear_parameters(n_in: int, n_out: int, bias: bool) -> int:
     return n_in * n_out + (n_out if bias else 0)

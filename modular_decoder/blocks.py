@@ -2,10 +2,13 @@
 
 Every block owns `self_attn`, `mlp` and the norms its placement needs, named by where they sit
 (`pre_attn_norm`, `post_attn_norm`, `pre_mlp_norm`, `post_mlp_norm`); its `forward` is the
-diagram in its docstring.
+diagram in its docstring. Every `(+)` adds its branch times `residual_multiplier` (Granite's μP
+scaling; 1 elsewhere, where it is a plain sum).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -30,6 +33,8 @@ class DecoderBlock(GradientCheckpointingLayer):
         for name in self.NORMS:
             setattr(self, name, build_norm(config))
         self.dropout = nn.Dropout(config.hidden_dropout)
+        m = config.residual_multiplier
+        self.residual = _add if m == 1.0 else partial(_add_scaled, m)
 
     def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         out, _ = self.self_attn(x, **kwargs)
@@ -40,6 +45,14 @@ class DecoderBlock(GradientCheckpointingLayer):
         return self.dropout(out) if self.training else out
 
 
+def _add(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    return x + branch
+
+
+def _add_scaled(multiplier: float, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    return x + branch * multiplier  # the order Granite computes it in
+
+
 class PreNormBlock(DecoderBlock):
     """x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>    (GPT-2, Llama)
           └───────────────────────────┘└──────────────────────────┘"""
@@ -48,8 +61,8 @@ class PreNormBlock(DecoderBlock):
     norm_position = "pre"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        x = x + self.attend(self.pre_attn_norm(x), **kwargs)
-        return x + self.feed_forward(self.pre_mlp_norm(x))
+        x = self.residual(x, self.attend(self.pre_attn_norm(x), **kwargs))
+        return self.residual(x, self.feed_forward(self.pre_mlp_norm(x)))
 
 
 class PostNormBlock(DecoderBlock):
@@ -60,8 +73,8 @@ class PostNormBlock(DecoderBlock):
     norm_position = "post"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        x = self.post_attn_norm(x + self.attend(x, **kwargs))
-        return self.post_mlp_norm(x + self.feed_forward(x))
+        x = self.post_attn_norm(self.residual(x, self.attend(x, **kwargs)))
+        return self.post_mlp_norm(self.residual(x, self.feed_forward(x)))
 
 
 class SandwichNormBlock(DecoderBlock):
@@ -73,8 +86,8 @@ class SandwichNormBlock(DecoderBlock):
     norm_position = "sandwich"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs))
-        return x + self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x)))
+        x = self.residual(x, self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs)))
+        return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x))))
 
 
 class OutputNormBlock(DecoderBlock):
@@ -85,8 +98,8 @@ class OutputNormBlock(DecoderBlock):
     norm_position = "output"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attend(x, **kwargs))
-        return x + self.post_mlp_norm(self.feed_forward(x))
+        x = self.residual(x, self.post_attn_norm(self.attend(x, **kwargs)))
+        return self.residual(x, self.post_mlp_norm(self.feed_forward(x)))
 
 
 class ParallelBlock(DecoderBlock):
@@ -106,7 +119,7 @@ class ParallelBlock(DecoderBlock):
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         attn_in = self.pre_attn_norm(x)
         mlp_in = attn_in if self.pre_mlp_norm is None else self.pre_mlp_norm(x)
-        return x + self.attend(attn_in, **kwargs) + self.feed_forward(mlp_in)
+        return self.residual(self.residual(x, self.attend(attn_in, **kwargs)), self.feed_forward(mlp_in))
 
 
 BLOCKS: dict[str, type[DecoderBlock]] = {

@@ -1,8 +1,10 @@
 """The transformers internals this family uses beyond its public model API, in one place.
 
-They are private helpers of transformers' flash- and flex-attention paths, which only the ALiBi
+Most are private helpers of transformers' flash- and flex-attention paths, which only the ALiBi
 functions of `backends.py` need, so they are looked up when such a backend runs, never at module
-import: an upstream rename then breaks that one backend with a clear error, not every load.
+import: an upstream rename then breaks that one backend with a clear error, not every load. The
+experts-kernel decorator (`experts_kernels`) is looked up once, when `moe.py` defines its experts
+module, and its absence only removes transformers' alternative kernels.
 """
 
 from __future__ import annotations
@@ -48,3 +50,17 @@ def flash_kernel_fallbacks() -> dict[str, str]:
     (empty where this transformers has none)."""
     module = importlib.import_module("transformers.modeling_flash_attention_utils")
     return getattr(module, "FLASH_ATTN_KERNEL_FALLBACK", {})
+
+
+def experts_kernels():
+    """transformers' `use_experts_implementation` class decorator, or `None` where this transformers lacks it.
+
+    With it, an experts module dispatches on `config._experts_implementation` ("eager": the module's own
+    forward; "grouped_mm", "batched_mm", ...: transformers' kernels on the same weights), and the
+    expert-parallel plans can shard it.
+    """
+    try:
+        module = importlib.import_module("transformers.integrations.moe")
+    except ImportError:
+        return None
+    return getattr(module, "use_experts_implementation", None)

@@ -60,6 +60,8 @@ FIELD_RULES = {
     "hidden_dropout": _number(at_least=0, below=1),
     "tie_word_embeddings": _flag,
     "embedding_multiplier": _number(above=0),
+    "residual_multiplier": _number(above=0),
+    "logits_scaling": _number(above=0),
     "embedding_norm": _flag,
     "lm_head_bias": _flag,
     "initializer_range": _number(at_least=0),
@@ -98,10 +100,41 @@ class ModularDecoderConfig(PretrainedConfig):
             GPT-NeoX, Falcon, PaLM). Requires `norm_position="pre"`.
         parallel_norms (`str`): For parallel blocks, `"shared"` (one norm feeds both branches, GPT-J)
             or `"separate"` (one each, GPT-NeoX).
-        mlp_type (`str`): `"dense"` (act(x W1) W2) or `"gated"` (act(x W_gate) * (x W_up) W_down).
+        mlp_type (`str`): `"dense"` (act(x W1) W2), `"gated"` (act(x W_gate) * (x W_up) W_down) or `"moe"`
+            (a mixture of gated experts; the fields below up to `output_router_logits` apply to it only).
         hidden_act (`str`): Any `transformers.activations.ACT2FN` key. With `mlp_type="gated"`,
             sigmoid / relu / gelu / silu give GLU / ReGLU / GEGLU / SwiGLU.
-        mlp_bias (`bool`): Biases on the FFN projections.
+        mlp_bias (`bool`): Biases on the FFN projections (not with `"moe"`: experts carry none).
+        mlp_layer_types (`list[str]`, *optional*): With `"moe"`, `"sparse"` (experts) or `"dense"` (a gated
+            MLP of `intermediate_size`) per layer, transformers' values. DeepSeek's `first_k_dense_replace=k`
+            is k × `"dense"` then `"sparse"`; Qwen-MoE's `mlp_only_layers` are `"dense"`. Defaults to all
+            `"sparse"`.
+        num_experts (`int`, *optional*): Routed experts E per sparse layer (Mixtral `num_local_experts`,
+            DeepSeek `n_routed_experts`). Required with `"moe"`.
+        num_experts_per_tok (`int`, *optional*): Experts k each token is routed to. Required with `"moe"`.
+        moe_intermediate_size (`int`, *optional*): Inner width of each routed expert. Defaults to
+            `intermediate_size` (Mixtral, OLMoE).
+        n_shared_experts (`int`): Always-on experts added to the routed ones (DeepSeek; Qwen2-MoE has 1).
+        shared_expert_intermediate_size (`int`, *optional*): Inner width of each shared expert; they run
+            as one gated MLP of `n_shared_experts` times this width. Defaults to `moe_intermediate_size`.
+        shared_expert_gate (`bool`): Scale the shared experts' output by σ(x·w), a learned per-token
+            gate (Qwen2-MoE).
+        router_type (`str`): `"softmax_topk"` (softmax over all experts, keep the k largest: Mixtral, Qwen,
+            OLMoE, DeepSeek-V2) or `"sigmoid_topk"` (independent sigmoid scores, chosen on score + a
+            load-balancing correction bias, weighted by the unbiased scores: DeepSeek-V3).
+        norm_topk_prob (`bool`): Renormalise the k kept weights to sum to 1 (Mixtral, Qwen3-MoE,
+            DeepSeek-V3: yes; Qwen2-MoE, OLMoE, DeepSeek-V2: no).
+        n_group (`int`): Group-limited routing: the experts form `n_group` equal groups (1: no groups).
+        topk_group (`int`, *optional*): Tokens pick experts only from their `topk_group` best groups (a group
+            scores its best expert under softmax, the sum of its two best under sigmoid). Defaults to
+            `n_group`.
+        routed_scaling_factor (`float`): Multiplies the routing weights (DeepSeek).
+        router_aux_loss_coef (`float`): Weight of the load-balancing loss (Switch Transformer; the value
+            transformers' MoE families compute) added to the LM loss when router logits are returned.
+        router_z_loss_coef (`float`): Weight of the router z-loss (ST-MoE: mean squared logsumexp of the
+            router logits) added likewise; 0 disables it.
+        output_router_logits (`bool`): Return every sparse layer's router logits (and add the router losses
+            to a loss computed from `labels`) unless `forward(output_router_logits=...)` says otherwise.
         position_embedding_type (`str`): `"learned"`, `"sinusoidal"` (added to the token embedding),
             `"rope"` (rotary on q and k), `"alibi"` (linear bias on the scores) or `"none"`.
         learned_position_offset (`int`): Rows of the learned table before position 0 (OPT uses 2).
@@ -134,6 +167,9 @@ class ModularDecoderConfig(PretrainedConfig):
         hidden_dropout (`float`): Dropout on the embedding and on each sublayer output while training.
         tie_word_embeddings (`bool`): Share the output projection with the token embedding.
         embedding_multiplier (`float`): Token embeddings are multiplied by this (Gemma: sqrt(d)).
+        residual_multiplier (`float`): Each sublayer's output is multiplied by this before it is added to
+            the residual stream, x + m·F(...) (Granite's μP scaling).
+        logits_scaling (`float`): The logits are divided by this (Granite), before any soft-capping.
         embedding_norm (`bool`): A norm right after the embedding (BLOOM).
         lm_head_bias (`bool`): Bias on the output projection (GPT-J, Phi).
         initializer_range (`float`): Standard deviation of the normal weight init.
@@ -142,26 +178,6 @@ class ModularDecoderConfig(PretrainedConfig):
 
     model_type = "modular_decoder"
     keys_to_ignore_at_inference = ["cache"]
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
-    # transformers' default names `norm`; this family's final norm is `final_norm`
-    base_model_fsdp_plan = {
-        "embed_tokens": "free_full_weight",
-        "layers.*": "free_full_weight",
-        "final_norm": "keep_full_weight",
-    }
-    base_model_pp_plan = {
-        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "final_norm": (["hidden_states"], ["hidden_states"]),
-    }
     default_theta = 10_000.0
     # The keys of a `rope_parameters` dict nested by layer type. transformers takes them from
     # `layer_types` otherwise, and then neither fills in nor checks a table for a layer type no layer
@@ -191,6 +207,22 @@ class ModularDecoderConfig(PretrainedConfig):
     mlp_type: str = "gated"
     hidden_act: str = "silu"
     mlp_bias: bool = False
+    # mixture of experts (`mlp_type="moe"` only)
+    mlp_layer_types: list[str] | None = None
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    n_shared_experts: int = 0
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    router_type: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+    output_router_logits: bool = False
     # positions
     position_embedding_type: str = "rope"
     learned_position_offset: int = 0
@@ -217,6 +249,8 @@ class ModularDecoderConfig(PretrainedConfig):
     # ends
     tie_word_embeddings: bool = True
     embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     embedding_norm: bool = False
     lm_head_bias: bool = False
     initializer_range: float = 0.02
@@ -250,6 +284,10 @@ class ModularDecoderConfig(PretrainedConfig):
             self.layer_types = list(self.layer_types)
         else:
             raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
+        for registry in (ATTENTIONS, MLPS):  # each chosen kind fills its own derived defaults
+            value = getattr(self, registry.field)
+            if isinstance(value, str) and value in registry:
+                registry[value].complete(self)
         super().__post_init__(**kwargs)
         self.validate_contract()
 
@@ -289,6 +327,39 @@ class ModularDecoderConfig(PretrainedConfig):
     def mlp_kind(self):
         """The registry entry of `mlp_type` (`registries.MLPS`)."""
         return MLPS.of(self)
+
+    # transformers reads its parallelism plans from the config instance; these are built from the kinds the
+    # config chose, so every key names a module or parameter of the model it builds (a dense MLP has no
+    # `gate_proj`, MLA no `k_proj`, only MoE layers have `experts`, a post-norm model may have no final norm).
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Tensor-parallel styles by module name (relative to the base model): the attention and
+        feed-forward kinds' own entries for every layer."""
+        per_layer = {**self.attention_kind.tp_plan(self), **self.mlp_kind.tp_plan(self)}
+        return {f"layers.*.{name}": style for name, style in per_layer.items()}
+
+    @property
+    def base_model_ep_plan(self) -> dict[str, str]:
+        """Expert-parallel styles (empty unless the feed-forward kind has routed experts)."""
+        return {f"layers.*.{name}": style for name, style in self.mlp_kind.ep_plan(self).items()}
+
+    @property
+    def base_model_fsdp_plan(self) -> dict[str, str]:
+        """FSDP2 units: embeddings and each layer freed after use, the final norm kept (transformers' default
+        names it `norm`)."""
+        plan = {"embed_tokens": "free_full_weight", "layers.*": "free_full_weight"}
+        if self.final_norm:
+            plan["final_norm"] = "keep_full_weight"
+        return plan
+
+    @property
+    def base_model_pp_plan(self) -> dict[str, tuple[list[str], list[str]]]:
+        """Pipeline stages' inputs and outputs by module."""
+        plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"]),
+                "layers": (["hidden_states", "attention_mask"], ["hidden_states"])}
+        if self.final_norm:
+            plan["final_norm"] = (["hidden_states"], ["hidden_states"])
+        return plan
 
     @property
     def rope_head_dim(self) -> int:

@@ -23,8 +23,14 @@ def attention_parameters(config: ModularDecoderConfig) -> int:
 
 
 def mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> int:
-    """One block's feed-forward (the kind's formula: dense 2·d·d_f, gated 3·d·d_f, + biases)."""
+    """One block's feed-forward (the kind's formula: dense 2·d·d_f, gated 3·d·d_f, + biases; MoE:
+    router + every expert + shared experts)."""
     return config.mlp_kind.parameters(config, layer_idx)
+
+
+def active_mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> int:
+    """The part of block `layer_idx`'s feed-forward one token uses (MoE: k of the E routed experts)."""
+    return config.mlp_kind.active_parameters(config, layer_idx)
 
 
 def block_norm_count(config: ModularDecoderConfig) -> int:
@@ -34,7 +40,9 @@ def block_norm_count(config: ModularDecoderConfig) -> int:
 
 
 def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
-    """Parameters by component, tied weights counted once; `total` is their sum."""
+    """Parameters by component, tied weights counted once; `total` is their sum, `active` the parameters
+    one token's forward uses (the total less the routed experts it is not sent to; the embedding table
+    and head count whole, as published "active" counts do)."""
     d, v = config.hidden_size, config.vocab_size
     parts = {"embedding": v * d}
     if config.position_embedding_type == "learned":
@@ -51,6 +59,8 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
     if lm_head:
         parts["lm_head"] = lm_head
     parts["total"] = sum(parts.values())
+    inactive = sum(mlp_parameters(config, i) - active_mlp_parameters(config, i) for i in range(layers))
+    parts["active"] = parts["total"] - inactive
     return parts
 
 
@@ -104,12 +114,12 @@ def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bflo
     """A markdown table of every contract field, parameters by component and cache cost."""
     from .configuration_modular_decoder import ModularDecoderConfig as _Config
 
-    names = [f.name for f in dataclasses.fields(_Config) if f.name not in _NON_CONTRACT]
+    names = [f.name for f in dataclasses.fields(_Config) if f.name not in _NON_CONTRACT and _applies(config, f.name)]
     rows = ["| field | value |", "| --- | --- |"]
     rows += [f"| `{name}` | {_render(name, getattr(config, name))} |" for name in names]
     params = parameter_count(config)
     rows += ["", "| component | parameters |", "| --- | ---: |"]
-    rows += [f"| {name} | {count:,} |" for name, count in params.items()]
+    rows += [f"| {_PARAMETER_ROWS.get(name, name)} | {count:,} |" for name, count in params.items()]
     rows += ["", f"| KV cache ({dtype}) | bytes |", "| --- | ---: |",
              f"| per token (all layers) | {cache_bytes_per_token(config, dtype):,} |"]
     for context in (4096, 32768, 131072):
@@ -117,13 +127,37 @@ def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bflo
     return "\n".join(rows)
 
 
+_PARAMETER_ROWS = {"active": "active per token"}
+
+
+def _applies(config: ModularDecoderConfig, name: str) -> bool:
+    """Whether field `name` is read by this config: a field that belongs to variants of one axis
+    (MLA's ranks, the MoE fields, ...) applies only when one of them is chosen."""
+    from .registries import ATTENTIONS, MLPS, POSITIONS
+
+    for registry in (ATTENTIONS, MLPS, POSITIONS):
+        owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]
+        if owners:
+            return registry.of(config) in owners
+    return True
+
+
+# per-layer lists shown as counts and a one-letter pattern
+_PATTERNS = {
+    "layer_types": {"sliding_attention": "S", "full_attention": "F"},
+    "mlp_layer_types": {"sparse": "S", "dense": "D"},
+}
+
+
 def _render(name: str, value) -> str:
-    """A table cell; `layer_types` as counts and a one-letter pattern (F: full, S: sliding)."""
-    if name == "layer_types":
+    """A table cell; per-layer lists (`layer_types`, `mlp_layer_types`) as counts or a one-letter pattern."""
+    letters = _PATTERNS.get(name)
+    if letters is not None and isinstance(value, list):
         if len(set(value)) == 1:
             return f"{len(value)} × `{value[0]}`"
-        pattern = "".join("S" if t == "sliding_attention" else "F" for t in value)
-        return f"`{pattern}` (S: sliding_attention, F: full_attention)"
+        pattern = "".join(letters[t] for t in value)
+        legend = ", ".join(f"{letter}: {kind}" for kind, letter in letters.items())
+        return f"`{pattern}` ({legend})"
     return f"`{value!r}`"
 
 

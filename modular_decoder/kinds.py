@@ -73,6 +73,9 @@ class Kind:
     name: str = ""
     fields: tuple[str, ...] = ()
 
+    def complete(self, config) -> None:
+        """Fill the defaults of this kind's own fields that derive from other fields (before validation)."""
+
     def validate(self, config) -> None:
         """Raise `ValueError` naming the field when `config` is not a valid use of this kind."""
 
@@ -116,11 +119,18 @@ class AttentionKind(Kind):
         """A short tag for cards and tables (`mha`, `gqa`, `mqa`, `mla`, ...)."""
         return self.name
 
+    def tp_plan(self, config) -> dict[str, str]:
+        """transformers tensor-parallel styles of the attention's modules, keyed by their names in a block
+        (`"self_attn.q_proj"`); the config prefixes them with `layers.*.`."""
+        return {}
+
 
 class FeedForwardKind(Kind):
     """A value of `mlp_type`: the feed-forward module of every block and its arithmetic."""
 
     module: type[nn.Module]
+    # whether its layers have routers (whose logits the model can return and train with router losses)
+    routed: bool = False
 
     def build(self, config, layer_idx: int) -> nn.Module:
         """The feed-forward of block `layer_idx`."""
@@ -133,6 +143,19 @@ class FeedForwardKind(Kind):
     def active_parameters(self, config, layer_idx: int) -> int:
         """Parameters block `layer_idx`'s feed-forward applies to one token (all of them unless routed)."""
         return self.parameters(config, layer_idx)
+
+    def tp_plan(self, config) -> dict[str, str]:
+        """transformers tensor-parallel styles of the feed-forward's modules and parameters, keyed by their
+        names in a block (`"mlp.up_proj"`), for the layers this config builds."""
+        return {}
+
+    def ep_plan(self, config) -> dict[str, str]:
+        """transformers expert-parallel styles, keyed like `tp_plan` (empty without routed experts)."""
+        return {}
+
+    def fp32_parameters(self, config) -> tuple[str, ...]:
+        """Name patterns of parameters and buffers that stay fp32 when the model loads in half precision."""
+        return ()
 
 
 # ---------------------------------------------------------------------------------------------

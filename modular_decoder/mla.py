@@ -225,6 +225,14 @@ class LatentKind(AttentionKind):
             raise ValueError(f"`quantization={quantization!r}` applies to per-head K/V, not to an MLA latent.")
         return (config.kv_lora_rank + config.qk_rope_head_dim) * element_bytes
 
+    def tp_plan(self, config) -> dict[str, str]:
+        """transformers' DeepSeek-V2 plan: the per-head projections (q, q_b, kv_b) column-parallel, o
+        row-parallel, the joint latent projection by its own style; q_a and the latent norms replicated."""
+        plan = {"self_attn.q_proj": "colwise"} if config.q_lora_rank is None else {"self_attn.q_b_proj": "colwise"}
+        plan.update({"self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "self_attn.kv_b_proj": "colwise",
+                     "self_attn.o_proj": "rowwise"})
+        return plan
+
 
 LATENT_ATTENTION = LatentKind()
 

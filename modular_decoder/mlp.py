@@ -39,9 +39,10 @@ class DenseMLP(nn.Module):
 class GatedMLP(nn.Module):
     """(act(x W_gate) ⊙ x W_up) W_down: GLU / ReGLU / GEGLU / SwiGLU by `hidden_act`. 3·d·d_f weights."""
 
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
+        # `intermediate_size` overrides the config's width (an MoE block's shared experts)
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
@@ -65,9 +66,24 @@ class ActivatedKind(FeedForwardKind):
 
     def parameters(self, config, layer_idx: int = 0) -> int:
         """Dense 2·d·d_f, gated 3·d·d_f (+ biases)."""
-        d, f = config.hidden_size, config.intermediate_size
-        bias = f if config.mlp_bias else 0
-        return self.up_projections * (d * f + bias) + f * d + (d if config.mlp_bias else 0)
+        return activated_parameters(config, self.up_projections, config.intermediate_size)
+
+    def tp_plan(self, config) -> dict[str, str]:
+        """Column-parallel up (and gate) projections, row-parallel down projection."""
+        return mlp_tp_plan("mlp", gated=self.up_projections == 2)
+
+
+def activated_parameters(config, up_projections: int, width: int) -> int:
+    """`up_projections` d x width matrices and one width x d matrix (+ biases with `mlp_bias`)."""
+    d, bias = config.hidden_size, config.mlp_bias
+    return up_projections * (d * width + (width if bias else 0)) + width * d + (d if bias else 0)
+
+
+def mlp_tp_plan(prefix: str, gated: bool) -> dict[str, str]:
+    """The Megatron split of one (gated) MLP at `prefix`: no communication between its two products."""
+    plan = {f"{prefix}.gate_proj": "colwise"} if gated else {}
+    plan.update({f"{prefix}.up_proj": "colwise", f"{prefix}.down_proj": "rowwise"})
+    return plan
 
 
 DENSE_MLP = ActivatedKind("dense", DenseMLP, up_projections=1)

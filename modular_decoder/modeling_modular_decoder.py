@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -22,6 +24,7 @@ from .cache import ModularDecoderCache
 from .checks import check_checkpoint, check_generate_inputs, check_inputs, prompt_checked
 from .configuration_modular_decoder import ModularDecoderConfig
 from .layout import project
+from .moe import TopKRouter, experts_kernels_available, init_moe_weights, router_losses
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
 
@@ -40,11 +43,26 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
-    # Attention weights are what each block's `self_attn` returns second, whatever kind built it
+    # Attention weights are what each block's `self_attn` returns second, whatever kind built it;
+    # router logits what each sparse layer's router returns first (recorded only with routed experts)
     _can_record_outputs = {
         "hidden_states": DecoderBlock,
         "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
+        "router_logits": OutputRecorder(TopKRouter, index=0),
     }
+
+    def __init__(self, config: ModularDecoderConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        # read by `from_pretrained` in half precision (e.g. DeepSeek-V3's sigmoid routers stay fp32)
+        self._keep_in_fp32_modules_strict = list(config.mlp_kind.fp32_parameters(config))
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """Whether `experts_implementation=` (and transformers' experts kernels) apply: transformers
+        guesses it by searching the modeling file for its decorator, but the experts module lives in
+        moe.py, decorated there whenever this transformers has the kernels. With it, transformers'
+        default is its own ("grouped_mm"); "eager" selects `moe.Experts.forward`."""
+        return experts_kernels_available()
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
         """Default to SDPA only where it can honour the contract; refuse a backend that cannot."""
@@ -87,6 +105,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
+        if init_moe_weights(module, std, init):
+            return
         if isinstance(module, (RMSNorm, LayerNorm)):
             # `1 + w` norms start at w = 0 so that they start as the identity scale
             init.zeros_(module.weight) if module.unit_offset else init.ones_(module.weight)
@@ -143,7 +163,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPast:
+    ) -> MoeModelOutputWithPast:
         """Embeds, runs every block with the masks / positions of its layer type, and norms.
 
         `position_ids` default to counting the real tokens of a 2-D `attention_mask` (so left
@@ -202,7 +222,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             )
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
+        return MoeModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
 
     def _filled_slots_mask(self, inputs_embeds: torch.Tensor, past_seen: int) -> torch.Tensor | None:
         """A (B, seen + new) all-ones mask for the flash backends over a static cache: with no mask,
@@ -288,8 +308,21 @@ def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor
     return lookup(ids)
 
 
+@dataclass
+class ModularDecoderCausalLMOutput(MoeCausalLMOutputWithPast):
+    """transformers' MoE causal-LM output (`aux_loss`, `router_logits` beside the usual fields), plus
+    `z_loss`: the router z-loss, returned with the router logits.
+
+    `aux_loss` and `z_loss` are the unweighted losses; `loss` (with `labels`) already holds
+    `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss`.
+    """
+
+    z_loss: torch.Tensor | None = None
+
+
 class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
-    """The decoder with a language-model head; loss shifts labels and skips `-100`."""
+    """The decoder with a language-model head; loss shifts labels and skips `-100`, plus the router
+    losses when router logits are returned."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -325,10 +358,22 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_router_logits: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
+    ) -> ModularDecoderCausalLMOutput:
         """Logits (soft-capped if configured) and, with `labels`, the next-token loss: labels are
-        shifted inside, `-100` is ignored. `logits_to_keep=k` projects only the last k positions."""
+        shifted inside, `-100` is ignored. `logits_to_keep=k` projects only the last k positions.
+
+        With `output_router_logits` (default: the config's), every sparse layer's router logits are
+        returned with the load-balancing `aux_loss` and the `z_loss` over the real tokens of a 2-D
+        `attention_mask`; with `labels`, their coefficient-weighted sum is added to `loss`, as
+        transformers' MoE families add theirs.
+        """
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        if output_router_logits and not self.config.mlp_kind.routed:
+            raise ValueError(f"`output_router_logits=True` needs routed experts; `mlp_type`={self.config.mlp_type!r} "
+                             "has no router.")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -336,22 +381,34 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_router_logits=output_router_logits,
             **kwargs,
         )
         hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = project(self.lm_head, hidden)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
-        loss = None
+        loss = aux_loss = z_loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        if output_router_logits:
+            # padding is left out through a 2-D mask (generate's pre-built per-layer masks carry none)
+            mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
+            router_loss, aux_loss, z_loss = router_losses(outputs.router_logits, self.config, mask)
+            if loss is not None:
+                loss = loss + router_loss.to(loss.device)
+        return ModularDecoderCausalLMOutput(
             loss=loss,
+            aux_loss=aux_loss,
             logits=logits,
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+            z_loss=z_loss,
         )
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
@@ -400,4 +457,5 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         model_kwargs["cache"] = cache
 
 
-__all__ = ["ModularDecoderPreTrainedModel", "ModularDecoderModel", "ModularDecoderForCausalLM"]
+__all__ = ["ModularDecoderPreTrainedModel", "ModularDecoderModel", "ModularDecoderForCausalLM",
+           "ModularDecoderCausalLMOutput"]

@@ -1,7 +1,7 @@
 """Every axis of the design space and its entries, in one place.
 
     ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla
-    MLPS        `mlp_type`                 dense, gated
+    MLPS        `mlp_type`                 dense, gated, moe
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
     NORMS       `norm_type`                rmsnorm, layernorm
     BLOCKS      `norm_position` (+ `parallel_block`)  pre, post, sandwich, output, parallel
@@ -18,11 +18,12 @@ from .blocks import BLOCKS
 from .kinds import AttentionKind, FeedForwardKind, Registry
 from .mla import LATENT_ATTENTION
 from .mlp import DENSE_MLP, GATED_MLP
+from .moe import MIXTURE_OF_EXPERTS
 from .norms import NORMS
 from .positions import POSITIONS
 
 ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION])
-MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP])
+MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
 
 
 def register_attention(kind: AttentionKind, replace: bool = False) -> AttentionKind:

@@ -8,6 +8,7 @@ V, D, F, L, H, P = 96, 32, 64, 2, 4, 64
 COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
               max_position_embeddings=P)
 GPT = dict(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=P)
+MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 
 # name -> (family model_type, config builder); several cases may exercise one family's variants
 CASES: dict[str, tuple[str, callable]] = {
@@ -36,4 +37,37 @@ CASES: dict[str, tuple[str, callable]] = {
                                                            sliding_window=8, query_pre_attn_scalar=16)),
     "olmo2": ("olmo2", lambda: tf.Olmo2Config(**COMMON)),
     "phi": ("phi", lambda: tf.PhiConfig(**COMMON)),
+    # mixtures of experts: experts narrower than d, more experts than chosen, so routing matters
+    "mixtral": ("mixtral", lambda: tf.MixtralConfig(**{**COMMON, "intermediate_size": 24}, num_key_value_heads=2,
+                                                    num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral-sliding": ("mixtral", lambda: tf.MixtralConfig(**{**COMMON, "intermediate_size": 24}, num_key_value_heads=2,
+                                                            num_local_experts=6, num_experts_per_tok=3, sliding_window=8)),
+    "qwen2_moe": ("qwen2_moe", lambda: tf.Qwen2MoeConfig(
+        **COMMON, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": ("qwen3_moe", lambda: tf.Qwen3MoeConfig(
+        **COMMON, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+        norm_topk_prob=True)),
+    "qwen3_moe-sparse-step": ("qwen3_moe", lambda: tf.Qwen3MoeConfig(
+        **COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=24,
+        decoder_sparse_step=2, norm_topk_prob=False)),
+    "olmoe": ("olmoe", lambda: tf.OlmoeConfig(**{**COMMON, "intermediate_size": 24}, num_experts=8,
+                                               num_experts_per_tok=2, eos_token_id=2)),
+    "granitemoe": ("granitemoe", lambda: tf.GraniteMoeConfig(
+        **{**COMMON, "intermediate_size": 24}, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2,
+        embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5, attention_multiplier=0.3)),
+    # DeepSeek: a dense first layer, then MLA with routed + shared experts
+    "deepseek_v2-moe": ("deepseek_v2", lambda: tf.DeepseekV2Config(
+        **COMMON, **MLA, q_lora_rank=None, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=2, moe_intermediate_size=12, routed_scaling_factor=1.5)),
+    "deepseek_v2-moe-grouped": ("deepseek_v2", lambda: tf.DeepseekV2Config(
+        **COMMON, **MLA, q_lora_rank=12, first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=3,
+        n_shared_experts=1, moe_intermediate_size=12, topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    "deepseek_v3-moe": ("deepseek_v3", lambda: tf.DeepseekV3Config(
+        **COMMON, **MLA, q_lora_rank=12, first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4,
+        n_shared_experts=1, moe_intermediate_size=12, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
 }
+
+# The families whose layers hold routed experts (and the cases of each)
+MOE_CASES = [name for name in CASES if name.split("-")[0] in
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe") or name.endswith(("-moe", "-moe-grouped"))]

@@ -7,8 +7,8 @@ import torch
 from modular_decoder import ModularDecoderForCausalLM, preset_config
 
 # Presets covering every position scheme and layer kind: rope (llama), learned (gpt2), alibi
-# (bloom), all-sliding (mistral) and alternating local/global with soft-caps (gemma2).
-PRESETS = ["llama", "gpt2", "bloom", "mistral", "gemma2"]
+# (bloom), all-sliding (mistral), alternating local/global with soft-caps (gemma2) and routed experts (mixtral).
+PRESETS = ["llama", "gpt2", "bloom", "mistral", "gemma2", "mixtral"]
 
 
 def tiny_model(name: str, seed: int = 0, **overrides) -> ModularDecoderForCausalLM:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from modular_decoder import PRESETS, ModularDecoderForCausalLM, cache_bytes, cache_bytes_per_token, preset_config
+from modular_decoder import (PRESETS, ModularDecoderForCausalLM, cache_bytes, cache_bytes_per_token, parameter_count,
+                             preset_config)
 from modular_decoder.tools.cards import CARD_TEMPLATE, preset_card, render_model_card, variant_tags
 
 CARDS = Path(__file__).resolve().parent.parent / "model_cards"
@@ -42,6 +43,10 @@ def test_preset_card(name):
     with torch.device("meta"):  # the real module tree, without allocating the weights
         model = ModularDecoderForCausalLM(config)
     assert _row(card.text, "total") == model.num_parameters()
+    assert _row(card.text, "active per token") == parameter_count(config)["active"]
+    if config.mlp_type == "moe":  # routed experts: a token uses fewer parameters than the model holds
+        assert _row(card.text, "active per token") < _row(card.text, "total")
+        assert "target_parameters" in card.text
     assert _row(card.text, "per token (all layers)") == cache_bytes_per_token(config)
     for k in (4, 32, 128):
         assert _row(card.text, f"at {k}k context") == cache_bytes(config, k * 1024)
@@ -56,6 +61,8 @@ def test_tags_name_the_variant_choices():
     assert "attention-mqa" in variant_tags(preset_config("falcon"))
     assert "parallel-block" in variant_tags(preset_config("falcon"))
     assert "attention-mha" in variant_tags(preset_config("gpt2"))
+    assert {"mlp-moe", "mixture-of-experts", "router-sigmoid-topk", "attention-mla"} <= set(
+        variant_tags(preset_config("deepseek_v3")))
 
 
 def test_converted_card_names_base_model():

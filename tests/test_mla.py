@@ -208,7 +208,7 @@ def test_decode_mode_is_validated():
 
 DEEPSEEK = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64,
-                # every layer dense: the contract has no mixture-of-experts
+                # every layer dense here (the experts: MOE below)
                 first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
 REFERENCES = {
     "v2": lambda **kw: DeepseekV2ForCausalLM(DeepseekV2Config(**DEEPSEEK, **kw)),
@@ -284,10 +284,100 @@ def test_export_round_trip(reference, tmp_path):
         torch.testing.assert_close(back(ids).logits, ref(ids).logits, rtol=0, atol=0)
 
 
-def test_conversion_refuses_mixture_of_experts():
-    src = DeepseekV3Config(**{**DEEPSEEK, "first_k_dense_replace": 1}, n_group=1, topk_group=1)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        get_family("deepseek_v3").to_contract(src)
+# DeepSeek with its mixture of experts: a dense first layer, then routed + shared experts.
+MOE = dict(num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=12)
+MOE_FIELDS = {
+    "v2": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, routed_scaling_factor=1.5),
+    "v2_grouped": dict(n_routed_experts=16, num_experts_per_tok=3, n_shared_experts=1,
+                       topk_method="group_limited_greedy", n_group=4, topk_group=2),
+    "v3": dict(n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2,
+               routed_scaling_factor=2.5),
+}
+
+
+def _moe_deepseek(reference: str, **kwargs):
+    """transformers' DeepSeek-V2 / V3 with the experts of `MOE_FIELDS[reference]`."""
+    v3 = reference == "v3"
+    config = (DeepseekV3Config if v3 else DeepseekV2Config)(**{**DEEPSEEK, **MOE, **MOE_FIELDS[reference]}, **kwargs)
+    return (DeepseekV3ForCausalLM if v3 else DeepseekV2ForCausalLM)(config)
+
+
+def _moe_reference(reference: str, q_lora_rank, tmp_path):
+    """A scrambled DeepSeek MoE model (correction bias included), saved and converted."""
+    torch.manual_seed(0)
+    ref = _scramble(_moe_deepseek(reference, q_lora_rank=q_lora_rank, rope_parameters=dict(DEEPSEEK_YARN)))
+    with torch.no_grad():
+        for name, buffer in ref.named_buffers():
+            if "e_score_correction_bias" in name:
+                buffer.normal_(0.0, 0.1)
+    ref.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "ours", progress=False)
+    ours = ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    return ref, ours
+
+
+MOE_PARITY = [("v2", None), ("v2_grouped", 12), ("v3", 12), ("v3", None)]
+
+
+@pytest.mark.parametrize("reference, q_lora_rank", MOE_PARITY, ids=[f"{r}-q{q}" for r, q in MOE_PARITY])
+def test_parity_with_deepseek_mixture_of_experts(reference, q_lora_rank, tmp_path):
+    ref, ours = _moe_reference(reference, q_lora_rank, tmp_path)
+    assert ours.config.mlp_layer_types == ["dense", "sparse", "sparse"]
+    assert ours.config.router_type == ("sigmoid_topk" if reference == "v3" else "softmax_topk")
+    ids = torch.randint(0, 97, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # a left-padded row
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for implementation in ("eager", "grouped_mm"):  # ours (and theirs) with each experts kernel
+        ref.set_experts_implementation(implementation)
+        ours.set_experts_implementation(implementation)
+        with torch.no_grad():
+            expected, got = ref(ids).logits, ours(ids).logits
+            padded = ref(ids, attention_mask=mask, position_ids=positions).logits
+            ours_padded = ours(ids, attention_mask=mask, position_ids=positions).logits
+        assert expected.abs().max() > 1.0
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        torch.testing.assert_close(ours_padded[0], padded[0], rtol=0, atol=1e-4)
+        torch.testing.assert_close(ours_padded[1, 7:], padded[1, 7:], rtol=0, atol=1e-4)
+    prompt = ids[:, :6]
+    with torch.no_grad():
+        for kwargs in (dict(max_new_tokens=16, do_sample=False), dict(max_new_tokens=8, num_beams=3, do_sample=False)):
+            kwargs["attention_mask"] = torch.ones_like(prompt)
+            assert torch.equal(ours.generate(prompt, **kwargs), ref.generate(prompt, **kwargs))
+
+
+@pytest.mark.parametrize("reference", ["v2_grouped", "v3"])
+def test_mixture_of_experts_export_loads_in_the_source_class(reference, tmp_path):
+    ref, _ = _moe_reference(reference, 12, tmp_path)
+    export(tmp_path / "ours", tmp_path / "back", family=f"deepseek_{reference[:2]}", progress=False)
+    back = type(ref).from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref(ids).logits, rtol=0, atol=0)
+    gate = "model.layers.1.mlp.gate"
+    torch.testing.assert_close(back.get_buffer(f"{gate}.e_score_correction_bias") if reference == "v3" else
+                               back.get_parameter(f"{gate}.weight"),
+                               ref.get_buffer(f"{gate}.e_score_correction_bias") if reference == "v3" else
+                               ref.get_parameter(f"{gate}.weight"), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overrides", [dict(norm_position="post"), dict(norm_position="sandwich"),
+                                       dict(parallel_block=True, parallel_norms="separate")],
+                         ids=["post_norm", "sandwich", "parallel"])
+@pytest.mark.parametrize("implementation", ["dynamic", "static"])
+def test_mla_with_mixture_of_experts_composes_with_the_contract(overrides, implementation):
+    config = _config(num_hidden_layers=3, mlp_type="moe", mlp_layer_types=["dense", "sparse", "sparse"],
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1,
+                     router_type="sigmoid_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5, **overrides)
+    model = _model(config)
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = ModularDecoderCache(model.config, implementation, max_cache_len=SEQ + 4)
+        steps = [model(ids[:, :5], cache=cache).logits]
+        for t in range(5, SEQ):
+            steps.append(model(ids[:, t : t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
 def test_output_attentions_from_both_paths():

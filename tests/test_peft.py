@@ -57,8 +57,16 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
     base.save_pretrained(tmp_path / "base")
     peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=use_dora))
     wrapped = {name.rsplit(".", 1)[-1] for name, module in peft_model.named_modules() if hasattr(module, "lora_A")}
-    expected = {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"}
-    expected |= {"gate_proj"} if config.mlp_type == "gated" else set()
+    if config.attention_type == "mla":  # DeepSeek's own projection names, of which TARGETS holds these
+        expected = {"o_proj"} | ({"q_proj"} if config.q_lora_rank is None else set())
+    else:
+        expected = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    if config.mlp_type == "dense":
+        expected |= {"up_proj", "down_proj"}
+    # gated MLPs, and with experts the dense layers' MLPs and the shared experts (the routed experts
+    # are 3-D parameters, reached through `target_parameters`: see the test below)
+    elif config.mlp_type == "gated" or "dense" in config.mlp_layer_types or config.n_shared_experts:
+        expected |= {"gate_proj", "up_proj", "down_proj"}
     assert wrapped == expected
     _perturb_adapter(peft_model)
     peft_model.eval()
@@ -85,6 +93,58 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(laid_out(input_ids=ids).logits, adapted, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(laid_out.merge_and_unload()(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+# The router weight and the stacked experts are not Linear modules: PEFT adapts them as parameters
+# (a ParamWrapper parametrizes W + ΔW during the owner's forward; rank r per expert).
+EXPERT_PARAMETERS = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("preset", ["mixtral", "deepseek_v3"])
+def test_lora_on_router_and_experts_trains_saves_reloads_and_merges(preset, tmp_path):
+    config = preset_config(preset, tiny=True, initializer_range=0.1)
+    base = ModularDecoderForCausalLM(config).eval()
+    base.save_pretrained(tmp_path / "base")
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj"], target_parameters=EXPERT_PARAMETERS)
+    peft_model = get_peft_model(base, lora)
+    adapted_params = {name for name, p in peft_model.named_parameters() if p.requires_grad}
+    assert adapted_params and all("lora_" in name for name in adapted_params)
+    sparse = [i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"]
+    for part in ("gate", "experts"):  # every sparse layer's router and experts carry an adapter
+        assert all(any(f"layers.{i}.mlp.{part}." in name for name in adapted_params) for i in sparse)
+
+    # train: the loss falls, and the frozen base does not move
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    batch = _counting_batch(4, 16)
+    frozen = {k: v.clone() for k, v in base.state_dict().items() if "lora_" not in k and "base_layer" not in k}
+    peft_model.train()
+    losses = []
+    for _ in range(8):
+        loss = peft_model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    assert all(torch.equal(frozen[k], v) for k, v in base.state_dict().items() if k in frozen)
+
+    peft_model.eval()
+    ids = _counting_batch(2, 12, seed=3)
+    with torch.no_grad():
+        adapted = peft_model(input_ids=ids).logits
+        plain = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()(ids).logits
+        assert (adapted - plain).abs().max() > 1e-3
+        peft_model.save_pretrained(tmp_path / "adapter")
+        fresh = ModularDecoderForCausalLM.from_pretrained(tmp_path / "base").eval()
+        reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, rtol=1e-5, atol=1e-5)
+        merged = reloaded.merge_and_unload()
+        torch.testing.assert_close(merged(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+    assert isinstance(merged, ModularDecoderForCausalLM)
+    assert not any("lora_" in name or "base_layer" in name for name, _ in merged.named_parameters())
+    experts = merged.model.layers[sparse[0]].mlp.experts
+    assert type(experts.gate_up_proj) is torch.nn.Parameter and experts.gate_up_proj.is_contiguous()
+    assert set(merged.state_dict()) == set(ModularDecoderForCausalLM(config).state_dict())  # the plain names
 
 
 MLA_TARGETS = TARGETS + ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]  # DeepSeek's names

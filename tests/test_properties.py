@@ -16,7 +16,6 @@ derandomized), `HYPOTHESIS_PROFILE=thorough` for many more examples.
 
 from __future__ import annotations
 
-import inspect
 import math
 import tempfile
 
@@ -189,10 +188,6 @@ def test_left_padded_row_equals_row_alone(case, data):
     torch.testing.assert_close(together[0], _logits(model, full_row[None])[0], rtol=0, atol=ATOL)
 
 
-_LAYOUT = {"decode_layout": False} if "decode_layout" in inspect.signature(
-    ModularDecoderForCausalLM.from_pretrained).parameters else {}
-
-
 def _torch_allocated(model: nn.Module) -> nn.Module:
     """Every parameter and buffer copied into storage of torch's own allocator (64-byte aligned).
 
@@ -219,7 +214,7 @@ def test_save_and_load_give_identical_logits(case):
     model = _model(config, seed)
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        loaded = ModularDecoderForCausalLM.from_pretrained(folder, attn_implementation="eager", **_LAYOUT)
+        loaded = ModularDecoderForCausalLM.from_pretrained(folder, attn_implementation="eager")
     saved, restored = model.state_dict(), loaded.state_dict()
     assert sorted(saved) == sorted(restored)
     for name, tensor in saved.items():
@@ -356,7 +351,7 @@ def test_mla_with_an_odd_head_dim_is_valid():
     ids = torch.tensor([[1, 2, 3]])
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        loaded = ModularDecoderForCausalLM.from_pretrained(folder, attn_implementation="eager", **_LAYOUT)
+        loaded = ModularDecoderForCausalLM.from_pretrained(folder, attn_implementation="eager")
     assert torch.equal(_logits(loaded, ids), _logits(model, ids))
 
 
@@ -408,5 +403,5 @@ def test_activation_parameters_follow_the_model_dtype(hidden_act):
     ids = torch.tensor([[1, 2, 3, 4]])
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        loaded = ModularDecoderForCausalLM.from_pretrained(folder, attn_implementation="eager", **_LAYOUT)
+        loaded = ModularDecoderForCausalLM.from_pretrained(folder, attn_implementation="eager")
     assert torch.equal(_logits(loaded, ids), _logits(model, ids))

@@ -69,9 +69,9 @@ def tied_qk():
 def test_allowed_values_come_from_the_registries():
     with pytest.raises(ValueError, match=r"\['mla', 'standard'\]"):
         ModularDecoderConfig(**BASE, attention_type="tied_qk")
-    with pytest.raises(ValueError, match=r"\['dense', 'gated'\]"):
+    with pytest.raises(ValueError, match=r"\['dense', 'gated', 'moe'\]"):
         ModularDecoderConfig(**BASE, mlp_type="sparse")
-    assert set(MLPS) == {"dense", "gated"}
+    assert set(MLPS) == {"dense", "gated", "moe"}
 
 
 def test_a_registered_attention_kind_works_end_to_end(tied_qk):

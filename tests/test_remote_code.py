@@ -39,9 +39,10 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_trust_remote_code_without_package(tmp_path):
+@pytest.mark.parametrize("preset", ["gemma3", "deepseek_v3"])  # local/global layers; MLA with routed experts
+def test_trust_remote_code_without_package(preset, tmp_path):
     torch.manual_seed(0)
-    model = ModularDecoderForCausalLM(preset_config("gemma3", tiny=True)).eval()
+    model = ModularDecoderForCausalLM(preset_config(preset, tiny=True)).eval()
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
@@ -62,7 +63,7 @@ def test_trust_remote_code_without_package(tmp_path):
 SHIPPED = {
     "configuration_modular_decoder.py", "modeling_modular_decoder.py", "attention.py", "backends.py", "blocks.py",
     "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py", "layout.py",
-    "mla.py", "mlp.py", "norms.py", "positions.py", "registries.py", "checks.py",
+    "mla.py", "mlp.py", "moe.py", "norms.py", "positions.py", "registries.py", "checks.py",
 }
 
 

@@ -34,6 +34,13 @@ def test_cli_prints_the_table_and_exits_zero(capsys):
     assert "softcap" in out  # SDPA is skipped for Gemma 2, with the reason
 
 
+def test_cli_on_a_mixture_of_experts_checkpoint(tmp_path, capsys):
+    torch.manual_seed(0)
+    ModularDecoderForCausalLM(preset_config("deepseek_v3", tiny=True)).save_pretrained(tmp_path)
+    assert main(["validate", str(tmp_path), "--checks", "shapes", "causality", "cached_decoding"]) == 0
+    assert "active per token" in capsys.readouterr().out
+
+
 def test_saved_checkpoint_passes(tmp_path):
     torch.manual_seed(0)
     ModularDecoderForCausalLM(preset_config("qwen3", tiny=True)).save_pretrained(tmp_path)

@@ -32,6 +32,13 @@ AXES: dict[str, dict[str, dict]] = {
         "reglu": dict(mlp_type="gated", hidden_act="relu"),
         "geglu": dict(mlp_type="gated", hidden_act="gelu_pytorch_tanh"),
         "swiglu": dict(mlp_type="gated", hidden_act="silu"),
+        # mixtures of experts (narrow experts, more of them than a token uses): Qwen2-MoE-like, DeepSeek-V3-like
+        "moe_shared_gate_dense": dict(mlp_type="moe", hidden_act="gelu_pytorch_tanh", mlp_layer_types=["dense", "sparse"],
+                                      num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                                      shared_expert_gate=True, norm_topk_prob=False),
+        "moe_sigmoid_grouped": dict(mlp_type="moe", mlp_layer_types=["sparse", "dense"], num_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2,
+                                    router_type="sigmoid_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5),
     },
     "positions": {
         "learned": dict(position_embedding_type="learned"),
@@ -90,6 +97,7 @@ AXES: dict[str, dict[str, dict]] = {
         "multiplier": dict(embedding_multiplier=4.0),
         "embed_norm": dict(embedding_norm=True, tie_word_embeddings=False),
         "dropout_cfg": dict(attention_dropout=0.1, hidden_dropout=0.1),
+        "mup_scales": dict(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0),  # Granite
     },
 }
 
@@ -99,6 +107,8 @@ BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_laye
 
 def valid(choice: dict[str, str]) -> bool:
     positions = choice.get("positions", "rope")
+    if choice.get("ffn", "").startswith("moe") and choice.get("bias") == "all":
+        return False  # experts carry no biases (`mlp_bias` is refused with MoE)
     if choice.get("window") == "mixed_local_base" and not positions.startswith("rope"):
         return False
     # dynamic/longrope rescale with the longest position seen, so per-layer-type tables are not

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..core import Rule, rule
+from ..core import ExpertStack, Rule, rule
 
 # Fields that differ in name only between a transformers config and the contract.
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -44,11 +44,13 @@ def norm(src: str, dst: str) -> list[Rule]:
     return [rule(f"{src}.weight", f"{dst}.weight"), rule(f"{src}.bias", f"{dst}.bias", optional=True)]
 
 
-def llama_rules(norms: dict[str, str], qk_norm: bool = False, attention: list[Rule] | None = None) -> list[Rule]:
+def llama_rules(norms: dict[str, str], qk_norm: bool = False, attention: list[Rule] | None = None,
+                moe: list[Rule] | None = None) -> list[Rule]:
     """The `model.layers.{layer}.self_attn.q_proj` layout shared by Llama, Mistral, Qwen, Gemma, OLMo 2
     and (with its own `attention` rules) DeepSeek.
 
-    `norms` maps each source block norm to the contract's norm named by where it sits.
+    `norms` maps each source block norm to the contract's norm named by where it sits. The gated MLP
+    maps the contract's dense layers; `moe` (see `moe_rules`) its sparse ones.
     """
     src, dst = "model.layers.{layer}", "model.layers.{layer}"
     rules = [rule("model.embed_tokens.weight", "model.embed_tokens.weight")]
@@ -61,7 +63,9 @@ def llama_rules(norms: dict[str, str], qk_norm: bool = False, attention: list[Ru
             attention += norm(f"{src}.self_attn.k_norm", f"{dst}.self_attn.qk_norm.k_norm")
     rules += attention
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        rules += linear(f"{src}.mlp.{proj}", f"{dst}.mlp.{proj}")
+        rules += [Rule(r.src, r.dst, r.transform, r.optional, "dense")
+                  for r in linear(f"{src}.mlp.{proj}", f"{dst}.mlp.{proj}")]
+    rules += moe or []
     for name, ours in norms.items():
         rules += norm(f"{src}.{name}", f"{dst}.{ours}")
     rules += norm("model.norm", "model.final_norm")
@@ -89,3 +93,51 @@ def source_rope(cfg) -> dict:
     if cfg.partial_rotary_factor != 1.0:
         out["partial_rotary_factor"] = cfg.partial_rotary_factor
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts: transformers v5 holds every MoE family's experts as `mlp.experts.gate_up_proj`
+# (E, 2f, d) = [gate; up] and `mlp.experts.down_proj` (E, d, f), its router as `mlp.gate.weight` (E, d):
+# the contract's own names. Files store one tensor per expert.
+
+
+def expert_stacks(gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> tuple[ExpertStack, ...]:
+    """Per-expert files `model.layers.{layer}.mlp.experts.{expert}.<gate|up|down>.weight` -> the fused tensors."""
+    experts = "model.layers.{layer}.mlp.experts"
+    return (
+        ExpertStack((f"{experts}.{{expert}}.{gate}.weight", f"{experts}.{{expert}}.{up}.weight"),
+                    f"{experts}.gate_up_proj"),
+        ExpertStack((f"{experts}.{{expert}}.{down}.weight",), f"{experts}.down_proj"),
+    )
+
+
+def moe_rules(shared: str | None = None, shared_gate: bool = False, correction_bias: bool = False) -> list[Rule]:
+    """A sparse layer's router and experts (same names on both sides); `shared` names the family's
+    shared-experts MLP (`shared_expert` in Qwen2-MoE, `shared_experts` in DeepSeek)."""
+    mlp = "model.layers.{layer}.mlp"
+    names = ["gate.weight", "experts.gate_up_proj", "experts.down_proj"]
+    names += ["gate.e_score_correction_bias"] if correction_bias else []
+    names += ["shared_expert_gate.weight"] if shared_gate else []
+    rules = [rule(f"{mlp}.{name}", f"{mlp}.{name}", layers="sparse") for name in names]
+    if shared is not None:
+        rules += [rule(f"{mlp}.{shared}.{proj}.weight", f"{mlp}.shared_experts.{proj}.weight", layers="sparse")
+                  for proj in ("gate_proj", "up_proj", "down_proj")]
+    return rules
+
+
+def router_training(src) -> dict:
+    """The router-loss fields every MoE family shares (they change the training loss, not the logits)."""
+    return {"router_aux_loss_coef": src.router_aux_loss_coef, "output_router_logits": bool(src.output_router_logits)}
+
+
+def source_router_training(cfg) -> dict:
+    return {"router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": cfg.output_router_logits}
+
+
+def sparse_layers(num_layers: int, is_sparse) -> list[str]:
+    """`mlp_layer_types` from a per-layer predicate."""
+    return ["sparse" if is_sparse(i) else "dense" for i in range(num_layers)]
+
+
+def dense_layer_indices(cfg) -> list[int]:
+    return [i for i, kind in enumerate(cfg.mlp_layer_types or []) if kind == "dense"]

@@ -1,7 +1,9 @@
-"""DeepSeek-V3 (dense layers): DeepSeek-V2's MLA with a choice of rotary layout (`rope_interleave`).
+"""DeepSeek-V3: DeepSeek-V2's MLA with a choice of rotary layout (`rope_interleave`) and experts routed
+by sigmoid scores plus a load-balancing correction bias, within the best `topk_group` of `n_group`
+groups, renormalised and scaled by `routed_scaling_factor`.
 
-Multi-token-prediction modules and mixture-of-experts layers are not part of the contract; a
-checkpoint whose layers are all dense converts exactly.
+The multi-token-prediction module (layer `num_hidden_layers` of the Hub files) is not part of the
+model transformers builds, nor of the contract.
 """
 
 from __future__ import annotations
@@ -9,20 +11,30 @@ from __future__ import annotations
 from transformers import DeepseekV3Config
 
 from ..core import Family, refuse
-from .deepseek_v2 import mla_contract, mla_rules, mla_source_fields, refuse_unsupported
+from .common import expert_stacks
+from .deepseek_v2 import mla_contract, mla_rules, mla_source_fields, moe_contract, refuse_unsupported
 
 
 def to_contract(src) -> dict:
     refuse_unsupported(src, "deepseek_v3")
     refuse({"an MLP bias": bool(getattr(src, "mlp_bias", False))}, "deepseek_v3")
     # V3 lays the rotary pairs out interleaved (x0, x1), (x2, x3), ... unless `rope_interleave=False`.
-    return mla_contract(src, rope_interleaved=bool(src.rope_interleave))
+    fields = dict(mla_contract(src, rope_interleaved=bool(src.rope_interleave)), **moe_contract(src, "deepseek_v3"))
+    if fields["mlp_type"] == "moe":
+        n_group = src.n_group or 1
+        fields.update(router_type="sigmoid_topk", norm_topk_prob=bool(src.norm_topk_prob), n_group=n_group,
+                      topk_group=src.topk_group or n_group)
+    return fields
 
 
 def from_contract(cfg) -> DeepseekV3Config:
     if cfg.mlp_bias:
         raise ValueError("DeepSeek-V3 cannot express `mlp_bias=True`.")
-    return DeepseekV3Config(**mla_source_fields(cfg), rope_interleave=cfg.rope_interleaved)
+    router = {}
+    if cfg.mlp_type == "moe":
+        router = dict(norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group)
+    return DeepseekV3Config(**mla_source_fields(cfg), rope_interleave=cfg.rope_interleaved, **router)
 
 
-FAMILY = Family("deepseek_v3", to_contract, from_contract, mla_rules, config_class=DeepseekV3Config)
+FAMILY = Family("deepseek_v3", to_contract, from_contract, lambda src: mla_rules(src, correction_bias=True),
+                config_class=DeepseekV3Config, experts=expert_stacks())

@@ -41,8 +41,7 @@ inputs = tokenizer("The decoder-only transformer", return_tensors="pt")
 print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))
 ```
 
-LoRA / DoRA adapters use the Llama module names (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
-`gate_proj`, `up_proj`, `down_proj`) as `target_modules`.
+$adapters
 
 ## Architecture contract
 
@@ -51,6 +50,16 @@ computed from the config by `modular_decoder.contract`.
 
 $contract
 """)
+
+
+ADAPTERS = """LoRA / DoRA adapters use the Llama module names (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
+`gate_proj`, `up_proj`, `down_proj`) as `target_modules`."""
+# PEFT wraps 3-D parameters only when named in `target_parameters` (no Linear modules to target there)
+EXPERT_ADAPTERS = """
+
+The routed experts are 3-D parameters and the router a plain weight: PEFT adapts them through
+`target_parameters` (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, `mlp.gate.weight`), which
+merge back into the same tensors."""
 
 
 def attention_kind(config: ModularDecoderConfig) -> str:
@@ -73,6 +82,8 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         f"positions-{config.position_embedding_type}",
         f"attention-{attention_kind(config)}",
     ]
+    if config.mlp_kind.routed:
+        tags += ["mixture-of-experts", f"router-{config.router_type}"]
     if config.qk_norm != "none":
         tags.append(f"qk-norm-{config.qk_norm}")
     if "sliding_attention" in config.layer_types:
@@ -124,8 +135,9 @@ def render_model_card(
         description = (f"The weights of [{base_model}](https://huggingface.co/{base_model}), converted to the "
                        "modular_decoder family." if base_model else "A modular_decoder checkpoint.")
     metadata = yaml.safe_dump(card_metadata(config, base_model, license, tags), sort_keys=False)
+    adapters = ADAPTERS + (EXPERT_ADAPTERS if config.mlp_kind.routed else "")
     return CARD_TEMPLATE.substitute(metadata=metadata, title=title, description=description, repo_id=repo_id,
-                                    contract=contract_table(config))
+                                    adapters=adapters, contract=contract_table(config))
 
 
 def preset_card(name: str) -> str:

@@ -99,9 +99,55 @@ PRESETS: dict[str, dict] = {
                 num_attention_heads=32, max_position_embeddings=2048, hidden_act="gelu_new", parallel_block=True,
                 parallel_norms="shared", position_embedding_type="rope", partial_rotary_factor=0.4,
                 tie_word_embeddings=False, lm_head_bias=True),
+    # mistralai/Mixtral-8x7B-v0.1 config.json (8 experts, top-2, every layer sparse)
+    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, norm_eps=1e-5,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+                    mlp_type="moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+                    norm_topk_prob=True, router_aux_loss_coef=0.02),
+    # Qwen/Qwen3-30B-A3B config.json (128 experts, top-8 renormalised, per-head QK-norm)
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                      norm_eps=1e-6, qk_norm="head", rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                      tie_word_embeddings=False, mlp_type="moe", num_experts=128, num_experts_per_tok=8,
+                      moe_intermediate_size=768, norm_topk_prob=True, router_aux_loss_coef=0.001),
+    # allenai/OLMoE-1B-7B-0924 config.json (64 experts, top-8 not renormalised, full-width QK-norm)
+    "olmoe": dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                  num_attention_heads=16, max_position_embeddings=4096, norm_eps=1e-5, qk_norm="full",
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+                  mlp_type="moe", num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024,
+                  norm_topk_prob=False, router_aux_loss_coef=0.01),
+    # deepseek-ai/DeepSeek-V2-Lite config.json (MLA without the query bottleneck, first layer dense,
+    # 64 routed + 2 shared experts, greedy top-6 softmax, YaRN x40 with mscale_all_dim 0.707)
+    "deepseek_v2_lite": dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+        max_position_embeddings=163840, norm_eps=1e-6, attention_type="mla", q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleaved=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 0.707, "mscale_all_dim": 0.707},
+        tie_word_embeddings=False, mlp_type="moe", first_dense_layers=1, num_experts=64, num_experts_per_tok=6,
+        moe_intermediate_size=1408, n_shared_experts=2, norm_topk_prob=False, router_aux_loss_coef=0.0),
+    # deepseek-ai/DeepSeek-V3 config.json (first 3 layers dense, 256 routed + 1 shared experts, sigmoid
+    # scores with the correction bias, top-8 within the best 4 of 8 groups, scaled by 2.5; the
+    # multi-token-prediction layer is not part of the model)
+    "deepseek_v3": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
+        max_position_embeddings=163840, norm_eps=1e-6, attention_type="mla", q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleaved=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        tie_word_embeddings=False, mlp_type="moe", first_dense_layers=3, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=2048, n_shared_experts=1, router_type="sigmoid_topk", n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, router_aux_loss_coef=0.0),
 }
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128)
+# Tiny latent attention (every width a quarter of a 64-wide model's) and tiny experts: 8 of width 32, top-2,
+# grouped routing kept as 4 groups of 2 with the best 2 groups eligible.
+TINY_MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def _layer_types(num_layers: int, pattern: int | None, sliding_window: int | None) -> list[str] | None:
@@ -111,13 +157,22 @@ def _layer_types(num_layers: int, pattern: int | None, sliding_window: int | Non
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
 
 
+def _mlp_layer_types(num_layers: int, first_dense: int | None) -> list[str] | None:
+    """DeepSeek's `first_k_dense_replace`: the first layers dense, the rest sparse."""
+    if first_dense is None:
+        return None
+    return ["dense"] * first_dense + ["sparse"] * (num_layers - first_dense)
+
+
 def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderConfig:
     """The contract of preset `name`; `tiny=True` keeps every switch and shrinks the sizes
-    (2 layers, d=64, 4 heads keeping MHA / GQA / MQA, vocabulary 128)."""
+    (2 layers, d=64, 4 heads keeping MHA / GQA / MQA, vocabulary 128; MLA widths of a 64-wide model;
+    8 experts of width 32, top-2, one dense layer first where the preset has dense layers)."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
     fields = dict(PRESETS[name])
     pattern = fields.pop("sliding_window_pattern", None)
+    first_dense = fields.pop("first_dense_layers", None)
     if tiny:
         heads, kv = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
         fields.update(TINY, num_attention_heads=4, num_key_value_heads=4 if kv == heads else (1 if kv == 1 else 2))
@@ -130,7 +185,20 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["query_pre_attn_scalar"] = 16
         if pattern is not None:
             pattern = 2
+        if fields.get("attention_type") == "mla":
+            fields.update(TINY_MLA, q_lora_rank=None if fields["q_lora_rank"] is None else 48)
+            if fields["rope_parameters"].get("original_max_position_embeddings"):  # scaled range still reached
+                fields["rope_parameters"] = dict(fields["rope_parameters"], original_max_position_embeddings=32,
+                                                 factor=TINY["max_position_embeddings"] / 32)
+        if fields.get("mlp_type") == "moe":
+            fields.update(TINY_MOE)
+            if fields.get("n_group", 1) > 1:
+                fields.update(n_group=4, topk_group=2)
+        if first_dense:
+            first_dense = 1
     fields.update(overrides)
     if "layer_types" not in overrides:
         fields["layer_types"] = _layer_types(fields["num_hidden_layers"], pattern, fields.get("sliding_window"))
+    if "mlp_layer_types" not in overrides:
+        fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     return ModularDecoderConfig(**fields)

@@ -14,7 +14,8 @@ attention path, and the tensors actually serialized. The checks, in the seed's o
 1. ``shapes``: every serialized tensor has the shape a model built from the config has, and the
    parameter count (tied weights once) equals `contract.parameter_count` by component;
 2. ``causality``: perturbing future tokens leaves earlier logits unchanged, with left padding, with
-   packed documents (`position_ids` restarting, no mask) and, per sliding layer, outside the window;
+   packed documents (`position_ids` restarting, no mask) and, per sliding layer, outside the window
+   (routed experts run as per-token products here: see `batch_invariant_experts`);
 3. ``backends``: each attention backend that can run here and honour the config against eager;
 4. ``cached_decoding``: token-by-token decoding (dynamic and static cache) equals the full forward;
 5. ``cache_bytes``: `cache.payload_bytes()` equals `contract.cache_bytes` across batches and lengths;
@@ -25,6 +26,7 @@ attention path, and the tensors actually serialized. The checks, in the seed's o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -187,10 +189,13 @@ def check_shapes(ctx: _Context) -> str:
     for name, param in model.named_parameters():  # named_parameters yields a tied tensor once
         counted[_component(name)] = counted.get(_component(name), 0) + param.numel()
     total = model.num_parameters()
-    serialized = sum(_numel(shape) for shape in actual.values())
-    off = {k: (counted.get(k, 0), formula.get(k, 0)) for k in set(counted) | set(formula) - {"total"}
-           if counted.get(k, 0) != formula.get(k, 0)}
+    parameters = {name for name, _ in model.named_parameters()}  # buffers are not parameters
+    serialized = sum(_numel(shape) for name, shape in actual.items() if name in parameters)
+    components = set(counted) | (set(formula) - {"total", "active"})  # the sums, not components
+    off = {k: (counted.get(k, 0), formula.get(k, 0)) for k in components if counted.get(k, 0) != formula.get(k, 0)}
     measured = f"params {total:,} = contract {formula['total']:,}; serialized {serialized:,}"
+    if formula["active"] != formula["total"]:
+        measured += f"; active per token {formula['active']:,}"
     if off or total != formula["total"] or serialized != formula["total"]:
         parts = "; ".join(f"{k}: weights {w:,} vs contract {f:,}" for k, (w, f) in sorted(off.items()))
         raise CheckFailed(measured.replace(" = ", " vs "), parts or "serialized tensors disagree with the contract")
@@ -205,22 +210,52 @@ def _numel(shape) -> int:
 
 
 def _expected_shapes(config: ModularDecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of a model built from `config` alone (on the meta device: no memory)."""
+    """Serialized tensor shapes of a model built from `config` alone (on the meta device: no memory)."""
     with torch.device("meta"):
         reference = ModularDecoderForCausalLM(copy.deepcopy(config))
-    return {name: tuple(p.shape) for name, p in reference.named_parameters()}  # a tied head once
+    return _unique_state_shapes(reference)
 
 
 def _unique_state_shapes(model) -> dict[str, tuple[int, ...]]:
-    """What `save_pretrained` writes: each parameter once (a tied head is dropped)."""
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    """What `save_pretrained` writes: each parameter once (a tied head is dropped) and the persistent
+    buffers (a sigmoid router's correction bias)."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    saved = model.state_dict()
+    shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name in saved})
+    return shapes
 
 
 # ----------------------------------------------------------------------------------------------
 # 2. causality
 
 
+@contextlib.contextmanager
+def batch_invariant_experts(model):
+    """Run routed experts as one product per (token, expert) pair (transformers' "batched_mm") inside the block.
+
+    The grouped kernels ("eager", "grouped_mm") multiply all tokens routed to an expert in one matrix
+    product, whose per-row rounding depends on how many rows it has: changing *other* tokens moves a
+    token's output by about 1e-7 without any information passing between them. Exact checks
+    (causality, padding) need each token's arithmetic fixed, which per-pair products give. Models
+    without routed experts, or without transformers' kernels, are left as they are.
+    """
+    if not model.config.mlp_kind.routed or not model._can_set_experts_implementation():
+        yield
+        return
+    previous = model.config._experts_implementation
+    model.set_experts_implementation("batched_mm")
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(previous)
+
+
 def check_causality(ctx: _Context) -> str:
+    with batch_invariant_experts(ctx.model):
+        return _check_causality(ctx)
+
+
+def _check_causality(ctx: _Context) -> str:
     seq, config = ctx.seq_len, ctx.config
     ids = ctx.ids(2, seq)
     worst, moved = 0.0, float("inf")
