@@ -218,10 +218,32 @@ class Experts(nn.Module):
 
 
 _EXPERTS_KERNELS = experts_kernels()
+# The dtypes transformers' experts kernels take; another (a float64 model) runs this module's forward
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel_applies(module: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether transformers' kernel can take these tensors: its dtypes, and for `grouped_mm` widths
+    whose rows are multiples of 16 bytes (torch's grouped product refuses other strides)."""
+    if hidden_states.dtype not in KERNEL_DTYPES:
+        return False
+    if module.config._experts_implementation in (None, "grouped_mm"):
+        size = hidden_states.element_size()
+        return (module.hidden_dim * size) % 16 == 0 and (module.down_proj.shape[-1] * size) % 16 == 0
+    return True
+
 if _EXPERTS_KERNELS is not None:
     # transformers' kernels ("grouped_mm", "batched_mm", ...), `experts_implementation=` and its
     # expert-parallel dispatch work on this module; without the decorator its own forward is all there is
+    _own_forward = Experts.forward
     Experts = _EXPERTS_KERNELS(Experts)
+    _dispatching_forward = Experts.forward
+
+    def _forward(self, hidden_states, top_k_index, top_k_weights):
+        run = _dispatching_forward if _kernel_applies(self, hidden_states) else _own_forward
+        return run(self, hidden_states, top_k_index, top_k_weights)
+
+    Experts.forward = _forward
 
 
 def experts_kernels_available() -> bool:

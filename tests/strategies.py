@@ -41,7 +41,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # What the strategy knows how to draw for each registry; `test_strategies_cover_every_registry_entry`
 # fails when an entry is added to a registry and not here.
 ATTENTION_TYPES = ("standard", "mla")
-MLP_TYPES = ("dense", "gated")
+MLP_TYPES = ("dense", "gated", "moe")
 POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 REGISTRIES = {"attention_type": (ATTENTIONS, ATTENTION_TYPES), "mlp_type": (MLPS, MLP_TYPES),
@@ -145,7 +145,10 @@ def config_kwargs(draw) -> dict:
     # feed-forward
     kw["mlp_type"] = draw(st.sampled_from(MLP_TYPES))
     kw["hidden_act"] = draw(st.sampled_from(sorted(ACT2FN)))
-    kw["mlp_bias"] = draw(st.booleans())
+    if kw["mlp_type"] == "moe":
+        kw.update(draw(moe_fields(layers)))
+    else:
+        kw["mlp_bias"] = draw(st.booleans())
 
     # windows: none, all sliding, or a per-layer mix (a window with only full layers is allowed too)
     window = draw(st.none() | st.integers(2, MAX_SEQ))
@@ -216,6 +219,27 @@ def config_kwargs(draw) -> dict:
     kw["bos_token_id"] = draw(st.none() | st.integers(0, vocab - 1))
     kw["eos_token_id"] = draw(st.none() | st.integers(0, vocab - 1)
                               | st.lists(st.integers(0, vocab - 1), min_size=1, max_size=2))
+    return kw
+
+
+@st.composite
+def moe_fields(draw, layers: int) -> dict:
+    """The mixture-of-experts fields: experts, routing (softmax or DeepSeek-V3's sigmoid with groups),
+    shared experts (optionally Qwen2-MoE's gate) and which layers are sparse."""
+    experts = draw(st.sampled_from([2, 4, 6, 8]))
+    kw = dict(num_experts=experts, num_experts_per_tok=draw(st.integers(1, min(3, experts))),
+              moe_intermediate_size=draw(st.integers(1, 16)), norm_topk_prob=draw(st.booleans()))
+    kinds = draw(st.lists(st.sampled_from(["sparse", "dense"]), min_size=layers, max_size=layers))
+    kinds[draw(st.integers(0, layers - 1))] = "sparse"  # an MoE model has at least one sparse layer
+    kw["mlp_layer_types"] = kinds
+    if draw(st.booleans()):
+        kw["n_shared_experts"] = draw(st.integers(1, 2))
+        kw["shared_expert_gate"] = draw(st.booleans())
+    if draw(st.booleans()):  # sigmoid scores, a correction bias, group-limited top-k, a routed scale
+        groups = draw(st.sampled_from([g for g in (1, 2) if experts % g == 0 and experts // g >= 2]))
+        kw.update(router_type="sigmoid_topk", n_group=groups, topk_group=draw(st.integers(1, groups)),
+                  routed_scaling_factor=draw(st.floats(0.5, 3.0)))
+        kw["num_experts_per_tok"] = min(kw["num_experts_per_tok"], kw["topk_group"] * experts // groups)
     return kw
 
 

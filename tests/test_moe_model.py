@@ -360,3 +360,24 @@ def test_fullgraph_compiled_static_decode_with_the_default_experts_kernel():
                               compile_config=config)
     assert hasattr(model, "_compiled_call")
     assert torch.equal(compiled, expected)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(hidden_size=8, moe_intermediate_size=3)],
+                         ids=["float64", "widths-grouped_mm-refuses"])
+def test_experts_outside_the_kernels_reach_run_the_module_forward(overrides):
+    """transformers' grouped_mm takes fp32/bf16/fp16 with 16-byte rows only (its Mixtral fails on a
+    float64 model or odd widths); ours runs its own grouped forward there, with the same result as
+    the per-token products."""
+    config = preset_config("mixtral", tiny=True, **({"head_dim": 4} if overrides else {}), **overrides)
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(config).eval()
+    if not overrides:
+        model = model.double()
+    ids = torch.randint(0, config.vocab_size, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask).logits
+        model.set_experts_implementation("batched_mm")
+        reference = model(ids, attention_mask=mask).logits
+    assert torch.isfinite(out[mask.bool()]).all()
+    torch.testing.assert_close(out[mask.bool()], reference[mask.bool()])
