@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
-from .backends import attend
+from .backends import AttentionLayer, attend
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kinds import AttentionKind
@@ -43,23 +43,15 @@ class QKNorm(nn.Module):
         return self.q_norm(q), self.k_norm(k)
 
 
-class StandardAttention(nn.Module):
+class StandardAttention(AttentionLayer):
     """q/k/v/o projections, optional QK-norm, RoPE or ALiBi, a cache, and a pluggable score backend."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.layer_type = config.layer_types[layer_idx]
+        super().__init__(config, layer_idx, scaling=(config.query_pre_attn_scalar or config.head_dim) ** -0.5)
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        self.scaling = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
-        self.softcap = config.attn_logit_softcapping
-        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
-        self.is_causal = True
-        self.interleaved = config.rope_interleaved
         d, hd = config.hidden_size, config.head_dim
         self.q_proj = nn.Linear(d, self.num_heads * hd, bias=config.attention_bias)
         self.k_proj = nn.Linear(d, self.num_key_value_heads * hd, bias=config.attention_bias)

@@ -242,8 +242,24 @@ def explicit_mask(
     return keep
 
 
+class AttentionLayer(nn.Module):
+    """What every attention kind's module carries for `attend` and the backends: its config and
+    layer, the score scale, soft-cap and window of its layer type, causality and the RoPE pair layout."""
+
+    def __init__(self, config, layer_idx: int, scaling: float):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.scaling = scaling
+        self.softcap = config.attn_logit_softcapping
+        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        self.is_causal = True
+        self.interleaved = config.rope_interleaved
+
+
 def attend(
-    module: nn.Module,
+    module: AttentionLayer,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .attention import linear_parameters
-from .backends import attend, attention_probs, explicit_mask
+from .backends import AttentionLayer, attend, attention_probs, explicit_mask
 from .kinds import AttentionKind, require_int
 from .latent_cache import latent_layer
 from .layout import project
@@ -59,24 +59,16 @@ def mla_softmax_scale(config, layer_type: str = "full_attention") -> float:
     return scale
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(AttentionLayer):
     """MLA with a latent cache; `decode_mode` (one of `DECODE_MODES`) picks absorbed or expanded scores."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.layer_type = config.layer_types[layer_idx]
+        super().__init__(config, layer_idx, scaling=mla_softmax_scale(config, config.layer_types[layer_idx]))
         self.num_heads = config.num_attention_heads
         self.num_key_value_groups = 1  # keys are expanded per head on the expanded path
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.latent_dim = config.v_head_dim, config.kv_lora_rank
         self.qk_dim = self.nope_dim + self.rope_dim
-        self.scaling = mla_softmax_scale(config, self.layer_type)
-        self.softcap = config.attn_logit_softcapping
-        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
-        self.is_causal = True
-        self.interleaved = config.rope_interleaved
         self.decode_mode = "auto"
         d, h, bias = config.hidden_size, self.num_heads, config.attention_bias
         if config.q_lora_rank is None:

@@ -9,7 +9,7 @@ from torch import nn
 
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count
 from modular_decoder.attention import STANDARD_ATTENTION, linear_parameters
-from modular_decoder.backends import attend, missing_features
+from modular_decoder.backends import AttentionLayer, attend, missing_features
 from modular_decoder.kinds import AttentionKind
 from modular_decoder.positions import apply_rotary
 from modular_decoder.registries import ATTENTIONS, MLPS, register_attention
@@ -18,14 +18,12 @@ BASE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_laye
             max_position_embeddings=64)
 
 
-class TiedQKAttention(nn.Module):
+class TiedQKAttention(AttentionLayer):
     """A toy kind: queries and keys share one projection (one K/V head per query head)."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.config, self.layer_idx = config, layer_idx
-        self.head_dim, self.scaling, self.softcap, self.is_causal = config.head_dim, config.head_dim**-0.5, None, True
-        self.sliding_window = None
+        super().__init__(config, layer_idx, scaling=config.head_dim**-0.5)
+        self.head_dim = config.head_dim
         width = config.num_attention_heads * config.head_dim
         self.qk_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, width, bias=False)
