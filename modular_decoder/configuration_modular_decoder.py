@@ -129,8 +129,10 @@ class ModularDecoderConfig(PretrainedConfig):
             scores its best expert under softmax, the sum of its two best under sigmoid). Defaults to
             `n_group`.
         routed_scaling_factor (`float`): Multiplies the routing weights (DeepSeek).
-        router_aux_loss_coef (`float`): Weight of the load-balancing loss (Switch Transformer; the value
-            transformers' MoE families compute) added to the LM loss when router logits are returned.
+        router_aux_loss_coef (`float`, *optional*): Weight of the load-balancing loss (Switch Transformer; the
+            value transformers' MoE families compute) added to the LM loss when router logits are returned.
+            Defaults to 0.001 (transformers' Mixtral default); without experts it is 0.0 (no router, no loss),
+            which is how trainers that weight it themselves (TRL) tell a model without one.
         router_z_loss_coef (`float`): Weight of the router z-loss (ST-MoE: mean squared logsumexp of the
             router logits) added likewise; 0 disables it.
         output_router_logits (`bool`): Return every sparse layer's router logits (and add the router losses
@@ -220,7 +222,7 @@ class ModularDecoderConfig(PretrainedConfig):
     n_group: int = 1
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
-    router_aux_loss_coef: float = 0.001
+    router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
     output_router_logits: bool = False
     # positions
@@ -285,9 +287,7 @@ class ModularDecoderConfig(PretrainedConfig):
         else:
             raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
         for registry in (ATTENTIONS, MLPS):  # each chosen kind fills its own derived defaults
-            value = getattr(self, registry.field)
-            if isinstance(value, str) and value in registry:
-                registry[value].complete(self)
+            registry.complete(self)
         super().__post_init__(**kwargs)
         self.validate_contract()
 
