@@ -7,13 +7,17 @@ never a shape error deep inside ``forward``.
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from .compat import check_transformers_version
 
-from .blocks import validate_block
-from .kinds import require_bool, require_choice, require_int, require_number
-from .norms import NORMS
-from .positions import require_rope_dicts, transformers_rope_check
-from .registries import ATTENTIONS, MLPS, POSITIONS
+check_transformers_version()  # before anything below can fail on an older transformers with a less clear error
+
+from transformers import PretrainedConfig  # noqa: E402
+
+from .blocks import validate_block  # noqa: E402
+from .kinds import require_bool, require_choice, require_int, require_number  # noqa: E402
+from .norms import NORMS  # noqa: E402
+from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
+from .registries import ATTENTIONS, MLPS, POSITIONS  # noqa: E402
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The smallest window the sliding cache layers keep correctly: they hold the last `window - 1`
