@@ -7,6 +7,8 @@ never a shape error deep inside ``forward``.
 
 from __future__ import annotations
 
+import sys
+
 from .compat import check_transformers_version
 
 check_transformers_version()  # before anything below can fail on an older transformers with a less clear error
@@ -74,6 +76,27 @@ FIELD_RULES = {
     "bos_token_id": _token_ids,
     "eos_token_id": _token_ids,
 }
+
+
+# `LoraConfig()` without `target_modules`: PEFT takes its defaults from its own table keyed by `model_type`
+# (Llama: q_proj, v_proj), which has no entry for this family. These are Llama's for standard attention;
+# with MLA, the query projection (`q_proj`, or `q_b_proj` after the query bottleneck) and `kv_b_proj`, which
+# makes the per-head keys and values from the latent. PEFT needs only some of the names to exist.
+PEFT_LORA_TARGET_MODULES = ["q_proj", "v_proj", "q_b_proj", "kv_b_proj"]
+
+
+def register_peft_defaults() -> bool:
+    """Add this family's LoRA default targets to PEFT's table, if PEFT is imported (never imports it).
+
+    `ModularDecoderConfig.to_dict` calls it: PEFT reads `model.config.to_dict()` right before it looks the
+    defaults up, so the entry is there whichever of PEFT and the model was loaded first, at no import cost.
+    """
+    constants = sys.modules.get("peft.utils.constants")
+    table = getattr(constants, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", None)
+    if not isinstance(table, dict):
+        return False
+    table.setdefault(ModularDecoderConfig.model_type, list(PEFT_LORA_TARGET_MODULES))
+    return True
 
 
 class ModularDecoderConfig(PretrainedConfig):
@@ -312,6 +335,10 @@ class ModularDecoderConfig(PretrainedConfig):
         if self.uses_rope:
             transformers_rope_check(self)
 
+    def to_dict(self) -> dict:
+        register_peft_defaults()  # see there: PEFT reads this dict to pick `LoraConfig()`'s targets
+        return super().to_dict()
+
     def validate(self) -> None:
         """The class validators transformers runs when saving, looked up on this class, so that the
         `validate_rope` above replaces the mixin's (which reads an MLA config's unused `head_dim`)."""
@@ -418,4 +445,4 @@ class ModularDecoderConfig(PretrainedConfig):
             raise ValueError("`layer_types` has sliding layers but `sliding_window` is None.")
 
 
-__all__ = ["ModularDecoderConfig"]
+__all__ = ["ModularDecoderConfig", "PEFT_LORA_TARGET_MODULES", "register_peft_defaults"]
