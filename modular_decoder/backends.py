@@ -73,6 +73,8 @@ def canonical_backend(name: str) -> str:
     """The declared backend behind `name`: drops `paged|`, and maps the Hub kernels transformers
     falls back to when flash-attn is not installed to the flash version they stand in for."""
     name = name.removeprefix("paged|")
+    if name in BACKEND_FEATURES:  # a declared backend: no lookup (forward calls this; export traces it)
+        return name
     # ROCm maps FA2 and FA3 to one kernel: the later (FA3, fewer features) wins, the safe reading.
     by_kernel = {repo: impl for impl, repo in flash_kernel_fallbacks().items()}
     return by_kernel.get(name, name)

@@ -1,4 +1,5 @@
-"""The transformers internals this family uses beyond its public model API, in one place.
+"""The transformers internals this family uses beyond its public model API, in one place, and the oldest
+transformers version the shipped code runs on.
 
 Most are private helpers of transformers' flash- and flex-attention paths, which only the ALiBi
 functions of `backends.py` need, so they are looked up when such a backend runs, never at module
@@ -11,6 +12,29 @@ from __future__ import annotations
 
 import importlib
 from types import SimpleNamespace
+
+# The oldest transformers this code runs on (pyproject.toml's `transformers>=` agrees: a test compares
+# them). 5.24 renamed `create_causal_mask(past_key_values=)` to `cache=` and the output field
+# `past_key_values` to `cache`; 5.21 added `slice_logits_to_keep`; older releases fail at import or
+# at the first forward.
+MIN_TRANSFORMERS = "5.24.0"
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Raise `ImportError` naming the required version when the installed transformers (or `version`) is
+    older than `MIN_TRANSFORMERS`. The config module calls it first, so a saved folder loaded with
+    `trust_remote_code=True` on an older transformers fails with this one message."""
+    from packaging.version import Version  # a dependency of transformers itself
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise ImportError(
+            f"modular_decoder needs transformers>={MIN_TRANSFORMERS}; this environment has transformers "
+            f"{version}. Upgrade it: pip install 'transformers>={MIN_TRANSFORMERS},<6'."
+        )
 
 # backend -> {module: the private names taken from it}
 _INTERNALS = {

@@ -7,13 +7,19 @@ never a shape error deep inside ``forward``.
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+import sys
 
-from .blocks import validate_block
-from .kinds import require_bool, require_choice, require_int, require_number
-from .norms import NORMS
-from .positions import require_rope_dicts, transformers_rope_check
-from .registries import ATTENTIONS, MLPS, POSITIONS
+from .compat import check_transformers_version
+
+check_transformers_version()  # before anything below can fail on an older transformers with a less clear error
+
+from transformers import PretrainedConfig  # noqa: E402
+
+from .blocks import validate_block  # noqa: E402
+from .kinds import require_bool, require_choice, require_int, require_number  # noqa: E402
+from .norms import NORMS  # noqa: E402
+from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
+from .registries import ATTENTIONS, MLPS, POSITIONS  # noqa: E402
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The smallest window the sliding cache layers keep correctly: they hold the last `window - 1`
@@ -70,6 +76,27 @@ FIELD_RULES = {
     "bos_token_id": _token_ids,
     "eos_token_id": _token_ids,
 }
+
+
+# `LoraConfig()` without `target_modules`: PEFT takes its defaults from its own table keyed by `model_type`
+# (Llama: q_proj, v_proj), which has no entry for this family. These are Llama's for standard attention;
+# with MLA, the query projection (`q_proj`, or `q_b_proj` after the query bottleneck) and `kv_b_proj`, which
+# makes the per-head keys and values from the latent. PEFT needs only some of the names to exist.
+PEFT_LORA_TARGET_MODULES = ["q_proj", "v_proj", "q_b_proj", "kv_b_proj"]
+
+
+def register_peft_defaults() -> bool:
+    """Add this family's LoRA default targets to PEFT's table, if PEFT is imported (never imports it).
+
+    `ModularDecoderConfig.to_dict` calls it: PEFT reads `model.config.to_dict()` right before it looks the
+    defaults up, so the entry is there whichever of PEFT and the model was loaded first, at no import cost.
+    """
+    constants = sys.modules.get("peft.utils.constants")
+    table = getattr(constants, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", None)
+    if not isinstance(table, dict):
+        return False
+    table.setdefault(ModularDecoderConfig.model_type, list(PEFT_LORA_TARGET_MODULES))
+    return True
 
 
 class ModularDecoderConfig(PretrainedConfig):
@@ -129,8 +156,10 @@ class ModularDecoderConfig(PretrainedConfig):
             scores its best expert under softmax, the sum of its two best under sigmoid). Defaults to
             `n_group`.
         routed_scaling_factor (`float`): Multiplies the routing weights (DeepSeek).
-        router_aux_loss_coef (`float`): Weight of the load-balancing loss (Switch Transformer; the value
-            transformers' MoE families compute) added to the LM loss when router logits are returned.
+        router_aux_loss_coef (`float`, *optional*): Weight of the load-balancing loss (Switch Transformer; the
+            value transformers' MoE families compute) added to the LM loss when router logits are returned.
+            Defaults to 0.001 (transformers' Mixtral default); without experts it is 0.0 (no router, no loss),
+            which is how trainers that weight it themselves (TRL) tell a model without one.
         router_z_loss_coef (`float`): Weight of the router z-loss (ST-MoE: mean squared logsumexp of the
             router logits) added likewise; 0 disables it.
         output_router_logits (`bool`): Return every sparse layer's router logits (and add the router losses
@@ -220,7 +249,7 @@ class ModularDecoderConfig(PretrainedConfig):
     n_group: int = 1
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
-    router_aux_loss_coef: float = 0.001
+    router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
     output_router_logits: bool = False
     # positions
@@ -285,9 +314,7 @@ class ModularDecoderConfig(PretrainedConfig):
         else:
             raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
         for registry in (ATTENTIONS, MLPS):  # each chosen kind fills its own derived defaults
-            value = getattr(self, registry.field)
-            if isinstance(value, str) and value in registry:
-                registry[value].complete(self)
+            registry.complete(self)
         super().__post_init__(**kwargs)
         self.validate_contract()
 
@@ -307,6 +334,10 @@ class ModularDecoderConfig(PretrainedConfig):
         (`positions.transformers_rope_check`); `save_pretrained` runs it through `validate()`."""
         if self.uses_rope:
             transformers_rope_check(self)
+
+    def to_dict(self) -> dict:
+        register_peft_defaults()  # see there: PEFT reads this dict to pick `LoraConfig()`'s targets
+        return super().to_dict()
 
     def validate(self) -> None:
         """The class validators transformers runs when saving, looked up on this class, so that the
@@ -414,4 +445,4 @@ class ModularDecoderConfig(PretrainedConfig):
             raise ValueError("`layer_types` has sliding layers but `sliding_window` is None.")
 
 
-__all__ = ["ModularDecoderConfig"]
+__all__ = ["ModularDecoderConfig", "PEFT_LORA_TARGET_MODULES", "register_peft_defaults"]

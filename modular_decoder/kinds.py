@@ -50,21 +50,44 @@ class Registry(dict, Generic[Entry]):
         require_choice(self.field, value, self)
         return self[value]
 
-    def check(self, config) -> None:
-        chosen = self.of(config)
+    def complete(self, config) -> None:
+        """Fill derived defaults: the chosen entry's own (`Kind.complete`), and the value each other entry's
+        fields take when that entry is not chosen (`Kind.unused_values`) where they were left unset."""
+        value = getattr(config, self.field)
+        if not (isinstance(value, str) and value in self):
+            return  # `check` names the bad value
+        chosen = self[value]
+        chosen.complete(config)
+        for name, unused in self._unused_values(chosen).items():
+            if unused is not _DEFAULT and getattr(config, name) == field_default(config, name):
+                setattr(config, name, unused)
+
+    def _unused_values(self, chosen) -> dict[str, Any]:
+        """Field -> the one value it may hold under `chosen`, for the fields only other entries read."""
+        values = {}
         for entry in self.values():
             if entry is chosen:
                 continue
             for name in getattr(entry, "fields", ()):
-                if name in getattr(chosen, "fields", ()):
-                    continue
-                value, default = getattr(config, name), field_default(config, name)
-                if value != default:
-                    raise ValueError(
-                        f"`{name}`={value!r} only applies to `{self.field}={entry.name!r}`; with "
-                        f"`{self.field}={chosen.name!r}` leave it at {default!r}."
-                    )
+                if name not in getattr(chosen, "fields", ()):
+                    values[name] = getattr(entry, "unused_values", {}).get(name, _DEFAULT)
+        return values
+
+    def check(self, config) -> None:
+        chosen = self.of(config)
+        for name, unused in self._unused_values(chosen).items():
+            expected = field_default(config, name) if unused is _DEFAULT else unused
+            value = getattr(config, name)
+            if value != expected:
+                owner = next(e.name for e in self.values() if e is not chosen and name in getattr(e, "fields", ()))
+                raise ValueError(
+                    f"`{name}`={value!r} only applies to `{self.field}={owner!r}`; with "
+                    f"`{self.field}={chosen.name!r}` leave it at {expected!r}."
+                )
         chosen.validate(config)
+
+
+_DEFAULT = object()  # "the field's dataclass default"
 
 
 class Kind:
@@ -72,6 +95,9 @@ class Kind:
 
     name: str = ""
     fields: tuple[str, ...] = ()
+    # The value some of `fields` hold when another kind is chosen, where it is not their default (a field
+    # whose default means "this kind picks it" can still read as "off" to code outside the model).
+    unused_values: dict[str, Any] = {}
 
     def complete(self, config) -> None:
         """Fill the defaults of this kind's own fields that derive from other fields (before validation)."""

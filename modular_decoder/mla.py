@@ -89,7 +89,8 @@ class MultiHeadLatentAttention(AttentionLayer):
             q = project(self.q_proj, hidden_states)
         else:
             q = project(self.q_b_proj, self.q_a_layernorm(project(self.q_a_proj, hidden_states)))
-        return q.unflatten(-1, (self.num_heads, self.qk_dim)).transpose(1, 2)
+        # -1: the heads this rank holds (all of them, or its share under tensor parallelism)
+        return q.unflatten(-1, (-1, self.qk_dim)).transpose(1, 2)
 
     def forward(
         self,
@@ -126,9 +127,9 @@ class MultiHeadLatentAttention(AttentionLayer):
 
     def expanded_attention(self, q_nope, q_rot, latents, k_rot, attention_mask, **kwargs):
         """Per-head keys and values for every cached token, then the configured attention backend."""
-        kv = self.kv_b_proj(latents[:, 0]).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, H, S, d_n+d_v)
-        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        keys = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)  # (B, H, S, d_qk)
+        kv = self.kv_b_proj(latents[:, 0]).unflatten(-1, (-1, self.nope_dim + self.v_dim)).transpose(1, 2)
+        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, H, S, d_n), (B, H, S, d_v)
+        keys = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # (B, H, S, d_qk)
         queries = torch.cat((q_nope, q_rot), dim=-1)  # (B, H, T, d_qk)
         return attend(self, queries, keys, values, attention_mask, **kwargs)
 
@@ -142,7 +143,10 @@ class MultiHeadLatentAttention(AttentionLayer):
         """
         batch, heads, q_len, _ = q_nope.shape
         kv_len = latents.shape[-2]
-        w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, self.latent_dim).split([self.nope_dim, self.v_dim], dim=1)
+        weight = self.kv_b_proj.weight
+        if hasattr(weight, "to_local"):  # tensor parallel: this rank's rows of W_UK / W_UV, its heads' rows
+            weight = weight.to_local()
+        w_uk, w_uv = weight.view(heads, -1, self.latent_dim).split([self.nope_dim, self.v_dim], dim=1)
         q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, d_c)
         # Heads and query positions share one row axis, so each score is a plain (B, H·T, S) matmul
         # against the un-expanded cache (broadcasting a 1-head cache over H would copy it H times).

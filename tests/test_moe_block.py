@@ -443,6 +443,17 @@ def test_defaults_are_resolved_into_the_config():
                                 ).mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
 
 
+def test_router_loss_coefficient_is_zero_without_experts(tmp_path):
+    """transformers' Mixtral default with experts; 0.0 (no router, no loss) under another kind, which is how TRL's
+    trainers tell a model without router logits (a non-zero one beside `output_router_logits` enables theirs)."""
+    assert ModularDecoderConfig(**MOE_BASE).router_aux_loss_coef == 0.001
+    assert ModularDecoderConfig(**{**MOE_BASE, "router_aux_loss_coef": 0.0}).router_aux_loss_coef == 0.0
+    dense = ModularDecoderConfig(hidden_size=D, num_hidden_layers=2, num_attention_heads=2, mlp_type="gated")
+    assert dense.router_aux_loss_coef == 0.0 and not dense.output_router_logits
+    dense.save_pretrained(tmp_path)
+    assert ModularDecoderConfig.from_pretrained(tmp_path).router_aux_loss_coef == 0.0
+
+
 def test_saved_config_passes_transformers_layer_type_validation(tmp_path):
     """transformers checks `mlp_layer_types` against its own allowed values when a config is saved."""
     from transformers.configuration_utils import ALLOWED_MLP_LAYER_TYPES

@@ -1,7 +1,7 @@
 """The mixture-of-experts kind through the whole model: parameter counts against the families' own
 classes, router logits and router losses against transformers' MoE families, every block placement
 and both attention kinds with cached decoding, generate strategies, half-precision routers,
-experts kernels, and parallelism plans that name real modules on every preset."""
+experts kernels, and parallelism plans that name real modules on every preset and every variant."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from conversion_cases import CASES, MOE_CASES
 from decoding import greedy_no_cache, prompt, tiny_model
+from variants import CHOICES, build, variant_id
 from transformers import AutoModelForCausalLM
 
 from modular_decoder import PRESETS, ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count, preset_config
@@ -324,9 +325,19 @@ def _matches(key: str, names: set[str]) -> bool:
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_plan_key_names_a_module_of_the_model(name):
+    _check_plans(preset_config(name, tiny=True))
+
+
+@pytest.mark.parametrize("choice", CHOICES, ids=variant_id)
+def test_every_plan_key_names_a_module_of_every_variant(choice):
+    """The variant matrix: every value of every axis (dense MLPs without a gate, post-norm without a final norm,
+    full QK-norm, MLA with and without a query bottleneck, experts with shared experts and gates, ...)."""
+    _check_plans(build(choice))
+
+
+def _check_plans(config):
     from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
 
-    config = preset_config(name, tiny=True)
     with torch.device("meta"):
         model = ModularDecoderForCausalLM(config)
     names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
