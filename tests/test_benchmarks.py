@@ -126,3 +126,12 @@ def test_quick_pairs_agree(tmp_path, name):
     ids = torch.randint(0, reference.config.get_text_config().vocab_size, (2, 12))
     with torch.inference_mode():
         torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_readme_has_the_bench_table_markers():
+    """`python -m benchmarks.run --readme README.md` rewrites the table between these."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = readme.index(run.TABLE_START), readme.index(run.TABLE_END)
+    assert readme.index("<!-- bench:start -->") < start < end < readme.index("<!-- bench:end -->")
