@@ -26,7 +26,7 @@ Beyond speed (issue 13, item 7), each on by default unless said otherwise:
 Mixture-of-experts families: ours runs the experts implementation (`experts_implementation`: "eager",
 this package's grouped forward, or transformers' "grouped_mm" / "batched_mm") that a short calibration
 finds fastest, separately for prefill and decode (`--experts-implementation NAME` fixes one); the
-training steps use the prefill choice. transformers' model keeps its default unless
+training steps use the prefill choice; "batched_mm" is tried for decode only (`choose_experts`). transformers' model keeps its default unless
 `--reference-experts-implementation` says otherwise. The table names what each side used.
 `--quick` runs tiny shapes with short sequences: a smoke test, not a measurement.
 """
@@ -81,6 +81,7 @@ MEMORY_ROWS = {
     "max_batch": ("max decode batch, {C} tok in {M:g} MB (measured)", True),
 }
 EXPERTS_CANDIDATES = ("eager", "grouped_mm", "batched_mm")
+PREFILL_EXPERTS = ("eager", "grouped_mm")  # batched_mm: decode only (see choose_experts)
 
 
 def _select_variant(ours, name: str, phase: str = "decode", experts: dict | None = None) -> None:
@@ -91,21 +92,28 @@ def _select_variant(ours, name: str, phase: str = "decode", experts: dict | None
 
 def choose_experts(model, long: torch.Tensor, short: torch.Tensor, args) -> dict:
     """The fastest experts implementation of `model` for prefill (1xP, no cache) and for batch-1 decode,
-    each candidate timed over `args.calibration_rounds` interleaved rounds (median)."""
+    each candidate timed over `args.calibration_rounds` interleaved rounds (median). `batched_mm` is a
+    decode candidate only: it gathers every token's experts' weights (a copy per token), which took
+    minutes per 512-token forward of the Mixtral layout."""
     if args.experts_implementation != "auto":
         return {"prefill": args.experts_implementation, "decode": args.experts_implementation,
                 "train": args.experts_implementation, "calibration": None}
-    timings = {c: {"prefill_1": [], "decode_1": []} for c in EXPERTS_CANDIDATES}
+    candidates = {"prefill_1": PREFILL_EXPERTS, "decode_1": EXPERTS_CANDIDATES}
+    timings = {key: {c: [] for c in names} for key, names in candidates.items()}
     with torch.inference_mode():
+        for candidate in EXPERTS_CANDIDATES:  # warm-up: first-call allocations and lazy inits of each
+            model.set_experts_implementation(candidate)
+            prefill(model, long[:1, :32])
+            decode(model, short[:1], 2)
         for _ in range(args.calibration_rounds):
             for candidate in EXPERTS_CANDIDATES:
                 model.set_experts_implementation(candidate)
-                timings[candidate]["prefill_1"].append(prefill(model, long[:1])["tokens_per_s"])
-                timings[candidate]["decode_1"].append(
-                    decode(model, short[:1], args.calibration_tokens)["tokens_per_s"])
-    medians = {c: {k: statistics.median(v) for k, v in t.items()} for c, t in timings.items()}
-    best = {phase: max(EXPERTS_CANDIDATES, key=lambda c: medians[c][key])
-            for phase, key in (("prefill", "prefill_1"), ("decode", "decode_1"))}
+                if candidate in PREFILL_EXPERTS:
+                    timings["prefill_1"][candidate].append(prefill(model, long[:1])["tokens_per_s"])
+                timings["decode_1"][candidate].append(decode(model, short[:1], args.calibration_tokens)["tokens_per_s"])
+    medians = {key: {c: statistics.median(v) for c, v in per.items()} for key, per in timings.items()}
+    best = {phase: max(medians[key], key=medians[key].get) for phase, key in (("prefill", "prefill_1"),
+                                                                             ("decode", "decode_1"))}
     return {**best, "train": best["prefill"], "calibration": medians}
 
 
@@ -382,6 +390,7 @@ def main(argv=None) -> int:
     for family in args.families:
         start = time.perf_counter()
         entry = {}
+        phases, clock = {}, time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             reference, ours, label = build_pair(family, Path(tmp), args.quick)
             moe = family in MOE_FAMILIES
@@ -401,23 +410,30 @@ def main(argv=None) -> int:
                 entry["experts_implementation"] = {"transformers": reference_experts, "ours": experts}
                 print(f"{family}: experts_implementation transformers {reference_experts}, ours prefill "
                       f"{experts['prefill']}, decode {experts['decode']}", flush=True)
+            phases["build_and_calibrate"], clock = time.perf_counter() - clock, time.perf_counter()
             values = measure_family(reference, ours, args, experts)
+            phases["speed"], clock = time.perf_counter() - clock, time.perf_counter()
             if not args.no_train:
                 train_values, entry["training"] = measure_training(reference, ours, family, args, experts)
                 values.update(train_values)
+                phases["training"], clock = time.perf_counter() - clock, time.perf_counter()
             del reference, ours
             gc.collect()
             if not args.no_memory:
                 entry["memory"] = measure_memory(Path(tmp), args, experts, reference_experts)
                 values.update(memory_values(entry["memory"]))
+                phases["memory"] = time.perf_counter() - clock
             metrics = summarise(values)
+            entry["phase_seconds"] = phases
         results["families"][family] = {
             "label": label, "attn_implementation": backends, "params_m": counts["total"] / 1e6,
             "active_params_m": counts["active"] / 1e6, "moe": moe, "weights_mb": weight_bytes / 1e6,
             "step_mb": step_bytes / 1e6, "roofline_b1_tok_s": bandwidth / step_bytes, "metrics": metrics, **entry,
             "seconds": time.perf_counter() - start, "load_average": os.getloadavg(),
         }
-        print(f"{family}: {time.perf_counter() - start:.0f} s, load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"{family}: {time.perf_counter() - start:.0f} s ("
+              + ", ".join(f"{k} {v:.0f} s" for k, v in entry["phase_seconds"].items())
+              + f"), load average {os.getloadavg()[0]:.2f}", flush=True)
     results["load_average_end"] = os.getloadavg()
     text = table(results, args)
     print(text)

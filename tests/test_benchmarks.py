@@ -31,8 +31,12 @@ def test_suite_quick_writes_table_and_json(tmp_path, capsys):
             assert family["active_params_m"] < family["params_m"]
             used = family["experts_implementation"]
             assert used["transformers"] in run.EXPERTS_CANDIDATES
-            assert {used["ours"][phase] for phase in ("prefill", "decode", "train")} <= set(run.EXPERTS_CANDIDATES)
-            assert set(used["ours"]["calibration"]) == set(run.EXPERTS_CANDIDATES)
+            assert used["ours"]["decode"] in run.EXPERTS_CANDIDATES
+            assert used["ours"]["prefill"] == used["ours"]["train"] in run.PREFILL_EXPERTS
+            calibration = used["ours"]["calibration"]
+            assert set(calibration["decode_1"]) == set(run.EXPERTS_CANDIDATES)
+            assert set(calibration["prefill_1"]) == set(run.PREFILL_EXPERTS)
+            assert calibration["decode_1"][used["ours"]["decode"]] == max(calibration["decode_1"].values())
         else:
             assert family["step_mb"] == family["weights_mb"] and "experts_implementation" not in family
     table = capsys.readouterr().out
