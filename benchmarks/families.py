@@ -4,6 +4,11 @@ Each entry builds the reference with transformers (random weights at a small-but
 the real SmolLM2 checkpoint for `llama`), converts it with `modular_decoder.conversion.convert`
 (the production path) and loads the result with `AutoModelForCausalLM`. `quick=True` gives tiny
 shapes for a smoke test.
+
+`mixtral` and `deepseek_moe` are mixture-of-experts layouts (random weights) small enough for a 24 GB,
+2-core machine: Mixtral's (8 experts, top-2, softmax router, GQA) and DeepSeek-V3's (latent attention,
+a dense first layer, 64 routed experts top-6 chosen within 4 of 8 groups by a sigmoid router with a
+correction bias and a routed scaling factor, one shared expert).
 """
 
 from __future__ import annotations
@@ -67,28 +72,77 @@ def _deepseek_v3_config(quick: bool):
                                first_k_dense_replace=layers, n_routed_experts=0, rms_norm_eps=1e-6)
 
 
+def _mixtral_config(quick: bool):
+    if quick:
+        return tf.MixtralConfig(**TINY, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    # Mixtral-8x7B's structure (8 experts of width 3.5d, top-2, GQA 4:1) at d=512 x 6
+    return tf.MixtralConfig(vocab_size=32000, hidden_size=512, intermediate_size=1792, num_hidden_layers=6,
+                            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                            num_local_experts=8, num_experts_per_tok=2, rope_parameters={"rope_type": "default",
+                                                                                         "rope_theta": 1e6})
+
+
+def _deepseek_moe_config(quick: bool):
+    # DeepSeek-V3's MoE layout: MLA, first layer dense, then routed experts chosen by a sigmoid router
+    # (correction bias, group-limited top-k, routed scaling factor) plus one shared expert.
+    if quick:
+        sizes = dict(**TINY, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1)
+    else:
+        sizes = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                     num_attention_heads=8, max_position_embeddings=4096, q_lora_rank=256, kv_lora_rank=128,
+                     qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=64,
+                     num_experts_per_tok=6, moe_intermediate_size=256, n_group=8, topk_group=4)
+    config = tf.DeepseekV3Config(**sizes, num_key_value_heads=sizes["num_attention_heads"], first_k_dense_replace=1,
+                                 n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                 rms_norm_eps=1e-6)
+    return config
+
+
 CONFIGS: dict[str, Callable] = {
     "llama": _llama_config,
     "gpt2": _gpt2_config,
     "gpt_neox": _gpt_neox_config,
     "gemma2": _gemma2_config,
     "deepseek_v3": _deepseek_v3_config,
+    "mixtral": _mixtral_config,
+    "deepseek_moe": _deepseek_moe_config,
 }
+# The families with routed experts (their roofline counts the active weights only)
+MOE_FAMILIES = ("mixtral", "deepseek_moe")
 LABELS = {
     "llama": "SmolLM2-135M (real, GGUF Q4_1 -> fp32)",
     "gpt2": "distilgpt2 shape (random)",
     "gpt_neox": "pythia-70m shape (random)",
     "gemma2": "Gemma 2 structure, d=512 x 6 (random)",
     "deepseek_v3": "DeepSeek-V3 MLA dense, d=512 x 6 (random)",
+    "mixtral": "Mixtral structure, d=512 x 6, 8 experts top-2 (random)",
+    "deepseek_moe": "DeepSeek-V3 MoE structure, MLA, d=512 x 6, 64 experts top-6 + 1 shared (random)",
+}
+# LoRA target modules (transformers' names, ours) covering the same linear maps on both sides: q and v
+# where both have them; the attention output and FFN down projections where transformers fuses QKV
+# (GPT-2's c_attn, GPT-NeoX's query_key_value); the query and key/value up-projections for MLA.
+LORA_TARGETS = {
+    "llama": (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
+    "gpt2": (["c_proj"], ["o_proj", "down_proj"]),  # attn.c_proj and mlp.c_proj (Conv1D)
+    "gpt_neox": (["dense", "dense_4h_to_h"], ["o_proj", "down_proj"]),
+    "gemma2": (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
+    "deepseek_v3": (["q_b_proj", "kv_b_proj"], ["q_b_proj", "kv_b_proj"]),
+    "mixtral": (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
+    "deepseek_moe": (["q_b_proj", "kv_b_proj"], ["q_b_proj", "kv_b_proj"]),
 }
 
 
 def build_pair(name: str, folder: Path, quick: bool) -> tuple[torch.nn.Module, torch.nn.Module, str]:
-    """(transformers' model, ours, label), both fp32 in eval mode, same weights."""
+    """(transformers' model, ours, label), both fp32 in eval mode, same weights.
+
+    `folder/"hf"` and `folder/"ours"` hold the two checkpoints (fp32 safetensors) afterwards, for the
+    memory probes that load each in a fresh process."""
     folder = Path(folder)
     if name == "llama" and not quick:
         source, gguf = bundled_smollm2(), GGUF_NAME
         reference = tf.AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+        reference.save_pretrained(folder / "hf")
         convert(source, folder / "ours", gguf_file=gguf, progress=False)
         label = LABELS[name]
     else:

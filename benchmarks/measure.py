@@ -99,3 +99,32 @@ def decode(model, prompt: torch.Tensor, new_tokens: int, window: int = 8, **gene
         "step_ms_end": 1e3 * sorted(steps[-window:])[window // 2],
         "peak_mb": memory.extra / 2**20,
     }
+
+
+def inactive_expert_bytes(model) -> int:
+    """Bytes of routed experts a batch-1 decode step does not read: in every experts module (3-D
+    `gate_up_proj` / `down_proj`, one slice per expert) all but the `num_experts_per_tok` chosen."""
+    total = 0
+    for module in model.modules():
+        params = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
+        if all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in params):
+            top_k = model.config.get_text_config().num_experts_per_tok
+            experts = params[0].shape[0]
+            per_expert = sum(p[0].numel() * p.element_size() for p in params)
+            total += (experts - min(top_k, experts)) * per_expert
+    return total
+
+
+def active_bytes_read_per_step(model) -> int:
+    """`bytes_read_per_step` less the experts a batch-1 step skips: the active weights of one token."""
+    return bytes_read_per_step(model) - inactive_expert_bytes(model)
+
+
+def train_step(model, batch: torch.Tensor, optimizer) -> float:
+    """Seconds of one training step: forward with labels, backward, optimizer step, gradients cleared."""
+    start = time.perf_counter()
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start

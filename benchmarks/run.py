@@ -8,15 +8,36 @@ prompt's forward), the median step time over the first and last 8 steps, and the
 memory added during a batch-B decode. The two models run alternately inside each repeat (their
 order flipping every repeat) so machine noise hits both alike; the table shows the median over
 repeats, the ratio ours / transformers, and the spread (min-max) over repeats. The batch-1 decode
-roofline is the measured copy bandwidth divided by the weight bytes a step must read.
+roofline is the measured copy bandwidth divided by the weight bytes a step must read (for the
+mixture-of-experts families the active weights only: every routed expert but the chosen top-k skipped).
+
+Beyond speed (issue 13, item 7), each on by default unless said otherwise:
+
+- memory (`--no-memory` skips): each model loaded in a fresh process (`benchmarks/memory.py`), peak
+  resident memory during `from_pretrained`, and during load + a batch-B decode, MB above that process's
+  pre-load baseline;
+- training (`--no-train` skips): tokens/s of a full fine-tune step (forward + backward + AdamW step)
+  and of a LoRA step (peft, r=8, the same linear maps on both sides: `families.LORA_TARGETS`;
+  forward + backward + AdamW step on the adapters), `--train-batch` x `--train-seq` random tokens;
+- largest batch (`--max-batch-mb MB`, off by default: the heaviest extra): the largest decode batch
+  at `--max-batch-context` cached tokens whose peak memory (weights included) fits MB, by doubling and
+  bisection over actual runs in the fresh process (see `benchmarks/memory.py`).
+
+Mixture-of-experts families: ours runs the experts implementation (`experts_implementation`: "eager",
+this package's grouped forward, or transformers' "grouped_mm" / "batched_mm") that a short calibration
+finds fastest, separately for prefill and decode (`--experts-implementation NAME` fixes one); the
+training steps use the prefill choice; "batched_mm" is tried for decode only (`choose_experts`). transformers' model keeps its default unless
+`--reference-experts-implementation` says otherwise. The table names what each side used.
 `--quick` runs tiny shapes with short sequences: a smoke test, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -27,8 +48,11 @@ import transformers
 
 from modular_decoder.layout import set_split_products
 
-from .families import CONFIGS, build_pair
-from .measure import bytes_read_per_step, copy_bandwidth, decode, prefill
+from modular_decoder import parameter_count
+
+from .families import CONFIGS, LORA_TARGETS, MOE_FAMILIES, build_pair
+from .measure import active_bytes_read_per_step, bytes_read_per_step, copy_bandwidth, decode, prefill, train_step
+from .memory import run_probes
 
 # "ours" is the model as `from_pretrained` gives it (few-row products split across the cores by
 # `modular_decoder.layout`, computation only); "ours, no split products" is the same
@@ -44,13 +68,56 @@ ROWS = {
     "decode_B": ("decode b{B} tok/s", True),
     "peak_mb_B": ("decode b{B} peak +MB", False),
 }
+# Rows measured for transformers and ours only: the split products engage neither in training nor
+# in loading, so the ablation column would repeat ours.
+PAIR = MODELS[:2]
+TRAIN_ROWS = {
+    "train_full": ("train full FT tok/s (fwd+bwd+AdamW, {TB}x{TS})", True),
+    "train_lora": ("train LoRA tok/s (fwd+bwd+AdamW, r=8, {lora})", True),
+}
+MEMORY_ROWS = {
+    "load_peak_mb": ("load peak +MB (fresh process)", False),
+    "load_decode_peak_mb": ("load + decode b{B} peak +MB (fresh process)", False),
+    "max_batch": ("max decode batch, {C} tok in {M:g} MB (measured)", True),
+}
+EXPERTS_CANDIDATES = ("eager", "grouped_mm", "batched_mm")
+PREFILL_EXPERTS = ("eager", "grouped_mm")  # batched_mm: decode only (see choose_experts)
 
 
-def _select_variant(ours, name: str) -> None:
+def _select_variant(ours, name: str, phase: str = "decode", experts: dict | None = None) -> None:
     set_split_products(name != "ours, no split products")
+    if experts:
+        ours.set_experts_implementation(experts[phase])
 
 
-def measure_family(reference, ours, args) -> dict:
+def choose_experts(model, long: torch.Tensor, short: torch.Tensor, args) -> dict:
+    """The fastest experts implementation of `model` for prefill (1xP, no cache) and for batch-1 decode,
+    each candidate timed over `args.calibration_rounds` interleaved rounds (median). `batched_mm` is a
+    decode candidate only: it gathers every token's experts' weights (a copy per token), which took
+    minutes per 512-token forward of the Mixtral layout."""
+    if args.experts_implementation != "auto":
+        return {"prefill": args.experts_implementation, "decode": args.experts_implementation,
+                "train": args.experts_implementation, "calibration": None}
+    candidates = {"prefill_1": PREFILL_EXPERTS, "decode_1": EXPERTS_CANDIDATES}
+    timings = {key: {c: [] for c in names} for key, names in candidates.items()}
+    with torch.inference_mode():
+        for candidate in EXPERTS_CANDIDATES:  # warm-up: first-call allocations and lazy inits of each
+            model.set_experts_implementation(candidate)
+            prefill(model, long[:1, :32])
+            decode(model, short[:1], 2)
+        for _ in range(args.calibration_rounds):
+            for candidate in EXPERTS_CANDIDATES:
+                model.set_experts_implementation(candidate)
+                if candidate in PREFILL_EXPERTS:
+                    timings["prefill_1"][candidate].append(prefill(model, long[:1])["tokens_per_s"])
+                timings["decode_1"][candidate].append(decode(model, short[:1], args.calibration_tokens)["tokens_per_s"])
+    medians = {key: {c: statistics.median(v) for c, v in per.items()} for key, per in timings.items()}
+    best = {phase: max(medians[key], key=medians[key].get) for phase, key in (("prefill", "prefill_1"),
+                                                                             ("decode", "decode_1"))}
+    return {**best, "train": best["prefill"], "calibration": medians}
+
+
+def measure_family(reference, ours, args, experts: dict | None = None) -> dict:
     """{metric: {model: [value per repeat]}}, the two models interleaved inside every repeat."""
     vocab = reference.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(1)
@@ -69,7 +136,7 @@ def measure_family(reference, ours, args) -> dict:
             samples = {key: {name: [] for name in MODELS} for key in ("prefill_1", "prefill_4")}
             for _ in range(args.prefill_samples):
                 for name in order:
-                    _select_variant(ours, name)
+                    _select_variant(ours, name, "prefill", experts)
                     for key, batch in (("prefill_1", long[:1]), ("prefill_4", long)):
                         samples[key][name].append(prefill(models[name], batch)["tokens_per_s"])
             for key, per_model in samples.items():
@@ -77,7 +144,7 @@ def measure_family(reference, ours, args) -> dict:
                     values[key][name].append(statistics.median(rates))
             for name in order:
                 model = models[name]
-                _select_variant(ours, name)
+                _select_variant(ours, name, "decode", experts)
                 one = decode(model, short[:1], args.new_tokens)
                 values["decode_1"][name].append(one["tokens_per_s"])
                 values["step_start_1"][name].append(one["step_ms_start"])
@@ -89,42 +156,178 @@ def measure_family(reference, ours, args) -> dict:
     return values
 
 
+def _lora_config(model, targets: list[str]):
+    from peft import LoraConfig
+    from transformers.pytorch_utils import Conv1D
+
+    conv1d = any(isinstance(m, Conv1D) and name.split(".")[-1] in targets for name, m in model.named_modules())
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=conv1d)
+
+
+def measure_training(reference, ours, family: str, args, experts: dict | None = None) -> tuple[dict, dict]:
+    """({metric: {model: [tokens/s per repeat]}}, details) for a full fine-tune step and a LoRA step,
+    the two models alternating inside every repeat (each repeat's value: the median of
+    `args.train_steps` steps, after one untimed warm-up step per model that allocates the optimizer
+    state). Runs after the inference rows: the steps change the weights (lr 1e-5 / 1e-4)."""
+    from peft import get_peft_model
+
+    vocab = reference.config.get_text_config().vocab_size
+    batch = torch.randint(0, vocab, (args.train_batch, args.train_seq), generator=torch.Generator().manual_seed(2))
+    set_split_products(True)
+    if experts:
+        ours.set_experts_implementation(experts["train"])
+    values = {key: {name: [] for name in PAIR} for key in TRAIN_ROWS}
+    details = {}
+
+    def timed(key: str, models: dict, optimizers: dict) -> None:
+        for name in PAIR:  # warm-up
+            train_step(models[name], batch, optimizers[name])
+        for repeat in range(args.repeats):
+            for name in (PAIR if repeat % 2 == 0 else PAIR[::-1]):
+                seconds = [train_step(models[name], batch, optimizers[name]) for _ in range(args.train_steps)]
+                values[key][name].append(batch.numel() / statistics.median(seconds))
+
+    models = {"transformers": reference.train(), "ours": ours.train()}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
+    details["full_trainable"] = {name: sum(p.numel() for p in m.parameters() if p.requires_grad)
+                                 for name, m in models.items()}
+    timed("train_full", models, optimizers)
+    del optimizers
+    gc.collect()
+
+    targets = dict(zip(PAIR, LORA_TARGETS[family]))
+    peft_models = {name: get_peft_model(models[name], _lora_config(models[name], targets[name])) for name in PAIR}
+    optimizers = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+                  for name, m in peft_models.items()}
+    details["lora_targets"] = targets
+    details["lora_trainable"] = {name: sum(p.numel() for p in m.parameters() if p.requires_grad)
+                                 for name, m in peft_models.items()}
+    timed("train_lora", peft_models, optimizers)
+    del optimizers
+    for name, m in peft_models.items():
+        m.unload()  # the plain model again (adapter layers removed, base weights kept)
+    for m in (reference, ours):
+        m.eval().requires_grad_(False)
+        m.zero_grad(set_to_none=True)
+    gc.collect()
+    return values, details
+
+
+def measure_memory(folder: Path, args, experts: dict | None, reference_experts: str | None) -> dict:
+    """{model: probe result}: each checkpoint loaded in its own fresh process (benchmarks/memory.py)."""
+    common = dict(batch=args.decode_batch, prompt=args.prompt, new_tokens=args.new_tokens, threads=args.threads,
+                  budget_mb=args.max_batch_mb, context=args.max_batch_context, steps=args.max_batch_steps,
+                  cap=args.max_batch_cap)
+    return run_probes({
+        "transformers": dict(folder=folder / "hf", experts_implementation=reference_experts, **common),
+        "ours": dict(folder=folder / "ours", experts_implementation=experts["decode"] if experts else None, **common),
+    })
+
+
+def memory_values(probes: dict) -> dict:
+    """The probes as {metric: {model: [value]}} rows (one fresh-process measurement per model)."""
+    values = {key: {name: [probes[name][key]] for name in PAIR} for key in ("load_peak_mb", "load_decode_peak_mb")}
+    if all("max_batch" in probes[name] for name in PAIR):
+        values["max_batch"] = {name: [probes[name]["max_batch"]["batch"]] for name in PAIR}
+    return values
+
+
 def summarise(values: dict) -> dict:
     out = {}
     for key, per_model in values.items():
         row = {name: {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
                for name, v in per_model.items()}
         ref = row["transformers"]["median"]
-        row["ratio"] = {name: row[name]["median"] / ref if ref else float("nan") for name in MODELS[1:]}
+        row["ratio"] = {name: row[name]["median"] / ref if ref else float("nan") for name in per_model if
+                        name != "transformers"}
         out[key] = row
     return out
 
 
-def _cell(stats: dict) -> str:
+def _cell(stats: dict | None, key: str = "") -> str:
+    if stats is None:
+        return "—"
+    if key == "max_batch":
+        return f"{stats['median']:.0f}"
+    if len(stats["all"]) == 1 and key in MEMORY_ROWS:
+        return f"{stats['median']:.1f}"
     spread = stats["max"] - stats["min"]
     return f"{stats['median']:.1f} ±{spread / 2:.1f}"
 
 
+def _ratio(row: dict, name: str, key: str) -> str:
+    ratio = row["ratio"].get(name)
+    if ratio is None:
+        return "—"
+    # a memory delta near zero (under 1 MB) makes a meaningless ratio
+    if key.endswith("_mb") or key == "peak_mb_B":
+        if row["transformers"]["median"] < 1:
+            return "—"
+    return f"{ratio:.2f}"
+
+
+def _family_cell(family: str, result: dict) -> str:
+    backends = "/".join(sorted(set(result["attn_implementation"].values())))
+    size = f"{result['params_m']:.0f}M"
+    if result.get("active_params_m") and result["active_params_m"] < result["params_m"]:
+        size += f", {result['active_params_m']:.0f}M active"
+    return f"**{family}** ({result['label']}, {size}, {backends})"
+
+
 def table(results: dict, args) -> str:
+    """The README table: every family's rows (those it measured), then its roofline."""
     lines = [
         "| family | metric | transformers | ours | ours, no split products | ratio | ratio, no split products |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for family, result in results["families"].items():
         first = True
-        for key, (label, _) in ROWS.items():
-            row = result["metrics"][key]
-            backends = "/".join(sorted(set(result["attn_implementation"].values())))
-            name = f"**{family}** ({result['label']}, {result['params_m']:.0f}M, {backends})" if first else ""
+        fields = dict(P=args.prefill, B=args.decode_batch, TB=args.train_batch, TS=args.train_seq,
+                      C=args.max_batch_context, M=args.max_batch_mb,
+                      lora=",".join(result.get("training", {}).get("lora_targets", {}).get("ours", [])))
+        for key, (label, _) in {**ROWS, **TRAIN_ROWS, **MEMORY_ROWS}.items():
+            row = result["metrics"].get(key)
+            if row is None:
+                continue
+            name = _family_cell(family, result) if first else ""
             first = False
-            lines.append(f"| {name} | {label.format(P=args.prefill, B=args.decode_batch)} | "
-                         + " | ".join(_cell(row[name]) for name in MODELS) + " | "
-                         + " | ".join(f"{row['ratio'][name]:.2f}" for name in MODELS[1:]) + " |")
+            cells = [_cell(row.get(model), key) for model in MODELS]
+            if key == "max_batch":  # the bisection stopped at --max-batch-cap: a lower bound
+                cells = [("≥" if result["memory"][model]["max_batch"]["capped"] else "") + cell if model in PAIR
+                         else cell for model, cell in zip(MODELS, cells)]
+            lines.append(f"| {name} | {label.format(**fields)} | " + " | ".join(cells) + " | "
+                         + " | ".join(_ratio(row, model, key) for model in MODELS[1:]) + " |")
+        experts = result.get("experts_implementation")
+        if experts:
+            ours = experts["ours"]
+            lines.append(f"| | experts_implementation: transformers `{experts['transformers']}`; ours "
+                         f"prefill `{ours['prefill']}`, decode `{ours['decode']}`, train `{ours['train']}`"
+                         f"{' (calibrated)' if ours.get('calibration') else ''} | | | | | |")
         bound = result["roofline_b1_tok_s"]
         shares = " | ".join(f"{100 * result['metrics']['decode_1'][name]['median'] / bound:.0f}% of it"
                             for name in MODELS)
-        lines.append(f"| | b1 roofline {bound:.1f} tok/s ({result['step_mb']:.0f} MB/step) | {shares} | | |")
+        if result.get("moe"):
+            what = (f"b1 roofline (read the active weights once: {result['step_mb']:.0f} of "
+                    f"{result['weights_mb']:.0f} MB/step = {1e3 / bound:.1f} ms) {bound:.1f} tok/s")
+        else:
+            what = f"b1 roofline {bound:.1f} tok/s ({result['step_mb']:.0f} MB/step)"
+        lines.append(f"| | {what} | {shares} | | |")
     return "\n".join(lines)
+
+
+TABLE_START, TABLE_END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+
+
+def write_readme(path: Path, text: str) -> None:
+    """Replace the table between the bench-table markers of `path` (written to a temporary file, renamed)."""
+    readme = path.read_text()
+    pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.S)
+    if not pattern.search(readme):
+        raise ValueError(f"{path} has no {TABLE_START} ... {TABLE_END} markers.")
+    updated = pattern.sub(lambda _: f"{TABLE_START}\n{text}\n{TABLE_END}", readme)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(updated)
+    tmp.replace(path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -140,10 +343,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", type=Path, default=Path("bench_results.json"))
     parser.add_argument("--quick", action="store_true", help="tiny shapes, short sequences, 1 repeat: a smoke test")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="also write the table between the bench-table markers of this file (README.md)")
+    extra = parser.add_argument_group("memory, training, largest batch")
+    extra.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory probes")
+    extra.add_argument("--no-train", action="store_true", help="skip the training throughput rows")
+    extra.add_argument("--train-batch", type=int, default=2)
+    extra.add_argument("--train-seq", type=int, default=128)
+    extra.add_argument("--train-steps", type=int, default=2, help="timed steps per model, mode and repeat")
+    extra.add_argument("--max-batch-mb", type=float, default=None,
+                       help="memory budget (MB above the pre-load baseline, weights included): adds the "
+                            "largest-decode-batch row (off by default; the heaviest extra)")
+    extra.add_argument("--max-batch-context", type=int, default=1024, help="cached tokens per sequence")
+    extra.add_argument("--max-batch-steps", type=int, default=2, help="decode steps per probe")
+    extra.add_argument("--max-batch-cap", type=int, default=1024, help="largest batch tried")
+    moe = parser.add_argument_group("mixture-of-experts families")
+    moe.add_argument("--experts-implementation", default="auto", choices=("auto",) + EXPERTS_CANDIDATES,
+                     help="ours: auto = the fastest by a short calibration, per phase")
+    moe.add_argument("--reference-experts-implementation", default=None, choices=EXPERTS_CANDIDATES,
+                     help="transformers' model (default: transformers' default)")
+    moe.add_argument("--calibration-rounds", type=int, default=2)
+    moe.add_argument("--calibration-tokens", type=int, default=16, help="decode steps per calibration round")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.prefill, args.prompt, args.new_tokens, args.decode_batch = 1, 32, 8, 8, 2
         args.prefill_samples = 1
+        args.train_batch, args.train_seq, args.train_steps = 1, 16, 1
+        args.max_batch_context, args.max_batch_cap = min(args.max_batch_context, 64), min(args.max_batch_cap, 16)
+        args.calibration_rounds, args.calibration_tokens = 1, 4
     return args
 
 
@@ -162,24 +389,59 @@ def main(argv=None) -> int:
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     for family in args.families:
         start = time.perf_counter()
+        entry = {}
+        phases, clock = {}, time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             reference, ours, label = build_pair(family, Path(tmp), args.quick)
-            step_bytes = bytes_read_per_step(ours)
-            params_m = sum(p.numel() for p in ours.parameters()) / 1e6
+            moe = family in MOE_FAMILIES
+            weight_bytes = bytes_read_per_step(ours)
+            step_bytes = active_bytes_read_per_step(ours)
+            counts = parameter_count(ours.config)
             backends = {"transformers": reference.config._attn_implementation, "ours": ours.config._attn_implementation}
-            metrics = summarise(measure_family(reference, ours, args))
-        del reference, ours
+            experts = reference_experts = None
+            if moe:
+                if args.reference_experts_implementation:
+                    reference.set_experts_implementation(args.reference_experts_implementation)
+                reference_experts = reference.config._experts_implementation
+                vocab = reference.config.get_text_config().vocab_size
+                generator = torch.Generator().manual_seed(3)
+                experts = choose_experts(ours, torch.randint(0, vocab, (1, args.prefill), generator=generator),
+                                         torch.randint(0, vocab, (1, args.prompt), generator=generator), args)
+                entry["experts_implementation"] = {"transformers": reference_experts, "ours": experts}
+                print(f"{family}: experts_implementation transformers {reference_experts}, ours prefill "
+                      f"{experts['prefill']}, decode {experts['decode']}", flush=True)
+            phases["build_and_calibrate"], clock = time.perf_counter() - clock, time.perf_counter()
+            values = measure_family(reference, ours, args, experts)
+            phases["speed"], clock = time.perf_counter() - clock, time.perf_counter()
+            if not args.no_train:
+                train_values, entry["training"] = measure_training(reference, ours, family, args, experts)
+                values.update(train_values)
+                phases["training"], clock = time.perf_counter() - clock, time.perf_counter()
+            del reference, ours
+            gc.collect()
+            if not args.no_memory:
+                entry["memory"] = measure_memory(Path(tmp), args, experts, reference_experts)
+                values.update(memory_values(entry["memory"]))
+                phases["memory"] = time.perf_counter() - clock
+            metrics = summarise(values)
+            entry["phase_seconds"] = phases
         results["families"][family] = {
-            "label": label, "attn_implementation": backends, "params_m": params_m, "step_mb": step_bytes / 1e6,
-            "roofline_b1_tok_s": bandwidth / step_bytes, "metrics": metrics,
+            "label": label, "attn_implementation": backends, "params_m": counts["total"] / 1e6,
+            "active_params_m": counts["active"] / 1e6, "moe": moe, "weights_mb": weight_bytes / 1e6,
+            "step_mb": step_bytes / 1e6, "roofline_b1_tok_s": bandwidth / step_bytes, "metrics": metrics, **entry,
             "seconds": time.perf_counter() - start, "load_average": os.getloadavg(),
         }
-        print(f"{family}: {time.perf_counter() - start:.0f} s, load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"{family}: {time.perf_counter() - start:.0f} s ("
+              + ", ".join(f"{k} {v:.0f} s" for k, v in entry["phase_seconds"].items())
+              + f"), load average {os.getloadavg()[0]:.2f}", flush=True)
     results["load_average_end"] = os.getloadavg()
     text = table(results, args)
     print(text)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.json}")
+    if args.readme:
+        write_readme(args.readme, text)
+        print(f"wrote the table into {args.readme}")
     return 0
 
 

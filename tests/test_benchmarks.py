@@ -7,25 +7,102 @@ import json
 import pytest
 
 from benchmarks import run
-from benchmarks.families import CONFIGS
+from benchmarks.families import CONFIGS, MOE_FAMILIES
 
 
 def test_suite_quick_writes_table_and_json(tmp_path, capsys):
+    """Every family's speed rows (the extras are covered below, on one family, to keep this fast)."""
     out = tmp_path / "bench.json"
-    assert run.main(["--quick", "--json", str(out)]) == 0
+    assert run.main(["--quick", "--no-memory", "--no-train", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert set(results["families"]) == set(CONFIGS)
     assert results["copy_bandwidth_gb_s"] > 0
-    for family in results["families"].values():
+    for name, family in results["families"].items():
         assert family["roofline_b1_tok_s"] > 0
         for key in run.ROWS:
             row = family["metrics"][key]
-            for name in run.MODELS:
-                assert len(row[name]["all"]) == 1
+            for model in run.MODELS:
+                assert len(row[model]["all"]) == 1
             if run.ROWS[key][1]:  # a rate: positive on both sides
                 assert row["transformers"]["median"] > 0 and row["ours"]["median"] > 0
+        assert not set(family["metrics"]) & (set(run.TRAIN_ROWS) | set(run.MEMORY_ROWS))
+        if name in MOE_FAMILIES:  # the roofline reads the active weights only; both sides name their experts
+            assert family["moe"] and family["step_mb"] < family["weights_mb"]
+            assert family["active_params_m"] < family["params_m"]
+            used = family["experts_implementation"]
+            assert used["transformers"] in run.EXPERTS_CANDIDATES
+            assert used["ours"]["decode"] in run.EXPERTS_CANDIDATES
+            assert used["ours"]["prefill"] == used["ours"]["train"] in run.PREFILL_EXPERTS
+            calibration = used["ours"]["calibration"]
+            assert set(calibration["decode_1"]) == set(run.EXPERTS_CANDIDATES)
+            assert set(calibration["prefill_1"]) == set(run.PREFILL_EXPERTS)
+            assert calibration["decode_1"][used["ours"]["decode"]] == max(calibration["decode_1"].values())
+        else:
+            assert family["step_mb"] == family["weights_mb"] and "experts_implementation" not in family
     table = capsys.readouterr().out
     assert "| family | metric |" in table and "decode b2 tok/s" in table
+    assert "read the active weights once" in table and "experts_implementation: transformers `" in table
+
+
+def test_suite_quick_extras_memory_training_max_batch(tmp_path, capsys):
+    """Memory (fresh processes), training throughput and the largest batch reach the JSON, the table
+    and the README's table markers; one MoE + MLA family keeps it short."""
+    out, readme = tmp_path / "bench.json", tmp_path / "README.md"
+    readme.write_text(f"intro\n{run.TABLE_START}\nold table\n{run.TABLE_END}\nrest\n")
+    assert run.main(["--quick", "--families", "deepseek_moe", "--max-batch-mb", "400", "--json", str(out),
+                     "--readme", str(readme)]) == 0
+    family = json.loads(out.read_text())["families"]["deepseek_moe"]
+    for key in list(run.TRAIN_ROWS) + list(run.MEMORY_ROWS):
+        row = family["metrics"][key]
+        assert set(row) == {"transformers", "ours", "ratio"} and set(row["ratio"]) == {"ours"}
+        assert row["transformers"]["median"] > 0 and row["ours"]["median"] > 0
+    training = family["training"]
+    assert training["lora_trainable"]["transformers"] == training["lora_trainable"]["ours"] > 0
+    assert training["full_trainable"]["transformers"] == training["full_trainable"]["ours"]
+    for side, probe in family["memory"].items():
+        assert probe["method"] in ("VmHWM", "sampled")
+        assert probe["load_decode_peak_mb"] >= max(probe["load_peak_mb"], probe["decode_peak_mb"]) - 1e-9
+        batch = probe["max_batch"]
+        assert batch["capped"] and batch["batch"] == 16  # tiny model, 400 MB: the quick cap
+        assert all(peak <= 400 for peak in batch["peaks_mb"].values())
+    assert family["memory"]["ours"]["experts_implementation"] == family["experts_implementation"]["ours"]["decode"]
+    table = capsys.readouterr().out
+    for text in ("train full FT tok/s (fwd+bwd+AdamW, 1x16)", "train LoRA tok/s (fwd+bwd+AdamW, r=8, q_b_proj,kv_b_proj)",
+                 "load peak +MB (fresh process)", "load + decode b2 peak +MB", "max decode batch, 64 tok in 400 MB",
+                 "| ≥16 | ≥16 | — |"):
+        assert text in table, text
+    written = readme.read_text()
+    assert written.startswith("intro\n") and written.endswith("rest\n") and "old table" not in written
+    assert "max decode batch" in written
+
+
+def test_largest_batch_bisects_to_the_last_fitting_batch():
+    from benchmarks.memory import largest_batch
+
+    def probe(b):  # 100 MB of weights, 7 MB per sequence
+        return 100 + 7 * b
+
+    assert largest_batch(probe, 100 + 7 * 37, cap=1024)[0] == 37
+    best, peaks = largest_batch(probe, 100 + 7 * 37 + 3, cap=1024)
+    assert best == 37 and set(peaks) == {1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37}
+    assert largest_batch(probe, 50, cap=1024)[0] == 0
+    assert largest_batch(probe, 10_000, cap=20)[0] == 20
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_active_bytes_equal_the_contract_active_count(tmp_path, name):
+    """The MoE roofline's bytes per step: the contract's active parameters, less the input embedding
+    (gathered a row at a time), in fp32."""
+    from modular_decoder import parameter_count
+
+    from benchmarks.families import build_pair
+    from benchmarks.measure import active_bytes_read_per_step, bytes_read_per_step
+
+    _, ours, _ = build_pair(name, tmp_path, quick=True)
+    counts = parameter_count(ours.config)
+    assert not ours.config.tie_word_embeddings
+    assert active_bytes_read_per_step(ours) == 4 * (counts["active"] - counts["embedding"])
+    assert bytes_read_per_step(ours) == 4 * (counts["total"] - counts["embedding"])
 
 
 def test_step_clock_counts_every_decode_step():
@@ -53,3 +130,12 @@ def test_quick_pairs_agree(tmp_path, name):
     ids = torch.randint(0, reference.config.get_text_config().vocab_size, (2, 12))
     with torch.inference_mode():
         torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_readme_has_the_bench_table_markers():
+    """`python -m benchmarks.run --readme README.md` rewrites the table between these."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = readme.index(run.TABLE_START), readme.index(run.TABLE_END)
+    assert readme.index("<!-- bench:start -->") < start < end < readme.index("<!-- bench:end -->")

@@ -73,14 +73,65 @@ def test_ffn_budget_cli(capsys):
 
 
 def test_ablation_smoke(tmp_path, capsys):
-    assert main(["experiment", "ablation", "--tokens", "1024", "--out", str(tmp_path),
-                 "--variants", "pre-norm (base)", "MQA (1 kv head)", "MLA (d_c=32)"]) == 0
-    table = (tmp_path / "ablation.md").read_text()
-    assert "| MQA (1 kv head) |" in table and "| MLA (d_c=32) |" in table
-    assert (tmp_path / "ablation.png").read_bytes()[:4] == b"\x89PNG"
+    """Two seeds per row (mean, min-max), a dense vs MoE pair, the plot, the JSON and the README section."""
+    import json
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{ablation.START}\nold\n{ablation.END}\nrest\n")
+    out = tmp_path / "out"
+    variants = ["SwiGLU (8d/3)", "MQA (1 kv head)", "MoE 8 experts top-2, half width"]
+    assert main(["experiment", "ablation", "--tokens", "1024", "--seeds", "2", "--out", str(out),
+                 "--readme", str(readme), "--variants", *variants]) == 0
+    table = (out / "ablation.md").read_text()
+    assert "| MQA (1 kv head) |" in table and "| MoE 8 experts top-2, half width | 2,413,696 | 828,544 |" in table
+    assert "2 seeds (0, 1)" in table and "min–max" in table
+    assert (out / "ablation.png").read_bytes()[:4] == b"\x89PNG"
+    results = json.loads((out / "ablation.json").read_text())
+    assert [r["name"] for r in results] == variants
+    for row in results:
+        assert row["seeds"] == [0, 1] and len(row["runs"]) == 2
+        for key in ("train_loss", "held_out_loss", "tokens_per_s"):
+            stats = row[key]
+            assert stats["min"] <= stats["mean"] <= stats["max"] and len(stats["all"]) == 2
+            assert f"{row[key]['mean']:.3f} ({stats['min']:.3f}–{stats['max']:.3f})" in table or key == "tokens_per_s"
+        assert row["runs"][0]["losses"] != row["runs"][1]["losses"]  # the seeds differ
+        assert all(0 < loss < 10 for run in row["runs"] for loss in run["losses"])  # cross-entropy, not +router losses
+    section = readme.read_text()
+    assert section.startswith("intro\n") and section.endswith("rest\n") and "\nold\n" not in section
+    assert "![" in section and "(out/ablation.png)" in section and "--seeds 2" in section
     mha, mqa = ablation.config_for("pre-norm (base)"), ablation.config_for("MQA (1 kv head)")
-    assert f"| {ablation.cache_bytes_per_token(mha):,} |" in table
+    assert f"| {ablation.cache_bytes_per_token(mqa):,} |" in table
     assert ablation.cache_bytes_per_token(mha) == 4 * ablation.cache_bytes_per_token(mqa)  # H / H_kv
+
+
+def test_ablation_moe_rows_match_the_dense_active_parameters():
+    """Each MoE variant's active parameters per token are the dense SwiGLU variant's plus its router."""
+    from modular_decoder import parameter_count
+
+    dense = parameter_count(ablation.config_for(ablation.MOE_BASELINE))
+    assert dense["active"] == dense["total"]
+    for name in ("MoE 4 experts top-1", "MoE 8 experts top-2, half width"):
+        config = ablation.config_for(name)
+        counts = parameter_count(config)
+        router = ablation.LAYERS * config.num_experts * ablation.D
+        assert counts["active"] == dense["active"] + router
+        assert config.num_experts_per_tok * config.moe_intermediate_size == ablation.GATED
+        assert counts["total"] > 2.5 * dense["total"]
+    assert "+0.25%" in ablation.moe_arithmetic(list(ablation.VARIANTS))
+
+
+def test_ablation_summary_and_plot_of_given_runs(tmp_path):
+    runs = [{"name": "MQA (1 kv head)", "seed": s, "params": 1, "active_params": 1, "cache_bytes_per_token": 512,
+             "steps": 3, "train_loss": loss, "held_out_loss": loss + 0.1, "tokens_per_s": 100.0 * (s + 1),
+             "losses": [3.0, 2.5, loss]} for s, loss in ((0, 2.0), (1, 2.4), (2, 2.2))]
+    row = ablation.summarise(runs)
+    assert row["train_loss"]["mean"] == pytest.approx(2.2) and row["train_loss"]["min"] == 2.0
+    assert row["train_loss"]["std"] == pytest.approx(0.2) and row["seeds"] == [0, 1, 2]
+    assert "2.200 (2.000–2.400)" in ablation.markdown([row], 3072)
+    ablation.plot([row], tmp_path / "a.png")
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="seeds"):
+        ablation.seed_list(0)
 
 
 def test_swiglu_variant_is_parameter_matched():

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -24,8 +26,14 @@ def add_arguments(parser) -> None:
     abl = sub.add_parser("ablation", help="matched-budget training of small variants on a generated corpus")
     abl.add_argument("--tokens", type=int, default=32_768, help="training tokens per variant")
     abl.add_argument("--variants", nargs="+", help="subset of variant names (default: all)")
-    abl.add_argument("--seed", type=int, default=0)
-    abl.add_argument("--out", default="experiments_out", help="folder for ablation.md and ablation.png")
+    abl.add_argument("--seed", type=int, default=0, help="the first seed")
+    abl.add_argument("--seeds", type=int, default=3, help="seeds per variant (seed, seed+1, ...); the table reports "
+                                                         "the mean and the min-max range over them")
+    abl.add_argument("--out", default="experiments_out",
+                     help="folder for ablation.md, ablation.png and ablation.json (every seed's losses)")
+    abl.add_argument("--readme", default=None,
+                     help="also write the section between the ablation markers of this file (README.md), "
+                          "the plot linked from it")
 
 
 def run(args) -> int:
@@ -50,10 +58,26 @@ def run(args) -> int:
         return 0
     from modular_decoder.tools.experiments import ablation
 
-    results = ablation.run(args.tokens, names=args.variants, seed=args.seed)
+    if args.seeds < 1:
+        raise ValueError(f"`--seeds`={args.seeds} must be at least 1.")
+    if args.variants:
+        for name in args.variants:
+            ablation.config_for(name)  # an unknown name fails before any training
+    results = ablation.run(args.tokens, names=args.variants, seed=args.seed, seeds=args.seeds)
     text = ablation.markdown(results, args.tokens)
-    (out / "ablation.md").write_text(text + "\n")
+    (out / "ablation.md").write_text(text + "\n\n![ablation](ablation.png)\n")
     ablation.plot(results, out / "ablation.png")
+    ablation.write_json(results, out / "ablation.json")
     print(text)
-    print(f"wrote {out / 'ablation.md'} and {out / 'ablation.png'}")
+    print(f"wrote {out / 'ablation.md'}, {out / 'ablation.png'} and {out / 'ablation.json'}")
+    if args.readme:
+        readme = Path(args.readme)
+        image = os.path.relpath((out / "ablation.png").resolve(), readme.resolve().parent)
+        options = ["--tokens", str(args.tokens), "--seeds", str(args.seeds)]
+        options += ["--seed", str(args.seed)] if args.seed else []
+        options += ["--variants", *args.variants] if args.variants else []
+        options += ["--out", args.out, "--readme", args.readme]
+        command = ".venv/bin/modular-decoder experiment ablation " + " ".join(shlex.quote(a) for a in options)
+        ablation.write_readme(readme, ablation.readme_section(results, args.tokens, command, image))
+        print(f"wrote the ablation section of {readme}")
     return 0
