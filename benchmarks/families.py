@@ -141,8 +141,14 @@ def build_pair(name: str, folder: Path, quick: bool) -> tuple[torch.nn.Module, t
     folder = Path(folder)
     if name == "llama" and not quick:
         source, gguf = bundled_smollm2(), GGUF_NAME
-        reference = tf.AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
-        reference.save_pretrained(folder / "hf")
+        dequantized = tf.AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+        # The GGUF loader de-quantizes to plain fp32 but keeps its quantizer, which refuses to save; drop it
+        # so the reference is an ordinary fp32 Llama checkpoint, loaded back from disk like ours.
+        dequantized.hf_quantizer = None
+        del dequantized.config.quantization_config
+        dequantized.save_pretrained(folder / "hf")
+        del dequantized
+        reference = tf.AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32)
         convert(source, folder / "ours", gguf_file=gguf, progress=False)
         label = LABELS[name]
     else:

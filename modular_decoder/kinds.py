@@ -59,8 +59,13 @@ class Registry(dict, Generic[Entry]):
         chosen = self[value]
         chosen.complete(config)
         for name, unused in self._unused_values(chosen).items():
-            if unused is not _DEFAULT and getattr(config, name) == field_default(config, name):
+            unset = (field_default(config, name), *self._formerly_written(name))
+            if unused is not _DEFAULT and getattr(config, name) in unset:
                 setattr(config, name, unused)
+
+    def _formerly_written(self, name: str) -> tuple:
+        """Values earlier versions wrote for `name` into every config.json, read as "unset"."""
+        return tuple(v for entry in self.values() for v in getattr(entry, "formerly_written", {}).get(name, ()))
 
     def _unused_values(self, chosen) -> dict[str, Any]:
         """Field -> the one value it may hold under `chosen`, for the fields only other entries read."""
@@ -98,6 +103,9 @@ class Kind:
     # The value some of `fields` hold when another kind is chosen, where it is not their default (a field
     # whose default means "this kind picks it" can still read as "off" to code outside the model).
     unused_values: dict[str, Any] = {}
+    # Values that earlier versions saved for some of `fields` in every config.json, the kind chosen or not:
+    # where another kind is chosen they read as unset (so folders saved by those versions still load).
+    formerly_written: dict[str, tuple] = {}
 
     def complete(self, config) -> None:
         """Fill the defaults of this kind's own fields that derive from other fields (before validation)."""

@@ -398,6 +398,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
     # Under another feed-forward kind: no router, so no loss to weight (TRL's trainers read a non-zero
     # coefficient, beside an `output_router_logits` field, as "this model returns router logits").
     unused_values = {"router_aux_loss_coef": 0.0}
+    # Until the default became per kind, every config (dense ones too) was saved with 0.001.
+    formerly_written = {"router_aux_loss_coef": (0.001,)}
     routed = True
 
     def complete(self, config) -> None:

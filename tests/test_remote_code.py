@@ -90,13 +90,22 @@ OLD_CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("name", ["saved_before_move_gemma3", "saved_before_move_mla"])
-def test_folder_saved_before_the_move_still_loads(name, tmp_path):
-    """tests/fixtures/saved_before_move.tar.gz holds folders saved by the code before `conversion/`,
-    `commands/` and the registries moved (with that code inside): the package loads them, and
+@pytest.mark.parametrize(
+    "archive, name",
+    [
+        ("saved_before_move", "saved_before_move_gemma3"),
+        ("saved_before_move", "saved_before_move_mla"),
+        # saved by e99ccd5, when every config (dense too) was written with router_aux_loss_coef=0.001
+        ("saved_before_router_default", "saved_before_router_default_smollm2"),
+    ],
+)
+def test_folder_saved_by_an_earlier_version_still_loads(archive, name, tmp_path):
+    """tests/fixtures/*.tar.gz hold folders saved by earlier versions of the code (with that code
+    inside): before `conversion/`, `commands/` and the registries moved, and before
+    `router_aux_loss_coef` took its default from the feed-forward kind. The package loads them, and
     computes what their own saved code computes."""
-    with tarfile.open(Path(__file__).resolve().parent / "fixtures" / "saved_before_move.tar.gz") as archive:
-        archive.extractall(tmp_path, filter="data")
+    with tarfile.open(Path(__file__).resolve().parent / "fixtures" / f"{archive}.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
     folder = tmp_path / name
     result = subprocess.run([sys.executable, "-c", OLD_CHILD, str(folder)], capture_output=True, text=True,
                             timeout=300, cwd=tmp_path)
