@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import re
 import statistics
@@ -257,7 +258,7 @@ def _cell(stats: dict | None, key: str = "") -> str:
 
 def _ratio(row: dict, name: str, key: str) -> str:
     ratio = row["ratio"].get(name)
-    if ratio is None:
+    if ratio is None or math.isnan(ratio):  # nan: transformers measured 0 (e.g. no batch fits the budget)
         return "—"
     # a memory delta near zero (under 1 MB) makes a meaningless ratio
     if key.endswith("_mb") or key == "peak_mb_B":

@@ -39,6 +39,7 @@ from transformers.activations import ACT2FN
 
 from .compat import experts_kernels
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
+from .layout import linear
 from .mlp import GatedMLP, activated_parameters, mlp_tp_plan
 
 # transformers' own values for `mlp_layer_types` (`configuration_utils.ALLOWED_MLP_LAYER_TYPES`),
@@ -213,8 +214,9 @@ class Experts(nn.Module):
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         # f from the tensor, not the config: tensor parallelism shards each half of gate_up_proj
-        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n, f) each
-        return F.linear(self.act_fn(gate) * up, self.down_proj[expert])  # (n, d)
+        # `linear`: a decode step's few rows split across the cores (plain fp32 CPU weights only)
+        gate, up = linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n, f) each
+        return linear(self.act_fn(gate) * up, self.down_proj[expert])  # (n, d)
 
 
 _EXPERTS_KERNELS = experts_kernels()

@@ -18,7 +18,7 @@ from modular_decoder.tools.presets import PRESETS
 
 MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
            v_head_dim=6)
-VARIANTS = {name: (name, {}) for name in PRESETS} | {"mla": ("llama", MLA)}
+VARIANTS = {name: (name, {}) for name in PRESETS} | {"mla": ("llama", MLA), "mixtral_eager_experts": ("mixtral", {})}
 
 
 @contextlib.contextmanager
@@ -117,6 +117,8 @@ def test_the_off_switch():
 def test_every_variant_decodes_the_same_with_and_without_split_products(variant):
     name, overrides = VARIANTS[variant]
     model = tiny_model(name, **overrides)
+    if variant.endswith("_eager_experts"):
+        model.set_experts_implementation("eager")  # the package's own experts forward splits its products too
     ids = prompt(batch=2)
     kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
     with torch.no_grad(), threads(2):

@@ -62,15 +62,6 @@ The routed experts are 3-D parameters and the router a plain weight: PEFT adapts
 merge back into the same tensors."""
 
 
-def attention_kind(config: ModularDecoderConfig) -> str:
-    """`mha`, `gqa`, `mqa` (one integer, `num_key_value_heads`) or `mla`."""
-    if config.attention_type == "mla":
-        return "mla"
-    if config.num_key_value_heads == config.num_attention_heads:
-        return "mha"
-    return "mqa" if config.num_key_value_heads == 1 else "gqa"
-
-
 def variant_tags(config: ModularDecoderConfig) -> list[str]:
     """Hub tags naming the value of every variant axis, so the Hub can filter by design choice."""
     tags = [
@@ -80,7 +71,7 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         f"mlp-{config.mlp_type}",
         f"activation-{config.hidden_act}",
         f"positions-{config.position_embedding_type}",
-        f"attention-{attention_kind(config)}",
+        f"attention-{config.attention_kind.describe(config)}",
     ]
     if config.mlp_kind.routed:
         tags += ["mixture-of-experts", f"router-{config.router_type}"]
