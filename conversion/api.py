@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -87,10 +86,9 @@ def _source_config(src: Path):
     """The source's transformers config; a malformed config.json or an unknown `model_type` is named."""
     from transformers import AutoConfig
 
-    try:
-        raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{src / 'config.json'} is not valid JSON ({error}).") from None
+    from modular_decoder.checks import read_json_file
+
+    raw = read_json_file(src / "config.json")
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{src / 'config.json'} has no `model_type`, so its family is unknown.")
     get_family(raw["model_type"])  # an unknown family is refused by name before transformers is asked

@@ -163,6 +163,16 @@ _HEADER_LIMIT = 100 * 2**20  # a safetensors header larger than this is damage, 
 _LIST = 8  # tensor names listed per category in the error
 
 
+def read_json_file(path):
+    """The parsed JSON of `path` (a config.json); a file that is not valid JSON raises a `ValueError` naming it."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}).") from None
+
+
 def read_safetensors_header(path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (dtype, shape)} from a `.safetensors` file's header, reading nothing else.
 

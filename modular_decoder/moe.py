@@ -391,6 +391,10 @@ EXPERTS_EP_PLAN = {"mlp.experts.gate_up_proj": "grouped_gemm", "mlp.experts.down
                    "mlp.experts": "ep_dispatch_experts"}
 
 
+# transformers' Mixtral / Qwen-MoE default weight of the load-balancing loss
+AUX_LOSS_COEF = 0.001
+
+
 class MixtureOfExpertsKind(FeedForwardKind):
     """`mlp_type="moe"`: `SparseMoeBlock` in the `"sparse"` layers, a gated MLP in the `"dense"` ones."""
 
@@ -400,8 +404,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
     # Under another feed-forward kind: no router, so no loss to weight (TRL's trainers read a non-zero
     # coefficient, beside an `output_router_logits` field, as "this model returns router logits").
     unused_values = {"router_aux_loss_coef": 0.0}
-    # Until the default became per kind, every config (dense ones too) was saved with 0.001.
-    formerly_written = {"router_aux_loss_coef": (0.001,)}
+    # Until the default became per kind, every config (dense ones too) was saved with this one.
+    formerly_written = {"router_aux_loss_coef": (AUX_LOSS_COEF,)}
     routed = True
 
     def complete(self, config) -> None:
@@ -418,7 +422,7 @@ class MixtureOfExpertsKind(FeedForwardKind):
         if config.topk_group is None:
             config.topk_group = config.n_group
         if config.router_aux_loss_coef is None:
-            config.router_aux_loss_coef = 0.001  # transformers' Mixtral / Qwen-MoE default
+            config.router_aux_loss_coef = AUX_LOSS_COEF
 
     def validate(self, config) -> None:
         self._validate_layer_types(config)

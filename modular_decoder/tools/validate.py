@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import resource
 import sys
 import time
@@ -42,6 +41,7 @@ import torch
 from modular_decoder import contract
 from modular_decoder.backends import BACKEND_FEATURES, missing_features
 from modular_decoder.cache import ModularDecoderCache
+from modular_decoder.checks import read_json_file, read_safetensors_header
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
 from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
 
@@ -552,8 +552,6 @@ def check_benchmark(ctx: _Context, batch: int = 4, prompt: int = 32, new_tokens:
 
 
 def _serialized_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
-    from modular_decoder.checks import read_safetensors_header
-
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
@@ -582,10 +580,7 @@ def load_target(target, dtype: torch.dtype = torch.float32, attn_implementation:
         raise FileNotFoundError(f"{folder} does not exist.")
     if not (folder / "config.json").exists():
         raise ValueError(f"{folder} has no config.json: pass a modular_decoder checkpoint folder, a config or a model.")
-    try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{folder / 'config.json'} is not valid JSON ({error}).") from None
+    raw = read_json_file(folder / "config.json")
     if not isinstance(raw, dict) or raw.get("model_type") != ModularDecoderConfig.model_type:
         found = raw.get("model_type") if isinstance(raw, dict) else None
         raise ValueError(f"{folder} is not a modular_decoder checkpoint (model_type={found!r}); convert it first.")
