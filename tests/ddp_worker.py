@@ -30,3 +30,7 @@ params = accelerator.unwrap_model(model).lm_head.weight.flatten()[:16].tolist()
 backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
 name = "single.json" if single else f"rank{rank}.json"
 (out / name).write_text(json.dumps({"params": params, "initial": initial, "world_size": world, "backend": backend}))
+# Tear the process group down before exit: a gloo group still alive at interpreter exit can abort
+# the process ("terminate called without an active exception") after its work is done.
+accelerator.wait_for_everyone()
+accelerator.end_training()

@@ -140,3 +140,4 @@ results["seconds"] = {"all": round(time.perf_counter() - STARTED, 1)}
 if RANK == 0:
     OUT.write_text(json.dumps(results, indent=1))
 dist.barrier()
+dist.destroy_process_group()  # a live gloo group at interpreter exit can abort the process

@@ -96,7 +96,7 @@ def test_two_process_data_parallel(tmp_path):
     """torchrun, 2 CPU processes (gloo) on different data: the averaged gradients keep the replicas
     identical, and equal to one process stepping on the union of the data."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(HERE / "ddp_worker.py"), str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
