@@ -63,6 +63,25 @@ def test_linear_equals_f_linear(parts, rows, with_bias):
         assert len(bmm_calls) == (1 if out_features % parts == 0 and rows <= 16 else 0)
 
 
+def test_linear_reads_views_where_they_lie():
+    """Weights and inputs that are views into larger storage (a storage offset; an input whose rows are not
+    contiguous, a batch of several sequences) give F.linear's result."""
+    storage, inputs = torch.randn(300, 48), torch.randn(40, 48)
+    weight, bias = storage[100:196], torch.randn(96)
+    cases = {
+        "offset rows": inputs[3:5].view(1, 2, 48),
+        "offset row": inputs[7:8].view(1, 1, 48),
+        "strided rows": inputs[::2][:3].unsqueeze(0),
+        "batch of two": inputs[:6].view(2, 3, 48),
+        "2-D input": inputs[10:12],
+    }
+    for name, x in cases.items():
+        with threads(2), counting(torch, "bmm") as bmm_calls:
+            y = linear(x, weight, bias)
+        torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5, msg=name)
+        assert len(bmm_calls) == 1, name
+
+
 def test_linear_steps_aside_for_what_it_was_not_measured_for():
     weight, x = torch.randn(64, 32), torch.randn(1, 1, 32)
     cases = {
