@@ -12,9 +12,14 @@ stored (plain, contiguous, its own storage), so every engine that reads or repla
 
 The split engages only where it is measured to pay and is exact to write: fp32, CPU, a plain
 contiguous tensor (never a DTensor, a quantized or other tensor subclass, or a meta tensor), no
-gradient to the weight, not while compiling or exporting, and, through `project`, a plain
-`nn.Linear` with no forward or backward hooks of any kind (so hooks, accelerate's wrappers and
-PEFT's layers run as usual). Anything else is `F.linear` / the layer's own call.
+gradient to the weight, not while exporting, and, through `project`, a plain `nn.Linear` with no
+forward or backward hooks of any kind (so hooks, accelerate's wrappers and PEFT's layers run as
+usual). Anything else is `F.linear` / the layer's own call.
+
+Under `torch.compile` the split is part of the graph (the thread count is read once, at tracing):
+inductor fuses the small operations between the products while the products keep streaming on all
+cores, which is what makes a compiled decode step fast (`benchmarks/compiled_decode.py`). Export
+(`torch.export`, ExecuTorch) sees `F.linear`, the portable operation.
 
 Off switch: the environment variable `MODULAR_DECODER_SPLIT_PRODUCTS=0` (read at import; also in
 a saved folder's remote code), or `set_split_products(False)` at run time.
@@ -32,6 +37,8 @@ from torch.nn.modules import module as module_hooks
 FEW_ROWS = 16
 _enabled = os.environ.get("MODULAR_DECODER_SPLIT_PRODUCTS", "1").strip().lower() not in ("0", "false", "no", "off")
 _PLAIN = (torch.Tensor, nn.Parameter)
+# torch.export sees F.linear; a torch without `is_exporting` keeps the split out of every compiler
+_exporting = getattr(torch.compiler, "is_exporting", torch.compiler.is_compiling)
 
 
 def set_split_products(enabled: bool) -> None:
@@ -44,6 +51,13 @@ def split_products_enabled() -> bool:
     return _enabled
 
 
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    """The intra-op thread count; a constant of the graph under `torch.compile`, where reading it
+    would break the graph (a later change of the count changes only how a product is split)."""
+    return torch.get_num_threads()
+
+
 def _splits(x: torch.Tensor, weight: torch.Tensor) -> int:
     """How many parts to split `x @ weight.T` into: the thread count where the split applies, else 1."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -53,9 +67,9 @@ def _splits(x: torch.Tensor, weight: torch.Tensor) -> int:
         return 1
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu or not weight.is_cpu:
         return 1  # measured for fp32 on CPU only (meta and accelerator tensors are not CPU)
-    if (weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return 1  # autograd and the compilers see F.linear
-    parts = torch.get_num_threads()
+    if (weight.requires_grad and torch.is_grad_enabled()) or _exporting():
+        return 1  # autograd and export see F.linear
+    parts = _threads()
     if parts < 2 or not weight.is_contiguous() or weight.shape[0] % parts:
         return 1
     return parts

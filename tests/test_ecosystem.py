@@ -339,6 +339,38 @@ def test_torch_compile_fullgraph(folders):
     torch._dynamo.reset()
 
 
+def test_compiled_decode_through_generate(folders, two_threads):
+    """transformers' own compiled decoding (`generate` with a static cache and a `CompileConfig`; on a CPU it
+    compiles only when asked to with `_compile_all_devices`): greedy tokens equal eager decoding and Llama's
+    under the same compilation, and the split products are in the compiled decode graph."""
+    from transformers import CompileConfig
+
+    graphs = []
+
+    def recording_inductor(graph_module, example_inputs, **options):  # generate passes its mode / options
+        graphs.append(graph_module)
+        return torch._inductor.compile(graph_module, example_inputs)
+
+    prompt_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    tokens = {}
+    for side in SIDES:
+        torch._dynamo.reset()
+        model = load(folders, side)
+        config = CompileConfig(fullgraph=True, dynamic=False, backend=recording_inductor)
+        config._compile_all_devices = True
+        arguments = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+        with torch.no_grad():
+            eager = model.generate(prompt_ids, **arguments, disable_compile=True)
+            graphs.clear()
+            tokens[side] = model.generate(prompt_ids, **arguments, compile_config=config)
+        assert graphs, f"{side}: generate did not compile its decode step"
+        assert torch.equal(tokens[side], eager), side
+        if side == "ours":
+            assert any(node.target is torch.bmm for graph in graphs for node in graph.graph.nodes)
+    torch._dynamo.reset()
+    assert torch.equal(tokens["ours"], tokens["llama"])
+
+
 # ------------------------------------------------------------------------------------------------------ PEFT
 
 

@@ -1,6 +1,7 @@
 """`layout`: the few-row products split across cores compute what `F.linear` computes, on every
 preset; they never change how parameters are stored; they step aside for anything that is not a
-plain fp32 CPU tensor, for hooks of every kind, under autograd and compilation, and when switched off."""
+plain fp32 CPU tensor, for hooks of every kind, under autograd and export, and when switched off; under
+`torch.compile` they are part of the graph."""
 
 from __future__ import annotations
 
@@ -80,6 +81,39 @@ def test_linear_reads_views_where_they_lie():
             y = linear(x, weight, bias)
         torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5, msg=name)
         assert len(bmm_calls) == 1, name
+
+
+class _Projection(nn.Module):
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return project(self.layer, x)
+
+
+def test_compile_keeps_the_split_and_export_traces_f_linear():
+    """`torch.compile(fullgraph=True)` puts the split product in its graph (no break on the thread count) with
+    F.linear's result; strict `torch.export` (one of ExecuTorch's paths) traces F.linear, the portable operation
+    (non-strict export traces tensors of other types, which step aside already)."""
+    module = _Projection(nn.Linear(48, 96).requires_grad_(False))
+    x = torch.randn(1, 1, 48)
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    with threads(2), torch.no_grad():
+        y = torch.compile(module, backend=recording_backend, fullgraph=True)(x)
+        exported = torch.export.export(module, (x,), strict=True)
+    torch._dynamo.reset()
+    torch.testing.assert_close(y, F.linear(x, module.layer.weight, module.layer.bias), rtol=1e-5, atol=1e-5)
+    assert torch.bmm in {node.target for node in graphs[0].graph.nodes}
+    exported_ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert not any("bmm" in op for op in exported_ops), exported_ops
+    assert any("linear" in op for op in exported_ops), exported_ops
 
 
 def test_linear_steps_aside_for_what_it_was_not_measured_for():
