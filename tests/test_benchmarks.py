@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import run
 from benchmarks.families import CONFIGS, MOE_FAMILIES
@@ -139,3 +140,18 @@ def test_readme_has_the_bench_table_markers():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start, end = readme.index(run.TABLE_START), readme.index(run.TABLE_END)
     assert readme.index("<!-- bench:start -->") < start < end < readme.index("<!-- bench:end -->")
+
+
+def test_compiled_decode_quick_prints_both_modes(capsys):
+    """`benchmarks.compiled_decode` runs end to end on tiny shapes: eager and compiled rows for both models."""
+    from benchmarks import compiled_decode
+
+    torch._dynamo.reset()
+    assert compiled_decode.main(["--quick", "--repeats", "1", "--new-tokens", "4"]) == 0
+    torch._dynamo.reset()
+    table = capsys.readouterr().out.split("| decode b1 tok/s (static cache)")[1]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert {"eager", "compiled", "ours compiled vs transformers eager"} <= rows.keys()
+    for mode in ("eager", "compiled"):
+        theirs, ours = (float(cell.split("±")[0]) for cell in rows[mode].split("|")[2:4])
+        assert theirs > 0 and ours > 0

@@ -116,6 +116,32 @@ def test_compile_keeps_the_split_and_export_traces_f_linear():
     assert any("linear" in op for op in exported_ops), exported_ops
 
 
+@pytest.mark.parametrize("name", ["gemma2", "mixtral", "deepseek_v3"])
+def test_compiled_decoding_gives_the_eager_tokens(name):
+    """transformers' compiled decoding (static cache, `CompileConfig`, inductor) with the split products in the
+    graph, on sandwich norms + soft-caps + sliding windows, experts, and MLA with grouped routing: the greedy tokens
+    of eager decoding (Llama's layout beside transformers' own class: tests/test_ecosystem.py)."""
+    from transformers import CompileConfig
+
+    graphs = []
+
+    def recording_inductor(graph_module, example_inputs, **options):
+        graphs.append(graph_module)
+        return torch._inductor.compile(graph_module, example_inputs)
+
+    model = tiny_model(name)
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=recording_inductor)
+    config._compile_all_devices = True  # generate compiles on accelerators only unless told
+    arguments = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    with threads(2), torch.no_grad():
+        eager = model.generate(prompt(), **arguments, disable_compile=True)
+        compiled = model.generate(prompt(), **arguments, compile_config=config)
+    torch._dynamo.reset()
+    assert torch.equal(compiled, eager)
+    assert any(node.target is torch.bmm for graph in graphs for node in graph.graph.nodes)
+
+
 def test_linear_steps_aside_for_what_it_was_not_measured_for():
     weight, x = torch.randn(64, 32), torch.randn(1, 1, 32)
     cases = {
