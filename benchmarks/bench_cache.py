@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, CompileConfig
+from transformers import AutoTokenizer
 
-from modular_decoder import ModularDecoderCache, ModularDecoderForCausalLM, cache_bytes, preset_config
+from modular_decoder import (ModularDecoderCache, ModularDecoderForCausalLM, cache_bytes, compiled_decoding,
+                             preset_config)
 
 SMALL_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
@@ -39,8 +40,7 @@ def decode_speed(new_tokens: int, repeats: int) -> dict:
     model = ModularDecoderForCausalLM(preset_config("llama", **SMALL_LLAMA)).eval()
     model.generation_config.pad_token_id = 0
     ids = torch.randint(1, SMALL_LLAMA["vocab_size"], (1, 32))
-    compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
-    compile_config._compile_all_devices = True  # generate() compiles only on accelerators unless told
+    compile_config = compiled_decoding(mode="default")["compile_config"]
     runs = {
         "dynamic": lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False),
         "static+compile": lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

@@ -3,15 +3,14 @@ and through transformers' own compiled decoding.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.compiled_decode [--new-tokens 64] [--repeats 3]
 
-Both models run `generate` greedily with a static cache, once eager (`disable_compile=True`) and once
-with a `CompileConfig(fullgraph=True, dynamic=False)` (inductor). transformers compiles a decode step
-on a CPU only when the config says so (`_compile_all_devices`, its flag for devices other than
-accelerators), and compiles nothing but the decode step: the prompt's forward stays eager, and the
-tokens/s count the steps after it (`measure.decode`). The first compiled call of each model is a
-warm-up, timed as the compile time; afterwards the four runs alternate inside every repeat. Under
-compilation ours keeps its split products in the graph (`modular_decoder/layout.py`); transformers'
-graph calls one matrix-vector product per weight. Nothing is asserted here; the tests check that the
-compiled tokens equal the eager ones and Llama's.
+Both models run `generate` greedily with a static cache, once eager (`disable_compile=True`) and
+once with `modular_decoder.compiled_decoding()` (a `CompileConfig(fullgraph=True, dynamic=False)`,
+inductor, marked to compile on a CPU too). transformers compiles nothing but the decode step: the
+prompt's forward stays eager, and the tokens/s count the steps after it (`measure.decode`). The
+first compiled call of each model is a warm-up, timed as the compile time; afterwards the four runs
+alternate inside every repeat. Under compilation ours keeps its split products in the graph
+(`modular_decoder/layout.py`); transformers' graph calls one matrix-vector product per weight.
+Nothing is asserted here; the tests check that the compiled tokens equal the eager ones and Llama's.
 """
 
 from __future__ import annotations
@@ -23,16 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import CompileConfig
+
+from modular_decoder import compiled_decoding
 
 from . import measure
 from .families import build_pair
-
-
-def _compile_config() -> CompileConfig:
-    config = CompileConfig(fullgraph=True, dynamic=False)
-    config._compile_all_devices = True  # transformers compiles generate's decode step on accelerators only otherwise
-    return config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = {(name, mode): [] for name in models for mode in ("eager", "compiled")}
 
     def run(name: str, mode: str) -> float:
-        return measure.decode(models[name], prompt, args.new_tokens, cache_implementation="static",
-                              compile_config=_compile_config(), disable_compile=mode == "eager")["tokens_per_s"]
+        return measure.decode(models[name], prompt, args.new_tokens, **compiled_decoding(),
+                              disable_compile=mode == "eager")["tokens_per_s"]
 
     print(f"{label}, {torch.get_num_threads()} threads, static cache, {args.new_tokens} new tokens", flush=True)
     with torch.inference_mode():
@@ -71,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         theirs, mine = median["transformers", mode], median["ours", mode]
         print(f"| {mode} | {theirs:.1f} ±{spread['transformers', mode]:.1f} | {mine:.1f} ±{spread['ours', mode]:.1f} "
               f"| {mine / theirs:.2f} |")
-    print(f"| ours compiled vs transformers eager | | | {median['ours', 'compiled'] / median['transformers', 'eager']:.2f} |")
+    versus_eager = median["ours", "compiled"] / median["transformers", "eager"]
+    print(f"| ours compiled vs transformers eager | | | {versus_eager:.2f} |")
     return 0
 
 

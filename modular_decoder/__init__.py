@@ -15,6 +15,7 @@ from .modeling_modular_decoder import (
     ModularDecoderModel,
     ModularDecoderPreTrainedModel,
 )
+from .tools.compiled import compiled_decoding
 from .tools.presets import PRESETS, preset_config
 
 __version__ = "0.1.0"
@@ -38,4 +39,5 @@ __all__ = [
     "cache_bytes",
     "cache_bytes_per_token",
     "contract_table",
+    "compiled_decoding",
 ]

@@ -8,7 +8,8 @@ import torch
 from transformers import CompileConfig
 
 from decoding import greedy_no_cache, prompt, tiny_model
-from modular_decoder import ModularDecoderCache, ModularDecoderConfig, cache_bytes, cache_bytes_per_token
+from modular_decoder import (ModularDecoderCache, ModularDecoderConfig, cache_bytes, cache_bytes_per_token,
+                             compiled_decoding)
 from modular_decoder.contract import breakeven_context
 from modular_decoder.int8_cache import dequantize_int8, quantize_int8
 
@@ -236,9 +237,7 @@ def test_reorder_and_crop(name, kind):
 
 
 def _compile_config(backend: str, dynamic) -> CompileConfig:
-    config = CompileConfig(fullgraph=True, mode="default", backend=backend, dynamic=dynamic)
-    config._compile_all_devices = True  # generate() compiles only on accelerators unless told (transformers' own tests do this)
-    return config
+    return compiled_decoding(mode="default", backend=backend, dynamic=dynamic)["compile_config"]
 
 
 def test_compiled_static_decode_equals_dynamic_cache():

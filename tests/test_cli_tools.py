@@ -30,6 +30,30 @@ def test_generate_streams_the_greedy_completion(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == ("the quick brown" + expected).strip()
 
 
+def test_generate_compile_streams_the_same_completion_through_a_compiled_step(tmp_path, capsys, monkeypatch):
+    """`--compile` decodes through transformers' compiled step (`compiled_decoding`); the text is eager's."""
+    import modular_decoder
+
+    model, tokenizer = _checkpoint(tmp_path)
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs, **options):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    real = modular_decoder.compiled_decoding
+    monkeypatch.setattr(modular_decoder, "compiled_decoding", lambda: real(backend=recording_backend))
+    torch._dynamo.reset()
+    assert main(["generate", str(tmp_path), "the quick brown", "--max-new-tokens", "10", "--compile"]) == 0
+    torch._dynamo.reset()
+    assert graphs, "the decode step was not compiled"
+    inputs = tokenizer("the quick brown", return_tensors="pt")
+    with torch.no_grad():
+        new = model.generate(**inputs, max_new_tokens=10, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    expected = "the quick brown" + tokenizer.decode(new, skip_special_tokens=True)
+    assert capsys.readouterr().out.strip() == expected.strip()
+
+
 def test_chat_uses_the_template_and_streams(tmp_path, capsys, monkeypatch):
     model, tokenizer = _checkpoint(tmp_path)
     monkeypatch.setattr("sys.stdin", io.StringIO("hello world\n\n"))

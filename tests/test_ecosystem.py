@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, LlamaForCausalLM
 
 import modular_decoder  # noqa: F401  (registers the Auto classes)
+from modular_decoder import compiled_decoding
 from modular_decoder.conversion import convert
 from tiny_tokenizer import tiny_tokenizer
 
@@ -340,11 +341,9 @@ def test_torch_compile_fullgraph(folders):
 
 
 def test_compiled_decode_through_generate(folders, two_threads):
-    """transformers' own compiled decoding (`generate` with a static cache and a `CompileConfig`; on a CPU it
-    compiles only when asked to with `_compile_all_devices`): greedy tokens equal eager decoding and Llama's
-    under the same compilation, and the split products are in the compiled decode graph."""
-    from transformers import CompileConfig
-
+    """transformers' own compiled decoding (`generate` with a static cache and a `CompileConfig`, which on a CPU
+    compiles only when asked to: `modular_decoder.compiled_decoding()` does): greedy tokens equal eager decoding
+    and Llama's under the same compilation, and the split products are in the compiled decode graph."""
     graphs = []
 
     def recording_inductor(graph_module, example_inputs, **options):  # generate passes its mode / options
@@ -356,13 +355,11 @@ def test_compiled_decode_through_generate(folders, two_threads):
     for side in SIDES:
         torch._dynamo.reset()
         model = load(folders, side)
-        config = CompileConfig(fullgraph=True, dynamic=False, backend=recording_inductor)
-        config._compile_all_devices = True
-        arguments = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+        arguments = dict(max_new_tokens=8, do_sample=False, **compiled_decoding(backend=recording_inductor))
         with torch.no_grad():
             eager = model.generate(prompt_ids, **arguments, disable_compile=True)
             graphs.clear()
-            tokens[side] = model.generate(prompt_ids, **arguments, compile_config=config)
+            tokens[side] = model.generate(prompt_ids, **arguments)
         assert graphs, f"{side}: generate did not compile its decode step"
         assert torch.equal(tokens[side], eager), side
         if side == "ours":

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from decoding import prompt, tiny_model
+from modular_decoder import compiled_decoding
 from modular_decoder.layout import linear, project, set_split_products
 from modular_decoder.tools.presets import PRESETS
 
@@ -121,8 +122,6 @@ def test_compiled_decoding_gives_the_eager_tokens(name):
     """transformers' compiled decoding (static cache, `CompileConfig`, inductor) with the split products in the
     graph, on sandwich norms + soft-caps + sliding windows, experts, and MLA with grouped routing: the greedy tokens
     of eager decoding (Llama's layout beside transformers' own class: tests/test_ecosystem.py)."""
-    from transformers import CompileConfig
-
     graphs = []
 
     def recording_inductor(graph_module, example_inputs, **options):
@@ -130,13 +129,11 @@ def test_compiled_decoding_gives_the_eager_tokens(name):
         return torch._inductor.compile(graph_module, example_inputs)
 
     model = tiny_model(name)
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=recording_inductor)
-    config._compile_all_devices = True  # generate compiles on accelerators only unless told
-    arguments = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+    arguments = dict(max_new_tokens=8, do_sample=False, **compiled_decoding(backend=recording_inductor))
     torch._dynamo.reset()
     with threads(2), torch.no_grad():
         eager = model.generate(prompt(), **arguments, disable_compile=True)
-        compiled = model.generate(prompt(), **arguments, compile_config=config)
+        compiled = model.generate(prompt(), **arguments)
     torch._dynamo.reset()
     assert torch.equal(compiled, eager)
     assert any(node.target is torch.bmm for graph in graphs for node in graph.graph.nodes)

@@ -358,17 +358,15 @@ def test_fullgraph_compiled_static_decode_with_the_default_experts_kernel():
     """`_can_compile_fullgraph` holds for MoE with transformers' default kernel ("grouped_mm": no
     data-dependent shapes); our grouped "eager" forward reads per-expert counts on the host and
     would break the graph. Traced with dynamo's "eager" backend to keep the test short."""
-    from transformers import CompileConfig
+    from modular_decoder import compiled_decoding
 
     torch._dynamo.reset()
     model = _moe_tiny("mixtral")
     assert model.config._experts_implementation == "grouped_mm"
     ids = prompt(2, 6)
     expected = model.generate(ids, max_new_tokens=6, do_sample=False)
-    config = CompileConfig(fullgraph=True, mode="default", backend="eager", dynamic=False)
-    config._compile_all_devices = True  # generate() compiles only on accelerators unless told
-    compiled = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
-                              compile_config=config)
+    compiled = model.generate(ids, max_new_tokens=6, do_sample=False,
+                              **compiled_decoding(mode="default", backend="eager"))
     assert hasattr(model, "_compiled_call")
     assert torch.equal(compiled, expected)
 

@@ -14,6 +14,9 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decode step (torch.compile through generate, static cache): a one-time "
+                             "compile (about a minute for SmolLM2 on 2 cores), then about twice the tokens/s on a CPU")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,10 +37,13 @@ def load_checkpoint(folder: Path):
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
+    from modular_decoder import compiled_decoding
+
+    compiled = compiled_decoding() if getattr(args, "compile", False) else {}
     if args.temperature <= 0:
-        return {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+        return {"max_new_tokens": args.max_new_tokens, "do_sample": False, **compiled}
     return {"max_new_tokens": args.max_new_tokens, "do_sample": True, "temperature": args.temperature,
-            "top_p": args.top_p}
+            "top_p": args.top_p, **compiled}
 
 
 def stream(model, tokenizer, inputs: dict, args: argparse.Namespace):
