@@ -66,6 +66,29 @@ def test_chat_uses_the_template_and_streams(tmp_path, capsys, monkeypatch):
     assert out.startswith("> ") and tokenizer.decode(new, skip_special_tokens=True).strip() in out
 
 
+def test_chat_compile_compiles_once_for_a_growing_conversation(tmp_path, capsys, monkeypatch):
+    """`chat --compile`: the static cache is sized in steps of CACHE_STEP tokens, so turns that grow the
+    conversation reuse the compiled step instead of compiling again each turn."""
+    import modular_decoder
+    from modular_decoder.commands.generate import CACHE_STEP
+
+    _checkpoint(tmp_path)
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs, **options):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    real = modular_decoder.compiled_decoding
+    monkeypatch.setattr(modular_decoder, "compiled_decoding", lambda: real(backend=recording_backend))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello world\nthe quick brown fox\nmore words here\n\n"))
+    torch._dynamo.reset()
+    assert main(["chat", str(tmp_path), "--max-new-tokens", "6", "--compile"]) == 0
+    torch._dynamo.reset()
+    assert capsys.readouterr().out.count("> ") >= 3 and CACHE_STEP > 3 * 16
+    assert len(graphs) == 1
+
+
 def test_plot_cache_png(tmp_path, capsys):
     from modular_decoder.commands.plot import figure_configs
 

@@ -7,6 +7,10 @@ import argparse
 from pathlib import Path
 
 
+# `--compile`: the static cache grows in steps of this many tokens (each step compiles the decode step again)
+CACHE_STEP = 512
+
+
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by `generate` and `chat`."""
     parser.add_argument("folder", type=Path, help="a checkpoint folder (model + tokenizer)")
@@ -53,9 +57,14 @@ def stream(model, tokenizer, inputs: dict, args: argparse.Namespace):
 
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    kwargs = generation_kwargs(args)
+    if "compile_config" in kwargs:
+        # The compiled step is specialised to the static cache's length: size it in steps of CACHE_STEP
+        # tokens, so that a chat whose turns grow recompiles once per step, not once per turn
+        needed = inputs["input_ids"].shape[1] + args.max_new_tokens
+        kwargs["max_cache_len"] = -(-needed // CACHE_STEP) * CACHE_STEP
     with torch.no_grad():
-        output = model.generate(**inputs, streamer=streamer, pad_token_id=tokenizer.pad_token_id,
-                                **generation_kwargs(args))
+        output = model.generate(**inputs, streamer=streamer, pad_token_id=tokenizer.pad_token_id, **kwargs)
     return output[0, inputs["input_ids"].shape[1]:]
 
 
