@@ -36,3 +36,14 @@ def greedy_no_cache(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
 def prompt(batch: int = 1, length: int = 6, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab, (batch, length), generator=generator)
+
+
+def recording_backend(graphs: list, inductor: bool = False):
+    """A `torch.compile` backend that keeps every graph it is given in `graphs` (to look inside), then runs
+    it as traced or, with `inductor`, compiled by inductor. Takes the mode / options `generate` passes."""
+
+    def backend(graph_module, example_inputs, **options):
+        graphs.append(graph_module)
+        return torch._inductor.compile(graph_module, example_inputs) if inductor else graph_module.forward
+
+    return backend

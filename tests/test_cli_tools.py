@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 
 import torch
+from decoding import recording_backend
 from tiny_tokenizer import tiny_tokenizer
 
 from modular_decoder import ModularDecoderForCausalLM, cache_bytes, preset_config
@@ -20,6 +21,17 @@ def _checkpoint(tmp_path):
     return model, tokenizer
 
 
+def _record_compiled_graphs(monkeypatch) -> list:
+    """The graphs the CLI's `--compile` hands to `torch.compile` (traced, run as traced)."""
+    import modular_decoder
+
+    graphs = []
+    backend, real = recording_backend(graphs), modular_decoder.compiled_decoding
+    # one backend for every call: generate reuses its compiled step only for an equal CompileConfig
+    monkeypatch.setattr(modular_decoder, "compiled_decoding", lambda: real(backend=backend))
+    return graphs
+
+
 def test_generate_streams_the_greedy_completion(tmp_path, capsys):
     model, tokenizer = _checkpoint(tmp_path)
     assert main(["generate", str(tmp_path), "the quick brown", "--max-new-tokens", "10"]) == 0
@@ -32,17 +44,8 @@ def test_generate_streams_the_greedy_completion(tmp_path, capsys):
 
 def test_generate_compile_streams_the_same_completion_through_a_compiled_step(tmp_path, capsys, monkeypatch):
     """`--compile` decodes through transformers' compiled step (`compiled_decoding`); the text is eager's."""
-    import modular_decoder
-
     model, tokenizer = _checkpoint(tmp_path)
-    graphs = []
-
-    def recording_backend(graph_module, example_inputs, **options):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    real = modular_decoder.compiled_decoding
-    monkeypatch.setattr(modular_decoder, "compiled_decoding", lambda: real(backend=recording_backend))
+    graphs = _record_compiled_graphs(monkeypatch)
     torch._dynamo.reset()
     assert main(["generate", str(tmp_path), "the quick brown", "--max-new-tokens", "10", "--compile"]) == 0
     torch._dynamo.reset()
@@ -69,18 +72,10 @@ def test_chat_uses_the_template_and_streams(tmp_path, capsys, monkeypatch):
 def test_chat_compile_compiles_once_for_a_growing_conversation(tmp_path, capsys, monkeypatch):
     """`chat --compile`: the static cache is sized in steps of CACHE_STEP tokens, so turns that grow the
     conversation reuse the compiled step instead of compiling again each turn."""
-    import modular_decoder
     from modular_decoder.commands.generate import CACHE_STEP
 
     _checkpoint(tmp_path)
-    graphs = []
-
-    def recording_backend(graph_module, example_inputs, **options):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    real = modular_decoder.compiled_decoding
-    monkeypatch.setattr(modular_decoder, "compiled_decoding", lambda: real(backend=recording_backend))
+    graphs = _record_compiled_graphs(monkeypatch)
     monkeypatch.setattr("sys.stdin", io.StringIO("hello world\nthe quick brown fox\nmore words here\n\n"))
     torch._dynamo.reset()
     assert main(["chat", str(tmp_path), "--max-new-tokens", "6", "--compile"]) == 0

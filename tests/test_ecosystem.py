@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Ll
 import modular_decoder  # noqa: F401  (registers the Auto classes)
 from modular_decoder import compiled_decoding
 from modular_decoder.conversion import convert
+from decoding import recording_backend
 from tiny_tokenizer import tiny_tokenizer
 
 TESTS = Path(__file__).parent
@@ -346,16 +347,13 @@ def test_compiled_decode_through_generate(folders, two_threads):
     and Llama's under the same compilation, and the split products are in the compiled decode graph."""
     graphs = []
 
-    def recording_inductor(graph_module, example_inputs, **options):  # generate passes its mode / options
-        graphs.append(graph_module)
-        return torch._inductor.compile(graph_module, example_inputs)
-
     prompt_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     tokens = {}
     for side in SIDES:
         torch._dynamo.reset()
         model = load(folders, side)
-        arguments = dict(max_new_tokens=8, do_sample=False, **compiled_decoding(backend=recording_inductor))
+        arguments = dict(max_new_tokens=8, do_sample=False,
+                         **compiled_decoding(backend=recording_backend(graphs, inductor=True)))
         with torch.no_grad():
             eager = model.generate(prompt_ids, **arguments, disable_compile=True)
             graphs.clear()

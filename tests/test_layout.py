@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from decoding import prompt, tiny_model
+from decoding import prompt, recording_backend, tiny_model
 from modular_decoder import compiled_decoding
 from modular_decoder.layout import linear, project, set_split_products
 from modular_decoder.tools.presets import PRESETS
@@ -100,14 +100,9 @@ def test_compile_keeps_the_split_and_export_traces_f_linear():
     module = _Projection(nn.Linear(48, 96).requires_grad_(False))
     x = torch.randn(1, 1, 48)
     graphs = []
-
-    def recording_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
     torch._dynamo.reset()
     with threads(2), torch.no_grad():
-        y = torch.compile(module, backend=recording_backend, fullgraph=True)(x)
+        y = torch.compile(module, backend=recording_backend(graphs), fullgraph=True)(x)
         exported = torch.export.export(module, (x,), strict=True)
     torch._dynamo.reset()
     torch.testing.assert_close(y, F.linear(x, module.layer.weight, module.layer.bias), rtol=1e-5, atol=1e-5)
@@ -123,13 +118,9 @@ def test_compiled_decoding_gives_the_eager_tokens(name):
     graph, on sandwich norms + soft-caps + sliding windows, experts, and MLA with grouped routing: the greedy tokens
     of eager decoding (Llama's layout beside transformers' own class: tests/test_ecosystem.py)."""
     graphs = []
-
-    def recording_inductor(graph_module, example_inputs, **options):
-        graphs.append(graph_module)
-        return torch._inductor.compile(graph_module, example_inputs)
-
     model = tiny_model(name)
-    arguments = dict(max_new_tokens=8, do_sample=False, **compiled_decoding(backend=recording_inductor))
+    arguments = dict(max_new_tokens=8, do_sample=False,
+                     **compiled_decoding(backend=recording_backend(graphs, inductor=True)))
     torch._dynamo.reset()
     with threads(2), torch.no_grad():
         eager = model.generate(prompt(), **arguments, disable_compile=True)

@@ -40,14 +40,18 @@ def load_checkpoint(folder: Path):
     return model, AutoTokenizer.from_pretrained(folder)
 
 
-def generation_kwargs(args: argparse.Namespace) -> dict:
-    from modular_decoder import compiled_decoding
+def generation_kwargs(args: argparse.Namespace, prompt_length: int) -> dict:
+    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0}
+    if args.temperature > 0:
+        kwargs |= {"temperature": args.temperature, "top_p": args.top_p}
+    if args.compile:
+        from modular_decoder import compiled_decoding
 
-    compiled = compiled_decoding() if getattr(args, "compile", False) else {}
-    if args.temperature <= 0:
-        return {"max_new_tokens": args.max_new_tokens, "do_sample": False, **compiled}
-    return {"max_new_tokens": args.max_new_tokens, "do_sample": True, "temperature": args.temperature,
-            "top_p": args.top_p, **compiled}
+        # The compiled step is specialised to the static cache's length: size it in steps of CACHE_STEP
+        # tokens, so that a chat whose turns grow recompiles once per step, not once per turn
+        needed = prompt_length + args.max_new_tokens
+        kwargs |= compiled_decoding() | {"max_cache_len": -(-needed // CACHE_STEP) * CACHE_STEP}
+    return kwargs
 
 
 def stream(model, tokenizer, inputs: dict, args: argparse.Namespace):
@@ -57,12 +61,7 @@ def stream(model, tokenizer, inputs: dict, args: argparse.Namespace):
 
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs = generation_kwargs(args)
-    if "compile_config" in kwargs:
-        # The compiled step is specialised to the static cache's length: size it in steps of CACHE_STEP
-        # tokens, so that a chat whose turns grow recompiles once per step, not once per turn
-        needed = inputs["input_ids"].shape[1] + args.max_new_tokens
-        kwargs["max_cache_len"] = -(-needed // CACHE_STEP) * CACHE_STEP
+    kwargs = generation_kwargs(args, inputs["input_ids"].shape[1])
     with torch.no_grad():
         output = model.generate(**inputs, streamer=streamer, pad_token_id=tokenizer.pad_token_id, **kwargs)
     return output[0, inputs["input_ids"].shape[1]:]
