@@ -147,6 +147,7 @@ def measure(args) -> dict:
     import transformers
 
     import modular_decoder  # noqa: F401  (registers the family)
+    from modular_decoder.compat import experts_implementation
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,7 +176,7 @@ def measure(args) -> dict:
         # where the resident memory is: safetensors weights stay memory-mapped (file pages, entering RSS
         # when first read) unless a load converts them
         "after_load_mb": loaded_split, "after_decode_mb": decoded_split,
-        "experts_implementation": model.config._experts_implementation if _has_experts(model) else None,
+        "experts_implementation": experts_implementation(model.config) if _has_experts(model) else None,
     }
     if args.budget_mb:
         residue = {}

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from modular_decoder.compat import attn_implementation, experts_implementation
 from modular_decoder.layout import set_split_products
 
 from modular_decoder import parameter_count
@@ -398,12 +399,12 @@ def main(argv=None) -> int:
             weight_bytes = bytes_read_per_step(ours)
             step_bytes = active_bytes_read_per_step(ours)
             counts = parameter_count(ours.config)
-            backends = {"transformers": reference.config._attn_implementation, "ours": ours.config._attn_implementation}
+            backends = {"transformers": attn_implementation(reference.config), "ours": attn_implementation(ours.config)}
             experts = reference_experts = None
             if moe:
                 if args.reference_experts_implementation:
                     reference.set_experts_implementation(args.reference_experts_implementation)
-                reference_experts = reference.config._experts_implementation
+                reference_experts = experts_implementation(reference.config)
                 vocab = reference.config.get_text_config().vocab_size
                 generator = torch.Generator().manual_seed(3)
                 experts = choose_experts(ours, torch.randint(0, vocab, (1, args.prefill), generator=generator),

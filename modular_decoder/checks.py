@@ -230,7 +230,7 @@ def _weight_files(folder: str, variant: str | None, kwargs: dict) -> list[str] |
 
         def resolve(name: str) -> str | None:  # downloads what `from_pretrained` downloads next anyway
             try:
-                return cached_file(folder, name, _raise_exceptions_for_missing_entries=False, **download)
+                return cached_file(folder, name, **download)  # a missing file raises OSError
             except (OSError, ValueError):
                 return None
 

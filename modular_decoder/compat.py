@@ -188,3 +188,64 @@ def cache_of(outputs):
     if isinstance(outputs, dict) and not hasattr(outputs, CACHE_NAME):
         return outputs.get(CACHE_NAME)
     return getattr(outputs, CACHE_NAME, None)
+
+
+# --- transformers' private state, read or written through these names (the same on 5.16.1 to 5.25) ---
+
+
+def attn_implementation(config) -> str | None:
+    """The attention backend `config` selects (`config._attn_implementation`: transformers has no public
+    getter; its own model code, and ours in `backends.py` / `mla.py`, read that attribute directly)."""
+    return config._attn_implementation
+
+
+def experts_implementation(config) -> str | None:
+    """The experts kernel `config` selects (`config._experts_implementation`, read by transformers'
+    `use_experts_implementation` decorator; no public getter). `set_experts_implementation` sets it."""
+    return config._experts_implementation
+
+
+def static_cache_length(model, length: int) -> int:
+    """The length of a static cache `generate` builds for `model`: never shorter than an earlier call's, so
+    a compiled decode step sees the same shapes call after call. transformers' `_prepare_static_cache`
+    keeps that length on the model as `_previous_max_cache_length`; this reads and updates the same
+    attribute, so our cache and transformers' agree whichever built the last one."""
+    length = max(length, getattr(model, "_previous_max_cache_length", -1))
+    model._previous_max_cache_length = length
+    return length
+
+
+def compile_on_all_devices(compile_config):
+    """Mark a `CompileConfig` so that `generate` compiles its decode step on any device, CPUs included
+    (transformers does it by itself on accelerators only; `CompileConfig._compile_all_devices` is the
+    flag it reads, with no public setter)."""
+    compile_config._compile_all_devices = True
+    return compile_config
+
+
+def run_config_validators(config, base: type) -> None:
+    """What `config.validate()` runs (transformers calls it when saving), with each validator looked up on
+    `config` so that a subclass's override runs instead of `base`'s.
+
+    huggingface_hub's `@strict`, which transformers puts on `PretrainedConfig`, treats every public method
+    named `validate_*` that takes only `self` as a class validator, collects them on the decorated class
+    and calls them unbound, so a subclass's override of one (our `validate_rope`) would be skipped.
+    """
+    for name in dir(base):
+        method = getattr(base, name)
+        if name.startswith("validate_") and callable(method) and len(inspect.signature(method).parameters) == 1:
+            getattr(config, name)()
+
+
+# --- Hooks: private methods of transformers' base classes that `modeling_modular_decoder.py` overrides on
+# its own classes, as transformers' models do. Their signatures and call sites are the same on 5.16.1 to
+# 5.25 (the version test exercises each: `from_pretrained` calls the first two, `generate` the third):
+# - `PreTrainedModel._check_and_adjust_attn_implementation(attn_implementation, is_init_check, ...)`:
+#   refuses a backend that cannot honour the config before transformers picks a kernel;
+# - `PreTrainedModel._can_set_experts_implementation()` (classmethod): transformers guesses it from the
+#   modeling file's source, but the experts module lives in `moe.py`;
+# - `GenerationMixin._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
+#   batch_size, max_cache_length)`: builds this family's cache (stored under `CACHE_NAME`).
+# Class attributes transformers reads by convention: `_rope_type_labels` on the config (the keys of a
+# nested `rope_parameters`), and the usual `_supports_*`, `_no_split_modules`, `_tied_weights_keys`,
+# `_can_record_outputs`, `_keep_in_fp32_modules_strict`, `_tp_plan` / `_pp_plan` on the models.

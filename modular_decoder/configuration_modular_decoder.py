@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 # first: importing compat checks the transformers version, before anything below can fail on an older one
-from .compat import convert_nested_rope_params, plan_additions  # isort: skip
+from .compat import convert_nested_rope_params, plan_additions, run_config_validators  # isort: skip
 
 from transformers import PretrainedConfig  # noqa: E402
 
@@ -352,8 +352,7 @@ class ModularDecoderConfig(PretrainedConfig):
     def validate(self) -> None:
         """The class validators transformers runs when saving, looked up on this class, so that the
         `validate_rope` above replaces the mixin's (which reads an MLA config's unused `head_dim`)."""
-        for validator in getattr(PretrainedConfig, "__class_validators__", ()):
-            getattr(self, validator.__name__)()
+        run_config_validators(self, PretrainedConfig)
 
     @property
     def uses_rope(self) -> bool:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
-from .compat import accepts_past_key_values, cache_of, slice_logits_to_keep, with_cache  # isort: skip
+from .compat import (  # isort: skip
+    accepts_past_key_values, attn_implementation, cache_of, slice_logits_to_keep, static_cache_length, with_cache,
+)
 
 import torch  # noqa: E402
 from torch import nn
@@ -63,7 +65,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         """Whether `experts_implementation=` (and transformers' experts kernels) apply: transformers
         guesses it by searching the modeling file for its decorator, but the experts module lives in
         moe.py, decorated there whenever this transformers has the kernels. With it, transformers'
-        default is its own ("grouped_mm"); "eager" selects `moe.Experts.forward`."""
+        default is its own ("grouped_mm"); "eager" selects `moe.Experts.forward`. (A hook of
+        transformers' `PreTrainedModel`, as is the next: see compat.py.)"""
         return experts_kernels_available()
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
@@ -231,7 +234,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         """A (B, seen + new) all-ones mask for the flash backends over a static cache: with no mask,
         they would attend to the cache's empty slots (their causal mask ends at the last slot).
         transformers' own models share this gap; the other backends mask by position already."""
-        if canonical_backend(self.config._attn_implementation) not in BOTTOM_RIGHT_CAUSAL:
+        if canonical_backend(attn_implementation(self.config)) not in BOTTOM_RIGHT_CAUSAL:
             return None
         batch, seq = inputs_embeds.shape[:2]
         return torch.ones(batch, past_seen + seq, dtype=torch.long, device=inputs_embeds.device)
@@ -281,7 +284,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
     def _alibi_kwargs(self, hidden: torch.Tensor, cache) -> dict:
         """ALiBi per layer type: the slopes for backends that take them (flex, flash), else the
         (1, H, T_q, T_k) `position_bias` over the keys each layer will see (eager, sdpa)."""
-        if takes_alibi_slopes(self.config._attn_implementation):
+        if takes_alibi_slopes(attn_implementation(self.config)):
             return {layer_type: {"alibi_slopes": self.alibi.slopes} for layer_type in set(self.config.layer_types)}
         seq = hidden.shape[1]
         kwargs = {}
@@ -430,7 +433,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ):
-        """generate() builds this family's own cache unless the user passed one or asked for another."""
+        """generate() builds this family's own cache unless the user passed one or asked for another
+        (a hook of transformers' `GenerationMixin`: see compat.py)."""
         implementation = generation_config.cache_implementation
         if cache_of(model_kwargs) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
@@ -441,10 +445,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         elif implementation == "static":
             # As transformers' models do: never shorter than an earlier call's static cache, so a
             # compiled decode step sees the same shapes (no recompilation) call after call.
-            max_cache_length = max(
-                max_cache_length, generation_config.max_cache_len or 0, getattr(self, "_previous_max_cache_length", 0)
-            )
-            self._previous_max_cache_length = max_cache_length
+            max_cache_length = static_cache_length(self, max(max_cache_length, generation_config.max_cache_len or 0))
             cache = ModularDecoderCache(self.config, "static", max_cache_len=max_cache_length)
         elif implementation == "quantized" and (generation_config.cache_config or {}).get("backend", "int8") == "int8":
             # This family's int8 K/V (`cache_config={"backend": "int8"}`, the default here); other

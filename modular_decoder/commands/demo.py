@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import modular_decoder
+    from modular_decoder.compat import attn_implementation
     from modular_decoder.conversion import convert
 
     if args.force or not (args.out / "config.json").exists():
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.out).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.out)
     print(f"loaded {type(model).__name__} ({model.num_parameters():,} parameters, "
-          f"attention backend {model.config._attn_implementation})")
+          f"attention backend {attn_implementation(model.config)})")
 
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",

@@ -10,6 +10,8 @@ compile of about 50 s (`python -m benchmarks.compiled_decode`).
 
 from __future__ import annotations
 
+from modular_decoder.compat import compile_on_all_devices
+
 
 def compiled_decoding(**compile_options) -> dict:
     """Keyword arguments for `generate` that compile its decode step with `torch.compile`:
@@ -23,6 +25,4 @@ def compiled_decoding(**compile_options) -> dict:
     from transformers import CompileConfig
 
     options = {"fullgraph": True, "dynamic": False} | compile_options
-    config = CompileConfig(**options)
-    config._compile_all_devices = True  # transformers' flag: compile on devices other than accelerators too
-    return {"cache_implementation": "static", "compile_config": config}
+    return {"cache_implementation": "static", "compile_config": compile_on_all_devices(CompileConfig(**options))}

@@ -37,13 +37,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from modular_decoder import contract
+from modular_decoder import compat, contract
 from modular_decoder.backends import BACKEND_FEATURES, missing_features
 from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.checks import read_json_file, read_safetensors_header
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
 from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
+from modular_decoder.moe import experts_kernels_available
 
 # Largest |Δlogit| accepted where the same math runs in a different order (cache vs full forward,
 # chunked vs whole prefix), by compute dtype. Exact checks (causality, bytes) use no tolerance.
@@ -239,10 +241,10 @@ def batch_invariant_experts(model):
     (causality, padding) need each token's arithmetic fixed, which per-pair products give. Models
     without routed experts, or without transformers' kernels, are left as they are.
     """
-    if not model.config.mlp_kind.routed or not model._can_set_experts_implementation():
+    if not model.config.mlp_kind.routed or not experts_kernels_available():
         yield
         return
-    previous = model.config._experts_implementation
+    previous = compat.experts_implementation(model.config)
     model.set_experts_implementation("batched_mm")
     try:
         yield
@@ -372,7 +374,7 @@ def _backend_unavailable(backend: str, device: torch.device, requested: bool) ->
 
 def check_backends(ctx: _Context, backends: list[str] | None = None) -> str:
     model, config = ctx.model, ctx.config
-    original = config._attn_implementation
+    original = compat.attn_implementation(config)
     names = backends or [b for b in BACKEND_FEATURES if b != "eager"]
     seq = ctx.seq_len
     ids = ctx.ids(2, seq)
@@ -573,7 +575,7 @@ def load_target(target, dtype: torch.dtype = torch.float32, attn_implementation:
         return target.eval(), None, f"model {type(target).__name__}"
     if isinstance(target, ModularDecoderConfig):
         torch.manual_seed(0)
-        model = ModularDecoderForCausalLM._from_config(target, attn_implementation=attn_implementation, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(target, attn_implementation=attn_implementation, dtype=dtype)
         return model.eval(), None, "config (random weights)"
     folder = Path(target)
     if not folder.exists():

@@ -25,10 +25,10 @@ import statistics
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
 from modular_decoder.contract import cache_bytes_per_token, parameter_count
-from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
 from . import corpus
 from .ffn_budget import gated_width
 
@@ -72,7 +72,7 @@ def train(name: str, tokens: int, seed: int = 0, lr: float = 3e-3, data: torch.T
     """Train variant `name` for `tokens` tokens (AdamW, 10% warm-up, cosine decay); return its row."""
     config = config_for(name)
     torch.manual_seed(seed)
-    model = ModularDecoderForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     ids = corpus.token_ids(300_000, seed) if data is None else data
     split = int(0.9 * len(ids))
     train_stream = corpus.batches(ids[:split], BATCH, SEQ, seed)

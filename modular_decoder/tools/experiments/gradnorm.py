@@ -26,6 +26,7 @@ import math
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.tools.presets import preset_config
@@ -64,7 +65,7 @@ def decoder_model(condition: Condition, vocab_size: int = corpus.VOCAB_SIZE) -> 
         intermediate_size=4 * condition.hidden, num_hidden_layers=condition.layers,
         num_attention_heads=max(1, condition.hidden // 64), max_position_embeddings=max(512, condition.seq),
     )
-    model = ModularDecoderForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     if condition.init == "xavier":
         _xavier(model)
     return model
