@@ -45,6 +45,123 @@ import torch  # noqa: E402
 from transformers.masking_utils import create_causal_mask  # noqa: E402
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 
+# --- What differs between the supported releases, each with the releases it is for ---
+
+
+# transformers 5.24 renamed the cache from `past_key_values` to `cache` everywhere at once: the forwards'
+# argument, the model outputs' field, generate's `model_kwargs` key and `create_causal_mask`'s argument.
+# The family's forwards take `cache=` on every version; what it hands to or reads from transformers
+# goes by this name.
+CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+def accepts_past_key_values(forward):
+    """Decorate a forward taking `cache=` so that it also takes `past_key_values=` (PEFT's prefix tuning
+    passes that name): transformers' deprecation shim from 5.24, where it is the old name; a silent
+    rename before, where it is the name transformers itself (generate) passes."""
+    if CACHE_NAME == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def renamed(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            if kwargs.get("cache") is not None:
+                raise ValueError("Pass the cache once, as `cache=` or `past_key_values=`, not both.")
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        return forward(*args, **kwargs)
+
+    return renamed
+
+
+def with_cache(cache) -> dict:
+    """`{name: cache}` for a transformers call or output that takes the cache (`create_causal_mask`,
+    `ModelOutput` classes, generate's `model_kwargs`)."""
+    return {CACHE_NAME: cache}
+
+
+def cache_of(outputs):
+    """The cache a transformers model output (or generate's `model_kwargs` dict) carries, or `None`."""
+    if isinstance(outputs, dict) and not hasattr(outputs, CACHE_NAME):
+        return outputs.get(CACHE_NAME)
+    return getattr(outputs, CACHE_NAME, None)
+
+
+
+
+def plan_additions(assigned: dict, built: dict) -> dict:
+    """The entries of a parallelism plan that transformers assigned to the config beyond the ones the
+    config builds from its kinds (the config's plans are properties, so an assignment keeps only these).
+
+    transformers 5.16-5.20: `PretrainedConfig.__post_init__` assigns `base_model_tp_plan` plus
+    `{"embed_tokens": "embedding_rowwise"}` when the embeddings are tied; 5.21 moved that to the model
+    (`distributed/mixin.py`) and assigns nothing.
+    """
+    return {name: style for name, style in assigned.items() if built.get(name) != style}
+
+
+def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
+    """`convert_rope_params_to_dict` for a `rope_parameters` nested by layer type on transformers 5.16-5.17,
+    which put the `rope_theta` / `partial_rotary_factor` defaults beside the nested dicts (a nested dict then
+    reads as a flat one with unknown keys; only transformers' own nested models override this). As 5.18 does,
+    the defaults go into each nested dict. Returns the remaining `kwargs`, or `None` where transformers'
+    own conversion is right (5.18 on, or a flat dict).
+    """
+    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
+
+    if hasattr(RotaryEmbeddingConfigMixin, "nested_rope_parameter_keys"):  # 5.18 on
+        return None
+    params = kwargs.get("rope_scaling") or config.rope_parameters
+    nested = [key for key in params or () if key in config._rope_type_labels]
+    if not nested:
+        return None
+    kwargs.pop("rope_scaling", None)
+    config.rope_parameters = params
+    theta = kwargs.pop("rope_theta", getattr(config, "rope_theta", config.default_theta))
+    factor = kwargs.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    for key in nested:
+        if params[key] is not None:
+            params[key].setdefault("rope_theta", theta)
+            if factor is not None:
+                params[key].setdefault("partial_rotary_factor", factor)
+    if factor is not None:
+        config.ignore_keys_at_rope_validation = set(config.ignore_keys_at_rope_validation or ()) | {
+            "partial_rotary_factor"
+        }
+    config.standardize_rope_params()
+    return kwargs
+
+
+def experts_ep_plan() -> dict[str, str]:
+    """Expert-parallel styles of a sparse layer's router and experts (whole experts per rank: `grouped_gemm`
+    shards their first dimension), as transformers' own Mixtral names them on this release.
+
+    5.19 on: the experts module dispatches each token to its experts' rank (`ep_dispatch_experts`).
+    5.16-5.18: every rank routes, the router style masks the experts other ranks hold (`ep_router` on
+    `mlp.gate`, which reads the router's `num_experts`) and the partial outputs are summed (`moe_tp_experts`).
+    """
+    from packaging.version import Version
+    from transformers import __version__
+
+    plan = {"mlp.experts.gate_up_proj": "grouped_gemm", "mlp.experts.down_proj": "grouped_gemm"}
+    if Version(__version__) >= Version("5.19.0"):
+        return {**plan, "mlp.experts": "ep_dispatch_experts"}
+    return {"mlp.gate": "ep_router", **plan, "mlp.experts": "moe_tp_experts"}
+
+
+try:  # transformers 5.21 on
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # 5.16-5.20: what their models do inline (an int keeps the last k positions, a tensor indexes)
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The positions of `hidden_states` whose logits are wanted (`0` keeps all)."""
+        indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, indices, :]
+
+
+# --- transformers' internals (the same on 5.16.1 to 5.25): the flash / flex helpers ALiBi needs, the experts
+# kernels' decorator, private state read or written through named functions, and the hooks we override ---
+
+
 # backend -> {module: the private names taken from it}
 _INTERNALS = {
     "flash": {
@@ -97,100 +214,6 @@ def experts_kernels():
     except ImportError:
         return None
     return getattr(module, "use_experts_implementation", None)
-
-
-def plan_additions(assigned: dict, built: dict) -> dict:
-    """The entries of a parallelism plan that transformers assigned to the config beyond the ones the
-    config builds from its kinds (the config's plans are properties, so an assignment keeps only these).
-
-    transformers 5.16-5.20: `PretrainedConfig.__post_init__` assigns `base_model_tp_plan` plus
-    `{"embed_tokens": "embedding_rowwise"}` when the embeddings are tied; 5.21 moved that to the model
-    (`distributed/mixin.py`) and assigns nothing.
-    """
-    return {name: style for name, style in assigned.items() if built.get(name) != style}
-
-
-def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
-    """`convert_rope_params_to_dict` for a `rope_parameters` nested by layer type on transformers 5.16-5.17,
-    which put the `rope_theta` / `partial_rotary_factor` defaults beside the nested dicts (a nested dict then
-    reads as a flat one with unknown keys; only transformers' own nested models override this). As 5.18 does,
-    the defaults go into each nested dict. Returns the remaining `kwargs`, or `None` where transformers'
-    own conversion is right (5.18 on, or a flat dict).
-    """
-    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
-
-    if hasattr(RotaryEmbeddingConfigMixin, "nested_rope_parameter_keys"):  # 5.18 on
-        return None
-    params = kwargs.get("rope_scaling") or config.rope_parameters
-    nested = [key for key in params or () if key in config._rope_type_labels]
-    if not nested:
-        return None
-    kwargs.pop("rope_scaling", None)
-    config.rope_parameters = params
-    theta = kwargs.pop("rope_theta", getattr(config, "rope_theta", config.default_theta))
-    factor = kwargs.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    for key in nested:
-        if params[key] is not None:
-            params[key].setdefault("rope_theta", theta)
-            if factor is not None:
-                params[key].setdefault("partial_rotary_factor", factor)
-    if factor is not None:
-        config.ignore_keys_at_rope_validation = set(config.ignore_keys_at_rope_validation or ()) | {
-            "partial_rotary_factor"
-        }
-    config.standardize_rope_params()
-    return kwargs
-
-
-try:  # transformers 5.21 on
-    from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # 5.16-5.20: what their models do inline (an int keeps the last k positions, a tensor indexes)
-
-    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-        """The positions of `hidden_states` whose logits are wanted (`0` keeps all)."""
-        indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return hidden_states[:, indices, :]
-
-
-# transformers 5.24 renamed the cache from `past_key_values` to `cache` everywhere at once: the forwards'
-# argument, the model outputs' field, generate's `model_kwargs` key and `create_causal_mask`'s argument.
-# The family's forwards take `cache=` on every version; what it hands to or reads from transformers
-# goes by this name.
-CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-
-
-def accepts_past_key_values(forward):
-    """Decorate a forward taking `cache=` so that it also takes `past_key_values=` (PEFT's prefix tuning
-    passes that name): transformers' deprecation shim from 5.24, where it is the old name; a silent
-    rename before, where it is the name transformers itself (generate) passes."""
-    if CACHE_NAME == "cache":
-        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
-
-    @functools.wraps(forward)
-    def renamed(*args, **kwargs):
-        if "past_key_values" in kwargs:
-            if kwargs.get("cache") is not None:
-                raise ValueError("Pass the cache once, as `cache=` or `past_key_values=`, not both.")
-            kwargs["cache"] = kwargs.pop("past_key_values")
-        return forward(*args, **kwargs)
-
-    return renamed
-
-
-def with_cache(cache) -> dict:
-    """`{name: cache}` for a transformers call or output that takes the cache (`create_causal_mask`,
-    `ModelOutput` classes, generate's `model_kwargs`)."""
-    return {CACHE_NAME: cache}
-
-
-def cache_of(outputs):
-    """The cache a transformers model output (or generate's `model_kwargs` dict) carries, or `None`."""
-    if isinstance(outputs, dict) and not hasattr(outputs, CACHE_NAME):
-        return outputs.get(CACHE_NAME)
-    return getattr(outputs, CACHE_NAME, None)
-
-
-# --- transformers' private state, read or written through these names (the same on 5.16.1 to 5.25) ---
 
 
 def attn_implementation(config) -> str | None:

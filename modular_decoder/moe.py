@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .compat import experts_kernels
+from .compat import experts_ep_plan, experts_kernels
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
 from .layout import linear
 from .mlp import GatedMLP, activated_parameters, mlp_tp_plan
@@ -145,6 +145,7 @@ class TopKRouter(nn.Module):
     def __init__(self, config):
         super().__init__()
         kind = ROUTERS[config.router_type]
+        self.num_experts = config.num_experts  # read by transformers' expert-parallel router style (< 5.19)
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         bias = torch.zeros(config.num_experts, dtype=torch.float32) if kind.score_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
@@ -387,8 +388,6 @@ MOE_FIELDS = (
 # transformers' names and styles for the experts module (mixtral, qwen*_moe, olmoe, deepseek_v2/v3)
 EXPERTS_TP_PLAN = {"mlp.experts.gate_up_proj": "packed_colwise", "mlp.experts.down_proj": "rowwise",
                    "mlp.experts": "moe_tp_experts"}
-EXPERTS_EP_PLAN = {"mlp.experts.gate_up_proj": "grouped_gemm", "mlp.experts.down_proj": "grouped_gemm",
-                   "mlp.experts": "ep_dispatch_experts"}
 
 
 # transformers' Mixtral / Qwen-MoE default weight of the load-balancing loss
@@ -524,8 +523,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
         return plan
 
     def ep_plan(self, config) -> dict[str, str]:
-        """Whole experts per rank (`grouped_gemm` shards dim 0); tokens dispatched to their experts' rank."""
-        return dict(EXPERTS_EP_PLAN)
+        """Whole experts per rank (`grouped_gemm` shards dim 0), in this transformers' styles (compat.py)."""
+        return experts_ep_plan()
 
     def fp32_parameters(self, config) -> tuple[str, ...]:
         """A sigmoid router's weight and correction bias stay fp32, as DeepSeek-V3 keeps them: its scores

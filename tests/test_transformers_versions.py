@@ -36,7 +36,7 @@ IDS = [[3, 1, 4, 1, 5, 9, 2, 6]]
 
 CHILD = textwrap.dedent(
     """
-    import json, sys
+    import fnmatch, json, sys
     sys.modules["modular_decoder"] = None  # any `import modular_decoder` now raises ImportError
     target, folders = sys.argv[1], sys.argv[2:]
     import torch, transformers
@@ -54,7 +54,12 @@ CHILD = textwrap.dedent(
         routed = model.config.mlp_type == "moe"
         with torch.no_grad():
             forward = model(ids, output_router_logits=routed)
-        out[folder] = {"logits": forward.logits[0, -1].tolist(),
+        from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+        plans = {**model.tp_plan, **getattr(model, "ep_plan", model._ep_plan)}  # no public `ep_plan` before 5.19
+        names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+        out[folder] = {"unknown_styles": sorted({s for s in plans.values() if s not in ALL_PARALLEL_STYLES}),
+                       "unmatched_keys": [k for k in plans if not any(fnmatch.fnmatchcase(n, k) for n in names)],
+                       "logits": forward.logits[0, -1].tolist(),
                        "aux_loss": forward.aux_loss.item() if routed else None,
                        "tokens": model.generate(ids, max_new_tokens=6, do_sample=False)[0].tolist(),
                        "static": model.generate(ids, max_new_tokens=6, do_sample=False,
@@ -200,6 +205,8 @@ def test_saved_folders_run_on_every_supported_transformers(tmp_path):
         assert child["version"] == version
         for name, folder in zip(PRESETS, folders):
             want, got = expected[folder], child[folder]
+            # the tensor- and expert-parallel plans name this release's styles and real modules
+            assert got["unknown_styles"] == got["unmatched_keys"] == [], (version, name, got)
             torch.testing.assert_close(torch.tensor(got["logits"]), want["logits"], rtol=0, atol=1e-5)
             if want["aux_loss"] is None:
                 assert got["aux_loss"] is None
