@@ -178,6 +178,10 @@ class FeedForwardKind(Kind):
         """Parameters block `layer_idx`'s feed-forward applies to one token (all of them unless routed)."""
         return self.parameters(config, layer_idx)
 
+    def backend_features(self, config) -> set[str]:
+        """Features of `backends.FEATURE_FIELDS` an engine running the whole model needs for this kind."""
+        return set()
+
     def tp_plan(self, config) -> dict[str, str]:
         """transformers tensor-parallel styles of the feed-forward's modules and parameters, keyed by their
         names in a block (`"mlp.up_proj"`), for the layers this config builds."""

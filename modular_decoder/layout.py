@@ -117,5 +117,7 @@ def _runs_plain(layer: nn.Module) -> bool:
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`; a plain `nn.Linear` without hooks goes through `linear` (a few rows run on all
-    cores). Anything else (PEFT / quantised layers, hooked or wrapped modules) is called as usual."""
-    return linear(x, layer.weight, layer.bias) if _enabled and _runs_plain(layer) else layer(x)
+    cores). Anything else (PEFT / quantised layers, hooked or wrapped modules, and a tracer's proxy `x`,
+    as vLLM's fx matcher passes, which must see the module call) is called as usual."""
+    plain = _enabled and type(x) in _PLAIN and _runs_plain(layer)
+    return linear(x, layer.weight, layer.bias) if plain else layer(x)
