@@ -25,7 +25,6 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.fx
 from torch import nn
 
 from .compat import flash_kernel_fallbacks, internals
@@ -42,6 +41,7 @@ FEATURE_FIELDS = {
     # expanded keys like any others; vLLM's latent attention takes neither.
     "latent_softcap": "attn_logit_softcapping with attention_type='mla'",
     "latent_window": "sliding_window / layer_types with attention_type='mla'",
+    "latent_head_dim": "head_dim other than kv_lora_rank + qk_rope_head_dim with attention_type='mla'",
     # Not attention, but what an engine that runs the whole model (vLLM: its own lm_head and experts) must honour
     "logits_scaling": "logits_scaling (logits divided by it)",
     "experts_activation": "hidden_act other than 'silu' with mlp_type='moe'",
@@ -66,9 +66,10 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "flash_attention_4": ALL_FEATURES - {"alibi"},
     # vLLM's Transformers modeling backend (`LLM(folder, model_impl="transformers")`) sets this
     # implementation while it builds the model: its attention never receives ALiBi slopes or a bias, its
-    # latent (MLA) attention has no cap or window, its lm_head multiplies by `logit_scale` rather than
+    # latent (MLA) attention has no cap or window and sizes its cache by `head_dim`, its lm_head multiplies by `logit_scale` rather than
     # dividing by `logits_scaling`, and its fused experts apply SiLU whatever `hidden_act` says.
-    "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "logits_scaling", "experts_activation"},
+    "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "logits_scaling",
+                            "experts_activation"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -297,13 +298,6 @@ class AttentionLayer(nn.Module):
         if self.softcap is not None:
             kwargs["softcap"] = self.softcap
         return kwargs
-
-
-def symbolic(x) -> bool:
-    """Whether `x` is a symbolic tracer's stand-in (`torch.fx.Proxy`) rather than a value. vLLM's
-    Transformers backend fx-traces attention forwards to find their projections, every argument a
-    proxy; it never passes a cache, so a traced forward must take the cache-free path it serves."""
-    return isinstance(x, torch.fx.Proxy)
 
 
 # ---------------------------------------------------------------------------------------------

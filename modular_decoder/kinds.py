@@ -125,6 +125,10 @@ class AttentionKind(Kind):
         """The attention of layer `layer_idx`."""
         return self.module(config, layer_idx)
 
+    def default_head_dim(self, config) -> int | None:
+        """`head_dim` where the config leaves it unset (`None`: hidden_size / num_attention_heads)."""
+        return None
+
     def rope_head_dim(self, config) -> int:
         """The head width RoPE sees (transformers' init functions apply `partial_rotary_factor` to it)."""
         raise NotImplementedError

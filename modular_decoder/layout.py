@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.fx
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
@@ -115,9 +116,17 @@ def _runs_plain(layer: nn.Module) -> bool:
     )
 
 
+def symbolic(x) -> bool:
+    """Whether `x` is a symbolic tracer's stand-in (`torch.fx.Proxy`) rather than a value. vLLM's
+    Transformers backend fx-traces our modules to recognise projections, norms and the MLA chain, every
+    argument a proxy: a computation-only shortcut must then take the plain path (module calls, the
+    explicit formula), and a traced attention the cache-free path vLLM serves (it never passes a cache)."""
+    return isinstance(x, torch.fx.Proxy)
+
+
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`; a plain `nn.Linear` without hooks goes through `linear` (a few rows run on all
     cores). Anything else (PEFT / quantised layers, hooked or wrapped modules, and a tracer's proxy `x`,
     as vLLM's fx matcher passes, which must see the module call) is called as usual."""
-    plain = _enabled and type(x) in _PLAIN and _runs_plain(layer)
+    plain = _enabled and not symbolic(x) and _runs_plain(layer)
     return linear(x, layer.weight, layer.bias) if plain else layer(x)

@@ -29,10 +29,10 @@ from torch import nn
 from .attention import linear_parameters
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .backends import AttentionLayer, attention_probs, eager_attention, explicit_mask, symbolic
+from .backends import AttentionLayer, attention_probs, eager_attention, explicit_mask
 from .kinds import AttentionKind, require_int
 from .latent_cache import latent_layer
-from .layout import project
+from .layout import project, symbolic
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 
@@ -211,12 +211,21 @@ class LatentKind(AttentionKind):
     def rope_head_dim(self, config) -> int:
         return config.qk_rope_head_dim
 
+    def default_head_dim(self, config) -> int | None:
+        """d_c + d_R: MLA's heads have other widths (`qk_*_head_dim`, `v_head_dim`); `head_dim` is the one
+        latent "head" each token caches, which is how vLLM sizes an MLA cache."""
+        if config.kv_lora_rank is None or config.qk_rope_head_dim is None:
+            return None  # `validate` names the missing field
+        return config.kv_lora_rank + config.qk_rope_head_dim
+
     def backend_features(self, config) -> set[str]:
         needed = {"mla"}
         if config.attn_logit_softcapping is not None:
             needed.add("latent_softcap")
         if "sliding_attention" in config.layer_types:
             needed.add("latent_window")
+        if config.head_dim != config.kv_lora_rank + config.qk_rope_head_dim:
+            needed.add("latent_head_dim")
         return needed
 
     def cache_layer(self, config, layer_type: str, implementation: str, max_cache_len: int | None):
