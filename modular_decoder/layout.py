@@ -98,7 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
-def _runs_plain(layer: nn.Module) -> bool:
+def runs_plain(layer: nn.Module) -> bool:
     """True for a plain `nn.Linear` whose call would run nothing but its own forward: no forward or
     backward hooks (the module's or global ones), no instance-level `forward` (accelerate's
     wrappers), no parametrization (that changes its type)."""
@@ -128,5 +128,5 @@ def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`; a plain `nn.Linear` without hooks goes through `linear` (a few rows run on all
     cores). Anything else (PEFT / quantised layers, hooked or wrapped modules, and a tracer's proxy `x`,
     as vLLM's fx matcher passes, which must see the module call) is called as usual."""
-    plain = _enabled and not symbolic(x) and _runs_plain(layer)
+    plain = _enabled and not symbolic(x) and runs_plain(layer)
     return linear(x, layer.weight, layer.bias) if plain else layer(x)
