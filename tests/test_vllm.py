@@ -75,14 +75,32 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """Saves every folder, computes our tokens, runs the vLLM worker once; returns (ours, vLLM's results)."""
+def served(tmp_path_factory, worker_id):
+    """(ours, vLLM's results), made once per test session: under pytest-xdist the first worker to get here
+    runs vLLM while the other waits on the lock and reads what it wrote (the pattern of xdist's docs)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base if worker_id == "master" else base.parent) / "vllm"  # shared by this session's xdist workers
+    with FileLock(str(root) + ".lock"):
+        saved = root / "served.json"
+        if not saved.exists():
+            root.mkdir(exist_ok=True)
+            saved.write_text(json.dumps(serve_everything(root)))
+    ours, results = json.loads(saved.read_text())
+    for result in results["engines"].values():
+        if "tokens" in result:
+            result["tokens"] = [until_eos(row, ours["eos"]) for row in result["tokens"]]
+    return ours, results
+
+
+def serve_everything(root: Path) -> tuple[dict, dict]:
+    """Saves every folder, computes our tokens, runs the vLLM worker once."""
     from transformers import AutoTokenizer
 
     from modular_decoder.commands.demo import GGUF_NAME, bundled_smollm2
     from modular_decoder.conversion import convert, export
 
-    root = tmp_path_factory.mktemp("vllm")
     engines, ours = [], {}
     for name, (preset, overrides) in LAYOUTS.items():
         torch.manual_seed(0)
@@ -123,10 +141,7 @@ def served(tmp_path_factory):
     if not out.exists():
         pytest.fail(f"the vLLM worker wrote nothing (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}")
     results = json.loads(out.read_text())
-    results["log"] = run.stdout + run.stderr
-    for result in results["engines"].values():
-        if "tokens" in result:
-            result["tokens"] = [until_eos(row, ours["eos"]) for row in result["tokens"]]
+    results["log"] = (run.stdout + run.stderr)[-20000:]
     return ours, results
 
 
