@@ -38,7 +38,8 @@ pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM envir
 TINY = dict(hidden_size=128, max_position_embeddings=256, initializer_range=0.2)
 MLA_576 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)  # vLLM's CPU MLA: 576
 LAYOUTS = {
-    "gemma3": ("gemma3", {}),
+    # untied: with Gemma's embedding multiplier, a tied random head only repeats the last token
+    "gemma3": ("gemma3", {"tie_word_embeddings": False}),
     "gpt_neox": ("pythia", {}),
     "gpt2": ("gpt2", {}),
     "mixtral": ("mixtral", {}),
@@ -88,9 +89,10 @@ def served(tmp_path_factory, worker_id):
             root.mkdir(exist_ok=True)
             saved.write_text(json.dumps(serve_everything(root)))
     ours, results = json.loads(saved.read_text())
-    for result in results["engines"].values():
-        if "tokens" in result:
-            result["tokens"] = [until_eos(row, ours["eos"]) for row in result["tokens"]]
+    for name, result in results["engines"].items():
+        if "tokens" in result:  # vLLM ignored the end of sequence: cut its rows where ours end
+            eos = ours["eos"].get(name.removesuffix("_tp2"))
+            result["tokens"] = [until_eos(row, eos) for row in result["tokens"]]
     return ours, results
 
 
@@ -101,13 +103,14 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
     from modular_decoder.commands.demo import GGUF_NAME, bundled_smollm2
     from modular_decoder.conversion import convert, export
 
-    engines, ours = [], {}
+    engines, ours = [], {"eos": {}}  # eos: each folder's end of sequence, where our rows end
     for name, (preset, overrides) in LAYOUTS.items():
         torch.manual_seed(0)
         config = preset_config(preset, tiny=True, **TINY, **overrides)
         model = ModularDecoderForCausalLM(config).eval()
         model.save_pretrained(root / name)
         ours[name] = greedy(model, TINY_PROMPTS, NEW_TOKENS)
+        ours["eos"][name] = model.generation_config.eos_token_id
         engines.append(dict(name=name, folder=str(root / name), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
     ours["deepseek_v3_bytes"] = cache_bytes_per_token(preset_config("deepseek_v3", tiny=True, **TINY, **MLA_576),
                                                       torch.float32)
@@ -123,7 +126,8 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
     model = ModularDecoderForCausalLM.from_pretrained(smol).eval()
     prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
     ours["smollm2"] = greedy(model, prompts, NEW_TOKENS, pad=tokenizer.pad_token_id or 0)
-    ours["eos"] = model.generation_config.eos_token_id  # (the tiny layouts have none)
+    for name in ("smollm2", "smollm2_llama_native", "smollm2_tp2"):
+        ours["eos"][name] = model.generation_config.eos_token_id
     smollm2 = dict(name="smollm2", folder=str(smol), prompts=prompts, max_tokens=NEW_TOKENS)
     engines += [smollm2, dict(smollm2, name="smollm2_llama_native", folder=str(llama), model_impl="auto"),
                 dict(smollm2, name="smollm2_tp2", tensor_parallel_size=2)]
