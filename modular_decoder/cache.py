@@ -74,7 +74,6 @@ class ModularDecoderCache(Cache):
             # distances computed from slot indices would be wrong.
             raise ValueError("ALiBi with a static sliding-window cache is not supported; use the dynamic cache.")
         self.config = config
-        self.max_cache_len = max_cache_len
         layers = [kind.cache_layer(config, layer_type, implementation, max_cache_len) for layer_type in config.layer_types]
         Cache.__init__(self, layers=layers, **kwargs)  # the layers are ours, not the ones DynamicCache / StaticCache pick
 

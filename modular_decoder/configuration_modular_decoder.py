@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from .compat import check_transformers_version
-
-check_transformers_version()  # before anything below can fail on an older transformers with a less clear error
+# first: importing compat checks the transformers version, before anything below can fail on an older one
+from .compat import convert_nested_rope_params, plan_additions  # isort: skip
 
 from transformers import PretrainedConfig  # noqa: E402
 
@@ -207,7 +206,7 @@ class ModularDecoderConfig(PretrainedConfig):
     """
 
     model_type = "modular_decoder"
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field before transformers 5.24
     default_theta = 10_000.0
     # The keys of a `rope_parameters` dict nested by layer type. transformers takes them from
     # `layer_types` otherwise, and then neither fills in nor checks a table for a layer type no layer
@@ -330,7 +329,8 @@ class ModularDecoderConfig(PretrainedConfig):
             self.rope_parameters = None
             return kwargs
         require_rope_dicts(kwargs.get("rope_scaling") or self.rope_parameters, LAYER_TYPES)
-        return super().convert_rope_params_to_dict(**kwargs)
+        converted = convert_nested_rope_params(self, kwargs)
+        return converted if converted is not None else super().convert_rope_params_to_dict(**kwargs)
 
     def validate_rope(self) -> None:
         """transformers' RoPE validation, on the head the attention kind rotates
@@ -340,7 +340,17 @@ class ModularDecoderConfig(PretrainedConfig):
 
     def to_dict(self) -> dict:
         register_peft_defaults()  # see there: PEFT reads this dict to pick `LoraConfig()`'s targets
-        return super().to_dict()
+        output = super().to_dict()
+        model_entry = (output.get("auto_map") or {}).get("AutoModel")
+        if isinstance(model_entry, str):
+            # A folder that carries the model code loads this class through the modeling module, which
+            # imports it: transformers copies remote code into a directory named by a hash of the loaded
+            # file and the files it imports, so a config loaded from this module would live in a second
+            # copy of every shared module, whose attention and MoE classes (built by the config's
+            # registries) the model's `isinstance` checks and output recorders (router logits) miss.
+            module = model_entry.rsplit(".", 1)[0]
+            output["auto_map"] = {**output["auto_map"], "AutoConfig": f"{module}.{type(self).__name__}"}
+        return output
 
     def validate(self) -> None:
         """The class validators transformers runs when saving, looked up on this class, so that the
@@ -370,7 +380,13 @@ class ModularDecoderConfig(PretrainedConfig):
         """Tensor-parallel styles by module name (relative to the base model): the attention and
         feed-forward kinds' own entries for every layer."""
         per_layer = {**self.attention_kind.tp_plan(self), **self.mlp_kind.tp_plan(self)}
-        return {f"layers.*.{name}": style for name, style in per_layer.items()}
+        plan = {f"layers.*.{name}": style for name, style in per_layer.items()}
+        return {**plan, **self.__dict__.get("base_model_tp_plan", {})}
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, value: dict[str, str]) -> None:
+        # transformers 5.16-5.20 add entries to the plan from `__post_init__` (compat.py)
+        self.__dict__["base_model_tp_plan"] = plan_additions(value, type(self).base_model_tp_plan.fget(self))
 
     @property
     def base_model_ep_plan(self) -> dict[str, str]:

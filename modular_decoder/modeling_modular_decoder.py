@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+# first: importing compat checks the transformers version (a saved folder loads its config through this module)
+from .compat import accepts_past_key_values, cache_of, slice_logits_to_keep, with_cache  # isort: skip
+
+import torch  # noqa: E402
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -37,7 +39,7 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = [cls.__name__ for cls in BLOCKS.values()]
-    _skip_keys_device_placement = ["cache"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]  # the name transformers < 5.24 passes
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -75,10 +77,11 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights, config and the code files; `auto_map` names all three Auto classes so the
-        folder loads with `trust_remote_code=True` where this package is not installed."""
+        folder loads with `trust_remote_code=True` where this package is not installed (the config
+        class through this module too: `ModularDecoderConfig.to_dict` says why)."""
         module = "modeling_modular_decoder"
         self.config.auto_map = {
-            "AutoConfig": "configuration_modular_decoder.ModularDecoderConfig",
+            "AutoConfig": f"{module}.ModularDecoderConfig",
             "AutoModel": f"{module}.ModularDecoderModel",
             "AutoModelForCausalLM": f"{module}.ModularDecoderForCausalLM",
         }
@@ -151,7 +154,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
     def set_input_embeddings(self, value: nn.Module) -> None:
         self.embed_tokens = value
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -201,8 +204,8 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                     config=self.config,
                     inputs_embeds=inputs_embeds,
                     attention_mask=attention_mask,
-                    cache=mask_cache,
                     position_ids=position_ids,
+                    **with_cache(mask_cache),
                 )
                 for layer_type in set(layer_types)
             }
@@ -222,7 +225,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             )
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
-        return MoeModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
+        return MoeModelOutputWithPast(last_hidden_state=hidden, **with_cache(cache if use_cache else None))
 
     def _filled_slots_mask(self, inputs_embeds: torch.Tensor, past_seen: int) -> torch.Tensor | None:
         """A (B, seen + new) all-ones mask for the flash backends over a static cache: with no mask,
@@ -346,7 +349,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Module) -> None:
         self.lm_head = value
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -404,7 +407,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
-            cache=outputs.cache,
+            **with_cache(cache_of(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
@@ -429,7 +432,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
     ):
         """generate() builds this family's own cache unless the user passed one or asked for another."""
         implementation = generation_config.cache_implementation
-        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+        if cache_of(model_kwargs) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
@@ -454,7 +457,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if generation_config.is_assistant:
             # A draft model's cache is cropped after each verification, also past a sliding window
             cache.activate_past_recording()
-        model_kwargs["cache"] = cache
+        model_kwargs.update(with_cache(cache))
 
 
 __all__ = ["ModularDecoderPreTrainedModel", "ModularDecoderModel", "ModularDecoderForCausalLM",

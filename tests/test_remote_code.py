@@ -30,11 +30,14 @@ CHILD = textwrap.dedent(
     assert "transformers_modules" in type(model).__module__, type(model).__module__
     base = AutoModel.from_pretrained(folder, trust_remote_code=True)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    routed = model.config.mlp_type == "moe"
     with torch.no_grad():
-        logits = model(ids).logits
+        out = model(ids, output_router_logits=routed)
     tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
-    print(json.dumps({"logits": logits[0, -1].tolist(), "tokens": tokens[0].tolist(),
-                      "base": type(base).__name__}))
+    # the config and the model share one copy of the code (else the router classes the model records differ)
+    assert type(model.config) is type(model).config_class, (type(model.config), type(model).config_class)
+    print(json.dumps({"logits": out.logits[0, -1].tolist(), "tokens": tokens[0].tolist(),
+                      "aux_loss": out.aux_loss.item() if routed else None, "base": type(base).__name__}))
     """
 )
 
@@ -51,9 +54,12 @@ def test_trust_remote_code_without_package(preset, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     child = json.loads(result.stdout.strip().splitlines()[-1])
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    routed = model.config.mlp_type == "moe"
     with torch.no_grad():
-        expected = model(ids).logits[0, -1]
-    torch.testing.assert_close(torch.tensor(child["logits"]), expected, rtol=0, atol=1e-6)
+        expected = model(ids, output_router_logits=routed)
+    torch.testing.assert_close(torch.tensor(child["logits"]), expected.logits[0, -1], rtol=0, atol=1e-6)
+    if routed:  # every sparse layer's router logits were recorded
+        assert child["aux_loss"] == pytest.approx(expected.aux_loss.item(), abs=1e-6)
     assert child["tokens"] == model.generate(ids, max_new_tokens=6, do_sample=False)[0].tolist()
     assert child["base"] == "ModularDecoderModel"
 
