@@ -91,7 +91,7 @@ def served(tmp_path_factory, worker_id):
     ours, results = json.loads(saved.read_text())
     for name, result in results["engines"].items():
         if "tokens" in result:  # vLLM ignored the end of sequence: cut its rows where ours end
-            eos = ours["eos"].get(name.removesuffix("_tp2"))
+            eos = ours["eos"].get(name.split("_tp")[0])
             result["tokens"] = [until_eos(row, eos) for row in result["tokens"]]
     return ours, results
 
@@ -126,11 +126,12 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
     model = ModularDecoderForCausalLM.from_pretrained(smol).eval()
     prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
     ours["smollm2"] = greedy(model, prompts, NEW_TOKENS, pad=tokenizer.pad_token_id or 0)
-    for name in ("smollm2", "smollm2_llama_native", "smollm2_tp2"):
+    for name in ("smollm2", "smollm2_llama_native"):
         ours["eos"][name] = model.generation_config.eos_token_id
     smollm2 = dict(name="smollm2", folder=str(smol), prompts=prompts, max_tokens=NEW_TOKENS)
     engines += [smollm2, dict(smollm2, name="smollm2_llama_native", folder=str(llama), model_impl="auto"),
-                dict(smollm2, name="smollm2_tp2", tensor_parallel_size=2)]
+                # 3 ranks: SmolLM2's 9 heads (3 K/V heads) do not split over 2, which vLLM refuses
+                dict(smollm2, name="smollm2_tp3", tensor_parallel_size=3)]
 
     chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
@@ -186,11 +187,11 @@ def test_smollm2_served_with_our_tokens_and_as_llama_natively(served):
     assert result["tokens"] == ours["smollm2"] == native["tokens"]
 
 
-@pytest.mark.parametrize("name", ["smollm2", "deepseek_v3"])
-def test_tensor_parallel_gives_the_same_tokens(served, name):
+@pytest.mark.parametrize("name,ranks", [("smollm2", 3), ("deepseek_v3", 2)])
+def test_tensor_parallel_gives_the_same_tokens(served, name, ranks):
     ours, results = served
-    result = engine(results, f"{name}_tp2")
-    assert len(result["workers"]) == 2
+    result = engine(results, f"{name}_tp{ranks}")
+    assert len(result["workers"]) == ranks
     assert result["tokens"] == ours[name]
 
 

