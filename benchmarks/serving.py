@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("serving_worker.py")
 MLA_576 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+PARTS = ("vllm", "generate", "kv")
 
 
 def our_generate(folder: Path, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--skip-generate", action="store_true", help="leave out our generate() (the slowest)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="vllm: SmolLM2 through vLLM (ours, native Llama); generate: our generate(); kv: DeepSeek-V3 capacity")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     python = Path(os.environ.get("MODULAR_DECODER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -61,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         smol, llama, ds, ds_native = root / "smollm2", root / "llama", root / "deepseek", root / "deepseek_v3"
-        convert(bundled_smollm2(), smol, gguf_file=GGUF_NAME, progress=False)
-        export(smol, llama, "llama", progress=False)
+        if {"vllm", "generate"} & set(args.parts):
+            convert(bundled_smollm2(), smol, gguf_file=GGUF_NAME, progress=False)
+            export(smol, llama, "llama", progress=False)
         torch.manual_seed(0)
         config = preset_config("deepseek_v3", tiny=True, hidden_size=128, num_hidden_layers=4, **MLA_576)
         ModularDecoderForCausalLM(config).save_pretrained(ds)
@@ -71,41 +74,45 @@ def main(argv: list[str] | None = None) -> int:
         generator = torch.Generator().manual_seed(0)
         prompts = torch.randint(100, 40000, (args.prompts, args.prompt_tokens), generator=generator).tolist()
         length = args.prompt_tokens + args.new_tokens + 16
-        jobs = [
-            dict(name="ours_vllm_transformers_backend", folder=str(smol), model_impl="transformers", prompts=prompts,
-                 max_tokens=args.new_tokens, max_model_len=length),
-            dict(name="llama_vllm_native", folder=str(llama), model_impl="auto", prompts=prompts,
-                 max_tokens=args.new_tokens, max_model_len=length),
-            dict(name="deepseek_ours_kv", folder=str(ds), model_impl="transformers", prompts=None, max_tokens=2,
-                 max_model_len=256),
-            dict(name="deepseek_v3_native_kv", folder=str(ds_native), model_impl="auto", prompts=None, max_tokens=2,
-                 max_model_len=256),
-        ]
-        spec, out = root / "spec.json", root / "out.json"
-        spec.write_text(json.dumps({"jobs": jobs}))
-        subprocess.run([str(python), str(WORKER), str(spec), str(out)], check=True, timeout=3600,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        results = json.loads(out.read_text())
-        if not args.skip_generate:
+        jobs = []
+        if "vllm" in args.parts:
+            jobs += [dict(name="ours_vllm_transformers_backend", folder=str(smol), model_impl="transformers",
+                          prompts=prompts, max_tokens=args.new_tokens, max_model_len=length),
+                     dict(name="llama_vllm_native", folder=str(llama), model_impl="auto", prompts=prompts,
+                          max_tokens=args.new_tokens, max_model_len=length)]
+        if "kv" in args.parts:
+            jobs += [dict(name="deepseek_ours_kv", folder=str(ds), model_impl="transformers", prompts=None,
+                          max_tokens=2, max_model_len=128),
+                     dict(name="deepseek_v3_native_kv", folder=str(ds_native), model_impl="auto", prompts=None,
+                          max_tokens=2, max_model_len=128)]
+        results = {}
+        if jobs:
+            spec, out = root / "spec.json", root / "out.json"
+            spec.write_text(json.dumps({"jobs": jobs}))
+            subprocess.run([str(python), str(WORKER), str(spec), str(out)], check=True, timeout=3600,
+                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
+            results = json.loads(out.read_text())
+        if "generate" in args.parts:
             results["ours_generate"] = our_generate(smol, prompts, args.new_tokens)
 
-    ours, native = results["ours_vllm_transformers_backend"], results["llama_vllm_native"]
-    same = ours.pop("tokens") == native.pop("tokens")
-    for name in ("deepseek_ours_kv", "deepseek_v3_native_kv"):
-        results[name].pop("tokens", None)
-    print(f"SmolLM2-135M fp32, {args.prompts} prompts x {args.prompt_tokens} tokens, {args.new_tokens} new, greedy:")
-    print("| engine | output tokens/s | vs vLLM native |\n|---|---:|---:|")
-    for name in ("ours_vllm_transformers_backend", "llama_vllm_native", "ours_generate"):
-        if name in results:
-            rate = results[name]["tokens_per_s"]
-            print(f"| {name} | {rate} | {rate / native['tokens_per_s']:.2f}x |")
-    print(f"(vLLM's tokens: ours == native Llama: {same})")
-    a, b = results["deepseek_ours_kv"], results["deepseek_v3_native_kv"]
-    print(f"\nDeepSeek-V3 layout, 1 GiB KV cache: ours {a['kv_capacity_tokens']:,} tokens ({a['architecture']}), "
-          f"native {b['kv_capacity_tokens']:,} tokens ({b['architecture']})")
+    report(results, args)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0
+
+
+def report(results: dict, args) -> None:
+    for result in results.values():
+        result.pop("tokens", None)
+    print(f"SmolLM2-135M fp32, {args.prompts} prompts x {args.prompt_tokens} tokens, {args.new_tokens} new, greedy:")
+    print("| engine | output tokens/s |\n|---|---:|")
+    for name in ("ours_vllm_transformers_backend", "llama_vllm_native", "ours_generate"):
+        if name in results:
+            print(f"| {name} | {results[name]['tokens_per_s']} |")
+    if "deepseek_ours_kv" in results:
+        a, b = results["deepseek_ours_kv"], results["deepseek_v3_native_kv"]
+        print(f"\nDeepSeek-V3 layout, 1 GiB KV cache: ours {a['kv_capacity_tokens']:,} tokens ({a['architecture']}), "
+              f"native {b['kv_capacity_tokens']:,} tokens ({b['architecture']})")
 
 
 if __name__ == "__main__":
