@@ -26,7 +26,8 @@ def run(job: dict) -> dict:
     prompts = job.get("prompts") or [[1, 2, 3]]
     llm = LLM(job["folder"], model_impl=job["model_impl"], trust_remote_code=True, dtype="float32",
               enforce_eager=True, max_model_len=job["max_model_len"], max_num_seqs=len(prompts),
-              skip_tokenizer_init=True, distributed_executor_backend="uni", seed=0)
+              skip_tokenizer_init=True, distributed_executor_backend="uni", seed=0,
+              hf_overrides=job.get("hf_overrides"))
     config = llm.llm_engine.vllm_config.cache_config
     result = {"architecture": llm.llm_engine.model_config.architecture,
               "kv_capacity_tokens": config.num_gpu_blocks * config.block_size}
