@@ -1,8 +1,9 @@
 """Standard multi-head attention: MHA, GQA and MQA are one integer (`num_key_value_heads`).
 
-The score computation goes through `backends.attend` (transformers' attention interface), so
-`attn_implementation` picks the backend; `backends.eager_attention` is the readable reference every
-backend is tested against. `STANDARD_ATTENTION` is this kind's registry entry.
+The scores go through transformers' attention interface, one call in `forward` (see
+`backends.AttentionLayer`), so `attn_implementation` picks the backend and vLLM's Transformers backend
+finds it; `backends.eager_attention` is the readable reference every backend is tested against.
+`STANDARD_ATTENTION` is this kind's registry entry.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .backends import AttentionLayer, attend
+from .backends import ALIBI_SLOPE_FUNCTIONS, AttentionLayer, canonical_backend, eager_attention
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kinds import AttentionKind
@@ -86,9 +88,13 @@ class StandardAttention(AttentionLayer):
         q, k, v = self._project_qkv(hidden_states, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        if position_bias is not None:  # ALiBi as a bias (eager, sdpa)
+            kwargs["position_bias"] = position_bias
 
-        # ALiBi reaches flex / flash as `alibi_slopes` (see backends.py), the others as `position_bias`
-        out, weights = attend(self, q, k, v, attention_mask, position_bias=position_bias, **kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        if "alibi_slopes" in kwargs:  # flex / flash-attn 2 take ALiBi as slopes, through this family's functions
+            attention_interface = ALIBI_SLOPE_FUNCTIONS[canonical_backend(self.config._attn_implementation)]
+        out, weights = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, **self.score_kwargs(kwargs))
         out = out.reshape(batch, seq, -1).contiguous()
         return project(self.o_proj, out), weights
 

@@ -26,7 +26,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .compat import flash_kernel_fallbacks, internals
 
@@ -38,6 +37,14 @@ FEATURE_FIELDS = {
     "scale": "query_pre_attn_scalar",
     "alibi": "position_embedding_type='alibi'",
     "mla": "attention_type='mla' (q/k width differs from v width)",
+    # Latent scores (MLA served from its latent cache) with a cap or a window: transformers' backends score
+    # expanded keys like any others; vLLM's latent attention takes neither.
+    "latent_softcap": "attn_logit_softcapping with attention_type='mla'",
+    "latent_window": "sliding_window / layer_types with attention_type='mla'",
+    "latent_head_dim": "head_dim other than kv_lora_rank + qk_rope_head_dim with attention_type='mla'",
+    # Not attention, but what an engine that runs the whole model (vLLM: its own lm_head and experts) must honour
+    "logits_scaling": "logits_scaling (logits divided by it)",
+    "experts_activation": "hidden_act other than 'silu' with mlp_type='moe'",
 }
 # Input layouts every backend handles (proven in tests/test_backends*.py), listed for the table.
 INPUT_LAYOUTS = {
@@ -57,7 +64,15 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "flash_attention_2": ALL_FEATURES,
     "flash_attention_3": ALL_FEATURES - {"alibi"},
     "flash_attention_4": ALL_FEATURES - {"alibi"},
+    # vLLM's Transformers modeling backend (`LLM(folder, model_impl="transformers")`) sets this
+    # implementation while it builds the model: its attention never receives ALiBi slopes or a bias, its
+    # latent (MLA) attention has no cap or window and sizes its cache by `head_dim`, its lm_head multiplies by `logit_scale` rather than
+    # dividing by `logits_scaling`, and its fused experts apply SiLU whatever `hidden_act` says.
+    "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "logits_scaling",
+                            "experts_activation"},
 }
+# Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
+BACKEND_ALIASES = {"vllm_mla": "vllm"}
 
 # Caveats that are not contract features but that a user of the backend should know.
 BACKEND_NOTES: dict[str, str] = {
@@ -66,6 +81,8 @@ BACKEND_NOTES: dict[str, str] = {
     "flex_attention": "no attention dropout while training (transformers raises); on CPU torch compiles it "
     "(about a minute the first time); ALiBi as a `score_mod` from the slopes",
     "flash_attention_2": "ALiBi through the kernel's `alibi_slopes`; V padded to the q/k width for MLA",
+    "vllm": "set by vLLM's Transformers modeling backend, which serves a saved folder with its own attention "
+    "(paged cache; MLA from its latent cache), lm_head and fused experts",
 }
 
 
@@ -73,6 +90,7 @@ def canonical_backend(name: str) -> str:
     """The declared backend behind `name`: drops `paged|`, and maps the Hub kernels transformers
     falls back to when flash-attn is not installed to the flash version they stand in for."""
     name = name.removeprefix("paged|")
+    name = BACKEND_ALIASES.get(name, name)
     if name in BACKEND_FEATURES:  # a declared backend: no lookup (forward calls this; export traces it)
         return name
     # ROCm maps FA2 and FA3 to one kernel: the later (FA3, fewer features) wins, the safe reading.
@@ -92,7 +110,9 @@ def required_features(config) -> set[str]:
         needed.add("scale")
     if config.position_embedding_type == "alibi":
         needed.add("alibi")
-    return needed | config.attention_kind.backend_features(config)
+    if config.logits_scaling != 1.0:
+        needed.add("logits_scaling")
+    return needed | config.attention_kind.backend_features(config) | config.mlp_kind.backend_features(config)
 
 
 def missing_features(config, backend: str) -> set[str]:
@@ -107,6 +127,11 @@ def check_backend(config, backend: str) -> None:
     missing = missing_features(config, backend)
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
+        if canonical_backend(backend) == "vllm":
+            raise ValueError(
+                f"vLLM's Transformers modeling backend cannot serve {fields} of this config (it would compute "
+                "different results); generate with transformers instead."
+            )
         usable = [name for name in BACKEND_FEATURES if not required_features(config) - BACKEND_FEATURES[name]]
         raise ValueError(
             f"attn_implementation={backend!r} cannot honour {fields} of this config; "
@@ -245,8 +270,14 @@ def explicit_mask(
 
 
 class AttentionLayer(nn.Module):
-    """What every attention kind's module carries for `attend` and the backends: its config and
-    layer, the score scale, soft-cap and window of its layer type, causality and the RoPE pair layout."""
+    """What every attention kind's module carries for the backends: its config and layer, the score
+    scale, soft-cap and window of its layer type, causality and the RoPE pair layout.
+
+    A kind's `forward` makes exactly one call through transformers' attention interface, written out
+    in its own source as `attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(...)` and
+    `attention_interface(self, q, k, v, mask, scaling=self.scaling, **self.score_kwargs(kwargs))`:
+    `attn_implementation` picks the backend, and vLLM's Transformers modeling backend finds each
+    layer's attention by reading that call (with `scaling=self.<attr>` and `layer_idx`)."""
 
     def __init__(self, config, layer_idx: int, scaling: float):
         super().__init__()
@@ -259,47 +290,14 @@ class AttentionLayer(nn.Module):
         self.is_causal = True
         self.interleaved = config.rope_interleaved
 
-
-def attend(
-    module: AttentionLayer,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask,
-    position_bias: torch.Tensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The score computation of every attention kind, through the backend the model runs.
-
-    `module` carries `config`, `scaling`, `softcap` and `sliding_window`; they, the dropout while
-    training and the ALiBi bias or slopes reach the backend in its own form. Where V is narrower
-    than q/k (MLA) on CPU SDPA, V is zero-padded to the q/k width and the output cropped: torch
-    then takes its flash kernel instead of the math path (3x faster at 512 tokens, measured).
-    query (B, H, T_q, D_qk), key (B, H_kv, T_k, D_qk), value (B, H_kv, T_k, D_v) -> (B, T_q, H, D_v).
-    """
-    config = module.config
-    implementation = config._attn_implementation
-    function = attention_function(implementation, eager_attention, alibi_slopes="alibi_slopes" in kwargs)
-    if module.softcap is not None:
-        kwargs["softcap"] = module.softcap
-    if position_bias is not None:
-        kwargs["position_bias"] = position_bias
-    v_width, qk_width = value.shape[-1], query.shape[-1]
-    pad = implementation == "sdpa" and value.device.type == "cpu" and v_width < qk_width
-    if pad:
-        value = nn.functional.pad(value, [0, qk_width - v_width])
-    out, weights = function(
-        module,
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout=config.attention_dropout if module.training else 0.0,
-        scaling=module.scaling,
-        sliding_window=module.sliding_window,
-        **kwargs,
-    )
-    return (out[..., :v_width] if pad else out), weights
+    def score_kwargs(self, kwargs: dict) -> dict:
+        """What a backend takes beside q, k, v, the mask and `scaling`: the dropout while training, this
+        layer's window and soft-cap, and the model's keyword arguments (position_ids, ALiBi, ...)."""
+        kwargs = dict(kwargs, dropout=self.config.attention_dropout if self.training else 0.0,
+                      sliding_window=self.sliding_window)
+        if self.softcap is not None:
+            kwargs["softcap"] = self.softcap
+        return kwargs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,11 +449,3 @@ ALIBI_SLOPE_FUNCTIONS: dict[str, Callable] = {
 def takes_alibi_slopes(implementation: str | None) -> bool:
     """Whether the model should hand this backend ALiBi slopes rather than a bias tensor."""
     return implementation is not None and canonical_backend(implementation) in ALIBI_SLOPE_FUNCTIONS
-
-
-def attention_function(implementation: str, default: Callable, alibi_slopes: bool = False) -> Callable:
-    """The score function for `implementation`: ours where ALiBi comes as slopes, else the one
-    transformers' registry holds (so a user's `AttentionInterface.register` override still wins)."""
-    if alibi_slopes:
-        return ALIBI_SLOPE_FUNCTIONS[canonical_backend(implementation)]
-    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, default)

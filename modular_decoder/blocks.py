@@ -28,8 +28,13 @@ class DecoderBlock(GradientCheckpointingLayer):
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        self.self_attn = config.attention_kind.build(config, layer_idx)
-        self.mlp = config.mlp_kind.build(config, layer_idx)
+        # This package's registries rather than `config.attention_kind`: vLLM ships a remote-code config to
+        # its workers by value (cloudpickle), and classes reached through it lose their source, which vLLM
+        # reads to find each layer's attention. (Imported here: the registries import this module.)
+        from .registries import ATTENTIONS, MLPS
+
+        self.self_attn = ATTENTIONS.of(config).build(config, layer_idx)
+        self.mlp = MLPS.of(config).build(config, layer_idx)
         for name in self.NORMS:
             setattr(self, name, build_norm(config))
         self.dropout = nn.Dropout(config.hidden_dropout)

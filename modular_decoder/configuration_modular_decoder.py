@@ -109,7 +109,8 @@ class ModularDecoderConfig(PretrainedConfig):
         num_attention_heads (`int`): Query heads H.
         num_key_value_heads (`int`, *optional*): K/V heads H_kv: H for MHA, 1 for MQA, a divisor of H
             in between for GQA. Defaults to H.
-        head_dim (`int`, *optional*): Per-head width d_h. Defaults to d / H.
+        head_dim (`int`, *optional*): Per-head width d_h. Defaults to d / H (MLA: d_c + d_R, the one latent
+            "head" each token caches, as vLLM sizes MLA's cache).
         max_position_embeddings (`int`): The longest sequence the model is configured for. A hard limit
             for learned positions (longer input raises), the pre-training length for RoPE scalings.
         norm_type (`str`): `"layernorm"` or `"rmsnorm"`.
@@ -292,6 +293,8 @@ class ModularDecoderConfig(PretrainedConfig):
             require_int(name, getattr(self, name), minimum=1, optional=True)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and isinstance(self.attention_type, str) and self.attention_type in ATTENTIONS:
+            self.head_dim = ATTENTIONS[self.attention_type].default_head_dim(self)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(

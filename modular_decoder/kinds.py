@@ -125,6 +125,10 @@ class AttentionKind(Kind):
         """The attention of layer `layer_idx`."""
         return self.module(config, layer_idx)
 
+    def default_head_dim(self, config) -> int | None:
+        """`head_dim` where the config leaves it unset (`None`: hidden_size / num_attention_heads)."""
+        return None
+
     def rope_head_dim(self, config) -> int:
         """The head width RoPE sees (transformers' init functions apply `partial_rotary_factor` to it)."""
         raise NotImplementedError
@@ -177,6 +181,10 @@ class FeedForwardKind(Kind):
     def active_parameters(self, config, layer_idx: int) -> int:
         """Parameters block `layer_idx`'s feed-forward applies to one token (all of them unless routed)."""
         return self.parameters(config, layer_idx)
+
+    def backend_features(self, config) -> set[str]:
+        """Features of `backends.FEATURE_FIELDS` an engine running the whole model needs for this kind."""
+        return set()
 
     def tp_plan(self, config) -> dict[str, str]:
         """transformers tensor-parallel styles of the feed-forward's modules and parameters, keyed by their

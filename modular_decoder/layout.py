@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.fx
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
@@ -97,7 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
-def _runs_plain(layer: nn.Module) -> bool:
+def runs_plain(layer: nn.Module) -> bool:
     """True for a plain `nn.Linear` whose call would run nothing but its own forward: no forward or
     backward hooks (the module's or global ones), no instance-level `forward` (accelerate's
     wrappers), no parametrization (that changes its type)."""
@@ -115,7 +116,17 @@ def _runs_plain(layer: nn.Module) -> bool:
     )
 
 
+def symbolic(x) -> bool:
+    """Whether `x` is a symbolic tracer's stand-in (`torch.fx.Proxy`) rather than a value. vLLM's
+    Transformers backend fx-traces our modules to recognise projections, norms and the MLA chain, every
+    argument a proxy: a computation-only shortcut must then take the plain path (module calls, the
+    explicit formula), and a traced attention the cache-free path vLLM serves (it never passes a cache)."""
+    return isinstance(x, torch.fx.Proxy)
+
+
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`; a plain `nn.Linear` without hooks goes through `linear` (a few rows run on all
-    cores). Anything else (PEFT / quantised layers, hooked or wrapped modules) is called as usual."""
-    return linear(x, layer.weight, layer.bias) if _enabled and _runs_plain(layer) else layer(x)
+    cores). Anything else (PEFT / quantised layers, hooked or wrapped modules, and a tracer's proxy `x`,
+    as vLLM's fx matcher passes, which must see the module call) is called as usual."""
+    plain = _enabled and not symbolic(x) and runs_plain(layer)
+    return linear(x, layer.weight, layer.bias) if plain else layer(x)

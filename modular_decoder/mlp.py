@@ -11,7 +11,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .kinds import FeedForwardKind, require_bool, require_choice
-from .layout import project
+from .layout import project, runs_plain, symbolic
 
 
 def activation(name: str) -> nn.Module:
@@ -49,6 +49,13 @@ class GatedMLP(nn.Module):
         self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if runs_plain(self.down_proj) and not symbolic(x):  # our own linears: few-row products on all cores
+            return self.split_forward(x)
+        # The GLU as vLLM's Transformers backend reads it (module calls): it fuses gate and up into one
+        # product, and leaves the reduction of shared experts under tensor parallelism to its fused experts
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def split_forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.down_proj, self.act_fn(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 

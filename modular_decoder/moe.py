@@ -484,6 +484,10 @@ class MixtureOfExpertsKind(FeedForwardKind):
                 f"{n_group} leaves {per_group} per group."
             )
 
+    def backend_features(self, config) -> set[str]:
+        """Experts with another activation than SiLU (vLLM's fused experts compute SiLU only)."""
+        return {"experts_activation"} if config.hidden_act != "silu" else set()
+
     def build(self, config, layer_idx: int) -> nn.Module:
         """`SparseMoeBlock` for a `"sparse"` layer, `GatedMLP` of `intermediate_size` for a `"dense"` one."""
         return SparseMoeBlock(config) if config.mlp_layer_types[layer_idx] == "sparse" else GatedMLP(config)

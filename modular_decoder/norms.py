@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .layout import symbolic
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) · w, computed in fp32 (as Llama and Gemma do) and cast back.
@@ -20,10 +22,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32 and not self.unit_offset and self.weight.dtype == dtype:
-            # Same math in one call (bit-equal in fp32): a decode step runs two norms per layer
+        if not self.unit_offset and not symbolic(x) and x.dtype == self.weight.dtype == torch.float32:
+            # Same math in one call (bit-equal in fp32): a decode step runs two norms per layer. (A tracer's
+            # proxy takes the formula below, which vLLM's fx matcher recognises as an RMSNorm.)
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:

