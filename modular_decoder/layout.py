@@ -115,6 +115,18 @@ def _runs_plain(layer: nn.Module) -> bool:
     )
 
 
+def plain_linear(layer: nn.Module) -> bool:
+    """True where `layer(x)` computes exactly `F.linear(x, layer.weight, layer.bias)` on plain tensors:
+    `_runs_plain` (a plain `nn.Linear`, no hooks or wrapped forward) with a plain weight and bias (not
+    a DTensor, a quantized or other tensor subclass). A path that reads the weight instead of calling
+    the module (absorbed MLA) engages only then."""
+    return (
+        _runs_plain(layer)
+        and type(layer.weight) in _PLAIN
+        and (layer.bias is None or type(layer.bias) in _PLAIN)
+    )
+
+
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`; a plain `nn.Linear` without hooks goes through `linear` (a few rows run on all
     cores). Anything else (PEFT / quantised layers, hooked or wrapped modules) is called as usual."""
