@@ -33,7 +33,7 @@ from .attention import linear_parameters
 from .backends import AttentionLayer, attend, attention_probs, explicit_mask
 from .kinds import AttentionKind, require_int
 from .latent_cache import latent_layer
-from .layout import plain_linear, project
+from .split_products import plain_linear, project
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 

@@ -23,7 +23,7 @@ from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .checks import check_checkpoint, check_generate_inputs, check_inputs, prompt_checked
 from .configuration_modular_decoder import ModularDecoderConfig
-from .layout import project
+from .split_products import project
 from .moe import TopKRouter, experts_kernels_available, init_moe_weights, router_losses
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
