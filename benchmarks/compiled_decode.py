@@ -9,7 +9,7 @@ inductor, marked to compile on a CPU too). transformers compiles nothing but the
 prompt's forward stays eager, and the tokens/s count the steps after it (`measure.decode`). The
 first compiled call of each model is a warm-up, timed as the compile time; afterwards the four runs
 alternate inside every repeat. Under compilation ours keeps its split products in the graph
-(`modular_decoder/layout.py`); transformers' graph calls one matrix-vector product per weight.
+(`modular_decoder/split_products.py`); transformers' graph calls one matrix-vector product per weight.
 Nothing is asserted here; the tests check that the compiled tokens equal the eager ones and Llama's.
 """
 

@@ -4,7 +4,7 @@
 
 Each repeat times `--steps` cached one-token forwards per model (interleaved, median per model), then
 the same with every linear product replaced by an empty output of its shape (`nn.Linear.forward` and
-this package's `layout.linear`): the difference is the time of the products, the rest (norms, rotary,
+this package's `split_products.linear`): the difference is the time of the products, the rest (norms, rotary,
 attention, cache, Python) is what remains. Nothing here is asserted; it explains the decode rows of
 `benchmarks.run`.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from modular_decoder import layout
+from modular_decoder import split_products
 
 from .families import build_pair
 
@@ -55,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     prompt = torch.randint(0, reference.config.vocab_size, (1, 32))
     print(f"{label}, {torch.get_num_threads()} threads; step ms (median of {args.steps})")
-    real_product, real_forward = layout.linear, nn.Linear.forward
+    real_product, real_forward = split_products.linear, nn.Linear.forward
     for _ in range(args.repeats):
         full = {"transformers": _step_ms(reference, prompt, args.steps), "ours": _step_ms(ours, prompt, args.steps)}
-        layout.linear, nn.Linear.forward = _empty_product, _empty_linear_forward
+        split_products.linear, nn.Linear.forward = _empty_product, _empty_linear_forward
         try:
             rest = {"transformers": _step_ms(reference, prompt, args.steps), "ours": _step_ms(ours, prompt, args.steps)}
         finally:
-            layout.linear, nn.Linear.forward = real_product, real_forward
+            split_products.linear, nn.Linear.forward = real_product, real_forward
         print(" | ".join(f"{name}: step {full[name]:.1f}, products {full[name] - rest[name]:.1f}, rest {rest[name]:.1f}"
                          for name in full) + f" | step ratio {full['transformers'] / full['ours']:.2f}", flush=True)
     return 0

@@ -48,7 +48,7 @@ import torch
 import transformers
 
 from modular_decoder.compat import attn_implementation, experts_implementation
-from modular_decoder.layout import set_split_products
+from modular_decoder.split_products import set_split_products
 
 from modular_decoder import parameter_count
 
@@ -57,7 +57,7 @@ from .measure import active_bytes_read_per_step, bytes_read_per_step, copy_bandw
 from .memory import run_probes
 
 # "ours" is the model as `from_pretrained` gives it (few-row products split across the cores by
-# `modular_decoder.layout`, computation only); "ours, no split products" is the same
+# `modular_decoder.split_products`, computation only); "ours, no split products" is the same
 # object with them switched off around its measurements (an ablation).
 MODELS = ("transformers", "ours", "ours, no split products")
 # metric key -> (row label, higher is better)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -114,6 +115,7 @@ def convert(
     allow_bin: bool = False,
     progress: bool = True,
     base_model: str | None = None,
+    input_checks=contextlib.nullcontext,
 ) -> Path:
     """Convert a Hugging Face folder (or a GGUF file in `src_dir`) into a modular_decoder folder.
 
@@ -122,6 +124,9 @@ def convert(
     generation config come along, and a model card (`README.md`) with the contract table naming
     `base_model` (a Hub id) when given. With `verify`, the source model (transformers' own class) runs
     beside the converted one and the largest logit difference is printed. Returns `out_dir`.
+
+    `input_checks`: a context manager the steps that check the caller's input run inside (paths,
+    files, the source's config and tensors); the CLI turns their errors into one-line user errors.
     """
     from tqdm.auto import tqdm
 
@@ -129,18 +134,18 @@ def convert(
     from modular_decoder.tools.cards import render_model_card
 
     src, out = Path(src_dir), Path(out_dir)
-    check_destination(out, force, sources=(src,))  # before any work: never the source, nor a folder holding it
-    torch_dtype = _dtype(dtype)
-    state, src_cfg, tokenizer, generation_config = _read_source(src, gguf_file, allow_bin)
-    family = get_family(src_cfg.model_type)
-    cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
-    cfg.architectures = ["ModularDecoderForCausalLM"]
-    state = _drop_ignored(_model_names(state, family), family)
-
-    with tqdm(total=len(state), desc=f"converting {family.name}", unit="tensor", disable=not progress) as bar:
-        ours = apply_rules(family.rules(src_cfg), state, cfg, progress=bar.update)
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
-    ours = _untie(ours, cfg.tie_word_embeddings, embed, head, "source")
+    with input_checks():
+        check_destination(out, force, sources=(src,))  # before any work: never the source, nor a folder holding it
+        torch_dtype = _dtype(dtype)
+        state, src_cfg, tokenizer, generation_config = _read_source(src, gguf_file, allow_bin)
+        family = get_family(src_cfg.model_type)
+        cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
+        state = _drop_ignored(_model_names(state, family), family)
+        with tqdm(total=len(state), desc=f"converting {family.name}", unit="tensor", disable=not progress) as bar:
+            ours = apply_rules(family.rules(src_cfg), state, cfg, progress=bar.update)
+        ours = _untie(ours, cfg.tie_word_embeddings, embed, head, "source")
+    cfg.architectures = ["ModularDecoderForCausalLM"]
     if torch_dtype is None:
         torch_dtype = ours[embed].dtype
     ours = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in ours.items()}
@@ -148,7 +153,8 @@ def convert(
 
     model = _meta_model(lambda: ModularDecoderForCausalLM(cfg))
     expected = {k: v.shape for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == head)}
-    check_shapes(ours, expected, f"converting {src}")
+    with input_checks():
+        check_shapes(ours, expected, f"converting {src}")
     _load_assigned(model, ours, head, embed, cfg.tie_word_embeddings)
 
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
@@ -165,10 +171,12 @@ def convert(
     return out
 
 
-def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = True) -> Path:
+def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = True,
+           input_checks=contextlib.nullcontext) -> Path:
     """Write a modular_decoder folder back in `family`'s own transformers format (the inverse map).
 
-    Raises `ValueError` naming the contract fields the family cannot express.
+    Raises `ValueError` naming the contract fields the family cannot express. `input_checks`: as
+    for `convert`.
     """
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -176,17 +184,17 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     from modular_decoder import ModularDecoderConfig
 
     src, out = Path(src_dir), Path(out_dir)
-    check_destination(out, force, sources=(src,))
-    fam = get_family(family)
-    _check_source(src)
-    cfg = AutoConfig.from_pretrained(str(src))
-    if not isinstance(cfg, ModularDecoderConfig):
-        raise ValueError(f"{src} is not a modular_decoder checkpoint (model_type={cfg.model_type!r}).")
-    src_cfg = fam.from_contract(cfg)
-    _check_round_trip(cfg, ModularDecoderConfig(**fam.to_contract(src_cfg)), fam.name)
-
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
-    state = _untie(read_safetensors_folder(src), cfg.tie_word_embeddings, embed, head, str(src))
+    with input_checks():
+        check_destination(out, force, sources=(src,))
+        fam = get_family(family)
+        _check_source(src)
+        cfg = AutoConfig.from_pretrained(str(src))
+        if not isinstance(cfg, ModularDecoderConfig):
+            raise ValueError(f"{src} is not a modular_decoder checkpoint (model_type={cfg.model_type!r}).")
+        src_cfg = fam.from_contract(cfg)
+        _check_round_trip(cfg, ModularDecoderConfig(**fam.to_contract(src_cfg)), fam.name)
+        state = _untie(read_safetensors_folder(src), cfg.tie_word_embeddings, embed, head, str(src))
     with tqdm(total=len(state), desc=f"exporting {fam.name}", unit="tensor", disable=not progress) as bar:
         theirs = apply_rules(fam.rules(src_cfg), state, cfg, direction="inverse", progress=bar.update)
     src_cfg.architectures = None

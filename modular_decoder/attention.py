@@ -17,7 +17,7 @@ from .backends import ALIBI_SLOPE_FUNCTIONS, AttentionLayer, canonical_backend, 
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kinds import AttentionKind
-from .layout import project
+from .split_products import project
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 

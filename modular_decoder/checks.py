@@ -17,11 +17,26 @@ import torch
 
 # --------------------------------------------------------------------------------------------------
 # runtime inputs
+#
+# The sync rule. Shapes and dtypes are read for free. Reading a tensor's values on the host (a mask's
+# 0/1, the range of token ids) waits for the device that holds it, so a value check runs:
+# - on CPU tensors in every `forward` (no device to wait for; `syncs_device`), the id range only after
+#   the embedding's own bounds error;
+# - on an accelerator once per `generate` call, on its prompt (`check_generate_inputs`), and never in
+#   `forward` otherwise: not in a training step, not in a decode step, as transformers' Llama reads
+#   none. There a direct `forward` takes its mask's values as given, and an id outside the vocabulary
+#   is the device's own assert, as in transformers' models.
 
 _ID_DTYPES = (torch.int64, torch.int32)  # what `nn.Embedding` accepts
 # True inside `generate` once its prompt passed `check_generate_inputs`: the masks of the steps are
 # that mask with columns of ones appended by generate itself, so their values are not read again.
 _PROMPT_CHECKED = contextvars.ContextVar("modular_decoder_prompt_checked", default=False)
+
+
+def syncs_device(tensor: torch.Tensor) -> bool:
+    """Whether reading `tensor`'s values on the host waits for a device (the sync rule above): anything
+    not on the CPU."""
+    return tensor.device.type != "cpu"
 
 
 @contextlib.contextmanager
@@ -34,7 +49,7 @@ def prompt_checked():
         _PROMPT_CHECKED.reset(token)
 
 
-def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None, cache=None) -> None:
+def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None, cache=None, prompt=False) -> None:
     """Raise a `ValueError` naming the argument when the inputs of `forward` cannot be what they claim.
 
     `input_ids`: a 2-D (batch, seq) tensor of int64/int32 ids, neither dimension 0. `inputs_embeds`: a
@@ -44,8 +59,9 @@ def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None
 
     Shapes and dtypes cost nothing (no device work). The one data-dependent check, that a 2-D mask
     holds only 0 and 1, is a single reduction done only when a mask is given (a mask of 2s would
-    otherwise shift every position, since positions count the mask); it is skipped while compiling
-    and in the steps of a `generate` whose prompt mask was checked on entry (`prompt_checked`).
+    otherwise shift every position, since positions count the mask), under the sync rule above: on a
+    CPU mask, or on any mask when `prompt` (`generate`'s prompt); never while compiling nor in the
+    steps of a `generate` whose prompt mask was checked on entry (`prompt_checked`).
     """
     if input_ids is not None:
         batch, seq = _check_ids(input_ids)
@@ -72,7 +88,8 @@ def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None
             f"(mask shape {tuple(attention_mask.shape)}, input (batch, seq) = ({batch}, {seq}))."
         )
     _check_mask_length(attention_mask, seq, cache)
-    if (attention_mask.dtype != torch.bool and not _PROMPT_CHECKED.get() and not torch.compiler.is_compiling()
+    read_values = prompt or not (_PROMPT_CHECKED.get() or syncs_device(attention_mask))
+    if (attention_mask.dtype != torch.bool and read_values and not torch.compiler.is_compiling()
             and not _zeros_and_ones(attention_mask)):
         raise ValueError(
             "`attention_mask` must hold only 0 (padding) and 1 (token), got other values: "
@@ -92,7 +109,18 @@ def check_generate_inputs(config, input_ids=None, attention_mask=None, inputs_em
         # a prompt given both ways: the embeddings are what the first step runs on
         _check_embeds(config, inputs_embeds)
         input_ids = None
-    check_inputs(config, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds)
+    check_inputs(config, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, prompt=True)
+    if input_ids is not None and syncs_device(input_ids):  # on CPU the embedding's bounds error leads to it
+        check_token_ids(config, input_ids)
+
+
+def check_token_ids(config, input_ids: torch.Tensor) -> None:
+    """Refuse ids outside [0, vocab_size) with a `ValueError` naming the range (reads the ids' values)."""
+    if input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= config.vocab_size:
+        raise ValueError(f"`input_ids` must lie in [0, vocab_size={config.vocab_size}); got values in [{low}, {high}].")
 
 
 def _check_ids(input_ids) -> tuple[int, int]:

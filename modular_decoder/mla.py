@@ -13,7 +13,10 @@ Two ways to compute the same scores:
   attention interface (eager / sdpa / flash) as for any attention;
 * absorbed (decode): q_C·k_Cᵀ = (q_C W_UKᵀ)·cᵀ, so the query is moved into latent space once and
   scored directly against the cached latents; the weighted sum of latents is mapped through W_UV
-  afterwards. No per-head key or value is ever built for the cached tokens.
+  afterwards. No per-head key or value is ever built for the cached tokens. It reads
+  `kv_b_proj.weight` instead of calling the module, so it engages only where `kv_b_proj` is a plain
+  `nn.Linear` on a plain weight (no PEFT layer, hook, quantized or tensor-parallel weight); anything
+  else decodes on the expanded path, which calls `kv_b_proj`.
 
 Module names follow DeepSeek's (`q_a_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, ...), so
 checkpoints convert by a near-identity map and PEFT targets read naturally.
@@ -32,12 +35,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .backends import AttentionLayer, attention_probs, eager_attention, explicit_mask
 from .kinds import AttentionKind, require_int
 from .latent_cache import latent_layer
-from .layout import project, symbolic
+from .split_products import plain_linear, project, symbolic
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 
 # "auto": absorbed when the queries are fewer than the keys they attend to (decoding against a
-# cache), expanded otherwise; the other two force one path (tests, benchmarks).
+# cache), expanded otherwise; the other two force one path (tests, benchmarks). A `kv_b_proj` that is
+# not a plain `nn.Linear` is always expanded.
 DECODE_MODES = ("auto", "absorbed", "expanded")
 
 
@@ -138,6 +142,11 @@ class MultiHeadLatentAttention(AttentionLayer):
         return project(self.o_proj, out.reshape(batch, seq, -1)), weights
 
     def _absorb(self, q_len: int, kv_len: int) -> bool:
+        # The absorbed path reads `kv_b_proj.weight` instead of calling the module: only where the call
+        # would compute nothing but `F.linear` on a plain weight. A PEFT layer, a hook, a quantized or
+        # tensor-parallel weight, an engine's wrapped forward: the expanded path, which calls the module.
+        if not plain_linear(self.kv_b_proj):
+            return False
         if self.decode_mode == "auto":
             return q_len < kv_len and not self.training
         return self.decode_mode == "absorbed"
@@ -160,9 +169,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         """
         batch, heads, q_len, _ = q_nope.shape
         kv_len = latents.shape[-2]
-        weight = self.kv_b_proj.weight
-        if hasattr(weight, "to_local"):  # tensor parallel: this rank's rows of W_UK / W_UV, its heads' rows
-            weight = weight.to_local()
+        weight = self.kv_b_proj.weight  # a plain tensor: `_absorb` engages only then
         w_uk, w_uv = weight.view(heads, -1, self.latent_dim).split([self.nope_dim, self.v_dim], dim=1)
         q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, d_c)
         # Heads and query positions share one row axis, so each score is a plain (B, H·T, S) matmul

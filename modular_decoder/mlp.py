@@ -11,7 +11,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .kinds import FeedForwardKind, require_bool, require_choice
-from .layout import project, runs_plain, symbolic
+from .split_products import project, runs_plain, symbolic
 
 
 def activation(name: str) -> nn.Module:

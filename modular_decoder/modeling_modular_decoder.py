@@ -25,9 +25,9 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .backends import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend, takes_alibi_slopes
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
-from .checks import check_checkpoint, check_generate_inputs, check_inputs, prompt_checked
+from .checks import check_checkpoint, check_generate_inputs, check_inputs, check_token_ids, prompt_checked
 from .configuration_modular_decoder import ModularDecoderConfig
-from .layout import project
+from .split_products import project
 from .moe import TopKRouter, experts_kernels_available, init_moe_weights, router_losses
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
@@ -244,13 +244,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         return _checked_lookup(self.embed_tokens, input_ids, self._check_token_ids)
 
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
-        if input_ids.numel() == 0:
-            return
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= self.config.vocab_size:
-            raise ValueError(
-                f"`input_ids` must lie in [0, vocab_size={self.config.vocab_size}); got values in [{low}, {high}]."
-            )
+        check_token_ids(self.config, input_ids)
 
     def _check_positions(self, position_ids: torch.Tensor) -> None:
         longest = int(position_ids.max())
@@ -299,19 +293,16 @@ def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor
     """`lookup(ids)` for an embedding table, with `check(ids)` turning an out-of-range id into a
     `ValueError` that names the limit.
 
-    On CPU the table's own bounds error catches such ids, so the range is read only on the error
-    path (no extra pass and host sync per decode step); on accelerators a bad id is a device-side
-    assert, so the range is checked first there (not while compiling).
+    The range is read only on the table's own bounds error, which a CPU lookup raises: no extra pass
+    or host read per step. On an accelerator a bad id is a device-side assert instead; reading the
+    range first would cost a device sync per forward (the sync rule in `checks.py`), so there the ids
+    of `generate`'s prompt are checked on entry and a direct `forward` behaves as transformers' models.
     """
-    if ids.device.type == "cpu":
-        try:
-            return lookup(ids)
-        except IndexError:
-            check(ids)
-            raise
-    if not torch.compiler.is_compiling():
+    try:
+        return lookup(ids)
+    except IndexError:
         check(ids)
-    return lookup(ids)
+        raise
 
 
 @dataclass

@@ -39,7 +39,7 @@ from transformers.activations import ACT2FN
 
 from .compat import experts_ep_plan, experts_kernels
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
-from .layout import linear
+from .split_products import linear
 from .mlp import GatedMLP, activated_parameters, mlp_tp_plan
 
 # transformers' own values for `mlp_layer_types` (`configuration_utils.ALLOWED_MLP_LAYER_TYPES`),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layout import symbolic
+from .split_products import symbolic
 
 
 class RMSNorm(nn.Module):

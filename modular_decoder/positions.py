@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
 from .kinds import Kind, Registry, require_bool, require_int, require_number
-from .layout import symbolic
+from .split_products import symbolic
 
 
 class LearnedPositions(nn.Module):

@@ -8,11 +8,14 @@ ROOT/<case>/src is a transformers checkpoint, ROOT/<case>/ours the same weights 
 `AutoModelForCausalLM.from_pretrained(folder)`. Rank 0 writes OUT: for every (case, side, engine) the largest
 differences from one process (logits, every gradient, a one-token no-grad step: the few-row product path)
 and whether greedy `generate` is equal, or the error; for the tensor-parallel runs also ours against
-transformers' class under the same engine.
+transformers' class under the same engine. The no-grad evaluation (the step, `generate`) runs with two threads
+per process, where the split products engage (`split_products.py`): the engine's model against the one-process
+reference, whose ours side records that the split ran (`split_products`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -30,6 +33,8 @@ import modular_decoder  # noqa: E402,F401  (registers the Auto classes: the defa
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
 
+from modular_decoder import split_products  # noqa: E402
+
 ROOT, OUT = Path(sys.argv[1]), Path(sys.argv[2])
 TP_CASES = ("llama", "olmo2", "deepseek_v2", "mixtral")  # standard, qk_norm="full", MLA + MoE, MoE
 SIDES = ("src", "ours")
@@ -37,6 +42,28 @@ IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
 RANK = int(os.environ["RANK"])
 results: dict[str, dict] = {}
 outputs: dict[tuple[str, str, str], torch.Tensor] = {}  # (case, engine, side) -> logits (ZeRO-3: the loss)
+
+
+@contextlib.contextmanager
+def two_threads():
+    """No-grad evaluation with two threads, counting the products the split ran (the few-row path needs
+    more than one thread; training stays on one thread per process, two processes on two cores)."""
+    split, real = [], split_products._splits
+    split_products._splits = lambda *args: _record(split, real, *args)
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            yield split
+    finally:
+        torch.set_num_threads(1)
+        split_products._splits = real
+
+
+def _record(split: list, real, *args) -> int:
+    parts = real(*args)
+    if parts > 1:
+        split.append(parts)
+    return parts
 
 
 def load(case: str, side: str, **kwargs):
@@ -66,12 +93,14 @@ def compare(case: str, side: str, engine: str, build) -> None:
         logits = full(out.logits).detach()
         out.loss.backward()
         grads = max((full(p.grad) - ref_grads[n]).abs().max().item() for n, p in model.named_parameters())
-        with torch.no_grad():
-            step = (full(model(IDS[:, :1]).logits) - ref(IDS[:, :1]).logits).abs().max().item()
-            generated = model.generate(IDS, max_new_tokens=4, do_sample=False)
+        with two_threads() as reference_split:
+            expected_step = ref(IDS[:, :1]).logits
             expected = ref.generate(IDS, max_new_tokens=4, do_sample=False)
+        with two_threads():
+            step = (full(model(IDS[:, :1]).logits) - expected_step).abs().max().item()
+            generated = model.generate(IDS, max_new_tokens=4, do_sample=False)
         results[key] = {"logits": (logits - ref_logits).abs().max().item(), "grads": grads, "step": step,
-                        "generate": torch.equal(generated, expected),
+                        "generate": torch.equal(generated, expected), "reference_split": len(reference_split),
                         "parameter_types": sorted({type(p).__name__ for p in model.parameters()}), "error": None}
         outputs[case, engine, side] = logits
         results[key]["seconds"] = round(time.perf_counter() - start, 1)
@@ -108,12 +137,16 @@ def zero3(case: str, side: str, mode: str) -> None:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
         del keep
+        with two_threads() as reference_split:  # evaluation: a one-token step beside the one-process model's
+            expected_step = load(case, side)(IDS[:, :1]).logits
+        with two_threads():
+            step = (engine.module(IDS[:, :1]).logits - expected_step).abs().max().item()
         loss = engine(IDS, labels=IDS).loss
         engine.backward(loss)
         engine.step()
         outputs[case, f"deepspeed_{mode}", side] = loss.detach()
         results[key] = {"loss": abs(loss.item() - expected), "value": loss.item(), "partitioned": partitioned,
-                        "error": None, "seconds": round(time.perf_counter() - start, 1)}
+                        "step": step, "reference_split": len(reference_split), "error": None, "seconds": round(time.perf_counter() - start, 1)}
     except Exception as error:
         results[key] = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:500],
                         "where": traceback.format_exc()[-1500:]}

@@ -6,7 +6,7 @@ transformers checkpoint and of ours with the same weights, both ways torchao is 
 
     python tests/eco_torchao_worker.py LLAMA OURS   (torchao on PYTHONPATH)
 
-Two torch threads: the few-row product split (layout.py) runs only with more than one, and must leave the
+Two torch threads: the few-row product split (split_products.py) runs only with more than one, and must leave the
 quantized weights to torchao. Prints one JSON line: per side and way, the weight class, the last logits of a
 forward and the greedy tokens. It also reports whether importing modular_decoder and loading a model imported
 PEFT (the LoRA defaults are registered without importing it).

@@ -4,6 +4,7 @@ their traceback; `--traceback` / MODULAR_DECODER_TRACEBACK=1 show it for user er
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -196,3 +197,115 @@ def test_console_entry_prints_one_line_and_exits_2(tmp_path):
                              str(tmp_path / "nope"), str(tmp_path / "out")], capture_output=True, text=True, env=env,
                             timeout=300)
     assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
+
+
+# ------------------------------------------------------------ every command: user errors vs bugs (exit 2 vs 1)
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    """A tiny modular_decoder checkpoint with a tokenizer (with a chat template)."""
+    from modular_decoder import ModularDecoderForCausalLM, preset_config
+    from tiny_tokenizer import tiny_tokenizer
+
+    folder = tmp_path / "md"
+    ModularDecoderForCausalLM(preset_config("llama", tiny=True, vocab_size=128)).save_pretrained(folder)
+    tiny_tokenizer(128).save_pretrained(folder)
+    return folder
+
+
+def bug(capsys, argv: list[str], error: type[BaseException] = ValueError, match: str = "a bug") -> None:
+    """A `ValueError` our code raises outside the checks of the user's input is a bug: it propagates
+    (the console entry then prints its traceback and exits 1), never a one-line user error."""
+    capsys.readouterr()
+    with pytest.raises(error, match=match):
+        main(argv)
+    assert "error:" not in capsys.readouterr().err
+
+
+def _raise_a_bug(*args, **kwargs):
+    raise ValueError("a bug")
+
+
+def test_convert_and_export_bugs_keep_their_traceback(capsys, llama_dir, tmp_path, monkeypatch):
+    from modular_decoder.conversion import api
+
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "_load_assigned", _raise_a_bug)  # after the source is read and checked
+        bug(capsys, ["convert", str(llama_dir), str(tmp_path / "md")])
+    assert main(["convert", str(llama_dir), str(tmp_path / "md")]) == 0
+    monkeypatch.setattr(api, "apply_rules", _raise_a_bug)  # export's inverse map runs after its checks
+    bug(capsys, ["export", str(tmp_path / "md"), str(tmp_path / "back"), "--family", "llama"])
+
+
+def test_generate_user_errors_and_bugs(capsys, checkpoint, monkeypatch):
+    assert user_error(capsys, ["generate", str(checkpoint), "hi", "--top-p", "0"]) == "`--top-p`=0.0 must lie in (0, 1]."
+    assert "--max-new-tokens" in user_error(capsys, ["generate", str(checkpoint), "hi", "--max-new-tokens", "0"])
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 3}))
+    assert "num_key_value_heads" in user_error(capsys, ["generate", str(checkpoint), "hi"])  # config construction
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "model.safetensors").write_bytes(b"\x00" * 4)
+    assert "model.safetensors is truncated" in user_error(capsys, ["generate", str(checkpoint), "hi"])
+
+
+def test_generate_bug_keeps_its_traceback(capsys, checkpoint, monkeypatch):
+    from modular_decoder import ModularDecoderForCausalLM
+
+    monkeypatch.setattr(ModularDecoderForCausalLM, "forward", _raise_a_bug)
+    bug(capsys, ["generate", str(checkpoint), "hi", "--max-new-tokens", "2"])
+
+
+def test_chat_without_a_template_is_a_user_error_on_stderr(capsys, checkpoint, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(checkpoint)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (checkpoint / name).unlink(missing_ok=True)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    message = user_error(capsys, ["chat", str(checkpoint)])
+    assert message == f"the tokenizer in {checkpoint} has no chat template; use `modular-decoder generate`."
+    assert "error" not in capsys.readouterr().out
+
+
+def test_chat_user_errors_and_bugs(capsys, checkpoint, monkeypatch):
+    assert "--temperature" in user_error(capsys, ["chat", str(checkpoint), "--temperature", "-1"])
+    from transformers import TextStreamer
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    monkeypatch.setattr(TextStreamer, "put", _raise_a_bug)  # a bug while a reply streams
+    bug(capsys, ["chat", str(checkpoint), "--max-new-tokens", "2"])
+
+
+def test_push_incomplete_folder_is_a_user_error(capsys, tmp_path, llama_dir):
+    assert user_error(capsys, ["push", str(tmp_path / "empty"), "me/model"]).endswith("missing: config.json")
+    message = user_error(capsys, ["push", str(llama_dir), "me/model"])
+    assert "is not a complete modular_decoder repository" in message
+
+
+def test_plot_unknown_config_is_a_user_error(capsys, tmp_path):
+    message = user_error(capsys, ["plot", "cache", "--config", "nope", "--out", str(tmp_path / "x.png")])
+    assert message.startswith("`--config nope` is neither a preset")
+
+
+def test_validate_arguments_and_bugs(capsys, checkpoint, monkeypatch):
+    assert user_error(capsys, ["validate"]) == "give a checkpoint PATH or --preset NAME"
+    assert "Unknown preset 'nope'" in user_error(capsys, ["validate", "--preset", "nope"])
+    from modular_decoder.tools import validate
+
+    monkeypatch.setattr(validate.Report, "table", _raise_a_bug)
+    bug(capsys, ["validate", str(checkpoint), "--checks", "shapes"])
+
+
+def test_experiment_arguments(capsys, tmp_path):
+    out = ["--out", str(tmp_path / "exp")]
+    assert user_error(capsys, ["experiment", "ablation", "--seeds", "0", *out]) == "`--seeds`=0 must be at least 1."
+    assert "nope" in user_error(capsys, ["experiment", "ablation", "--variants", "nope", *out])
+
+
+def test_demo_on_a_damaged_output_folder(capsys, tmp_path):
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "config.json").write_text("{nope")
+    assert "config.json" in user_error(capsys, ["demo", "--out", str(tmp_path / "demo")])

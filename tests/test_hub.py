@@ -103,6 +103,8 @@ def test_push_refuses_an_incomplete_folder(tmp_path, monkeypatch, capsys):
     FakeApi.calls = []
     ModularDecoderForCausalLM(preset_config("gpt2", tiny=True)).save_pretrained(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "modeling_modular_decoder.py").unlink()
-    assert main(["push", str(tmp_path / "ckpt"), "me/x"]) == 1
-    assert "modeling_modular_decoder.py" in capsys.readouterr().out
+    capsys.readouterr()  # the save's progress bar
+    assert main(["push", str(tmp_path / "ckpt"), "me/x"]) == 2  # a user error: one line on stderr
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "modeling_modular_decoder.py" in err[0]
     assert FakeApi.calls == []

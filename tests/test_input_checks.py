@@ -122,3 +122,89 @@ def test_mask_values_are_checked_again_after_generate(model):
     model.generate(prompt, attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=2, do_sample=False)
     with pytest.raises(ValueError, match="only 0"):
         model(prompt, attention_mask=torch.full((1, 4), 2))
+
+
+# ------------------------------------------------------------------------------------ host reads (the sync rule)
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts every read of a tensor's values by the host (`.item()`, `.tolist()`, `bool()`, `int()`, ...): each is a
+    device sync on an accelerator. `on_accelerator()` makes the checks treat every tensor as an accelerator's
+    (`checks.syncs_device`, the seam the rule goes through): on CPU the real sync cannot be observed."""
+    from modular_decoder import checks
+
+    class Reads(list):
+        def on_accelerator(self):
+            monkeypatch.setattr(checks, "syncs_device", lambda tensor: True)
+
+    reads = Reads()
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name: reads.append(_n) or _f(self, *a))
+    return reads
+
+
+def _llama_twin(model):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model.config
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rope_parameters=c.rope_parameters,
+    ))
+
+
+def _training_step(model, batch, mask):
+    model.train()
+    try:
+        model(input_ids=batch, attention_mask=mask, labels=batch).loss.backward()
+    finally:
+        model.eval()
+
+
+def test_a_training_step_on_an_accelerator_reads_what_llamas_reads(model, host_reads):
+    """A training step (forward with a padded mask, loss, backward) reads no more tensor values on the host than
+    transformers' Llama does in the same step: none of the input checks' reads remain on an accelerator. On CPU
+    the mask check reads its values (free there: no device to wait for)."""
+    batch = ids(model, 2, 6)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    llama = _llama_twin(model)
+    host_reads.clear()
+    _training_step(llama, batch, mask)
+    llamas = list(host_reads)
+    host_reads.clear()
+    _training_step(model, batch, mask)
+    on_cpu = list(host_reads)
+    host_reads.on_accelerator()
+    host_reads.clear()
+    _training_step(model, batch, mask)
+    assert host_reads == llamas, (host_reads, llamas)
+    assert len(on_cpu) > len(llamas)  # the CPU check reads the mask: the count sees the checks' reads
+
+
+def test_generate_on_an_accelerator_checks_its_prompt_once(model, host_reads, monkeypatch):
+    """On an accelerator `generate` reads its prompt's values once (mask 0/1 and the ids' range), whatever the
+    number of steps, and still refuses a bad prompt with a `ValueError`."""
+    from modular_decoder import checks
+
+    host_reads.on_accelerator()
+    calls = []
+    for name in ("_zeros_and_ones", "check_token_ids"):
+        original = getattr(checks, name)
+        monkeypatch.setattr(checks, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    prompt, mask = ids(model, 2, 4), torch.ones(2, 4, dtype=torch.long)
+    counts = {}
+    for steps in (1, 5):
+        calls.clear()
+        model.generate(prompt, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        counts[steps] = list(calls)
+    assert counts[1] == counts[5] == ["_zeros_and_ones", "check_token_ids"]
+    with pytest.raises(ValueError, match="only 0"):
+        model.generate(prompt, attention_mask=torch.full((2, 4), 2), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"must lie in \[0, vocab_size=128\); got values in \[0, 128\]"):
+        model.generate(torch.tensor([[0, 128]]), max_new_tokens=2)

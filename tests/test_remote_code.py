@@ -68,8 +68,8 @@ def test_trust_remote_code_without_package(preset, tmp_path):
 # relative imports, and nothing else (no CLI, tools, conversion, presets or contract arithmetic).
 SHIPPED = {
     "configuration_modular_decoder.py", "modeling_modular_decoder.py", "attention.py", "backends.py", "blocks.py",
-    "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py", "layout.py",
-    "mla.py", "mlp.py", "moe.py", "norms.py", "positions.py", "registries.py", "checks.py",
+    "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py",
+    "mla.py", "mlp.py", "moe.py", "norms.py", "positions.py", "registries.py", "split_products.py", "checks.py",
 }
 
 

@@ -144,17 +144,11 @@ def test_in_memory_count_mismatch_fails_shapes():
     assert "mlp" in report["shapes"].detail
 
 
-def _convertible(family):
-    conversion = pytest.importorskip("modular_decoder.conversion")
-    if family not in getattr(conversion, "FAMILIES", {}):
-        pytest.skip(f"conversion family {family!r} has not landed")
-    return conversion
-
-
 @pytest.mark.parametrize("family", ["gpt2", "openai-gpt", "llama"])
 def test_converted_checkpoint_passes(family, tmp_path):
-    conversion = _convertible(family)
     import transformers
+
+    from modular_decoder import conversion
 
     configs = {
         "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(

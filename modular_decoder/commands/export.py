@@ -15,8 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from modular_decoder.commands import user_input
     from modular_decoder.conversion import export
 
-    out = export(args.src, args.out, family=args.family, force=args.force)
+    out = export(args.src, args.out, family=args.family, force=args.force, input_checks=user_input)
     print(f"wrote {out}")
     return 0

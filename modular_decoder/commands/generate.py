@@ -28,16 +28,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text to complete")
 
 
-def load_checkpoint(folder: Path):
-    """Model (eval mode) and tokenizer from a checkpoint folder."""
+def check_generation_arguments(args: argparse.Namespace) -> None:
+    """Refuse option values generate would not take, naming the option."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"`--max-new-tokens`={args.max_new_tokens} must be at least 1.")
+    if args.temperature < 0:
+        raise ValueError(f"`--temperature`={args.temperature} must be 0 (greedy) or more.")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"`--top-p`={args.top_p} must lie in (0, 1].")
+
+
+def load_checkpoint(folder: Path, args: argparse.Namespace | None = None, chat: bool = False):
+    """Model (eval mode) and tokenizer from a checkpoint folder; with `args`, their values are checked
+    first; with `chat`, that the tokenizer has a chat template. The path, the options and
+    `from_pretrained`'s checks of the checkpoint are the user's input (`user_input`): their errors are
+    one line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import modular_decoder  # noqa: F401  (registers the family with the Auto classes)
+    from modular_decoder.commands import user_input
 
-    if not Path(folder).exists():
-        raise FileNotFoundError(f"{folder} does not exist.")
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
+    with user_input():
+        if args is not None:
+            check_generation_arguments(args)
+        if not Path(folder).exists():
+            raise FileNotFoundError(f"{folder} does not exist.")
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if chat and tokenizer.chat_template is None:
+            raise ValueError(f"the tokenizer in {folder} has no chat template; use `modular-decoder generate`.")
+        return AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer
 
 
 def generation_kwargs(args: argparse.Namespace, prompt_length: int) -> dict:
@@ -59,6 +78,11 @@ def stream(model, tokenizer, inputs: dict, args: argparse.Namespace):
     import torch
     from transformers import TextStreamer
 
+    from modular_decoder.checks import check_generate_inputs
+    from modular_decoder.commands import user_input
+
+    with user_input():  # the prompt, as generate checks it
+        check_generate_inputs(model.config, input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"))
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs = generation_kwargs(args, inputs["input_ids"].shape[1])
@@ -68,7 +92,7 @@ def stream(model, tokenizer, inputs: dict, args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = load_checkpoint(args.folder)
+    model, tokenizer = load_checkpoint(args.folder, args)
     print(args.prompt, end="", flush=True)
     stream(model, tokenizer, tokenizer(args.prompt, return_tensors="pt"), args)
     return 0

@@ -89,7 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    configs = dict(resolve_config(spec) for spec in args.config) if args.config else figure_configs()
+    from modular_decoder.commands import user_input
+
+    with user_input():
+        configs = dict(resolve_config(spec) for spec in args.config) if args.config else figure_configs()
     path = plot_cache(configs, args.out, args.max_context, DTYPES[args.dtype], args.batch_size, args.log)
     for label, config in configs.items():
         print(f"{label}: {cache_bytes(config, args.max_context, args.batch_size, DTYPES[args.dtype]) / 2**30:.2f} GiB "

@@ -23,22 +23,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from modular_decoder.commands import UserError, user_input
     from modular_decoder.tools.cards import render_model_card
     from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
     from modular_decoder.tools.hub import check_hub_folder
 
     folder: Path = args.folder
-    if "README.md" in check_hub_folder(folder) and (folder / "config.json").exists():
-        config = ModularDecoderConfig.from_pretrained(folder)
+    with user_input():
+        missing = check_hub_folder(folder)
+        writes_card = "README.md" in missing and (folder / "config.json").exists()
+        config = ModularDecoderConfig.from_pretrained(folder) if writes_card else None
+    if writes_card:
         (folder / "README.md").write_text(render_model_card(config, base_model=args.base_model, repo_id=args.repo_id))
         print(f"wrote a model card: {folder / 'README.md'}")
-    missing = check_hub_folder(folder)
+        missing = check_hub_folder(folder)
     if missing:
-        print(f"error: {folder} is not a complete modular_decoder repository; missing: {', '.join(missing)}")
-        return 1
+        raise UserError(f"{folder} is not a complete modular_decoder repository; missing: {', '.join(missing)}")
     api = HfApi(token=args.token)
-    url = api.create_repo(args.repo_id, private=args.private, exist_ok=True, repo_type="model")
-    api.upload_folder(folder_path=str(folder), repo_id=args.repo_id, repo_type="model",
-                      revision=args.revision, commit_message=args.commit_message)
+    with user_input(OSError):  # the Hub's answers (authentication, network, a refused name) are HTTP errors
+        url = api.create_repo(args.repo_id, private=args.private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(folder), repo_id=args.repo_id, repo_type="model",
+                          revision=args.revision, commit_message=args.commit_message)
     print(f"pushed {folder} -> {url}")
     return 0

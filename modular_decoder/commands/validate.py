@@ -20,14 +20,15 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from modular_decoder.commands import UserError, user_input
     from modular_decoder.tools.presets import preset_config
 
     if (args.path is None) == (args.preset is None):
-        print("modular-decoder validate: give a checkpoint PATH or --preset NAME", file=sys.stderr)
-        return 2
-    target = preset_config(args.preset, tiny=args.tiny) if args.preset else args.path
+        raise UserError("give a checkpoint PATH or --preset NAME")
+    with user_input():
+        target = preset_config(args.preset, tiny=args.tiny) if args.preset else args.path
     report = validate(target, checks=args.checks, seq_len=args.seq_len, seed=args.seed,
-                      backends=args.backends, dtype=getattr(torch, args.dtype))
+                      backends=args.backends, dtype=getattr(torch, args.dtype), input_checks=user_input)
     if args.preset:
         report.target = f"preset {args.preset}{' (tiny)' if args.tiny else ''}"
     print(report.table())

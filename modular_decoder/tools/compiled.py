@@ -3,7 +3,7 @@
 `generate` compiles its decode step (and only that: the prompt's forward stays eager) when the cache is
 static and a `CompileConfig` is given; transformers does it by itself on accelerators only, and on a CPU
 when the config's `_compile_all_devices` flag says so. On a CPU this family gains the most from it: the
-split products stay in the compiled graph (`modular_decoder/layout.py`) while inductor fuses the small
+split products stay in the compiled graph (`modular_decoder/split_products.py`) while inductor fuses the small
 operations between them. SmolLM2-135M, fp32, 2 cores: 44 tok/s compiled against 22 eager, after a one-time
 compile of about 50 s (`python -m benchmarks.compiled_decode`).
 """

@@ -604,6 +604,7 @@ def validate(
     backends: list[str] | None = None,
     dtype: torch.dtype = torch.float32,
     benchmark_kwargs: dict | None = None,
+    input_checks=contextlib.nullcontext,
 ) -> Report:
     """Run the seed's validation checklist on `target` and return a `Report`.
 
@@ -617,11 +618,14 @@ def validate(
         backends: attention backends to compare with eager; `None` means every backend in
             `backends.BACKEND_FEATURES` that can run here and honour the config.
         dtype: the dtype a folder or config is loaded in.
+        input_checks: a context manager the checks of the arguments and the loading of `target` run
+            inside (the CLI turns their errors into one-line user errors).
     """
-    unknown = set(checks) - set(CHECKS)
-    if unknown:
-        raise ValueError(f"Unknown checks {sorted(unknown)}; choose from {list(CHECKS)}.")
-    loaded = load_target(target, dtype=dtype)
+    with input_checks():
+        unknown = set(checks) - set(CHECKS)
+        if unknown:
+            raise ValueError(f"Unknown checks {sorted(unknown)}; choose from {list(CHECKS)}.")
+        loaded = load_target(target, dtype=dtype)
     if loaded[0] is None:  # config and weights disagree on shapes: nothing else can run
         _, serialized, description, config = loaded
         wrong = _shape_mismatches(config, serialized)

@@ -10,16 +10,21 @@ The weights are never copied, moved or re-laid: the slices are views of the para
 stored (plain, contiguous, its own storage), so every engine that reads or replaces parameters
 (accelerate, FSDP, tensor parallel, torchao, export, safetensors) sees a standard model.
 
-The split engages only where it is measured to pay and is exact to write: fp32, CPU, a plain
-contiguous tensor (never a DTensor, a quantized or other tensor subclass, or a meta tensor), no
-gradient to the weight, not while exporting, and, through `project`, a plain `nn.Linear` with no
-forward or backward hooks of any kind (so hooks, accelerate's wrappers and PEFT's layers run as
-usual). Anything else is `F.linear` / the layer's own call.
+The split engages only where it computes what `F.linear` computes (its shape and dtype; its values
+up to fp32 rounding order) and is measured to pay: fp32 input, weight and bias, all on the CPU, plain tensors (never a DTensor, a quantized or other
+tensor subclass, or a meta tensor), a contiguous 2-D weight whose input width matches the input's
+(anything else goes to `F.linear`, which raises its own error), a bias of the weight's output width,
+no gradient needed (grad mode off, or neither input, weight nor bias requiring grad), no CPU
+`torch.autocast` (where `F.linear` computes in the autocast dtype), not while exporting
+(`torch.export`, ONNX's dynamo export) nor under TorchScript (`torch.jit.trace` / `script`, and the
+ONNX export built on it): those see `F.linear`. Through `project`, the layer is a plain `nn.Linear`
+with no forward or backward hooks of any kind, no wrapped `forward`, no parametrization (so hooks,
+accelerate's and tensor parallelism's wrappers and PEFT's layers run as usual). Anything else is
+`F.linear` / the layer's own call.
 
 Under `torch.compile` the split is part of the graph (the thread count is read once, at tracing):
 inductor fuses the small operations between the products while the products keep streaming on all
-cores, which is what makes a compiled decode step fast (`benchmarks/compiled_decode.py`). Export
-(`torch.export`, ExecuTorch) sees `F.linear`, the portable operation.
+cores, which is what makes a compiled decode step fast (`benchmarks/compiled_decode.py`).
 
 Off switch: the environment variable `MODULAR_DECODER_SPLIT_PRODUCTS=0` (read at import; also in
 a saved folder's remote code), or `set_split_products(False)` at run time.
@@ -59,17 +64,29 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _splits(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """How many parts to split `x @ weight.T` into: the thread count where the split applies, else 1."""
+def _splits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """How many parts to split `x @ weight.T + bias` into: the thread count where the split computes
+    exactly `F.linear`'s result (module docstring), else 1."""
+    if not _enabled or torch.jit.is_tracing():  # TorchScript's tracer (and ONNX's export through it): F.linear
+        return 1
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        return 1  # a width F.linear refuses raises there, with its own message
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not _enabled or not 0 < rows <= FEW_ROWS:
+    if not 0 < rows <= FEW_ROWS:
         return 1
     if type(weight) not in _PLAIN or type(x) not in _PLAIN:  # DTensor, quantized and other subclasses
         return 1
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu or not weight.is_cpu:
         return 1  # measured for fp32 on CPU only (meta and accelerator tensors are not CPU)
-    if (weight.requires_grad and torch.is_grad_enabled()) or _exporting():
-        return 1  # autograd and export see F.linear
+    if bias is not None and (type(bias) not in _PLAIN or bias.dtype != torch.float32 or not bias.is_cpu
+                             or bias.shape != weight.shape[:1]):
+        return 1
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return 1  # autograd sees F.linear
+    if torch.is_autocast_enabled("cpu") or _exporting():
+        return 1  # autocast's dtype, and export, see F.linear
     parts = _threads()
     if parts < 2 or not weight.is_contiguous() or weight.shape[0] % parts:
         return 1
@@ -79,7 +96,14 @@ def _splits(x: torch.Tensor, weight: torch.Tensor) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; with a few rows of fp32 on a multi-core CPU, computed as one
     batched product over contiguous slices of the weight's output rows (views, no copy)."""
-    parts = _splits(x, weight)
+    if torch.jit.is_scripting():  # `torch.jit.script` compiles this branch only: F.linear
+        return nn.functional.linear(x, weight, bias)
+    else:
+        return _split_linear(x, weight, bias)
+
+
+def _split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    parts = _splits(x, weight, bias)
     if parts == 1:
         return nn.functional.linear(x, weight, bias)
     out_features, in_features = weight.shape
@@ -122,6 +146,18 @@ def symbolic(x) -> bool:
     argument a proxy: a computation-only shortcut must then take the plain path (module calls, the
     explicit formula), and a traced attention the cache-free path vLLM serves (it never passes a cache)."""
     return isinstance(x, torch.fx.Proxy)
+
+
+def plain_linear(layer: nn.Module) -> bool:
+    """True where `layer(x)` computes exactly `F.linear(x, layer.weight, layer.bias)` on plain tensors:
+    `runs_plain` (a plain `nn.Linear`, no hooks or wrapped forward) with a plain weight and bias (not
+    a DTensor, a quantized or other tensor subclass). A path that reads the weight instead of calling
+    the module (absorbed MLA) engages only then."""
+    return (
+        runs_plain(layer)
+        and type(layer.weight) in _PLAIN
+        and (layer.bias is None or type(layer.bias) in _PLAIN)
+    )
 
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

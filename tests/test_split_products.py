@@ -1,4 +1,4 @@
-"""`layout`: the few-row products split across cores compute what `F.linear` computes, on every
+"""`split_products`: the few-row products split across cores compute what `F.linear` computes, on every
 preset; they never change how parameters are stored; they step aside for anything that is not a
 plain fp32 CPU tensor, for hooks of every kind, under autograd and export, and when switched off; under
 `torch.compile` they are part of the graph."""
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from decoding import prompt, recording_backend, tiny_model
 from modular_decoder import compiled_decoding
-from modular_decoder.layout import linear, project, set_split_products
+from modular_decoder.split_products import linear, project, set_split_products
 from modular_decoder.tools.presets import PRESETS
 
 MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -142,6 +142,92 @@ def test_linear_steps_aside_for_what_it_was_not_measured_for():
         with threads(count), counting(torch, "bmm") as bmm_calls:
             linear(xs, ws)
         assert not bmm_calls, name
+
+
+def _f_linear_outcome(function, *args):
+    """(result, None) or (None, (error type, message)) of `function(*args)`."""
+    try:
+        return function(*args), None
+    except Exception as error:  # noqa: BLE001  (the comparison is the point)
+        return None, (type(error), str(error))
+
+
+def _assert_same_as_f_linear(x, weight, bias=None, *, engages: bool):
+    """`linear` gives F.linear's dtype and values, or raises F.linear's error; the split runs only if `engages`."""
+    with threads(2), counting(torch, "bmm") as bmm_calls:
+        ours, our_error = _f_linear_outcome(linear, x, weight, bias)
+    theirs, their_error = _f_linear_outcome(F.linear, x, weight, bias)
+    assert our_error == their_error
+    assert bool(bmm_calls) == engages
+    if theirs is not None:
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_shapes_and_dtypes_f_linear_refuses_raise_its_error():
+    """An input wider or narrower than the weight, a bias of another width or dtype: F.linear's error, never a
+    silently truncated product."""
+    weight, bias = torch.randn(64, 32), torch.randn(64)
+    refused = {
+        "wider input": (torch.randn(1, 1, 40), weight, None),
+        "narrower input": (torch.randn(1, 1, 16), weight, None),
+        "wider input, 16 rows": (torch.randn(1, 16, 33), weight, bias),
+        "short bias": (torch.randn(1, 1, 32), weight, torch.randn(63)),
+        "float64 bias": (torch.randn(1, 1, 32), weight, bias.double()),
+        "float64 input": (torch.randn(1, 1, 32).double(), weight, None),
+        "0-d input": (torch.tensor(1.0), weight, None),
+    }
+    for name, (x, w, b) in refused.items():
+        theirs, their_error = _f_linear_outcome(F.linear, x, w, b)
+        assert their_error is not None, name  # the premise: F.linear refuses it
+        _assert_same_as_f_linear(x, w, b, engages=False)
+    _assert_same_as_f_linear(torch.randn(32), weight, bias, engages=True)  # a 1-D input is F.linear's too
+    _assert_same_as_f_linear(torch.randn(1, 1, 32), weight, torch.randn(1), engages=False)  # a broadcast bias
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_autocast_gives_f_linear_dtype_and_values(dtype, with_bias):
+    weight, x = torch.randn(64, 32), torch.randn(1, 3, 32)
+    bias = torch.randn(64) if with_bias else None
+    with torch.autocast("cpu", dtype=dtype):
+        _assert_same_as_f_linear(x, weight, bias, engages=False)
+        with threads(2):
+            assert linear(x, weight, bias).dtype == dtype
+
+
+def test_frozen_weights_with_an_input_that_needs_gradients_go_through_f_linear():
+    """PEFT's frozen base under an adapter, or an input-gradient probe: autograd records F.linear."""
+    for requires in ("x", "bias"):
+        weight = torch.randn(64, 32)
+        x = torch.randn(1, 1, 32, requires_grad=requires == "x")
+        bias = torch.randn(64, requires_grad=requires == "bias")
+        with threads(2), counting(torch, "bmm") as bmm_calls:
+            y = linear(x, weight, bias)
+        assert not bmm_calls, requires
+        leaf = x if requires == "x" else bias
+        (ours,) = torch.autograd.grad(y.square().sum(), leaf)
+        (theirs,) = torch.autograd.grad(F.linear(x, weight, bias).square().sum(), leaf)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    with threads(2), counting(torch, "bmm") as bmm_calls, torch.no_grad():
+        linear(torch.randn(1, 1, 32, requires_grad=True), torch.randn(64, 32))  # no grad mode: no autograd
+    assert bmm_calls
+
+
+def test_torchscript_sees_f_linear():
+    """`torch.jit.trace`, the tracer TorchScript-based ONNX export runs (`torch.jit._get_trace_graph`), and
+    `torch.jit.script` record F.linear, not a product split by the tracing machine's thread count."""
+    module = _Projection(nn.Linear(48, 96).requires_grad_(False))
+    x = torch.randn(1, 1, 48)
+    with threads(2), torch.no_grad():
+        traced = torch.jit.trace(module, (x,))
+        onnx_graph, _ = torch.jit._get_trace_graph(module, (x,))
+        scripted = torch.jit.script(linear)
+        torch.testing.assert_close(scripted(x, module.layer.weight, module.layer.bias), module(x), rtol=1e-5, atol=1e-5)
+    for graph in (traced.inlined_graph, onnx_graph, scripted.graph):
+        kinds = {node.kind() for node in graph.nodes()}
+        assert "aten::linear" in kinds and "aten::bmm" not in kinds, kinds
+    torch.testing.assert_close(traced(x), F.linear(x, module.layer.weight, module.layer.bias), rtol=0, atol=0)
 
 
 def test_tensor_subclasses_go_to_f_linear():
