@@ -290,7 +290,7 @@ def factorise(kv_weight: torch.Tensor, key_rows: int, moment: torch.Tensor, rank
     dominates the principal directions. `method="pca"`: eigenvectors of the activations' second moment
     (minimises the calibration reconstruction error); `"svd"`: left singular vectors of the balanced
     weights alone (the activation-blind baseline)."""
-    w = kv_weight.double()
+    w = kv_weight.detach().double()
     energy = torch.einsum("rd,de,re->r", w, moment, w)  # E[z_r²] per row
     key_scale = float((energy[:key_rows].mean() / energy[key_rows:].mean()).sqrt()) if key_rows else 1.0
     w = torch.cat((w[:key_rows] / key_scale, w[key_rows:]))
