@@ -196,6 +196,28 @@ def test_latent_without_norm_cannot_export_to_deepseek(tmp_path):
         export(tmp_path / "mla", tmp_path / "back", family="deepseek_v3", progress=False)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_latent_norm_variant_exports_to_deepseek_v3(interleaved, tmp_path):
+    """`latent_norm=True` keeps DeepSeek's RMSNorm (weight: the latent's calibration RMS): close to the
+    exact conversion, not equal, and transformers' own DeepseekV3ForCausalLM computes it exactly."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from modular_decoder.conversion import export
+
+    # DeepSeek fixes its latent norms' eps at 1e-6: a source with another norm_eps cannot export
+    model = _source("gqa", rope_interleaved=interleaved, tie_word_embeddings=False, norm_eps=1e-6)
+    calibration, ids = _ids(8, 16, 1), _ids(2, 12, 2)
+    exact = R.to_mla(model, 12, None, calibration, progress=False)
+    normed = R.to_mla(model, 12, None, calibration, progress=False, latent_norm=True)
+    assert normed.config.kv_latent_norm
+    gap = (_logits(normed, ids) - _logits(exact, ids)).abs().max()
+    assert 0 < gap < _logits(exact, ids).abs().max()
+    normed.save_pretrained(tmp_path / "mla")
+    export(tmp_path / "mla", tmp_path / "v3", family="deepseek_v3", progress=False)
+    v3 = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "v3", dtype=torch.float32).eval()
+    torch.testing.assert_close(_logits(v3, ids), _logits(normed, ids), rtol=0, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # the real SmolLM2-135M (9 query heads, 3 KV heads of 64, 30 layers)
 

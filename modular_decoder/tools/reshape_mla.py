@@ -304,9 +304,9 @@ def factorise(kv_weight: torch.Tensor, key_rows: int, moment: torch.Tensor, rank
     return Factorisation(basis, key_scale)
 
 
-def mla_config(config, kv_lora_rank: int, rope_dim: int):
+def mla_config(config, kv_lora_rank: int, rope_dim: int, latent_norm: bool = False):
     """The MLA config of the converted model: latent R + rotary key D, per-head NoPE key and value of the
-    source's head width, the source's score scale, no latent norm, RoPE frequencies kept."""
+    source's head width, RoPE frequencies kept, no latent norm unless `latent_norm`."""
     fields = config.to_dict()
     rotary = config.rotary_dim
     params = copy.deepcopy(config.rope_parameters)
@@ -320,9 +320,9 @@ def mla_config(config, kv_lora_rank: int, rope_dim: int):
             one["rope_theta"] = one["rope_theta"] ** (rope_dim / rotary)  # keeps the D/2 highest frequencies
     fields.update(
         attention_type="mla", q_lora_rank=None, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=config.head_dim,
-        qk_rope_head_dim=rope_dim, v_head_dim=config.head_dim, kv_latent_norm=False,
+        qk_rope_head_dim=rope_dim, v_head_dim=config.head_dim, kv_latent_norm=latent_norm,
         num_key_value_heads=config.num_attention_heads, partial_rotary_factor=1.0, rope_parameters=params,
-        query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+        query_pre_attn_scalar=None,  # MLA's own scale (d_h + D)^-1/2; the source's is folded into the query
     )
     new = type(config).from_dict(fields)
     _check_positions(config, new)
@@ -331,7 +331,7 @@ def mla_config(config, kv_lora_rank: int, rope_dim: int):
 
 def _check_positions(source, target) -> None:
     """The MLA's rotary tables turn its D/2 pairs at the source's D/2 highest frequencies with the same
-    temperature, and its scores carry the source's scale (else the conversion is not what it claims)."""
+    temperature (else the conversion is not what it claims)."""
     old, new = RotaryEmbedding(source), RotaryEmbedding(target)
     for layer_type in sorted(set(source.layer_types)):
         prefix = f"{layer_type}_" if source.rope_is_nested else ""
@@ -340,15 +340,12 @@ def _check_positions(source, target) -> None:
                 getattr(old, f"{prefix}attention_scaling") != getattr(new, f"{prefix}attention_scaling"):
             raise ValueError(f"`rope_dim`={target.qk_rope_head_dim}: the MLA's rotary frequencies would differ "
                              f"from the source's ({layer_type}); use the full rotary width {source.rotary_dim}.")
-        scale = (source.query_pre_attn_scalar or source.head_dim) ** -0.5
-        if abs(mla_softmax_scale(target, layer_type) - scale) > 1e-12 * scale:
-            raise ValueError("`rope_parameters['mscale_all_dim']`: MLA would scale every score by the YaRN "
-                             "temperature, the source does not.")
 
 
-def mla_attention_weights(attention: nn.Module, basis: KeyBasis, moment: torch.Tensor, kv_lora_rank: int,
+def mla_attention_weights(attention: nn.Module, basis: KeyBasis, moment: torch.Tensor, target,
                           method: str = "pca") -> dict[str, torch.Tensor]:
-    """One layer's MLA weights (float64) from a standard attention, its key basis and input moment:
+    """One layer's MLA weights (float64) for the MLA config `target` from a standard attention, its key
+    basis and input moment:
     `q_proj` (per head [q_h; rotary rows of its group's block · q_h]), `kv_a_proj_with_mqa` ([latent;
     rotary key]), `kv_b_proj` (per head [its group's NoPE key slice; its group's value]) and `o_proj`."""
     config = attention.config
@@ -356,7 +353,7 @@ def mla_attention_weights(attention: nn.Module, basis: KeyBasis, moment: torch.T
     matrix = basis.matrix
     key = matrix @ attention.k_proj.weight.double()  # (n, d): rotated joint key
     kv = torch.cat((key[rope:], attention.v_proj.weight.double()))  # (2n - D, d): [K_nope; V]
-    fac = factorise(kv, key.shape[0] - rope, moment, kv_lora_rank, method)
+    fac = factorise(kv, key.shape[0] - rope, moment, target.kv_lora_rank, method)
     nope = key.shape[0] - rope
     up_key = fac.key_scale * fac.basis[:nope]  # (n - D, R): K_nope ≈ up_key · c
     up_value = fac.basis[nope:]  # (n, R): V ≈ up_value · c
@@ -367,21 +364,29 @@ def mla_attention_weights(attention: nn.Module, basis: KeyBasis, moment: torch.T
     q_rope = torch.einsum("rhd,hde->hre", blocks[:rope, group], q)  # (H, D, d)
     w_uk = torch.einsum("nhd,nc->hdc", blocks[rope:, group], up_key)  # (H, d_h, R)
     w_uv = up_value.unflatten(0, (g, head))[group]  # (H, d_h, R)
+    # the source's score scale, folded into the query (MLA scales by (d_h + D)^-1/2, DeepSeek's rule)
+    scale = attention.scaling / mla_softmax_scale(target, config.layer_types[attention.layer_idx])
     weights = {
-        "q_proj.weight": torch.cat((q, q_rope), 1).flatten(0, 1),
+        "q_proj.weight": scale * torch.cat((q, q_rope), 1).flatten(0, 1),
         "kv_a_proj_with_mqa.weight": torch.cat((latent, key[:rope])),
         "kv_b_proj.weight": torch.cat((w_uk, w_uv), 1).flatten(0, 1),
         "o_proj.weight": attention.o_proj.weight.double(),
     }
     if attention.o_proj.bias is not None:
         weights["o_proj.bias"] = attention.o_proj.bias.double()
+    if target.kv_latent_norm:  # approximately the identity: the latent's RMS over the calibration
+        rms = (torch.einsum("rd,de,re->", latent, moment, latent) / len(latent)).sqrt()
+        weights["kv_a_layernorm.weight"] = torch.full((len(latent),), float(rms) - target.norm_unit_offset,
+                                                      dtype=torch.float64)
+        if target.norm_type == "layernorm" and target.norm_bias:
+            weights["kv_a_layernorm.bias"] = torch.zeros(len(latent), dtype=torch.float64)
     return weights
 
 
 @torch.no_grad()
 def to_mla(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids: torch.LongTensor, *,
-           progress: bool = True, moments: list[torch.Tensor] | None = None,
-           method: str = "pca") -> ModularDecoderForCausalLM:
+           progress: bool = True, moments: list[torch.Tensor] | None = None, method: str = "pca",
+           latent_norm: bool = False) -> ModularDecoderForCausalLM:
     """A new `attention_type="mla"` model from a standard-attention one (TransMLA; see the module doc).
 
     Args:
@@ -393,18 +398,21 @@ def to_mla(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids: torc
         progress: show progress bars.
         moments: `attention_moments(model, calibration_ids)` computed already (then the ids are unused).
         method: `"pca"` (activation-aware, the default) or `"svd"` (of the weights; a baseline).
+        latent_norm: keep DeepSeek's norm on the latent, its weight the latent's calibration RMS, so that it
+            is the identity for a token of average norm: approximate even at full rank, but the result
+            exports to transformers' DeepSeek-V3 and has the RMSNorm vLLM's MLA path looks for.
     Raises:
         ValueError: naming the option the method cannot honour exactly.
     """
     rope_dim = check_source(model.config, kv_lora_rank, rope_dim)
-    config = mla_config(model.config, kv_lora_rank, rope_dim)
+    config = mla_config(model.config, kv_lora_rank, rope_dim, latent_norm)
     if moments is None:
         moments = attention_moments(model, calibration_ids, progress=progress)
     bases = layer_bases(model, moments, rope_dim)
     state = {name: tensor for name, tensor in model.state_dict().items() if ".self_attn." not in name}
     layers = model.model.layers
     for i in _bar(range(len(layers)), progress, "to MLA"):
-        weights = mla_attention_weights(layers[i].self_attn, bases[i], moments[i], kv_lora_rank, method)
+        weights = mla_attention_weights(layers[i].self_attn, bases[i], moments[i], config, method)
         dtype = layers[i].self_attn.q_proj.weight.dtype
         state.update({f"model.layers.{i}.self_attn.{name}": w.to(dtype) for name, w in weights.items()})
     config._attn_implementation = model.config._attn_implementation
