@@ -141,7 +141,7 @@ def attention_moments(model, calibration_ids: torch.LongTensor, batch_size: int 
         for start in _bar(range(0, len(calibration_ids), batch_size), progress, "calibration",
                           total=-(-len(calibration_ids) // batch_size)):
             batch = calibration_ids[start:start + batch_size].to(model.device)
-            model(input_ids=batch, use_cache=False)
+            model.model(input_ids=batch, use_cache=False)  # the base model: no logits needed
     finally:
         for handle in handles:
             handle.remove()
