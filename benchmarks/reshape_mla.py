@@ -65,6 +65,13 @@ def load(folder: Path | None):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(folder)
 
 
+def rows_of(tokenizer, path: Path, tokens: int, rows: int) -> torch.Tensor:
+    """Up to `rows` rows of `tokens` ids from a plain-text file."""
+    ids = tokenizer(path.read_text(), return_tensors="pt").input_ids[0]
+    rows = min(len(ids) // tokens, rows)
+    return ids[: rows * tokens].view(rows, tokens)
+
+
 def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -76,6 +83,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rope-dim", type=int, default=None)
     parser.add_argument("--calibration-rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--calibration", type=Path, help="plain-text file to calibrate on instead of samples")
     parser.add_argument("--heldout", type=Path, help="plain-text file for the held-out perplexity")
     parser.add_argument("--heldout-rows", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
@@ -86,7 +94,10 @@ def main(argv=None) -> dict:
     result = {"model_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
               "rss_after_load_mib": rss_mib(), "threads": args.threads}
     clock, cpu = time.perf_counter(), time.process_time()
-    calibration = sample_text(model, tokenizer, args.calibration_rows, args.tokens, seed=0)
+    if args.calibration:
+        calibration = rows_of(tokenizer, args.calibration, args.tokens, args.calibration_rows)
+    else:
+        calibration = sample_text(model, tokenizer, args.calibration_rows, args.tokens, seed=0)
     result["calibration_sampling"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
                                       "tokens": calibration.numel()}
     clock, cpu = time.perf_counter(), time.process_time()
@@ -96,9 +107,7 @@ def main(argv=None) -> dict:
     del mla
     print(json.dumps(result, indent=1), flush=True)
     if args.heldout:
-        ids = tokenizer(args.heldout.read_text(), return_tensors="pt").input_ids[0]
-        rows = min(len(ids) // args.tokens, args.heldout_rows)
-        heldout = ids[: rows * args.tokens].view(rows, args.tokens)
+        heldout = rows_of(tokenizer, args.heldout, args.tokens, args.heldout_rows)
     else:
         heldout = sample_text(model, tokenizer, args.heldout_rows, args.tokens, seed=1)
     result["heldout"] = {"text": str(args.heldout or "sampled (seed 1)"), "tokens": heldout.numel()}
@@ -106,6 +115,16 @@ def main(argv=None) -> dict:
     moments = reshape_mla.attention_moments(model, calibration)
     result["partial_rope_ppl"] = perplexity(reshape_mla.partial_rope_model(model, args.rope_dim, moments=moments),
                                             heldout)
+    # what RoRoPE buys: partial RoPE keeping the first KV head's pairs, no rotation across heads
+    config = model.config
+    identity = torch.eye(config.num_key_value_heads, dtype=torch.float64).expand(config.rotary_dim // 2, -1, -1)
+    plain = reshape_mla.key_basis(identity, config, args.rope_dim or config.rotary_dim)
+    unrotated = reshape_mla._with_attention(model, [plain] * config.num_hidden_layers)
+    result["partial_rope_without_rorope_ppl"] = perplexity(unrotated, heldout)
+    del unrotated
+    exportable = reshape_mla.to_mla(model, 192, args.rope_dim, None, progress=False, moments=moments, latent_norm=True)
+    result["mla_192_latent_norm_ppl"] = perplexity(exportable, heldout)
+    del exportable
     print(json.dumps(result, indent=1), flush=True)
     result["mla"] = {}
     for rank in args.ranks:
