@@ -141,6 +141,9 @@ def test_converted_model_is_a_first_class_checkpoint(tmp_path):
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     rank, rope_dim = 10, 4
     mla = R.to_mla(model, rank, rope_dim, _ids(4, 16, 1), progress=False)
+    source_storage = {p.data_ptr() for p in model.parameters()}
+    assert not any(p.data_ptr() in source_storage for p in mla.parameters())  # a new model: training it leaves
+    assert mla.lm_head.weight is mla.model.embed_tokens.weight  # the source alone; tied as the source was
     mla.save_pretrained(tmp_path / "mla")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla", dtype=torch.float32).eval()
     prompt = _ids(2, 5, 3)

@@ -436,17 +436,31 @@ def to_mla(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids: torc
         moments = attention_moments(model, calibration_ids, progress=progress)
     with _one_thread():  # hundreds of small matrices: threads add only synchronisation (9x slower on two)
         bases = layer_bases(model, moments, rope_dim)
-        state = {name: tensor for name, tensor in model.state_dict().items() if ".self_attn." not in name}
+        state = _copied(name_tensor for name_tensor in model.state_dict().items() if ".self_attn." not in name_tensor[0])
         layers = model.model.layers
         for i in _bar(range(len(layers)), progress, "to MLA"):
             weights = mla_attention_weights(layers[i].self_attn, bases[i], moments[i], config, method)
             dtype = layers[i].self_attn.q_proj.weight.dtype
             state.update({f"model.layers.{i}.self_attn.{name}": w.to(dtype) for name, w in weights.items()})
         config._attn_implementation = model.config._attn_implementation
-        with no_init_weights():  # every parameter is loaded below
+        with no_init_weights():  # every parameter is assigned below; the empty ones are never touched
             out = ModularDecoderForCausalLM(config).to(device=model.device, dtype=model.dtype)
-        out.load_state_dict(state, strict=True)
+        out.load_state_dict(state, strict=True, assign=True)  # no second copy of the new weights
+        if config.tie_word_embeddings:
+            out.tie_weights()
     return out.eval()
+
+
+def _copied(items) -> dict[str, torch.Tensor]:
+    """Copies of `(name, tensor)` items that share storage where the source does (tied embeddings)."""
+    copies = {}
+    out = {}
+    for name, tensor in items:
+        key = (tensor.data_ptr(), tensor.shape, tensor.stride())
+        if key not in copies:
+            copies[key] = tensor.detach().clone()
+        out[name] = copies[key]
+    return out
 
 
 __all__ = ["to_mla", "attention_moments", "rorope_rotations", "key_basis", "layer_bases", "rotated_model",
