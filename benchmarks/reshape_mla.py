@@ -38,7 +38,7 @@ def perplexity(model, ids: torch.Tensor) -> float:
 @torch.no_grad()
 def cache_bytes_per_token(model, ids: torch.Tensor) -> float:
     """Bytes the model's cache holds per token, all layers, measured from its tensors after a forward."""
-    cache = model(input_ids=ids[:1], use_cache=True).past_key_values
+    cache = model(input_ids=ids[:1], use_cache=True).cache
     return cache.payload_bytes() / ids.shape[1]
 
 

@@ -157,7 +157,7 @@ def test_converted_model_is_a_first_class_checkpoint(tmp_path):
         greedy = _logits(loaded, out.sequences)[:, prompt.shape[1] - 1:-1].argmax(-1)
         assert torch.equal(greedy, out.sequences[:, prompt.shape[1]:])
     with torch.no_grad():
-        cache = loaded(input_ids=prompt[:1], use_cache=True).past_key_values
+        cache = loaded(input_ids=prompt[:1], use_cache=True).cache
     sliding_held = min(5, model.config.sliding_window - 1)  # the two sliding layers keep window - 1 tokens
     assert cache.payload_bytes() == (rank + rope_dim) * 4 * (5 + 2 * sliding_held)  # latent + rotary key, fp32
 
@@ -267,7 +267,7 @@ def test_smollm2_rotation_exact_and_full_rank_equals_partial_rope(smollm2):
     mla = R.to_mla(model, 320, 64, None, moments=moments, progress=False)
     torch.testing.assert_close(_logits(mla, ids), partial, rtol=0, atol=1e-4)
     with torch.no_grad():
-        cache = mla(input_ids=ids, use_cache=True).past_key_values
+        cache = mla(input_ids=ids, use_cache=True).cache
     assert cache.payload_bytes() == (320 + 64) * 4 * 30 * ids.shape[1]  # latent + rotary key, fp32
 
 
