@@ -62,7 +62,8 @@ def load(folder: Path | None):
         folder = Path(tempfile.mkdtemp()) / "smollm2"
         convert(Path(spec.submodule_search_locations[0]), folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
                 progress=False)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
 def rows_of(tokenizer, path: Path, tokens: int, rows: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ def _source(name: str = "gqa", **overrides) -> ModularDecoderForCausalLM:
     """A random model with weights large enough that attention is far from uniform (a wrong score shows)."""
     model = ModularDecoderForCausalLM(ModularDecoderConfig(**{**BASE, **SOURCES[name], **overrides})).eval()
     with torch.no_grad():
-        for name_, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 2:
                 param.normal_(0, 0.3)
     return model
@@ -259,7 +259,7 @@ def _perplexity(model, ids) -> float:
 
 @pytest.mark.slow
 def test_smollm2_rotation_exact_and_full_rank_equals_partial_rope(smollm2):
-    model, calibration, heldout, moments = smollm2
+    model, _, heldout, moments = smollm2
     ids = heldout[:1, :48]
     source = _logits(model, ids)
     torch.testing.assert_close(_logits(R.rotated_model(model, moments=moments), ids), source, rtol=0, atol=1e-4)
@@ -277,7 +277,7 @@ def test_smollm2_perplexity_falls_with_rank_and_pca_beats_svd(smollm2):
     SVD of the weights at every such rank. (From 256 to full rank it may rise slightly: measured 48.3 ->
     48.7 here. The smallest directions of [K_nope; V] include the position-blind remainder of keys that lost
     RoPE, so cutting them can help; full rank is the partial-RoPE model, checked exactly above.)"""
-    model, calibration, heldout, moments = smollm2
+    model, _, heldout, moments = smollm2
     ranks = [64, 128, 192, 256]
     pca = [_perplexity(R.to_mla(model, rank, 64, None, moments=moments, progress=False), heldout) for rank in ranks]
     svd = [_perplexity(R.to_mla(model, rank, 64, None, moments=moments, progress=False, method="svd"), heldout)
