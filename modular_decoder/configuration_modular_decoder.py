@@ -180,6 +180,10 @@ class ModularDecoderConfig(PretrainedConfig):
         qk_nope_head_dim (`int`, *optional*): MLA per-head content (non-rotary) q/k width.
         qk_rope_head_dim (`int`, *optional*): MLA shared rotary key width d_R.
         v_head_dim (`int`, *optional*): MLA per-head value width.
+        kv_latent_norm (`bool`): Whether MLA's joint KV latent passes through an RMSNorm (`kv_a_layernorm`,
+            as DeepSeek always does). `False` keeps the latent a linear function of the hidden state, which is
+            what makes an exact conversion of standard attention to MLA possible (TransMLA,
+            `modular_decoder.tools.reshape_mla`); DeepSeek's classes cannot express it.
         attention_bias (`bool`): Biases on the q, k and v projections.
         attention_output_bias (`bool`, *optional*): Bias on the output projection. Defaults to
             `attention_bias` (Qwen 2 sets q/k/v biases but none on the output).
@@ -265,6 +269,7 @@ class ModularDecoderConfig(PretrainedConfig):
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    kv_latent_norm: bool = True
     attention_bias: bool = False
     attention_output_bias: bool | None = None
     qk_norm: str = "none"

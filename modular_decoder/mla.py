@@ -29,11 +29,11 @@ import math
 import torch
 from torch import nn
 
-from .attention import linear_parameters
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .attention import linear_parameters
 from .backends import AttentionLayer, attention_probs, eager_attention, explicit_mask
-from .kinds import AttentionKind, require_int
+from .kinds import AttentionKind, require_bool, require_int
 from .latent_cache import latent_layer
 from .split_products import plain_linear, project, symbolic
 from .norms import build_norm, norm_parameters
@@ -84,7 +84,8 @@ class MultiHeadLatentAttention(AttentionLayer):
             self.q_a_layernorm = build_norm(config, config.q_lora_rank)
             self.q_b_proj = nn.Linear(config.q_lora_rank, h * self.qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.latent_dim + self.rope_dim, bias=bias)
-        self.kv_a_layernorm = build_norm(config, self.latent_dim)
+        # Identity without the latent norm: same module chain, no parameters (see `kv_latent_norm`)
+        self.kv_a_layernorm = build_norm(config, self.latent_dim) if config.kv_latent_norm else nn.Identity()
         # No bias here: it is what makes W_UK / W_UV absorbable into the query / output.
         self.kv_b_proj = nn.Linear(self.latent_dim, h * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=config.attention_output_bias)
@@ -193,7 +194,7 @@ class LatentKind(AttentionKind):
 
     name = "mla"
     module = MultiHeadLatentAttention
-    fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_latent_norm")
 
     def validate(self, config) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -201,6 +202,7 @@ class LatentKind(AttentionKind):
                 raise ValueError(f"`attention_type='mla'` needs `{name}`.")
             require_int(name, getattr(config, name), minimum=1)
         require_int("q_lora_rank", config.q_lora_rank, minimum=1, optional=True)
+        require_bool("kv_latent_norm", config.kv_latent_norm)
         if config.position_embedding_type != "rope":
             raise ValueError(
                 "`attention_type='mla'` carries position only in its decoupled rotary key: it needs "
@@ -249,7 +251,7 @@ class LatentKind(AttentionKind):
         else:
             q = linear_parameters(d, h * qk, False)
         kv = linear_parameters(d, config.kv_lora_rank + config.qk_rope_head_dim, bias)
-        kv += norm_parameters(config, config.kv_lora_rank)
+        kv += norm_parameters(config, config.kv_lora_rank) if config.kv_latent_norm else 0
         kv += linear_parameters(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), False)
         return q + kv + linear_parameters(h * config.v_head_dim, d, config.attention_output_bias)
 

@@ -167,6 +167,8 @@ def config_kwargs(draw) -> dict:
         q_lora_rank = draw(st.none() | st.integers(1, 16))
         if q_lora_rank is not None or draw(st.booleans()):
             kw["q_lora_rank"] = q_lora_rank
+        if draw(st.booleans()):
+            kw["kv_latent_norm"] = False  # the linear latent of a converted standard attention
         position = "rope"
         rope_width, rotary = kw["qk_rope_head_dim"], kw["qk_rope_head_dim"]
     else:

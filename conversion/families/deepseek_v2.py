@@ -87,6 +87,9 @@ def mla_source_fields(cfg) -> dict:
     """The inverse of `mla_contract` and `moe_source_fields`."""
     if cfg.attention_type != "mla":
         raise ValueError("Only `attention_type='mla'` exports to a DeepSeek family.")
+    if not cfg.kv_latent_norm:
+        raise ValueError("DeepSeek always norms the KV latent (`kv_a_layernorm`): it cannot express "
+                         "`kv_latent_norm=False`.")
     fields = source_sizes(cfg)
     fields.pop("head_dim")
     return dict(

