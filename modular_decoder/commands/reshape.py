@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drop-layers", type=int, help="remove the most redundant block of N consecutive layers")
     parser.add_argument("--calibration", help="a plain-text file (default: text sampled from the source model)")
     parser.add_argument("--heal-steps", type=int, default=0, help="distillation steps into the changed modules")
-    parser.add_argument("--heal-lr", type=float, default=None, help="healing learning rate (default 1e-4)")
+    parser.add_argument("--heal-lr", type=float, default=None, help="healing learning rate (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seeds sampling, router rows, random K/V")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
 

@@ -58,20 +58,17 @@ def calibration_from_file(path, tokenizer) -> Calibration:
 def sampled_calibration(model, seed: int = 0, sequences: int = SAMPLED["calibration"],
                         held_out: int = SAMPLED["held_out"], length: int = SAMPLED["length"]) -> Calibration:
     """Text sampled from `model` itself (temperature 1, no truncation) from its beginning-of-text token:
-    `sequences` to calibrate on, and `held_out` more (another seed) for perplexity."""
-    def sample(count: int, sample_seed: int) -> torch.LongTensor:
-        start = torch.full((count, 1), _start_token(model.config), dtype=torch.long)
-        with torch.random.fork_rng():
-            torch.manual_seed(sample_seed)
-            out = model.generate(start, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=length - 1, min_new_tokens=length - 1, pad_token_id=0)
-        return out[:, :length]
-
+    `sequences` to calibrate on and `held_out` other sequences for perplexity (one batch, so the decode
+    steps are shared; the rows are independent samples)."""
+    start = torch.full((sequences + held_out, 1), _start_token(model.config), dtype=torch.long)
     was_training = model.training
     model.eval()
-    calibration, held = sample(sequences, seed), sample(held_out, seed + 1)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        out = model.generate(start, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=length - 1, min_new_tokens=length - 1, pad_token_id=0)[:, :length]
     model.train(was_training)
-    return Calibration(calibration, held, f"sampled from the source model (seed {seed}; held out: seed {seed + 1})")
+    return Calibration(out[:sequences], out[sequences:], f"sampled from the source model (seed {seed})")
 
 
 def _start_token(config) -> int:
