@@ -20,7 +20,7 @@ MIN_SEQ_LEN = 16
 MAX_CALIBRATION = 32  # sequences (8,192 tokens at most): enough for the statistics, fast on a CPU
 MAX_HELD_OUT = 16
 SAMPLED = {"calibration": 8, "held_out": 4, "length": 128}
-BATCH = 4
+BATCH = 1  # sequences per perplexity forward: the (T, vocab) logits of one sequence at a time stay small
 
 
 @dataclass

@@ -46,7 +46,7 @@ def residual_streams(model, input_ids: torch.LongTensor) -> list[torch.Tensor]:
     handles = [layer.register_forward_pre_hook(entering(i), with_kwargs=True) for i, layer in enumerate(layers)]
     handles.append(layers[-1].register_forward_hook(leaving, with_kwargs=True))
     try:
-        model(input_ids=input_ids, use_cache=False)
+        model.model(input_ids=input_ids, use_cache=False)  # the base model: no logits needed
     finally:
         for handle in handles:
             handle.remove()
