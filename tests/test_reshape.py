@@ -442,3 +442,15 @@ def test_smollm2_cli_drop_layers_and_kv_heads(smollm2_folder, smollm2, tmp_path)
     with torch.no_grad():
         for step in range(prompt.shape[1], generated.shape[1]):
             assert result(generated[:, :step], use_cache=False).logits[0, -1].argmax() == generated[0, step]
+
+
+def test_an_interrupted_run_leaves_nothing(tiny_folder, tmp_path, monkeypatch):
+    import modular_decoder.tools.reshape_report as report_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_module, "render_card", interrupted)  # while the folder is being written
+    out = tmp_path / "out"
+    assert main(["reshape", str(tiny_folder), str(out), "--kv-heads", "2"]) == 130
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

@@ -50,24 +50,18 @@ def context_grid(max_context: int, points: int = 64) -> list[int]:
     return sorted({max(1, round(max_context * i / points)) for i in range(points + 1)} | {512, 1024, 4096})
 
 
-def plot_cache(configs: dict[str, ModularDecoderConfig], path: str | Path, max_context: int = 131072,
-               dtype: torch.dtype = torch.bfloat16, batch_size: int = 1, log: bool = False) -> Path:
-    """Draw cache bytes (GiB) against context for each config; returns the PNG path."""
+def _figure():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = [c for c in context_grid(max_context) if c <= max_context]
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for label, config in configs.items():
-        gib = [cache_bytes(config, c, batch_size, dtype) / 2**30 for c in contexts]
-        ax.plot([c / 1024 for c in contexts], gib, label=label, linewidth=2)
-    ax.set_xlabel("context length (k tokens)")
-    ax.set_ylabel(f"KV cache (GiB, {str(dtype).removeprefix('torch.')}, batch {batch_size})")
-    ax.set_title("KV-cache memory against context length")
-    if log:  # sliding-window plateaus and MQA / MLA lines beside MHA need a log axis to be seen
-        ax.set_yscale("log")
+    return plt.subplots(figsize=(7, 4.5), dpi=120)
+
+
+def _save(fig, ax, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -78,14 +72,25 @@ def plot_cache(configs: dict[str, ModularDecoderConfig], path: str | Path, max_c
     return path
 
 
+def plot_cache(configs: dict[str, ModularDecoderConfig], path: str | Path, max_context: int = 131072,
+               dtype: torch.dtype = torch.bfloat16, batch_size: int = 1, log: bool = False) -> Path:
+    """Draw cache bytes (GiB) against context for each config; returns the PNG path."""
+    contexts = [c for c in context_grid(max_context) if c <= max_context]
+    fig, ax = _figure()
+    for label, config in configs.items():
+        gib = [cache_bytes(config, c, batch_size, dtype) / 2**30 for c in contexts]
+        ax.plot([c / 1024 for c in contexts], gib, label=label, linewidth=2)
+    ax.set_xlabel("context length (k tokens)")
+    ax.set_ylabel(f"KV cache (GiB, {str(dtype).removeprefix('torch.')}, batch {batch_size})")
+    ax.set_title("KV-cache memory against context length")
+    if log:  # sliding-window plateaus and MQA / MLA lines beside MHA need a log axis to be seen
+        ax.set_yscale("log")
+    return _save(fig, ax, path)
+
+
 def plot_reshape(report: dict, path: str | Path) -> Path:
     """Held-out perplexity against measured KV-cache bytes per token for one reshape report; returns the PNG path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig, ax = _figure()
     sweep = report.get("sweep") or []
     if sweep:
         rows = sorted(sweep, key=lambda row: row["kv_cache_bytes_per_token"])
@@ -101,16 +106,10 @@ def plot_reshape(report: dict, path: str | Path) -> Path:
         ax.plot(after["kv_cache_bytes_per_token"], report["heal"]["perplexity"], "^", color="tab:green",
                 label="reshaped + healed")
     ax.set_xlabel("KV cache bytes per token (measured)")
-    ax.set_ylabel("held-out perplexity")
+    ax.set_ylabel("held-out perplexity (log scale)")
+    ax.set_yscale("log")  # a training-free reshape can cost orders of magnitude
     ax.set_title("What the reshape bought (cache) and cost (perplexity)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
