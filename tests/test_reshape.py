@@ -454,3 +454,30 @@ def test_an_interrupted_run_leaves_nothing(tiny_folder, tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert main(["reshape", str(tiny_folder), str(out), "--kv-heads", "2"]) == 130
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_sweep_ranks_reports_each_rank_s_measured_cache(tiny_folder, tmp_path, monkeypatch):
+    """The sweep's plumbing (report rows, measured latent cache, plot) with a stand-in for `to_mla`: a random
+    MLA model of the asked rank (the conversion itself is `reshape_mla`'s, tested there)."""
+    import sys
+    import types
+
+    from modular_decoder.tools.reshape_base import derived_config
+
+    def to_mla(model, kv_lora_rank, rope_dim, calibration_ids, *, progress=True):
+        config = derived_config(model.config, attention_type="mla", kv_lora_rank=kv_lora_rank,
+                                qk_rope_head_dim=rope_dim or 4, qk_nope_head_dim=4, v_head_dim=8)
+        return ModularDecoderForCausalLM(config).eval()
+
+    monkeypatch.setitem(sys.modules, "modular_decoder.tools.reshape_mla", types.SimpleNamespace(to_mla=to_mla))
+    out = tmp_path / "out"
+    assert main(["reshape", str(tiny_folder), str(out), "--attention", "mla", "--kv-lora-rank", "16",
+                 "--rope-dim", "4", "--sweep-ranks", "8,16,32"]) == 0
+    report = json.loads((out / REPORT_FILE).read_text())
+    after = report["after"]
+    assert [row["kv_lora_rank"] for row in report["sweep"]] == [8, 16, 32]
+    for row in report["sweep"]:  # L·(d_c + d_R)·4 bytes, read from the latent cache's tensors
+        assert row["kv_cache_bytes_per_token"] == 4 * (row["kv_lora_rank"] + 4) * 4
+    assert after["kv_cache_bytes_per_token"] == 4 * (16 + 4) * 4
+    assert AutoModelForCausalLM.from_pretrained(out).config.attention_type == "mla"
+    assert main(["plot", "reshape", str(out / REPORT_FILE), "--out", str(tmp_path / "sweep.png")]) == 0
