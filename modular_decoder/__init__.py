@@ -17,6 +17,7 @@ from .modeling_modular_decoder import (
 )
 from .tools.compiled import compiled_decoding
 from .tools.presets import PRESETS, preset_config
+from .tools.reshape import reshape
 
 __version__ = "0.1.0"
 
@@ -40,4 +41,5 @@ __all__ = [
     "cache_bytes_per_token",
     "contract_table",
     "compiled_decoding",
+    "reshape",
 ]

@@ -44,10 +44,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "convert the bundled SmolLM2 checkpoint, load it, generate, print its contract"),
     "convert": ("convert", "convert a public checkpoint (HF folder or GGUF)"),
     "export": ("export", "write a modular_decoder checkpoint in a family's format"),
+    "reshape": ("reshape", "move a trained checkpoint to another design point (K/V heads, MLA, experts, depth)"),
     "generate": ("generate", "complete a prompt with a checkpoint, streaming tokens"),
     "chat": ("chat", "chat with a checkpoint through its chat template, streaming replies"),
     "push": ("push", "upload a checkpoint folder to the Hugging Face Hub"),
-    "plot": ("plot", "plots: `plot cache` draws KV-cache bytes against context length"),
+    "plot": ("plot", "plots: `plot cache` (KV-cache bytes against context), `plot reshape` (perplexity against cache bytes)"),
     "validate": ("validate", "run the seed's validation checklist on a checkpoint or preset"),
     "experiment": ("experiment", "reproduce the seed's findings: gradnorm, ffn-budget, ablation"),
 }

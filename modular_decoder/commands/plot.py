@@ -1,4 +1,6 @@
 """`modular-decoder plot cache`: KV-cache bytes against context length, saved as a PNG.
+`modular-decoder plot reshape REPORT.json`: a reshape run's held-out perplexity against KV-cache bytes per
+token (the source, the result, after healing, and every rank of an MLA sweep).
 
 With no `--config`, draws the seed's Figure 8.4: one 7B-class shape (d=4096, L=32, 32 query
 heads of 128) with MHA (32 K/V heads), GQA (8), MQA (1) and MLA (d_c=512, d_R=64, DeepSeek-V2's
@@ -48,24 +50,18 @@ def context_grid(max_context: int, points: int = 64) -> list[int]:
     return sorted({max(1, round(max_context * i / points)) for i in range(points + 1)} | {512, 1024, 4096})
 
 
-def plot_cache(configs: dict[str, ModularDecoderConfig], path: str | Path, max_context: int = 131072,
-               dtype: torch.dtype = torch.bfloat16, batch_size: int = 1, log: bool = False) -> Path:
-    """Draw cache bytes (GiB) against context for each config; returns the PNG path."""
+def _figure():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = [c for c in context_grid(max_context) if c <= max_context]
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for label, config in configs.items():
-        gib = [cache_bytes(config, c, batch_size, dtype) / 2**30 for c in contexts]
-        ax.plot([c / 1024 for c in contexts], gib, label=label, linewidth=2)
-    ax.set_xlabel("context length (k tokens)")
-    ax.set_ylabel(f"KV cache (GiB, {str(dtype).removeprefix('torch.')}, batch {batch_size})")
-    ax.set_title("KV-cache memory against context length")
-    if log:  # sliding-window plateaus and MQA / MLA lines beside MHA need a log axis to be seen
-        ax.set_yscale("log")
+    return plt.subplots(figsize=(7, 4.5), dpi=120)
+
+
+def _save(fig, ax, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -76,8 +72,51 @@ def plot_cache(configs: dict[str, ModularDecoderConfig], path: str | Path, max_c
     return path
 
 
+def plot_cache(configs: dict[str, ModularDecoderConfig], path: str | Path, max_context: int = 131072,
+               dtype: torch.dtype = torch.bfloat16, batch_size: int = 1, log: bool = False) -> Path:
+    """Draw cache bytes (GiB) against context for each config; returns the PNG path."""
+    contexts = [c for c in context_grid(max_context) if c <= max_context]
+    fig, ax = _figure()
+    for label, config in configs.items():
+        gib = [cache_bytes(config, c, batch_size, dtype) / 2**30 for c in contexts]
+        ax.plot([c / 1024 for c in contexts], gib, label=label, linewidth=2)
+    ax.set_xlabel("context length (k tokens)")
+    ax.set_ylabel(f"KV cache (GiB, {str(dtype).removeprefix('torch.')}, batch {batch_size})")
+    ax.set_title("KV-cache memory against context length")
+    if log:  # sliding-window plateaus and MQA / MLA lines beside MHA need a log axis to be seen
+        ax.set_yscale("log")
+    return _save(fig, ax, path)
+
+
+def plot_reshape(report: dict, path: str | Path) -> Path:
+    """Held-out perplexity against measured KV-cache bytes per token for one reshape report; returns the PNG path."""
+    fig, ax = _figure()
+    sweep = report.get("sweep") or []
+    if sweep:
+        rows = sorted(sweep, key=lambda row: row["kv_cache_bytes_per_token"])
+        ax.plot([r["kv_cache_bytes_per_token"] for r in rows], [r["perplexity"] for r in rows], "o-",
+                label="MLA rank sweep", color="tab:blue")
+        for row in rows:
+            ax.annotate(f"r={row['kv_lora_rank']}", (row["kv_cache_bytes_per_token"], row["perplexity"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+    before, after = report["before"], report["after"]
+    ax.plot(before["kv_cache_bytes_per_token"], before["perplexity"], "s", color="black", label="source")
+    ax.plot(after["kv_cache_bytes_per_token"], after["perplexity"], "D", color="tab:red", label="reshaped")
+    if report.get("heal"):
+        ax.plot(after["kv_cache_bytes_per_token"], report["heal"]["perplexity"], "^", color="tab:green",
+                label="reshaped + healed")
+    ax.set_xlabel("KV cache bytes per token (measured)")
+    ax.set_ylabel("held-out perplexity (log scale)")
+    ax.set_yscale("log")  # a training-free reshape can cost orders of magnitude
+    ax.set_title("What the reshape bought (cache) and cost (perplexity)")
+    return _save(fig, ax, path)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="plot", required=True)
+    reshape = sub.add_parser("reshape", help="perplexity against KV-cache bytes per token of a reshape report")
+    reshape.add_argument("report", type=Path, help="a reshape_report.json written by `modular-decoder reshape`")
+    reshape.add_argument("--out", type=Path, default=Path("reshape.png"))
     cache = sub.add_parser("cache", help="KV-cache bytes against context length")
     cache.add_argument("--config", action="append", default=[], metavar="PRESET_OR_FOLDER",
                        help="repeatable; default: the seed's Figure 8.4 (MHA / GQA / MQA / MLA)")
@@ -91,6 +130,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from modular_decoder.commands import user_input
 
+    if args.plot == "reshape":
+        from modular_decoder.checks import read_json_file
+
+        with user_input():
+            report = read_json_file(args.report)
+            if not isinstance(report, dict) or "before" not in report or "after" not in report:
+                raise ValueError(f"{args.report} is not a reshape report (no `before` / `after`).")
+        print(f"wrote {plot_reshape(report, args.out)}")
+        return 0
     with user_input():
         configs = dict(resolve_config(spec) for spec in args.config) if args.config else figure_configs()
     path = plot_cache(configs, args.out, args.max_context, DTYPES[args.dtype], args.batch_size, args.log)

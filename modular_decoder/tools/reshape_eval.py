@@ -1,0 +1,106 @@
+"""What reshape measures with: calibration and held-out text, perplexity, and the KV-cache bytes a model
+actually stores per token.
+
+Calibration comes from the user's plain text (tokenised with the source's tokenizer, cut into sequences,
+the last quarter held out for perplexity) or, without a file, from the source model itself: sequences
+sampled from its beginning-of-text token with a fixed seed (data-free, as in LLM-QAT, Liu et al. 2023), and
+separately sampled held-out sequences, so no corpus ships with the package.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SEQ_LEN = 256  # tokens per calibration sequence cut from a file
+MIN_SEQ_LEN = 16
+MAX_CALIBRATION = 32  # sequences (8,192 tokens at most): enough for the statistics, fast on a CPU
+MAX_HELD_OUT = 16
+SAMPLED = {"calibration": 8, "held_out": 4, "length": 128}
+BATCH = 1  # sequences per perplexity forward: the (T, vocab) logits of one sequence at a time stay small
+
+
+@dataclass
+class Calibration:
+    """Token ids (sequences, T) to calibrate and heal on, and separate ones to measure perplexity on."""
+
+    ids: torch.LongTensor
+    held_out: torch.LongTensor
+    source: str  # where the text came from, for the report
+
+    def describe(self) -> dict:
+        return {"source": self.source, "calibration_tokens": self.ids.numel(), "held_out_tokens": self.held_out.numel(),
+                "sequence_length": self.ids.shape[1]}
+
+
+def calibration_from_file(path, tokenizer) -> Calibration:
+    """The user's plain text, tokenised and cut into sequences of up to `SEQ_LEN` tokens; the last quarter
+    (at least one sequence) is held out for perplexity and never calibrated or healed on."""
+    path = Path(path)
+    if tokenizer is None:
+        raise ValueError(f"`calibration` {path} needs the source's tokenizer, and the source folder has none.")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    seq_len = min(SEQ_LEN, len(ids) // 2)
+    if seq_len < MIN_SEQ_LEN:
+        raise ValueError(f"`calibration` {path} has {len(ids)} tokens; at least {2 * MIN_SEQ_LEN} are needed "
+                         "(part of it is held out for perplexity).")
+    chunks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)
+    held = max(1, chunks.shape[0] // 4)
+    return Calibration(chunks[:-held][:MAX_CALIBRATION], chunks[-held:][:MAX_HELD_OUT],
+                       f"file {path.name} ({len(ids)} tokens)")
+
+
+@torch.no_grad()
+def sampled_calibration(model, seed: int = 0, sequences: int = SAMPLED["calibration"],
+                        held_out: int = SAMPLED["held_out"], length: int = SAMPLED["length"]) -> Calibration:
+    """Text sampled from `model` itself (temperature 1, no truncation) from its beginning-of-text token:
+    `sequences` to calibrate on and `held_out` other sequences for perplexity (one batch, so the decode
+    steps are shared; the rows are independent samples)."""
+    start = torch.full((sequences + held_out, 1), _start_token(model.config), dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        out = model.generate(start, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=length - 1, min_new_tokens=length - 1, pad_token_id=0)[:, :length]
+    model.train(was_training)
+    return Calibration(out[:sequences], out[sequences:], f"sampled from the source model (seed {seed})")
+
+
+def _start_token(config) -> int:
+    for token in (config.bos_token_id, config.eos_token_id, 0):
+        if isinstance(token, list):
+            token = token[0] if token else None
+        if token is not None:
+            return token
+    return 0
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.LongTensor) -> float:
+    """exp of the mean next-token negative log-likelihood over every predicted token of `ids`."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in ids.split(BATCH):
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+        count += batch[:, 1:].numel()
+    model.train(was_training)
+    return math.exp(total / count)
+
+
+@torch.no_grad()
+def measured_cache_bytes_per_token(model, tokens: int = 8) -> int:
+    """Bytes the model's cache holds per token after a forward over `tokens` tokens, counted from the cache's
+    tensors (`payload_bytes`), not from the config."""
+    config = model.config
+    if config.sliding_window:
+        tokens = min(tokens, config.sliding_window - 1)  # a sliding layer holds every token up to its window
+    ids = torch.full((1, tokens), _start_token(config), dtype=torch.long, device=model.device)
+    cache = model(input_ids=ids, use_cache=True).cache
+    return cache.payload_bytes() // tokens

@@ -1,0 +1,58 @@
+"""A reshape run's report as text: the table printed by the command and the section of the model card."""
+
+from __future__ import annotations
+
+
+def _row(label: str, before, after, healed=None, fmt: str = "{:,}") -> str:
+    cells = [fmt.format(before), fmt.format(after)] + ([fmt.format(healed)] if healed is not None else [])
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def report_markdown(report: dict) -> str:
+    """Before / after (/ healed) table, each transformation's claims, the layer distances and a rank sweep."""
+    before, after, heal = report["before"], report["after"], report.get("heal")
+    head = "| | before | after |" + (" after healing |" if heal else "")
+    lines = [head, "|---|---:|---:|" + ("---:|" if heal else ""),
+             _row("parameters", before["parameters"], after["parameters"]),
+             _row("active parameters / token", before["active_parameters"], after["active_parameters"]),
+             _row(f"KV cache bytes / token ({report['measured_in']}, measured)", before["kv_cache_bytes_per_token"],
+                  after["kv_cache_bytes_per_token"]),
+             _row("held-out perplexity", before["perplexity"], after["perplexity"],
+                  heal["perplexity"] if heal else None, fmt="{:.3f}")]
+    calib = report["calibration"]
+    lines += ["", f"Calibration: {calib['source']}; {calib['calibration_tokens']:,} tokens calibrate"
+              + (" and heal" if heal else "") + f", {calib['held_out_tokens']:,} other tokens measure perplexity."]
+    if heal:
+        share = heal["gap_closed"]
+        closed = f"{share:.0%} of the perplexity gap" if share is not None else "no gap to close"
+        lines.append(f"Healing: {heal['steps']} steps of KL distillation from the source (lr {heal['learning_rate']}) "
+                     f"into {len(heal['trainable'])} changed module(s) closed {closed} on the held-out text.")
+    for change in report["transformations"]:
+        approx = change["approximates"] or "nothing"
+        lines.append(f"- `{change['transformation']}`: keeps {change['keeps_exactly']}; approximates {approx}.")
+        for candidate in change.get("candidates", ()):
+            first, last = candidate["layers"]
+            lines.append(f"  - layers {first}-{last}: angular distance {candidate['angular_distance']:.4f}")
+    if report.get("sweep"):
+        lines += ["", "| kv_lora_rank | KV cache bytes / token | held-out perplexity |", "|---:|---:|---:|"]
+        lines += [f"| {row['kv_lora_rank']} | {row['kv_cache_bytes_per_token']:,} | {row['perplexity']:.3f} |"
+                  for row in report["sweep"]]
+    return "\n".join(lines)
+
+
+def summary(report: dict) -> str:
+    """What the command prints."""
+    timing = report.get("timing_s", {})
+    tail = f"\n\n{timing.get('total', 0):.1f} s, peak resident memory {report.get('peak_rss_mb', 0):,} MB"
+    return report_markdown(report) + tail
+
+
+def render_card(config, report: dict) -> str:
+    """The model card of a reshaped checkpoint: the usual card with the report as its description."""
+    from .cards import render_model_card
+
+    names = ", ".join(f"`{c['transformation']}`" for c in report["transformations"])
+    description = (f"Reshaped by `modular-decoder reshape` ({names}) from `{report['source']}`.\n\n"
+                   "## Reshape report\n\n" + report_markdown(report))
+    return render_model_card(config, title="reshaped modular_decoder checkpoint", description=description,
+                             tags=["reshaped"])
