@@ -303,6 +303,14 @@ def check_checkpoint(model_class, pretrained, kwargs: dict) -> None:
     match what its config implies: raise a `ValueError` naming the missing, unexpected and mis-shaped
     tensors. `kwargs` are `from_pretrained`'s keyword arguments.
 
+    What is refused is what would load silently wrong, and nothing transformers loads by design: the
+    model is checked part by part (the base model under `base_model_prefix`, and each other top-level
+    module, the head), and a part the checkpoint holds must match its config exactly (a config with one
+    layer more, or another `norm_position`, would leave some of a trained body random). A part the
+    checkpoint does not hold at all is transformers' to load: a base model's checkpoint loaded into
+    `ForCausalLM` gets a fresh `lm_head`, reported in `missing_keys` (`output_loading_info=True`) and
+    in transformers' load report, as for every transformers model.
+
     The names and shapes come from the safetensors headers (single file or shards) and from the model
     built on the meta device (no memory; tied weights and tensors never saved may be absent; non-persistent
     buffers are not in a state dict). A config whose layer count far exceeds the checkpoint's is refused
@@ -349,15 +357,23 @@ def check_checkpoint(model_class, pretrained, kwargs: dict) -> None:
         model = model_class(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     optional = _optional_names(model)
-    found = _align_prefix(found, expected, getattr(model_class, "base_model_prefix", ""))
+    prefix = getattr(model_class, "base_model_prefix", "")
+    found = _align_prefix(found, expected, prefix)
+    # a head model's parts: its base model (every name under `prefix.`) and each other top-level module
+    has_base = bool(prefix) and any(k.startswith(prefix + ".") for k in expected)
+
+    def _part_of(name: str) -> str:
+        return name.split(".", 1)[0] if has_base else ""
     ignore_missing = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
     ignore_unexpected = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
 
+    # the parts the checkpoint holds: only their tensors are compared (see the docstring)
+    held = {_part_of(k) for k in expected if k in found}
     # listed in the model's order (layer by layer), the checkpoint's extras in natural order
-    missing = [k for k in expected if k not in found and k not in optional
+    missing = [k for k in expected if k not in found and k not in optional and _part_of(k) in held
                and not any(p.search(k) for p in ignore_missing)]
-    unexpected = sorted((k for k in found if k not in expected and not any(p.search(k) for p in ignore_unexpected)),
-                        key=_natural)
+    unexpected = sorted((k for k in found if k not in expected and _part_of(k) in held
+                         and not any(p.search(k) for p in ignore_unexpected)), key=_natural)
     wrong = [] if kwargs.get("ignore_mismatched_sizes") else [
         f"{k} (checkpoint {found[k]}, config {expected[k]})" for k in expected if k in found and found[k] != expected[k]
     ]

@@ -88,10 +88,12 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, *args, strict: bool = True, **kwargs):
         """transformers' `from_pretrained`, after a check of the checkpoint against its config.
 
-        With `strict=True` (the default) a checkpoint whose tensors do not match its config (missing,
-        unexpected or mis-shaped tensors) raises a `ValueError` naming them, before the model is built
-        (`checks.check_checkpoint` reads only the safetensors headers). `strict=False` loads a
-        partial or different checkpoint as transformers does: what is missing is initialised randomly.
+        With `strict=True` (the default) a checkpoint that would load silently wrong raises a `ValueError`
+        naming the tensors, before the model is built (`checks.check_checkpoint` reads only the safetensors
+        headers): mis-shaped tensors, or a part it holds (the base model, the head) that does not match the
+        config. What transformers loads by design loads here too and is reported as it reports it
+        (`output_loading_info=True`, its load report): a base model's checkpoint in `ForCausalLM` gets a
+        fresh `lm_head`. `strict=False` loads a partial or different checkpoint as transformers does.
         """
         if "decode_layout" in kwargs:  # transformers would store an unknown keyword in the config
             raise ValueError(
@@ -367,13 +369,11 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         With `output_router_logits` (default: the config's), every sparse layer's router logits are
         returned with the load-balancing `aux_loss` and the `z_loss` over the real tokens of a 2-D
         `attention_mask`; with `labels`, their coefficient-weighted sum is added to `loss`, as
-        transformers' MoE families add theirs.
+        transformers' MoE families add theirs. A model without routers records none (an empty
+        `router_logits`, no router losses), as the outputs the class declares recordable allow.
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        if output_router_logits and not self.config.mlp_kind.routed:
-            raise ValueError(f"`output_router_logits=True` needs routed experts; `mlp_type`={self.config.mlp_type!r} "
-                             "has no router.")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -394,7 +394,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         loss = aux_loss = z_loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        if output_router_logits:
+        if output_router_logits and outputs.router_logits:  # a model without routers records none
             # padding is left out through a 2-D mask (generate's pre-built per-layer masks carry none)
             mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
             router_loss, aux_loss, z_loss = router_losses(outputs.router_logits, self.config, mask)

@@ -140,10 +140,23 @@ def test_router_losses_train_the_router():
     assert out.aux_loss.requires_grad and out.z_loss.requires_grad
 
 
-def test_router_logits_need_routed_experts():
+def test_router_logits_of_a_model_without_routers_are_none_recorded():
+    """The class declares router logits recordable (transformers' `test_capture_outputs_decorator` then asks for
+    them): a dense model records none and computes as without the flag, as transformers' Llama does. The config
+    field still refuses the setting, which nothing would read."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="output_router_logits"):
-        model(prompt(), output_router_logits=True)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=32, intermediate_size=40,
+                                         num_hidden_layers=2, num_attention_heads=4)).eval()
+    ids = prompt()
+    with torch.no_grad():
+        for reference in (model, llama):
+            plain = reference(ids, labels=ids)
+            asked = reference(ids, labels=ids, output_router_logits=True)
+            torch.testing.assert_close(asked.logits, plain.logits, rtol=0, atol=0)
+            torch.testing.assert_close(asked.loss, plain.loss, rtol=0, atol=0)
+            assert not getattr(asked, "router_logits", None) and getattr(asked, "aux_loss", None) is None
     with pytest.raises(ValueError, match="output_router_logits.*only applies to `mlp_type='moe'`"):
         preset_config("llama", tiny=True, output_router_logits=True)
 
