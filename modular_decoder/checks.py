@@ -39,7 +39,8 @@ def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None
 
     `input_ids`: a 2-D (batch, seq) tensor of int64/int32 ids, neither dimension 0. `inputs_embeds`: a
     floating (batch, seq, hidden_size) tensor. `attention_mask`: a 2-D (batch, past + seq) tensor of
-    0/1 (bool, int or float), where `past` is what `cache` holds; 4-D masks and the per-layer-type dict
+    0/1 (bool, int or float), where `past` is what `cache` holds (beside a static cache it may be padded with
+    zeros up to the cache's length, as transformers pads it; see `_check_mask_length`); 4-D masks and the per-layer-type dict
     generate() builds are passed through as they are.
 
     Shapes and dtypes cost nothing (no device work). The one data-dependent check, that a 2-D mask
@@ -126,19 +127,27 @@ def _check_embeds(config, inputs_embeds) -> tuple[int, int]:
 
 
 def _check_mask_length(attention_mask: torch.Tensor, seq: int, cache) -> None:
+    """A 2-D mask covers the cached and the new tokens, column j for token j. Beside a static cache it may
+    also be padded with zeros up to the cache's length (`max_cache_len`), as transformers' mask builders
+    pad it themselves: column j is then slot j, and any length in between is read that way."""
     length = attention_mask.shape[1]
-    if cache is not None and getattr(cache, "is_compileable", False):
-        # a static cache keeps its length on the device; a mask may also be padded to the cache's size
-        if length < seq:
+    static = cache is not None and getattr(cache, "is_compileable", False)
+    if static:
+        capacity = cache.get_max_length()
+        if length > capacity:
             raise ValueError(
-                f"`attention_mask` has length {length}, shorter than the {seq} new tokens; it must cover the cached "
-                "tokens and the new ones."
+                f"`attention_mask` has length {length} but the static cache holds at most {capacity} tokens "
+                "(its `max_cache_len`): a mask covers the cached and new tokens, optionally padded with zeros to it."
             )
-        return
-    past = cache.get_seq_length() if cache is not None else 0
-    if length != past + seq:
+        if torch.compiler.is_compiling() or _PROMPT_CHECKED.get():
+            return  # a static cache keeps its length on the device: read once per direct call, not per step
+        past = int(cache.get_seq_length())
+    else:
+        past = cache.get_seq_length() if cache is not None else 0
+    if length < past + seq or (length > past + seq and not static):
         covers = f"the {past} cached and {seq} new tokens ({past + seq})" if past else f"the input's {seq} tokens"
-        raise ValueError(f"`attention_mask` has length {length} but must cover {covers}.")
+        padded = f", or those padded with zeros to the static cache's {cache.get_max_length()} slots" if static else ""
+        raise ValueError(f"`attention_mask` has length {length} but must cover {covers}{padded}.")
 
 
 def _zeros_and_ones(mask: torch.Tensor) -> bool:

@@ -256,12 +256,15 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 "(`max_position_embeddings`); shorten the input."
             )
 
-    def _default_position_ids(self, inputs_embeds, attention_mask, past_seen: int) -> torch.Tensor:
-        """Positions count real tokens only, so a left-padded row gets the positions it gets alone."""
+    def _default_position_ids(self, inputs_embeds, attention_mask, past_seen: int | torch.Tensor) -> torch.Tensor:
+        """Positions count real tokens only, so a left-padded row gets the positions it gets alone.
+
+        A 2-D mask's column j is token j (slot j of a static cache, whose mask may be padded with zeros to
+        the cache's length): the new tokens are columns `past_seen` onwards, not the mask's last ones."""
         seq = inputs_embeds.shape[1]
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            positions = attention_mask.long().cumsum(-1) - 1
-            return positions.clamp(min=0)[:, -seq:]
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            return new_token_columns(positions, past_seen, seq)
         return (torch.arange(seq, device=inputs_embeds.device) + past_seen).unsqueeze(0)
 
     def _embed(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -289,6 +292,14 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             kv_length = cache.get_mask_sizes(seq, layer_idx)[0] if cache is not None else seq
             kwargs[layer_type] = {"position_bias": self.alibi(seq, kv_length, hidden.dtype)}
         return kwargs
+
+
+def new_token_columns(mask: torch.Tensor, past_seen: int | torch.Tensor, seq: int) -> torch.Tensor:
+    """Columns `past_seen .. past_seen + seq` of a (B, L) tensor laid out like a 2-D attention mask: those of
+    the new tokens (a static cache counts `past_seen` on the device, so it is indexed, never read)."""
+    if isinstance(past_seen, int):
+        return mask[:, past_seen : past_seen + seq]
+    return mask[:, torch.arange(seq, device=mask.device) + past_seen.to(mask.device)]
 
 
 def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor:
@@ -374,6 +385,10 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
+        # where the new tokens start in a 2-D mask, for the router losses
+        past_seen = cache.get_seq_length() if output_router_logits and isinstance(cache, Cache) else 0
+        if isinstance(past_seen, torch.Tensor):  # a static cache's counter, which the forward advances in place
+            past_seen = past_seen.clone()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -397,6 +412,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if output_router_logits and outputs.router_logits:  # a model without routers records none
             # padding is left out through a 2-D mask (generate's pre-built per-layer masks carry none)
             mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
+            if mask is not None:  # the new tokens' columns (a static cache's mask may be padded past them)
+                mask = new_token_columns(mask, past_seen, outputs.last_hidden_state.shape[1])
             router_loss, aux_loss, z_loss = router_losses(outputs.router_logits, self.config, mask)
             if loss is not None:
                 loss = loss + router_loss.to(loss.device)
