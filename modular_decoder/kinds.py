@@ -24,8 +24,8 @@ Entry = TypeVar("Entry")
 
 
 def field_default(config, name: str) -> Any:
-    """The dataclass default of config field `name`."""
-    for field in dataclasses.fields(type(config)):
+    """The dataclass default of config field `name` (`config` an instance or the class)."""
+    for field in dataclasses.fields(config if isinstance(config, type) else type(config)):
         if field.name == name:
             return field.default
     raise KeyError(name)
@@ -59,13 +59,20 @@ class Registry(dict, Generic[Entry]):
         chosen = self[value]
         chosen.complete(config)
         for name, unused in self._unused_values(chosen).items():
-            unset = (field_default(config, name), *self._formerly_written(name))
-            if unused is not _DEFAULT and getattr(config, name) in unset:
+            if unused is not _DEFAULT and getattr(config, name) == field_default(config, name):
                 setattr(config, name, unused)
 
-    def _formerly_written(self, name: str) -> tuple:
-        """Values earlier versions wrote for `name` into every config.json, read as "unset"."""
-        return tuple(v for entry in self.values() for v in getattr(entry, "formerly_written", {}).get(name, ()))
+    def forget_formerly_written(self, config_class, config_dict: dict) -> None:
+        """Drop from a saved config's dict the values earlier versions wrote into every config.json for fields
+        the chosen entry does not read (so folders saved by those versions load). Only saved files are read
+        this way: a config built with such a value is refused by `check` like any other setting nothing reads."""
+        value = config_dict.get(self.field, field_default(config_class, self.field))
+        if not (isinstance(value, str) and value in self):
+            return
+        for name in self._unused_values(self[value]):
+            written = tuple(v for e in self.values() for v in getattr(e, "formerly_written", {}).get(name, ()))
+            if name in config_dict and config_dict[name] in written:
+                del config_dict[name]
 
     def _unused_values(self, chosen) -> dict[str, Any]:
         """Field -> the one value it may hold under `chosen`, for the fields only other entries read."""
@@ -104,7 +111,7 @@ class Kind:
     # whose default means "this kind picks it" can still read as "off" to code outside the model).
     unused_values: dict[str, Any] = {}
     # Values that earlier versions saved for some of `fields` in every config.json, the kind chosen or not:
-    # where another kind is chosen they read as unset (so folders saved by those versions still load).
+    # where another kind is chosen, a saved file's value is dropped (`Registry.forget_formerly_written`).
     formerly_written: dict[str, tuple] = {}
 
     def complete(self, config) -> None:

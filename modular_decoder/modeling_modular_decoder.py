@@ -326,8 +326,9 @@ class ModularDecoderCausalLMOutput(MoeCausalLMOutputWithPast):
     """transformers' MoE causal-LM output (`aux_loss`, `router_logits` beside the usual fields), plus
     `z_loss`: the router z-loss, returned with the router logits.
 
-    `aux_loss` and `z_loss` are the unweighted losses; `loss` (with `labels`) already holds
-    `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss`.
+    `aux_loss` (the router kind's balance loss: Switch's for softmax routers, DeepSeek-V3's sequence-wise
+    one for sigmoid routers) and `z_loss` (softmax routers only) are the unweighted losses; `loss` (with
+    `labels`) already holds `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss`.
     """
 
     z_loss: torch.Tensor | None = None
@@ -378,7 +379,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         shifted inside, `-100` is ignored. `logits_to_keep=k` projects only the last k positions.
 
         With `output_router_logits` (default: the config's), every sparse layer's router logits are
-        returned with the load-balancing `aux_loss` and the `z_loss` over the real tokens of a 2-D
+        returned with the router kind's balance loss `aux_loss` and the `z_loss` over the real tokens of a 2-D
         `attention_mask`; with `labels`, their coefficient-weighted sum is added to `loss`, as
         transformers' MoE families add theirs. A model without routers records none (an empty
         `router_logits`, no router losses), as the outputs the class declares recordable allow.
@@ -414,7 +415,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
             if mask is not None:  # the new tokens' columns (a static cache's mask may be padded past them)
                 mask = new_token_columns(mask, past_seen, outputs.last_hidden_state.shape[1])
-            router_loss, aux_loss, z_loss = router_losses(outputs.router_logits, self.config, mask)
+            batch = outputs.last_hidden_state.shape[0]
+            router_loss, aux_loss, z_loss = router_losses(outputs.router_logits, self.config, mask, batch)
             if loss is not None:
                 loss = loss + router_loss.to(loss.device)
         return ModularDecoderCausalLMOutput(

@@ -63,7 +63,7 @@ def test_trust_remote_code_without_package(preset, tmp_path):
 SHIPPED = {
     "configuration_modular_decoder.py", "modeling_modular_decoder.py", "attention.py", "backends.py", "blocks.py",
     "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py", "layout.py",
-    "mla.py", "mlp.py", "moe.py", "norms.py", "positions.py", "registries.py", "checks.py",
+    "mla.py", "mlp.py", "moe.py", "norms.py", "positions.py", "registries.py", "checks.py", "router_losses.py",
 }
 
 
