@@ -48,6 +48,8 @@ def _token_ids(name: str, value) -> None:
 # The sizes everything else derives from: checked before any default is computed from them.
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
+# The sizes whose `None` means "derive it" (4·d, H, d / H); the others are required.
+DERIVED_SIZE_FIELDS = ("intermediate_size", "num_key_value_heads", "head_dim")
 # Rules of the fields that do not pick a variant (those are checked by their registry entries, which
 # own the fields only they read: see `registries.py`).
 FIELD_RULES = {
@@ -293,7 +295,7 @@ class ModularDecoderConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs):
         for name in SIZE_FIELDS:  # before the defaults below compute with them
-            require_int(name, getattr(self, name), minimum=1, optional=True)
+            require_int(name, getattr(self, name), minimum=1, optional=name in DERIVED_SIZE_FIELDS)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:

@@ -140,6 +140,14 @@ class AttentionKind(Kind):
         """The rotated width of each q/k head."""
         return int(self.rope_head_dim(config) * config.partial_rotary_factor)
 
+    def describe_rope_head_dim(self, config) -> str:
+        """The fields that set `rope_head_dim`, for errors: `head_dim`, and the sizes it defaults from."""
+        head_dim = config.head_dim
+        if head_dim * config.num_attention_heads == config.hidden_size:
+            return (f"`head_dim`={head_dim} (`hidden_size`={config.hidden_size} / "
+                    f"`num_attention_heads`={config.num_attention_heads})")
+        return f"`head_dim`={head_dim}"
+
     def backend_features(self, config) -> set[str]:
         """Features of `backends.FEATURE_FIELDS` a backend needs to run this kind."""
         return set()

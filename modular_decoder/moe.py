@@ -406,8 +406,9 @@ class MixtureOfExpertsKind(FeedForwardKind):
             config.shared_expert_intermediate_size = config.moe_intermediate_size
         if config.topk_group is None:
             config.topk_group = config.n_group
-        if config.router_aux_loss_coef is None and config.router_type in ROUTERS:
-            config.router_aux_loss_coef = ROUTERS[config.router_type].default_aux_loss_coef
+        router = ROUTERS.get(config.router_type) if isinstance(config.router_type, str) else None
+        if config.router_aux_loss_coef is None and router is not None:  # a bad `router_type` is named by `validate`
+            config.router_aux_loss_coef = router.default_aux_loss_coef
 
     def validate(self, config) -> None:
         self._validate_layer_types(config)

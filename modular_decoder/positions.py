@@ -206,9 +206,11 @@ def _validate_rope(config) -> None:
         per_type = {"rope_parameters": params}
     rotary = config.rotary_dim
     if rotary <= 0 or rotary % 2:
+        head = config.attention_kind.describe_rope_head_dim(config)
         raise ValueError(
-            f"The rotary width (the attention kind's RoPE head width {config.rope_head_dim} x "
-            f"`partial_rotary_factor`={config.partial_rotary_factor} = {rotary}) must be a positive even number."
+            f"The rotary width, {head} x `partial_rotary_factor`={config.partial_rotary_factor} = {rotary}, must "
+            "be a positive even number (RoPE rotates pairs): set an even `head_dim`, or change `hidden_size`, "
+            "`num_attention_heads` or `partial_rotary_factor`."
         )
     for where, one in per_type.items():
         _validate_rope_dict(config, where, one, rotary)
