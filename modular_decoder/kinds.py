@@ -110,12 +110,19 @@ class Kind:
     # The value some of `fields` hold when another kind is chosen, where it is not their default (a field
     # whose default means "this kind picks it" can still read as "off" to code outside the model).
     unused_values: dict[str, Any] = {}
+    # Fields outside `fields` that this kind reads and some other kind of its axis does not (MLA's latent heads
+    # have no `head_dim`): the contract table shows a field only where the chosen kinds read it.
+    reads: tuple[str, ...] = ()
     # Values that earlier versions saved for some of `fields` in every config.json, the kind chosen or not:
     # where another kind is chosen, a saved file's value is dropped (`Registry.forget_formerly_written`).
     formerly_written: dict[str, tuple] = {}
 
     def complete(self, config) -> None:
         """Fill the defaults of this kind's own fields that derive from other fields (before validation)."""
+
+    def reads_for(self, config) -> tuple[str, ...]:
+        """Those of `reads` that `config` makes this kind read (all of them unless a kind says otherwise)."""
+        return self.reads
 
     def validate(self, config) -> None:
         """Raise `ValueError` naming the field when `config` is not a valid use of this kind."""
@@ -125,6 +132,7 @@ class AttentionKind(Kind):
     """A value of `attention_type`: the module every layer builds and what the model needs of it."""
 
     module: type[nn.Module]
+    reads = ("head_dim", "num_key_value_heads")  # per-head queries, keys and values
     # `ModularDecoderCache` implementations this kind stores (see `cache_layer`)
     cache_implementations: tuple[str, ...] = ("dynamic", "static")
 
@@ -178,6 +186,7 @@ class FeedForwardKind(Kind):
     """A value of `mlp_type`: the feed-forward module of every block and its arithmetic."""
 
     module: type[nn.Module]
+    reads = ("intermediate_size", "mlp_bias")
     # whether its layers have routers (whose logits the model can return and train with router losses)
     routed: bool = False
 

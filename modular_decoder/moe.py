@@ -410,6 +410,10 @@ class MixtureOfExpertsKind(FeedForwardKind):
         if config.router_aux_loss_coef is None and router is not None:  # a bad `router_type` is named by `validate`
             config.router_aux_loss_coef = router.default_aux_loss_coef
 
+    def reads_for(self, config) -> tuple[str, ...]:
+        """`intermediate_size` only where a `"dense"` layer holds a gated MLP; never `mlp_bias` (no biases)."""
+        return ("intermediate_size",) if "dense" in (config.mlp_layer_types or ()) else ()
+
     def validate(self, config) -> None:
         self._validate_layer_types(config)
         for name in ("num_experts", "num_experts_per_tok"):

@@ -179,8 +179,8 @@ class AlibiBias(nn.Module):
 class PositionKind(Kind):
     """A value of `position_embedding_type`: where position enters and the fields it reads."""
 
-    def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None):
-        self.name, self.fields = name, fields
+    def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None, reads: tuple[str, ...] = ()):
+        self.name, self.fields, self.reads = name, fields, reads
         if validate is not None:
             self.validate = validate
 
@@ -278,7 +278,7 @@ def _validate_rope_dict(config, where: str, params, rotary: int) -> None:
 POSITIONS: Registry[PositionKind] = Registry("position_embedding_type", [
     PositionKind("learned", ("learned_position_offset",), _validate_learned),
     PositionKind("sinusoidal"),
-    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved"), _validate_rope),
+    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved"), _validate_rope, reads=("rope_parameters",)),
     PositionKind("alibi"),
     PositionKind("none"),
 ])
