@@ -169,7 +169,9 @@ class TopKRouter(nn.Module):
     def __init__(self, config):
         super().__init__()
         kind = ROUTERS[config.router_type]
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        # a sigmoid router stays fp32 (`fp32_parameters`) also when built under a half default dtype (`from_config`)
+        dtype = torch.float32 if kind.score_correction_bias else None
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
         bias = torch.zeros(config.num_experts, dtype=torch.float32) if kind.score_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         self.expert_load: torch.Tensor | None = None

@@ -167,3 +167,18 @@ def test_trainer_callback_updates_the_bias_each_step(tmp_path):
     # three updates of ±0.01 (or 0 for an expert exactly at the mean): on the grid, and moved
     assert torch.allclose(bias / 0.01, (bias / 0.01).round(), atol=1e-4) and bias.abs().max() > 0
     assert bias.abs().max() <= 0.03 + 1e-6
+
+
+def test_sigmoid_router_is_built_in_fp32_under_a_half_default_dtype():
+    """`_keep_in_fp32_modules_strict` names the sigmoid router: built under a bf16 default dtype (`from_config`,
+    transformers' `test_keep_in_fp32_modules_strict_also_hardcode_fp32`) it is fp32 too, the rest bf16."""
+    config = preset_config("deepseek_v3", tiny=True)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = ModularDecoderForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    router = next(m for m in model.modules() if getattr(m, "e_score_correction_bias", None) is not None)
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16
