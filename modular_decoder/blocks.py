@@ -25,6 +25,7 @@ class DecoderBlock(GradientCheckpointingLayer):
     NORMS: tuple[str, ...] = ()
     norm_position: str = ""
     parallel: bool = False
+    reads: tuple[str, ...] = ()  # config fields only some blocks read (the contract table shows those of this one)
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -116,6 +117,7 @@ class ParallelBlock(DecoderBlock):
     NORMS = ("pre_attn_norm",)
     norm_position = "pre"
     parallel = True
+    reads = ("parallel_norms",)
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)

@@ -54,7 +54,8 @@ def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None
 
     `input_ids`: a 2-D (batch, seq) tensor of int64/int32 ids, neither dimension 0. `inputs_embeds`: a
     floating (batch, seq, hidden_size) tensor. `attention_mask`: a 2-D (batch, past + seq) tensor of
-    0/1 (bool, int or float), where `past` is what `cache` holds; 4-D masks and the per-layer-type dict
+    0/1 (bool, int or float), where `past` is what `cache` holds (beside a static cache it may be padded with
+    zeros up to the cache's length, as transformers pads it; see `_check_mask_length`); 4-D masks and the per-layer-type dict
     generate() builds are passed through as they are.
 
     Shapes and dtypes cost nothing (no device work). The one data-dependent check, that a 2-D mask
@@ -154,19 +155,27 @@ def _check_embeds(config, inputs_embeds) -> tuple[int, int]:
 
 
 def _check_mask_length(attention_mask: torch.Tensor, seq: int, cache) -> None:
+    """A 2-D mask covers the cached and the new tokens, column j for token j. Beside a static cache it may
+    also be padded with zeros up to the cache's length (`max_cache_len`), as transformers' mask builders
+    pad it themselves: column j is then slot j, and any length in between is read that way."""
     length = attention_mask.shape[1]
-    if cache is not None and getattr(cache, "is_compileable", False):
-        # a static cache keeps its length on the device; a mask may also be padded to the cache's size
-        if length < seq:
+    static = cache is not None and getattr(cache, "is_compileable", False)
+    if static:
+        capacity = cache.get_max_length()
+        if length > capacity:
             raise ValueError(
-                f"`attention_mask` has length {length}, shorter than the {seq} new tokens; it must cover the cached "
-                "tokens and the new ones."
+                f"`attention_mask` has length {length} but the static cache holds at most {capacity} tokens "
+                "(its `max_cache_len`): a mask covers the cached and new tokens, optionally padded with zeros to it."
             )
-        return
-    past = cache.get_seq_length() if cache is not None else 0
-    if length != past + seq:
+        if torch.compiler.is_compiling() or _PROMPT_CHECKED.get():
+            return  # a static cache keeps its length on the device: read once per direct call, not per step
+        past = int(cache.get_seq_length())
+    else:
+        past = cache.get_seq_length() if cache is not None else 0
+    if length < past + seq or (length > past + seq and not static):
         covers = f"the {past} cached and {seq} new tokens ({past + seq})" if past else f"the input's {seq} tokens"
-        raise ValueError(f"`attention_mask` has length {length} but must cover {covers}.")
+        padded = f", or those padded with zeros to the static cache's {cache.get_max_length()} slots" if static else ""
+        raise ValueError(f"`attention_mask` has length {length} but must cover {covers}{padded}.")
 
 
 def _zeros_and_ones(mask: torch.Tensor) -> bool:
@@ -331,6 +340,14 @@ def check_checkpoint(model_class, pretrained, kwargs: dict) -> None:
     match what its config implies: raise a `ValueError` naming the missing, unexpected and mis-shaped
     tensors. `kwargs` are `from_pretrained`'s keyword arguments.
 
+    What is refused is what would load silently wrong, and nothing transformers loads by design: the
+    model is checked part by part (the base model under `base_model_prefix`, and each other top-level
+    module, the head), and a part the checkpoint holds must match its config exactly (a config with one
+    layer more, or another `norm_position`, would leave some of a trained body random). A part the
+    checkpoint does not hold at all is transformers' to load: a base model's checkpoint loaded into
+    `ForCausalLM` gets a fresh `lm_head`, reported in `missing_keys` (`output_loading_info=True`) and
+    in transformers' load report, as for every transformers model.
+
     The names and shapes come from the safetensors headers (single file or shards) and from the model
     built on the meta device (no memory; tied weights and tensors never saved may be absent; non-persistent
     buffers are not in a state dict). A config whose layer count far exceeds the checkpoint's is refused
@@ -377,15 +394,23 @@ def check_checkpoint(model_class, pretrained, kwargs: dict) -> None:
         model = model_class(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     optional = _optional_names(model)
-    found = _align_prefix(found, expected, getattr(model_class, "base_model_prefix", ""))
+    prefix = getattr(model_class, "base_model_prefix", "")
+    found = _align_prefix(found, expected, prefix)
+    # a head model's parts: its base model (every name under `prefix.`) and each other top-level module
+    has_base = bool(prefix) and any(k.startswith(prefix + ".") for k in expected)
+
+    def _part_of(name: str) -> str:
+        return name.split(".", 1)[0] if has_base else ""
     ignore_missing = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
     ignore_unexpected = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
 
+    # the parts the checkpoint holds: only their tensors are compared (see the docstring)
+    held = {_part_of(k) for k in expected if k in found}
     # listed in the model's order (layer by layer), the checkpoint's extras in natural order
-    missing = [k for k in expected if k not in found and k not in optional
+    missing = [k for k in expected if k not in found and k not in optional and _part_of(k) in held
                and not any(p.search(k) for p in ignore_missing)]
-    unexpected = sorted((k for k in found if k not in expected and not any(p.search(k) for p in ignore_unexpected)),
-                        key=_natural)
+    unexpected = sorted((k for k in found if k not in expected and _part_of(k) in held
+                         and not any(p.search(k) for p in ignore_unexpected)), key=_natural)
     wrong = [] if kwargs.get("ignore_mismatched_sizes") else [
         f"{k} (checkpoint {found[k]}, config {expected[k]})" for k in expected if k in found and found[k] != expected[k]
     ]

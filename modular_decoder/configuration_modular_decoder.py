@@ -47,6 +47,8 @@ def _token_ids(name: str, value) -> None:
 # The sizes everything else derives from: checked before any default is computed from them.
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
+# The sizes whose `None` means "derive it" (4·d, H, d / H); the others are required.
+DERIVED_SIZE_FIELDS = ("intermediate_size", "num_key_value_heads", "head_dim")
 # Rules of the fields that do not pick a variant (those are checked by their registry entries, which
 # own the fields only they read: see `registries.py`).
 FIELD_RULES = {
@@ -156,12 +158,15 @@ class ModularDecoderConfig(PretrainedConfig):
             scores its best expert under softmax, the sum of its two best under sigmoid). Defaults to
             `n_group`.
         routed_scaling_factor (`float`): Multiplies the routing weights (DeepSeek).
-        router_aux_loss_coef (`float`, *optional*): Weight of the load-balancing loss (Switch Transformer; the
-            value transformers' MoE families compute) added to the LM loss when router logits are returned.
-            Defaults to 0.001 (transformers' Mixtral default); without experts it is 0.0 (no router, no loss),
-            which is how trainers that weight it themselves (TRL) tell a model without one.
+        router_aux_loss_coef (`float`, *optional*): Weight of the router kind's balance loss, added to the LM
+            loss when router logits are returned: for `"softmax_topk"` Switch Transformer's load-balancing loss
+            (the value transformers' MoE families compute), default 0.001 (transformers' Mixtral default); for
+            `"sigmoid_topk"` DeepSeek-V3's complementary sequence-wise balance loss, whose α this is, default
+            0.0001 (the paper's). Without experts it is 0.0 (no router, no loss), which is how trainers that
+            weight it themselves (TRL) tell a model without one. DeepSeek-V3's auxiliary-loss-free balancing
+            (the correction bias moved after each step) is opt-in: `router_losses.update_router_bias`.
         router_z_loss_coef (`float`): Weight of the router z-loss (ST-MoE: mean squared logsumexp of the
-            router logits) added likewise; 0 disables it.
+            router logits) added likewise; 0 disables it. Softmax routers only.
         output_router_logits (`bool`): Return every sparse layer's router logits (and add the router losses
             to a loss computed from `labels`) unless `forward(output_router_logits=...)` says otherwise.
         position_embedding_type (`str`): `"learned"`, `"sinusoidal"` (added to the token embedding),
@@ -295,7 +300,7 @@ class ModularDecoderConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs):
         for name in SIZE_FIELDS:  # before the defaults below compute with them
-            require_int(name, getattr(self, name), minimum=1, optional=True)
+            require_int(name, getattr(self, name), minimum=1, optional=name in DERIVED_SIZE_FIELDS)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and isinstance(self.attention_type, str) and self.attention_type in ATTENTIONS:
@@ -342,6 +347,15 @@ class ModularDecoderConfig(PretrainedConfig):
         (`positions.transformers_rope_check`); `save_pretrained` runs it through `validate()`."""
         if self.uses_rope:
             transformers_rope_check(self)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' `from_dict`, after dropping values earlier versions wrote into every config.json for
+        fields the chosen kinds do not read (`Registry.forget_formerly_written`)."""
+        config_dict = dict(config_dict)
+        for registry in (ATTENTIONS, MLPS):
+            registry.forget_formerly_written(cls, config_dict)
+        return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:
         register_peft_defaults()  # see there: PEFT reads this dict to pick `LoraConfig()`'s targets

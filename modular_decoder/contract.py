@@ -132,14 +132,33 @@ _PARAMETER_ROWS = {"active": "active per token"}
 
 def _applies(config: ModularDecoderConfig, name: str) -> bool:
     """Whether field `name` is read by this config: a field that belongs to variants of one axis
-    (MLA's ranks, the MoE fields, ...) applies only when one of them is chosen."""
+    (MLA's ranks, the MoE fields, ...) applies only when one of them is chosen, and a field some
+    entries of an axis say they read (`reads`: `norm_bias` for LayerNorm, `head_dim` for per-head
+    attention, ...) only when the chosen entry reads it."""
     from .registries import ATTENTIONS, MLPS, POSITIONS
 
     for registry in (ATTENTIONS, MLPS, POSITIONS):
         owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]
         if owners:
             return registry.of(config) in owners
-    return True
+    return name not in _unread(config)
+
+
+def _unread(config: ModularDecoderConfig) -> set[str]:
+    """Fields that some entry of an axis reads and the chosen entry does not."""
+    from .blocks import BLOCKS, block_class
+    from .norms import NORMS
+    from .registries import ATTENTIONS, MLPS, POSITIONS
+
+    axes = [(ATTENTIONS.values(), config.attention_kind), (MLPS.values(), config.mlp_kind),
+            (POSITIONS.values(), POSITIONS.of(config)), (NORMS.values(), NORMS[config.norm_type]),
+            (BLOCKS.values(), block_class(config))]
+    unread = set()
+    for entries, chosen in axes:
+        declared = {name for entry in entries for name in entry.reads}
+        reads = chosen.reads_for(config) if hasattr(chosen, "reads_for") else chosen.reads
+        unread |= declared - set(reads)
+    return unread
 
 
 # per-layer lists shown as counts and a one-letter pattern

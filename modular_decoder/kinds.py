@@ -24,8 +24,8 @@ Entry = TypeVar("Entry")
 
 
 def field_default(config, name: str) -> Any:
-    """The dataclass default of config field `name`."""
-    for field in dataclasses.fields(type(config)):
+    """The dataclass default of config field `name` (`config` an instance or the class)."""
+    for field in dataclasses.fields(config if isinstance(config, type) else type(config)):
         if field.name == name:
             return field.default
     raise KeyError(name)
@@ -59,13 +59,20 @@ class Registry(dict, Generic[Entry]):
         chosen = self[value]
         chosen.complete(config)
         for name, unused in self._unused_values(chosen).items():
-            unset = (field_default(config, name), *self._formerly_written(name))
-            if unused is not _DEFAULT and getattr(config, name) in unset:
+            if unused is not _DEFAULT and getattr(config, name) == field_default(config, name):
                 setattr(config, name, unused)
 
-    def _formerly_written(self, name: str) -> tuple:
-        """Values earlier versions wrote for `name` into every config.json, read as "unset"."""
-        return tuple(v for entry in self.values() for v in getattr(entry, "formerly_written", {}).get(name, ()))
+    def forget_formerly_written(self, config_class, config_dict: dict) -> None:
+        """Drop from a saved config's dict the values earlier versions wrote into every config.json for fields
+        the chosen entry does not read (so folders saved by those versions load). Only saved files are read
+        this way: a config built with such a value is refused by `check` like any other setting nothing reads."""
+        value = config_dict.get(self.field, field_default(config_class, self.field))
+        if not (isinstance(value, str) and value in self):
+            return
+        for name in self._unused_values(self[value]):
+            written = tuple(v for e in self.values() for v in getattr(e, "formerly_written", {}).get(name, ()))
+            if name in config_dict and config_dict[name] in written:
+                del config_dict[name]
 
     def _unused_values(self, chosen) -> dict[str, Any]:
         """Field -> the one value it may hold under `chosen`, for the fields only other entries read."""
@@ -103,12 +110,19 @@ class Kind:
     # The value some of `fields` hold when another kind is chosen, where it is not their default (a field
     # whose default means "this kind picks it" can still read as "off" to code outside the model).
     unused_values: dict[str, Any] = {}
+    # Fields outside `fields` that this kind reads and some other kind of its axis does not (MLA's latent heads
+    # have no `head_dim`): the contract table shows a field only where the chosen kinds read it.
+    reads: tuple[str, ...] = ()
     # Values that earlier versions saved for some of `fields` in every config.json, the kind chosen or not:
-    # where another kind is chosen they read as unset (so folders saved by those versions still load).
+    # where another kind is chosen, a saved file's value is dropped (`Registry.forget_formerly_written`).
     formerly_written: dict[str, tuple] = {}
 
     def complete(self, config) -> None:
         """Fill the defaults of this kind's own fields that derive from other fields (before validation)."""
+
+    def reads_for(self, config) -> tuple[str, ...]:
+        """Those of `reads` that `config` makes this kind read (all of them unless a kind says otherwise)."""
+        return self.reads
 
     def validate(self, config) -> None:
         """Raise `ValueError` naming the field when `config` is not a valid use of this kind."""
@@ -118,6 +132,7 @@ class AttentionKind(Kind):
     """A value of `attention_type`: the module every layer builds and what the model needs of it."""
 
     module: type[nn.Module]
+    reads = ("head_dim", "num_key_value_heads")  # per-head queries, keys and values
     # `ModularDecoderCache` implementations this kind stores (see `cache_layer`)
     cache_implementations: tuple[str, ...] = ("dynamic", "static")
 
@@ -136,6 +151,14 @@ class AttentionKind(Kind):
     def rotary_dim(self, config) -> int:
         """The rotated width of each q/k head."""
         return int(self.rope_head_dim(config) * config.partial_rotary_factor)
+
+    def describe_rope_head_dim(self, config) -> str:
+        """The fields that set `rope_head_dim`, for errors: `head_dim`, and the sizes it defaults from."""
+        head_dim = config.head_dim
+        if head_dim * config.num_attention_heads == config.hidden_size:
+            return (f"`head_dim`={head_dim} (`hidden_size`={config.hidden_size} / "
+                    f"`num_attention_heads`={config.num_attention_heads})")
+        return f"`head_dim`={head_dim}"
 
     def backend_features(self, config) -> set[str]:
         """Features of `backends.FEATURE_FIELDS` a backend needs to run this kind."""
@@ -167,6 +190,7 @@ class FeedForwardKind(Kind):
     """A value of `mlp_type`: the feed-forward module of every block and its arithmetic."""
 
     module: type[nn.Module]
+    reads = ("intermediate_size", "mlp_bias")
     # whether its layers have routers (whose logits the model can return and train with router losses)
     routed: bool = False
 

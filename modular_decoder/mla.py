@@ -195,6 +195,7 @@ class LatentKind(AttentionKind):
     name = "mla"
     module = MultiHeadLatentAttention
     fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_latent_norm")
+    reads = ()  # every head reads the latent: no `head_dim` or `num_key_value_heads`
 
     def validate(self, config) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

@@ -94,10 +94,12 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, *args, strict: bool = True, **kwargs):
         """transformers' `from_pretrained`, after a check of the checkpoint against its config.
 
-        With `strict=True` (the default) a checkpoint whose tensors do not match its config (missing,
-        unexpected or mis-shaped tensors) raises a `ValueError` naming them, before the model is built
-        (`checks.check_checkpoint` reads only the safetensors headers). `strict=False` loads a
-        partial or different checkpoint as transformers does: what is missing is initialised randomly.
+        With `strict=True` (the default) a checkpoint that would load silently wrong raises a `ValueError`
+        naming the tensors, before the model is built (`checks.check_checkpoint` reads only the safetensors
+        headers): mis-shaped tensors, or a part it holds (the base model, the head) that does not match the
+        config. What transformers loads by design loads here too and is reported as it reports it
+        (`output_loading_info=True`, its load report): a base model's checkpoint in `ForCausalLM` gets a
+        fresh `lm_head`. `strict=False` loads a partial or different checkpoint as transformers does.
         """
         if "decode_layout" in kwargs:  # transformers would store an unknown keyword in the config
             raise ValueError(
@@ -254,12 +256,15 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 "(`max_position_embeddings`); shorten the input."
             )
 
-    def _default_position_ids(self, inputs_embeds, attention_mask, past_seen: int) -> torch.Tensor:
-        """Positions count real tokens only, so a left-padded row gets the positions it gets alone."""
+    def _default_position_ids(self, inputs_embeds, attention_mask, past_seen: int | torch.Tensor) -> torch.Tensor:
+        """Positions count real tokens only, so a left-padded row gets the positions it gets alone.
+
+        A 2-D mask's column j is token j (slot j of a static cache, whose mask may be padded with zeros to
+        the cache's length): the new tokens are columns `past_seen` onwards, not the mask's last ones."""
         seq = inputs_embeds.shape[1]
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            positions = attention_mask.long().cumsum(-1) - 1
-            return positions.clamp(min=0)[:, -seq:]
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            return new_token_columns(positions, past_seen, seq)
         return (torch.arange(seq, device=inputs_embeds.device) + past_seen).unsqueeze(0)
 
     def _embed(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -289,6 +294,14 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         return kwargs
 
 
+def new_token_columns(mask: torch.Tensor, past_seen: int | torch.Tensor, seq: int) -> torch.Tensor:
+    """Columns `past_seen .. past_seen + seq` of a (B, L) tensor laid out like a 2-D attention mask: those of
+    the new tokens (a static cache counts `past_seen` on the device, so it is indexed, never read)."""
+    if isinstance(past_seen, int):
+        return mask[:, past_seen : past_seen + seq]
+    return mask[:, torch.arange(seq, device=mask.device) + past_seen.to(mask.device)]
+
+
 def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor:
     """`lookup(ids)` for an embedding table, with `check(ids)` turning an out-of-range id into a
     `ValueError` that names the limit.
@@ -310,8 +323,9 @@ class ModularDecoderCausalLMOutput(MoeCausalLMOutputWithPast):
     """transformers' MoE causal-LM output (`aux_loss`, `router_logits` beside the usual fields), plus
     `z_loss`: the router z-loss, returned with the router logits.
 
-    `aux_loss` and `z_loss` are the unweighted losses; `loss` (with `labels`) already holds
-    `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss`.
+    `aux_loss` (the router kind's balance loss: Switch's for softmax routers, DeepSeek-V3's sequence-wise
+    one for sigmoid routers) and `z_loss` (softmax routers only) are the unweighted losses; `loss` (with
+    `labels`) already holds `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss`.
     """
 
     z_loss: torch.Tensor | None = None
@@ -362,15 +376,17 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         shifted inside, `-100` is ignored. `logits_to_keep=k` projects only the last k positions.
 
         With `output_router_logits` (default: the config's), every sparse layer's router logits are
-        returned with the load-balancing `aux_loss` and the `z_loss` over the real tokens of a 2-D
+        returned with the router kind's balance loss `aux_loss` and the `z_loss` over the real tokens of a 2-D
         `attention_mask`; with `labels`, their coefficient-weighted sum is added to `loss`, as
-        transformers' MoE families add theirs.
+        transformers' MoE families add theirs. A model without routers records none (an empty
+        `router_logits`, no router losses), as the outputs the class declares recordable allow.
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        if output_router_logits and not self.config.mlp_kind.routed:
-            raise ValueError(f"`output_router_logits=True` needs routed experts; `mlp_type`={self.config.mlp_type!r} "
-                             "has no router.")
+        # where the new tokens start in a 2-D mask, for the router losses
+        past_seen = cache.get_seq_length() if output_router_logits and isinstance(cache, Cache) else 0
+        if isinstance(past_seen, torch.Tensor):  # a static cache's counter, which the forward advances in place
+            past_seen = past_seen.clone()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -391,10 +407,13 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         loss = aux_loss = z_loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        if output_router_logits:
+        if output_router_logits and outputs.router_logits:  # a model without routers records none
             # padding is left out through a 2-D mask (generate's pre-built per-layer masks carry none)
             mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
-            router_loss, aux_loss, z_loss = router_losses(outputs.router_logits, self.config, mask)
+            if mask is not None:  # the new tokens' columns (a static cache's mask may be padded past them)
+                mask = new_token_columns(mask, past_seen, outputs.last_hidden_state.shape[1])
+            batch = outputs.last_hidden_state.shape[0]
+            router_loss, aux_loss, z_loss = router_losses(outputs.router_logits, self.config, mask, batch)
             if loss is not None:
                 loss = loss + router_loss.to(loss.device)
         return ModularDecoderCausalLMOutput(

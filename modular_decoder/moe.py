@@ -41,6 +41,7 @@ from .compat import experts_ep_plan, experts_kernels
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
 from .split_products import linear
 from .mlp import GatedMLP, activated_parameters, mlp_tp_plan
+from .router_losses import load_balancing_loss, record_expert_load, router_z_loss, sequence_balance_loss
 
 # transformers' own values for `mlp_layer_types` (`configuration_utils.ALLOWED_MLP_LAYER_TYPES`),
 # which it checks whenever a config is saved
@@ -115,18 +116,39 @@ def sigmoid_topk(
     return weights * routed_scaling_factor, indices
 
 
+def _switch_balance_loss(router_logits, config, attention_mask, batch_size):
+    return load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, attention_mask)
+
+
+def _sequence_balance_loss(router_logits, config, attention_mask, batch_size):
+    return sequence_balance_loss(router_logits, config.num_experts, config.num_experts_per_tok, batch_size,
+                                 attention_mask)
+
+
 @dataclass(frozen=True)
 class RouterKind:
-    """A router variant: its selection function and the rules it adds to the config."""
+    """A router variant: its selection function, its training losses, and the rules it adds to the config."""
 
     select: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     score_correction_bias: bool  # whether the router owns `e_score_correction_bias`
     min_experts_per_group: int  # experts each group needs for the group score (with n_group > 1)
+    # (router_logits, config, attention_mask of the new tokens, batch size) -> the unweighted balance loss
+    balance_loss: Callable[..., torch.Tensor]
+    default_aux_loss_coef: float  # `router_aux_loss_coef` where unset: the weight its paper / family uses
+    z_loss: bool  # whether ST-MoE's z-loss (a softmax normaliser's) applies
 
+
+# transformers' Mixtral / Qwen-MoE default weight of the load-balancing loss
+AUX_LOSS_COEF = 0.001
+# DeepSeek-V3's α of the sequence-wise balance loss (arXiv 2412.19437 §4.2: "we set α to 0.0001")
+SEQUENCE_AUX_LOSS_COEF = 0.0001
 
 ROUTERS: dict[str, RouterKind] = {
-    "softmax_topk": RouterKind(softmax_topk, score_correction_bias=False, min_experts_per_group=1),
-    "sigmoid_topk": RouterKind(sigmoid_topk, score_correction_bias=True, min_experts_per_group=2),
+    "softmax_topk": RouterKind(softmax_topk, score_correction_bias=False, min_experts_per_group=1,
+                               balance_loss=_switch_balance_loss, default_aux_loss_coef=AUX_LOSS_COEF, z_loss=True),
+    "sigmoid_topk": RouterKind(sigmoid_topk, score_correction_bias=True, min_experts_per_group=2,
+                               balance_loss=_sequence_balance_loss, default_aux_loss_coef=SEQUENCE_AUX_LOSS_COEF,
+                               z_loss=False),
 }
 
 
@@ -139,16 +161,21 @@ class TopKRouter(nn.Module):
     """Router logits x·Wᵀ, then the `router_type` selection. Returns (logits, weights, expert ids).
 
     The logits are computed in the dtype of `weight`: a model that keeps its routers in fp32 (as
-    DeepSeek-V3's checkpoints do) routes in fp32 whatever the activations' dtype.
+    DeepSeek-V3's checkpoints do) routes in fp32 whatever the activations' dtype. Once
+    `router_losses.track_expert_load` is called, training forwards count each expert's assignments in
+    `expert_load` (for the correction bias update; a plain attribute, never saved).
     """
 
     def __init__(self, config):
         super().__init__()
         kind = ROUTERS[config.router_type]
         self.num_experts = config.num_experts  # read by transformers' expert-parallel router style (< 5.19)
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        # a sigmoid router stays fp32 (`fp32_parameters`) also when built under a half default dtype (`from_config`)
+        dtype = torch.float32 if kind.score_correction_bias else None
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
         bias = torch.zeros(config.num_experts, dtype=torch.float32) if kind.score_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
+        self.expert_load: torch.Tensor | None = None
         self.select = partial(
             kind.select,
             top_k=config.num_experts_per_tok,
@@ -161,6 +188,8 @@ class TopKRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)  # (N, E)
         weights, indices = self.select(logits, self.e_score_correction_bias)  # (N, k) each
+        if self.training and self.expert_load is not None:
+            record_expert_load(self.expert_load, indices)
         return logits, weights, indices
 
 
@@ -311,68 +340,29 @@ def init_moe_weights(module: nn.Module, std: float, init) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Training losses on router logits
+# Training losses on router logits (the functions live in router_losses.py; each router kind names its own)
 # ---------------------------------------------------------------------------------------------
 
 
-def _token_weights(attention_mask: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:
-    """1 for each real token row of one layer's (B·T, E) logits, 0 for padding."""
-    if attention_mask is None:
-        return torch.ones(rows, device=device)
-    batch = attention_mask.shape[0]
-    # with a cache the mask also covers past tokens: the logits are those of the last T
-    mask = attention_mask[:, -(rows // batch) :]
-    return mask.reshape(-1).to(device=device, dtype=torch.float32)
-
-
-def load_balancing_loss(
-    router_logits: Sequence[torch.Tensor],
-    num_experts: int,
-    top_k: int,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Switch Transformer's balance loss (Fedus et al. 2021, eq. 4-6), pooled over MoE layers.
-
-    E · Σ_i f_i · P_i, with f_i the share of (token, slot) assignments that the top-k of the
-    softmax gives expert i (the f_i sum to k) and P_i the mean softmax probability of expert i,
-    both over all real tokens of all layers: the value transformers' MoE families add to the loss.
-    The assignments come from softmax(logits) whatever `router_type` chose (the grouped and
-    sigmoid routers' own choice differs; transformers computes no aux loss for DeepSeek).
-    """
-    device = router_logits[0].device
-    assigned = torch.zeros(num_experts, device=device)
-    probability = torch.zeros(num_experts, device=device)
-    total = torch.zeros((), device=device)
-    for logits in router_logits:
-        probs = logits.to(device).float().softmax(dim=-1)  # (N, E)
-        weights = _token_weights(attention_mask, probs.shape[0], device)  # (N,)
-        chosen = probs.topk(top_k, dim=-1).indices  # (N, k)
-        hits = torch.zeros_like(probs).scatter_(1, chosen, 1.0)  # (N, E) one per kept slot
-        assigned = assigned + weights @ hits
-        probability = probability + weights @ probs
-        total = total + weights.sum()
-    return num_experts * torch.sum((assigned / total) * (probability / total))
-
-
-def router_z_loss(router_logits: Sequence[torch.Tensor], attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): mean over real tokens of logsumexp(logits)²,
-    pooled over MoE layers. It keeps router logits small, which keeps bf16 routing stable."""
-    device = router_logits[0].device
-    squares, total = torch.zeros((), device=device), torch.zeros((), device=device)
-    for logits in router_logits:
-        weights = _token_weights(attention_mask, logits.shape[0], device)
-        squares = squares + weights @ torch.logsumexp(logits.to(device).float(), dim=-1).square()
-        total = total + weights.sum()
-    return squares / total
-
-
 def router_losses(
-    router_logits: Sequence[torch.Tensor], config, attention_mask: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weighted sum to add to the LM loss, load-balancing loss, z-loss) for one forward's router logits."""
-    aux = load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, attention_mask)
-    z = router_z_loss(router_logits, attention_mask)
-    return config.router_aux_loss_coef * aux + config.router_z_loss_coef * z, aux, z
+    router_logits: Sequence[torch.Tensor], config, attention_mask: torch.Tensor | None = None,
+    batch_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(weighted sum to add to the LM loss, balance loss, z-loss or None) for one forward's router logits.
+
+    The balance loss is the router kind's own (`RouterKind.balance_loss`): Switch's for softmax routers,
+    DeepSeek-V3's sequence-wise one for sigmoid routers. `attention_mask` is that of the new tokens
+    (batch, seq); `batch_size` splits the logits into sequences where there is no mask.
+    """
+    kind = ROUTERS[config.router_type]
+    if batch_size is None:
+        batch_size = attention_mask.shape[0] if attention_mask is not None else 1
+    aux = kind.balance_loss(router_logits, config, attention_mask, batch_size)
+    total = config.router_aux_loss_coef * aux
+    z = router_z_loss(router_logits, attention_mask) if kind.z_loss else None
+    if z is not None:
+        total = total + config.router_z_loss_coef * z
+    return total, aux, z
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,10 +380,6 @@ EXPERTS_TP_PLAN = {"mlp.experts.gate_up_proj": "packed_colwise", "mlp.experts.do
                    "mlp.experts": "moe_tp_experts"}
 
 
-# transformers' Mixtral / Qwen-MoE default weight of the load-balancing loss
-AUX_LOSS_COEF = 0.001
-
-
 class MixtureOfExpertsKind(FeedForwardKind):
     """`mlp_type="moe"`: `SparseMoeBlock` in the `"sparse"` layers, a gated MLP in the `"dense"` ones."""
 
@@ -403,7 +389,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
     # Under another feed-forward kind: no router, so no loss to weight (TRL's trainers read a non-zero
     # coefficient, beside an `output_router_logits` field, as "this model returns router logits").
     unused_values = {"router_aux_loss_coef": 0.0}
-    # Until the default became per kind, every config (dense ones too) was saved with this one.
+    # Until the default became per kind, every config (dense ones too) was saved with this one; a saved
+    # file's value is dropped on load, a config built with it is refused.
     formerly_written = {"router_aux_loss_coef": (AUX_LOSS_COEF,)}
     routed = True
 
@@ -420,8 +407,13 @@ class MixtureOfExpertsKind(FeedForwardKind):
             config.shared_expert_intermediate_size = config.moe_intermediate_size
         if config.topk_group is None:
             config.topk_group = config.n_group
-        if config.router_aux_loss_coef is None:
-            config.router_aux_loss_coef = AUX_LOSS_COEF
+        router = ROUTERS.get(config.router_type) if isinstance(config.router_type, str) else None
+        if config.router_aux_loss_coef is None and router is not None:  # a bad `router_type` is named by `validate`
+            config.router_aux_loss_coef = router.default_aux_loss_coef
+
+    def reads_for(self, config) -> tuple[str, ...]:
+        """`intermediate_size` only where a `"dense"` layer holds a gated MLP; never `mlp_bias` (no biases)."""
+        return ("intermediate_size",) if "dense" in (config.mlp_layer_types or ()) else ()
 
     def validate(self, config) -> None:
         self._validate_layer_types(config)
@@ -445,6 +437,11 @@ class MixtureOfExpertsKind(FeedForwardKind):
         require_number("routed_scaling_factor", config.routed_scaling_factor, above=0)
         require_number("router_aux_loss_coef", config.router_aux_loss_coef, at_least=0)
         require_number("router_z_loss_coef", config.router_z_loss_coef, at_least=0)
+        if config.router_z_loss_coef and not ROUTERS[config.router_type].z_loss:
+            raise ValueError(
+                f"`router_z_loss_coef`={config.router_z_loss_coef} does not apply to `router_type`="
+                f"{config.router_type!r}: the z-loss bounds a softmax router's normaliser; leave it at 0."
+            )
         require_bool("output_router_logits", config.output_router_logits)
         require_choice("hidden_act", config.hidden_act, ACT2FN)
         require_bool("mlp_bias", config.mlp_bias)
@@ -556,6 +553,7 @@ __all__ = [
     "load_balancing_loss",
     "router_losses",
     "router_z_loss",
+    "sequence_balance_loss",
     "shared_experts_intermediate_size",
     "sigmoid_topk",
     "softmax_topk",

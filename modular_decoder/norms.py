@@ -14,6 +14,8 @@ class RMSNorm(nn.Module):
     With `unit_offset` the scale is `1 + w` and `w` starts at zero (Gemma's parameterisation).
     """
 
+    reads: tuple[str, ...] = ()  # config fields only some norms read: RMSNorm has no bias
+
     def __init__(self, dim: int, eps: float = 1e-6, bias: bool = False, unit_offset: bool = False):
         super().__init__()
         del bias  # RMSNorm has none; the argument keeps one constructor signature for the registry
@@ -44,6 +46,8 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.LayerNorm):
     """torch's LayerNorm with an optional bias and the optional `1 + w` scale."""
+
+    reads: tuple[str, ...] = ("norm_bias",)
 
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, unit_offset: bool = False):
         super().__init__(dim, eps=eps, bias=bias)

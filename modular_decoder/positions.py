@@ -180,8 +180,8 @@ class AlibiBias(nn.Module):
 class PositionKind(Kind):
     """A value of `position_embedding_type`: where position enters and the fields it reads."""
 
-    def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None):
-        self.name, self.fields = name, fields
+    def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None, reads: tuple[str, ...] = ()):
+        self.name, self.fields, self.reads = name, fields, reads
         if validate is not None:
             self.validate = validate
 
@@ -207,9 +207,11 @@ def _validate_rope(config) -> None:
         per_type = {"rope_parameters": params}
     rotary = config.rotary_dim
     if rotary <= 0 or rotary % 2:
+        head = config.attention_kind.describe_rope_head_dim(config)
         raise ValueError(
-            f"The rotary width (the attention kind's RoPE head width {config.rope_head_dim} x "
-            f"`partial_rotary_factor`={config.partial_rotary_factor} = {rotary}) must be a positive even number."
+            f"The rotary width, {head} x `partial_rotary_factor`={config.partial_rotary_factor} = {rotary}, must "
+            "be a positive even number (RoPE rotates pairs): set an even `head_dim`, or change `hidden_size`, "
+            "`num_attention_heads` or `partial_rotary_factor`."
         )
     for where, one in per_type.items():
         _validate_rope_dict(config, where, one, rotary)
@@ -277,7 +279,7 @@ def _validate_rope_dict(config, where: str, params, rotary: int) -> None:
 POSITIONS: Registry[PositionKind] = Registry("position_embedding_type", [
     PositionKind("learned", ("learned_position_offset",), _validate_learned),
     PositionKind("sinusoidal"),
-    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved"), _validate_rope),
+    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved"), _validate_rope, reads=("rope_parameters",)),
     PositionKind("alibi"),
     PositionKind("none"),
 ])

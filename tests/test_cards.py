@@ -50,7 +50,10 @@ def test_preset_card(name):
     assert _row(card.text, "per token (all layers)") == cache_bytes_per_token(config)
     for k in (4, 32, 128):
         assert _row(card.text, f"at {k}k context") == cache_bytes(config, k * 1024)
-    for field in ("hidden_size", "num_key_value_heads", "norm_position", "position_embedding_type"):
+    fields = ("hidden_size", "norm_position", "position_embedding_type")
+    if config.attention_type == "standard":  # MLA heads read the latent: no K/V heads in its table
+        fields += ("num_key_value_heads",)
+    for field in fields:
         assert f"| `{field}` | `{getattr(config, field)!r}` |" in card.text
 
 

@@ -160,3 +160,76 @@ def test_truncated_weights_are_named(saved, tmp_path, never_built):
 def truncated_header(path: Path) -> Path:
     path.write_bytes((10**6).to_bytes(8, "little") + b'{"a": ')
     return path
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers' loading semantics, beside its Llama: what it loads by design loads here too, reported the same
+
+
+def _untied_pair():
+    """Our tiny Llama-architecture model and transformers' Llama of the same sizes, both with an untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ours = preset_config("smollm2", tiny=True)
+    ours = type(ours)(**{**ours.to_dict(), "tie_word_embeddings": False})
+    llama = LlamaConfig(vocab_size=ours.vocab_size, hidden_size=ours.hidden_size,
+                        intermediate_size=ours.intermediate_size, num_hidden_layers=ours.num_hidden_layers,
+                        num_attention_heads=ours.num_attention_heads, num_key_value_heads=ours.num_key_value_heads,
+                        tie_word_embeddings=False)
+    return [(ModularDecoderForCausalLM, ours), (LlamaForCausalLM, llama)]
+
+
+def _load_reported(model_class, path, **kwargs):
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    with CaptureLogger(logging.get_logger("transformers.modeling_utils")) as log:
+        model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    return model, info, log.out
+
+
+@pytest.mark.parametrize("ignore_mismatched_sizes", [False, True])
+def test_base_checkpoint_into_causal_lm_adds_a_head_as_llama_does(tmp_path, ignore_mismatched_sizes):
+    """transformers' `test_correct_missing_keys` / `test_base_model_prefix_loads_base_weights`: a base model's
+    checkpoint loads into `ForCausalLM` with every body weight, a fresh head reported missing and a load report."""
+    for model_class, config in _untied_pair():
+        torch.manual_seed(0)
+        base = model_class(config).model
+        base.save_pretrained(tmp_path / model_class.__name__)
+        model, info, log = _load_reported(model_class, tmp_path / model_class.__name__,
+                                          ignore_mismatched_sizes=ignore_mismatched_sizes)
+        assert info["missing_keys"] == {"lm_head.weight"}, model_class
+        assert not info["unexpected_keys"] and not info["mismatched_keys"], model_class
+        assert "lm_head.weight" in log and "MISSING" in log, model_class
+        for name, tensor in base.state_dict().items():
+            torch.testing.assert_close(model.model.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+def test_checkpoint_of_nothing_loads_reported_as_llama(tmp_path):
+    """transformers' `test_model_weights_reload_no_missing_tied_weights`: a file holding none of the model's
+    tensors loads; every parameter is reported missing (tied second names excepted), the stray tensor unexpected."""
+    for model_class, config in _untied_pair():
+        path = tmp_path / model_class.__name__
+        model_class(config).save_pretrained(path)
+        save_file({"tensor": torch.tensor([1, 2])}, str(path / "model.safetensors"), metadata={"format": "pt"})
+        model, info, _ = _load_reported(model_class, path)
+        assert info["missing_keys"] == set(model.state_dict()), model_class
+        assert info["unexpected_keys"] == {"tensor"}, model_class
+
+
+def test_a_held_part_that_does_not_match_is_still_refused(tmp_path, never_built):
+    """The head is loaded fresh only where the checkpoint has none: a checkpoint holding a head of another
+    shape (here a head bias the config lacks) is refused, as is a body with a layer missing."""
+    (_, config), _ = _untied_pair()
+    path = tmp_path / "x"
+    with torch.device("meta"):
+        names = ModularDecoderForCausalLM(config).state_dict()
+    weights = {k: torch.zeros(v.shape) for k, v in names.items()}
+    weights["lm_head.bias"] = torch.zeros(config.vocab_size)
+    path.mkdir()
+    config.save_pretrained(path)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    assert "unexpected (1): lm_head.bias" in refused(path)
+    del weights["lm_head.bias"], weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    assert "missing (1): model.layers.1.mlp.up_proj.weight" in refused(path)

@@ -137,12 +137,32 @@ def test_sampling_beam_and_assisted_generation_run_and_agree():
               qk_rope_head_dim=4, v_head_dim=8), "rope"),
         (dict(attention_type="mla"), "kv_lora_rank"),
         (dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
+        (dict(mlp_type="moe", num_experts=4, num_experts_per_tok=2, router_type=[]), "router_type"),
     ],
 )
 def test_bad_config_raises_value_error_naming_the_field(fields, field_name):
     base = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, vocab_size=50)
     with pytest.raises(ValueError, match=field_name):
         ModularDecoderConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "max_position_embeddings"])
+def test_a_required_size_of_none_is_named(field):
+    """A required size left None is refused by name, before any default computes with it (it was a TypeError)."""
+    base = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, vocab_size=50)
+    with pytest.raises(ValueError, match=rf"`{field}` must be an integer, got None"):
+        ModularDecoderConfig(**{**base, field: None})
+
+
+def test_an_odd_rotary_width_names_the_fields_that_set_it():
+    with pytest.raises(ValueError) as error:
+        ModularDecoderConfig(hidden_size=20, num_attention_heads=4, num_hidden_layers=2, vocab_size=50)
+    for named in ("`head_dim`=5", "`hidden_size`=20", "`num_attention_heads`=4", "`partial_rotary_factor`"):
+        assert named in str(error.value)
+    with pytest.raises(ValueError, match=r"`head_dim`=6 x `partial_rotary_factor`=0.5 = 3,"):
+        ModularDecoderConfig(hidden_size=32, num_attention_heads=4, head_dim=6, partial_rotary_factor=0.5,
+                             num_hidden_layers=2, vocab_size=50)
 
 
 def test_token_ids_outside_vocabulary_raise():

@@ -244,7 +244,7 @@ def test_router_z_loss_is_the_st_moe_formula(padded):
 def test_router_losses_weights_both_terms():
     logits = _router_logits()
     config = types.SimpleNamespace(num_experts=6, num_experts_per_tok=2, router_aux_loss_coef=0.02,
-                                   router_z_loss_coef=0.001)
+                                   router_z_loss_coef=0.001, router_type="softmax_topk")
     total, aux, z = router_losses(logits, config)
     torch.testing.assert_close(aux, load_balancing_loss(logits, 6, 2))
     torch.testing.assert_close(z, router_z_loss(logits))

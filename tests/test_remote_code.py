@@ -70,6 +70,7 @@ SHIPPED = {
     "configuration_modular_decoder.py", "modeling_modular_decoder.py", "attention.py", "backends.py", "blocks.py",
     "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py",
     "mla.py", "mlp.py", "moe.py", "norms.py", "positions.py", "registries.py", "split_products.py", "checks.py",
+    "router_losses.py",
 }
 
 

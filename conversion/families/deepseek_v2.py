@@ -41,8 +41,9 @@ def has_experts(src) -> bool:
 def moe_contract(src, family: str) -> dict:
     """The experts of the layers from `first_k_dense_replace` on (none: every layer a gated MLP).
 
-    transformers adds no load-balancing loss for DeepSeek (its checkpoints' `aux_loss_alpha` is a
-    sequence-wise loss of another form), hence `router_aux_loss_coef=0`.
+    transformers adds no load-balancing loss for DeepSeek-V2 (its checkpoints' `aux_loss_alpha` weighs a
+    sequence-wise loss over softmax scores, another form than Switch's), hence `router_aux_loss_coef=0`;
+    DeepSeek-V3's sigmoid routers take its sequence-wise balance loss (`deepseek_v3.to_contract`).
     """
     if not has_experts(src):
         return {"mlp_type": "gated"}

@@ -23,7 +23,10 @@ def to_contract(src) -> dict:
     if fields["mlp_type"] == "moe":
         n_group = src.n_group or 1
         fields.update(router_type="sigmoid_topk", norm_topk_prob=bool(src.norm_topk_prob), n_group=n_group,
-                      topk_group=src.topk_group or n_group)
+                      topk_group=src.topk_group or n_group,
+                      # the α of its sequence-wise balance loss: the Hub config.json's `aux_loss_alpha` where the
+                      # source config kept it (transformers' class drops it), else the paper's 0.0001
+                      router_aux_loss_coef=getattr(src, "aux_loss_alpha", None))
     return fields
 
 
@@ -32,7 +35,8 @@ def from_contract(cfg) -> DeepseekV3Config:
         raise ValueError("DeepSeek-V3 cannot express `mlp_bias=True`.")
     router = {}
     if cfg.mlp_type == "moe":
-        router = dict(norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group)
+        router = dict(norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                      aux_loss_alpha=cfg.router_aux_loss_coef)
     return DeepseekV3Config(**mla_source_fields(cfg), rope_interleave=cfg.rope_interleaved, **router)
 
 

@@ -130,7 +130,8 @@ PRESETS: dict[str, dict] = {
         moe_intermediate_size=1408, n_shared_experts=2, norm_topk_prob=False, router_aux_loss_coef=0.0),
     # deepseek-ai/DeepSeek-V3 config.json (first 3 layers dense, 256 routed + 1 shared experts, sigmoid
     # scores with the correction bias, top-8 within the best 4 of 8 groups, scaled by 2.5; the
-    # multi-token-prediction layer is not part of the model)
+    # multi-token-prediction layer is not part of the model; `aux_loss_alpha` 0.001 is the α of its
+    # sequence-wise balance loss, which the paper's §4.2 gives as 0.0001)
     "deepseek_v3": dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
         max_position_embeddings=163840, norm_eps=1e-6, attention_type="mla", q_lora_rank=1536, kv_lora_rank=512,
@@ -140,7 +141,7 @@ PRESETS: dict[str, dict] = {
                          "mscale": 1.0, "mscale_all_dim": 1.0},
         tie_word_embeddings=False, mlp_type="moe", first_dense_layers=3, num_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=2048, n_shared_experts=1, router_type="sigmoid_topk", n_group=8, topk_group=4,
-        routed_scaling_factor=2.5, norm_topk_prob=True, router_aux_loss_coef=0.0),
+        routed_scaling_factor=2.5, norm_topk_prob=True, router_aux_loss_coef=0.001),
 }
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128)
