@@ -118,7 +118,7 @@ def test_absorbed_decode_engages_only_on_a_plain_kv_b_proj(monkeypatch):
     from modular_decoder.mla import MultiHeadLatentAttention
 
     paths = []
-    for name in ("absorbed_attention", "expanded_attention"):
+    for name in ("absorbed_attention", "expand_kv"):
         original = getattr(MultiHeadLatentAttention, name)
         monkeypatch.setattr(MultiHeadLatentAttention, name,
                             lambda self, *a, _f=original, _n=name, **k: paths.append(_n) or _f(self, *a, **k))
@@ -133,10 +133,10 @@ def test_absorbed_decode_engages_only_on_a_plain_kv_b_proj(monkeypatch):
 
     assert decode_paths(_model("mla_experts")) == {"absorbed_attention"}
     lora = get_peft_model(_model("mla_experts"), LoraConfig(target_modules=["kv_b_proj"], init_lora_weights=False))
-    assert decode_paths(lora) == {"expanded_attention"}
+    assert decode_paths(lora) == {"expand_kv"}
     hooked = _model("mla_experts")
     hooked.model.layers[0].self_attn.kv_b_proj.register_forward_pre_hook(lambda *_: None)
-    assert decode_paths(hooked) == {"expanded_attention", "absorbed_attention"}  # layer 0 expanded, layer 1 not
+    assert decode_paths(hooked) == {"expand_kv", "absorbed_attention"}  # layer 0 expanded, layer 1 not
 
 
 def test_torchao_int8_weight_only_on_every_projection():
