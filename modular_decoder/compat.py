@@ -73,6 +73,17 @@ def accepts_past_key_values(forward):
     return renamed
 
 
+def generate_cache_kwarg(kwargs: dict) -> dict:
+    """`generate`'s keyword arguments with a cache passed as `cache=` under this release's name (before
+    5.24 `generate` knows only `past_key_values`, and would pass `cache` on to the forward beside its own)."""
+    if CACHE_NAME != "cache" and "cache" in kwargs:
+        if kwargs.get(CACHE_NAME) is not None:
+            raise ValueError("Pass the cache once, as `cache=` or `past_key_values=`, not both.")
+        kwargs = {**kwargs, CACHE_NAME: kwargs["cache"]}
+        del kwargs["cache"]
+    return kwargs
+
+
 def with_cache(cache) -> dict:
     """`{name: cache}` for a transformers call or output that takes the cache (`create_causal_mask`,
     `ModelOutput` classes, generate's `model_kwargs`)."""

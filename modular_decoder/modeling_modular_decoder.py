@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
 from .compat import (  # isort: skip
-    accepts_past_key_values, attn_implementation, cache_of, slice_logits_to_keep, static_cache_length, with_cache,
+    accepts_past_key_values, attn_implementation, cache_of, generate_cache_kwarg, slice_logits_to_keep,
+    static_cache_length, with_cache,
 )
 
 import torch  # noqa: E402
@@ -430,7 +431,10 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """transformers' `generate`, with the prompt (`input_ids`, `attention_mask`, `inputs_embeds`)
         checked first: an empty or 1-D prompt or a mask that does not fit it raises a `ValueError`.
-        The steps then skip re-reading the mask's values (generate only appends ones to it)."""
+        The steps then skip re-reading the mask's values (generate only appends ones to it). A cache
+        passed as `cache=` is used on every transformers release (before 5.24 generate calls it
+        `past_key_values`)."""
+        kwargs = generate_cache_kwarg(kwargs)
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),

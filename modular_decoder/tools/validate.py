@@ -505,7 +505,7 @@ def check_positions(ctx: _Context) -> str:
     for prefix in (1, seq // 2, seq - 1):
         base = ctx.ids(2, seq)
         with torch.no_grad():
-            shared = ctx.model(base[:, :prefix], use_cache=True).cache
+            shared = compat.cache_of(ctx.model(base[:, :prefix], use_cache=True))
         for suffix_ids in (base, ctx.perturbed(base, prefix)):
             full = ctx.logits(suffix_ids, use_cache=False)
             cache = copy.deepcopy(shared)
@@ -534,7 +534,7 @@ def check_benchmark(ctx: _Context, batch: int = 4, prompt: int = 32, new_tokens:
         start = time.perf_counter()
         out = ctx.model(ids, use_cache=True)
         prefill = time.perf_counter() - start
-        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        cache, token = compat.cache_of(out), out.logits[:, -1:].argmax(-1)
         start = time.perf_counter()
         for _ in range(new_tokens):
             token = ctx.model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
