@@ -8,7 +8,9 @@ once with `modular_decoder.compiled_decoding()` (a `CompileConfig(fullgraph=True
 inductor, marked to compile on a CPU too). transformers compiles nothing but the decode step: the
 prompt's forward stays eager, and the tokens/s count the steps after it (`measure.decode`). The
 first compiled call of each model is a warm-up, timed as the compile time; afterwards the four runs
-alternate inside every repeat. Under compilation ours keeps its split products in the graph
+(2 models x eager / compiled) run once per repeat, in an order shuffled afresh for every repeat
+(`--seed`), so that no case always follows the same one or meets the machine's noise at the same
+point. Only time is measured (no memory-sampling thread runs beside the timed calls). Under compilation ours keeps its split products in the graph
 (`modular_decoder/split_products.py`); transformers' graph calls one matrix-vector product per weight.
 Nothing is asserted here; the tests check that the compiled tokens equal the eager ones and Llama's.
 """
@@ -16,6 +18,7 @@ Nothing is asserted here; the tests check that the compiled tokens equal the eag
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
 import time
@@ -34,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny random shapes: a smoke test")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the order of the four runs in each repeat")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         reference, ours, label = build_pair("llama", Path(folder), quick=args.quick)
@@ -53,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
             run(name, "compiled")
             print(f"{name}: first compiled generate (compiles the decode step) {time.perf_counter() - start:.0f} s",
                   flush=True)
+        order, shuffle = list(runs), random.Random(args.seed).shuffle
         for repeat in range(args.repeats):
-            for key in runs:
+            shuffle(order)
+            for key in order:
                 runs[key].append(run(*key))
-            print(f"repeat {repeat + 1}: " + ", ".join(f"{n} {m} {runs[n, m][-1]:.1f}" for n, m in runs) + " tok/s",
-                  flush=True)
+            print(f"repeat {repeat + 1} (" + ", ".join(f"{n} {m}" for n, m in order) + "): "
+                  + ", ".join(f"{n} {m} {runs[n, m][-1]:.1f}" for n, m in runs) + " tok/s", flush=True)
     median = {key: statistics.median(values) for key, values in runs.items()}
     spread = {key: (max(values) - min(values)) / 2 for key, values in runs.items()}
     print("\n| decode b1 tok/s (static cache) | transformers | ours | ratio |\n|---|---:|---:|---:|")

@@ -63,6 +63,18 @@ class _RssPeak:
         self.extra = self.peak - self.base
 
 
+class _NoPeak:
+    """Stands in for `_RssPeak` when a run is timed: no sampling thread competes with the model."""
+
+    peak = extra = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.extra = float("nan")
+
+
 class _StepClock(LogitsProcessor):
     """Records when each generation step's logits arrive (the first right after the prompt's forward)."""
 
@@ -74,20 +86,23 @@ class _StepClock(LogitsProcessor):
         return scores
 
 
-def prefill(model, prompt: torch.Tensor) -> dict:
-    """One no-cache forward over the prompt, logits for the last position only."""
-    with _RssPeak() as memory:
+def prefill(model, prompt: torch.Tensor, sample_memory: bool = False) -> dict:
+    """One no-cache forward over the prompt, logits for the last position only. `sample_memory=True` samples
+    RSS every millisecond in a thread (`peak_mb`); leave it off where the time is measured."""
+    with (_RssPeak() if sample_memory else _NoPeak()) as memory:
         start = time.perf_counter()
         model(prompt, use_cache=False, logits_to_keep=1)
         seconds = time.perf_counter() - start
     return {"tokens_per_s": prompt.numel() / seconds, "peak_mb": memory.extra / 2**20}
 
 
-def decode(model, prompt: torch.Tensor, new_tokens: int, window: int = 8, **generate_kwargs) -> dict:
+def decode(model, prompt: torch.Tensor, new_tokens: int, window: int = 8, sample_memory: bool = False,
+           **generate_kwargs) -> dict:
     """Greedy generate of exactly `new_tokens`; decode tokens/s from the steps after the prompt's
-    forward, and the median step time over the first and last `window` steps."""
+    forward, and the median step time over the first and last `window` steps. `sample_memory=True` samples
+    RSS every millisecond in a thread (`peak_mb`, NaN otherwise): a separate, untimed run."""
     clock = _StepClock()
-    with _RssPeak() as memory:
+    with (_RssPeak() if sample_memory else _NoPeak()) as memory:
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                        logits_processor=LogitsProcessorList([clock]), **generate_kwargs)

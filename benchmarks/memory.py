@@ -13,6 +13,9 @@ short peak is missed; where that reset is refused, a thread samples RSS every mi
 - load: peak during `AutoModelForCausalLM.from_pretrained(FOLDER, dtype=float32)`, and RSS after it.
   Small for an fp32 safetensors checkpoint on both sides: the weights stay memory-mapped and enter RSS
   (as file pages, `after_decode_mb`) when the first forward reads them, so the decode peak includes them;
+- resident (`resident_mb`): RSS after every parameter has been read once (a sum over each, so every
+  page of every expert is resident whichever experts routing would pick): the memory the weights
+  occupy once used, the fair comparison of a loader that maps the file with one that copies it;
 - decode: peak during a greedy `generate()` of batch x (prompt + new tokens), the suite's decode shape;
 - largest batch (`--budget-mb`): the largest B whose decode at CONTEXT tokens keeps the peak within the
   budget (weights included, since the baseline is pre-load), found by doubling then bisection, each
@@ -160,6 +163,11 @@ def measure(args) -> dict:
     gc.collect()
     after_load = _status()["VmRSS"]
     loaded_split = _split(before)
+    with torch.inference_mode():
+        for parameter in model.parameters():  # read every page: all experts, not only those routed to
+            parameter.sum()
+    gc.collect()
+    resident = _status()["VmRSS"]
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     with Peak() as decode, torch.inference_mode():
@@ -170,6 +178,7 @@ def measure(args) -> dict:
     result = {
         "method": load.method, "baseline_mb": baseline / MB,
         "load_peak_mb": (load.peak - baseline) / MB, "loaded_mb": (after_load - baseline) / MB,
+        "resident_mb": (resident - baseline) / MB,
         "decode_peak_mb": (decode.peak - baseline) / MB,
         "load_decode_peak_mb": (max(load.peak, decode.peak) - baseline) / MB,
         "decode_shape": [args.batch, args.prompt, args.new_tokens],

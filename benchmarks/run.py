@@ -14,8 +14,9 @@ mixture-of-experts families the active weights only: every routed expert but the
 Beyond speed (issue 13, item 7), each on by default unless said otherwise:
 
 - memory (`--no-memory` skips): each model loaded in a fresh process (`benchmarks/memory.py`), peak
-  resident memory during `from_pretrained`, and during load + a batch-B decode, MB above that process's
-  pre-load baseline;
+  resident memory during `from_pretrained` (memory-mapped weights not yet read count nothing), resident
+  memory after every weight has been read once (what the weights really occupy, experts included), and
+  the peak during load + a batch-B decode, MB above that process's pre-load baseline;
 - training (`--no-train` skips): tokens/s of a full fine-tune step (forward + backward + AdamW step)
   and of a LoRA step (peft, r=8, the same linear maps on both sides: `families.LORA_TARGETS`;
   forward + backward + AdamW step on the adapters), `--train-batch` x `--train-seq` random tokens;
@@ -23,11 +24,15 @@ Beyond speed (issue 13, item 7), each on by default unless said otherwise:
   at `--max-batch-context` cached tokens whose peak memory (weights included) fits MB, by doubling and
   bisection over actual runs in the fresh process (see `benchmarks/memory.py`).
 
-Mixture-of-experts families: ours runs the experts implementation (`experts_implementation`: "eager",
-this package's grouped forward, or transformers' "grouped_mm" / "batched_mm") that a short calibration
-finds fastest, separately for prefill and decode (`--experts-implementation NAME` fixes one); the
-training steps use the prefill choice; "batched_mm" is tried for decode only (`choose_experts`). transformers' model keeps its default unless
-`--reference-experts-implementation` says otherwise. The table names what each side used.
+Mixture-of-experts families: both sides are treated alike. By default each model runs the experts
+implementation (`experts_implementation`: "eager", the model's own forward, or transformers'
+"grouped_mm" / "batched_mm") that the same short calibration finds fastest for that model, separately
+for prefill and decode; the training steps use the prefill choice; "batched_mm" is tried for decode
+only (`choose_experts`). `--experts-implementation NAME` runs NAME on both sides. The table names what
+each side used and how it was chosen.
+
+Timed runs never share the process with a memory-sampling thread: the "decode bB peak" row comes from
+one separate, untimed batch-B run per model after the timed repeats.
 `--quick` runs tiny shapes with short sequences: a smoke test, not a measurement.
 """
 
@@ -47,7 +52,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from modular_decoder.compat import attn_implementation, experts_implementation
+from modular_decoder.compat import attn_implementation
 from modular_decoder.split_products import set_split_products
 
 from modular_decoder import parameter_count
@@ -68,7 +73,7 @@ ROWS = {
     "step_start_1": ("b1 step ms, first 8", False),
     "step_end_1": ("b1 step ms, last 8", False),
     "decode_B": ("decode b{B} tok/s", True),
-    "peak_mb_B": ("decode b{B} peak +MB", False),
+    "peak_mb_B": ("decode b{B} peak +MB (separate untimed run, sampled)", False),
 }
 # Rows measured for transformers and ours only: the split products engage neither in training nor
 # in loading, so the ablation column would repeat ours.
@@ -78,7 +83,8 @@ TRAIN_ROWS = {
     "train_lora": ("train LoRA tok/s (fwd+bwd+AdamW, r=8, {lora})", True),
 }
 MEMORY_ROWS = {
-    "load_peak_mb": ("load peak +MB (fresh process)", False),
+    "load_peak_mb": ("load peak +MB (fresh process; mapped weights not yet read)", False),
+    "resident_mb": ("resident +MB after load, every weight read (fresh process)", False),
     "load_decode_peak_mb": ("load + decode b{B} peak +MB (fresh process)", False),
     "max_batch": ("max decode batch, {C} tok in {M:g} MB (measured)", True),
 }
@@ -86,10 +92,13 @@ EXPERTS_CANDIDATES = ("eager", "grouped_mm", "batched_mm")
 PREFILL_EXPERTS = ("eager", "grouped_mm")  # batched_mm: decode only (see choose_experts)
 
 
-def _select_variant(ours, name: str, phase: str = "decode", experts: dict | None = None) -> None:
+def _select_variant(models: dict, name: str, phase: str = "decode", experts: dict | None = None) -> None:
+    """Split products on or off for `name`; with experts, every model runs its choice for `phase`
+    (`experts`: {"transformers": {phase: implementation}, "ours": {...}})."""
     set_split_products(name != "ours, no split products")
     if experts:
-        ours.set_experts_implementation(experts[phase])
+        for side in PAIR:
+            models[side].set_experts_implementation(experts[side][phase])
 
 
 def choose_experts(model, long: torch.Tensor, short: torch.Tensor, args) -> dict:
@@ -119,8 +128,15 @@ def choose_experts(model, long: torch.Tensor, short: torch.Tensor, args) -> dict
     return {**best, "train": best["prefill"], "calibration": medians}
 
 
+def choose_experts_both(reference, ours, long: torch.Tensor, short: torch.Tensor, args) -> dict:
+    """{"transformers": choice, "ours": choice}: the same rule for both sides, a calibration of each
+    model per phase (`auto`), or the one implementation `--experts-implementation` names."""
+    return {"transformers": choose_experts(reference, long, short, args), "ours": choose_experts(ours, long, short, args)}
+
+
 def measure_family(reference, ours, args, experts: dict | None = None) -> dict:
-    """{metric: {model: [value per repeat]}}, the two models interleaved inside every repeat."""
+    """{metric: {model: [value per repeat]}}, the two models interleaved inside every repeat. Timed runs
+    have no memory sampler; the batch-B peak comes from one separate run per model afterwards."""
     vocab = reference.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(1)
     long = torch.randint(0, vocab, (4, args.prefill), generator=generator)
@@ -138,7 +154,7 @@ def measure_family(reference, ours, args, experts: dict | None = None) -> dict:
             samples = {key: {name: [] for name in MODELS} for key in ("prefill_1", "prefill_4")}
             for _ in range(args.prefill_samples):
                 for name in order:
-                    _select_variant(ours, name, "prefill", experts)
+                    _select_variant(models, name, "prefill", experts)
                     for key, batch in (("prefill_1", long[:1]), ("prefill_4", long)):
                         samples[key][name].append(prefill(models[name], batch)["tokens_per_s"])
             for key, per_model in samples.items():
@@ -146,14 +162,16 @@ def measure_family(reference, ours, args, experts: dict | None = None) -> dict:
                     values[key][name].append(statistics.median(rates))
             for name in order:
                 model = models[name]
-                _select_variant(ours, name, "decode", experts)
+                _select_variant(models, name, "decode", experts)
                 one = decode(model, short[:1], args.new_tokens)
                 values["decode_1"][name].append(one["tokens_per_s"])
                 values["step_start_1"][name].append(one["step_ms_start"])
                 values["step_end_1"][name].append(one["step_ms_end"])
                 many = decode(model, short, args.new_tokens)
                 values["decode_B"][name].append(many["tokens_per_s"])
-                values["peak_mb_B"][name].append(many["peak_mb"])
+        for name in MODELS:  # memory: untimed, the sampling thread never runs while a model is timed
+            _select_variant(models, name, "decode", experts)
+            values["peak_mb_B"][name].append(decode(models[name], short, args.new_tokens, sample_memory=True)["peak_mb"])
     set_split_products(True)
     return values
 
@@ -177,7 +195,8 @@ def measure_training(reference, ours, family: str, args, experts: dict | None = 
     batch = torch.randint(0, vocab, (args.train_batch, args.train_seq), generator=torch.Generator().manual_seed(2))
     set_split_products(True)
     if experts:
-        ours.set_experts_implementation(experts["train"])
+        for side, model in (("transformers", reference), ("ours", ours)):
+            model.set_experts_implementation(experts[side]["train"])
     values = {key: {name: [] for name in PAIR} for key in TRAIN_ROWS}
     details = {}
 
@@ -215,20 +234,21 @@ def measure_training(reference, ours, family: str, args, experts: dict | None = 
     return values, details
 
 
-def measure_memory(folder: Path, args, experts: dict | None, reference_experts: str | None) -> dict:
+def measure_memory(folder: Path, args, experts: dict | None) -> dict:
     """{model: probe result}: each checkpoint loaded in its own fresh process (benchmarks/memory.py)."""
     common = dict(batch=args.decode_batch, prompt=args.prompt, new_tokens=args.new_tokens, threads=args.threads,
                   budget_mb=args.max_batch_mb, context=args.max_batch_context, steps=args.max_batch_steps,
                   cap=args.max_batch_cap)
     return run_probes({
-        "transformers": dict(folder=folder / "hf", experts_implementation=reference_experts, **common),
-        "ours": dict(folder=folder / "ours", experts_implementation=experts["decode"] if experts else None, **common),
+        side: dict(folder=folder / sub, experts_implementation=experts[side]["decode"] if experts else None, **common)
+        for side, sub in (("transformers", "hf"), ("ours", "ours"))
     })
 
 
 def memory_values(probes: dict) -> dict:
     """The probes as {metric: {model: [value]}} rows (one fresh-process measurement per model)."""
-    values = {key: {name: [probes[name][key]] for name in PAIR} for key in ("load_peak_mb", "load_decode_peak_mb")}
+    values = {key: {name: [probes[name][key]] for name in PAIR}
+              for key in ("load_peak_mb", "resident_mb", "load_decode_peak_mb")}
     if all("max_batch" in probes[name] for name in PAIR):
         values["max_batch"] = {name: [probes[name]["max_batch"]["batch"]] for name in PAIR}
     return values
@@ -301,10 +321,11 @@ def table(results: dict, args) -> str:
                          + " | ".join(_ratio(row, model, key) for model in MODELS[1:]) + " |")
         experts = result.get("experts_implementation")
         if experts:
-            ours = experts["ours"]
-            lines.append(f"| | experts_implementation: transformers `{experts['transformers']}`; ours "
-                         f"prefill `{ours['prefill']}`, decode `{ours['decode']}`, train `{ours['train']}`"
-                         f"{' (calibrated)' if ours.get('calibration') else ''} | | | | | |")
+            how = ("each side calibrated per phase, same candidates and rounds" if experts["ours"].get("calibration")
+                   else "fixed for both sides")
+            used = "; ".join(f"{side} prefill `{experts[side]['prefill']}`, decode `{experts[side]['decode']}`, "
+                             f"train `{experts[side]['train']}`" for side in PAIR)
+            lines.append(f"| | experts_implementation ({how}): {used} | | | | | |")
         bound = result["roofline_b1_tok_s"]
         shares = " | ".join(f"{100 * result['metrics']['decode_1'][name]['median'] / bound:.0f}% of it"
                             for name in MODELS)
@@ -361,9 +382,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     extra.add_argument("--max-batch-cap", type=int, default=1024, help="largest batch tried")
     moe = parser.add_argument_group("mixture-of-experts families")
     moe.add_argument("--experts-implementation", default="auto", choices=("auto",) + EXPERTS_CANDIDATES,
-                     help="ours: auto = the fastest by a short calibration, per phase")
-    moe.add_argument("--reference-experts-implementation", default=None, choices=EXPERTS_CANDIDATES,
-                     help="transformers' model (default: transformers' default)")
+                     help="both sides: auto = each model's fastest by the same short calibration, per phase; "
+                          "a name = that implementation for both")
     moe.add_argument("--calibration-rounds", type=int, default=2)
     moe.add_argument("--calibration-tokens", type=int, default=16, help="decode steps per calibration round")
     args = parser.parse_args(argv)
@@ -400,18 +420,17 @@ def main(argv=None) -> int:
             step_bytes = active_bytes_read_per_step(ours)
             counts = parameter_count(ours.config)
             backends = {"transformers": attn_implementation(reference.config), "ours": attn_implementation(ours.config)}
-            experts = reference_experts = None
+            experts = None
             if moe:
-                if args.reference_experts_implementation:
-                    reference.set_experts_implementation(args.reference_experts_implementation)
-                reference_experts = experts_implementation(reference.config)
                 vocab = reference.config.get_text_config().vocab_size
                 generator = torch.Generator().manual_seed(3)
-                experts = choose_experts(ours, torch.randint(0, vocab, (1, args.prefill), generator=generator),
-                                         torch.randint(0, vocab, (1, args.prompt), generator=generator), args)
-                entry["experts_implementation"] = {"transformers": reference_experts, "ours": experts}
-                print(f"{family}: experts_implementation transformers {reference_experts}, ours prefill "
-                      f"{experts['prefill']}, decode {experts['decode']}", flush=True)
+                experts = choose_experts_both(reference, ours,
+                                              torch.randint(0, vocab, (1, args.prefill), generator=generator),
+                                              torch.randint(0, vocab, (1, args.prompt), generator=generator), args)
+                entry["experts_implementation"] = experts
+                print(f"{family}: experts_implementation " + ", ".join(
+                    f"{side} prefill {experts[side]['prefill']}, decode {experts[side]['decode']}" for side in PAIR),
+                    flush=True)
             phases["build_and_calibrate"], clock = time.perf_counter() - clock, time.perf_counter()
             values = measure_family(reference, ours, args, experts)
             phases["speed"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -422,7 +441,7 @@ def main(argv=None) -> int:
             del reference, ours
             gc.collect()
             if not args.no_memory:
-                entry["memory"] = measure_memory(Path(tmp), args, experts, reference_experts)
+                entry["memory"] = measure_memory(Path(tmp), args, experts)
                 values.update(memory_values(entry["memory"]))
                 phases["memory"] = time.perf_counter() - clock
             metrics = summarise(values)

@@ -1,11 +1,17 @@
-"""A dynamic cache layer that grows by doubling pre-allocated storage instead of concatenating.
+"""A dynamic cache layer that grows into pre-allocated storage instead of concatenating.
 
 transformers' `DynamicLayer` runs `torch.cat` on every update, so a decode step copies the whole
 cache and its time grows with the context. `GrowingLayer` writes the new tokens into spare
-capacity (doubled when full: amortised O(1) copies per token) and exposes `keys` / `values` as
-views of the filled part. Every transformers operation on those attributes (crop, beam reorder,
-batch repeat / select, reset) therefore works unchanged; an operation that replaces them is
-adopted into fresh storage at the next update.
+capacity and exposes `keys` / `values` as views of the filled part. When full, it moves to
+storage with `1/spare_divisor` of its length spare (at least `min_spare` tokens): amortised
+`spare_divisor` token copies per step instead of the whole context, and at most that fraction of
+memory more than `DynamicLayer` holds (doubling would hold up to twice as much).
+
+Every transformers operation on `keys` / `values` (crop, beam reorder, batch repeat / select,
+offload, reset) works unchanged. An assignment that is not a prefix view of the storage (a
+repeated or reordered batch, a tensor from elsewhere) releases the storage at once, so the old
+and the new never stay in memory together; the new tensors move into fresh storage at the next
+update, one at a time, as `DynamicLayer`'s concatenation holds them.
 """
 
 from __future__ import annotations
@@ -14,60 +20,83 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 
+def _is_prefix_view(tensor, store) -> bool:
+    """Whether `tensor` is `store[..., :n, :]` for some n (what `update` and `crop` leave)."""
+    return (
+        isinstance(tensor, torch.Tensor) and store is not None
+        and (tensor.data_ptr() == store.data_ptr() or tensor.numel() == 0)  # an empty view's data_ptr is 0
+        and tensor.shape[:-2] == store.shape[:-2] and tensor.shape[-1] == store.shape[-1]
+        and tensor.stride() == store.stride() and tensor.dtype == store.dtype
+    )
+
+
 class GrowingLayer(DynamicLayer):
-    """`DynamicLayer` semantics with pre-allocated, doubling storage (see the module docstring)."""
+    """`DynamicLayer` semantics with pre-allocated storage (see the module docstring)."""
 
-    min_capacity = 64
+    spare_divisor = 64
+    min_spare = 16
+    _keys = _values = _key_store = _value_store = None
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._key_store = self._value_store = None
-        self._key_view = self._value_view = None
+    @classmethod
+    def capacity_for(cls, needed: int) -> int:
+        """Tokens of storage reserved when `needed` tokens no longer fit."""
+        return needed + max(cls.min_spare, needed // cls.spare_divisor)
+
+    @property
+    def keys(self):
+        return self._keys
+
+    @keys.setter
+    def keys(self, tensor):
+        if not _is_prefix_view(tensor, self._key_store):
+            self._key_store = None  # replaced: let the old storage go now
+        self._keys = tensor
+
+    @property
+    def values(self):
+        return self._values
+
+    @values.setter
+    def values(self, tensor):
+        if not _is_prefix_view(tensor, self._value_store):
+            self._value_store = None
+        self._values = tensor
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
-            # In-place writes into storage that autograd saved for backward would fail there
-            self._key_store = None
+            # In-place writes into storage that autograd saved for backward would fail there; the
+            # concatenation's result is not a view of the storage, so the storage is released.
             return super().update(key_states, value_states)
-        if self._key_store is None or self.keys is not self._key_view or self.values is not self._value_view:
-            self._adopt(key_states, value_states)
-        length, new = self.keys.shape[-2], key_states.shape[-2]
-        if length + new > self._key_store.shape[-2]:
-            self._reallocate(length + new)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if min(self._capacity(self._key_store), self._capacity(self._value_store)) < length + new:
+            self._reserve(length, self.capacity_for(length + new), key_states, value_states)
         self._key_store[..., length : length + new, :].copy_(key_states)
         self._value_store[..., length : length + new, :].copy_(value_states)
-        self.keys = self._key_view = self._key_store[..., : length + new, :]
-        self.values = self._value_view = self._value_store[..., : length + new, :]
+        self.keys = self._key_store[..., : length + new, :]
+        self.values = self._value_store[..., : length + new, :]
         return self.keys, self.values
 
-    def _adopt(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Storage for what `keys` / `values` hold now (empty at the start, or set from outside)."""
-        if self.keys.numel() == 0:
-            self.keys = key_states[..., :0, :]
-            self.values = value_states[..., :0, :]
-        self._key_store, self._value_store = self.keys, self.values
-        self._reallocate(self.keys.shape[-2] + key_states.shape[-2])
+    @staticmethod
+    def _capacity(store) -> int:
+        return -1 if store is None else store.shape[-2]
 
-    def _reallocate(self, needed: int) -> None:
-        capacity = max(self.min_capacity, 1 << (needed - 1).bit_length())
-        length = self.keys.shape[-2]
-        stores = []
-        for old in (self._key_store, self._value_store):
-            store = old.new_empty((*old.shape[:-2], capacity, old.shape[-1]))
-            store[..., :length, :].copy_(old[..., :length, :])
-            stores.append(store)
-        self._key_store, self._value_store = stores
-        self.keys = self._key_view = self._key_store[..., :length, :]
-        self.values = self._value_view = self._value_store[..., :length, :]
-
-    def reset(self) -> None:
-        self._key_store = self._value_store = self._key_view = self._value_view = None
-        super().reset()
+    def _reserve(self, length: int, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Move the first `length` tokens into fresh storage of `capacity` tokens, keys then values,
+        each released before the next is allocated (the peak: one tensor held twice, as in `torch.cat`)."""
+        for name, states in (("key", key_states), ("value", value_states)):
+            held = getattr(self, f"{name}s")
+            source = held if length else states
+            store = torch.empty((*states.shape[:-2], capacity, states.shape[-1]), dtype=source.dtype,
+                                device=states.device)
+            if length:
+                store[..., :length, :].copy_(held[..., :length, :])
+            del held, source
+            setattr(self, f"_{name}_store", store)
+            setattr(self, f"{name}s", store[..., :length, :])  # a prefix view: the old tensor goes
 
     def allocated_tensors(self) -> list:
         """The storage, spare capacity included (for `ModularDecoderCache.allocated_bytes`)."""
-        if getattr(self, "_key_store", None) is None:
-            return [self.keys, self.values]
-        return [self._key_store, self._value_store]
+        return [self._key_store if self._key_store is not None else self.keys,
+                self._value_store if self._value_store is not None else self.values]

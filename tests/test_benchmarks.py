@@ -31,17 +31,18 @@ def test_suite_quick_writes_table_and_json(tmp_path, capsys):
             assert family["moe"] and family["step_mb"] < family["weights_mb"]
             assert family["active_params_m"] < family["params_m"]
             used = family["experts_implementation"]
-            assert used["transformers"] in run.EXPERTS_CANDIDATES
-            assert used["ours"]["decode"] in run.EXPERTS_CANDIDATES
-            assert used["ours"]["prefill"] == used["ours"]["train"] in run.PREFILL_EXPERTS
-            calibration = used["ours"]["calibration"]
-            assert set(calibration["decode_1"]) == set(run.EXPERTS_CANDIDATES)
-            assert set(calibration["prefill_1"]) == set(run.PREFILL_EXPERTS)
+            for side in run.PAIR:  # the same rule on both sides: each calibrated over the same candidates
+                assert used[side]["decode"] in run.EXPERTS_CANDIDATES
+                assert used[side]["prefill"] == used[side]["train"] in run.PREFILL_EXPERTS
+                calibration = used[side]["calibration"]
+                assert set(calibration["decode_1"]) == set(run.EXPERTS_CANDIDATES)
+                assert set(calibration["prefill_1"]) == set(run.PREFILL_EXPERTS)
         else:
             assert family["step_mb"] == family["weights_mb"] and "experts_implementation" not in family
     table = capsys.readouterr().out
     assert "| family | metric |" in table and "decode b2 tok/s" in table
-    assert "read the active weights once" in table and "experts_implementation: transformers `" in table
+    assert "read the active weights once" in table
+    assert "experts_implementation (each side calibrated per phase, same candidates and rounds): transformers prefill `" in table
 
 
 def test_choose_experts_picks_the_best_median_of_interleaved_rounds(monkeypatch):
@@ -103,15 +104,89 @@ def test_suite_quick_extras_memory_training_max_batch(tmp_path, capsys):
         batch = probe["max_batch"]
         assert batch["capped"] and batch["batch"] == 16  # tiny model, 400 MB: the quick cap
         assert all(peak <= 400 for peak in batch["peaks_mb"].values())
-    assert family["memory"]["ours"]["experts_implementation"] == family["experts_implementation"]["ours"]["decode"]
+    for side in run.PAIR:
+        assert family["memory"][side]["experts_implementation"] == family["experts_implementation"][side]["decode"]
     table = capsys.readouterr().out
     for text in ("train full FT tok/s (fwd+bwd+AdamW, 1x16)", "train LoRA tok/s (fwd+bwd+AdamW, r=8, q_b_proj,kv_b_proj)",
-                 "load peak +MB (fresh process)", "load + decode b2 peak +MB", "max decode batch, 64 tok in 400 MB",
+                 "load peak +MB (fresh process; mapped weights not yet read)",
+                 "resident +MB after load, every weight read", "load + decode b2 peak +MB", "max decode batch, 64 tok in 400 MB",
                  "| ≥16 | ≥16 | — |"):
         assert text in table, text
     written = readme.read_text()
     assert written.startswith("intro\n") and written.endswith("rest\n") and "old table" not in written
     assert "max decode batch" in written
+
+
+def test_choose_experts_takes_each_phase_fastest_and_runs_it(monkeypatch):
+    """`choose_experts` against known timings: a fake clock makes `grouped_mm` the fastest prefill and
+    `batched_mm` the fastest decode (a decode-only candidate; the default choice, `eager`, is the slowest of both); the choice is
+    then what `_select_variant` sets on each model, the same rule on both sides. `--experts-implementation
+    NAME` skips the calibration and fixes NAME everywhere."""
+    from types import SimpleNamespace
+
+    # batched_mm would be the fastest prefill: it must not be a prefill candidate (minutes per 512 tokens)
+    rates = {"prefill": {"eager": 1.0, "grouped_mm": 3.0, "batched_mm": 100.0}, "decode": {"eager": 1.0, "grouped_mm": 2.0, "batched_mm": 5.0}}
+
+    class Model:
+        def __init__(self):
+            self.implementation = "eager"
+
+        def set_experts_implementation(self, name):
+            self.implementation = name
+
+    def fake(phase):
+        def timed(model, *args, **kwargs):
+            return {"tokens_per_s": rates[phase][model.implementation]}
+        return timed
+
+    monkeypatch.setattr(run, "prefill", fake("prefill"))
+    monkeypatch.setattr(run, "decode", fake("decode"))
+    args = SimpleNamespace(experts_implementation="auto", calibration_rounds=2, calibration_tokens=2)
+    long, short = torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)
+    models = {"transformers": Model(), "ours": Model()}
+    experts = run.choose_experts_both(models["transformers"], models["ours"], long, short, args)
+    for side, model in models.items():
+        assert {k: experts[side][k] for k in ("prefill", "decode", "train")} == {
+            "prefill": "grouped_mm", "decode": "batched_mm", "train": "grouped_mm"}
+    for phase, expected in (("prefill", "grouped_mm"), ("decode", "batched_mm")):
+        run._select_variant(models, "ours", phase, experts)
+        assert models["transformers"].implementation == models["ours"].implementation == expected
+    args.experts_implementation = "eager"
+    fixed = run.choose_experts_both(Model(), Model(), long, short, args)
+    assert all(fixed[side][phase] == "eager" for side in run.PAIR for phase in ("prefill", "decode", "train"))
+
+
+def test_timed_runs_sample_no_memory():
+    """A timed decode runs without the RSS-sampling thread; the separate memory run has it."""
+    import threading
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks import measure
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2)).eval()
+    seen = []
+
+    class Spy(measure._StepClock):
+        def __call__(self, input_ids, scores):
+            seen.append(threading.active_count())
+            return super().__call__(input_ids, scores)
+
+    ids = torch.randint(0, 64, (1, 4))
+    with torch.inference_mode():
+        before = threading.active_count()
+        original, measure._StepClock = measure._StepClock, Spy
+        try:
+            timed = measure.decode(model, ids, new_tokens=3)
+            during_timed = list(seen)
+            seen.clear()
+            sampled = measure.decode(model, ids, new_tokens=3, sample_memory=True)
+        finally:
+            measure._StepClock = original
+    assert set(during_timed) == {before} and set(seen) == {before + 1}
+    assert timed["peak_mb"] != timed["peak_mb"] and sampled["peak_mb"] >= 0  # NaN: not measured
 
 
 def test_largest_batch_bisects_to_the_last_fitting_batch():

@@ -84,11 +84,11 @@ def test_allocated_bytes_of_a_static_cache_are_its_whole_length(name):
     assert cache.payload_bytes() == cache_bytes(config, 5, batch, torch.float32) < cache.allocated_bytes()
     dynamic = _cache(model, "dynamic")
     _fill(model, dynamic, batch, 5)
-    # Full layers reserve doubling storage (growing_cache.py: at least `min_capacity` slots); the
-    # dynamic sliding layers hold exactly their payload.
+    # Full layers reserve storage with a bounded spare (growing_cache.py, `capacity_for`: the 3-token
+    # prefill's storage holds the 2 decoded tokens too); the dynamic sliding layers hold exactly their payload.
     from modular_decoder.growing_cache import GrowingLayer
 
-    held = [GrowingLayer.min_capacity if t == "full_attention" else min(5, config.sliding_window - 1)
+    held = [GrowingLayer.capacity_for(3) if t == "full_attention" else min(5, config.sliding_window - 1)
             for t in config.layer_types]
     assert dynamic.allocated_bytes() == row * sum(held)
 
