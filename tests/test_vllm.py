@@ -32,8 +32,6 @@ VLLM_PYTHON = Path(os.environ.get("MODULAR_DECODER_VLLM_PYTHON", ROOT / ".venv-v
 WORKER = Path(__file__).with_name("vllm_worker.py")
 TIMEOUT_S = 1800  # the whole vLLM run: measured 4.5 to 10 minutes on 2 busy cores
 
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} "
-                                "(scripts/setup.sh makes .venv-vllm; MODULAR_DECODER_VLLM_PYTHON names another)")
 
 TINY = dict(hidden_size=128, max_position_embeddings=256, initializer_range=0.2)
 MLA_576 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)  # vLLM's CPU MLA: 576
@@ -139,6 +137,9 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
     ours["chat"] = tokenizer.decode(reply, skip_special_tokens=True)
     server = dict(folder=str(smol), messages=CHAT, max_tokens=24, port=free_port(), log=str(root / "serve.log"))
 
+    if not VLLM_PYTHON.exists():  # a failure, not a skip: a missing engine is a broken install, not a pass
+        pytest.fail(f"no vLLM environment at {VLLM_PYTHON}: scripts/setup.sh makes .venv-vllm "
+                    "(MODULAR_DECODER_VLLM_PYTHON names another)")
     spec, out = root / "spec.json", root / "out.json"
     spec.write_text(json.dumps({"engines": engines, "server": server}))
     run = subprocess.run([str(VLLM_PYTHON), str(WORKER), str(spec), str(out)], capture_output=True, text=True,
