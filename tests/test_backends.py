@@ -177,6 +177,9 @@ def test_refused_pairs_are_the_expected_ones():
         ("softcap_scale", "sdpa"),
         ("alibi", "flash_attention_3"), ("alibi", "flash_attention_4"),
         ("alibi_gqa_sliding", "flash_attention_3"), ("alibi_gqa_sliding", "flash_attention_4"),
+        ("mla_capped_windowed_moe", "sdpa"),  # the soft-cap
+        # vLLM never passes ALiBi slopes; its latent attention has no cap or window
+        ("alibi", "vllm"), ("alibi_gqa_sliding", "vllm"), ("mla_capped_windowed_moe", "vllm"),
     }
 
 

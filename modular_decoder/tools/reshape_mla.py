@@ -353,6 +353,7 @@ def mla_config(config, kv_lora_rank: int, rope_dim: int, latent_norm: bool = Fal
         qk_rope_head_dim=rope_dim, v_head_dim=config.head_dim, kv_latent_norm=latent_norm,
         num_key_value_heads=config.num_attention_heads, partial_rotary_factor=1.0, rope_parameters=params,
         query_pre_attn_scalar=None,  # MLA's own scale (d_h + D)^-1/2; the source's is folded into the query
+        head_dim=None,  # MLA's default: the latent width the cache holds per token (what vLLM sizes it by)
     )
     new = type(config).from_dict(fields)
     _check_positions(config, new)
