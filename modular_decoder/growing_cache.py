@@ -21,10 +21,14 @@ from transformers.cache_utils import DynamicLayer
 
 
 def _is_prefix_view(tensor, store) -> bool:
-    """Whether `tensor` is `store[..., :n, :]` for some n (what `update` and `crop` leave)."""
+    """Whether `tensor` is `store[..., :n, :]` for some n (what `update` and `crop` leave).
+
+    While compiling, the data pointers are not compared (dynamo cannot trace that): inside a compiled step
+    only `update` assigns, always a prefix view; a batch repeat, select or reorder runs outside the graph."""
     return (
         isinstance(tensor, torch.Tensor) and store is not None
-        and (tensor.data_ptr() == store.data_ptr() or tensor.numel() == 0)  # an empty view's data_ptr is 0
+        and (torch.compiler.is_compiling() or tensor.data_ptr() == store.data_ptr()
+             or tensor.numel() == 0)  # an empty view's data_ptr is 0
         and tensor.shape[:-2] == store.shape[:-2] and tensor.shape[-1] == store.shape[-1]
         and tensor.stride() == store.stride() and tensor.dtype == store.dtype
     )
@@ -67,7 +71,9 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             # In-place writes into storage that autograd saved for backward would fail there; the
-            # concatenation's result is not a view of the storage, so the storage is released.
+            # concatenation's result is not a view of the storage: the storage is released (here, not by
+            # the setter's pointer test, which a compiled step skips).
+            self._key_store = self._value_store = None
             return super().update(key_states, value_states)
         length, new = self.get_seq_length(), key_states.shape[-2]
         if min(self._capacity(self._key_store), self._capacity(self._value_store)) < length + new:
