@@ -365,7 +365,7 @@ def _backend_unavailable(backend: str, device: torch.device, requested: bool) ->
         probe = {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}
         if backend in probe and not probe[backend]():
             return "kernel not installed"
-    if backend not in ALL_ATTENTION_FUNCTIONS and backend not in ("eager", "sdpa"):
+    if backend != "eager" and backend not in ALL_ATTENTION_FUNCTIONS:
         # an engine's own backend (vLLM's "vllm"), registered only inside that engine: tests/test_vllm.py runs it
         return "registered only inside its engine"
     if backend == "flex_attention":
