@@ -10,7 +10,9 @@
    to `DeepseekV3ForCausalLM` (vLLM's native class).
 
 vLLM runs in its own environment (`.venv-vllm`, or `MODULAR_DECODER_VLLM_PYTHON`), eager (`enforce_eager`),
-one engine at a time in one process (benchmarks/serving_worker.py).
+one engine at a time in one process (benchmarks/serving_worker.py). `--rounds N` serves both SmolLM2 engines N
+times, the order alternating (ours first in odd rounds, native first in even ones), so neither side always
+runs on the warmer or quieter machine; each round's ratio is printed, and their median.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -29,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("serving_worker.py")
 MLA_576 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
 PARTS = ("vllm", "generate", "kv")
+OURS, NATIVE = "ours_vllm_transformers_backend", "llama_vllm_native"
 
 
 def our_generate(folder: Path, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="vllm: SmolLM2 through vLLM (ours, native Llama); generate: our generate(); kv: DeepSeek-V3 capacity")
+    parser.add_argument("--rounds", type=int, default=2, help="times each SmolLM2 engine is served, order alternating")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     python = Path(os.environ.get("MODULAR_DECODER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -76,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         length = args.prompt_tokens + args.new_tokens + 16
         jobs = []
         if "vllm" in args.parts:
-            jobs += [dict(name="ours_vllm_transformers_backend", folder=str(smol), model_impl="transformers",
-                          prompts=prompts, max_tokens=args.new_tokens, max_model_len=length),
-                     dict(name="llama_vllm_native", folder=str(llama), model_impl="auto", prompts=prompts,
-                          max_tokens=args.new_tokens, max_model_len=length)]
+            pair = [dict(name=OURS, folder=str(smol), model_impl="transformers", prompts=prompts,
+                         max_tokens=args.new_tokens, max_model_len=length),
+                    dict(name=NATIVE, folder=str(llama), model_impl="auto", prompts=prompts,
+                         max_tokens=args.new_tokens, max_model_len=length)]
+            for round_ in range(1, args.rounds + 1):
+                jobs += [dict(job, name=f"{job['name']}/{round_}") for job in (pair if round_ % 2 else pair[::-1])]
         if "kv" in args.parts:
             jobs += [dict(name="deepseek_ours_kv", folder=str(ds), model_impl="transformers", prompts=None,
                           max_tokens=2, max_model_len=128),
@@ -107,10 +114,17 @@ def report(results: dict, args) -> None:
     for result in results.values():
         result.pop("tokens", None)
     print(f"SmolLM2-135M fp32, {args.prompts} prompts x {args.prompt_tokens} tokens, {args.new_tokens} new, greedy:")
-    print("| engine | output tokens/s |\n|---|---:|")
-    for name in ("ours_vllm_transformers_backend", "llama_vllm_native", "ours_generate"):
-        if name in results:
-            print(f"| {name} | {results[name]['tokens_per_s']} |")
+    rounds = [r for r in range(1, args.rounds + 1) if f"{OURS}/{r}" in results]
+    if rounds:
+        print("| engine | " + " | ".join(f"round {r} ({'ours' if r % 2 else 'native'} first)" for r in rounds) + " |")
+        print("|---|" + "---:|" * len(rounds))
+        for name in (OURS, NATIVE):
+            print(f"| {name} | " + " | ".join(str(results[f"{name}/{r}"]["tokens_per_s"]) for r in rounds) + " |")
+        ratios = [results[f"{OURS}/{r}"]["tokens_per_s"] / results[f"{NATIVE}/{r}"]["tokens_per_s"] for r in rounds]
+        print("| ratio | " + " | ".join(f"{ratio:.2f}" for ratio in ratios) + " |")
+        print(f"\nmedian ratio, ours / native: {statistics.median(ratios):.2f}")
+    if "ours_generate" in results:
+        print(f"\nours_generate (no vLLM): {results['ours_generate']['tokens_per_s']} output tokens/s")
     if "deepseek_ours_kv" in results:
         a, b = results["deepseek_ours_kv"], results["deepseek_v3_native_kv"]
         print(f"\nDeepSeek-V3 layout, 1 GiB KV cache: ours {a['kv_capacity_tokens']:,} tokens ({a['architecture']}), "

@@ -17,7 +17,7 @@ from .backends import ALIBI_SLOPE_FUNCTIONS, AttentionLayer, canonical_backend, 
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kinds import AttentionKind
-from .split_products import project
+from .split_products import project, runs_plain, symbolic
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 
@@ -61,10 +61,19 @@ class StandardAttention(AttentionLayer):
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.attention_output_bias)
         self.qk_norm = QKNorm(config, per_head=config.qk_norm == "head") if config.qk_norm != "none" else None
 
-    def _project_qkv(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """q (B, H, T, D), k and v (B, H_kv, T, D), normed and rotated as configured."""
-        batch, seq = hidden_states.shape[:2]
-        q, k, v = (project(layer, hidden_states) for layer in (self.q_proj, self.k_proj, self.v_proj))
+    def _split_projections(self, hidden_states: torch.Tensor) -> bool:
+        """Whether q/k/v go through `split_products.project` (few-row products on all cores): our own
+        plain linears on values. vLLM's Transformers backend traces with proxies and replaces every
+        linear (o_proj included), so it runs the plain module calls of `forward`'s other branch."""
+        return runs_plain(self.o_proj) and not symbolic(hidden_states)
+
+    def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # its own method: vLLM's fuser needs `forward` to name each projection in one call only
+        return tuple(project(layer, hidden_states) for layer in (self.q_proj, self.k_proj, self.v_proj))
+
+    def _heads(self, q, k, v, position_embeddings) -> tuple[torch.Tensor, ...]:
+        """q (B, H, T, D), k and v (B, H_kv, T, D) from the projections, normed and rotated as configured."""
+        batch, seq = q.shape[:2]
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k, self.head_dim)
         q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -85,7 +94,14 @@ class StandardAttention(AttentionLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq = hidden_states.shape[:2]
-        q, k, v = self._project_qkv(hidden_states, position_embeddings)
+        if self._split_projections(hidden_states):
+            q, k, v = self._split_qkv(hidden_states)
+        else:  # one call each, as vLLM's QKV fuser reads it: it merges them into one product. Names of
+            # their own: it will not hoist that product over a statement rebinding `q` (assigned above
+            # from a call on `hidden_states`, so possibly a view of it)
+            query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+            q, k, v = query, key, value
+        q, k, v = self._heads(q, k, v, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         if position_bias is not None:  # ALiBi as a bias (eager, sdpa)

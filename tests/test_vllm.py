@@ -168,6 +168,9 @@ def test_tiny_layouts_served_with_our_tokens(served, name):
     worker = result["workers"][0]
     assert worker["model_class"] == result["architecture"]
     assert worker["inner_class"] == "ModularDecoderModel" and worker["inner_module"].startswith("transformers_modules")
+    # its fusers read our forward: one q/k/v product (MLA: one product for q_a and kv_a)
+    fused = "self_attn.fused_qkv_a_proj" if name == "deepseek_v3" else "self_attn.qkv_proj"
+    assert worker["layer_linears"][fused] in ("QKVParallelLinear", "MergedColumnParallelLinear")
 
 
 def test_mla_is_served_from_the_latent_cache(served):
@@ -186,6 +189,11 @@ def test_smollm2_served_with_our_tokens_and_as_llama_natively(served):
     assert result["architecture"] == "TransformersForCausalLM"
     assert native["architecture"] == native["workers"][0]["model_class"] == "LlamaForCausalLM"
     assert result["tokens"] == ours["smollm2"] == native["tokens"]
+    # vLLM fused our projections as it fuses its own Llama's (one q/k/v product, one gate/up product): the
+    # speed of serving rests on it, and a forward its fusers cannot read falls back to separate products
+    linears = result["workers"][0]["layer_linears"]
+    assert linears == native["workers"][0]["layer_linears"]
+    assert linears["self_attn.qkv_proj"] == "QKVParallelLinear"
 
 
 @pytest.mark.parametrize("name,ranks", [("smollm2", 3), ("deepseek_v3", 2)])

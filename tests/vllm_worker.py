@@ -7,7 +7,8 @@ our model code reaches vLLM as the folders' remote code.
 SPEC: {"engines": [{"name", "folder", "prompts" (token ids), "max_tokens", optional "model_impl",
 "tensor_parallel_size", "pipeline_parallel_size", "tokenizer" (bool)}], "server": {"folder", "messages",
 "max_tokens", "port"} or null}. Per engine OUT holds the greedy tokens, the architecture vLLM resolved, the
-class of the model it built and the class inside it, and the KV-cache bytes per token its layers declare;
+class of the model it built and the class inside it, the KV-cache bytes per token its layers declare and
+the linear modules it built in one decoder layer;
 or the error that stopped it. One-process engines run in this process (each start costs seconds, not a
 minute); tensor / pipeline parallel ones start their workers.
 """
@@ -33,12 +34,17 @@ def describe(worker) -> dict:
     model = runner.model
     inner = getattr(model, "model", None)
     specs = runner.get_kv_cache_spec()
+    layers = getattr(inner, "layers", None)
+    first = next((layer for layer in layers if not type(layer).__name__.startswith("PPMissing")), None) if layers else None
     return {
         "model_class": type(model).__name__,
         "inner_class": type(inner).__name__ if inner is not None else None,
         "inner_module": type(inner).__module__ if inner is not None else None,
         "kv_bytes_per_token": sum(spec.page_size_bytes // spec.block_size for spec in specs.values()),
         "kv_layers": len(specs),
+        # what vLLM made of one decoder layer's linears (fused q/k/v and gate/up show up as one module each)
+        "layer_linears": {name: type(module).__name__ for name, module in first.named_modules()
+                          if type(module).__name__.endswith("Linear")} if first is not None else None,
     }
 
 
