@@ -26,8 +26,9 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .backends import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend, takes_alibi_slopes
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
-from .checks import check_checkpoint, check_generate_inputs, check_inputs, check_token_ids, prompt_checked
+from .checkpoint_checks import check_checkpoint
 from .configuration_modular_decoder import ModularDecoderConfig
+from .input_checks import check_generate_inputs, check_inputs, check_token_ids, prompt_checked
 from .split_products import project
 from .moe import TopKRouter, experts_kernels_available, init_moe_weights, router_losses
 from .norms import LayerNorm, RMSNorm, build_norm
@@ -96,9 +97,9 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         """transformers' `from_pretrained`, after a check of the checkpoint against its config.
 
         With `strict=True` (the default) a checkpoint that would load silently wrong raises a `ValueError`
-        naming the tensors, before the model is built (`checks.check_checkpoint` reads only the safetensors
-        headers): mis-shaped tensors, or a part it holds (the base model, the head) that does not match the
-        config. What transformers loads by design loads here too and is reported as it reports it
+        naming the tensors, before the model is built (`checkpoint_checks.check_checkpoint` reads only the
+        safetensors headers): mis-shaped tensors, or a part it holds (the base model, the head) that does not
+        match the config. What transformers loads by design loads here too and is reported as it reports it
         (`output_loading_info=True`, its load report): a base model's checkpoint in `ForCausalLM` gets a
         fresh `lm_head`. `strict=False` loads a partial or different checkpoint as transformers does.
         """
@@ -309,8 +310,8 @@ def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor
 
     The range is read only on the table's own bounds error, which a CPU lookup raises: no extra pass
     or host read per step. On an accelerator a bad id is a device-side assert instead; reading the
-    range first would cost a device sync per forward (the sync rule in `checks.py`), so there the ids
-    of `generate`'s prompt are checked on entry and a direct `forward` behaves as transformers' models.
+    range first would cost a device sync per forward (the sync rule in `input_checks.py`), so there the
+    ids of `generate`'s prompt are checked on entry and a direct `forward` behaves as transformers' models.
     """
     try:
         return lookup(ids)

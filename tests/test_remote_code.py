@@ -69,8 +69,8 @@ def test_trust_remote_code_without_package(preset, tmp_path):
 SHIPPED = {
     "configuration_modular_decoder.py", "modeling_modular_decoder.py", "attention.py", "backends.py", "blocks.py",
     "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py",
-    "mla.py", "mlp.py", "moe.py", "norms.py", "positions.py", "registries.py", "split_products.py", "checks.py",
-    "router_losses.py",
+    "mla.py", "mlp.py", "moe.py", "norms.py", "positions.py", "registries.py", "split_products.py",
+    "input_checks.py", "checkpoint_checks.py", "router_losses.py",
 }
 
 

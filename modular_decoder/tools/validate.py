@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM
 from modular_decoder import compat, contract
 from modular_decoder.backends import BACKEND_FEATURES, missing_features
 from modular_decoder.cache import ModularDecoderCache
-from modular_decoder.checks import read_json_file, read_safetensors_header
+from modular_decoder.checkpoint_checks import read_json_file, read_safetensors_header
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
 from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.moe import experts_kernels_available
