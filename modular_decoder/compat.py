@@ -3,7 +3,7 @@
 API, in one place. Each shim names the releases it is for.
 
 The private helpers of transformers' flash- and flex-attention paths, which only the ALiBi functions of
-`backends.py` need, are looked up when such a backend runs, never at module import: an upstream rename
+`alibi_kernels.py` need, are looked up when such a backend runs, never at module import: an upstream rename
 then breaks that one backend with a clear error, not every load. The experts-kernel decorator
 (`experts_kernels`) is looked up once, when `moe.py` defines its experts module, and its absence only
 removes transformers' alternative kernels.
@@ -229,7 +229,8 @@ def experts_kernels():
 
 def attn_implementation(config) -> str | None:
     """The attention backend `config` selects (`config._attn_implementation`: transformers has no public
-    getter; its own model code, and ours in `backends.py` / `mla.py`, read that attribute directly)."""
+    getter; its own model code, and ours in `attention.py`, `mla.py` and `alibi_kernels.py`, read that
+    attribute directly)."""
     return config._attn_implementation
 
 

@@ -23,7 +23,8 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .backends import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend, takes_alibi_slopes
+from .alibi_kernels import takes_alibi_slopes
+from .backend_features import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint

@@ -40,7 +40,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from modular_decoder import compat, contract
-from modular_decoder.backends import BACKEND_FEATURES, missing_features
+from modular_decoder.backend_features import BACKEND_FEATURES, missing_features
 from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.checkpoint_checks import read_json_file, read_safetensors_header
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
@@ -620,7 +620,7 @@ def validate(
             checks lengthen it past the window).
         seed: seeds the random token ids and perturbations.
         backends: attention backends to compare with eager; `None` means every backend in
-            `backends.BACKEND_FEATURES` that can run here and honour the config.
+            `backend_features.BACKEND_FEATURES` that can run here and honour the config.
         dtype: the dtype a folder or config is loaded in.
         input_checks: a context manager the checks of the arguments and the loading of `target` run
             inside (the CLI turns their errors into one-line user errors).
