@@ -29,11 +29,13 @@ from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint
 from .configuration_modular_decoder import ModularDecoderConfig
+from .experts import experts_kernels_available
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, prompt_checked
-from .split_products import project
-from .moe import TopKRouter, experts_kernels_available, init_moe_weights, router_losses
+from .moe import init_moe_weights
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
+from .routers import TopKRouter, router_losses
+from .split_products import project
 
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -67,8 +69,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     def _can_set_experts_implementation(cls) -> bool:
         """Whether `experts_implementation=` (and transformers' experts kernels) apply: transformers
         guesses it by searching the modeling file for its decorator, but the experts module lives in
-        moe.py, decorated there whenever this transformers has the kernels. With it, transformers'
-        default is its own ("grouped_mm"); "eager" selects `moe.Experts.forward`. (A hook of
+        experts.py, decorated there whenever this transformers has the kernels. With it, transformers'
+        default is its own ("grouped_mm"); "eager" selects `experts.Experts.forward`. (A hook of
         transformers' `PreTrainedModel`, as is the next: see compat.py.)"""
         return experts_kernels_available()
 

@@ -70,8 +70,8 @@ SHIPPED = {
     "configuration_modular_decoder.py", "modeling_modular_decoder.py", "attention.py", "attention_layer.py",
     "backend_features.py", "eager_attention.py", "alibi_kernels.py", "blocks.py",
     "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py",
-    "mla.py", "mlp.py", "moe.py", "norms.py", "positions.py", "registries.py", "split_products.py",
-    "input_checks.py", "checkpoint_checks.py", "router_losses.py",
+    "mla.py", "mlp.py", "moe.py", "routers.py", "experts.py", "router_losses.py", "norms.py", "positions.py",
+    "registries.py", "split_products.py", "input_checks.py", "checkpoint_checks.py",
 }
 
 

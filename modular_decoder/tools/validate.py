@@ -44,8 +44,8 @@ from modular_decoder.backend_features import BACKEND_FEATURES, missing_features
 from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.checkpoint_checks import read_json_file, read_safetensors_header
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
+from modular_decoder.experts import experts_kernels_available
 from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
-from modular_decoder.moe import experts_kernels_available
 
 # Largest |Δlogit| accepted where the same math runs in a different order (cache vs full forward,
 # chunked vs whole prefix), by compute dtype. Exact checks (causality, bytes) use no tolerance.
