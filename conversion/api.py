@@ -87,7 +87,7 @@ def _source_config(src: Path):
     """The source's transformers config; a malformed config.json or an unknown `model_type` is named."""
     from transformers import AutoConfig
 
-    from modular_decoder.checks import read_json_file
+    from modular_decoder.checkpoint_checks import read_json_file
 
     raw = read_json_file(src / "config.json")
     if not isinstance(raw, dict) or "model_type" not in raw:

@@ -37,7 +37,7 @@ def read_safetensors_folder(src: Path, allow_bin: bool = False) -> dict[str, tor
     if index.exists():
         files = sorted({src / name for name in json.loads(index.read_text())["weight_map"].values()})
     if files:
-        from modular_decoder.checks import read_safetensors_header
+        from modular_decoder.checkpoint_checks import read_safetensors_header
 
         tensors: dict[str, torch.Tensor] = {}
         for file in files:

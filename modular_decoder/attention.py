@@ -1,8 +1,8 @@
 """Standard multi-head attention: MHA, GQA and MQA are one integer (`num_key_value_heads`).
 
 The scores go through transformers' attention interface, one call in `forward` (see
-`backends.AttentionLayer`), so `attn_implementation` picks the backend and vLLM's Transformers backend
-finds it; `backends.eager_attention` is the readable reference every backend is tested against.
+`attention_layer.AttentionLayer`), so `attn_implementation` picks the backend and vLLM's Transformers backend
+finds it; `eager_attention.eager_attention` is the readable reference every backend is tested against.
 `STANDARD_ATTENTION` is this kind's registry entry.
 """
 
@@ -13,7 +13,10 @@ from torch import nn
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .backends import ALIBI_SLOPE_FUNCTIONS, AttentionLayer, canonical_backend, eager_attention
+from .alibi_kernels import ALIBI_SLOPE_FUNCTIONS
+from .attention_layer import AttentionLayer
+from .backend_features import canonical_backend
+from .eager_attention import eager_attention
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kinds import AttentionKind

@@ -3,9 +3,9 @@
 API, in one place. Each shim names the releases it is for.
 
 The private helpers of transformers' flash- and flex-attention paths, which only the ALiBi functions of
-`backends.py` need, are looked up when such a backend runs, never at module import: an upstream rename
-then breaks that one backend with a clear error, not every load. The experts-kernel decorator
-(`experts_kernels`) is looked up once, when `moe.py` defines its experts module, and its absence only
+`alibi_kernels.py` need, are looked up when such a backend runs, never at module import: an upstream
+rename then breaks that one backend with a clear error, not every load. The experts-kernel decorator
+(`experts_kernels`) is looked up once, when `experts.py` defines its experts module, and its absence only
 removes transformers' alternative kernels.
 """
 
@@ -229,7 +229,8 @@ def experts_kernels():
 
 def attn_implementation(config) -> str | None:
     """The attention backend `config` selects (`config._attn_implementation`: transformers has no public
-    getter; its own model code, and ours in `backends.py` / `mla.py`, read that attribute directly)."""
+    getter; its own model code, and ours in `attention.py`, `mla.py` and `alibi_kernels.py`, read that
+    attribute directly)."""
     return config._attn_implementation
 
 
@@ -277,7 +278,7 @@ def run_config_validators(config, base: type) -> None:
 # - `PreTrainedModel._check_and_adjust_attn_implementation(attn_implementation, is_init_check, ...)`:
 #   refuses a backend that cannot honour the config before transformers picks a kernel;
 # - `PreTrainedModel._can_set_experts_implementation()` (classmethod): transformers guesses it from the
-#   modeling file's source, but the experts module lives in `moe.py`;
+#   modeling file's source, but the experts module lives in `experts.py`;
 # - `GenerationMixin._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
 #   batch_size, max_cache_length)`: builds this family's cache (stored under `CACHE_NAME`).
 # Class attributes transformers reads by convention: `_rope_type_labels` on the config (the keys of a

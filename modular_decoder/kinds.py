@@ -161,7 +161,7 @@ class AttentionKind(Kind):
         return f"`head_dim`={head_dim}"
 
     def backend_features(self, config) -> set[str]:
-        """Features of `backends.FEATURE_FIELDS` a backend needs to run this kind."""
+        """Features of `backend_features.FEATURE_FIELDS` a backend needs to run this kind."""
         return set()
 
     def cache_layer(self, config, layer_type: str, implementation: str, max_cache_len: int | None):
@@ -207,7 +207,7 @@ class FeedForwardKind(Kind):
         return self.parameters(config, layer_idx)
 
     def backend_features(self, config) -> set[str]:
-        """Features of `backends.FEATURE_FIELDS` an engine running the whole model needs for this kind."""
+        """Features of `backend_features.FEATURE_FIELDS` an engine running the whole model needs for this kind."""
         return set()
 
     def tp_plan(self, config) -> dict[str, str]:

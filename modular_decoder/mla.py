@@ -32,7 +32,8 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import linear_parameters
-from .backends import AttentionLayer, attention_probs, eager_attention, explicit_mask
+from .attention_layer import AttentionLayer
+from .eager_attention import attention_probs, eager_attention, explicit_mask
 from .kinds import AttentionKind, require_bool, require_int
 from .latent_cache import latent_layer
 from .split_products import plain_linear, project, symbolic
@@ -165,7 +166,7 @@ class MultiHeadLatentAttention(AttentionLayer):
 
         q_nope (B, H, T, d_n), q_rot (B, H, T, d_R), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R)
         -> (B, T, H, d_v). The cost per step is one pass over the cache, with no re-expansion. The
-        mask is read as the model's backend means it (`backends.explicit_mask`), so every backend
+        mask is read as the model's backend means it (`eager_attention.explicit_mask`), so every backend
         scores the same keys here as on the expanded path.
         """
         batch, heads, q_len, _ = q_nope.shape

@@ -23,15 +23,19 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .backends import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend, takes_alibi_slopes
+from .alibi_kernels import takes_alibi_slopes
+from .backend_features import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
-from .checks import check_checkpoint, check_generate_inputs, check_inputs, check_token_ids, prompt_checked
+from .checkpoint_checks import check_checkpoint
 from .configuration_modular_decoder import ModularDecoderConfig
-from .split_products import project
-from .moe import TopKRouter, experts_kernels_available, init_moe_weights, router_losses
+from .experts import experts_kernels_available
+from .input_checks import check_generate_inputs, check_inputs, check_token_ids, prompt_checked
+from .moe import init_moe_weights
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
+from .routers import TopKRouter, router_losses
+from .split_products import project
 
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -65,8 +69,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     def _can_set_experts_implementation(cls) -> bool:
         """Whether `experts_implementation=` (and transformers' experts kernels) apply: transformers
         guesses it by searching the modeling file for its decorator, but the experts module lives in
-        moe.py, decorated there whenever this transformers has the kernels. With it, transformers'
-        default is its own ("grouped_mm"); "eager" selects `moe.Experts.forward`. (A hook of
+        experts.py, decorated there whenever this transformers has the kernels. With it, transformers'
+        default is its own ("grouped_mm"); "eager" selects `experts.Experts.forward`. (A hook of
         transformers' `PreTrainedModel`, as is the next: see compat.py.)"""
         return experts_kernels_available()
 
@@ -96,9 +100,9 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         """transformers' `from_pretrained`, after a check of the checkpoint against its config.
 
         With `strict=True` (the default) a checkpoint that would load silently wrong raises a `ValueError`
-        naming the tensors, before the model is built (`checks.check_checkpoint` reads only the safetensors
-        headers): mis-shaped tensors, or a part it holds (the base model, the head) that does not match the
-        config. What transformers loads by design loads here too and is reported as it reports it
+        naming the tensors, before the model is built (`checkpoint_checks.check_checkpoint` reads only the
+        safetensors headers): mis-shaped tensors, or a part it holds (the base model, the head) that does not
+        match the config. What transformers loads by design loads here too and is reported as it reports it
         (`output_loading_info=True`, its load report): a base model's checkpoint in `ForCausalLM` gets a
         fresh `lm_head`. `strict=False` loads a partial or different checkpoint as transformers does.
         """
@@ -309,8 +313,8 @@ def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor
 
     The range is read only on the table's own bounds error, which a CPU lookup raises: no extra pass
     or host read per step. On an accelerator a bad id is a device-side assert instead; reading the
-    range first would cost a device sync per forward (the sync rule in `checks.py`), so there the ids
-    of `generate`'s prompt are checked on entry and a direct `forward` behaves as transformers' models.
+    range first would cost a device sync per forward (the sync rule in `input_checks.py`), so there the
+    ids of `generate`'s prompt are checked on entry and a direct `forward` behaves as transformers' models.
     """
     try:
         return lookup(ids)

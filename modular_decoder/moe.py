@@ -20,6 +20,11 @@ experts kernels and PEFT's `target_parameters` apply unchanged:
     mlp.shared_experts.{gate,up,down}_proj.weight      one gated MLP of width n_shared·f_shared
     mlp.shared_expert_gate.weight        (1, d)        `shared_expert_gate=True` only
 
+The router (`TopKRouter`, its selection functions and losses) is in `routers.py`, the routed experts
+(`Experts`, transformers' experts kernels) in `experts.py`; this module holds the block that joins
+them with the shared experts, and the kind's registry entry: completion, validation, parameter counts
+and parallelism plans.
+
 The config fields this kind owns (refused under other `mlp_type`s) are documented on
 `ModularDecoderConfig`; `MOE_FIELDS` lists them. The experts always have the gated form
 act(x W_gate) ⊙ (x W_up) W_down with `hidden_act`, as every supported family's experts do, and
@@ -28,259 +33,23 @@ carry no biases (`mlp_bias` must be False).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .compat import experts_ep_plan, experts_kernels
+from .compat import experts_ep_plan
+from .experts import Experts
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
-from .split_products import linear
 from .mlp import GatedMLP, activated_parameters, mlp_tp_plan
-from .router_losses import load_balancing_loss, record_expert_load, router_z_loss, sequence_balance_loss
+from .routers import AUX_LOSS_COEF, ROUTERS, TopKRouter
 
 # transformers' own values for `mlp_layer_types` (`configuration_utils.ALLOWED_MLP_LAYER_TYPES`),
 # which it checks whenever a config is saved
 MLP_LAYER_TYPES = ("sparse", "dense")
 
 # ---------------------------------------------------------------------------------------------
-# Routers: pure selection functions, registered with what they need
+# The sparse block
 # ---------------------------------------------------------------------------------------------
-
-
-def _keep_best_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
-    """Set `fill` on every expert outside the `topk_group` best groups (DeepSeek's device-limited routing)."""
-    tokens, n_group = group_scores.shape
-    best = group_scores.topk(topk_group, dim=-1).indices  # (N, topk_group)
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
-    keep = keep.unsqueeze(-1).expand(tokens, n_group, scores.shape[-1] // n_group).reshape(scores.shape)
-    return scores.masked_fill(~keep, fill)
-
-
-def softmax_topk(
-    logits: torch.Tensor,
-    correction_bias: torch.Tensor | None,
-    *,
-    top_k: int,
-    norm_topk_prob: bool,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, keep the k largest (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2).
-
-    With groups, a group scores its best expert (DeepSeek-V2's `group_limited_greedy`).
-    Returns fp32 weights (N, k) and expert ids (N, k).
-    """
-    del correction_bias  # softmax routers have none
-    probs = logits.float().softmax(dim=-1)  # (N, E), fp32 as every family computes it
-    choice = probs
-    if n_group > 1:
-        group_scores = probs.view(probs.shape[0], n_group, -1).amax(dim=-1)  # (N, G)
-        choice = _keep_best_groups(probs, group_scores, topk_group, fill=0.0)
-    weights, indices = choice.topk(top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * routed_scaling_factor, indices
-
-
-def sigmoid_topk(
-    logits: torch.Tensor,
-    correction_bias: torch.Tensor,
-    *,
-    top_k: int,
-    norm_topk_prob: bool,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Independent sigmoid scores; experts chosen on score + correction bias (DeepSeek-V3 `noaux_tc`).
-
-    The bias (adjusted outside the gradient to balance the load) moves only the choice; the weights
-    are the uncorrected scores of the chosen experts. With groups, a group scores the sum of its two
-    best biased scores. Returns fp32 weights (N, k) and expert ids (N, k).
-    """
-    scores = logits.float().sigmoid()  # (N, E)
-    choice = scores + correction_bias
-    if n_group > 1:
-        group_scores = choice.view(choice.shape[0], n_group, -1).topk(2, dim=-1).values.sum(dim=-1)  # (N, G)
-        choice = _keep_best_groups(choice, group_scores, topk_group, fill=float("-inf"))
-    indices = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, indices)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # as DeepSeek-V3: no 0/0
-    return weights * routed_scaling_factor, indices
-
-
-def _switch_balance_loss(router_logits, config, attention_mask, batch_size):
-    return load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, attention_mask)
-
-
-def _sequence_balance_loss(router_logits, config, attention_mask, batch_size):
-    return sequence_balance_loss(router_logits, config.num_experts, config.num_experts_per_tok, batch_size,
-                                 attention_mask)
-
-
-@dataclass(frozen=True)
-class RouterKind:
-    """A router variant: its selection function, its training losses, and the rules it adds to the config."""
-
-    select: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    score_correction_bias: bool  # whether the router owns `e_score_correction_bias`
-    min_experts_per_group: int  # experts each group needs for the group score (with n_group > 1)
-    # (router_logits, config, attention_mask of the new tokens, batch size) -> the unweighted balance loss
-    balance_loss: Callable[..., torch.Tensor]
-    default_aux_loss_coef: float  # `router_aux_loss_coef` where unset: the weight its paper / family uses
-    z_loss: bool  # whether ST-MoE's z-loss (a softmax normaliser's) applies
-
-
-# transformers' Mixtral / Qwen-MoE default weight of the load-balancing loss
-AUX_LOSS_COEF = 0.001
-# DeepSeek-V3's α of the sequence-wise balance loss (arXiv 2412.19437 §4.2: "we set α to 0.0001")
-SEQUENCE_AUX_LOSS_COEF = 0.0001
-
-ROUTERS: dict[str, RouterKind] = {
-    "softmax_topk": RouterKind(softmax_topk, score_correction_bias=False, min_experts_per_group=1,
-                               balance_loss=_switch_balance_loss, default_aux_loss_coef=AUX_LOSS_COEF, z_loss=True),
-    "sigmoid_topk": RouterKind(sigmoid_topk, score_correction_bias=True, min_experts_per_group=2,
-                               balance_loss=_sequence_balance_loss, default_aux_loss_coef=SEQUENCE_AUX_LOSS_COEF,
-                               z_loss=False),
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# Modules
-# ---------------------------------------------------------------------------------------------
-
-
-class TopKRouter(nn.Module):
-    """Router logits x·Wᵀ, then the `router_type` selection. Returns (logits, weights, expert ids).
-
-    The logits are computed in the dtype of `weight`: a model that keeps its routers in fp32 (as
-    DeepSeek-V3's checkpoints do) routes in fp32 whatever the activations' dtype. Once
-    `router_losses.track_expert_load` is called, training forwards count each expert's assignments in
-    `expert_load` (for the correction bias update; a plain attribute, never saved).
-    """
-
-    def __init__(self, config):
-        super().__init__()
-        kind = ROUTERS[config.router_type]
-        self.num_experts = config.num_experts  # read by transformers' expert-parallel router style (< 5.19)
-        # a sigmoid router stays fp32 (`fp32_parameters`) also when built under a half default dtype (`from_config`)
-        dtype = torch.float32 if kind.score_correction_bias else None
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
-        bias = torch.zeros(config.num_experts, dtype=torch.float32) if kind.score_correction_bias else None
-        self.register_buffer("e_score_correction_bias", bias)
-        self.expert_load: torch.Tensor | None = None
-        self.select = partial(
-            kind.select,
-            top_k=config.num_experts_per_tok,
-            norm_topk_prob=config.norm_topk_prob,
-            n_group=config.n_group,
-            topk_group=config.topk_group,
-            routed_scaling_factor=config.routed_scaling_factor,
-        )
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)  # (N, E)
-        weights, indices = self.select(logits, self.e_score_correction_bias)  # (N, k) each
-        if self.training and self.expert_load is not None:
-            record_expert_load(self.expert_load, indices)
-        return logits, weights, indices
-
-
-class Experts(nn.Module):
-    """E gated MLPs stored as two 3-D parameters (transformers' v5 layout).
-
-    `forward(hidden_states (N, d), top_k_index (N, k), top_k_weights (N, k)) -> (N, d)`: the
-    (token, slot) pairs are sorted by expert, so each expert's tokens form one contiguous run and
-    each expert with tokens runs once, as two matrix products on its own slices of the weights; a
-    decode step reads only the chosen experts. Ids outside [0, E) are skipped (transformers'
-    expert-parallel code marks tokens of experts on other ranks that way).
-
-    Where transformers has its experts kernels, the class is wrapped by its decorator (below):
-    `config._experts_implementation` then picks "eager" (this forward) or one of its kernels on the
-    same weights.
-    """
-
-    def __init__(self, config):
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        num_tokens, top_k = top_k_index.shape
-        # `num_experts` is the local count under expert parallelism; other ids sort to the end
-        local = self.num_experts
-        expert_ids = top_k_index.reshape(-1)  # (N·k,)
-        expert_ids = expert_ids.masked_fill((expert_ids < 0) | (expert_ids >= local), local)
-        order = torch.argsort(expert_ids, stable=True)  # (N·k,) pairs grouped by expert
-        counts = torch.bincount(expert_ids, minlength=local + 1)[:local].tolist()  # one host sync
-        pairs = order[: sum(counts)]
-        tokens = pairs // top_k
-        grouped = hidden_states[tokens]  # (S, d)
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count:
-                outputs.append(self._expert(expert, grouped[start : start + count]))
-                start += count
-        out = hidden_states.new_zeros(num_tokens, self.hidden_dim)
-        if not outputs:
-            return out
-        weighted = torch.cat(outputs) * top_k_weights.reshape(-1)[pairs].unsqueeze(-1)  # (S, d)
-        # accumulate in the weights' precision (fp32 routing weights), cast once
-        summed = torch.zeros(num_tokens, self.hidden_dim, dtype=weighted.dtype, device=weighted.device)
-        return summed.index_add_(0, tokens, weighted).to(hidden_states.dtype)
-
-    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        # f from the tensor, not the config: tensor parallelism shards each half of gate_up_proj
-        # `linear`: a decode step's few rows split across the cores (plain fp32 CPU weights only)
-        gate, up = linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n, f) each
-        return linear(self.act_fn(gate) * up, self.down_proj[expert])  # (n, d)
-
-
-_EXPERTS_KERNELS = experts_kernels()
-# The dtypes transformers' experts kernels take; another (a float64 model) runs this module's forward
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _kernel_applies(module: nn.Module, hidden_states: torch.Tensor) -> bool:
-    """Whether transformers' kernel can take these tensors: its dtypes, and for `grouped_mm` widths
-    whose rows are multiples of 16 bytes (torch's grouped product refuses other strides)."""
-    if hidden_states.dtype not in KERNEL_DTYPES:
-        return False
-    if module.config._experts_implementation in (None, "grouped_mm"):
-        size = hidden_states.element_size()
-        return (module.hidden_dim * size) % 16 == 0 and (module.down_proj.shape[-1] * size) % 16 == 0
-    return True
-
-if _EXPERTS_KERNELS is not None:
-    # transformers' kernels ("grouped_mm", "batched_mm", ...), `experts_implementation=` and its
-    # expert-parallel dispatch work on this module; without the decorator its own forward is all there is
-    _own_forward = Experts.forward
-    Experts = _EXPERTS_KERNELS(Experts)
-    _dispatching_forward = Experts.forward
-
-    def _forward(self, hidden_states, top_k_index, top_k_weights):
-        run = _dispatching_forward if _kernel_applies(self, hidden_states) else _own_forward
-        return run(self, hidden_states, top_k_index, top_k_weights)
-
-    Experts.forward = _forward
-
-
-def experts_kernels_available() -> bool:
-    """Whether `Experts` dispatches on `config._experts_implementation` (transformers has the kernels)."""
-    return _EXPERTS_KERNELS is not None
 
 
 class SparseMoeBlock(nn.Module):
@@ -337,32 +106,6 @@ def init_moe_weights(module: nn.Module, std: float, init) -> bool:
     else:
         return False
     return True
-
-
-# ---------------------------------------------------------------------------------------------
-# Training losses on router logits (the functions live in router_losses.py; each router kind names its own)
-# ---------------------------------------------------------------------------------------------
-
-
-def router_losses(
-    router_logits: Sequence[torch.Tensor], config, attention_mask: torch.Tensor | None = None,
-    batch_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(weighted sum to add to the LM loss, balance loss, z-loss or None) for one forward's router logits.
-
-    The balance loss is the router kind's own (`RouterKind.balance_loss`): Switch's for softmax routers,
-    DeepSeek-V3's sequence-wise one for sigmoid routers. `attention_mask` is that of the new tokens
-    (batch, seq); `batch_size` splits the logits into sequences where there is no mask.
-    """
-    kind = ROUTERS[config.router_type]
-    if batch_size is None:
-        batch_size = attention_mask.shape[0] if attention_mask is not None else 1
-    aux = kind.balance_loss(router_logits, config, attention_mask, batch_size)
-    total = config.router_aux_loss_coef * aux
-    z = router_z_loss(router_logits, attention_mask) if kind.z_loss else None
-    if z is not None:
-        total = total + config.router_z_loss_coef * z
-    return total, aux, z
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,19 +285,8 @@ __all__ = [
     "MIXTURE_OF_EXPERTS",
     "MLP_LAYER_TYPES",
     "MOE_FIELDS",
-    "ROUTERS",
-    "Experts",
     "MixtureOfExpertsKind",
-    "RouterKind",
     "SparseMoeBlock",
-    "TopKRouter",
-    "experts_kernels_available",
     "init_moe_weights",
-    "load_balancing_loss",
-    "router_losses",
-    "router_z_loss",
-    "sequence_balance_loss",
     "shared_experts_intermediate_size",
-    "sigmoid_topk",
-    "softmax_topk",
 ]

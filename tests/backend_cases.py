@@ -12,7 +12,7 @@ _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=64, position_embedding_type="rope", rope_parameters=dict(_ROPE))
 
-# One config per attention variant; together they cover every contract feature in backends.FEATURE_FIELDS.
+# One config per attention variant; together they cover every contract feature in backend_features.FEATURE_FIELDS.
 VARIANTS: dict[str, dict] = {
     "mha": dict(num_key_value_heads=4),
     "gqa": dict(num_key_value_heads=2),

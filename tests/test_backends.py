@@ -29,16 +29,16 @@ from backend_cases import (
 )
 
 from modular_decoder import ModularDecoderCache, ModularDecoderForCausalLM
-from modular_decoder.backends import (
+from modular_decoder.alibi_kernels import takes_alibi_slopes
+from modular_decoder.backend_features import (
     BACKEND_FEATURES,
     FEATURE_FIELDS,
     canonical_backend,
     check_backend,
-    compatibility_table,
     missing_features,
     required_features,
-    takes_alibi_slopes,
 )
+from modular_decoder.tools.compatibility import compatibility_table
 
 TOL = dict(atol=1e-5, rtol=1e-4)
 CPU_BACKENDS = ["sdpa", "flash_attention_2", "flash_attention_3"]

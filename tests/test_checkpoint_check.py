@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
 from modular_decoder import ModularDecoderForCausalLM, preset_config
-from modular_decoder.checks import read_safetensors_header
+from modular_decoder.checkpoint_checks import read_safetensors_header
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -22,7 +22,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from modular_decoder import ModularDecoderForCausalLM, preset_config
-from modular_decoder.moe import Experts
+from modular_decoder.experts import Experts
 
 TESTS = Path(__file__).parent
 ISOLATED_CLIENTS = Path(sys.prefix) / "isolated-clients"

@@ -11,7 +11,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from decoding import PRESETS, greedy_no_cache, prompt, tiny_model
 from modular_decoder import ModularDecoderCache, ModularDecoderForCausalLM
-from modular_decoder.backends import eager_attention
+from modular_decoder.eager_attention import eager_attention
 
 NEW = 8  # with 6-token prompts, past the tiny presets' window of 8: sliding layers wrap
 

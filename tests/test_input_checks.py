@@ -133,12 +133,12 @@ HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 def host_reads(monkeypatch):
     """Counts every read of a tensor's values by the host (`.item()`, `.tolist()`, `bool()`, `int()`, ...): each is a
     device sync on an accelerator. `on_accelerator()` makes the checks treat every tensor as an accelerator's
-    (`checks.syncs_device`, the seam the rule goes through): on CPU the real sync cannot be observed."""
-    from modular_decoder import checks
+    (`input_checks.syncs_device`, the seam the rule goes through): on CPU the real sync cannot be observed."""
+    from modular_decoder import input_checks
 
     class Reads(list):
         def on_accelerator(self):
-            monkeypatch.setattr(checks, "syncs_device", lambda tensor: True)
+            monkeypatch.setattr(input_checks, "syncs_device", lambda tensor: True)
 
     reads = Reads()
     for name in HOST_READS:
@@ -190,13 +190,13 @@ def test_a_training_step_on_an_accelerator_reads_what_llamas_reads(model, host_r
 def test_generate_on_an_accelerator_checks_its_prompt_once(model, host_reads, monkeypatch):
     """On an accelerator `generate` reads its prompt's values once (mask 0/1 and the ids' range), whatever the
     number of steps, and still refuses a bad prompt with a `ValueError`."""
-    from modular_decoder import checks
+    from modular_decoder import input_checks
 
     host_reads.on_accelerator()
     calls = []
     for name in ("_zeros_and_ones", "check_token_ids"):
-        original = getattr(checks, name)
-        monkeypatch.setattr(checks, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+        original = getattr(input_checks, name)
+        monkeypatch.setattr(input_checks, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     prompt, mask = ids(model, 2, 4), torch.ones(2, 4, dtype=torch.long)
     counts = {}
     for steps in (1, 5):

@@ -25,7 +25,9 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
-from modular_decoder.moe import MIXTURE_OF_EXPERTS, SparseMoeBlock, load_balancing_loss, router_losses, router_z_loss
+from modular_decoder.moe import MIXTURE_OF_EXPERTS, SparseMoeBlock
+from modular_decoder.router_losses import load_balancing_loss, router_z_loss
+from modular_decoder.routers import router_losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

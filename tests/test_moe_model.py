@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from modular_decoder import PRESETS, ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count, preset_config
 from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.conversion import convert, get_family
-from modular_decoder.moe import load_balancing_loss
+from modular_decoder.router_losses import load_balancing_loss
 from modular_decoder.tools.validate import batch_invariant_experts
 
 pytestmark = pytest.mark.usefixtures("one_thread")

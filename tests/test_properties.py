@@ -306,7 +306,7 @@ MLA = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layer
 @pytest.mark.parametrize("q_lora_rank", [None, 8])
 def test_mla_absorbed_sliding_window_matches_eager(window, backend, q_lora_rank):
     """MLA with sliding layers: the absorbed path (scores against the latents, its own mask from
-    `backends.explicit_mask`) decoding through the latent cache, token by token and in chunks longer
+    `eager_attention.explicit_mask`) decoding through the latent cache, token by token and in chunks longer
     than the window, and over a left-padded batch without a cache, equals the eager expanded forward."""
     config = ModularDecoderConfig(**MLA, sliding_window=window, q_lora_rank=q_lora_rank)
     reference = _model(config, seed=0)

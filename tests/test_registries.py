@@ -10,7 +10,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count
 from modular_decoder.attention import STANDARD_ATTENTION, linear_parameters
-from modular_decoder.backends import AttentionLayer, eager_attention, missing_features
+from modular_decoder.attention_layer import AttentionLayer
+from modular_decoder.backend_features import missing_features
+from modular_decoder.eager_attention import eager_attention
 from modular_decoder.kinds import AttentionKind
 from modular_decoder.positions import apply_rotary
 from modular_decoder.registries import ATTENTIONS, MLPS, register_attention

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from modular_decoder import ModularDecoderForCausalLM, parameter_count
-from modular_decoder.backends import missing_features
+from modular_decoder.backend_features import missing_features
 from modular_decoder.tools.validate import batch_invariant_experts
 from variants import CHOICES, build, variant_id
 

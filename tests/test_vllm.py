@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from modular_decoder import ModularDecoderForCausalLM, preset_config
-from modular_decoder.backends import check_backend
+from modular_decoder.backend_features import check_backend
 from modular_decoder.contract import cache_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -78,7 +78,7 @@ def stream(model, tokenizer, inputs: dict, args: argparse.Namespace):
     import torch
     from transformers import TextStreamer
 
-    from modular_decoder.checks import check_generate_inputs
+    from modular_decoder.input_checks import check_generate_inputs
     from modular_decoder.commands import user_input
 
     with user_input():  # the prompt, as generate checks it

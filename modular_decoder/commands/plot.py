@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     from modular_decoder.commands import user_input
 
     if args.plot == "reshape":
-        from modular_decoder.checks import read_json_file
+        from modular_decoder.checkpoint_checks import read_json_file
 
         with user_input():
             report = read_json_file(args.report)

@@ -1,2 +1,3 @@
 """Library tools around the model code, never shipped as remote code: presets of published layouts,
-the validation checklist, model cards, Hub folders and the seed's experiments."""
+the validation checklist, model cards, Hub folders, the seed's experiments and the README's table of
+attention backends."""

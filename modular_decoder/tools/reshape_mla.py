@@ -49,7 +49,8 @@ from torch import nn
 from transformers.initialization import no_init_weights
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..backends import AttentionLayer, eager_attention
+from ..attention_layer import AttentionLayer
+from ..eager_attention import eager_attention
 from ..split_products import project
 from ..mla import mla_softmax_scale
 from ..modeling_modular_decoder import ModularDecoderForCausalLM

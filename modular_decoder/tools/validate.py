@@ -21,7 +21,8 @@ attention path, and the tensors actually serialized. The checks, in the seed's o
 5. ``cache_bytes``: `cache.payload_bytes()` equals `contract.cache_bytes` across batches and lengths;
 6. ``positions``: the trained length, the configured maximum (learned positions raise past it) and
    prefix-cache offsets (a cached prefix, continued, equals the full forward);
-7. ``benchmark``: prefill and decode throughput and peak memory (a measurement; fails only on error).
+7. ``benchmark``: prefill and decode throughput and peak memory (a measurement; fails only on error;
+   `validate_benchmark.py`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import resource
-import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -40,12 +38,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from modular_decoder import compat, contract
-from modular_decoder.backends import BACKEND_FEATURES, missing_features
+from modular_decoder.backend_features import BACKEND_FEATURES, missing_features
 from modular_decoder.cache import ModularDecoderCache
-from modular_decoder.checks import read_json_file, read_safetensors_header
+from modular_decoder.checkpoint_checks import read_json_file, read_safetensors_header
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
+from modular_decoder.experts import experts_kernels_available
 from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
-from modular_decoder.moe import experts_kernels_available
+from modular_decoder.tools.validate_benchmark import check_benchmark
 
 # Largest |Δlogit| accepted where the same math runs in a different order (cache vs full forward,
 # chunked vs whole prefix), by compute dtype. Exact checks (causality, bytes) use no tolerance.
@@ -523,37 +522,6 @@ def check_positions(ctx: _Context) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. benchmark
-
-
-def check_benchmark(ctx: _Context, batch: int = 4, prompt: int = 32, new_tokens: int = 16) -> str:
-    prompt = min(prompt, ctx.config.max_position_embeddings - new_tokens)
-    ids = ctx.ids(batch, prompt)
-    ctx.model.generation_config.pad_token_id = 0
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with torch.no_grad():
-        ctx.model(ids[:, :4], use_cache=True)  # warm-up
-        start = time.perf_counter()
-        out = ctx.model(ids, use_cache=True)
-        prefill = time.perf_counter() - start
-        cache, token = compat.cache_of(out), out.logits[:, -1:].argmax(-1)
-        start = time.perf_counter()
-        for _ in range(new_tokens):
-            token = ctx.model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        decode = time.perf_counter() - start
-    if ctx.device.type == "cuda":
-        peak = f"peak GPU {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB"
-    else:  # ru_maxrss is KiB on Linux; torch's CPU tensors are invisible to tracemalloc
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        scale = 1 if sys.platform == "darwin" else 1024
-        peak = f"peak RSS {rss * scale / 2**20:.0f} MiB (+{(rss - rss_before) * scale / 2**20:.0f})"
-    return (f"prefill {batch * prompt / prefill:,.0f} tok/s (B={batch}, S={prompt}), "
-            f"decode {batch * new_tokens / decode:,.0f} tok/s, {peak}")
-
-
-# ----------------------------------------------------------------------------------------------
 # loading and running
 
 
@@ -620,7 +588,7 @@ def validate(
             checks lengthen it past the window).
         seed: seeds the random token ids and perturbations.
         backends: attention backends to compare with eager; `None` means every backend in
-            `backends.BACKEND_FEATURES` that can run here and honour the config.
+            `backend_features.BACKEND_FEATURES` that can run here and honour the config.
         dtype: the dtype a folder or config is loaded in.
         input_checks: a context manager the checks of the arguments and the loading of `target` run
             inside (the CLI turns their errors into one-line user errors).

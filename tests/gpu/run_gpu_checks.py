@@ -28,7 +28,7 @@ from backend_cases import VARIANTS  # noqa: E402
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available  # noqa: E402
 
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM  # noqa: E402
-from modular_decoder.backends import missing_features  # noqa: E402
+from modular_decoder.backend_features import missing_features  # noqa: E402
 
 BACKENDS = {
     "sdpa": True,

@@ -1,0 +1,116 @@
+"""Attention backends' declarations: the contract features each backend honours, declared once and
+checked when a model is built or loaded.
+
+A model whose contract needs a feature its backend lacks raises `ValueError` naming the field when
+it is built or loaded, never silently computing different math. A backend registered by the user
+(not declared here) is trusted. The README's compatibility table is rendered from these declarations
+by `modular_decoder.tools.compatibility` (not shipped).
+"""
+
+from __future__ import annotations
+
+from .compat import flash_kernel_fallbacks
+
+# Contract features a config may need, and the field that asks for each.
+FEATURE_FIELDS = {
+    "gqa": "num_key_value_heads < num_attention_heads",
+    "sliding_window": "sliding_window / layer_types",
+    "softcap": "attn_logit_softcapping",
+    "scale": "query_pre_attn_scalar",
+    "alibi": "position_embedding_type='alibi'",
+    "mla": "attention_type='mla' (q/k width differs from v width)",
+    # Latent scores (MLA served from its latent cache) with a cap or a window: transformers' backends score
+    # expanded keys like any others; vLLM's latent attention takes neither.
+    "latent_softcap": "attn_logit_softcapping with attention_type='mla'",
+    "latent_window": "sliding_window / layer_types with attention_type='mla'",
+    "latent_head_dim": "head_dim other than kv_lora_rank + qk_rope_head_dim with attention_type='mla'",
+    # Not attention, but what an engine that runs the whole model (vLLM: its own lm_head and experts) must honour
+    "logits_scaling": "logits_scaling (logits divided by it)",
+    "experts_activation": "hidden_act other than 'silu' with mlp_type='moe'",
+}
+
+ALL_FEATURES = frozenset(FEATURE_FIELDS)
+
+# backend -> contract features it can honour
+BACKEND_FEATURES: dict[str, frozenset[str]] = {
+    "eager": ALL_FEATURES,
+    # torch SDPA has no logit soft-capping (transformers raises on `softcap`)
+    "sdpa": ALL_FEATURES - {"softcap"},
+    "flex_attention": ALL_FEATURES,
+    # flash-attn 2 takes `alibi_slopes`; the FA3 (hopper) and FA4 (cute) interfaces have no ALiBi argument
+    "flash_attention_2": ALL_FEATURES,
+    "flash_attention_3": ALL_FEATURES - {"alibi"},
+    "flash_attention_4": ALL_FEATURES - {"alibi"},
+    # vLLM's Transformers modeling backend (`LLM(folder, model_impl="transformers")`) sets this
+    # implementation while it builds the model: its attention never receives ALiBi slopes or a bias, its
+    # latent (MLA) attention has no cap or window and sizes its cache by `head_dim`, its lm_head multiplies by `logit_scale` rather than
+    # dividing by `logits_scaling`, and its fused experts apply SiLU whatever `hidden_act` says.
+    "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "logits_scaling",
+                            "experts_activation"},
+}
+# Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
+BACKEND_ALIASES = {"vllm_mla": "vllm"}
+
+
+def canonical_backend(name: str) -> str:
+    """The declared backend behind `name`: drops `paged|`, and maps the Hub kernels transformers
+    falls back to when flash-attn is not installed to the flash version they stand in for."""
+    name = name.removeprefix("paged|")
+    name = BACKEND_ALIASES.get(name, name)
+    if name in BACKEND_FEATURES:  # a declared backend: no lookup (forward calls this; export traces it)
+        return name
+    # ROCm maps FA2 and FA3 to one kernel: the later (FA3, fewer features) wins, the safe reading.
+    by_kernel = {repo: impl for impl, repo in flash_kernel_fallbacks().items()}
+    return by_kernel.get(name, name)
+
+
+def required_features(config) -> set[str]:
+    needed = set()
+    if config.num_key_value_heads < config.num_attention_heads:
+        needed.add("gqa")
+    if "sliding_attention" in config.layer_types:
+        needed.add("sliding_window")
+    if config.attn_logit_softcapping is not None:
+        needed.add("softcap")
+    if config.query_pre_attn_scalar is not None:
+        needed.add("scale")
+    if config.position_embedding_type == "alibi":
+        needed.add("alibi")
+    if config.logits_scaling != 1.0:
+        needed.add("logits_scaling")
+    return needed | config.attention_kind.backend_features(config) | config.mlp_kind.backend_features(config)
+
+
+def missing_features(config, backend: str) -> set[str]:
+    supported = BACKEND_FEATURES.get(canonical_backend(backend))
+    if supported is None:  # a backend registered by the user: trust it
+        return set()
+    return required_features(config) - supported
+
+
+def check_backend(config, backend: str) -> None:
+    """Raise `ValueError` if `backend` cannot compute what `config` asks for."""
+    missing = missing_features(config, backend)
+    if missing:
+        fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
+        if canonical_backend(backend) == "vllm":
+            raise ValueError(
+                f"vLLM's Transformers modeling backend cannot serve {fields} of this config (it would compute "
+                "different results); generate with transformers instead."
+            )
+        usable = [name for name in BACKEND_FEATURES if not required_features(config) - BACKEND_FEATURES[name]]
+        raise ValueError(
+            f"attn_implementation={backend!r} cannot honour {fields} of this config; "
+            f"use one of {usable}."
+        )
+
+
+def default_backend(config) -> str:
+    """SDPA where it can honour the config (the fast CPU default), else the eager reference."""
+    return "sdpa" if not missing_features(config, "sdpa") else "eager"
+
+
+# How a backend reads `attention_mask=None` for several queries: torch SDPA's `is_causal` aligns the
+# causal mask at the first key (top-left; transformers passes None to sdpa only where that is right,
+# e.g. a prefill into an empty static cache), the flash kernels at the last key (bottom-right).
+BOTTOM_RIGHT_CAUSAL = frozenset({"flash_attention_2", "flash_attention_3", "flash_attention_4"})

@@ -1,0 +1,113 @@
+"""The routed experts of a sparse layer: E gated MLPs stored as two 3-D parameters (transformers' v5
+layout), each run once on the tokens routed to it, and transformers' experts kernels
+(`experts_implementation=`: "grouped_mm", "batched_mm", ...) on the same weights wherever this
+transformers has them.
+
+    mlp.experts.gate_up_proj             (E, 2·f, d)   [gate; up] of every expert, concatenated
+    mlp.experts.down_proj                (E, d, f)
+
+Part of the remote-code files: torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from .compat import experts_kernels
+from .split_products import linear
+
+
+class Experts(nn.Module):
+    """E gated MLPs stored as two 3-D parameters (transformers' v5 layout).
+
+    `forward(hidden_states (N, d), top_k_index (N, k), top_k_weights (N, k)) -> (N, d)`: the
+    (token, slot) pairs are sorted by expert, so each expert's tokens form one contiguous run and
+    each expert with tokens runs once, as two matrix products on its own slices of the weights; a
+    decode step reads only the chosen experts. Ids outside [0, E) are skipped (transformers'
+    expert-parallel code marks tokens of experts on other ranks that way).
+
+    Where transformers has its experts kernels, the class is wrapped by its decorator (below):
+    `config._experts_implementation` then picks "eager" (this forward) or one of its kernels on the
+    same weights.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        num_tokens, top_k = top_k_index.shape
+        # `num_experts` is the local count under expert parallelism; other ids sort to the end
+        local = self.num_experts
+        expert_ids = top_k_index.reshape(-1)  # (N·k,)
+        expert_ids = expert_ids.masked_fill((expert_ids < 0) | (expert_ids >= local), local)
+        order = torch.argsort(expert_ids, stable=True)  # (N·k,) pairs grouped by expert
+        counts = torch.bincount(expert_ids, minlength=local + 1)[:local].tolist()  # one host sync
+        pairs = order[: sum(counts)]
+        tokens = pairs // top_k
+        grouped = hidden_states[tokens]  # (S, d)
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                outputs.append(self._expert(expert, grouped[start : start + count]))
+                start += count
+        out = hidden_states.new_zeros(num_tokens, self.hidden_dim)
+        if not outputs:
+            return out
+        weighted = torch.cat(outputs) * top_k_weights.reshape(-1)[pairs].unsqueeze(-1)  # (S, d)
+        # accumulate in the weights' precision (fp32 routing weights), cast once
+        summed = torch.zeros(num_tokens, self.hidden_dim, dtype=weighted.dtype, device=weighted.device)
+        return summed.index_add_(0, tokens, weighted).to(hidden_states.dtype)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        # f from the tensor, not the config: tensor parallelism shards each half of gate_up_proj
+        # `linear`: a decode step's few rows split across the cores (plain fp32 CPU weights only)
+        gate, up = linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n, f) each
+        return linear(self.act_fn(gate) * up, self.down_proj[expert])  # (n, d)
+
+
+_EXPERTS_KERNELS = experts_kernels()
+# The dtypes transformers' experts kernels take; another (a float64 model) runs this module's forward
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel_applies(module: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether transformers' kernel can take these tensors: its dtypes, and for `grouped_mm` widths
+    whose rows are multiples of 16 bytes (torch's grouped product refuses other strides)."""
+    if hidden_states.dtype not in KERNEL_DTYPES:
+        return False
+    if module.config._experts_implementation in (None, "grouped_mm"):
+        size = hidden_states.element_size()
+        return (module.hidden_dim * size) % 16 == 0 and (module.down_proj.shape[-1] * size) % 16 == 0
+    return True
+
+
+if _EXPERTS_KERNELS is not None:
+    # transformers' kernels ("grouped_mm", "batched_mm", ...), `experts_implementation=` and its
+    # expert-parallel dispatch work on this module; without the decorator its own forward is all there is
+    _own_forward = Experts.forward
+    Experts = _EXPERTS_KERNELS(Experts)
+    _dispatching_forward = Experts.forward
+
+    def _forward(self, hidden_states, top_k_index, top_k_weights):
+        run = _dispatching_forward if _kernel_applies(self, hidden_states) else _own_forward
+        return run(self, hidden_states, top_k_index, top_k_weights)
+
+    Experts.forward = _forward
+
+
+def experts_kernels_available() -> bool:
+    """Whether `Experts` dispatches on `config._experts_implementation` (transformers has the kernels)."""
+    return _EXPERTS_KERNELS is not None
+
+
+__all__ = ["KERNEL_DTYPES", "Experts", "experts_kernels_available"]

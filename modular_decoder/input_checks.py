@@ -1,0 +1,184 @@
+"""Checks at the door of `forward` and `generate`: the tensors they receive (ids, embeddings, mask), each
+failure a `ValueError` naming the argument, read without a device sync where the sync rule below says so.
+
+Part of the remote-code files (imported relatively by the modeling file): standard library and torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+# The sync rule. Shapes and dtypes are read for free. Reading a tensor's values on the host (a mask's
+# 0/1, the range of token ids) waits for the device that holds it, so a value check runs:
+# - on CPU tensors in every `forward` (no device to wait for; `syncs_device`), the id range only after
+#   the embedding's own bounds error;
+# - on an accelerator once per `generate` call, on its prompt (`check_generate_inputs`), and never in
+#   `forward` otherwise: not in a training step, not in a decode step, as transformers' Llama reads
+#   none. There a direct `forward` takes its mask's values as given, and an id outside the vocabulary
+#   is the device's own assert, as in transformers' models.
+
+_ID_DTYPES = (torch.int64, torch.int32)  # what `nn.Embedding` accepts
+# True inside `generate` once its prompt passed `check_generate_inputs`: the masks of the steps are
+# that mask with columns of ones appended by generate itself, so their values are not read again.
+_PROMPT_CHECKED = contextvars.ContextVar("modular_decoder_prompt_checked", default=False)
+
+
+def syncs_device(tensor: torch.Tensor) -> bool:
+    """Whether reading `tensor`'s values on the host waits for a device (the sync rule above): anything
+    not on the CPU."""
+    return tensor.device.type != "cpu"
+
+
+@contextlib.contextmanager
+def prompt_checked():
+    """Mark the forwards inside this block as steps of a `generate` whose prompt was checked."""
+    token = _PROMPT_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT_CHECKED.reset(token)
+
+
+def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None, cache=None, prompt=False) -> None:
+    """Raise a `ValueError` naming the argument when the inputs of `forward` cannot be what they claim.
+
+    `input_ids`: a 2-D (batch, seq) tensor of int64/int32 ids, neither dimension 0. `inputs_embeds`: a
+    floating (batch, seq, hidden_size) tensor. `attention_mask`: a 2-D (batch, past + seq) tensor of
+    0/1 (bool, int or float), where `past` is what `cache` holds (beside a static cache it may be padded with
+    zeros up to the cache's length, as transformers pads it; see `_check_mask_length`); 4-D masks and the per-layer-type dict
+    generate() builds are passed through as they are.
+
+    Shapes and dtypes cost nothing (no device work). The one data-dependent check, that a 2-D mask
+    holds only 0 and 1, is a single reduction done only when a mask is given (a mask of 2s would
+    otherwise shift every position, since positions count the mask), under the sync rule above: on a
+    CPU mask, or on any mask when `prompt` (`generate`'s prompt); never while compiling nor in the
+    steps of a `generate` whose prompt mask was checked on entry (`prompt_checked`).
+    """
+    if input_ids is not None:
+        batch, seq = _check_ids(input_ids)
+    elif inputs_embeds is not None:
+        batch, seq = _check_embeds(config, inputs_embeds)
+    else:
+        return
+    if attention_mask is None or isinstance(attention_mask, dict):
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(
+            f"`attention_mask` must be a torch tensor of shape (batch, seq), got {type(attention_mask).__name__}."
+        )
+    if attention_mask.dim() == 4:  # a custom (batch, 1, q, kv) mask: used as given
+        return
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"`attention_mask` must be 2-D (batch, seq) with 1 for tokens to attend to and 0 for padding, got "
+            f"shape {tuple(attention_mask.shape)}."
+        )
+    if attention_mask.shape[0] != batch:
+        raise ValueError(
+            f"`attention_mask` has batch size {attention_mask.shape[0]} but the input has {batch} "
+            f"(mask shape {tuple(attention_mask.shape)}, input (batch, seq) = ({batch}, {seq}))."
+        )
+    _check_mask_length(attention_mask, seq, cache)
+    read_values = prompt or not (_PROMPT_CHECKED.get() or syncs_device(attention_mask))
+    if (attention_mask.dtype != torch.bool and read_values and not torch.compiler.is_compiling()
+            and not _zeros_and_ones(attention_mask)):
+        raise ValueError(
+            "`attention_mask` must hold only 0 (padding) and 1 (token), got other values: "
+            f"{_few_values(attention_mask)}."
+        )
+
+
+def check_generate_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None) -> None:
+    """`check_inputs` for a prompt given to `generate`; an empty prompt is refused with a hint."""
+    if input_ids is not None and inputs_embeds is None and isinstance(input_ids, torch.Tensor) \
+            and input_ids.dim() == 2 and input_ids.shape[1] == 0:
+        raise ValueError(
+            f"`input_ids` is an empty prompt (shape {tuple(input_ids.shape)}): generate needs at least one token "
+            "per row, e.g. the BOS token."
+        )
+    if input_ids is not None and inputs_embeds is not None:
+        # a prompt given both ways: the embeddings are what the first step runs on
+        _check_embeds(config, inputs_embeds)
+        input_ids = None
+    check_inputs(config, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, prompt=True)
+    if input_ids is not None and syncs_device(input_ids):  # on CPU the embedding's bounds error leads to it
+        check_token_ids(config, input_ids)
+
+
+def check_token_ids(config, input_ids: torch.Tensor) -> None:
+    """Refuse ids outside [0, vocab_size) with a `ValueError` naming the range (reads the ids' values)."""
+    if input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= config.vocab_size:
+        raise ValueError(f"`input_ids` must lie in [0, vocab_size={config.vocab_size}); got values in [{low}, {high}].")
+
+
+def _check_ids(input_ids) -> tuple[int, int]:
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"`input_ids` must be a torch tensor of shape (batch, seq), got {type(input_ids).__name__}.")
+    if input_ids.dim() != 2:
+        hint = " (add a batch dimension: `input_ids[None]`)" if input_ids.dim() == 1 else ""
+        raise ValueError(f"`input_ids` must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}{hint}.")
+    if input_ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"`input_ids` must hold integer token ids (torch.long or torch.int), got {input_ids.dtype}.")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"`input_ids` is empty (shape {tuple(input_ids.shape)}): it needs at least one row and one token."
+        )
+    return input_ids.shape[0], input_ids.shape[1]
+
+
+def _check_embeds(config, inputs_embeds) -> tuple[int, int]:
+    if not isinstance(inputs_embeds, torch.Tensor):
+        raise ValueError(f"`inputs_embeds` must be a torch tensor, got {type(inputs_embeds).__name__}.")
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+        raise ValueError(
+            f"`inputs_embeds` must have shape (batch, seq, hidden_size={config.hidden_size}), got "
+            f"{tuple(inputs_embeds.shape)}."
+        )
+    if not inputs_embeds.is_floating_point():
+        raise ValueError(f"`inputs_embeds` must be a floating-point tensor, got {inputs_embeds.dtype}.")
+    if inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
+        raise ValueError(f"`inputs_embeds` is empty (shape {tuple(inputs_embeds.shape)}).")
+    return inputs_embeds.shape[0], inputs_embeds.shape[1]
+
+
+def _check_mask_length(attention_mask: torch.Tensor, seq: int, cache) -> None:
+    """A 2-D mask covers the cached and the new tokens, column j for token j. Beside a static cache it may
+    also be padded with zeros up to the cache's length (`max_cache_len`), as transformers' mask builders
+    pad it themselves: column j is then slot j, and any length in between is read that way."""
+    length = attention_mask.shape[1]
+    static = cache is not None and getattr(cache, "is_compileable", False)
+    if static:
+        capacity = cache.get_max_length()
+        if length > capacity:
+            raise ValueError(
+                f"`attention_mask` has length {length} but the static cache holds at most {capacity} tokens "
+                "(its `max_cache_len`): a mask covers the cached and new tokens, optionally padded with zeros to it."
+            )
+        if torch.compiler.is_compiling() or _PROMPT_CHECKED.get():
+            return  # a static cache keeps its length on the device: read once per direct call, not per step
+        past = int(cache.get_seq_length())
+    else:
+        past = cache.get_seq_length() if cache is not None else 0
+    if length < past + seq or (length > past + seq and not static):
+        covers = f"the {past} cached and {seq} new tokens ({past + seq})" if past else f"the input's {seq} tokens"
+        padded = f", or those padded with zeros to the static cache's {cache.get_max_length()} slots" if static else ""
+        raise ValueError(f"`attention_mask` has length {length} but must cover {covers}{padded}.")
+
+
+def _zeros_and_ones(mask: torch.Tensor) -> bool:
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        return not bool(((mask != 0) & (mask != 1)).any())
+    # integers: one min/max reduction (the cheapest form measured on CPU: ~6 us for a decode step's mask)
+    low, high = torch.aminmax(mask)
+    return low.item() >= 0 and high.item() <= 1
+
+
+def _few_values(mask: torch.Tensor) -> str:
+    bad = mask[(mask != 0) & (mask != 1)]
+    return ", ".join(str(v) for v in bad.unique()[:5].tolist())

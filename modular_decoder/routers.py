@@ -1,0 +1,193 @@
+"""The routers of the mixture-of-experts kind (`router_type`): the selection functions, the router kinds
+that pair each with its training losses, the `TopKRouter` module every sparse layer holds, and
+`router_losses`, what one forward's router logits add to the language-model loss.
+
+    softmax_topk   softmax over all experts, keep the k largest (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2)
+    sigmoid_topk   independent sigmoid scores, chosen with a correction bias (DeepSeek-V3 `noaux_tc`)
+
+Both may first keep the `topk_group` best of `n_group` expert groups (DeepSeek's device-limited
+routing). The losses themselves are in `router_losses.py`. Part of the remote-code files: torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .router_losses import load_balancing_loss, record_expert_load, router_z_loss, sequence_balance_loss
+
+
+def _keep_best_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
+    """Set `fill` on every expert outside the `topk_group` best groups (DeepSeek's device-limited routing)."""
+    tokens, n_group = group_scores.shape
+    best = group_scores.topk(topk_group, dim=-1).indices  # (N, topk_group)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
+    keep = keep.unsqueeze(-1).expand(tokens, n_group, scores.shape[-1] // n_group).reshape(scores.shape)
+    return scores.masked_fill(~keep, fill)
+
+
+def softmax_topk(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, keep the k largest (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2).
+
+    With groups, a group scores its best expert (DeepSeek-V2's `group_limited_greedy`).
+    Returns fp32 weights (N, k) and expert ids (N, k).
+    """
+    del correction_bias  # softmax routers have none
+    probs = logits.float().softmax(dim=-1)  # (N, E), fp32 as every family computes it
+    choice = probs
+    if n_group > 1:
+        group_scores = probs.view(probs.shape[0], n_group, -1).amax(dim=-1)  # (N, G)
+        choice = _keep_best_groups(probs, group_scores, topk_group, fill=0.0)
+    weights, indices = choice.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * routed_scaling_factor, indices
+
+
+def sigmoid_topk(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent sigmoid scores; experts chosen on score + correction bias (DeepSeek-V3 `noaux_tc`).
+
+    The bias (adjusted outside the gradient to balance the load) moves only the choice; the weights
+    are the uncorrected scores of the chosen experts. With groups, a group scores the sum of its two
+    best biased scores. Returns fp32 weights (N, k) and expert ids (N, k).
+    """
+    scores = logits.float().sigmoid()  # (N, E)
+    choice = scores + correction_bias
+    if n_group > 1:
+        group_scores = choice.view(choice.shape[0], n_group, -1).topk(2, dim=-1).values.sum(dim=-1)  # (N, G)
+        choice = _keep_best_groups(choice, group_scores, topk_group, fill=float("-inf"))
+    indices = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # as DeepSeek-V3: no 0/0
+    return weights * routed_scaling_factor, indices
+
+
+def _switch_balance_loss(router_logits, config, attention_mask, batch_size):
+    return load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, attention_mask)
+
+
+def _sequence_balance_loss(router_logits, config, attention_mask, batch_size):
+    return sequence_balance_loss(router_logits, config.num_experts, config.num_experts_per_tok, batch_size,
+                                 attention_mask)
+
+
+@dataclass(frozen=True)
+class RouterKind:
+    """A router variant: its selection function, its training losses, and the rules it adds to the config."""
+
+    select: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    score_correction_bias: bool  # whether the router owns `e_score_correction_bias`
+    min_experts_per_group: int  # experts each group needs for the group score (with n_group > 1)
+    # (router_logits, config, attention_mask of the new tokens, batch size) -> the unweighted balance loss
+    balance_loss: Callable[..., torch.Tensor]
+    default_aux_loss_coef: float  # `router_aux_loss_coef` where unset: the weight its paper / family uses
+    z_loss: bool  # whether ST-MoE's z-loss (a softmax normaliser's) applies
+
+
+# transformers' Mixtral / Qwen-MoE default weight of the load-balancing loss
+AUX_LOSS_COEF = 0.001
+# DeepSeek-V3's α of the sequence-wise balance loss (arXiv 2412.19437 §4.2: "we set α to 0.0001")
+SEQUENCE_AUX_LOSS_COEF = 0.0001
+
+ROUTERS: dict[str, RouterKind] = {
+    "softmax_topk": RouterKind(softmax_topk, score_correction_bias=False, min_experts_per_group=1,
+                               balance_loss=_switch_balance_loss, default_aux_loss_coef=AUX_LOSS_COEF, z_loss=True),
+    "sigmoid_topk": RouterKind(sigmoid_topk, score_correction_bias=True, min_experts_per_group=2,
+                               balance_loss=_sequence_balance_loss, default_aux_loss_coef=SEQUENCE_AUX_LOSS_COEF,
+                               z_loss=False),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The router module
+# ---------------------------------------------------------------------------------------------
+
+
+class TopKRouter(nn.Module):
+    """Router logits x·Wᵀ, then the `router_type` selection. Returns (logits, weights, expert ids).
+
+    The logits are computed in the dtype of `weight`: a model that keeps its routers in fp32 (as
+    DeepSeek-V3's checkpoints do) routes in fp32 whatever the activations' dtype. Once
+    `router_losses.track_expert_load` is called, training forwards count each expert's assignments in
+    `expert_load` (for the correction bias update; a plain attribute, never saved).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        kind = ROUTERS[config.router_type]
+        self.num_experts = config.num_experts  # read by transformers' expert-parallel router style (< 5.19)
+        # a sigmoid router stays fp32 (`fp32_parameters`) also when built under a half default dtype (`from_config`)
+        dtype = torch.float32 if kind.score_correction_bias else None
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
+        bias = torch.zeros(config.num_experts, dtype=torch.float32) if kind.score_correction_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
+        self.expert_load: torch.Tensor | None = None
+        self.select = partial(
+            kind.select,
+            top_k=config.num_experts_per_tok,
+            norm_topk_prob=config.norm_topk_prob,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            routed_scaling_factor=config.routed_scaling_factor,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)  # (N, E)
+        weights, indices = self.select(logits, self.e_score_correction_bias)  # (N, k) each
+        if self.training and self.expert_load is not None:
+            record_expert_load(self.expert_load, indices)
+        return logits, weights, indices
+
+
+# ---------------------------------------------------------------------------------------------
+# What a forward's router logits add to the loss (the functions live in router_losses.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def router_losses(
+    router_logits: Sequence[torch.Tensor], config, attention_mask: torch.Tensor | None = None,
+    batch_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(weighted sum to add to the LM loss, balance loss, z-loss or None) for one forward's router logits.
+
+    The balance loss is the router kind's own (`RouterKind.balance_loss`): Switch's for softmax routers,
+    DeepSeek-V3's sequence-wise one for sigmoid routers. `attention_mask` is that of the new tokens
+    (batch, seq); `batch_size` splits the logits into sequences where there is no mask.
+    """
+    kind = ROUTERS[config.router_type]
+    if batch_size is None:
+        batch_size = attention_mask.shape[0] if attention_mask is not None else 1
+    aux = kind.balance_loss(router_logits, config, attention_mask, batch_size)
+    total = config.router_aux_loss_coef * aux
+    z = router_z_loss(router_logits, attention_mask) if kind.z_loss else None
+    if z is not None:
+        total = total + config.router_z_loss_coef * z
+    return total, aux, z
+
+
+__all__ = ["AUX_LOSS_COEF", "ROUTERS", "SEQUENCE_AUX_LOSS_COEF", "RouterKind", "TopKRouter", "router_losses",
+           "sigmoid_topk", "softmax_topk"]
