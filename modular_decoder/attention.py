@@ -20,7 +20,7 @@ from .eager_attention import eager_attention
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kinds import AttentionKind
-from .split_products import project, runs_plain, symbolic
+from .split_products import project, takes_split_branch
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 
@@ -64,12 +64,6 @@ class StandardAttention(AttentionLayer):
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.attention_output_bias)
         self.qk_norm = QKNorm(config, per_head=config.qk_norm == "head") if config.qk_norm != "none" else None
 
-    def _split_projections(self, hidden_states: torch.Tensor) -> bool:
-        """Whether q/k/v go through `split_products.project` (few-row products on all cores): our own
-        plain linears on values. vLLM's Transformers backend traces with proxies and replaces every
-        linear (o_proj included), so it runs the plain module calls of `forward`'s other branch."""
-        return runs_plain(self.o_proj) and not symbolic(hidden_states)
-
     def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # its own method: vLLM's fuser needs `forward` to name each projection in one call only
         return tuple(project(layer, hidden_states) for layer in (self.q_proj, self.k_proj, self.v_proj))
@@ -97,11 +91,12 @@ class StandardAttention(AttentionLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq = hidden_states.shape[:2]
-        if self._split_projections(hidden_states):
+        if takes_split_branch(self.o_proj, hidden_states):  # our own linears: few-row products on all cores
             q, k, v = self._split_qkv(hidden_states)
         else:  # one call each, as vLLM's QKV fuser reads it: it merges them into one product. Names of
             # their own: it will not hoist that product over a statement rebinding `q` (assigned above
-            # from a call on `hidden_states`, so possibly a view of it)
+            # from a call on `hidden_states`, so possibly a view of it); binding `query` in both branches
+            # stops the fusion the same way
             query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
             q, k, v = query, key, value
         q, k, v = self._heads(q, k, v, position_embeddings)

@@ -11,7 +11,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .kinds import FeedForwardKind, require_bool, require_choice
-from .split_products import project, runs_plain, symbolic
+from .split_products import project, takes_split_branch
 
 
 def activation(name: str) -> nn.Module:
@@ -49,7 +49,7 @@ class GatedMLP(nn.Module):
         self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if runs_plain(self.down_proj) and not symbolic(x):  # our own linears: few-row products on all cores
+        if takes_split_branch(self.down_proj, x):  # our own linears: few-row products on all cores
             return self.split_forward(x)
         # The GLU as vLLM's Transformers backend reads it (module calls): it fuses gate and up into one
         # product, and leaves the reduction of shared experts under tensor parallelism to its fused experts

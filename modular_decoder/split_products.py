@@ -148,6 +148,14 @@ def symbolic(x) -> bool:
     return isinstance(x, torch.fx.Proxy)
 
 
+def takes_split_branch(layer: nn.Module, x) -> bool:
+    """Whether a module whose `forward` has two branches takes the one through `project`: `layer` (the
+    linear the branch ends with) is our own plain `nn.Linear` and `x` a value. vLLM's Transformers backend
+    traces with proxies and replaces every linear, so it reads the other branch: plain module calls in
+    `forward`'s own source, which its fusers merge (q/k/v into one product, gate/up into one)."""
+    return runs_plain(layer) and not symbolic(x)
+
+
 def plain_linear(layer: nn.Module) -> bool:
     """True where `layer(x)` computes exactly `F.linear(x, layer.weight, layer.bias)` on plain tensors:
     `runs_plain` (a plain `nn.Linear`, no hooks or wrapped forward) with a plain weight and bias (not
