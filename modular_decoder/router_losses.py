@@ -33,22 +33,30 @@ def load_balancing_loss(
     num_experts: int,
     top_k: int,
     attention_mask: torch.Tensor | None = None,
+    chosen_experts: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Switch Transformer's balance loss (Fedus et al. 2021, eq. 4-6), pooled over MoE layers.
 
-    E · Σ_i f_i · P_i, with f_i the share of (token, slot) assignments that the top-k of the
-    softmax gives expert i (the f_i sum to k) and P_i the mean softmax probability of expert i,
-    both over all real tokens of all layers: the value transformers' MoE families add to the loss
-    (`load_balancing_loss_func` of Mixtral). The loss of softmax routers.
+    E · Σ_i f_i · P_i, with f_i the share of (token, slot) assignments the router gave expert i (the f_i
+    sum to k) and P_i the mean softmax probability of expert i, both over all real tokens of all layers.
+    `chosen_experts` holds each layer's (N, k) expert ids as the router chose them; without it, the top-k
+    of the softmax, which is the choice of a router without groups: then this is the value transformers'
+    MoE families add to the loss (`load_balancing_loss_func` of Mixtral). With DeepSeek-V2's groups the
+    choice is not the plain top-k, and f_i counts what was chosen, as its expert-level balance loss does
+    (arXiv 2405.04434 §2.2.3, eq. 12-14: "Token t selects Expert i"); that loss is this one divided by k.
+    The loss of softmax routers.
     """
     device = router_logits[0].device
     assigned = torch.zeros(num_experts, device=device)
     probability = torch.zeros(num_experts, device=device)
     total = torch.zeros((), device=device)
-    for logits in router_logits:
+    for layer, logits in enumerate(router_logits):
         probs = logits.to(device).float().softmax(dim=-1)  # (N, E)
         weights = _token_weights(attention_mask, probs.shape[0], device)  # (N,)
-        chosen = probs.topk(top_k, dim=-1).indices  # (N, k)
+        if chosen_experts is None:
+            chosen = probs.topk(top_k, dim=-1).indices  # (N, k)
+        else:
+            chosen = chosen_experts[layer].to(device)
         hits = torch.zeros_like(probs).scatter_(1, chosen, 1.0)  # (N, E) one per kept slot
         assigned = assigned + weights @ hits
         probability = probability + weights @ probs

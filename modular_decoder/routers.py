@@ -87,7 +87,10 @@ def sigmoid_topk(
 
 
 def _switch_balance_loss(router_logits, config, attention_mask, batch_size):
-    return load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, attention_mask)
+    # f_i counts the experts the router chose (with groups, not the plain top-k): its selection, run again
+    select = selection(config)
+    chosen = [select(logits.detach(), None)[1] for logits in router_logits]
+    return load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, attention_mask, chosen)
 
 
 def _sequence_balance_loss(router_logits, config, attention_mask, batch_size):
@@ -122,6 +125,18 @@ ROUTERS: dict[str, RouterKind] = {
 }
 
 
+def selection(config) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`config`'s selection: (logits (N, E), correction bias or None) -> (fp32 weights (N, k), expert ids (N, k))."""
+    return partial(
+        ROUTERS[config.router_type].select,
+        top_k=config.num_experts_per_tok,
+        norm_topk_prob=config.norm_topk_prob,
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        routed_scaling_factor=config.routed_scaling_factor,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The router module
 # ---------------------------------------------------------------------------------------------
@@ -146,14 +161,7 @@ class TopKRouter(nn.Module):
         bias = torch.zeros(config.num_experts, dtype=torch.float32) if kind.score_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         self.expert_load: torch.Tensor | None = None
-        self.select = partial(
-            kind.select,
-            top_k=config.num_experts_per_tok,
-            norm_topk_prob=config.norm_topk_prob,
-            n_group=config.n_group,
-            topk_group=config.topk_group,
-            routed_scaling_factor=config.routed_scaling_factor,
-        )
+        self.select = selection(config)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)  # (N, E)
@@ -174,8 +182,9 @@ def router_losses(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(weighted sum to add to the LM loss, balance loss, z-loss or None) for one forward's router logits.
 
-    The balance loss is the router kind's own (`RouterKind.balance_loss`): Switch's for softmax routers,
-    DeepSeek-V3's sequence-wise one for sigmoid routers. `attention_mask` is that of the new tokens
+    The balance loss is the router kind's own (`RouterKind.balance_loss`): Switch's for softmax routers
+    (over the experts they chose, within the best groups where there are groups), DeepSeek-V3's
+    sequence-wise one for sigmoid routers. `attention_mask` is that of the new tokens
     (batch, seq); `batch_size` splits the logits into sequences where there is no mask.
     """
     kind = ROUTERS[config.router_type]
@@ -190,4 +199,4 @@ def router_losses(
 
 
 __all__ = ["AUX_LOSS_COEF", "ROUTERS", "SEQUENCE_AUX_LOSS_COEF", "RouterKind", "TopKRouter", "router_losses",
-           "sigmoid_topk", "softmax_topk"]
+           "selection", "sigmoid_topk", "softmax_topk"]

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
 from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -244,13 +244,52 @@ def test_router_z_loss_is_the_st_moe_formula(padded):
 
 
 def test_router_losses_weights_both_terms():
+    """`router_losses` of a softmax router: transformers' Mixtral balance loss, ST-MoE's z-loss written out,
+    each weighted by its coefficient."""
     logits = _router_logits()
-    config = types.SimpleNamespace(num_experts=6, num_experts_per_tok=2, router_aux_loss_coef=0.02,
-                                   router_z_loss_coef=0.001, router_type="softmax_topk")
-    total, aux, z = router_losses(logits, config)
-    torch.testing.assert_close(aux, load_balancing_loss(logits, 6, 2))
-    torch.testing.assert_close(z, router_z_loss(logits))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    config = our_config(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=12, router_aux_loss_coef=0.02,
+                        router_z_loss_coef=0.001)
+    total, aux, z = router_losses(logits, config, mask)
+    torch.testing.assert_close(aux, load_balancing_loss_func(logits, 6, 2, mask), atol=1e-6, rtol=1e-6)
+    rows = torch.cat([layer.double()[mask.reshape(-1).bool()] for layer in logits])
+    torch.testing.assert_close(z.double(), (rows.exp().sum(-1).log() ** 2).mean(), rtol=1e-6, atol=0)
     torch.testing.assert_close(total, 0.02 * aux + 0.001 * z)
+
+
+def _deepseek_v2_expert_balance_loss(logits, n_group: int, topk_group: int, top_k: int, real) -> float:
+    """DeepSeek-V2's expert-level balance loss (arXiv 2405.04434 §2.2.3, eq. 12-14) without α, over the real
+    tokens of all layers, in plain Python: s_{i,t} the softmax affinities; token t selects the top-K'_r experts
+    among those of the `topk_group` devices (groups) whose best affinity is highest (§2.2.2, device-limited
+    routing); f_i = N'_r / (K'_r·T) · #{t selects i}; P_i = 1/T · Σ_t s_{i,t}; loss Σ_i f_i·P_i."""
+    rows = [row for layer in logits for row, keep in zip(layer.double().softmax(-1).tolist(), real) if keep]
+    experts, tokens = len(rows[0]), len(rows)
+    size = experts // n_group
+    selects, affinity = [0] * experts, [0.0] * experts
+    for s in rows:
+        best = sorted(range(n_group), key=lambda g: -max(s[g * size:(g + 1) * size]))[:topk_group]
+        eligible = [i for g in best for i in range(g * size, (g + 1) * size)]
+        for i in sorted(eligible, key=lambda i: -s[i])[:top_k]:
+            selects[i] += 1
+        for i in range(experts):
+            affinity[i] += s[i]
+    return sum(experts / (top_k * tokens) * selects[i] * affinity[i] / tokens for i in range(experts))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_group_limited_balance_loss_counts_the_chosen_experts(padded):
+    """DeepSeek-V2's `group_limited_greedy`: the balance loss counts the experts the router chose within its
+    best groups, not the plain top-k of the softmax. Switch's normalisation (f_i summing to k, Mixtral's) is
+    K'_r times DeepSeek-V2's (f_i summing to N'_r)."""
+    config = our_config(num_experts=16, num_experts_per_tok=3, moe_intermediate_size=12, n_group=4, topk_group=2,
+                        norm_topk_prob=False, routed_scaling_factor=16.0)
+    logits = tuple(torch.randn(10, 16) * 2 for _ in range(2))  # 2 layers, batch 2 x 5 tokens
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]) if padded else torch.ones(2, 5, dtype=torch.long)
+    plain_top_k = torch.cat(logits).topk(3, dim=-1).indices
+    assert any(len(set((row // 4).tolist())) == 3 for row in plain_top_k)  # the premise: some leave the best groups
+    _, aux, _ = router_losses(logits, config, mask if padded else None)
+    expected = 3 * _deepseek_v2_expert_balance_loss(logits, 4, 2, 3, mask.reshape(-1).tolist())
+    torch.testing.assert_close(aux.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=0)
 
 
 # --------------------------------------------------------------------------------------------- sparsity

@@ -13,11 +13,11 @@ from conversion_cases import CASES, MOE_CASES
 from decoding import greedy_no_cache, prompt, tiny_model
 from variants import CHOICES, build, variant_id
 from transformers import AutoModelForCausalLM
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from modular_decoder import PRESETS, ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count, preset_config
 from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.conversion import convert, get_family
-from modular_decoder.router_losses import load_balancing_loss
 from modular_decoder.tools.validate import batch_invariant_experts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,7 +131,7 @@ def test_z_loss_is_added_with_its_coefficient(tmp_path):
     rows = torch.cat([logits.double()[mask.reshape(-1).bool()] for logits in out.router_logits])
     z = (torch.logsumexp(rows, dim=-1) ** 2).mean()
     torch.testing.assert_close(out.z_loss.double(), z, rtol=1e-6, atol=0)
-    aux = load_balancing_loss(out.router_logits, ours.config.num_experts, ours.config.num_experts_per_tok, mask)
+    aux = load_balancing_loss_func(out.router_logits, ours.config.num_experts, ours.config.num_experts_per_tok, mask)
     expected = plain.loss + ours.config.router_aux_loss_coef * aux + 0.01 * out.z_loss
     torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=1e-7)
 

@@ -1,7 +1,9 @@
-"""`split_products`: the few-row products split across cores compute what `F.linear` computes, on every
-preset; they never change how parameters are stored; they step aside for anything that is not a
-plain fp32 CPU tensor, for hooks of every kind, under autograd and export, and when switched off; under
-`torch.compile` they are part of the graph."""
+"""`split_products`: the few-row products split across cores compute what `F.linear` computes up to fp32
+rounding order (the batched product may sum each output in another order: compared with rtol = atol = 1e-5,
+never bit for bit), on every preset; they never change how parameters are stored; they step aside for
+anything that is not a plain fp32 CPU tensor, for hooks of every kind, under autograd and export, and when
+switched off (those paths are `F.linear` itself: compared exactly); under `torch.compile` they are part of
+the graph."""
 
 from __future__ import annotations
 

