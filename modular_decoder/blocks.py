@@ -16,6 +16,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .kinds import require_bool, require_choice
 from .norms import build_norm
+from .registries import ATTENTIONS, MLPS
 
 
 class DecoderBlock(GradientCheckpointingLayer):
@@ -31,9 +32,7 @@ class DecoderBlock(GradientCheckpointingLayer):
         super().__init__()
         # This package's registries rather than `config.attention_kind`: vLLM ships a remote-code config to
         # its workers by value (cloudpickle), and classes reached through it lose their source, which vLLM
-        # reads to find each layer's attention. (Imported here: the registries import this module.)
-        from .registries import ATTENTIONS, MLPS
-
+        # reads to find each layer's attention.
         self.self_attn = ATTENTIONS.of(config).build(config, layer_idx)
         self.mlp = MLPS.of(config).build(config, layer_idx)
         for name in self.NORMS:

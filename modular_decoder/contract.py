@@ -11,8 +11,10 @@ import dataclasses
 
 import torch
 
+from .blocks import BLOCKS, block_class
 from .configuration_modular_decoder import ModularDecoderConfig
-from .norms import norm_parameters
+from .norms import NORMS, norm_parameters
+from .registries import ATTENTIONS, MLPS, POSITIONS
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
 
@@ -112,9 +114,8 @@ def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: to
 
 def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bfloat16) -> str:
     """A markdown table of every contract field, parameters by component and cache cost."""
-    from .configuration_modular_decoder import ModularDecoderConfig as _Config
-
-    names = [f.name for f in dataclasses.fields(_Config) if f.name not in _NON_CONTRACT and _applies(config, f.name)]
+    names = [f.name for f in dataclasses.fields(ModularDecoderConfig)
+             if f.name not in _NON_CONTRACT and _applies(config, f.name)]
     rows = ["| field | value |", "| --- | --- |"]
     rows += [f"| `{name}` | {_render(name, getattr(config, name))} |" for name in names]
     params = parameter_count(config)
@@ -135,8 +136,6 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
     (MLA's ranks, the MoE fields, ...) applies only when one of them is chosen, and a field some
     entries of an axis say they read (`reads`: `norm_bias` for LayerNorm, `head_dim` for per-head
     attention, ...) only when the chosen entry reads it."""
-    from .registries import ATTENTIONS, MLPS, POSITIONS
-
     for registry in (ATTENTIONS, MLPS, POSITIONS):
         owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]
         if owners:
@@ -146,10 +145,6 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
 
 def _unread(config: ModularDecoderConfig) -> set[str]:
     """Fields that some entry of an axis reads and the chosen entry does not."""
-    from .blocks import BLOCKS, block_class
-    from .norms import NORMS
-    from .registries import ATTENTIONS, MLPS, POSITIONS
-
     axes = [(ATTENTIONS.values(), config.attention_kind), (MLPS.values(), config.mlp_kind),
             (POSITIONS.values(), POSITIONS.of(config)), (NORMS.values(), NORMS[config.norm_type]),
             (BLOCKS.values(), block_class(config))]

@@ -4,9 +4,9 @@
     MLPS        `mlp_type`                 dense, gated, moe
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
     NORMS       `norm_type`                rmsnorm, layernorm
-    BLOCKS      `norm_position` (+ `parallel_block`)  pre, post, sandwich, output, parallel
 
-Each registry's keys are the values its config field allows. A new attention or feed-forward kind
+Each registry's keys are the values its config field allows. The blocks (`blocks.BLOCKS`: `norm_position`
+and `parallel_block`) are built from these registries, so they import this module, never the reverse. A new attention or feed-forward kind
 is one `register_attention(kind)` / `register_mlp(kind)` call with an `AttentionKind` /
 `FeedForwardKind` (see kinds.py) before the config is built.
 """
@@ -14,7 +14,6 @@ is one `register_attention(kind)` / `register_mlp(kind)` call with an `Attention
 from __future__ import annotations
 
 from .attention import STANDARD_ATTENTION
-from .blocks import BLOCKS
 from .kinds import AttentionKind, FeedForwardKind, Registry
 from .mla import LATENT_ATTENTION
 from .mlp import DENSE_MLP, GATED_MLP
@@ -36,4 +35,4 @@ def register_mlp(kind: FeedForwardKind, replace: bool = False) -> FeedForwardKin
     return MLPS.register(kind, replace=replace)
 
 
-__all__ = ["ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "BLOCKS", "register_attention", "register_mlp"]
+__all__ = ["ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention", "register_mlp"]

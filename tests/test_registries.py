@@ -1,13 +1,17 @@
 """The registries: the config's allowed values come from them, each entry owns its rules, and
-registering a new kind is one entry that works end to end."""
+registering a new kind is one entry that works end to end; the model modules import one way."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import modular_decoder
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count
 from modular_decoder.attention import STANDARD_ATTENTION, linear_parameters
 from modular_decoder.attention_layer import AttentionLayer
@@ -105,3 +109,34 @@ def test_another_kinds_fields_are_refused_not_ignored():
                              v_head_dim=8, qk_norm="head")
     with pytest.raises(ValueError, match="learned_position_offset.*'learned'"):
         ModularDecoderConfig(**BASE, learned_position_offset=2)
+
+
+def _sibling_imports(path: Path, siblings: set[str]) -> set[str]:
+    """The modules of the same package `path` imports relatively, at module level or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module.split(".")[0]] if node.module else [alias.name for alias in node.names]
+            found |= set(names) & siblings
+    return found
+
+
+def test_model_modules_import_one_way():
+    """No cycle among the model modules, function-level imports included (a cycle hidden in a function is
+    still a cycle: the registries are built from the kinds, the blocks from the registries)."""
+    files = {path.stem: path for path in Path(modular_decoder.__file__).parent.glob("*.py")}
+    graph = {name: _sibling_imports(path, set(files)) - {name} for name, path in files.items()}
+    state: dict[str, str] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = "open"
+        for imported in sorted(graph[name]):
+            assert state.get(imported) != "open", " -> ".join([*trail, name, imported])
+            if imported not in state:
+                visit(imported, [*trail, name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert {"registries"} <= graph["blocks"] and "blocks" not in graph["registries"]
