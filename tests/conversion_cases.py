@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import transformers as tf
 
 V, D, F, L, H, P = 96, 32, 64, 2, 4, 64
@@ -71,3 +72,17 @@ CASES: dict[str, tuple[str, callable]] = {
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe") or name.endswith(("-moe", "-moe-grouped"))]
+
+
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every parameter and every saved floating-point buffer moved by N(0, 0.1²), in place:
+    fresh norms are ones and fresh biases zeros (DeepSeek-V3's correction bias too), so a map that swapped
+    two norms or dropped a bias would still convert to the same logits."""
+    saved = model.state_dict()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name in saved and buffer.is_floating_point():
+                buffer.add_(torch.randn_like(buffer) * 0.1)
+    return model

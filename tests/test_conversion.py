@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES
+from conversion_cases import CASES, perturbed
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -24,14 +24,7 @@ def make_source(case: str, path):
     config = build()
     config.architectures = None
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    saved = model.state_dict()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-        for name, buffer in model.named_buffers():
-            if name in saved and buffer.is_floating_point():
-                buffer.add_(torch.randn_like(buffer) * 0.1)
+    model = perturbed(AutoModelForCausalLM.from_config(config).eval())
     model.save_pretrained(path)
     return family, model
 

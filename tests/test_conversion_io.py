@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conversion_cases import perturbed
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, OPTConfig
 
@@ -22,8 +23,10 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_laye
 
 
 def save(config, path: Path) -> Path:
+    """A tiny random source checkpoint, every parameter perturbed (`--verify` and exports compare it)."""
     config.architectures = None
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    torch.manual_seed(0)
+    perturbed(AutoModelForCausalLM.from_config(config)).save_pretrained(path)
     return path
 
 

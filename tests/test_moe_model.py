@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conversion_cases import CASES, MOE_CASES
+from conversion_cases import CASES, MOE_CASES, perturbed
 from decoding import greedy_no_cache, prompt, tiny_model
 from variants import CHOICES, build, variant_id
 from transformers import AutoModelForCausalLM
@@ -66,14 +66,7 @@ def _source_and_ours(case: str, tmp_path):
     config = build()
     config.architectures = None
     torch.manual_seed(0)
-    source = AutoModelForCausalLM.from_config(config).eval()
-    saved = source.state_dict()
-    with torch.no_grad():
-        for param in source.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-        for name, buffer in source.named_buffers():
-            if name in saved and buffer.is_floating_point():
-                buffer.add_(torch.randn_like(buffer) * 0.1)
+    source = perturbed(AutoModelForCausalLM.from_config(config).eval())
     source.save_pretrained(tmp_path / "src")
     convert(tmp_path / "src", tmp_path / "ours", progress=False)
     return source, AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
