@@ -49,7 +49,13 @@ class QKNorm(nn.Module):
 
 
 class StandardAttention(AttentionLayer):
-    """q/k/v/o projections, optional QK-norm, RoPE or ALiBi, a cache, and a pluggable score backend."""
+    """softmax(q·kᵀ·scaling + mask [+ ALiBi bias]) · v per head, then `o_proj`.
+
+    q = x·W_qᵀ (H heads), k = x·W_kᵀ and v = x·W_vᵀ (H_kv heads, each shared by H / H_kv query heads), with
+    optional biases; q and k QK-normed, then rotated (RoPE) where configured; k and v appended to the cache.
+    scaling = `query_pre_attn_scalar`^-1/2 (default d_h^-1/2). The scores go through transformers' attention
+    interface, so `attn_implementation` picks the kernel.
+    """
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx, scaling=(config.query_pre_attn_scalar or config.head_dim) ** -0.5)
@@ -65,7 +71,7 @@ class StandardAttention(AttentionLayer):
         self.qk_norm = QKNorm(config, per_head=config.qk_norm == "head") if config.qk_norm != "none" else None
 
     def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # its own method: vLLM's fuser needs `forward` to name each projection in one call only
+        # a method of its own: `forward` then calls each projection once (vLLM note in `forward`)
         return tuple(project(layer, hidden_states) for layer in (self.q_proj, self.k_proj, self.v_proj))
 
     def _heads(self, q, k, v, position_embeddings) -> tuple[torch.Tensor, ...]:
@@ -91,17 +97,16 @@ class StandardAttention(AttentionLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq = hidden_states.shape[:2]
-        if takes_split_branch(self.o_proj, hidden_states):  # our own linears: few-row products on all cores
+        if takes_split_branch(self.o_proj, hidden_states):  # plain linears: few-row products on all cores
             q, k, v = self._split_qkv(hidden_states)
-        else:  # one call each, as vLLM's QKV fuser reads it: it merges them into one product. Names of
-            # their own: it will not hoist that product over a statement rebinding `q` (assigned above
-            # from a call on `hidden_states`, so possibly a view of it); binding `query` in both branches
-            # stops the fusion the same way
+        else:
+            # vLLM note: its fuser merges these three calls into one q/k/v product only where they are
+            # plain module calls bound to names no other statement binds (hence not `q`, bound above)
             query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
             q, k, v = query, key, value
-        q, k, v = self._heads(q, k, v, position_embeddings)
+        q, k, v = self._heads(q, k, v, position_embeddings)  # (B, H, T, D), (B, H_kv, T, D) twice
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+            k, v = cache.update(k, v, self.layer_idx)  # (B, H_kv, cached + T, D)
         if position_bias is not None:  # ALiBi as a bias (eager, sdpa)
             kwargs["position_bias"] = position_bias
 
@@ -109,7 +114,7 @@ class StandardAttention(AttentionLayer):
         if "alibi_slopes" in kwargs:  # flex / flash-attn 2 take ALiBi as slopes, through this family's functions
             attention_interface = ALIBI_SLOPE_FUNCTIONS[canonical_backend(self.config._attn_implementation)]
         out, weights = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, **self.score_kwargs(kwargs))
-        out = out.reshape(batch, seq, -1).contiguous()
+        out = out.reshape(batch, seq, -1).contiguous()  # (B, T, H·D)
         return project(self.o_proj, out), weights
 
 
@@ -131,7 +136,7 @@ class StandardKind(AttentionKind):
     def cache_layer(self, config, layer_type: str, implementation: str, max_cache_len: int | None):
         sliding = layer_type == "sliding_attention"
         window = config.sliding_window
-        if implementation == "dynamic":  # full layers grow into doubling storage (no torch.cat per step)
+        if implementation == "dynamic":  # full layers grow into storage 1/64 longer (no torch.cat per step)
             return DynamicSlidingWindowLayer(sliding_window=window) if sliding else GrowingLayer()
         if implementation == "static":
             if sliding:

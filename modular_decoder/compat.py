@@ -1,12 +1,25 @@
-"""Everything the family needs from transformers that differs between the releases it supports
-(`MIN_TRANSFORMERS` to the newest 5.x), and the transformers internals it uses beyond the public model
-API, in one place. Each shim names the releases it is for.
+"""What this family needs from transformers beyond its public model API, in one place: the oldest
+release it runs on, what differs between the releases it supports (`MIN_TRANSFORMERS` to the newest 5.x),
+and the private parts of transformers it uses. In the order of this file:
 
-The private helpers of transformers' flash- and flex-attention paths, which only the ALiBi functions of
-`alibi_kernels.py` need, are looked up when such a backend runs, never at module import: an upstream
-rename then breaks that one backend with a clear error, not every load. The experts-kernel decorator
-(`experts_kernels`) is looked up once, when `experts.py` defines its experts module, and its absence only
-removes transformers' alternative kernels.
+1. The version floor: `MIN_TRANSFORMERS`, checked when the config and modeling modules load.
+2. What differs between the supported releases, one shim each, with the releases it is for: the cache's
+   name (`cache` from 5.24, `past_key_values` before), the plan entries 5.16-5.20 add, nested rotary
+   parameters on 5.16-5.17, the expert-parallel styles (5.19 on / before), `slice_logits_to_keep` (5.21 on).
+3. transformers' private helpers, looked up when first used, never at import: the flash- and
+   flex-attention helpers that only `alibi_kernels.py` calls (an upstream rename then breaks that one
+   backend with a clear error, not every load), the Hub flash kernels, and the experts-kernel decorator
+   (whose absence only removes transformers' alternative kernels).
+4. transformers' private state that has no public accessor, read or written through one named function
+   each: the selected attention and experts kernels, the static-cache length `generate` keeps, the flag
+   that lets `generate` compile on a CPU, and the validators `config.validate()` runs.
+
+The private methods of transformers' base classes that `modeling_modular_decoder.py` overrides, as
+transformers' own models do, have the same signatures and call sites on 5.16.1 to 5.25 (the version
+tests exercise each): `PreTrainedModel._check_and_adjust_attn_implementation` (refuses a backend that
+cannot honour the config before a kernel is picked), `PreTrainedModel._can_set_experts_implementation`
+(transformers guesses it from the modeling file's source; the experts live in `experts.py`) and
+`GenerationMixin._prepare_cache_for_generation` (builds this family's cache).
 """
 
 from __future__ import annotations
@@ -15,6 +28,8 @@ import functools
 import importlib
 import inspect
 from types import SimpleNamespace
+
+# --- 1. The version floor ---------------------------------------------------------------------------
 
 # The oldest transformers this code runs on (pyproject.toml's `transformers>=` agrees: a test compares
 # them, and another generates with saved folders on it, on the newest 5.19.x and 5.24.x, and on the
@@ -45,7 +60,8 @@ import torch  # noqa: E402
 from transformers.masking_utils import create_causal_mask  # noqa: E402
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 
-# --- What differs between the supported releases, each with the releases it is for ---
+
+# --- 2. What differs between the supported releases ------------------------------------------------
 
 
 # transformers 5.24 renamed the cache from `past_key_values` to `cache` everywhere at once: the forwards'
@@ -95,8 +111,6 @@ def cache_of(outputs):
     if isinstance(outputs, dict) and not hasattr(outputs, CACHE_NAME):
         return outputs.get(CACHE_NAME)
     return getattr(outputs, CACHE_NAME, None)
-
-
 
 
 def plan_additions(assigned: dict, built: dict) -> dict:
@@ -169,11 +183,10 @@ except ImportError:  # 5.16-5.20: what their models do inline (an int keeps the 
         return hidden_states[:, indices, :]
 
 
-# --- transformers' internals (the same on 5.16.1 to 5.25): the flash / flex helpers ALiBi needs, the experts
-# kernels' decorator, private state read or written through named functions, and the hooks we override ---
+# --- 3. transformers' private helpers, looked up when first used -------------------------------------
 
 
-# backend -> {module: the private names taken from it}
+# The private names the ALiBi functions of `alibi_kernels.py` take from transformers: backend -> module -> names
 _INTERNALS = {
     "flash": {
         "transformers.modeling_flash_attention_utils": (
@@ -227,6 +240,9 @@ def experts_kernels():
     return getattr(module, "use_experts_implementation", None)
 
 
+# --- 4. transformers' private state, through one named function each ---------------------------------
+
+
 def attn_implementation(config) -> str | None:
     """The attention backend `config` selects (`config._attn_implementation`: transformers has no public
     getter; its own model code, and ours in `attention.py`, `mla.py` and `alibi_kernels.py`, read that
@@ -270,17 +286,3 @@ def run_config_validators(config, base: type) -> None:
         method = getattr(base, name)
         if name.startswith("validate_") and callable(method) and len(inspect.signature(method).parameters) == 1:
             getattr(config, name)()
-
-
-# --- Hooks: private methods of transformers' base classes that `modeling_modular_decoder.py` overrides on
-# its own classes, as transformers' models do. Their signatures and call sites are the same on 5.16.1 to
-# 5.25 (the version test exercises each: `from_pretrained` calls the first two, `generate` the third):
-# - `PreTrainedModel._check_and_adjust_attn_implementation(attn_implementation, is_init_check, ...)`:
-#   refuses a backend that cannot honour the config before transformers picks a kernel;
-# - `PreTrainedModel._can_set_experts_implementation()` (classmethod): transformers guesses it from the
-#   modeling file's source, but the experts module lives in `experts.py`;
-# - `GenerationMixin._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
-#   batch_size, max_cache_length)`: builds this family's cache (stored under `CACHE_NAME`).
-# Class attributes transformers reads by convention: `_rope_type_labels` on the config (the keys of a
-# nested `rope_parameters`), and the usual `_supports_*`, `_no_split_modules`, `_tied_weights_keys`,
-# `_can_record_outputs`, `_keep_in_fp32_modules_strict`, `_tp_plan` / `_pp_plan` on the models.
