@@ -30,7 +30,7 @@ from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint
 from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
-from .input_checks import check_generate_inputs, check_inputs, check_token_ids, prompt_checked
+from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating, is_generating
 from .moe import init_moe_weights
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
@@ -194,31 +194,14 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if use_cache and cache is None:
             cache = ModularDecoderCache(self.config)
         past_seen = cache.get_seq_length() if cache is not None else 0
+        # packed documents are looked for only in positions a caller gave (not generate: it never packs)
+        packed_positions = position_ids if not is_generating() else None
         if position_ids is None:
             position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_seen)
 
         hidden = self._embed(inputs_embeds, position_ids)
         layer_types = self.config.layer_types
-        if isinstance(attention_mask, dict):
-            # generate() pre-builds the masks per layer type for a compileable (static) cache
-            masks = attention_mask
-        else:
-            # An empty dynamic cache sizes the masks as no cache would, but transformers detects packed
-            # documents (position_ids restarting at 0) only when it is given no cache.
-            # (A static cache is tested first: its length is a tensor, which export cannot branch on.)
-            mask_cache = cache if cache is not None and (cache.is_compileable or past_seen) else None
-            if attention_mask is None and mask_cache is not None and mask_cache.is_compileable:
-                attention_mask = self._filled_slots_mask(inputs_embeds, past_seen)
-            masks = {
-                layer_type: MASK_BUILDERS[layer_type](
-                    config=self.config,
-                    inputs_embeds=inputs_embeds,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    **with_cache(mask_cache),
-                )
-                for layer_type in set(layer_types)
-            }
+        masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self.rotary_emb.tables(hidden, position_ids, layer_types) if self.rotary_emb is not None else {}
         alibi = self._alibi_kwargs(hidden, cache) if self.alibi is not None else {}
 
@@ -236,6 +219,31 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return MoeModelOutputWithPast(last_hidden_state=hidden, **with_cache(cache if use_cache else None))
+
+    def _masks(self, inputs_embeds, attention_mask, packed_positions, cache, past_seen) -> dict:
+        """The attention mask of each layer type, from transformers' mask builders (`MASK_BUILDERS`).
+
+        generate() pre-builds them for a static cache (a dict, used as given). A dynamic cache that holds no
+        tokens sizes the masks as no cache would, and then transformers looks for packed documents in
+        `packed_positions` (positions restarting at 0, no mask): one host read, so only where the caller
+        passed positions. (A static cache is tested first: its length is a tensor, which export cannot
+        branch on.)
+        """
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        mask_cache = cache if cache is not None and (cache.is_compileable or past_seen) else None
+        if attention_mask is None and mask_cache is not None and mask_cache.is_compileable:
+            attention_mask = self._filled_slots_mask(inputs_embeds, past_seen)
+        return {
+            layer_type: MASK_BUILDERS[layer_type](
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                position_ids=packed_positions,
+                **with_cache(mask_cache),
+            )
+            for layer_type in set(self.config.layer_types)
+        }
 
     def _filled_slots_mask(self, inputs_embeds: torch.Tensor, past_seen: int) -> torch.Tensor | None:
         """A (B, seen + new) all-ones mask for the flash backends over a static cache: with no mask,
@@ -445,7 +453,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             attention_mask=kwargs.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
         )
-        with prompt_checked():
+        with generating():
             return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(
