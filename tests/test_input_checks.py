@@ -235,3 +235,27 @@ def test_generate_on_an_accelerator_reads_no_more_than_llama_per_step(llama_pair
         ours.generate(prompt, attention_mask=torch.full(prompt.shape, 2), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"must lie in \[0, vocab_size=128\); got values in \[0, 128\]"):
         ours.generate(torch.tensor([[0, 128]]), max_new_tokens=2)
+
+
+def test_forward_beside_a_static_cache_on_an_accelerator_reads_no_more_than_llama(llama_pair, host_reads):
+    """Direct forwards with a static cache and a left-padded 2-D mask (a prefill, then a step) read no more tensor
+    values on the host than transformers' Llama in the same calls: the cache's token count, a device tensor, is
+    not read for the mask-length check there. On CPU that check still runs (it reads the count for free)."""
+    from transformers import StaticCache
+
+    from modular_decoder.cache import ModularDecoderCache
+
+    host_reads.on_accelerator()
+    batch, mask = _batch(padded=True)
+    llama, ours = llama_pair
+    reads, logits = {}, {}
+    caches = {"llama": StaticCache(config=llama.config, max_cache_len=16),
+              "ours": ModularDecoderCache(ours.config, "static", max_cache_len=16)}
+    for name, model in (("llama", llama), ("ours", ours)):
+        host_reads.clear()
+        with torch.no_grad():
+            model(batch[:, :5], attention_mask=mask[:, :5], cache=caches[name])
+            logits[name] = model(batch[:, 5:], attention_mask=mask, cache=caches[name]).logits
+        reads[name] = list(host_reads)
+    torch.testing.assert_close(logits["ours"], logits["llama"], rtol=1e-5, atol=1e-5)
+    assert len(reads["ours"]) <= len(reads["llama"]), reads
