@@ -3,8 +3,8 @@
 Implementations (`IMPLEMENTATIONS`), each mapping `config.layer_types` to layers, which the
 config's attention kind builds (`AttentionKind.cache_layer`):
 
-- `"dynamic"`: full K/V that grows into pre-allocated storage with 1/64 of its length spare
-  (`growing_cache.py`: no copy of the whole cache per step, at most 1/64 more memory), and
+- `"dynamic"`: full K/V that grows into pre-allocated storage with 1/64 of its length spare, at
+  least 16 tokens (`growing_cache.py`: no copy of the whole cache per step), and
   for sliding layers the last `sliding_window - 1` tokens (as Mistral and Gemma local layers need);
 - `"static"`: K/V pre-allocated for `max_cache_len` tokens (a ring of `sliding_window` slots for
   sliding layers), for `torch.compile`;

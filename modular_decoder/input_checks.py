@@ -44,10 +44,6 @@ def generating():
         _GENERATING.reset(token)
 
 
-def is_generating() -> bool:
-    """Whether this forward is a step of a `generate` whose prompt was checked (`generating`)."""
-    return _GENERATING.get()
-
 
 def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None, cache=None) -> None:
     """Raise a `ValueError` naming the argument when the inputs of `forward` cannot be what they claim.
@@ -65,7 +61,7 @@ def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None
     on entry (`generating`).
     """
     mask = _checked_shapes(config, input_ids, attention_mask, inputs_embeds, cache)
-    read_values = not (_GENERATING.get() or torch.compiler.is_compiling())
+    read_values = not (torch.compiler.is_compiling() or _GENERATING.get())  # dynamo cannot read a ContextVar
     if mask is not None and read_values and not syncs_device(mask) and not _zeros_and_ones(mask):
         raise _mask_values_error(mask)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decoding import converted_twin
 
 from modular_decoder import ModularDecoderForCausalLM, preset_config
 
@@ -153,23 +154,8 @@ def host_reads(monkeypatch):
 
 @pytest.fixture(scope="module")
 def llama_pair(tmp_path_factory):
-    """transformers' `LlamaForCausalLM` and ours with its weights (through the converter), both eval, sdpa."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from modular_decoder.conversion import convert
-
-    folder = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
-    )).save_pretrained(folder / "llama")
-    convert(folder / "llama", folder / "ours", progress=False)
-    llama = LlamaForCausalLM.from_pretrained(folder / "llama", attn_implementation="sdpa").eval()
-    ours = ModularDecoderForCausalLM.from_pretrained(folder / "ours", attn_implementation="sdpa").eval()
-    for model in (llama, ours):
-        model.generation_config.pad_token_id = 0
-    return llama, ours
+    """transformers' `LlamaForCausalLM` and ours with its weights (through the converter)."""
+    return converted_twin("Llama", tmp_path_factory.mktemp("llama"))
 
 
 def _batch(padded: bool, batch: int = 4, length: int = 6):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoding import prompt, tiny_model
+from decoding import converted_twin, prompt, tiny_model
 from transformers import DynamicCache, StaticCache
 
 from modular_decoder.cache import ModularDecoderCache
@@ -95,19 +95,7 @@ def test_a_static_cache_whose_layers_all_slide_takes_a_mask_longer_than_the_wind
     """Mistral's layout (every layer slides, window 8) over a static cache of 64: a 12-token prompt with its 2-D
     mask, then a step, give the logits of the uncached forward and of transformers' `MistralForCausalLM` with
     `StaticCache(max_cache_len=64)` on the same weights (the window bounds the ring, not the mask)."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from modular_decoder import ModularDecoderForCausalLM
-    from modular_decoder.conversion import convert
-
-    torch.manual_seed(0)
-    MistralForCausalLM(MistralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=8, max_position_embeddings=128,
-    )).save_pretrained(tmp_path / "mistral")
-    convert(tmp_path / "mistral", tmp_path / "ours", progress=False)
-    mistral = MistralForCausalLM.from_pretrained(tmp_path / "mistral", attn_implementation="sdpa").eval()
-    ours = ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="sdpa").eval()
+    mistral, ours = converted_twin("Mistral", tmp_path, sliding_window=8, max_position_embeddings=128)
     assert set(ours.config.layer_types) == {"sliding_attention"}
     ids = prompt(2, 13, vocab=128)
     mask = torch.ones(2, 13, dtype=torch.long)
