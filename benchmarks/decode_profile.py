@@ -1,12 +1,21 @@
-"""Where a batch-1 decode step's time goes: ours vs transformers' Llama on the real SmolLM2-135M (fp32).
+"""Where a decode step's time goes: ours vs transformers' Llama with the same weights (fp32, CPU).
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.decode_profile [--steps 30] [--repeats 3]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.decode_profile --host [--repeats 7]
 
 Each repeat times `--steps` cached one-token forwards per model (interleaved, median per model), then
 the same with every linear product replaced by an empty output of its shape (`nn.Linear.forward` and
 this package's `split_products.linear`): the difference is the time of the products, the rest (norms, rotary,
 attention, cache, Python) is what remains. Nothing here is asserted; it explains the decode rows of
 `benchmarks.run`.
+
+`--host` measures instead the host's work in a step of `generate`: a Llama of width 64 with 16 layers (the
+layer count of Llama-3.2-1B) on one thread, whose products take microseconds, so a step's time is Python,
+dispatch, masks, positions and cache handling: what a GPU step waits on while the host launches its kernels.
+Both models generate greedily from left-padded 64-token prompts at batch 1 and 32; a step's time is the CPU
+time of this thread ((`--new-tokens` + 8 steps) - 8 steps, so the prefill cancels), which a busy machine
+disturbs less than the clock; the median of `--repeats`, models alternating. Ours runs twice: as shipped,
+and with the split products off (`split_products.set_split_products(False)`).
 """
 
 from __future__ import annotations
@@ -37,6 +46,62 @@ def _step_ms(model, prompt: torch.Tensor, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _host_step_ms(model, prompt: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> float:
+    """CPU time of this thread per `generate` step (the prefill and the first 8 steps cancel)."""
+    times = {}
+    for steps in (8, 8 + new_tokens):
+        start = time.thread_time()
+        model.generate(prompt, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        times[steps] = time.thread_time() - start
+    return (times[8 + new_tokens] - times[8]) / new_tokens * 1e3
+
+
+def host_overhead(repeats: int, new_tokens: int) -> None:
+    """The `--host` table (module docstring)."""
+    import transformers
+
+    from modular_decoder import ModularDecoderForCausalLM
+    from modular_decoder.conversion import convert
+
+    torch.set_num_threads(1)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=16,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as folder:
+        transformers.LlamaForCausalLM(config).save_pretrained(Path(folder) / "llama")
+        convert(Path(folder) / "llama", Path(folder) / "ours", progress=False)
+        reference = transformers.LlamaForCausalLM.from_pretrained(Path(folder) / "llama", attn_implementation="sdpa")
+        ours = ModularDecoderForCausalLM.from_pretrained(Path(folder) / "ours", attn_implementation="sdpa")
+    for model in (reference, ours):
+        model.eval().generation_config.pad_token_id = 0
+
+    def ours_unsplit(*args):
+        split_products.set_split_products(False)
+        try:
+            return _host_step_ms(ours, *args)
+        finally:
+            split_products.set_split_products(True)
+
+    runs = {"transformers": lambda *a: _host_step_ms(reference, *a), "ours": lambda *a: _host_step_ms(ours, *a),
+            "ours, split products off": ours_unsplit}
+    print(f"host time per generate step (ms, CPU thread time, median of {repeats}), width 64 x 16 layers, "
+          f"transformers {transformers.__version__}, torch {torch.__version__}")
+    print("| batch | " + " | ".join(runs) + " | ratio transformers / ours |\n|---|" + "---:|" * (len(runs) + 1))
+    for batch in (1, 32):
+        prompt = torch.randint(1, config.vocab_size, (batch, 64), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(prompt)
+        mask[::2, :8] = 0  # every other row left-padded (row 0 too, so batch 1 is padded as well)
+        times = {name: [] for name in runs}
+        with torch.inference_mode():
+            for _ in range(repeats):
+                for name, run in runs.items():
+                    times[name].append(run(prompt, mask, new_tokens))
+        median = {name: statistics.median(values) for name, values in times.items()}
+        print(f"| {batch} | " + " | ".join(f"{median[name]:.2f}" for name in runs)
+              + f" | {median['transformers'] / median['ours']:.2f} |", flush=True)
+
+
 def _empty_product(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -49,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--host", action="store_true", help="host time per generate step (module docstring)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="with --host: steps timed per generate")
     args = parser.parse_args(argv)
+    if args.host:
+        host_overhead(args.repeats, args.new_tokens)
+        return 0
     with tempfile.TemporaryDirectory() as folder:
         reference, ours, label = build_pair("llama", Path(folder), quick=False)
     torch.manual_seed(0)

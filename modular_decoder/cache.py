@@ -3,7 +3,8 @@
 Implementations (`IMPLEMENTATIONS`), each mapping `config.layer_types` to layers, which the
 config's attention kind builds (`AttentionKind.cache_layer`):
 
-- `"dynamic"`: full K/V that grows (into doubling pre-allocated storage, `growing_cache.py`), and
+- `"dynamic"`: full K/V that grows into pre-allocated storage with 1/64 of its length spare, at
+  least 16 tokens (`growing_cache.py`: no copy of the whole cache per step), and
   for sliding layers the last `sliding_window - 1` tokens (as Mistral and Gemma local layers need);
 - `"static"`: K/V pre-allocated for `max_cache_len` tokens (a ring of `sliding_window` slots for
   sliding layers), for `torch.compile`;
@@ -114,8 +115,8 @@ def _layer_tensors(layer) -> list:
 
 
 class DynamicModularDecoderCache(ModularDecoderCache, DynamicCache):
-    """The default: grows with the tokens (full layers into doubling storage, sliding layers keep
-    their window, MLA layers their latents)."""
+    """The default: grows with the tokens (full layers into storage with 1/64 spare, sliding layers
+    keep their window, MLA layers their latents)."""
 
 
 class StaticModularDecoderCache(ModularDecoderCache, StaticCache):

@@ -75,18 +75,18 @@ class GrowingLayer(DynamicLayer):
             # the setter's pointer test, which a compiled step skips).
             self._key_store = self._value_store = None
             return super().update(key_states, value_states)
-        length, new = self.get_seq_length(), key_states.shape[-2]
-        if min(self._capacity(self._key_store), self._capacity(self._value_store)) < length + new:
-            self._reserve(length, self.capacity_for(length + new), key_states, value_states)
-        self._key_store[..., length : length + new, :].copy_(key_states)
-        self._value_store[..., length : length + new, :].copy_(value_states)
-        self.keys = self._key_store[..., : length + new, :]
-        self.values = self._value_store[..., : length + new, :]
-        return self.keys, self.values
-
-    @staticmethod
-    def _capacity(store) -> int:
-        return -1 if store is None else store.shape[-2]
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        key_store, value_store = self._key_store, self._value_store
+        if key_store is None or value_store is None or min(key_store.shape[-2], value_store.shape[-2]) < end:
+            self._reserve(length, self.capacity_for(end), key_states, value_states)
+            key_store, value_store = self._key_store, self._value_store
+        key_store[..., length:end, :].copy_(key_states)
+        value_store[..., length:end, :].copy_(value_states)
+        # prefix views of the storage: set past the setters' test, which they pass by construction (a decode
+        # step runs this once per layer, and the test's reads of pointers and strides cost host time)
+        self._keys, self._values = key_store[..., :end, :], value_store[..., :end, :]
+        return self._keys, self._values
 
     def _reserve(self, length: int, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Move the first `length` tokens into fresh storage of `capacity` tokens, keys then values,

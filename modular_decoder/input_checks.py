@@ -12,18 +12,20 @@ import contextvars
 import torch
 
 # The sync rule. Shapes and dtypes are read for free. Reading a tensor's values on the host (a mask's
-# 0/1, the range of token ids) waits for the device that holds it, so a value check runs:
-# - on CPU tensors in every `forward` (no device to wait for; `syncs_device`), the id range only after
-#   the embedding's own bounds error;
-# - on an accelerator once per `generate` call, on its prompt (`check_generate_inputs`), and never in
-#   `forward` otherwise: not in a training step, not in a decode step, as transformers' Llama reads
-#   none. There a direct `forward` takes its mask's values as given, and an id outside the vocabulary
-#   is the device's own assert, as in transformers' models.
+# 0/1, the range of token ids, a static cache's length) waits for the device that holds it, so:
+# - on CPU tensors a value check runs in every `forward` (no device to wait for; `syncs_device`), the id
+#   range only after the embedding's own bounds error;
+# - on an accelerator the prompt of a `generate` call is read once, in one host read (`check_generate_inputs`),
+#   and nothing is read in `forward`: not in a training step, not in a decode step, as transformers' Llama
+#   reads nothing there. A direct `forward` takes its mask's values as given, an id outside the vocabulary
+#   is the device's own assert (as in transformers' models), and a 2-D mask beside a static cache is checked
+#   against the cache's capacity but not against the count of cached tokens, which the cache keeps on the
+#   device (a mask too short for them is then the device's index assert, where the new tokens' columns are read).
 
 _ID_DTYPES = (torch.int64, torch.int32)  # what `nn.Embedding` accepts
 # True inside `generate` once its prompt passed `check_generate_inputs`: the masks of the steps are
 # that mask with columns of ones appended by generate itself, so their values are not read again.
-_PROMPT_CHECKED = contextvars.ContextVar("modular_decoder_prompt_checked", default=False)
+_GENERATING = contextvars.ContextVar("modular_decoder_generating", default=False)
 
 
 def syncs_device(tensor: torch.Tensor) -> bool:
@@ -33,44 +35,54 @@ def syncs_device(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def prompt_checked():
+def generating():
     """Mark the forwards inside this block as steps of a `generate` whose prompt was checked."""
-    token = _PROMPT_CHECKED.set(True)
+    token = _GENERATING.set(True)
     try:
         yield
     finally:
-        _PROMPT_CHECKED.reset(token)
+        _GENERATING.reset(token)
 
 
-def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None, cache=None, prompt=False) -> None:
+
+def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None, cache=None) -> None:
     """Raise a `ValueError` naming the argument when the inputs of `forward` cannot be what they claim.
 
     `input_ids`: a 2-D (batch, seq) tensor of int64/int32 ids, neither dimension 0. `inputs_embeds`: a
     floating (batch, seq, hidden_size) tensor. `attention_mask`: a 2-D (batch, past + seq) tensor of
-    0/1 (bool, int or float), where `past` is what `cache` holds (beside a static cache it may be padded with
-    zeros up to the cache's length, as transformers pads it; see `_check_mask_length`); 4-D masks and the per-layer-type dict
-    generate() builds are passed through as they are.
+    0/1 (bool, int or float), where `past` is what `cache` holds (beside a static cache it may be padded
+    with zeros up to the cache's length, as transformers pads it; see `_check_mask_length`); 4-D masks and
+    the per-layer-type dict generate() builds are passed through as they are.
 
     Shapes and dtypes cost nothing (no device work). The one data-dependent check, that a 2-D mask
     holds only 0 and 1, is a single reduction done only when a mask is given (a mask of 2s would
     otherwise shift every position, since positions count the mask), under the sync rule above: on a
-    CPU mask, or on any mask when `prompt` (`generate`'s prompt); never while compiling nor in the
-    steps of a `generate` whose prompt mask was checked on entry (`prompt_checked`).
+    CPU mask only; never while compiling nor in the steps of a `generate` whose prompt mask was checked
+    on entry (`generating`).
     """
+    mask = _checked_shapes(config, input_ids, attention_mask, inputs_embeds, cache)
+    read_values = not (torch.compiler.is_compiling() or _GENERATING.get())  # dynamo cannot read a ContextVar
+    if mask is not None and read_values and not syncs_device(mask) and not _zeros_and_ones(mask):
+        raise _mask_values_error(mask)
+
+
+def _checked_shapes(config, input_ids, attention_mask, inputs_embeds, cache) -> torch.Tensor | None:
+    """The shape and dtype checks of `check_inputs`; returns the 2-D mask whose values are still to check
+    (None for no mask, a bool mask, a 4-D mask or generate's per-layer dict)."""
     if input_ids is not None:
         batch, seq = _check_ids(input_ids)
     elif inputs_embeds is not None:
         batch, seq = _check_embeds(config, inputs_embeds)
     else:
-        return
+        return None
     if attention_mask is None or isinstance(attention_mask, dict):
-        return
+        return None
     if not isinstance(attention_mask, torch.Tensor):
         raise ValueError(
             f"`attention_mask` must be a torch tensor of shape (batch, seq), got {type(attention_mask).__name__}."
         )
     if attention_mask.dim() == 4:  # a custom (batch, 1, q, kv) mask: used as given
-        return
+        return None
     if attention_mask.dim() != 2:
         raise ValueError(
             f"`attention_mask` must be 2-D (batch, seq) with 1 for tokens to attend to and 0 for padding, got "
@@ -82,17 +94,19 @@ def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None
             f"(mask shape {tuple(attention_mask.shape)}, input (batch, seq) = ({batch}, {seq}))."
         )
     _check_mask_length(attention_mask, seq, cache)
-    read_values = prompt or not (_PROMPT_CHECKED.get() or syncs_device(attention_mask))
-    if (attention_mask.dtype != torch.bool and read_values and not torch.compiler.is_compiling()
-            and not _zeros_and_ones(attention_mask)):
-        raise ValueError(
-            "`attention_mask` must hold only 0 (padding) and 1 (token), got other values: "
-            f"{_few_values(attention_mask)}."
-        )
+    return None if attention_mask.dtype == torch.bool else attention_mask
+
+
+def _mask_values_error(mask: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"`attention_mask` must hold only 0 (padding) and 1 (token), got other values: {_few_values(mask)}."
+    )
 
 
 def check_generate_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None) -> None:
-    """`check_inputs` for a prompt given to `generate`; an empty prompt is refused with a hint."""
+    """`check_inputs` for a prompt given to `generate`, values included wherever the prompt lies: a mask
+    of 0/1 and ids in [0, vocab_size), read in one host read (one device sync per `generate` call, none
+    per step). An empty prompt is refused with a hint."""
     if input_ids is not None and inputs_embeds is None and isinstance(input_ids, torch.Tensor) \
             and input_ids.dim() == 2 and input_ids.shape[1] == 0:
         raise ValueError(
@@ -103,8 +117,19 @@ def check_generate_inputs(config, input_ids=None, attention_mask=None, inputs_em
         # a prompt given both ways: the embeddings are what the first step runs on
         _check_embeds(config, inputs_embeds)
         input_ids = None
-    check_inputs(config, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, prompt=True)
-    if input_ids is not None and syncs_device(input_ids):  # on CPU the embedding's bounds error leads to it
+    mask = _checked_shapes(config, input_ids, attention_mask, inputs_embeds, cache=None)
+    flags = {}  # what would be refused -> a 0-d bool tensor: whether the prompt holds it
+    if mask is not None:
+        flags["mask"] = ((mask != 0) & (mask != 1)).any()
+    if input_ids is not None:
+        flags["ids"] = ((input_ids < 0) | (input_ids >= config.vocab_size)).any()
+    if not flags:
+        return
+    device = next(iter(flags.values())).device
+    found = dict(zip(flags, torch.stack([flag.to(device) for flag in flags.values()]).tolist()))  # the one read
+    if found.get("mask"):
+        raise _mask_values_error(mask)
+    if found.get("ids"):
         check_token_ids(config, input_ids)
 
 
@@ -149,26 +174,47 @@ def _check_embeds(config, inputs_embeds) -> tuple[int, int]:
 
 def _check_mask_length(attention_mask: torch.Tensor, seq: int, cache) -> None:
     """A 2-D mask covers the cached and the new tokens, column j for token j. Beside a static cache it may
-    also be padded with zeros up to the cache's length (`max_cache_len`), as transformers' mask builders
-    pad it themselves: column j is then slot j, and any length in between is read that way."""
+    also be padded with zeros up to the cache's length (`max_cache_len` of its full-attention layers), as
+    transformers' mask builders pad it themselves: column j is then slot j, and any length in between is
+    read that way. The cached tokens are counted only where that is free (`_cached_tokens`)."""
     length = attention_mask.shape[1]
     static = cache is not None and getattr(cache, "is_compileable", False)
-    if static:
-        capacity = cache.get_max_length()
-        if length > capacity:
-            raise ValueError(
-                f"`attention_mask` has length {length} but the static cache holds at most {capacity} tokens "
-                "(its `max_cache_len`): a mask covers the cached and new tokens, optionally padded with zeros to it."
-            )
-        if torch.compiler.is_compiling() or _PROMPT_CHECKED.get():
-            return  # a static cache keeps its length on the device: read once per direct call, not per step
-        past = int(cache.get_seq_length())
-    else:
-        past = cache.get_seq_length() if cache is not None else 0
+    capacity = _static_capacity(cache) if static else None
+    if capacity is not None and length > capacity:
+        raise ValueError(
+            f"`attention_mask` has length {length} but the static cache holds at most {capacity} tokens "
+            "(its `max_cache_len`): a mask covers the cached and new tokens, optionally padded with zeros to it."
+        )
+    past = _cached_tokens(cache)
+    if past is None:
+        return
     if length < past + seq or (length > past + seq and not static):
         covers = f"the {past} cached and {seq} new tokens ({past + seq})" if past else f"the input's {seq} tokens"
-        padded = f", or those padded with zeros to the static cache's {cache.get_max_length()} slots" if static else ""
+        padded = f", or those padded with zeros to the static cache's {capacity} slots" if capacity else ""
         raise ValueError(f"`attention_mask` has length {length} but must cover {covers}{padded}.")
+
+
+def _static_capacity(cache) -> int | None:
+    """The longest 2-D mask a static cache takes: the length of its full-attention layers. A sliding layer is
+    a ring of `sliding_window` slots that reads the mask by token position, so it bounds nothing: a cache
+    whose layers all slide (Mistral's) takes a mask of any length, as transformers' models take it."""
+    full = [layer.get_max_length() for layer in cache.layers if not getattr(layer, "is_sliding", False)]
+    return min(full) if full else None
+
+
+def _cached_tokens(cache) -> int | None:
+    """The count of tokens `cache` holds, or None where reading it would cost a device sync (the sync rule):
+    a static cache counts on the device, and inside a compiled graph or `generate`'s steps it is not read."""
+    if cache is None:
+        return 0
+    if getattr(cache, "is_compileable", False) and (torch.compiler.is_compiling() or _GENERATING.get()):
+        return None
+    past = cache.get_seq_length()
+    if isinstance(past, torch.Tensor):
+        if syncs_device(past):
+            return None
+        past = int(past)
+    return past
 
 
 def _zeros_and_ones(mask: torch.Tensor) -> bool:

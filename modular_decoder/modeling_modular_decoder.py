@@ -30,7 +30,7 @@ from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint
 from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
-from .input_checks import check_generate_inputs, check_inputs, check_token_ids, prompt_checked
+from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .moe import init_moe_weights
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
@@ -182,10 +182,17 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         `position_ids` default to counting the real tokens of a 2-D `attention_mask` (so left
         padding does not shift positions), else to the cache length onwards. Packed documents
         are expressed by `position_ids` restarting at 0 with no `attention_mask`.
+
+        Serving: vLLM's Transformers backend calls this forward with its requests packed in one row,
+        positions in `position_ids` and no cache; `**kwargs` reach every attention call, where it
+        puts its own kernel and paged cache (DESIGN.md, "Serving and scale").
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         check_inputs(self.config, input_ids, attention_mask, inputs_embeds, cache)
+        # packed documents are looked for (one host read) in positions a caller gave without a cache, as
+        # transformers' models look for them; generate always passes one
+        packed_positions = position_ids if cache is None else None
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -199,26 +206,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
 
         hidden = self._embed(inputs_embeds, position_ids)
         layer_types = self.config.layer_types
-        if isinstance(attention_mask, dict):
-            # generate() pre-builds the masks per layer type for a compileable (static) cache
-            masks = attention_mask
-        else:
-            # An empty dynamic cache sizes the masks as no cache would, but transformers detects packed
-            # documents (position_ids restarting at 0) only when it is given no cache.
-            # (A static cache is tested first: its length is a tensor, which export cannot branch on.)
-            mask_cache = cache if cache is not None and (cache.is_compileable or past_seen) else None
-            if attention_mask is None and mask_cache is not None and mask_cache.is_compileable:
-                attention_mask = self._filled_slots_mask(inputs_embeds, past_seen)
-            masks = {
-                layer_type: MASK_BUILDERS[layer_type](
-                    config=self.config,
-                    inputs_embeds=inputs_embeds,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    **with_cache(mask_cache),
-                )
-                for layer_type in set(layer_types)
-            }
+        masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self.rotary_emb.tables(hidden, position_ids, layer_types) if self.rotary_emb is not None else {}
         alibi = self._alibi_kwargs(hidden, cache) if self.alibi is not None else {}
 
@@ -236,6 +224,30 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return MoeModelOutputWithPast(last_hidden_state=hidden, **with_cache(cache if use_cache else None))
+
+    def _masks(self, inputs_embeds, attention_mask, packed_positions, cache, past_seen) -> dict:
+        """The attention mask of each layer type, from transformers' mask builders (`MASK_BUILDERS`).
+
+        generate() pre-builds them for a static cache (a dict, used as given). A dynamic cache that holds no
+        tokens sizes the masks as no cache would, and then transformers looks for packed documents in
+        `packed_positions` (positions restarting at 0, no mask), at the cost of one host read. (A static
+        cache is tested first: its length is a tensor, which export cannot branch on.)
+        """
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        mask_cache = cache if cache is not None and (cache.is_compileable or past_seen) else None
+        if attention_mask is None and mask_cache is not None and mask_cache.is_compileable:
+            attention_mask = self._filled_slots_mask(inputs_embeds, past_seen)
+        return {
+            layer_type: MASK_BUILDERS[layer_type](
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                position_ids=packed_positions,
+                **with_cache(mask_cache),
+            )
+            for layer_type in set(self.config.layer_types)
+        }
 
     def _filled_slots_mask(self, inputs_embeds: torch.Tensor, past_seen: int) -> torch.Tensor | None:
         """A (B, seen + new) all-ones mask for the flash backends over a static cache: with no mask,
@@ -305,6 +317,13 @@ def new_token_columns(mask: torch.Tensor, past_seen: int | torch.Tensor, seq: in
     if isinstance(past_seen, int):
         return mask[:, past_seen : past_seen + seq]
     return mask[:, torch.arange(seq, device=mask.device) + past_seen.to(mask.device)]
+
+
+def _tokens_before(cache) -> int | torch.Tensor:
+    """How many tokens `cache` holds before this forward: a static cache counts on the device, in a tensor
+    the forward advances in place, so a copy of it (never read on the host)."""
+    past = cache.get_seq_length() if isinstance(cache, Cache) else 0
+    return past.clone() if isinstance(past, torch.Tensor) else past
 
 
 def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor:
@@ -389,9 +408,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         # where the new tokens start in a 2-D mask, for the router losses
-        past_seen = cache.get_seq_length() if output_router_logits and isinstance(cache, Cache) else 0
-        if isinstance(past_seen, torch.Tensor):  # a static cache's counter, which the forward advances in place
-            past_seen = past_seen.clone()
+        past_seen = _tokens_before(cache) if output_router_logits else 0
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -402,23 +419,12 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             output_router_logits=output_router_logits,
             **kwargs,
         )
-        hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = project(self.lm_head, hidden)
-        if self.config.logits_scaling != 1.0:
-            logits = logits / self.config.logits_scaling
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = cap * torch.tanh(logits / cap)
+        logits = self._logits(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = aux_loss = z_loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         if output_router_logits and outputs.router_logits:  # a model without routers records none
-            # padding is left out through a 2-D mask (generate's pre-built per-layer masks carry none)
-            mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
-            if mask is not None:  # the new tokens' columns (a static cache's mask may be padded past them)
-                mask = new_token_columns(mask, past_seen, outputs.last_hidden_state.shape[1])
-            batch = outputs.last_hidden_state.shape[0]
-            router_loss, aux_loss, z_loss = router_losses(outputs.router_logits, self.config, mask, batch)
+            router_loss, aux_loss, z_loss = self._router_losses(outputs, attention_mask, past_seen)
             if loss is not None:
                 loss = loss + router_loss.to(loss.device)
         return ModularDecoderCausalLMOutput(
@@ -431,6 +437,26 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits,
             z_loss=z_loss,
         )
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head: `lm_head(hidden) / logits_scaling`, soft-capped to (-cap, cap) by `cap * tanh(x / cap)`."""
+        logits = project(self.lm_head, hidden)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def _router_losses(self, outputs, attention_mask, past_seen: int | torch.Tensor):
+        """(weighted sum, aux_loss, z_loss) of the router logits, over the new tokens' real positions: padding
+        is left out through a 2-D mask, whose new tokens are its columns from `past_seen` (a static cache's
+        mask may be padded past them; generate's pre-built per-layer masks carry none)."""
+        mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
+        seq = outputs.last_hidden_state.shape[1]
+        if mask is not None:
+            mask = new_token_columns(mask, past_seen, seq)
+        return router_losses(outputs.router_logits, self.config, mask, outputs.last_hidden_state.shape[0])
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """transformers' `generate`, with the prompt (`input_ids`, `attention_mask`, `inputs_embeds`)
@@ -445,7 +471,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             attention_mask=kwargs.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
         )
-        with prompt_checked():
+        with generating():
             return super().generate(inputs, *args, **kwargs)
 
     def _prepare_cache_for_generation(

@@ -47,3 +47,23 @@ def recording_backend(graphs: list, inductor: bool = False):
         return torch._inductor.compile(graph_module, example_inputs) if inductor else graph_module.forward
 
     return backend
+
+
+def converted_twin(family: str, folder, **config):
+    """transformers' `{family}ForCausalLM` ("Llama", "Mistral", ...) at a tiny shape (`config` overrides it) with
+    random weights, and ours converted from its saved folder by the production converter: both eval, sdpa."""
+    import transformers
+
+    from modular_decoder.conversion import convert
+
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    config_cls, model_cls = (getattr(transformers, f"{family}{kind}") for kind in ("Config", "ForCausalLM"))
+    torch.manual_seed(0)
+    model_cls(config_cls(**{**shape, **config})).save_pretrained(folder / family)
+    convert(folder / family, folder / "ours", progress=False)
+    reference = model_cls.from_pretrained(folder / family, attn_implementation="sdpa").eval()
+    ours = ModularDecoderForCausalLM.from_pretrained(folder / "ours", attn_implementation="sdpa").eval()
+    for model in (reference, ours):
+        model.generation_config.pad_token_id = 0
+    return reference, ours

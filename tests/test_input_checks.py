@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decoding import converted_twin
 
 from modular_decoder import ModularDecoderForCausalLM, preset_config
 
@@ -126,14 +127,17 @@ def test_mask_values_are_checked_again_after_generate(model):
 
 # ------------------------------------------------------------------------------------ host reads (the sync rule)
 
-HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+# Every call that reads a tensor's values on the host, each a device sync on an accelerator
+HOST_READS = {torch.Tensor: ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
+                             "numpy"),
+              torch: ("equal", "nonzero")}
 
 
 @pytest.fixture
 def host_reads(monkeypatch):
-    """Counts every read of a tensor's values by the host (`.item()`, `.tolist()`, `bool()`, `int()`, ...): each is a
-    device sync on an accelerator. `on_accelerator()` makes the checks treat every tensor as an accelerator's
-    (`input_checks.syncs_device`, the seam the rule goes through): on CPU the real sync cannot be observed."""
+    """Counts every read of a tensor's values by the host (`HOST_READS`). `on_accelerator()` makes the checks
+    treat every tensor as an accelerator's (`input_checks.syncs_device`, the seam the rule goes through): on
+    CPU the real sync cannot be observed."""
     from modular_decoder import input_checks
 
     class Reads(list):
@@ -141,21 +145,26 @@ def host_reads(monkeypatch):
             monkeypatch.setattr(input_checks, "syncs_device", lambda tensor: True)
 
     reads = Reads()
-    for name in HOST_READS:
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name: reads.append(_n) or _f(self, *a))
+    for owner, names in HOST_READS.items():
+        for name in names:
+            original = getattr(owner, name)
+            monkeypatch.setattr(owner, name, lambda *a, _f=original, _n=name, **k: reads.append(_n) or _f(*a, **k))
     return reads
 
 
-def _llama_twin(model):
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    """transformers' `LlamaForCausalLM` and ours with its weights (through the converter)."""
+    return converted_twin("Llama", tmp_path_factory.mktemp("llama"))
 
-    c = model.config
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, rope_parameters=c.rope_parameters,
-    ))
+
+def _batch(padded: bool, batch: int = 4, length: int = 6):
+    tokens = torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if padded:
+        mask[::2, :2] = 0
+        tokens[mask == 0] = 0
+    return tokens, mask
 
 
 def _training_step(model, batch, mask):
@@ -166,45 +175,73 @@ def _training_step(model, batch, mask):
         model.eval()
 
 
-def test_a_training_step_on_an_accelerator_reads_what_llamas_reads(model, host_reads):
-    """A training step (forward with a padded mask, loss, backward) reads no more tensor values on the host than
-    transformers' Llama does in the same step: none of the input checks' reads remain on an accelerator. On CPU
-    the mask check reads its values (free there: no device to wait for)."""
-    batch = ids(model, 2, 6)
-    mask = torch.ones(2, 6, dtype=torch.long)
-    mask[1, :2] = 0
-    llama = _llama_twin(model)
-    host_reads.clear()
-    _training_step(llama, batch, mask)
-    llamas = list(host_reads)
-    host_reads.clear()
-    _training_step(model, batch, mask)
-    on_cpu = list(host_reads)
-    host_reads.on_accelerator()
-    host_reads.clear()
-    _training_step(model, batch, mask)
-    assert host_reads == llamas, (host_reads, llamas)
-    assert len(on_cpu) > len(llamas)  # the CPU check reads the mask: the count sees the checks' reads
-
-
-def test_generate_on_an_accelerator_checks_its_prompt_once(model, host_reads, monkeypatch):
-    """On an accelerator `generate` reads its prompt's values once (mask 0/1 and the ids' range), whatever the
-    number of steps, and still refuses a bad prompt with a `ValueError`."""
-    from modular_decoder import input_checks
-
-    host_reads.on_accelerator()
-    calls = []
-    for name in ("_zeros_and_ones", "check_token_ids"):
-        original = getattr(input_checks, name)
-        monkeypatch.setattr(input_checks, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
-    prompt, mask = ids(model, 2, 4), torch.ones(2, 4, dtype=torch.long)
+@pytest.mark.parametrize("padded", [True, False], ids=["padded-mask", "no-mask"])
+def test_a_training_step_on_an_accelerator_reads_no_more_than_llama(llama_pair, host_reads, padded):
+    """A training step (forward, loss, backward) reads no more tensor values on the host than transformers' Llama
+    does in the same step with the same weights: none of the input checks' reads remain on an accelerator, and
+    a batch without a mask pays no search for packed documents in positions nobody passed. On CPU the mask
+    check reads its values (free there: no device to wait for)."""
+    batch, mask = _batch(padded)
+    mask = mask if padded else None
     counts = {}
-    for steps in (1, 5):
-        calls.clear()
-        model.generate(prompt, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-        counts[steps] = list(calls)
-    assert counts[1] == counts[5] == ["_zeros_and_ones", "check_token_ids"]
+    for name, model in zip(("llama", "ours"), llama_pair):
+        host_reads.clear()
+        _training_step(model, batch, mask)
+        counts[name, "cpu"] = list(host_reads)
+    host_reads.on_accelerator()
+    host_reads.clear()
+    _training_step(llama_pair[1], batch, mask)
+    assert len(host_reads) <= len(counts["llama", "cpu"]), (host_reads, counts["llama", "cpu"])
+    if padded:  # the CPU check reads the mask: the count sees the checks' reads
+        assert len(counts["ours", "cpu"]) > len(counts["llama", "cpu"])
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
+def test_generate_on_an_accelerator_reads_no_more_than_llama_per_step(llama_pair, host_reads, padded):
+    """On an accelerator each step of `generate` reads no more tensor values on the host than the same step of
+    transformers' Llama with the same weights (the same tokens come out), and the whole call at most one more:
+    the prompt's values (mask 0/1, ids in the vocabulary), read once, together. A bad prompt is still refused
+    with a `ValueError`."""
+    host_reads.on_accelerator()
+    prompt, mask = _batch(padded)
+    reads, tokens = {}, {}
+    for name, model in zip(("llama", "ours"), llama_pair):
+        for steps in (1, 5):
+            host_reads.clear()
+            with torch.no_grad():
+                tokens[name, steps] = model.generate(prompt, attention_mask=mask, max_new_tokens=steps,
+                                                     min_new_tokens=steps, do_sample=False)
+            reads[name, steps] = len(host_reads)
+    assert torch.equal(tokens["ours", 5], tokens["llama", 5])
+    per_step = {name: (reads[name, 5] - reads[name, 1]) / 4 for name in ("llama", "ours")}
+    assert per_step["ours"] <= per_step["llama"], (per_step, reads)
+    assert reads["ours", 5] <= reads["llama", 5] + 1, reads
+    ours = llama_pair[1]
     with pytest.raises(ValueError, match="only 0"):
-        model.generate(prompt, attention_mask=torch.full((2, 4), 2), max_new_tokens=2)
+        ours.generate(prompt, attention_mask=torch.full(prompt.shape, 2), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"must lie in \[0, vocab_size=128\); got values in \[0, 128\]"):
-        model.generate(torch.tensor([[0, 128]]), max_new_tokens=2)
+        ours.generate(torch.tensor([[0, 128]]), max_new_tokens=2)
+
+
+def test_forward_beside_a_static_cache_on_an_accelerator_reads_no_more_than_llama(llama_pair, host_reads):
+    """Direct forwards with a static cache and a left-padded 2-D mask (a prefill, then a step) read no more tensor
+    values on the host than transformers' Llama in the same calls: the cache's token count, a device tensor, is
+    not read for the mask-length check there. On CPU that check still runs (it reads the count for free)."""
+    from transformers import StaticCache
+
+    from modular_decoder.cache import ModularDecoderCache
+
+    host_reads.on_accelerator()
+    batch, mask = _batch(padded=True)
+    llama, ours = llama_pair
+    reads, logits = {}, {}
+    caches = {"llama": StaticCache(config=llama.config, max_cache_len=16),
+              "ours": ModularDecoderCache(ours.config, "static", max_cache_len=16)}
+    for name, model in (("llama", llama), ("ours", ours)):
+        host_reads.clear()
+        with torch.no_grad():
+            model(batch[:, :5], attention_mask=mask[:, :5], cache=caches[name])
+            logits[name] = model(batch[:, 5:], attention_mask=mask, cache=caches[name]).logits
+        reads[name] = list(host_reads)
+    torch.testing.assert_close(logits["ours"], logits["llama"], rtol=1e-5, atol=1e-5)
+    assert len(reads["ours"]) <= len(reads["llama"]), reads

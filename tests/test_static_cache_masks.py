@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoding import prompt, tiny_model
+from decoding import converted_twin, prompt, tiny_model
 from transformers import DynamicCache, StaticCache
 
 from modular_decoder.cache import ModularDecoderCache
@@ -89,3 +89,24 @@ def test_router_losses_count_the_new_tokens_of_a_padded_mask():
             outputs[kind] = model(ids[:, 5:7], attention_mask=step_mask, cache=cache, output_router_logits=True)
     for name in ("aux_loss", "z_loss"):
         torch.testing.assert_close(getattr(outputs["ours-static"], name), getattr(outputs["dynamic"], name))
+
+
+def test_a_static_cache_whose_layers_all_slide_takes_a_mask_longer_than_the_window(tmp_path):
+    """Mistral's layout (every layer slides, window 8) over a static cache of 64: a 12-token prompt with its 2-D
+    mask, then a step, give the logits of the uncached forward and of transformers' `MistralForCausalLM` with
+    `StaticCache(max_cache_len=64)` on the same weights (the window bounds the ring, not the mask)."""
+    mistral, ours = converted_twin("Mistral", tmp_path, sliding_window=8, max_position_embeddings=128)
+    assert set(ours.config.layer_types) == {"sliding_attention"}
+    ids = prompt(2, 13, vocab=128)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :3] = 0  # the second row is left-padded
+    with torch.no_grad():
+        reference = ours(ids, attention_mask=mask, use_cache=False).logits
+        caches = {"ours": ModularDecoderCache(ours.config, "static", max_cache_len=64),
+                  "mistral": StaticCache(config=mistral.config, max_cache_len=64)}
+        for name, model in (("ours", ours), ("mistral", mistral)):
+            cache = caches[name]
+            logits = torch.cat([model(ids[:, :12], attention_mask=mask[:, :12], cache=cache).logits,
+                                model(ids[:, 12:], attention_mask=mask, cache=cache).logits], dim=1)
+            real = mask.bool()
+            torch.testing.assert_close(logits[real], reference[real], rtol=1e-5, atol=1e-5, msg=name)
