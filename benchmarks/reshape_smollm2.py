@@ -24,8 +24,8 @@ def rows(folder: Path) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from modular_decoder.tools.reshape import transform
-    from modular_decoder.tools.reshape_eval import measured_cache_bytes_per_token, perplexity
-    from modular_decoder.tools.reshape_heal import heal
+    from modular_decoder.tools.reshape.measures import measured_cache_bytes_per_token, perplexity
+    from modular_decoder.tools.reshape.healing import heal
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_reshape import CALIBRATION_TEXT, HELD_OUT_TEXT

@@ -16,12 +16,10 @@ from transformers import AutoModelForCausalLM
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count
 from modular_decoder.commands import main
 from modular_decoder.tools.reshape import REPORT_FILE, reshape, transform
-from modular_decoder.tools.reshape_eval import measured_cache_bytes_per_token, perplexity
-from modular_decoder.tools.reshape_layers import block_distances
+from modular_decoder.tools.reshape.measures import measured_cache_bytes_per_token, perplexity
+from modular_decoder.tools.reshape.drop_layers import block_distances
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-HAS_MLA = importlib.util.find_spec("modular_decoder.tools.reshape_mla") is not None
 
 
 def tiny_config(**overrides) -> ModularDecoderConfig:
@@ -184,7 +182,7 @@ def test_perplexity_is_exp_of_the_mean_loss():
 
 
 def test_healing_trains_only_the_changed_modules_and_lowers_the_kl():
-    from modular_decoder.tools.reshape_heal import distillation_loss, heal
+    from modular_decoder.tools.reshape.healing import distillation_loss, heal
 
     source = tiny_model(num_attention_heads=6, num_key_value_heads=6)
     calibration = ids(4, 16)
@@ -312,7 +310,6 @@ def test_plot_reshape_draws_perplexity_against_cache_bytes(tmp_path):
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
-@pytest.mark.skipif(not HAS_MLA, reason="modular_decoder/tools/reshape_mla.py (helper `transmla`) is not on this branch")
 def test_mla_goes_through_to_mla():
     source = tiny_model(num_hidden_layers=2)
     result = reshape(source, ids(4, 16), attention="mla", kv_lora_rank=16, progress=False)
@@ -408,7 +405,7 @@ def test_smollm2_upcycling_is_exact_and_round_trips_through_mixtral(smollm2, tmp
 
 @pytest.mark.slow
 def test_smollm2_healing_closes_part_of_the_gap_on_held_out_text(smollm2):
-    from modular_decoder.tools.reshape_heal import heal
+    from modular_decoder.tools.reshape.healing import heal
 
     model, tokens = smollm2
     calibration = tokens["calibration"][:, :128]
@@ -445,7 +442,7 @@ def test_smollm2_cli_drop_layers_and_kv_heads(smollm2_folder, smollm2, tmp_path)
 
 
 def test_an_interrupted_run_leaves_nothing(tiny_folder, tmp_path, monkeypatch):
-    import modular_decoder.tools.reshape_report as report_module
+    import modular_decoder.tools.reshape.report as report_module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -458,18 +455,16 @@ def test_an_interrupted_run_leaves_nothing(tiny_folder, tmp_path, monkeypatch):
 
 def test_sweep_ranks_reports_each_rank_s_measured_cache(tiny_folder, tmp_path, monkeypatch):
     """The sweep's plumbing (report rows, measured latent cache, plot) with a stand-in for `to_mla`: a random
-    MLA model of the asked rank (the conversion itself is `reshape_mla`'s, tested there)."""
-    import sys
-    import types
-
-    from modular_decoder.tools.reshape_base import derived_config
+    MLA model of the asked rank (the conversion itself is `mla_conversion`'s, tested in test_reshape_mla.py)."""
+    from modular_decoder.tools.reshape import mla_conversion
+    from modular_decoder.tools.reshape.rebuild import derived_config
 
     def to_mla(model, kv_lora_rank, rope_dim, calibration_ids, *, progress=True):
         config = derived_config(model.config, attention_type="mla", kv_lora_rank=kv_lora_rank,
                                 qk_rope_head_dim=rope_dim or 4, qk_nope_head_dim=4, v_head_dim=8)
         return ModularDecoderForCausalLM(config).eval()
 
-    monkeypatch.setitem(sys.modules, "modular_decoder.tools.reshape_mla", types.SimpleNamespace(to_mla=to_mla))
+    monkeypatch.setattr(mla_conversion, "to_mla", to_mla)
     out = tmp_path / "out"
     assert main(["reshape", str(tiny_folder), str(out), "--attention", "mla", "--kv-lora-rank", "16",
                  "--rope-dim", "4", "--sweep-ranks", "8,16,32"]) == 0

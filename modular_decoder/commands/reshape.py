@@ -19,7 +19,7 @@ def ranks(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from modular_decoder.tools.reshape_heads import POOLS
+    from modular_decoder.tools.reshape.kv_heads import POOLS
 
     parser.add_argument("src", help="a modular_decoder checkpoint folder")
     parser.add_argument("out", help="the folder to write (weights, config, code, tokenizer, report)")

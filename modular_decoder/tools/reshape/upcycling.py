@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .reshape_base import Change, derived_config, model_from_state, require_positive_int
+from .rebuild import Change, derived_config, model_from_state, require_positive_int
 
 
 def check_experts(config, experts: int, top_k: int, shared_experts: int = 0, fine_grained: int = 1) -> None:

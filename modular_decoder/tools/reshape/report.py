@@ -49,7 +49,7 @@ def summary(report: dict) -> str:
 
 def render_card(config, report: dict) -> str:
     """The model card of a reshaped checkpoint: the usual card with the report as its description."""
-    from .cards import render_model_card
+    from ..cards import render_model_card
 
     names = ", ".join(f"`{c['transformation']}`" for c in report["transformations"])
     description = (f"Reshaped by `modular-decoder reshape` ({names}) from `{report['source']}`.\n\n"

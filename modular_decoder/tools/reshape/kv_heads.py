@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .reshape_base import Change, derived_config, model_from_state, require_positive_int
+from .rebuild import Change, derived_config, model_from_state, require_positive_int
 
 POOLS = ("mean", "first", "random")
 
