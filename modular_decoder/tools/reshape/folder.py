@@ -13,7 +13,7 @@ import torch
 
 from .calibration import Calibration, calibration_from_file, sampled_calibration
 from .healing import LEARNING_RATE, heal
-from .measures import measured_cache_bytes_per_token, perplexity
+from .measures import logit_change, measured_cache_bytes_per_token, perplexity
 from .pipeline import changed_modules, check_options, to_latent_attention, transform
 
 REPORT_FILE = "reshape_report.json"
@@ -71,10 +71,11 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
     timing["calibration"] = time.perf_counter() - start - sum(timing.values())
     before = measure(model, calib.held_out)
     structural = {**options, "attention": None, "kv_lora_rank": None, "rope_dim": None}
-    base, changes = transform(model, calib.ids, seed=seed, progress=progress, **structural)
+    base, changes = transform(model, calib.ids, seed=seed, progress=progress, measure_ids=calib.ids, **structural)
     new = base
-    if options.get("attention") == "mla":
+    if options.get("attention") == "mla":  # apart, so that the sweep starts from `base`
         new, change = to_latent_attention(base, options["kv_lora_rank"], options.get("rope_dim"), calib.ids, progress)
+        change.measured = logit_change(base, new, calib.ids)
         changes.append(change)
     timing["transform"] = time.perf_counter() - start - sum(timing.values())
     after = measure(new, calib.held_out)

@@ -1,5 +1,5 @@
-"""What a reshape run measures on a model: held-out perplexity and the KV-cache bytes it actually stores
-per token."""
+"""What a reshape run measures: how far a transformation moved the logits (what decides "exact" in a
+report), held-out perplexity, and the KV-cache bytes a model actually stores per token."""
 
 from __future__ import annotations
 
@@ -11,7 +11,24 @@ from modular_decoder.compat import cache_of
 
 from .calibration import start_token
 
-BATCH = 1  # sequences per perplexity forward: the (T, vocab) logits of one sequence at a time stay small
+BATCH = 1  # sequences per forward: the (T, vocab) logits of one sequence at a time stay small
+ROUNDING = 1e-5  # float32: a logit change within this share of the largest logit is rounding, not a change
+LOGIT_SEQUENCES = 4  # calibration sequences the logit change is measured on
+
+
+@torch.no_grad()
+def logit_change(before, after, ids: torch.LongTensor) -> dict:
+    """The largest |logit difference| between two models over the first `LOGIT_SEQUENCES` rows of `ids`
+    (no cache), and whether it is rounding: at most `ROUNDING` times the largest |logit| (at least 1).
+    A report calls a transformation exact only on this measurement."""
+    change, scale = 0.0, 1.0
+    for batch in ids[:LOGIT_SEQUENCES].split(BATCH):
+        reference = before(input_ids=batch, use_cache=False).logits.float()
+        result = after(input_ids=batch, use_cache=False).logits.float()
+        change = max(change, (reference - result).abs().max().item())
+        scale = max(scale, reference.abs().max().item())
+    return {"max_logit_change": change, "exact": change <= ROUNDING * scale,
+            "tokens": ids[:LOGIT_SEQUENCES].numel()}
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ import torch
 from .drop_layers import check_drop_layers, drop_block
 from .healing import LEARNING_RATE, heal
 from .kv_heads import POOLS, check_kv_heads, reshape_kv_heads
+from .measures import logit_change
 from .rebuild import Change, require_positive_int
 from .upcycling import check_experts, upcycle
 
@@ -67,31 +68,33 @@ def _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks) -> 
 
 def transform(model, calibration_ids=None, *, kv_heads=None, kv_pool="mean", attention=None, kv_lora_rank=None,
               rope_dim=None, experts=None, top_k=None, shared_experts=0, fine_grained=1, drop_layers=None,
-              seed: int = 0, progress: bool = True) -> tuple[torch.nn.Module, list[Change]]:
+              seed: int = 0, progress: bool = True, measure_ids=None) -> tuple[torch.nn.Module, list[Change]]:
     """Apply the chosen transformations in order (drop layers, K/V heads, experts, MLA); returns the new
-    model (sharing no tensor with `model`, which is left unchanged) and each transformation's record."""
-    changes: list[Change] = []
-    current, owned = model, False  # `owned`: an intermediate model of ours, whose tensors can be reused
+    model (sharing no tensor with `model`, which is left unchanged) and each transformation's record.
+    With `measure_ids`, each record carries how far that step moved the logits (`measures.logit_change`)."""
+    steps = []  # each: (model, copy) -> (model, Change)
     if drop_layers is not None:
-        current, change = drop_block(current, calibration_ids, drop_layers, progress, copy=not owned)
-        changes.append(change)
-        owned = True
+        steps.append(lambda m, copy: drop_block(m, calibration_ids, drop_layers, progress, copy=copy))
     if kv_heads is not None:
-        current, change = reshape_kv_heads(current, kv_heads, kv_pool, seed, copy=not owned)
-        changes.append(change)
-        owned = True
+        steps.append(lambda m, copy: reshape_kv_heads(m, kv_heads, kv_pool, seed, copy=copy))
     if experts is not None:
-        current, change = upcycle(current, experts, top_k, shared_experts, fine_grained, seed, copy=not owned)
-        changes.append(change)
-        owned = True
-    if attention == "mla":
-        current, change = to_latent_attention(current, kv_lora_rank, rope_dim, calibration_ids, progress)
+        steps.append(lambda m, copy: upcycle(m, experts, top_k, shared_experts, fine_grained, seed, copy=copy))
+    if attention == "mla":  # always builds new tensors
+        steps.append(lambda m, copy: to_latent_attention(m, kv_lora_rank, rope_dim, calibration_ids, progress))
+    changes: list[Change] = []
+    current = model
+    for step in steps:
+        # an intermediate model is ours: the next step may reuse its tensors
+        new, change = step(current, copy=current is model)
+        if measure_ids is not None:
+            change.measured = logit_change(current, new, measure_ids)
+        current = new
         changes.append(change)
     return current, changes
 
 
 def to_latent_attention(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids, progress: bool = True):
-    """GQA / MHA -> MLA the TransMLA way (`reshape_mla.to_mla`); returns (model, Change)."""
+    """GQA / MHA -> MLA the TransMLA way (`mla_conversion.to_mla`); returns (model, Change)."""
     from .mla_conversion import to_mla  # imported on use: it pulls in the attention classes
     new = to_mla(model, kv_lora_rank, rope_dim, calibration_ids, progress=progress)
     change = Change(
@@ -112,10 +115,10 @@ def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_step
     Args:
         model: The source; left unchanged (the result shares no tensor with it).
         calibration_ids: (sequences, T) token ids, needed by `drop_layers`, `attention="mla"` and
-            `heal_steps` (`reshape_eval.sampled_calibration(model)` makes them data-free).
+            `heal_steps` (`calibration.sampled_calibration(model)` makes them data-free).
         kv_heads: K/V heads of the result (MHA / GQA / MQA); `kv_pool` = "mean" (default), "first", "random".
         attention: "mla" with `kv_lora_rank` (and `rope_dim`): TransMLA's conversion to latent attention.
-        experts, top_k, shared_experts, fine_grained: sparse upcycling of the FFN (exact at step 0).
+        experts, top_k, shared_experts, fine_grained: sparse upcycling of the FFN (the same function at step 0).
         drop_layers: remove the most redundant block of this many consecutive layers.
         heal_steps: AdamW steps distilling `model` into the changed modules on `calibration_ids`.
         seed: Seeds the router rows and `kv_pool="random"`.
