@@ -49,8 +49,9 @@ def sample_text(model, tokenizer, rows: int, tokens: int, seed: int) -> torch.Te
     """(rows, tokens) ids the model samples itself from its BOS (temperature 1)."""
     torch.manual_seed(seed)
     start = torch.full((rows, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0)
-    out = model.generate(start, max_new_tokens=tokens - 1, min_new_tokens=tokens - 1, do_sample=True, top_k=0,
-                         top_p=1.0, temperature=1.0, pad_token_id=tokenizer.eos_token_id)
+    out = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=tokens - 1,  # no padding
+                         min_new_tokens=tokens - 1, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                         pad_token_id=tokenizer.eos_token_id)
     return out[:, :tokens]
 
 

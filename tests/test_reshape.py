@@ -339,6 +339,36 @@ def test_cli_refuses_bad_options_with_one_line_and_writes_nothing(tiny_folder, t
     assert "calibration" in capsys.readouterr().err
 
 
+def test_sampled_calibration_is_unpadded_text_and_warns_nothing(tmp_path):
+    """Without `--calibration`, text is sampled from the source's first token. When that token is also the pad
+    id (SmolLM2: 0), generate took it for padding: it warned "right-padding was detected" and masked it."""
+    import logging
+
+    from modular_decoder.tools.reshape.calibration import sampled_calibration
+
+    model = tiny_model(bos_token_id=0, pad_token_id=0, eos_token_id=3)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        calibration = sampled_calibration(model, sequences=2, held_out=1, length=6)
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    # the reference: the same draws from a loop over the no-cache forward, the start token attended
+    torch.manual_seed(0)
+    tokens = torch.zeros(3, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(5):
+            logits = model(tokens, use_cache=False).logits[:, -1]
+            logits[:, 3] = -math.inf  # no end of text before the asked length (`min_new_tokens`)
+            probabilities = logits.softmax(-1)
+            tokens = torch.cat((tokens, torch.multinomial(probabilities, 1)), dim=1)
+    assert torch.equal(torch.cat((calibration.ids, calibration.held_out)), tokens)
+
+
 def test_cli_writes_a_first_class_checkpoint_with_its_report(tiny_folder, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
 

@@ -62,8 +62,11 @@ def sampled_calibration(model, seed: int = 0, sequences: int = SAMPLED["calibrat
     model.eval()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        out = model.generate(start, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             max_new_tokens=length - 1, min_new_tokens=length - 1, pad_token_id=0)[:, :length]
+        # the mask says every start token is text: without it generate takes a start token equal to the pad
+        # id (SmolLM2: both 0) for right-padding and warns; no row ends early, so the pad id is never used
+        out = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=length - 1, min_new_tokens=length - 1,
+                             pad_token_id=0)[:, :length]
     model.train(was_training)
     return Calibration(out[:sequences], out[sequences:], f"sampled from the source model (seed {seed})")
 
