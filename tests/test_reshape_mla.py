@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count
+from modular_decoder.compat import cache_of
 from modular_decoder.mla import set_decode_mode
 from modular_decoder.tools.reshape import mla_conversion, rorope
 from modular_decoder.tools.reshape.moments import attention_moments
@@ -160,7 +161,7 @@ def test_converted_model_is_a_first_class_checkpoint(tmp_path):
         greedy = _logits(loaded, out.sequences)[:, prompt.shape[1] - 1:-1].argmax(-1)
         assert torch.equal(greedy, out.sequences[:, prompt.shape[1]:])
     with torch.no_grad():
-        cache = loaded(input_ids=prompt[:1], use_cache=True).cache
+        cache = cache_of(loaded(input_ids=prompt[:1], use_cache=True))
     sliding_held = min(5, model.config.sliding_window - 1)  # the two sliding layers keep window - 1 tokens
     assert cache.payload_bytes() == (rank + rope_dim) * 4 * (5 + 2 * sliding_held)  # latent + rotary key, fp32
 
@@ -277,7 +278,7 @@ def test_smollm2_rotation_exact_and_full_rank_equals_partial_rope(smollm2):
     mla = mla_conversion.to_mla(model, 320, 64, None, moments=moments, progress=False)
     torch.testing.assert_close(_logits(mla, ids), partial, rtol=0, atol=1e-4)
     with torch.no_grad():
-        cache = mla(input_ids=ids, use_cache=True).cache
+        cache = cache_of(mla(input_ids=ids, use_cache=True))
     assert cache.payload_bytes() == (320 + 64) * 4 * 30 * ids.shape[1]  # latent + rotary key, fp32
 
 
