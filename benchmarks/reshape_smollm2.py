@@ -57,10 +57,16 @@ def rows(folder: Path) -> list[dict]:
             extra["max_logit_diff"] = (model(held_out).logits - result(held_out).logits).abs().max().item()
         table.append(row(label, result, transform_s=round(seconds, 2), **extra))
         if options == dict(kv_heads=1):
+            source, unhealed = table[0]["held_out_perplexity"], table[-1]["held_out_perplexity"]
             for steps in (4, 8):
                 healed, changes = transform(model, calibration, progress=False, **options)
                 heal(healed, model, calibration, steps, [p for c in changes for p in c.changed], progress=False)
-                table.append(row(f"--kv-heads 1 --heal-steps {steps}", healed))
+                entry = row(f"--kv-heads 1 --heal-steps {steps}", healed)
+                # the share of the perplexity gap closed, computed and rounded as the reshape report does
+                closed = (unhealed - entry["held_out_perplexity"]) / (unhealed - source)
+                entry["gap_closed"] = f"{closed:.0%}"
+                print(f"--kv-heads 1 --heal-steps {steps}: closed {closed:.0%} of the perplexity gap", flush=True)
+                table.append(entry)
     return table
 
 

@@ -14,6 +14,7 @@ from .upcycling import check_experts, upcycle
 
 ATTENTIONS = ("mla",)
 
+
 def check_options(config, *, kv_heads=None, kv_pool="mean", attention=None, kv_lora_rank=None, rope_dim=None,
                   sweep_ranks=None, experts=None, top_k=None, shared_experts=0, fine_grained=1, drop_layers=None,
                   heal_steps=0, heal_lr=LEARNING_RATE, calibration_ids=None, needs_calibration_ids=True) -> None:
