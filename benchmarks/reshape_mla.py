@@ -1,6 +1,6 @@
 """SmolLM2-135M (GQA: 9 query heads, 3 KV heads of 64) -> MLA the TransMLA way: what it buys and costs.
 
-    python benchmarks/reshape_mla.py [--model FOLDER] [--ranks 64 128 192 256 288 320] [--rope-dim 64]
+    python benchmarks/reshape_mla.py [--model FOLDER] [--ranks 64 128 192 256 288 320] [--rank 192] [--rope-dim 64]
                                      [--calibration-rows 4] [--tokens 256] [--heldout FILE] [--threads 2]
                                      [--json out.json]
 
@@ -84,6 +84,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path)
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 192, 256, 288, 320])
+    parser.add_argument("--rank", type=int, default=192, help="the rank timed and converted with a latent norm")
     parser.add_argument("--rope-dim", type=int, default=None)
     parser.add_argument("--calibration-rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
@@ -105,11 +106,11 @@ def main(argv=None) -> dict:
     result["calibration_sampling"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
                                       "tokens": calibration.numel()}
     clock, cpu = time.perf_counter(), time.process_time()
-    mla = mla_conversion.to_mla(model, 192, args.rope_dim, calibration, progress=False)
-    result["to_mla_rank_192"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
+    mla = mla_conversion.to_mla(model, args.rank, args.rope_dim, calibration, progress=False)
+    result[f"to_mla_rank_{args.rank}"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
                                  "peak_rss_mib": rss_mib()}
     del mla
-    print(f"to_mla rank 192: {result['to_mla_rank_192']['wall_s']:.1f} s", file=sys.stderr, flush=True)
+    print(f"to_mla rank {args.rank}: {result[f'to_mla_rank_{args.rank}']['wall_s']:.1f} s", file=sys.stderr, flush=True)
     if args.heldout:
         heldout = rows_of(tokenizer, args.heldout, args.tokens, args.heldout_rows)
     else:
@@ -126,8 +127,9 @@ def main(argv=None) -> dict:
     unrotated = rorope.with_rotated_keys(model, [plain] * config.num_hidden_layers)
     result["partial_rope_without_rorope_ppl"] = perplexity(unrotated, heldout)
     del unrotated
-    exportable = mla_conversion.to_mla(model, 192, args.rope_dim, None, progress=False, moments=moments, latent_norm=True)
-    result["mla_192_latent_norm_ppl"] = perplexity(exportable, heldout)
+    exportable = mla_conversion.to_mla(model, args.rank, args.rope_dim, None, progress=False, moments=moments,
+                                       latent_norm=True)
+    result[f"mla_{args.rank}_latent_norm_ppl"] = perplexity(exportable, heldout)
     del exportable
     result["mla"] = {}
     for rank in args.ranks:
