@@ -1,6 +1,6 @@
 """SmolLM2-135M (GQA: 9 query heads, 3 KV heads of 64) -> MLA the TransMLA way: what it buys and costs.
 
-    python benchmarks/reshape_mla.py [--model FOLDER] [--ranks 64 128 192 256 288 320] [--rope-dim 64]
+    python benchmarks/reshape_mla.py [--model FOLDER] [--ranks 64 128 192 256 288 320] [--rank 192] [--rope-dim 64]
                                      [--calibration-rows 4] [--tokens 256] [--heldout FILE] [--threads 2]
                                      [--json out.json]
 
@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from modular_decoder.tools import reshape_mla
+from modular_decoder.compat import cache_of
+from modular_decoder.tools.reshape import mla_conversion, rorope
+from modular_decoder.tools.reshape.moments import attention_moments
 
 
 @torch.no_grad()
@@ -38,7 +40,7 @@ def perplexity(model, ids: torch.Tensor) -> float:
 @torch.no_grad()
 def cache_bytes_per_token(model, ids: torch.Tensor) -> float:
     """Bytes the model's cache holds per token, all layers, measured from its tensors after a forward."""
-    cache = model(input_ids=ids[:1], use_cache=True).cache
+    cache = cache_of(model(input_ids=ids[:1], use_cache=True))
     return cache.payload_bytes() / ids.shape[1]
 
 
@@ -47,8 +49,9 @@ def sample_text(model, tokenizer, rows: int, tokens: int, seed: int) -> torch.Te
     """(rows, tokens) ids the model samples itself from its BOS (temperature 1)."""
     torch.manual_seed(seed)
     start = torch.full((rows, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0)
-    out = model.generate(start, max_new_tokens=tokens - 1, min_new_tokens=tokens - 1, do_sample=True, top_k=0,
-                         top_p=1.0, temperature=1.0, pad_token_id=tokenizer.eos_token_id)
+    out = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=tokens - 1,  # no padding
+                         min_new_tokens=tokens - 1, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                         pad_token_id=tokenizer.eos_token_id)
     return out[:, :tokens]
 
 
@@ -81,6 +84,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path)
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 192, 256, 288, 320])
+    parser.add_argument("--rank", type=int, default=192, help="the rank timed and converted with a latent norm")
     parser.add_argument("--rope-dim", type=int, default=None)
     parser.add_argument("--calibration-rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
@@ -102,38 +106,38 @@ def main(argv=None) -> dict:
     result["calibration_sampling"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
                                       "tokens": calibration.numel()}
     clock, cpu = time.perf_counter(), time.process_time()
-    mla = reshape_mla.to_mla(model, 192, args.rope_dim, calibration, progress=False)
-    result["to_mla_rank_192"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
+    mla = mla_conversion.to_mla(model, args.rank, args.rope_dim, calibration, progress=False)
+    result[f"to_mla_rank_{args.rank}"] = {"wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
                                  "peak_rss_mib": rss_mib()}
     del mla
-    print(json.dumps(result, indent=1), flush=True)
+    print(f"to_mla rank {args.rank}: {result[f'to_mla_rank_{args.rank}']['wall_s']:.1f} s", file=sys.stderr, flush=True)
     if args.heldout:
         heldout = rows_of(tokenizer, args.heldout, args.tokens, args.heldout_rows)
     else:
         heldout = sample_text(model, tokenizer, args.heldout_rows, args.tokens, seed=1)
     result["heldout"] = {"text": str(args.heldout or "sampled (seed 1)"), "tokens": heldout.numel()}
     result["source"] = {"ppl": perplexity(model, heldout), "kv_bytes_per_token": cache_bytes_per_token(model, heldout)}
-    moments = reshape_mla.attention_moments(model, calibration)
-    result["partial_rope_ppl"] = perplexity(reshape_mla.partial_rope_model(model, args.rope_dim, moments=moments),
+    moments = attention_moments(model, calibration)
+    result["partial_rope_ppl"] = perplexity(rorope.partial_rope_model(model, args.rope_dim, moments=moments),
                                             heldout)
     # what RoRoPE buys: partial RoPE keeping the first KV head's pairs, no rotation across heads
     config = model.config
     identity = torch.eye(config.num_key_value_heads, dtype=torch.float64).expand(config.rotary_dim // 2, -1, -1)
-    plain = reshape_mla.key_basis(identity, config, args.rope_dim or config.rotary_dim)
-    unrotated = reshape_mla._with_attention(model, [plain] * config.num_hidden_layers)
+    plain = rorope.key_basis(identity, config, args.rope_dim or config.rotary_dim)
+    unrotated = rorope.with_rotated_keys(model, [plain] * config.num_hidden_layers)
     result["partial_rope_without_rorope_ppl"] = perplexity(unrotated, heldout)
     del unrotated
-    exportable = reshape_mla.to_mla(model, 192, args.rope_dim, None, progress=False, moments=moments, latent_norm=True)
-    result["mla_192_latent_norm_ppl"] = perplexity(exportable, heldout)
+    exportable = mla_conversion.to_mla(model, args.rank, args.rope_dim, None, progress=False, moments=moments,
+                                       latent_norm=True)
+    result[f"mla_{args.rank}_latent_norm_ppl"] = perplexity(exportable, heldout)
     del exportable
-    print(json.dumps(result, indent=1), flush=True)
     result["mla"] = {}
     for rank in args.ranks:
-        mla = reshape_mla.to_mla(model, rank, args.rope_dim, None, progress=False, moments=moments)
-        svd = reshape_mla.to_mla(model, rank, args.rope_dim, None, progress=False, moments=moments, method="svd")
+        mla = mla_conversion.to_mla(model, rank, args.rope_dim, None, progress=False, moments=moments)
+        svd = mla_conversion.to_mla(model, rank, args.rope_dim, None, progress=False, moments=moments, method="svd")
         result["mla"][rank] = {"ppl": perplexity(mla, heldout), "svd_ppl": perplexity(svd, heldout),
                                "kv_bytes_per_token": cache_bytes_per_token(mla, heldout)}
-        print(rank, result["mla"][rank], flush=True)
+        print(f"rank {rank}: {result['mla'][rank]}", file=sys.stderr, flush=True)  # progress; the JSON is stdout
         del mla, svd
     print(json.dumps(result, indent=1))
     if args.json:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from modular_decoder.tools import reshape_mla
+from modular_decoder.tools.reshape.mla_conversion import to_mla
 
 
 def rss_mib() -> float:
@@ -39,7 +39,7 @@ def main() -> dict:
     calibration = ids[: args.rows * args.tokens].view(args.rows, args.tokens)
     loaded = rss_mib()
     clock, cpu = time.perf_counter(), time.process_time()
-    reshape_mla.to_mla(model, args.rank, None, calibration, progress=False)
+    to_mla(model, args.rank, None, calibration, progress=False)
     result = {"threads": args.threads, "calibration_tokens": calibration.numel(),
               "wall_s": time.perf_counter() - clock, "cpu_s": time.process_time() - cpu,
               "model_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,

@@ -24,8 +24,8 @@ def rows(folder: Path) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from modular_decoder.tools.reshape import transform
-    from modular_decoder.tools.reshape_eval import measured_cache_bytes_per_token, perplexity
-    from modular_decoder.tools.reshape_heal import heal
+    from modular_decoder.tools.reshape.measures import measured_cache_bytes_per_token, perplexity
+    from modular_decoder.tools.reshape.healing import heal
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_reshape import CALIBRATION_TEXT, HELD_OUT_TEXT
@@ -57,10 +57,16 @@ def rows(folder: Path) -> list[dict]:
             extra["max_logit_diff"] = (model(held_out).logits - result(held_out).logits).abs().max().item()
         table.append(row(label, result, transform_s=round(seconds, 2), **extra))
         if options == dict(kv_heads=1):
+            source, unhealed = table[0]["held_out_perplexity"], table[-1]["held_out_perplexity"]
             for steps in (4, 8):
                 healed, changes = transform(model, calibration, progress=False, **options)
                 heal(healed, model, calibration, steps, [p for c in changes for p in c.changed], progress=False)
-                table.append(row(f"--kv-heads 1 --heal-steps {steps}", healed))
+                entry = row(f"--kv-heads 1 --heal-steps {steps}", healed)
+                # the share of the perplexity gap closed, computed and rounded as the reshape report does
+                closed = (unhealed - entry["held_out_perplexity"]) / (unhealed - source)
+                entry["gap_closed"] = f"{closed:.0%}"
+                print(f"--kv-heads 1 --heal-steps {steps}: closed {closed:.0%} of the perplexity gap", flush=True)
+                table.append(entry)
     return table
 
 

@@ -188,7 +188,7 @@ class ModularDecoderConfig(PretrainedConfig):
         kv_latent_norm (`bool`): Whether MLA's joint KV latent passes through an RMSNorm (`kv_a_layernorm`,
             as DeepSeek always does). `False` keeps the latent a linear function of the hidden state, which is
             what makes an exact conversion of standard attention to MLA possible (TransMLA,
-            `modular_decoder.tools.reshape_mla`); DeepSeek's classes cannot express it.
+            `modular_decoder.tools.reshape.mla_conversion`); DeepSeek's classes cannot express it.
         attention_bias (`bool`): Biases on the q, k and v projections.
         attention_output_bias (`bool`, *optional*): Bias on the output projection. Defaults to
             `attention_bias` (Qwen 2 sets q/k/v biases but none on the output).

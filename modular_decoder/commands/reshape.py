@@ -19,11 +19,11 @@ def ranks(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from modular_decoder.tools.reshape_heads import POOLS
+    from modular_decoder.tools.reshape.kv_heads import POOLS
 
     parser.add_argument("src", help="a modular_decoder checkpoint folder")
     parser.add_argument("out", help="the folder to write (weights, config, code, tokenizer, report)")
-    parser.add_argument("--kv-heads", type=int, help="K/V heads of the result (mean-pooled, or repeated: exact)")
+    parser.add_argument("--kv-heads", type=int, help="K/V heads of the result (fewer: mean-pooled; a multiple: repeated)")
     parser.add_argument("--kv-pool", choices=POOLS, default="mean",
                         help="how fewer K/V heads are initialised (mean: the GQA paper's; first, random: baselines)")
     parser.add_argument("--attention", choices=["mla"], help="convert attention to MLA (TransMLA)")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 BATCH = 4  # calibration sequences per step
-LEARNING_RATE = 1e-3  # AdamW; a few steps on freshly pooled / factorised modules (SmolLM2 MQA: 8 steps close 84%)
+LEARNING_RATE = 1e-3  # AdamW; enough for a few steps on freshly pooled / factorised modules (benchmarks/reshape_smollm2.py)
 
 
 def trainable_parameters(model, prefixes: list[str]) -> list[tuple[str, torch.nn.Parameter]]:

@@ -8,6 +8,16 @@ def _row(label: str, before, after, healed=None, fmt: str = "{:,}") -> str:
     return f"| {label} | " + " | ".join(cells) + " |"
 
 
+def _measured(measured: dict | None) -> str:
+    """What the logits did, measured: the only ground on which a report says "exact"."""
+    if measured is None:
+        return "Logits not measured."
+    change, tokens = measured["max_logit_change"], measured["tokens"]
+    if measured["exact"]:
+        return f"Exact: logits within {change:.1e} of the model before it on {tokens:,} calibration tokens (rounding)."
+    return f"Logits moved by up to {change:.3g} on {tokens:,} calibration tokens."
+
+
 def report_markdown(report: dict) -> str:
     """Before / after (/ healed) table, each transformation's claims, the layer distances and a rank sweep."""
     before, after, heal = report["before"], report["after"], report.get("heal")
@@ -28,8 +38,9 @@ def report_markdown(report: dict) -> str:
         lines.append(f"Healing: {heal['steps']} steps of KL distillation from the source (lr {heal['learning_rate']}) "
                      f"into {len(heal['trainable'])} changed module(s) closed {closed} on the held-out text.")
     for change in report["transformations"]:
-        approx = change["approximates"] or "nothing"
-        lines.append(f"- `{change['transformation']}`: keeps {change['keeps_exactly']}; approximates {approx}.")
+        approx = change["approximates"] or "nothing by design"
+        lines.append(f"- `{change['transformation']}`: keeps {change['keeps']}; approximates {approx}. "
+                     + _measured(change.get("measured")))
         for candidate in change.get("candidates", ()):
             first, last = candidate["layers"]
             lines.append(f"  - layers {first}-{last}: angular distance {candidate['angular_distance']:.4f}")
@@ -49,7 +60,7 @@ def summary(report: dict) -> str:
 
 def render_card(config, report: dict) -> str:
     """The model card of a reshaped checkpoint: the usual card with the report as its description."""
-    from .cards import render_model_card
+    from ..cards import render_model_card
 
     names = ", ".join(f"`{c['transformation']}`" for c in report["transformations"])
     description = (f"Reshaped by `modular-decoder reshape` ({names}) from `{report['source']}`.\n\n"

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .reshape_base import Change, derived_config, model_from_state, require_positive_int
+from .rebuild import Change, derived_config, model_from_state, require_positive_int
 
 BATCH = 4  # calibration sequences per forward
 

@@ -1,11 +1,12 @@
 """`kv_heads=N`: MHA / GQA -> GQA / MQA by mean-pooling each group's K and V heads (Ainslie et al. 2023,
 "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints", section 2.1), or
-more K/V heads by repeating them (exact).
+more K/V heads by repeating them.
 
 Every new K/V head serves a group of H/N query heads; it is the mean of the K/V heads those query heads
-used, counted once per query head (`pooling_matrix`). Fewer heads whose old heads are equal within each new
-group, and any increase that is a multiple of the old count (GQA -> MHA), compute exactly the source's
-function. `pool="first"` (keep the first head of each group) and `pool="random"` (fresh K/V weights) are the
+used, counted once per query head (`pooling_matrix`). An increase to a multiple of the old count (GQA -> MHA)
+repeats heads, and fewer heads whose old heads are equal within each new group average equal heads: both
+compute the source's function. Any other count (GQA 2 -> 3 of 6 query heads: new head 1 serves query heads
+of old heads 0 and 1) averages different heads. Whether the logits moved is measured, not assumed. `pool="first"` (keep the first head of each group) and `pool="random"` (fresh K/V weights) are the
 baselines the GQA paper compares mean pooling with.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .reshape_base import Change, derived_config, model_from_state, require_positive_int
+from .rebuild import Change, derived_config, model_from_state, require_positive_int
 
 POOLS = ("mean", "first", "random")
 
@@ -63,7 +64,6 @@ def reshape_kv_heads(model, kv_heads: int, pool: str = "mean", seed: int = 0, co
     check_kv_heads(config, kv_heads, pool)
     heads, old, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     matrix = (first_head_matrix if pool == "first" else pooling_matrix)(heads, old, kv_heads)
-    exact = bool(((matrix == 0) | (matrix == 1)).all() and (matrix.sum(dim=1) == 1).all()) and pool != "random"
     generator = torch.Generator().manual_seed(seed)
     state, changed = {}, []
     for name, tensor in model.state_dict().items():
@@ -79,18 +79,25 @@ def reshape_kv_heads(model, kv_heads: int, pool: str = "mean", seed: int = 0, co
         else:
             state[name] = tensor
     new = model_from_state(derived_config(config, num_key_value_heads=kv_heads), state, model, copy=copy)
-    approximates = "" if exact else (
-        "each new K/V head is the mean of the heads it replaces (exact where those heads are equal)"
-        if pool == "mean" else f"K/V heads initialised by `{pool}` (a baseline)")
     change = Change(
         "kv_heads",
-        keeps="queries, output projection, FFN, norms, embeddings"
-        + ("; the attention function exactly (every new head repeats an old one)" if exact else ""),
-        approximates=approximates,
+        keeps="queries, output projection, FFN, norms, embeddings",
+        approximates=_what_it_approximates(pool, old, kv_heads),
         changed=sorted(set(changed)),
-        details={"kv_heads": {"from": old, "to": kv_heads}, "pool": pool, "exact": exact},
+        details={"kv_heads": {"from": old, "to": kv_heads}, "pool": pool},
     )
     return new, change
+
+
+def _what_it_approximates(pool: str, old: int, new: int) -> str:
+    """What the new K/V heads are, by design; whether the logits moved is measured (`Change.measured`)."""
+    if pool == "random":
+        return "fresh random K/V heads (a baseline)"
+    if new % old == 0:
+        return ""  # every new head repeats the one old head all its query heads used
+    if pool == "first":
+        return "each new K/V head is the old head of its group's first query head (a baseline)"
+    return "each new K/V head is the mean of the old heads its query heads used (exact where those are equal)"
 
 
 def _is_kv_tensor(name: str, config) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .reshape_base import Change, derived_config, model_from_state, require_positive_int
+from .rebuild import Change, derived_config, model_from_state, require_positive_int
 
 
 def check_experts(config, experts: int, top_k: int, shared_experts: int = 0, fine_grained: int = 1) -> None:
@@ -79,7 +79,8 @@ def upcycle(model, experts: int, top_k: int, shared_experts: int = 0, fine_grain
     new = model_from_state(new_config, state, model, copy=copy)
     change = Change(
         "experts",
-        keeps="the FFN function exactly at step 0 (every routing gives the dense output), attention, norms, embeddings",
+        keeps="the FFN function at step 0 by construction (every routing gives the dense output), attention, "
+              "norms, embeddings",
         approximates="",
         changed=changed,
         details={"experts": experts, "top_k": top_k, "shared_experts": shared_experts, "fine_grained": fine_grained,

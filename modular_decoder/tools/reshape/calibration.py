@@ -1,5 +1,4 @@
-"""What reshape measures with: calibration and held-out text, perplexity, and the KV-cache bytes a model
-actually stores per token.
+"""The text reshape calibrates, heals and measures on: calibration sequences and separate held-out ones.
 
 Calibration comes from the user's plain text (tokenised with the source's tokenizer, cut into sequences,
 the last quarter held out for perplexity) or, without a file, from the source model itself: sequences
@@ -9,7 +8,6 @@ separately sampled held-out sequences, so no corpus ships with the package.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +18,6 @@ MIN_SEQ_LEN = 16
 MAX_CALIBRATION = 32  # sequences (8,192 tokens at most): enough for the statistics, fast on a CPU
 MAX_HELD_OUT = 16
 SAMPLED = {"calibration": 8, "held_out": 4, "length": 128}
-BATCH = 1  # sequences per perplexity forward: the (T, vocab) logits of one sequence at a time stay small
 
 
 @dataclass
@@ -60,47 +57,24 @@ def sampled_calibration(model, seed: int = 0, sequences: int = SAMPLED["calibrat
     """Text sampled from `model` itself (temperature 1, no truncation) from its beginning-of-text token:
     `sequences` to calibrate on and `held_out` other sequences for perplexity (one batch, so the decode
     steps are shared; the rows are independent samples)."""
-    start = torch.full((sequences + held_out, 1), _start_token(model.config), dtype=torch.long)
+    start = torch.full((sequences + held_out, 1), start_token(model.config), dtype=torch.long)
     was_training = model.training
     model.eval()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        out = model.generate(start, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             max_new_tokens=length - 1, min_new_tokens=length - 1, pad_token_id=0)[:, :length]
+        # the mask says every start token is text: without it generate takes a start token equal to the pad
+        # id (SmolLM2: both 0) for right-padding and warns; no row ends early, so the pad id is never used
+        out = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=length - 1, min_new_tokens=length - 1,
+                             pad_token_id=0)[:, :length]
     model.train(was_training)
     return Calibration(out[:sequences], out[sequences:], f"sampled from the source model (seed {seed})")
 
 
-def _start_token(config) -> int:
+def start_token(config) -> int:
     for token in (config.bos_token_id, config.eos_token_id, 0):
         if isinstance(token, list):
             token = token[0] if token else None
         if token is not None:
             return token
     return 0
-
-
-@torch.no_grad()
-def perplexity(model, ids: torch.LongTensor) -> float:
-    """exp of the mean next-token negative log-likelihood over every predicted token of `ids`."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for batch in ids.split(BATCH):
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-        count += batch[:, 1:].numel()
-    model.train(was_training)
-    return math.exp(total / count)
-
-
-@torch.no_grad()
-def measured_cache_bytes_per_token(model, tokens: int = 8) -> int:
-    """Bytes the model's cache holds per token after a forward over `tokens` tokens, counted from the cache's
-    tensors (`payload_bytes`), not from the config."""
-    config = model.config
-    if config.sliding_window:
-        tokens = min(tokens, config.sliding_window - 1)  # a sliding layer holds every token up to its window
-    ids = torch.full((1, tokens), _start_token(config), dtype=torch.long, device=model.device)
-    cache = model(input_ids=ids, use_cache=True).cache
-    return cache.payload_bytes() // tokens

@@ -18,18 +18,22 @@ _NOT_FIELDS = ("transformers_version", "auto_map", "_name_or_path")
 
 @dataclass
 class Change:
-    """One transformation's record: what it did (`details`, JSON-ready) and which parameters it made or
-    changed (`changed`: name prefixes in the new model, the modules healing trains)."""
+    """One transformation's record: what it did (`details`, JSON-ready), which parameters it made or
+    changed (`changed`: name prefixes in the new model, the modules healing trains) and, once measured,
+    how far it moved the logits (`measured`, `measures.logit_change`: the only ground for "exact")."""
 
     name: str
-    keeps: str  # what it keeps exactly
-    approximates: str  # what it changes (empty: nothing)
+    keeps: str  # the parts it leaves untouched
+    approximates: str  # what it changes by design (empty: nothing, if the measurement agrees)
     changed: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)
+    measured: dict | None = None
 
     def as_dict(self) -> dict:
-        return {"transformation": self.name, "keeps_exactly": self.keeps, "approximates": self.approximates,
-                **self.details}
+        record = {"transformation": self.name, "keeps": self.keeps, "approximates": self.approximates, **self.details}
+        if self.measured is not None:
+            record["measured"] = self.measured
+        return record
 
 
 def derived_config(config: ModularDecoderConfig, **changes) -> ModularDecoderConfig:

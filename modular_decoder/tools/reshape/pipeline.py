@@ -1,0 +1,138 @@
+"""The transformations chained: options checked against the config first, then applied in order (drop
+layers, K/V heads, experts, MLA), then optionally healed. `reshape(model, ...)` is the in-memory entry point."""
+
+from __future__ import annotations
+
+import torch
+
+from .drop_layers import check_drop_layers, drop_block
+from .healing import LEARNING_RATE, heal
+from .kv_heads import POOLS, check_kv_heads, reshape_kv_heads
+from .measures import logit_change
+from .rebuild import Change, require_positive_int
+from .upcycling import check_experts, upcycle
+
+ATTENTIONS = ("mla",)
+
+
+def check_options(config, *, kv_heads=None, kv_pool="mean", attention=None, kv_lora_rank=None, rope_dim=None,
+                  sweep_ranks=None, experts=None, top_k=None, shared_experts=0, fine_grained=1, drop_layers=None,
+                  heal_steps=0, heal_lr=LEARNING_RATE, calibration_ids=None, needs_calibration_ids=True) -> None:
+    """Refuse bad options before any work: a `ValueError` naming the option. Checks each transformation's
+    options against `config` as it will be when that transformation runs."""
+    _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks)
+    if not any(value is not None for value in (kv_heads, attention, experts, drop_layers)):
+        raise ValueError("Nothing to do: pass at least one of `kv_heads`, `attention`, `experts`, `drop_layers`.")
+    if kv_pool not in POOLS:
+        raise ValueError(f"`kv_pool`={kv_pool!r} is not one of {list(POOLS)}.")
+    if drop_layers is not None:
+        check_drop_layers(config, drop_layers)
+    if kv_heads is not None:
+        if attention is not None:
+            raise ValueError("`kv_heads` and `attention='mla'` are two ways to shrink the K/V cache: choose one.")
+        check_kv_heads(config, kv_heads, kv_pool)
+    if (experts is None) != (top_k is None):
+        raise ValueError("`experts` and `top_k` go together (upcycling needs both).")
+    if experts is None and (shared_experts or fine_grained != 1):
+        raise ValueError("`shared_experts` and `fine_grained` need `experts` and `top_k`.")
+    if experts is not None:
+        check_experts(config, experts, top_k, shared_experts, fine_grained)
+    require_positive_int("heal_steps", heal_steps, minimum=0)
+    if not (isinstance(heal_lr, (int, float)) and heal_lr > 0):
+        raise ValueError(f"`heal_lr` must be a positive number, got {heal_lr!r}.")
+    needs = drop_layers is not None or attention is not None or heal_steps
+    if needs_calibration_ids and needs and calibration_ids is None:
+        raise ValueError("`calibration_ids` are needed for `drop_layers`, `attention` and `heal_steps`.")
+
+
+def _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks) -> None:
+    if attention is None:
+        for name, value in (("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim), ("sweep_ranks", sweep_ranks)):
+            if value is not None:
+                raise ValueError(f"`{name}` needs `attention='mla'`.")
+        return
+    if attention not in ATTENTIONS:
+        raise ValueError(f"`attention`={attention!r} is not one of {list(ATTENTIONS)}.")
+    if config.attention_type != "standard":
+        raise ValueError(f"`attention='mla'` converts standard attention; this model has attention_type="
+                         f"{config.attention_type!r}.")
+    if kv_lora_rank is None:
+        raise ValueError("`attention='mla'` needs `kv_lora_rank` (the latent width d_c).")
+    require_positive_int("kv_lora_rank", kv_lora_rank)
+    if rope_dim is not None:
+        require_positive_int("rope_dim", rope_dim)
+        if rope_dim % 2 or rope_dim > config.head_dim:
+            raise ValueError(f"`rope_dim`={rope_dim} must be even and at most head_dim={config.head_dim}.")
+    for rank in sweep_ranks or ():
+        require_positive_int("sweep_ranks", rank)
+
+
+def transform(model, calibration_ids=None, *, kv_heads=None, kv_pool="mean", attention=None, kv_lora_rank=None,
+              rope_dim=None, experts=None, top_k=None, shared_experts=0, fine_grained=1, drop_layers=None,
+              seed: int = 0, progress: bool = True, measure_ids=None) -> tuple[torch.nn.Module, list[Change]]:
+    """Apply the chosen transformations in order (drop layers, K/V heads, experts, MLA); returns the new
+    model (sharing no tensor with `model`, which is left unchanged) and each transformation's record.
+    With `measure_ids`, each record carries how far that step moved the logits (`measures.logit_change`)."""
+    steps = []  # each: (model, copy) -> (model, Change)
+    if drop_layers is not None:
+        steps.append(lambda m, copy: drop_block(m, calibration_ids, drop_layers, progress, copy=copy))
+    if kv_heads is not None:
+        steps.append(lambda m, copy: reshape_kv_heads(m, kv_heads, kv_pool, seed, copy=copy))
+    if experts is not None:
+        steps.append(lambda m, copy: upcycle(m, experts, top_k, shared_experts, fine_grained, seed, copy=copy))
+    if attention == "mla":  # always builds new tensors
+        steps.append(lambda m, copy: to_latent_attention(m, kv_lora_rank, rope_dim, calibration_ids, progress))
+    changes: list[Change] = []
+    current = model
+    for step in steps:
+        # an intermediate model is ours: the next step may reuse its tensors
+        new, change = step(current, copy=current is model)
+        if measure_ids is not None:
+            change.measured = logit_change(current, new, measure_ids)
+        current = new
+        changes.append(change)
+    return current, changes
+
+
+def to_latent_attention(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids, progress: bool = True):
+    """GQA / MHA -> MLA the TransMLA way (`mla_conversion.to_mla`); returns (model, Change)."""
+    from .mla_conversion import to_mla  # imported on use: it pulls in the attention classes
+    new = to_mla(model, kv_lora_rank, rope_dim, calibration_ids, progress=progress)
+    change = Change(
+        "attention",
+        keeps="queries' RoPE part on the kept rotary dimensions, FFN, norms, embeddings",
+        approximates=f"keys and values through a rank-{kv_lora_rank} latent (TransMLA: RoRoPE, partial RoPE on "
+                     f"{new.config.qk_rope_head_dim} dimensions, activation-aware factorisation)",
+        changed=[f"model.layers.{i}.self_attn" for i in range(new.config.num_hidden_layers)],
+        details={"attention": "mla", "kv_lora_rank": kv_lora_rank, "rope_dim": new.config.qk_rope_head_dim},
+    )
+    return new, change
+
+
+def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_steps: int = 0,
+            heal_lr: float = LEARNING_RATE, progress: bool = True, **options) -> torch.nn.Module:
+    """A new model at another point of the design space, from a trained `ModularDecoderForCausalLM`.
+
+    Args:
+        model: The source; left unchanged (the result shares no tensor with it).
+        calibration_ids: (sequences, T) token ids, needed by `drop_layers`, `attention="mla"` and
+            `heal_steps` (`calibration.sampled_calibration(model)` makes them data-free).
+        kv_heads: K/V heads of the result (MHA / GQA / MQA); `kv_pool` = "mean" (default), "first", "random".
+        attention: "mla" with `kv_lora_rank` (and `rope_dim`): TransMLA's conversion to latent attention.
+        experts, top_k, shared_experts, fine_grained: sparse upcycling of the FFN (the same function at step 0).
+        drop_layers: remove the most redundant block of this many consecutive layers.
+        heal_steps: AdamW steps distilling `model` into the changed modules on `calibration_ids`.
+        seed: Seeds the router rows and `kv_pool="random"`.
+
+    Raises `ValueError` naming the option for what a transformation cannot do.
+    """
+    check_options(model.config, heal_steps=heal_steps, heal_lr=heal_lr, calibration_ids=calibration_ids, **options)
+    new, changes = transform(model, calibration_ids, progress=progress, **options)
+    if heal_steps:
+        heal(new, model, calibration_ids, heal_steps, changed_modules(changes), heal_lr, progress)
+    return new
+
+
+def changed_modules(changes: list[Change]) -> list[str]:
+    return [prefix for change in changes for prefix in change.changed]
+
