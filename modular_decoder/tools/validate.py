@@ -63,9 +63,9 @@ NOISE_MULTIPLE = 8
 # Floor for models whose shorter forward happens to round identically: this many units of rounding
 # (the dtype's epsilon) of the largest |logit|.
 NOISE_FLOOR_ULPS = 16
-# Flash kernels run in half precision (bf16 under autocast for an fp32 model) against eager in the
-# same dtype: bf16 keeps 8 bits of mantissa, so logits of size ~10 move by ~5e-2.
-HALF_PRECISION_BACKEND_TOLERANCE = 5e-2
+# Flash kernels run only in half precision: an fp32 model compares them with eager under bf16 autocast,
+# with the tolerance measured the same way under that autocast.
+HALF_PRECISION = torch.bfloat16
 CHECKS = ("shapes", "causality", "backends", "cached_decoding", "cache_bytes", "positions", "benchmark")
 
 
@@ -161,12 +161,14 @@ class _Context:
         which checks ran before it."""
         self.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(check.encode()))
 
-    def rounding_tolerance(self, ids: torch.Tensor, full: torch.Tensor) -> tuple[float, str]:
+    def rounding_tolerance(self, ids: torch.Tensor, full: torch.Tensor,
+                           dtype: torch.dtype | None = None) -> tuple[float, str]:
         """(tolerance, how it was set) for comparing another path with `full`, the no-cache logits of
-        `ids`: NOISE_MULTIPLE times `rounding_noise`, at least NOISE_FLOOR_ULPS of the logit scale."""
+        `ids`: NOISE_MULTIPLE times `rounding_noise`, at least NOISE_FLOOR_ULPS of the logit scale in
+        `dtype` (default: the model's)."""
         noise = rounding_noise(self, ids, full)
         scale = full.abs().max().item()
-        floor = NOISE_FLOOR_ULPS * torch.finfo(self.dtype).eps * scale
+        floor = NOISE_FLOOR_ULPS * torch.finfo(dtype or self.dtype).eps * scale
         tolerance = max(NOISE_MULTIPLE * noise, floor, torch.finfo(torch.float32).tiny)  # never 0
         return tolerance, f"tol {tolerance:.1e} = max({NOISE_MULTIPLE}x forward's own {noise:.1e}, " \
                           f"{NOISE_FLOOR_ULPS} ulps of max|logit| {scale:.1f})"
@@ -425,9 +427,8 @@ def check_backends(ctx: _Context, backends: list[str] | None = None) -> str:
     mask = torch.ones_like(ids)
     mask[1, : seq // 4] = 0  # a left-padded row
     rows, failures, ran = [], [], []
+    tolerances: dict[torch.dtype, tuple[float, str]] = {}  # by compute dtype, measured with eager
     try:
-        model.set_attn_implementation("eager")
-        tolerance, how = ctx.rounding_tolerance(ids, ctx.logits(ids, use_cache=False))
         for backend in names:
             reason = (f"cannot honour {sorted(missing_features(config, backend))}" if missing_features(config, backend)
                       else _backend_unavailable(backend, ctx.device, requested=backends is not None))
@@ -435,14 +436,16 @@ def check_backends(ctx: _Context, backends: list[str] | None = None) -> str:
                 rows.append(f"{backend} skipped ({reason})")
                 continue
             half = backend.startswith("flash") and ctx.dtype == torch.float32
-            dtype = torch.bfloat16 if half else ctx.dtype
+            dtype = HALF_PRECISION if half else ctx.dtype
             model.set_attn_implementation("eager")
             with torch.autocast(ctx.device.type, dtype=dtype, enabled=half):
+                if dtype not in tolerances:
+                    tolerances[dtype] = ctx.rounding_tolerance(ids, ctx.logits(ids, use_cache=False), dtype)
                 ref = ctx.logits(ids, attention_mask=mask, use_cache=False)
                 model.set_attn_implementation(backend)
                 out = ctx.logits(ids, attention_mask=mask, use_cache=False)
             diff = max(_max_diff(ref[0], out[0]), _max_diff(ref[1, seq // 4 :], out[1, seq // 4 :]))
-            tol = HALF_PRECISION_BACKEND_TOLERANCE if half else tolerance
+            tol = tolerances[dtype][0]
             rows.append(f"{backend} {diff:.1e} (tol {tol:.1e})")
             ran.append(backend)
             if diff > tol:
@@ -450,7 +453,8 @@ def check_backends(ctx: _Context, backends: list[str] | None = None) -> str:
     finally:
         model.set_attn_implementation(original)
     if failures:
-        raise CheckFailed("; ".join(rows), f"beyond tolerance: {failures}; fp32 {how}")
+        hows = "; ".join(f"{str(dtype).removeprefix('torch.')}: {how}" for dtype, (_, how) in tolerances.items())
+        raise CheckFailed("; ".join(rows), f"beyond tolerance: {failures}; {hows}")
     if not ran:  # eager alone compared with nothing: say so instead of passing
         raise CheckSkipped("only eager ran: " + "; ".join(rows))
     return f"ran {', '.join(ran)} against eager: " + "; ".join(rows)
