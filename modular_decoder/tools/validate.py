@@ -1,4 +1,4 @@
-"""`validate`: the seed's checklist run on a checkpoint, a config or a model, as a pass/fail table.
+"""`validate`: checks of a checkpoint, a config or a model against independent references, as a pass/fail table.
 
     from modular_decoder.tools.validate import validate
     report = validate("path/to/checkpoint")        # or a ModularDecoderConfig, or a model
@@ -12,7 +12,7 @@ formulas (`contract.parameter_count`, `contract.cache_bytes`), the no-cache forw
 attention path, and the tensors actually serialized. Every check draws its inputs from its own
 generator, seeded from (`seed`, its name): a check measures the same thing whichever ran before it.
 Where two paths compute the same math in another order, the tolerance is measured in the same run
-(see NOISE_MULTIPLE). The checks, in the seed's order:
+(see NOISE_MULTIPLE). The checks, in order:
 
 1. ``shapes``: every serialized tensor has the shape a model built from the config has, and the
    parameter count (tied weights once) equals `contract.parameter_count` by component;
@@ -632,7 +632,7 @@ def validate(
     benchmark_kwargs: dict | None = None,
     input_checks=contextlib.nullcontext,
 ) -> Report:
-    """Run the seed's validation checklist on `target` and return a `Report`.
+    """Run the validation checks on `target` and return a `Report`.
 
     Args:
         target: a checkpoint folder (its config.json and safetensors are read), a
