@@ -299,6 +299,8 @@ class ModularDecoderConfig(PretrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        for name in self.integer_fields():  # the type of each, named, before any other rule reads it
+            require_int(name, getattr(self, name), optional=True)
         for name in SIZE_FIELDS:  # before the defaults below compute with them
             require_int(name, getattr(self, name), minimum=1, optional=name in DERIVED_SIZE_FIELDS)
         if self.num_key_value_heads is None:
@@ -329,6 +331,13 @@ class ModularDecoderConfig(PretrainedConfig):
             registry.complete(self)
         super().__post_init__(**kwargs)
         self.validate_contract()
+
+    @classmethod
+    def integer_fields(cls) -> list[str]:
+        """The fields this class declares as `int` (or `int | None`): kinds read them to derive others (MLA's
+        `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first."""
+        return [name for name, kind in vars(cls).get("__annotations__", {}).items()
+                if kind in ("int", "int | None") and FIELD_RULES.get(name) is not _token_ids]  # ids may be lists
 
     # RoPE parameters only mean something for rotary positions (and MLA's decoupled rotary key):
     # other position types keep `rope_parameters=None` instead of a default dict nobody reads.

@@ -330,7 +330,7 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     """(kwargs with exactly one field made invalid, the field name the `ValueError` must carry)."""
     kw = draw(config_kwargs())
     kinds = ["size", "bool", "optional_bool", "number", "choice", "window", "pad", "token_ids", "layer_types",
-             "heads", "other_kind", "offset"]
+             "heads", "other_kind", "offset", "integer_type"]
     if kw.get("position_embedding_type") == "rope":
         kinds += ["rope", "rope", "rotary_factor", "interleaved"]
     else:
@@ -389,6 +389,9 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         else:
             field = draw(st.sampled_from(MLA_FIELDS))
             broken[field] = draw(st.sampled_from([8, 1, 0, -1]))
+    elif kind == "integer_type":  # any integer field, read by this config's kinds or not
+        field = draw(st.sampled_from(ModularDecoderConfig.integer_fields()))
+        broken[field] = draw(st.sampled_from(["16", 4.5, 16.0, True]))
     elif kind == "offset":
         field = "learned_position_offset"
         if kw.get("position_embedding_type") == "learned":

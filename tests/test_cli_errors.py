@@ -172,7 +172,8 @@ def test_bugs_keep_their_traceback(monkeypatch):
 
 
 @pytest.mark.parametrize("how", ["flag-before", "flag-after", "env"])
-def test_traceback_on_request(tmp_path, monkeypatch, how):
+def test_traceback_on_request(capsys, tmp_path, monkeypatch, how):
+    """The traceback is shown for a bug report; the same user error still exits with status 2."""
     argv = ["validate", str(tmp_path / "nope")]
     if how == "flag-before":
         argv = ["--traceback", *argv]
@@ -180,8 +181,10 @@ def test_traceback_on_request(tmp_path, monkeypatch, how):
         argv = [*argv, "--traceback"]
     else:
         monkeypatch.setenv("MODULAR_DECODER_TRACEBACK", "1")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        main(argv)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "FileNotFoundError" in err
+    assert err.strip().splitlines()[-1] == f"error: {tmp_path / 'nope'} does not exist."
 
 
 def test_console_entry_prints_one_line_and_exits_2(tmp_path):
@@ -196,7 +199,7 @@ def test_console_entry_prints_one_line_and_exits_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "modular_decoder.commands", "--traceback", "convert",
                              str(tmp_path / "nope"), str(tmp_path / "out")], capture_output=True, text=True, env=env,
                             timeout=300)
-    assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
+    assert result.returncode == 2 and "Traceback (most recent call last)" in result.stderr
 
 
 # ------------------------------------------------------------ every command: user errors vs bugs (exit 2 vs 1)
@@ -309,3 +312,82 @@ def test_demo_on_a_damaged_output_folder(capsys, tmp_path):
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "config.json").write_text("{nope")
     assert "config.json" in user_error(capsys, ["demo", "--out", str(tmp_path / "demo")])
+
+
+# ------------------------------------------------------------ errors in the words the user typed
+
+
+def test_tool_parameters_are_named_as_the_flags_typed(capsys, checkpoint, tmp_path):
+    """The reshape tool names its parameters (`kv_heads`, `attention='mla'`); the CLI names the flags."""
+    message = user_error(capsys, ["reshape", str(checkpoint), str(tmp_path / "out"), "--kv-heads", "3"])
+    assert message.startswith("`--kv-heads`=3 must divide the 4 query heads") and "`kv_heads`" not in message
+    message = user_error(capsys, ["reshape", str(checkpoint), str(tmp_path / "out"), "--attention", "mla"])
+    assert message == "`--attention mla` needs `--kv-lora-rank` (the latent width d_c)."
+
+
+def test_force_is_named_as_the_flag(capsys, llama_dir, tmp_path):
+    (tmp_path / "out").mkdir()
+    message = user_error(capsys, ["convert", str(llama_dir), str(tmp_path / "out")])
+    assert message == f"{tmp_path / 'out'} already exists; pass `--force` to replace it."
+
+
+def test_in_flags_rewrites_only_the_commands_options():
+    import argparse
+
+    from modular_decoder.commands import in_flags, option_flags
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--force", action="store_true")
+    sub = parser.add_subparsers().add_parser("cache")
+    sub.add_argument("--max-context", type=int)
+    flags = option_flags(parser)
+    assert sorted(flags) == ["force", "kv_heads", "max_context"]
+    assert in_flags("`kv_heads`=3 must divide `num_attention_heads`; `out` exists", flags) == (
+        "`--kv-heads`=3 must divide `num_attention_heads`; `out` exists")  # a config field and a positional stay
+    assert in_flags("pass force=True or `force=True`; `max_context='8'`", flags) == (
+        "pass `--force` or `--force`; `--max-context 8`")
+
+
+def test_a_folder_without_a_tokenizer_says_what_to_do(capsys, checkpoint, tmp_path):
+    from modular_decoder import ModularDecoderForCausalLM, preset_config
+
+    bare = tmp_path / "bare"
+    ModularDecoderForCausalLM(preset_config("llama", tiny=True, vocab_size=128)).save_pretrained(bare)
+    for argv in (["generate", str(bare), "hello"], ["chat", str(bare)]):
+        message = user_error(capsys, argv)
+        assert message.startswith(f"{bare} has no tokenizer") and "--tokenizer DIR" in message
+        assert f'save_pretrained("{bare}")' in message
+    assert "holds no tokenizer" in user_error(capsys, ["generate", str(bare), "hi", "--tokenizer", str(tmp_path)])
+    capsys.readouterr()
+    assert main(["generate", str(bare), "hello", "--tokenizer", str(checkpoint), "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("hello")
+
+
+def test_chat_ends_with_a_newline(capsys, checkpoint, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))  # one turn, then EOF
+    assert main(["chat", str(checkpoint), "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("> \n") and out.count("> ") == 2
+
+
+def test_help_speaks_to_the_user(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for jargon in ("seed's", "COMMANDS", "registered in"):
+        assert jargon not in text
+    for command in ("validate", "plot", "experiment"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "seed's" not in capsys.readouterr().out
+
+
+def test_gradnorm_prints_its_numbers_once(capsys, tmp_path):
+    assert main(["experiment", "gradnorm", "--hidden", "16", "--layers", "2", "--steps", "1",
+                 "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    table = (tmp_path / "gradnorm.md").read_text().strip()
+    assert captured.out.count(table.splitlines()[2]) == 1 and table.splitlines()[2] not in captured.err
+    assert captured.err.count("[1/") == 1  # progress: which condition runs, without its numbers

@@ -79,6 +79,9 @@ class FakeApi:
     def upload_folder(self, **kwargs):
         FakeApi.calls.append(("upload_folder", kwargs))
 
+    def upload_file(self, **kwargs):
+        FakeApi.calls.append(("upload_file", kwargs))
+
 
 def test_push_command_up_to_upload(tmp_path, monkeypatch):
     import modular_decoder.commands.push as push
@@ -90,7 +93,10 @@ def test_push_command_up_to_upload(tmp_path, monkeypatch):
     assert main(["push", str(tmp_path / "ckpt"), "me/gpt2-md", "--private", "--base-model", "openai-community/gpt2"]) == 0
     assert ModelCard.load(tmp_path / "ckpt" / "README.md").data.base_model == "openai-community/gpt2"
     kinds = [call[0] for call in FakeApi.calls]
-    assert kinds == ["init", "create_repo", "upload_folder"]
+    assert kinds == ["init", "create_repo", "upload_folder", "upload_file"]
+    card = FakeApi.calls[3][1]
+    assert card["path_in_repo"] == "README.md"
+    assert card["path_or_fileobj"] == (tmp_path / "ckpt" / "README.md").read_bytes()  # the card pushed is kept
     assert FakeApi.calls[1][1] == "me/gpt2-md" and FakeApi.calls[1][2]["private"] is True
     upload = FakeApi.calls[2][1]
     assert upload["folder_path"] == str(tmp_path / "ckpt") and upload["repo_id"] == "me/gpt2-md"
@@ -108,3 +114,20 @@ def test_push_refuses_an_incomplete_folder(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "modeling_modular_decoder.py" in err[0]
     assert FakeApi.calls == []
+
+
+class OfflineApi(FakeApi):
+    def create_repo(self, repo_id, **kwargs):
+        raise OSError("Cannot reach https://huggingface.co: offline")
+
+
+def test_push_that_fails_writes_nothing_into_the_folder(tmp_path, monkeypatch, capsys):
+    import modular_decoder.commands.push as push
+
+    monkeypatch.setattr(push, "HfApi", OfflineApi)
+    ModularDecoderForCausalLM(preset_config("gpt2", tiny=True)).save_pretrained(tmp_path / "ckpt")  # no card
+    before = sorted(path.name for path in (tmp_path / "ckpt").iterdir())
+    capsys.readouterr()
+    assert main(["push", str(tmp_path / "ckpt"), "me/x"]) == 2
+    assert "offline" in capsys.readouterr().err
+    assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()) == before

@@ -241,6 +241,22 @@ def test_invalid_config_raises_value_error_naming_the_field(case):
     assert field in str(error.value), f"{field!r} not named in: {error.value}"
 
 
+@pytest.mark.parametrize("value", ["16", 4.5, True])
+@pytest.mark.parametrize("field", ModularDecoderConfig.integer_fields())
+def test_a_non_integer_size_is_refused_under_its_own_name(field, value):
+    """Types are checked before any rule derives one field from another: MLA's `head_dim` is computed
+    from `kv_lora_rank`, which once turned `kv_lora_rank="16"` into a TypeError and 4.5 into an error
+    naming `head_dim`."""
+    with pytest.raises(ValueError, match=f"^`{field}` must be an integer, got {value!r}"):
+        ModularDecoderConfig(**{**MLA_MOE, field: value})
+
+
+# MLA and routed experts: the kinds that derive sizes from the most fields
+MLA_MOE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
+               attention_type="mla", kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+               mlp_type="moe", num_experts=4, num_experts_per_tok=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # sinusoidal positions, ALiBi slopes, MLA's absorbed sliding window
 

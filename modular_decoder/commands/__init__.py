@@ -1,4 +1,6 @@
-"""`modular-decoder` command line: one subcommand per module of this package, registered in `COMMANDS`.
+"""modular-decoder: convert, reshape, run, check and publish checkpoints of the modular_decoder family.
+
+One subcommand per module of this package (the table `COMMANDS`).
 
 Not model code: a saved checkpoint never carries these files. Each command module exposes
 `add_arguments(parser)` and `run(args) -> int`; it is imported only when its command runs, so
@@ -9,8 +11,16 @@ the code raises on purpose about the user's input: a `UserError`, or a `ValueErr
 raised inside `user_input()`, which each command wraps around exactly the calls that check its
 input (its arguments, paths and files, config construction, `from_pretrained`'s checkpoint check,
 the prompt's checks). Any other exception, a `ValueError` from anywhere else included, is a bug: it
-keeps its traceback and exits with status 1. `--traceback` (or `MODULAR_DECODER_TRACEBACK=1`) shows
-the traceback of user errors too, for bug reports. Ctrl-C prints `interrupted` and exits 130.
+keeps its traceback and exits with status 1. `--traceback` (or `MODULAR_DECODER_TRACEBACK=1`) prints
+the traceback of a user error too, for bug reports; the exit status stays 2. Ctrl-C prints
+`interrupted` and exits 130.
+
+The tools behind the commands are Python functions whose errors name their parameters
+(``pass `kv_heads`=3``); `in_flags` rewrites a user error in the words the user typed, for every
+command at once: a parameter that is the destination of one of the command's options becomes that
+option (`` `kv_heads` `` -> `` `--kv-heads` ``, `` `attention='mla'` `` -> `` `--attention mla` ``,
+``force=True`` -> `` `--force` ``). Tools therefore name a parameter in backticks, as `name`,
+`name=value` or `name`=value, and the command gives it an option whose destination has that name.
 """
 
 from __future__ import annotations
@@ -19,7 +29,9 @@ import argparse
 import contextlib
 import importlib
 import os
+import re
 import sys
+import traceback
 
 # What the checks of a user's input raise (bad paths, bad files, bad values), inside `user_input()`
 USER_ERRORS = (ValueError, OSError)
@@ -49,8 +61,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("chat", "chat with a checkpoint through its chat template, streaming replies"),
     "push": ("push", "upload a checkpoint folder to the Hugging Face Hub"),
     "plot": ("plot", "plots: `plot cache` (KV-cache bytes against context), `plot reshape` (perplexity against cache bytes)"),
-    "validate": ("validate", "run the seed's validation checklist on a checkpoint or preset"),
-    "experiment": ("experiment", "reproduce the seed's findings: gradnorm, ffn-budget, ablation"),
+    "validate": ("validate", "check a checkpoint or preset: shapes, causality, backends, cached decoding, "
+                             "cache bytes, positions, speed"),
+    "experiment": ("experiment", "reproduce three findings on small models: gradnorm, ffn-budget, ablation"),
 }
 
 
@@ -67,7 +80,39 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=traceback_help)
         if name == chosen:  # only the chosen command's module is imported
             importlib.import_module(f"{__name__}.{module_name}").add_arguments(command)
+            command.set_defaults(_flags=option_flags(command))
     return parser
+
+
+def option_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Each option's destination -> its action, through nested subcommands (`plot cache`, ...)."""
+    flags = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                flags.update(option_flags(subparser))
+        elif action.option_strings and action.dest not in (argparse.SUPPRESS, "help", "traceback"):
+            flags[action.dest] = action
+    return flags
+
+
+def in_flags(message: str, flags: dict[str, argparse.Action]) -> str:
+    """`message` with the Python parameters that are options of the command named as the options."""
+    for dest in sorted(flags, key=len, reverse=True):
+        action, name = flags[dest], re.escape(dest)
+        flag = max(action.option_strings, key=len)  # the long spelling
+        switch = action.nargs == 0  # store_true: `force=True` is the bare flag
+
+        def assigned(match: re.Match, flag=flag, switch=switch) -> str:
+            value = match.group(1).strip("'\"")
+            return f"`{flag}`" if switch and value == "True" else f"`{flag} {value}`"
+
+        message = re.sub(rf"`{name}=([^`]*)`", assigned, message)
+        message = re.sub(rf"`{name}`", f"`{flag}`", message)
+        if switch:
+            message = re.sub(rf"(?<![\w`-]){name}=True\b", f"`{flag}`", message)
+        message = message.replace(f"`{flag}` (`{flag}`)", f"`{flag}`")  # "force=True (`--force`)"
+    return message
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except UserError as error:
-        if verbose:
-            raise error.__cause__ or error
-        print(f"error: {one_line(error)}", file=sys.stderr)
+        if verbose:  # for a bug report; still a user error
+            traceback.print_exception(error.__cause__ or error, file=sys.stderr)
+        print(f"error: {in_flags(one_line(error), getattr(args, '_flags', {}))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if verbose:

@@ -21,6 +21,8 @@ def run(args: argparse.Namespace) -> int:
         print("> ", end="", flush=True)
         line = sys.stdin.readline()
         if not line or line.strip() in ("", "/exit"):
+            if not line:  # EOF: the terminal has no newline after the prompt
+                print()
             return 0
         messages.append({"role": "user", "content": line.rstrip("\n")})
         inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",

@@ -32,11 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import modular_decoder
     from modular_decoder.compat import attn_implementation
     from modular_decoder.commands import user_input
+    from modular_decoder.commands.generate import load_tokenizer
     from modular_decoder.conversion import convert
 
     if args.force or not (args.out / "config.json").exists():
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"converted {GGUF_NAME} -> {args.out} in {time.perf_counter() - start:.1f} s")
     with user_input():  # an --out folder from an earlier run: from_pretrained checks it
         model = AutoModelForCausalLM.from_pretrained(args.out).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.out)
+        tokenizer = load_tokenizer(args.out)
     print(f"loaded {type(model).__name__} ({model.num_parameters():,} parameters, "
           f"attention backend {attn_implementation(model.config)})")
 

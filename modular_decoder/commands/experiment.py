@@ -1,4 +1,4 @@
-"""`modular-decoder experiment ...`: small runs that check the seed's findings.
+"""`modular-decoder experiment ...`: small runs that reproduce three findings of the literature.
 
     modular-decoder experiment gradnorm      # post- vs pre-norm FFN gradient norms per layer (+ PNG)
     modular-decoder experiment ffn-budget    # the 8d/3 rule, checked against the built modules
@@ -53,7 +53,8 @@ def run(args) -> int:
     if args.experiment == "gradnorm":
         from modular_decoder.tools.experiments import gradnorm
 
-        rows = gradnorm.run(gradnorm.default_grid(args.hidden, args.layers, args.steps), seed=args.seed)
+        grid = gradnorm.default_grid(args.hidden, args.layers, args.steps)
+        rows = gradnorm.run(grid, seed=args.seed, progress=lambda line: print(line, file=sys.stderr))
         (out / "gradnorm.md").write_text(gradnorm.markdown(rows) + "\n")
         gradnorm.plot(rows, out / "gradnorm.png")
         print(gradnorm.markdown(rows))

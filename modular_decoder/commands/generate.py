@@ -7,6 +7,9 @@ import argparse
 from pathlib import Path
 
 
+# Files one of which a tokenizer folder holds (fast, slow SentencePiece, BPE vocabulary, or its config)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
 # `--compile`: the static cache grows in steps of this many tokens (each step compiles the decode step again)
 CACHE_STEP = 512
 
@@ -14,6 +17,8 @@ CACHE_STEP = 512
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by `generate` and `chat`."""
     parser.add_argument("folder", type=Path, help="a checkpoint folder (model + tokenizer)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a folder with the tokenizer, when FOLDER has none (default: FOLDER)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -43,7 +48,7 @@ def load_checkpoint(folder: Path, args: argparse.Namespace | None = None, chat: 
     first; with `chat`, that the tokenizer has a chat template. The path, the options and
     `from_pretrained`'s checks of the checkpoint are the user's input (`user_input`): their errors are
     one line."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import modular_decoder  # noqa: F401  (registers the family with the Auto classes)
     from modular_decoder.commands import user_input
@@ -53,10 +58,27 @@ def load_checkpoint(folder: Path, args: argparse.Namespace | None = None, chat: 
             check_generation_arguments(args)
         if not Path(folder).exists():
             raise FileNotFoundError(f"{folder} does not exist.")
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = load_tokenizer(folder, getattr(args, "tokenizer", None))
         if chat and tokenizer.chat_template is None:
             raise ValueError(f"the tokenizer in {folder} has no chat template; use `modular-decoder generate`.")
         return AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer
+
+
+def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None):
+    """The tokenizer from `tokenizer_folder` (`--tokenizer`), else from the checkpoint `folder`; a folder
+    holding none of TOKENIZER_FILES is refused with what to do, before tokenizers' own error."""
+    from transformers import AutoTokenizer
+
+    source = Path(tokenizer_folder or folder)
+    if not source.exists():
+        raise FileNotFoundError(f"`--tokenizer` {source} does not exist.")
+    if source.is_dir() and not any((source / name).exists() for name in TOKENIZER_FILES):
+        if tokenizer_folder is not None:
+            raise ValueError(f"`--tokenizer` {source} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
+        raise ValueError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass "
+                         f"`--tokenizer DIR` with the folder of the tokenizer the model was trained with, or save "
+                         f"one beside the weights (`tokenizer.save_pretrained(\"{source}\")`).")
+    return AutoTokenizer.from_pretrained(source)
 
 
 def generation_kwargs(args: argparse.Namespace, prompt_length: int) -> dict:

@@ -2,7 +2,7 @@
 `modular-decoder plot reshape REPORT.json`: a reshape run's held-out perplexity against KV-cache bytes per
 token (the source, the result, after healing, and every rank of an MLA sweep).
 
-With no `--config`, draws the seed's Figure 8.4: one 7B-class shape (d=4096, L=32, 32 query
+With no `--config`, draws one 7B-class shape (d=4096, L=32, 32 query
 heads of 128) with MHA (32 K/V heads), GQA (8), MQA (1) and MLA (d_c=512, d_R=64, DeepSeek-V2's
 ratios). `--config` takes preset names (`llama`, `gemma3`, ...) or checkpoint folders. The numbers
 come from `modular_decoder.contract.cache_bytes`, so sliding-window layers flatten out where
@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     reshape.add_argument("--out", type=Path, default=Path("reshape.png"))
     cache = sub.add_parser("cache", help="KV-cache bytes against context length")
     cache.add_argument("--config", action="append", default=[], metavar="PRESET_OR_FOLDER",
-                       help="repeatable; default: the seed's Figure 8.4 (MHA / GQA / MQA / MLA)")
+                       help="repeatable; default: one 7B-class shape as MHA, GQA, MQA and MLA")
     cache.add_argument("--max-context", type=int, default=131072)
     cache.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     cache.add_argument("--batch-size", type=int, default=1)

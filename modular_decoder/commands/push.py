@@ -1,7 +1,8 @@
 """`modular-decoder push FOLDER REPO_ID`: upload a converted or trained checkpoint folder to the Hub.
 
-Checks that the folder is a complete remote-code repository first (writes the model card if it is
-the only thing missing), then `HfApi.create_repo` + `HfApi.upload_folder`.
+Checks that the folder is a complete remote-code repository first (renders the model card if it is
+the only thing missing), then `HfApi.create_repo` + `HfApi.upload_folder` (+ the card). Nothing is
+written into the folder unless the push succeeded; then the card it pushed is saved there too.
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ def run(args: argparse.Namespace) -> int:
         missing = check_hub_folder(folder)
         writes_card = "README.md" in missing and (folder / "config.json").exists()
         config = ModularDecoderConfig.from_pretrained(folder) if writes_card else None
-    if writes_card:
-        (folder / "README.md").write_text(render_model_card(config, base_model=args.base_model, repo_id=args.repo_id))
-        print(f"wrote a model card: {folder / 'README.md'}")
-        missing = check_hub_folder(folder)
+    if writes_card:  # uploaded beside the folder, written into it only once the push succeeded
+        card = render_model_card(config, base_model=args.base_model, repo_id=args.repo_id)
+        missing.remove("README.md")
     if missing:
         raise UserError(f"{folder} is not a complete modular_decoder repository; missing: {', '.join(missing)}")
     api = HfApi(token=args.token)
@@ -44,5 +44,11 @@ def run(args: argparse.Namespace) -> int:
         url = api.create_repo(args.repo_id, private=args.private, exist_ok=True, repo_type="model")
         api.upload_folder(folder_path=str(folder), repo_id=args.repo_id, repo_type="model",
                           revision=args.revision, commit_message=args.commit_message)
+        if writes_card:
+            api.upload_file(path_or_fileobj=card.encode(), path_in_repo="README.md", repo_id=args.repo_id,
+                            repo_type="model", revision=args.revision, commit_message="Add the model card")
     print(f"pushed {folder} -> {url}")
+    if writes_card:
+        (folder / "README.md").write_text(card)
+        print(f"wrote the model card it pushed: {folder / 'README.md'}")
     return 0

@@ -1,4 +1,5 @@
-"""`modular-decoder validate PATH | --preset NAME [--tiny]`: the seed's checklist on a checkpoint or preset."""
+"""`modular-decoder validate PATH | --preset NAME [--tiny]`: shapes, causality, backends, cached decoding,
+cache bytes, positions and speed checked on a checkpoint or preset (`modular_decoder.tools.validate`)."""
 
 from __future__ import annotations
 

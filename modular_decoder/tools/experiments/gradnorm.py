@@ -214,10 +214,10 @@ def default_grid(hidden: int = 512, layers: int = 6, steps: int = 20) -> list[Co
 
 def run(grid: list[Condition], seed: int = 0, progress=print) -> list[dict]:
     rows = []
-    for condition in grid:
+    for done, condition in enumerate(grid, start=1):
         norms = measure(condition, seed)
         rows.append({"condition": condition, "norms": norms, "ratio": ratio(norms)})
-        progress(f"{condition.label():70s} top/bottom {ratio(norms):6.2f}  " + " ".join(f"{n:.3g}" for n in norms))
+        progress(f"[{done}/{len(grid)}] {condition.label()}")  # the numbers go once, into `markdown`
     return rows
 
 
