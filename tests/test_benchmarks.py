@@ -267,3 +267,35 @@ def test_compiled_decode_quick_prints_both_modes(capsys):
     for mode in ("eager", "compiled"):
         theirs, ours = (float(cell.split("±")[0]) for cell in rows[mode].split("|")[2:4])
         assert theirs > 0 and ours > 0
+
+
+def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
+    """`python -m benchmarks.gpu --smoke`: the GPU matrix's code paths on the CPU with tiny fp32 shapes. Every part
+    reaches the JSON with a result or a stated skip reason (sync counting, flash kernels: CUDA only), none errors,
+    the pairs generate the same greedy tokens, the training losses agree, and the README table is printed."""
+    from benchmarks import gpu
+
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--smoke", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert {"date_utc", "hardware", "torch", "transformers"} <= set(results["meta"])
+    assert list(results["parts"]) == list(gpu.PARTS)
+    for name, part in results["parts"].items():
+        assert "error" not in part, (name, part.get("traceback"))
+        assert part.get("rows") or part.get("skipped"), name
+    parts = results["parts"]
+    assert "CUDA" in parts["host_syncs"]["skipped"] and "CUDA" in parts["flash_backends"]["skipped"]
+    for name in ("llama_generate", "compiled_decode"):
+        assert all(v["greedy_agreement"]["equal"] for k, v in parts[name].items() if k.startswith("b")), name
+    assert parts["llama_prefill"]["logits_max_abs_diff"] < 1e-4
+    assert len(parts["mla_decode_grid"]["points"]) == 3
+    assert all(entry["greedy_agreement"] == 1.0 for key, entry in parts["mla_chunked_prefill"].items()
+               if key.startswith("chunk"))
+    for name in ("train_llama_full", "train_llama_lora", "train_deepseek_v3_full", "train_deepseek_v3_lora"):
+        for kind in ("padded", "packed"):
+            run = parts[name][f"sdpa_{kind}"]
+            assert run["loss_max_rel_diff"] < 1e-4 and len(run["losses"]["ours"]) == 2, (name, kind)
+        assert "no backward on the CPU" in parts[name]["flex_attention"]["skipped"]
+        assert len(set(parts[name]["trainable"].values())) == 1
+    table = capsys.readouterr().out
+    assert "| case | transformers | ours | ratio |" in table and "MLA prefill 2 x 64 in chunks of 16" in table
