@@ -1,0 +1,139 @@
+"""What `tests/gpu/run_gpu_checks.py` relies on, checked on the CPU: its routing-flip verdict, and that one
+model's `generate` with FlexAttention compiles a bounded number of times."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from backend_cases import make_config
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.nn.attention import flex_attention as torch_flex
+from transformers.integrations import flex_attention as transformers_flex
+
+from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM
+from modular_decoder.routers import TopKRouter
+
+
+def _gpu_checks():
+    path = Path(__file__).parent / "gpu" / "run_gpu_checks.py"
+    spec = importlib.util.spec_from_file_location("run_gpu_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return _gpu_checks()
+
+
+def _moe_pair():
+    """The variant that failed on the H200 (MLA, capped, windowed, experts): the reference and a copy (both eager:
+    the verdict, not a backend, is under test here)."""
+    torch.manual_seed(0)
+    reference = ModularDecoderForCausalLM._from_config(make_config("mla_capped_windowed_moe"),
+                                                       attn_implementation="eager").eval()
+    other = copy.deepcopy(reference)
+    ids = torch.randint(1, reference.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    return reference, other, dict(input_ids=ids, attention_mask=mask)
+
+
+def _flip_first_router(model, tokens: int = 3):
+    """Send the first `tokens` tokens of the first router to other experts (ids + 1), as a bf16 near-tie would."""
+    router = next(m for m in model.modules() if isinstance(m, TopKRouter))
+    experts = router.num_experts
+
+    def flip(module, args, output):
+        indices = output[2].clone()
+        indices[:tokens] = (indices[:tokens] + 1) % experts
+        return output[0], output[1], indices
+
+    return router.register_forward_hook(flip)
+
+
+@torch.no_grad()
+def test_routing_flip_is_told_apart_from_a_real_difference(checks):
+    reference, other, inputs = _moe_pair()
+    with checks.recorded_routing(reference) as routing:
+        want = reference(**inputs, use_cache=False).logits.float()
+    assert routing and all(len(calls) == 1 for calls in routing.values())
+
+    clean = checks.compare(other, inputs, want, fp32=True, reference_routing=routing)
+    assert clean["good"] and clean["verdict"] == "ok"
+
+    handle = _flip_first_router(other)
+    flipped_without_fix = checks.compare(other, inputs, want, fp32=True)
+    assert not flipped_without_fix["good"] and flipped_without_fix["verdict"] == "FAIL"
+    flipped = checks.compare(other, inputs, want, fp32=True, reference_routing=routing)
+    assert flipped["good"] and flipped["verdict"].startswith("ok: routing flip"), flipped
+    assert 0 < flipped["flipped"] < 1 and flipped["fixed_diff"] <= 1e-3
+    handle.remove()
+
+    layer = other.model.layers[1].self_attn
+    with torch.no_grad():
+        layer.o_proj.weight.add_(0.2 * torch.randn_like(layer.o_proj.weight))
+    real = checks.compare(other, inputs, want, fp32=True, reference_routing=routing)
+    assert not real["good"] and real["verdict"].startswith("FAIL: real difference"), real
+
+
+def test_fixed_routing_refuses_a_routing_of_other_inputs(checks):
+    reference, other, inputs = _moe_pair()
+    with torch.no_grad(), checks.recorded_routing(reference) as routing:
+        reference(**inputs, use_cache=False)
+    shorter = {k: v[:, :8] for k, v in inputs.items()}
+    with torch.no_grad(), checks.fixed_routing(other, routing), pytest.raises(ValueError, match="recorded routing"):
+        other(**shorter, use_cache=False)
+
+
+def _cache_entries() -> dict[str, int]:
+    """Compiled versions dynamo holds for flex's two compiled functions."""
+    return {f.__name__: len(_debug_get_cache_entry_list(f.__code__))
+            for f in (torch_flex.create_block_mask, torch_flex.flex_attention)}
+
+
+def test_flex_generate_compiles_a_bounded_number_of_times(monkeypatch):
+    """One model's `generate` with flex: the block-mask builder and the kernel compile for the prompt and once
+    more (dynamic) for the decode steps, per mask kind; further steps and calls add no compile, so dynamo's
+    recompile limit is never reached by one model. (The limit was reached on the H200 by one process building
+    many models, each with new `mask_mod` closures: `run_gpu_checks.build` now resets dynamo per model.)
+    Dynamo's guards decide the recompiles whatever the backend, so inductor is swapped for `aot_eager` to keep
+    this a CPU test of seconds."""
+    compile_ = torch.compile
+
+    def aot_eager(fn=None, **options):
+        options = {**options, "backend": "aot_eager", "mode": None}
+        return compile_(fn, **options) if fn is not None else (lambda f: compile_(f, **options))
+
+    monkeypatch.setattr(torch, "compile", aot_eager)
+    for name in ("_instance", "_is_flex_compiled", "_compiled_flex_attention"):  # transformers' compiled singleton
+        monkeypatch.setattr(transformers_flex.WrappedFlexAttention, name, getattr(transformers_flex.WrappedFlexAttention, name))
+    transformers_flex.WrappedFlexAttention._instance = None
+    transformers_flex.WrappedFlexAttention._is_flex_compiled = False
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        config = ModularDecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, max_position_embeddings=256, position_embedding_type="rope",
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4,
+                                      layer_types=["sliding_attention", "full_attention"])
+        model = ModularDecoderForCausalLM._from_config(config, attn_implementation="flex_attention").eval()
+        ids = torch.randint(1, 64, (2, 8))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0  # left padding: the padding mask joins the mask_mod closures
+
+        def generate(new_tokens: int):
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0)
+            return _cache_entries()
+
+        first = generate(3)
+        assert all(0 < n <= 4 < torch._dynamo.config.recompile_limit for n in first.values()), first
+        assert generate(10) == first  # more steps and another call: nothing recompiles
+    finally:
+        torch._dynamo.reset()
