@@ -4,7 +4,8 @@ On the device machine (one H200, no network; about 6 minutes):
 
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out $OUT/gpu.json
 
-Anywhere else: `python -m benchmarks.gpu [--out FILE.json] [--smoke] [--parts NAME ...]`. `--smoke` runs the same
+Anywhere else: `python -m benchmarks.gpu [--out FILE.json] [--smoke] [--parts NAME ...] [--budget SECONDS]`
+(parts that would start past the budget, 345 s by default, are recorded as skipped). `--smoke` runs the same
 code paths on the CPU with tiny shapes in fp32 (under a minute; the test suite runs it so the script never rots).
 
 Weights are random, made with transformers' own class (`LlamaForCausalLM` at the Llama-3.2-1B shape,
@@ -18,12 +19,10 @@ above 1 means ours is faster (or, for memory, smaller). Greedy tokens are compar
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
-import signal
 import sys
 import tempfile
 import time
@@ -141,7 +140,10 @@ def _generate_pair(bench: Bench, label: str, batch: int, prompt_len: int, **kwar
 def llama_generate(bench: Bench) -> dict:
     plan, result, rows = bench.plan, {}, []
     for batch, prompt_len in ((1, plan.prompt_b1), (plan.big_batch, plan.prompt_big)):
-        result[f"b{batch}"], row = _generate_pair(bench, "eager `generate`", batch, prompt_len)
+        try:
+            result[f"b{batch}"], row = _generate_pair(bench, "eager `generate`", batch, prompt_len)
+        except PartTimeout as error:  # keep the batch already measured
+            result[f"b{batch}"], row = {"timeout": str(error)}, (f"eager `generate` b{batch}", "", str(error), "")
         rows.append(row)
     return result | {"rows": rows}
 
@@ -153,8 +155,12 @@ def compiled_decode(bench: Bench) -> dict:
     if not torch.cuda.is_available():
         result["note"] = "no CUDA: transformers compiles the static-cache decode step only on a GPU; timed eagerly"
     for batch, prompt_len in ((1, plan.prompt_b1), (plan.big_batch, plan.prompt_big)):
-        result[f"b{batch}"], row = _generate_pair(bench, "compiled decode (static cache)", batch, prompt_len,
-                                                  cache_implementation="static")
+        try:
+            result[f"b{batch}"], row = _generate_pair(bench, "compiled decode (static cache)", batch, prompt_len,
+                                                      cache_implementation="static")
+        except PartTimeout as error:  # keep the batch already measured (each batch size compiles anew)
+            result[f"b{batch}"] = {"timeout": str(error)}
+            row = (f"compiled decode (static cache) b{batch}", "", str(error), "")
         rows.append(row)
     return result | {"rows": rows}
 
@@ -191,13 +197,22 @@ def host_syncs(bench: Bench) -> dict:
          str(counts["ours"]["two_training_steps"]), "")]}
 
 
-def flash_backends(bench: Bench) -> dict:
-    """Each flash backend whose package imports: prefill time and greedy b1 tokens, both sides."""
-    from transformers.utils import import_utils
+def flash_available() -> dict[str, bool]:
+    """Which flash backends can run here (`Skip` without CUDA: the kernels are CUDA-only)."""
+    import transformers.utils as hf_utils
 
     if not torch.cuda.is_available():
         raise Skip("no CUDA: flash kernels run on a GPU only (their parity tests: tests/test_backends.py)")
-    available = {name: getattr(import_utils, f"is_flash_attn_{name[-1]}_available")() for name in FLASH_BACKENDS}
+    return {name: getattr(hf_utils, f"is_flash_attn_{name[-1]}_available")() for name in FLASH_BACKENDS}
+
+
+def use_backend(model, name: str) -> None:
+    model.set_attn_implementation(name)  # the load-time path: checks the kernel package and the config
+
+
+def flash_backends(bench: Bench) -> dict:
+    """Each flash backend whose package imports: prefill time and greedy b1 tokens, both sides."""
+    available = flash_available()
     if not any(available.values()):
         raise Skip("no flash package imports here (flash_attn, flash_attn_interface, flash_attn.cute)")
     result, rows = {"available": available}, []
@@ -205,7 +220,7 @@ def flash_backends(bench: Bench) -> dict:
     for name in (n for n, ok in available.items() if ok):
         try:
             for model in (theirs, ours):
-                model.set_attn_implementation(name)
+                use_backend(model, name)
             prefill = llama_prefill(bench)
             result[name], row = _generate_pair(bench, f"{name} generate", 1, bench.plan.prompt_b1)
             result[name]["prefill"] = {k: v for k, v in prefill.items() if k != "rows"}
@@ -214,7 +229,7 @@ def flash_backends(bench: Bench) -> dict:
             result[name] = {"error": f"{type(error).__name__}: {error}"[:400]}
         finally:
             for model in (theirs, ours):
-                model.set_attn_implementation("sdpa")
+                use_backend(model, "sdpa")
     return result | {"rows": rows}
 
 
@@ -262,6 +277,10 @@ def mla_decode_grid(bench: Bench) -> dict:
         except torch.OutOfMemoryError as error:
             points[key] = {"oom": str(error)[:300]}
             rows.append((f"MLA decode step b{batch} x {context:,} context", "", "out of memory", ""))
+        except PartTimeout as error:  # keep the points already measured
+            points[key] = {"timeout": str(error)}
+            rows.append((f"MLA decode step b{batch} x {context:,} context", "", str(error), ""))
+            break
         finally:
             caches = None
             _empty_cache()
@@ -409,11 +428,11 @@ def training(bench: Bench, family: str, method: str) -> dict:
 
 # name -> (function, time guard in seconds on the GPU plan); the order is the order of the run.
 PARTS = {
-    "llama_prefill": (llama_prefill, 40),
+    "llama_prefill": (llama_prefill, 60),  # makes, saves and converts the checkpoint first
     "llama_generate": (llama_generate, 70),
     "host_syncs": (host_syncs, 30),
     "flash_backends": (flash_backends, 40),
-    "mla_decode_grid": (mla_decode_grid, 60),
+    "mla_decode_grid": (mla_decode_grid, 60),  # makes the DeepSeek-V3 checkpoint first
     "mla_chunked_prefill": (mla_chunked_prefill, 100),
     "train_llama_full": (lambda b: training(b, "llama", "full"), 45),
     "train_llama_lora": (lambda b: training(b, "llama", "lora"), 40),

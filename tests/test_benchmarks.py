@@ -299,3 +299,26 @@ def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
         assert len(set(parts[name]["trainable"].values())) == 1
     table = capsys.readouterr().out
     assert "| case | transformers | ours | ratio |" in table and "MLA prefill 2 x 64 in chunks of 16" in table
+
+
+def test_gpu_matrix_flash_part_runs_both_sides_through_the_flash_path(tmp_path, monkeypatch):
+    """The flash part of `benchmarks.gpu` on the CPU: flash-attn 2 declared available and its kernel replaced by
+    the reference kernel of tests/backend_cases.py (the stand-in the flash parity tests use); both sides then go
+    through transformers' flash path and generate the same greedy tokens."""
+    from backend_cases import install_reference_kernels
+
+    from benchmarks import gpu
+
+    calls = install_reference_kernels(monkeypatch)
+    monkeypatch.setattr(gpu, "flash_available", lambda: {"flash_attention_2": True, "flash_attention_3": False,
+                                                         "flash_attention_4": False})
+    monkeypatch.setattr(gpu, "use_backend", lambda model, name: setattr(model.config, "_attn_implementation", name))
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--smoke", "--parts", "flash_backends", "--out", str(out)]) == 0
+    part = json.loads(out.read_text())["parts"]["flash_backends"]
+    assert "error" not in part["flash_attention_2"], part
+    assert part["flash_attention_2"]["greedy_agreement"]["equal"]
+    assert part["flash_attention_2"]["prefill"]["logits_max_abs_diff"] < 1e-4
+    assert calls, "the reference flash kernel was not called"
+    assert [row[0] for row in part["rows"]] == ["flash_attention_2: prefill 1 x 32, `logits_to_keep=1` (ms)",
+                                                "flash_attention_2 generate b1, 8-token prompt, +4 (tok/s)"]
