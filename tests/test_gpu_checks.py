@@ -98,12 +98,14 @@ def _cache_entries() -> dict[str, int]:
 
 
 def test_flex_generate_compiles_a_bounded_number_of_times(monkeypatch):
-    """One model's `generate` with flex: the block-mask builder and the kernel compile for the prompt and once
-    more (dynamic) for the decode steps, per mask kind; further steps and calls add no compile, so dynamo's
-    recompile limit is never reached by one model. (The limit was reached on the H200 by one process building
-    many models, each with new `mask_mod` closures: `run_gpu_checks.build` now resets dynamo per model.)
+    """One model's `generate` with flex compiles a bounded number of times: the block-mask builder and the kernel
+    compile once per mask kind (here sliding and full layers, prompt and decode step) for the first shape, once
+    more (dynamic) at the second, and never again: not for more steps, not for further batch sizes or prompt
+    lengths. (Dynamo guards on transformers' `mask_mod` closures, so each new mask kind compiles anew: in one
+    process that builds many models, or feeds one sliding+full model both padded and unpadded batches, that
+    passes dynamo's recompile limit of 8 and flex runs unfused. `run_gpu_checks.build` resets dynamo per model.)
     Dynamo's guards decide the recompiles whatever the backend, so inductor is swapped for `aot_eager` to keep
-    this a CPU test of seconds."""
+    this a CPU test."""
     compile_ = torch.compile
 
     def aot_eager(fn=None, **options):
@@ -123,17 +125,20 @@ def test_flex_generate_compiles_a_bounded_number_of_times(monkeypatch):
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4,
                                       layer_types=["sliding_attention", "full_attention"])
         model = ModularDecoderForCausalLM._from_config(config, attn_implementation="flex_attention").eval()
-        ids = torch.randint(1, 64, (2, 8))
-        mask = torch.ones_like(ids)
-        mask[1, :3] = 0  # left padding: the padding mask joins the mask_mod closures
 
-        def generate(new_tokens: int):
+        def generate(batch: int, length: int, new_tokens: int):
+            ids = torch.randint(1, 64, (batch, length))
+            mask = torch.ones_like(ids)
+            mask[1, :3] = 0  # left padding: the padding mask joins the mask_mod closures
             model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, pad_token_id=0)
             return _cache_entries()
 
-        first = generate(3)
-        assert all(0 < n <= 4 < torch._dynamo.config.recompile_limit for n in first.values()), first
-        assert generate(10) == first  # more steps and another call: nothing recompiles
+        first = generate(2, 8, 3)
+        assert first == {"create_block_mask": 4, "flex_attention": 4}  # (sliding, full) x (prompt, step)
+        assert generate(2, 8, 8) == first  # more steps, another call: nothing recompiles
+        second = generate(3, 11, 3)  # another shape: each compiles once more, with dynamic shapes
+        assert second == {"create_block_mask": 8, "flex_attention": 8}
+        assert generate(4, 5, 3) == second  # and never again
     finally:
         torch._dynamo.reset()
