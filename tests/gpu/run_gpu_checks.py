@@ -4,6 +4,7 @@ tokens. Not collected by pytest (no `test_` prefix) and not run in CI: it needs 
 
     python tests/gpu/run_gpu_checks.py            # about 5-8 minutes on one H200, no network
     python tests/gpu/run_gpu_checks.py --quick    # parity only, no timings
+    python tests/gpu/run_gpu_checks.py --cpu --variants mla_capped_windowed_moe   # parity of one variant, CPU
 
 Flash backends run only where their package is importable (flash-attn 2: `flash_attn`; 3:
 `flash_attn_interface`; 4: `flash_attn.cute`, installable offline from carried wheels). Flash
@@ -75,11 +76,11 @@ def config_for(variant: str, base: dict) -> ModularDecoderConfig:
     return ModularDecoderConfig(**fields)
 
 
-def build(config, backend: str, dtype) -> ModularDecoderForCausalLM:
+def build(config, backend: str, dtype, device: str = "cuda") -> ModularDecoderForCausalLM:
     torch._dynamo.reset()  # each model's flex compiles count on their own (see the module docstring)
     torch.manual_seed(0)
     model = ModularDecoderForCausalLM._from_config(config, attn_implementation="eager", dtype=dtype)
-    model = model.cuda().eval()
+    model = model.to(device).eval()
     if backend != "eager":
         model.set_attn_implementation(backend)  # the real load-time path, kernel lookup included
     return model
@@ -178,18 +179,18 @@ def compare(model, inputs: dict, want: torch.Tensor, fp32: bool, reference_routi
 
 
 @torch.no_grad()
-def parity() -> bool:
+def parity(device: str = "cuda", variants=tuple(VARIANTS)) -> bool:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     ok = True
     print(f"{'variant':18} {'backend':18} {'dtype':9} {'batch':7} {'max|d|':>10} {'rel':>8} {'argmax':>7}  verdict")
-    for variant in VARIANTS:
+    for variant in variants:
         config = config_for(variant, PARITY)
         for dtype in (torch.float32, torch.bfloat16):
-            eager = build(config, "eager", dtype)
+            eager = build(config, "eager", dtype, device)
             data = batches(config.vocab_size)
             reference, routing = {}, {}
             for name, inputs in data.items():
-                inputs = {k: v.cuda() for k, v in inputs.items()}
+                inputs = {k: v.to(device) for k, v in inputs.items()}
                 with recorded_routing(eager) as routing[name]:
                     reference[name] = eager(**inputs, use_cache=False).logits.float()
             for backend, available in BACKENDS.items():
@@ -203,9 +204,9 @@ def parity() -> bool:
                 if status:
                     print(f"{variant:18} {backend:18} {str(dtype)[6:]:9} {'-':7} {'':>10} {'':>8} {'':>7}  {status}")
                     continue
-                model = build(config, backend, dtype)
+                model = build(config, backend, dtype, device)
                 for name, inputs in data.items():
-                    inputs = {k: v.cuda() for k, v in inputs.items()}
+                    inputs = {k: v.to(device) for k, v in inputs.items()}
                     fp32 = dtype == torch.float32
                     # fp32 routes identically; only bf16 near-ties flip
                     r = compare(model, inputs, reference[name], fp32, None if fp32 else routing[name])
@@ -214,7 +215,8 @@ def parity() -> bool:
                           f"{r['agree']:7.3f}  {r['verdict']}")
                 del model
             del eager
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return ok
 
 
@@ -254,14 +256,19 @@ def timings() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="parity only")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--cpu", action="store_true", help="parity only, on the CPU (flex compiles slowly there)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("SKIP: no CUDA device; these checks need a GPU.")
+    if args.cpu:
+        ok = parity("cpu", args.variants)
+    elif not torch.cuda.is_available():
+        print("SKIP: no CUDA device; these checks need a GPU (or --cpu).")
         return 0
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, {k: v for k, v in BACKENDS.items()})
-    ok = parity()
-    if not args.quick:
-        timings()
+    else:
+        print(torch.cuda.get_device_name(), "torch", torch.__version__, {k: v for k, v in BACKENDS.items()})
+        ok = parity("cuda", args.variants)
+        if not args.quick:
+            timings()
     print("\nALL OK" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 
