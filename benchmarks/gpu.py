@@ -321,7 +321,8 @@ def mla_chunked_prefill(bench: Bench) -> dict:
             except torch.OutOfMemoryError as error:
                 entry[side] = {"oom": str(error)[:300]}
         if len(last) == 2:
-            entry["greedy_agreement"] = (last["transformers"].argmax(-1) == last["ours"].argmax(-1)).float().mean().item()
+            same = last["transformers"].argmax(-1) == last["ours"].argmax(-1)
+            entry["greedy_agreement"] = same.float().mean().item()
         result[f"chunk{chunk}"] = entry
         cells = [_time_and_peak(entry[side]) for side in ("transformers", "ours")]
         both = all("seconds" in entry[s] for s in ("transformers", "ours"))
@@ -375,6 +376,25 @@ def _lora(theirs, ours, family: str):
     return models
 
 
+def _train_steps(pair: dict, optimizers: dict, batch: dict, repeats: int) -> dict:
+    """Median step time of both sides and every step's loss (a warm-up step, then `repeats` alternating)."""
+    losses = {side: [] for side in pair}
+    side_of = {id(model): side for side, model in pair.items()}
+
+    def step(model):
+        side = side_of[id(model)]
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        optimizers[side].step()
+        optimizers[side].zero_grad(set_to_none=True)
+        losses[side].append(loss.item())
+
+    seconds = timed(pair, step, repeats)
+    diff = max(abs(a - b) / abs(a) for a, b in zip(losses["transformers"], losses["ours"]))
+    return {"transformers_ms": 1e3 * seconds["transformers"], "ours_ms": 1e3 * seconds["ours"],
+            "ratio": ratio(seconds), "losses": losses, "loss_max_rel_diff": diff}
+
+
 def training(bench: Bench, family: str, method: str) -> dict:
     """Steps (forward, backward, AdamW) of a full fine-tune or a LoRA, on sdpa and flex, on a padded batch and on
     packed documents: median step time of both sides and the losses of every step (the same weights and data,
@@ -385,40 +405,31 @@ def training(bench: Bench, family: str, method: str) -> dict:
     pair = {"transformers": theirs, "ours": ours}
     optimizers = {side: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5)
                   for side, m in pair.items()}
-    result, rows, label = {}, [], "Llama" if family == "llama" else "DeepSeek-V3"
     trainable = {side: sum(p.numel() for p in m.parameters() if p.requires_grad) for side, m in pair.items()}
-    for backend in ("sdpa", "flex_attention"):
-        if backend == "flex_attention" and bench.device == "cpu":
-            result[backend] = {"skipped": "FlexAttention has no backward on the CPU (torch raises NotImplementedError)"}
-            rows.append((f"train {method} {label} {backend}", "", "skipped on the CPU: no flex backward", ""))
-            continue
-        for model in pair.values():
-            model.train()
-            model.set_attn_implementation(backend)
-        for kind, batch in _training_batches(bench).items():
-            key = f"{backend}_{kind}"
-            try:
-                losses = {side: [] for side in pair}
-
-                def step(model):
-                    side = "ours" if model is pair["ours"] else "transformers"
-                    loss = model(**batch, use_cache=False).loss
-                    loss.backward()
-                    optimizers[side].step()
-                    optimizers[side].zero_grad(set_to_none=True)
-                    losses[side].append(loss.item())
-
-                seconds = timed(pair, step, bench.plan.repeats)
-                diff = max(abs(a - b) / abs(a) for a, b in zip(losses["transformers"], losses["ours"]))
-                result[key] = {"transformers_ms": 1e3 * seconds["transformers"], "ours_ms": 1e3 * seconds["ours"],
-                               "ratio": ratio(seconds), "losses": losses, "loss_max_rel_diff": diff}
-                rows.append((f"train {method} {label} {backend} {kind} (ms/step; loss rel. diff {diff:.1e})",
-                             f"{1e3 * seconds['transformers']:.1f}", f"{1e3 * seconds['ours']:.1f}",
-                             f"{ratio(seconds):.2f}x"))
-            except Exception as error:  # one backend or batch failing keeps the others
-                result[key] = {"error": f"{type(error).__name__}: {error}"[:400]}
-                rows.append((f"train {method} {label} {backend} {kind}", "", f"error: {type(error).__name__}", ""))
-    bench.models.clear()  # trained weights: the next user reloads
+    result, rows, label = {}, [], "Llama" if family == "llama" else "DeepSeek-V3"
+    try:
+        for backend in ("sdpa", "flex_attention"):
+            if backend == "flex_attention" and bench.device == "cpu":
+                result[backend] = {"skipped": "FlexAttention has no backward on the CPU (torch: NotImplementedError)"}
+                rows.append((f"train {method} {label} {backend}", "", "skipped on the CPU: no flex backward", ""))
+                continue
+            for model in pair.values():
+                model.train()
+                model.set_attn_implementation(backend)
+            for kind, batch in _training_batches(bench).items():
+                case = f"train {method} {label} {backend} {kind}"
+                try:
+                    result[f"{backend}_{kind}"] = run = _train_steps(pair, optimizers, batch, bench.plan.repeats)
+                    rows.append((f"{case} (ms/step; loss rel. diff {run['loss_max_rel_diff']:.1e})",
+                                 f"{run['transformers_ms']:.1f}", f"{run['ours_ms']:.1f}", f"{run['ratio']:.2f}x"))
+                except Exception as error:  # one backend or batch failing keeps the others
+                    result[f"{backend}_{kind}"] = {"error": f"{type(error).__name__}: {error}"[:400]}
+                    rows.append((case, "", f"error: {type(error).__name__}", ""))
+    except PartTimeout as error:  # keep the cases already measured
+        result["timeout"] = str(error)
+        rows.append((f"train {method} {label}: the rest", "", str(error), ""))
+    finally:
+        bench.models.clear()  # trained weights: the next user reloads
     return {"trainable": trainable, "train_batch": list(bench.plan.train_batch), **result, "rows": rows}
 
 

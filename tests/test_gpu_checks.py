@@ -113,16 +113,16 @@ def test_flex_generate_compiles_a_bounded_number_of_times(monkeypatch):
         return compile_(fn, **options) if fn is not None else (lambda f: compile_(f, **options))
 
     monkeypatch.setattr(torch, "compile", aot_eager)
-    for name in ("_instance", "_is_flex_compiled", "_compiled_flex_attention"):  # transformers' compiled singleton
-        monkeypatch.setattr(transformers_flex.WrappedFlexAttention, name, getattr(transformers_flex.WrappedFlexAttention, name))
-    transformers_flex.WrappedFlexAttention._instance = None
-    transformers_flex.WrappedFlexAttention._is_flex_compiled = False
+    wrapped = transformers_flex.WrappedFlexAttention  # transformers' compiled singleton: a fresh one, restored after
+    for name, fresh in (("_instance", None), ("_is_flex_compiled", False), ("_compiled_flex_attention", None)):
+        monkeypatch.setattr(wrapped, name, fresh)
     torch._dynamo.reset()
     try:
         torch.manual_seed(0)
         config = ModularDecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, max_position_embeddings=256, position_embedding_type="rope",
-                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4,
+                                      num_attention_heads=2, max_position_embeddings=256,
+                                      position_embedding_type="rope", sliding_window=4,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                                       layer_types=["sliding_attention", "full_attention"])
         model = ModularDecoderForCausalLM._from_config(config, attn_implementation="flex_attention").eval()
 
