@@ -34,13 +34,12 @@ class Plan:
         return (self.llama if family == "llama" else self.deepseek_v3)["vocab_size"]
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # meta-llama/Llama-3.2-1B config.json (random weights of that shape)
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
-                    max_position_embeddings=131072, rms_norm_eps=1e-5,
-                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 8192})
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE)
 # deepseek-ai/DeepSeek-V3 config.json's attention dims at d 2048, 8 dense layers (a small FFN and vocabulary so
 # that the decode step is mostly attention)
 DEEPSEEK_V3_ATTENTION = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
@@ -48,7 +47,8 @@ DEEPSEEK_V3_ATTENTION = dict(vocab_size=32000, hidden_size=2048, intermediate_si
                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                              max_position_embeddings=40960)
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=512)
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=512,
+                  rope_parameters=LLAMA3_ROPE)
 TINY_DEEPSEEK_V3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=512)
