@@ -142,3 +142,16 @@ def test_flex_generate_compiles_a_bounded_number_of_times(monkeypatch):
         assert generate(4, 5, 3) == second  # and never again
     finally:
         torch._dynamo.reset()
+
+
+def test_each_checked_model_starts_with_no_compiled_flex(checks):
+    """`run_gpu_checks.build` resets dynamo, so the compiles of the models built before (their `mask_mod`
+    closures) do not count towards the next model's recompile limit."""
+    def double(x):
+        return 2 * x
+
+    compiled = torch.compile(double, backend="eager")
+    compiled(torch.ones(2))
+    assert len(_debug_get_cache_entry_list(double.__code__)) == 1
+    checks.build(make_config("gqa"), "eager", torch.float32, device="cpu")
+    assert len(_debug_get_cache_entry_list(double.__code__)) == 0
