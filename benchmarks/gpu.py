@@ -5,15 +5,16 @@ On the device machine (one H200, no network; about 6 minutes):
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out $OUT/gpu.json
 
 Anywhere else: `python -m benchmarks.gpu [--out FILE.json] [--smoke] [--parts NAME ...] [--budget SECONDS]`
-(parts that would start past the budget, 345 s by default, are recorded as skipped). `--smoke` runs the same
-code paths on the CPU with tiny shapes in fp32 (under a minute; the test suite runs it so the script never rots).
+(parts that would start past the budget, 345 s on the GPU by default, are recorded as skipped; `--parts`
+splits the matrix over several device calls). `--smoke` runs the same code paths on the CPU with tiny shapes in
+fp32 (under a minute of CPU time; the test suite runs it so the script never rots).
 
 Weights are random, made with transformers' own class (`LlamaForCausalLM` at the Llama-3.2-1B shape,
 `DeepseekV3ForCausalLM` at DeepSeek-V3's attention dims with 8 dense layers), saved, converted with
 `modular_decoder.conversion.convert`, and both folders loaded the default way (`from_pretrained(dtype=bfloat16,
 attn_implementation="sdpa")`). Each part (`PARTS`) has its own time guard and try/except; the JSON is rewritten
-after every part, so a failure or a timeout loses only that part. Ratios are ours relative to transformers:
-above 1 means ours is faster (or, for memory, smaller). Greedy tokens are compared wherever tokens are generated.
+after every part, so a failure or a timeout loses only that part (or only its unfinished cases). Ratios are ours
+relative to transformers: above 1 means ours is faster. Greedy tokens are compared wherever tokens are generated.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def llama_prefill(bench: Bench) -> dict:
     diff = (ours(ids).logits.float() - theirs(ids).logits.float()).abs().max().item()
     prompt = bench.ids(1, bench.plan.prefill_tokens)
     seconds = timed({"transformers": theirs, "ours": ours},
-                    lambda m: m(prompt, use_cache=False, logits_to_keep=1), bench.plan.repeats)
+                    lambda m: m(prompt, use_cache=False, logits_to_keep=1), bench.plan.step_repeats)
     n = bench.plan.prefill_tokens
     return {"logits_tokens": bench.plan.logits_tokens, "logits_max_abs_diff": diff,
             "transformers_ms": 1e3 * seconds["transformers"], "ours_ms": 1e3 * seconds["ours"],
@@ -269,7 +270,7 @@ def mla_decode_grid(bench: Bench) -> dict:
                 model(step, past_key_values=caches[model], position_ids=position, use_cache=True)
                 caches[model].crop(-1)  # back to `context` tokens (a positive length is refused)
 
-            seconds = timed({"transformers": theirs, "ours": ours}, run, plan.repeats)
+            seconds = timed({"transformers": theirs, "ours": ours}, run, plan.step_repeats)
             points[key] = {"transformers_ms": 1e3 * seconds["transformers"], "ours_ms": 1e3 * seconds["ours"],
                            "ratio": ratio(seconds)}
             rows.append((f"MLA decode step b{batch} x {context:,} context (ms)", f"{1e3 * seconds['transformers']:.2f}",
@@ -488,9 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="JSON written after every part")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, on the CPU: the code paths only")
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), help="run only these parts")
-    parser.add_argument("--budget", type=float, default=345.0, help="seconds for the whole run (parts after it skip)")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (parts after it skip); default: "
+                                                      "the plan's (345 on the GPU)")
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else FULL
+    budget = args.budget or plan.budget_s
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     results = {"meta": metadata(plan, device), "parts": {}}
     print(json.dumps(results["meta"]), flush=True)
@@ -499,11 +502,11 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(plan, Path(folder), device)
         for name in args.parts or PARTS:
             function, guard = PARTS[name]
-            left = args.budget - (time.perf_counter() - run_start)
+            left = budget - (time.perf_counter() - run_start)
             start = time.perf_counter()
             try:
                 if left < 5:
-                    raise Skip(f"out of time: the run's budget of {args.budget:.0f} s is spent")
+                    raise Skip(f"out of time: the run's budget of {budget:.0f} s is spent")
                 with part_guard(min(guard * plan.guard_scale, left)):
                     results["parts"][name] = function(bench)
             except Skip as reason:

@@ -27,8 +27,10 @@ class Plan:
     chunked: tuple[int, int]  # MLA chunked prefill: (batch, tokens)
     chunks: tuple[int, ...]  # chunk sizes
     train_batch: tuple[int, int]  # (rows, tokens) of the padded batch; the packed row holds rows x tokens
-    repeats: int  # timed repeats of each measurement (after one warm-up)
+    repeats: int  # timed repeats of each generate / training measurement (after one warm-up)
+    step_repeats: int  # timed repeats of the short ones: a prefill, one decode step
     guard_scale: float  # multiplies each part's time guard
+    budget_s: float  # the whole run: parts that would start later are recorded as skipped
 
     def vocab_of(self, family: str) -> int:
         return (self.llama if family == "llama" else self.deepseek_v3)["vocab_size"]
@@ -57,11 +59,13 @@ FULL = Plan(name="gpu", dtype=torch.bfloat16, llama=LLAMA_3_2_1B, deepseek_v3=DE
             logits_tokens=512, prefill_tokens=4096, prompt_b1=128, prompt_big=512, big_batch=32, new_tokens=128,
             sync_new_tokens=16, grid_batches=(1, 8, 32), grid_contexts=(1024, 8192, 32768),
             grid_extra=((16, 32768),), chunked=(16, 32768), chunks=(1024, 4096), train_batch=(4, 1024),
-            repeats=2, guard_scale=1.0)
+            repeats=2, step_repeats=10, guard_scale=1.0,
+            budget_s=345.0)  # under 6 minutes on one H200, start-up included
 SMOKE = Plan(name="smoke (CPU, tiny shapes, fp32)", dtype=torch.float32, llama=TINY_LLAMA,
              deepseek_v3=TINY_DEEPSEEK_V3, logits_tokens=16, prefill_tokens=32, prompt_b1=8, prompt_big=8, big_batch=2,
              new_tokens=4, sync_new_tokens=2, grid_batches=(1, 2), grid_contexts=(16,), grid_extra=((2, 64),),
-             chunked=(2, 64), chunks=(16, 32), train_batch=(2, 16), repeats=1, guard_scale=1.0)
+             chunked=(2, 64), chunks=(16, 32), train_batch=(2, 16), repeats=1, step_repeats=1,
+             guard_scale=3.0, budget_s=900.0)  # a shared 2-core CPU: room for contention
 
 
 def llama_config(plan: Plan) -> tf.LlamaConfig:
