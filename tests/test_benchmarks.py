@@ -267,3 +267,58 @@ def test_compiled_decode_quick_prints_both_modes(capsys):
     for mode in ("eager", "compiled"):
         theirs, ours = (float(cell.split("±")[0]) for cell in rows[mode].split("|")[2:4])
         assert theirs > 0 and ours > 0
+
+
+def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
+    """`python -m benchmarks.gpu --smoke`: the GPU matrix's code paths on the CPU with tiny fp32 shapes. Every part
+    reaches the JSON with a result or a stated skip reason (sync counting, flash kernels: CUDA only), none errors,
+    the pairs generate the same greedy tokens, the training losses agree, and the README table is printed."""
+    from benchmarks import gpu
+
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--smoke", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert {"date_utc", "hardware", "torch", "transformers"} <= set(results["meta"])
+    assert list(results["parts"]) == list(gpu.PARTS)
+    for name, part in results["parts"].items():
+        assert "error" not in part, (name, part.get("traceback"))
+        assert part.get("rows") or part.get("skipped"), name
+    parts = results["parts"]
+    assert "CUDA" in parts["host_syncs"]["skipped"] and "CUDA" in parts["flash_backends"]["skipped"]
+    for name in ("llama_generate", "compiled_decode"):
+        assert all(v["greedy_agreement"]["equal"] for k, v in parts[name].items() if k.startswith("b")), name
+    assert parts["llama_prefill"]["logits_max_abs_diff"] < 1e-4
+    assert len(parts["mla_decode_grid"]["points"]) == 3
+    assert all(entry["greedy_agreement"] == 1.0 for key, entry in parts["mla_chunked_prefill"].items()
+               if key.startswith("chunk"))
+    for name in ("train_llama_full", "train_llama_lora", "train_deepseek_v3_full", "train_deepseek_v3_lora"):
+        for kind in ("padded", "packed"):
+            run = parts[name][f"sdpa_{kind}"]
+            assert run["loss_max_rel_diff"] < 1e-4 and len(run["losses"]["ours"]) == 2, (name, kind)
+        assert "no backward on the CPU" in parts[name]["flex_attention"]["skipped"]
+        assert len(set(parts[name]["trainable"].values())) == 1
+    table = capsys.readouterr().out
+    assert "| case | transformers | ours | ratio |" in table and "MLA prefill 2 x 64 in chunks of 16" in table
+
+
+def test_gpu_matrix_flash_part_runs_both_sides_through_the_flash_path(tmp_path, monkeypatch):
+    """The flash part of `benchmarks.gpu` on the CPU: flash-attn 2 declared available and its kernel replaced by
+    the reference kernel of tests/backend_cases.py (the stand-in the flash parity tests use); both sides then go
+    through transformers' flash path and generate the same greedy tokens."""
+    from backend_cases import install_reference_kernels
+
+    from benchmarks import gpu
+
+    calls = install_reference_kernels(monkeypatch)
+    monkeypatch.setattr(gpu, "flash_available", lambda: {"flash_attention_2": True, "flash_attention_3": False,
+                                                         "flash_attention_4": False})
+    monkeypatch.setattr(gpu, "use_backend", lambda model, name: setattr(model.config, "_attn_implementation", name))
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--smoke", "--parts", "flash_backends", "--out", str(out)]) == 0
+    part = json.loads(out.read_text())["parts"]["flash_backends"]
+    assert "error" not in part["flash_attention_2"], part
+    assert part["flash_attention_2"]["greedy_agreement"]["equal"]
+    assert part["flash_attention_2"]["prefill"]["logits_max_abs_diff"] < 1e-4
+    assert calls, "the reference flash kernel was not called"
+    assert [row[0] for row in part["rows"]] == ["flash_attention_2: prefill 1 x 32, `logits_to_keep=1` (ms)",
+                                                "flash_attention_2 generate b1, 8-token prompt, +4 (tok/s)"]

@@ -1,0 +1,532 @@
+"""The GPU matrix: ours against transformers' own classes with the same weights, in one process.
+
+On the device machine (one H200, no network; about 6 minutes):
+
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out $OUT/gpu.json
+
+Anywhere else: `python -m benchmarks.gpu [--out FILE.json] [--smoke] [--parts NAME ...] [--budget SECONDS]`
+(parts that would start past the budget, 345 s on the GPU by default, are recorded as skipped; `--parts`
+splits the matrix over several device calls). `--smoke` runs the same code paths on the CPU with tiny shapes in
+fp32 (under a minute of CPU time; the test suite runs it so the script never rots).
+
+Weights are random, made with transformers' own class (`LlamaForCausalLM` at the Llama-3.2-1B shape,
+`DeepseekV3ForCausalLM` at DeepSeek-V3's attention dims with 8 dense layers), saved, converted with
+`modular_decoder.conversion.convert`, and both folders loaded the default way (`from_pretrained(dtype=bfloat16,
+attn_implementation="sdpa")`). Each part (`PARTS`) has its own time guard and try/except; the JSON is rewritten
+after every part, so a failure or a timeout loses only that part (or only its unfinished cases). Ratios are ours
+relative to transformers: above 1 means ours is faster. Greedy tokens are compared wherever tokens are generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+import modular_decoder  # noqa: F401  (registers the family with the Auto classes)
+
+from .gpu_plan import FULL, SMOKE, Plan, deepseek_v3_config, llama_config
+from .gpu_timing import PartTimeout, Skip, agreement, count_syncs, cuda_peak, part_guard, ratio, sync, timed
+
+FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+class Bench:
+    """The plan, the device, the checkpoints on disk and the pair of models currently loaded."""
+
+    def __init__(self, plan: Plan, folder: Path, device: str):
+        self.plan, self.folder, self.device = plan, folder, device
+        self.models: dict[str, tuple] = {}
+        self.gen = torch.Generator().manual_seed(0)
+
+    def ids(self, *shape: int) -> torch.Tensor:
+        return torch.randint(1, self.plan.vocab_of(self.family), shape, generator=self.gen).to(self.device)
+
+    def pair(self, family: str, fresh: bool = False) -> tuple:
+        """(transformers' model, ours) for `family`, loaded from disk; the other family's pair is freed first."""
+        self.family = family
+        if fresh or family not in self.models:
+            self.models.clear()
+            _empty_cache()
+            self._checkpoints(family)
+            self.models[family] = tuple(self._load(self.folder / family / side) for side in ("hf", "ours"))
+        return self.models[family]
+
+    def _checkpoints(self, family: str) -> None:
+        from modular_decoder.conversion import convert
+
+        folder = self.folder / family
+        if (folder / "ours").exists():
+            return
+        config = (llama_config if family == "llama" else deepseek_v3_config)(self.plan)
+        torch.manual_seed(0)
+        with torch.device(self.device):  # random init on the GPU: seconds instead of a minute on the host
+            reference = tf.AutoModelForCausalLM.from_config(config, dtype=self.plan.dtype)
+        reference.save_pretrained(folder / "hf")
+        del reference
+        convert(folder / "hf", folder / "ours", progress=False)
+
+    def _load(self, path: Path):
+        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=self.plan.dtype, attn_implementation="sdpa")
+        return model.to(self.device).eval()
+
+
+def _empty_cache() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------------
+# Llama-3.2-1B shape: prefill, eager and compiled generate, host syncs, flash backends
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def llama_prefill(bench: Bench) -> dict:
+    theirs, ours = bench.pair("llama")
+    ids = bench.ids(1, bench.plan.logits_tokens)
+    diff = (ours(ids).logits.float() - theirs(ids).logits.float()).abs().max().item()
+    prompt = bench.ids(1, bench.plan.prefill_tokens)
+    seconds = timed({"transformers": theirs, "ours": ours},
+                    lambda m: m(prompt, use_cache=False, logits_to_keep=1), bench.plan.step_repeats)
+    n = bench.plan.prefill_tokens
+    return {"logits_tokens": bench.plan.logits_tokens, "logits_max_abs_diff": diff,
+            "transformers_ms": 1e3 * seconds["transformers"], "ours_ms": 1e3 * seconds["ours"],
+            "ratio": ratio(seconds), "rows": [
+                (f"logits, {bench.plan.logits_tokens} tokens, max abs diff", "", f"{diff:.3g}", ""),
+                (f"prefill 1 x {n}, `logits_to_keep=1` (ms)", f"{1e3 * seconds['transformers']:.2f}",
+                 f"{1e3 * seconds['ours']:.2f}", f"{ratio(seconds):.2f}x")]}
+
+
+def _generate(model, prompt, new_tokens: int, **kwargs):
+    return model.generate(prompt, attention_mask=kwargs.pop("attention_mask", torch.ones_like(prompt)),
+                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                          **kwargs)
+
+
+@torch.inference_mode()
+def _generate_pair(bench: Bench, label: str, batch: int, prompt_len: int, **kwargs) -> tuple[dict, tuple]:
+    """Greedy `generate` of `plan.new_tokens` on both sides: tokens/s (whole call, prompt included) and agreement."""
+    theirs, ours = bench.pair("llama")
+    prompt, new = bench.ids(batch, prompt_len), bench.plan.new_tokens
+    tokens = {}
+
+    def run(model):
+        tokens[model] = _generate(model, prompt, new, **kwargs)
+
+    seconds = timed({"transformers": theirs, "ours": ours}, run, bench.plan.repeats)
+    rates = {side: batch * new / s for side, s in seconds.items()}
+    agree = agreement(tokens[theirs], tokens[ours], prompt_len)
+    result = {"batch": batch, "prompt": prompt_len, "new_tokens": new, "transformers_tok_s": rates["transformers"],
+              "ours_tok_s": rates["ours"], "ratio": ratio(seconds), "greedy_agreement": agree}
+    row = (f"{label} b{batch}, {prompt_len}-token prompt{'s' if batch > 1 else ''}, +{new} (tok/s)",
+           f"{rates['transformers']:,.1f}", f"{rates['ours']:,.1f}",
+           f"{ratio(seconds):.2f}x{'' if agree['equal'] else ' (tokens differ: ' + str(agree['fraction']) + ')'}")
+    return result, row
+
+
+def llama_generate(bench: Bench) -> dict:
+    plan, result, rows = bench.plan, {}, []
+    for batch, prompt_len in ((1, plan.prompt_b1), (plan.big_batch, plan.prompt_big)):
+        try:
+            result[f"b{batch}"], row = _generate_pair(bench, "eager `generate`", batch, prompt_len)
+        except PartTimeout as error:  # keep the batch already measured
+            result[f"b{batch}"], row = {"timeout": str(error)}, (f"eager `generate` b{batch}", "", str(error), "")
+        rows.append(row)
+    return result | {"rows": rows}
+
+
+def compiled_decode(bench: Bench) -> dict:
+    """`cache_implementation="static"`: transformers compiles the decode step (CUDA graphs) on a GPU; on the CPU
+    it does not compile by default, so the smoke run times the static cache eagerly (same calls)."""
+    plan, result, rows = bench.plan, {"compiled": torch.cuda.is_available()}, []
+    if not torch.cuda.is_available():
+        result["note"] = "no CUDA: transformers compiles the static-cache decode step only on a GPU; timed eagerly"
+    for batch, prompt_len in ((1, plan.prompt_b1), (plan.big_batch, plan.prompt_big)):
+        try:
+            result[f"b{batch}"], row = _generate_pair(bench, "compiled decode (static cache)", batch, prompt_len,
+                                                      cache_implementation="static")
+        except PartTimeout as error:  # keep the batch already measured (each batch size compiles anew)
+            result[f"b{batch}"] = {"timeout": str(error)}
+            row = (f"compiled decode (static cache) b{batch}", "", str(error), "")
+        rows.append(row)
+    return result | {"rows": rows}
+
+
+def host_syncs(bench: Bench) -> dict:
+    """Host syncs (`torch.cuda.set_sync_debug_mode("warn")` warnings) in a left-padded batched `generate` and in
+    two training steps (forward + backward)."""
+    if not torch.cuda.is_available():
+        raise Skip("no CUDA: torch.cuda.set_sync_debug_mode counts device-to-host syncs, which a CPU does not have")
+    theirs, ours = bench.pair("llama")
+    plan = bench.plan
+    prompt = bench.ids(plan.big_batch, plan.prompt_b1)
+    mask = torch.ones_like(prompt)
+    mask[1::2, : plan.prompt_b1 // 4] = 0  # every other row left-padded
+    batch = bench.ids(2, plan.prompt_b1)
+    counts = {}
+    for side, model in (("transformers", theirs), ("ours", ours)):
+        with torch.inference_mode():
+            _generate(model, prompt, 2, attention_mask=mask)  # warm-up
+            generate = count_syncs(lambda: _generate(model, prompt, plan.sync_new_tokens, attention_mask=mask))
+
+        def two_steps():
+            for _ in range(2):
+                model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+
+        model.train()
+        training = count_syncs(two_steps)
+        model.eval().zero_grad(set_to_none=True)
+        counts[side] = {"generate": generate, "two_training_steps": training}
+    return {"generate_batch": plan.big_batch, "new_tokens": plan.sync_new_tokens, **counts, "rows": [
+        (f"host syncs, generate b{plan.big_batch} +{plan.sync_new_tokens}, left-padded",
+         str(counts["transformers"]["generate"]), str(counts["ours"]["generate"]), ""),
+        ("host syncs, two training steps", str(counts["transformers"]["two_training_steps"]),
+         str(counts["ours"]["two_training_steps"]), "")]}
+
+
+def flash_available() -> dict[str, bool]:
+    """Which flash backends can run here (`Skip` without CUDA: the kernels are CUDA-only)."""
+    import transformers.utils as hf_utils
+
+    if not torch.cuda.is_available():
+        raise Skip("no CUDA: flash kernels run on a GPU only (their parity tests: tests/test_backends.py)")
+    return {name: getattr(hf_utils, f"is_flash_attn_{name[-1]}_available")() for name in FLASH_BACKENDS}
+
+
+def use_backend(model, name: str) -> None:
+    model.set_attn_implementation(name)  # the load-time path: checks the kernel package and the config
+
+
+def flash_backends(bench: Bench) -> dict:
+    """Each flash backend whose package imports: prefill time and greedy b1 tokens, both sides."""
+    available = flash_available()
+    if not any(available.values()):
+        raise Skip("no flash package imports here (flash_attn, flash_attn_interface, flash_attn.cute)")
+    result, rows = {"available": available}, []
+    theirs, ours = bench.pair("llama")
+    for name in (n for n, ok in available.items() if ok):
+        try:
+            for model in (theirs, ours):
+                use_backend(model, name)
+            prefill = llama_prefill(bench)
+            result[name], row = _generate_pair(bench, f"{name} generate", 1, bench.plan.prompt_b1)
+            result[name]["prefill"] = {k: v for k, v in prefill.items() if k != "rows"}
+            rows += [(f"{name}: {r[0]}", *r[1:]) for r in prefill["rows"][1:]] + [row]
+        except Exception as error:  # one backend failing keeps the others
+            result[name] = {"error": f"{type(error).__name__}: {error}"[:400]}
+        finally:
+            for model in (theirs, ours):
+                use_backend(model, "sdpa")
+    return result | {"rows": rows}
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSeek-V3 attention dims: the MLA decode-step grid and chunked prefill
+# --------------------------------------------------------------------------------------------------
+
+
+def _filled_cache(model, batch: int, context: int, ours: bool, device: str):
+    """A cache holding `context` random tokens (latent and rotary key per layer), filled without a prefill."""
+    from modular_decoder.cache import ModularDecoderCache
+
+    config = model.config
+    cache = ModularDecoderCache(config) if ours else tf.DynamicCache(config=config)
+    dtype = model.dtype
+    for layer in range(config.num_hidden_layers):
+        latent = torch.randn(batch, 1, context, config.kv_lora_rank, device=device, dtype=dtype)
+        cache.update(latent, torch.randn(batch, 1, context, config.qk_rope_head_dim, device=device, dtype=dtype),
+                     layer)
+    return cache
+
+
+@torch.inference_mode()
+def mla_decode_grid(bench: Bench) -> dict:
+    """One decode step against a cache of each (batch, context): median time, caches filled directly."""
+    theirs, ours = bench.pair("deepseek_v3")
+    plan, points, rows = bench.plan, {}, []
+    grid = [(b, c) for b in plan.grid_batches for c in plan.grid_contexts] + list(plan.grid_extra)
+    for batch, context in grid:
+        key = f"b{batch}_ctx{context}"
+        try:
+            caches = {m: _filled_cache(m, batch, context, m is ours, bench.device) for m in (theirs, ours)}
+            step = bench.ids(batch, 1)
+            position = torch.full((batch, 1), context, device=bench.device)
+
+            def run(model):
+                model(step, past_key_values=caches[model], position_ids=position, use_cache=True)
+                caches[model].crop(-1)  # back to `context` tokens (a positive length is refused)
+
+            seconds = timed({"transformers": theirs, "ours": ours}, run, plan.step_repeats)
+            points[key] = {"transformers_ms": 1e3 * seconds["transformers"], "ours_ms": 1e3 * seconds["ours"],
+                           "ratio": ratio(seconds)}
+            rows.append((f"MLA decode step b{batch} x {context:,} context (ms)", f"{1e3 * seconds['transformers']:.2f}",
+                         f"{1e3 * seconds['ours']:.2f}", f"{ratio(seconds):.2f}x"))
+        except torch.OutOfMemoryError as error:
+            points[key] = {"oom": str(error)[:300]}
+            rows.append((f"MLA decode step b{batch} x {context:,} context", "", "out of memory", ""))
+        except PartTimeout as error:  # keep the points already measured
+            points[key] = {"timeout": str(error)}
+            rows.append((f"MLA decode step b{batch} x {context:,} context", "", str(error), ""))
+            break
+        finally:
+            caches = None
+            _empty_cache()
+    return {"points": points, "rows": rows}
+
+
+@torch.inference_mode()
+def _chunked_prefill(model, ids: torch.Tensor, chunk: int, ours: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from modular_decoder.cache import ModularDecoderCache
+
+    cache = ModularDecoderCache(model.config) if ours else tf.DynamicCache(config=model.config)
+    for start in range(0, ids.shape[1], chunk):
+        logits = model(ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return logits[:, -1].float()
+
+
+def mla_chunked_prefill(bench: Bench) -> dict:
+    """A batch of long prompts fed in chunks, each chunk against the cache: time and peak GPU memory (an
+    out-of-memory is recorded, not fatal); the last position's greedy token compared."""
+    theirs, ours = bench.pair("deepseek_v3")
+    plan, result, rows = bench.plan, {}, []
+    batch, tokens = plan.chunked
+    ids = bench.ids(batch, tokens)
+    _chunked_prefill(theirs, ids[:1, : 2 * plan.chunks[0]], plan.chunks[0], False)  # warm-up, both sides
+    _chunked_prefill(ours, ids[:1, : 2 * plan.chunks[0]], plan.chunks[0], True)
+    for chunk in plan.chunks:
+        entry, last = {}, {}
+        for side, model in (("transformers", theirs), ("ours", ours)):
+            _empty_cache()
+            try:
+                with cuda_peak() as peak:
+                    sync()
+                    start = time.perf_counter()
+                    last[side] = _chunked_prefill(model, ids, chunk, model is ours)
+                    sync()
+                    entry[side] = {"seconds": time.perf_counter() - start}
+                entry[side]["peak_gib"] = peak.gib
+            except torch.OutOfMemoryError as error:
+                entry[side] = {"oom": str(error)[:300]}
+        if len(last) == 2:
+            same = last["transformers"].argmax(-1) == last["ours"].argmax(-1)
+            entry["greedy_agreement"] = same.float().mean().item()
+        result[f"chunk{chunk}"] = entry
+        cells = [_time_and_peak(entry[side]) for side in ("transformers", "ours")]
+        both = all("seconds" in entry[s] for s in ("transformers", "ours"))
+        speed = f"{entry['transformers']['seconds'] / entry['ours']['seconds']:.2f}x" if both else "fails"
+        rows.append((f"MLA prefill {batch} x {tokens:,} in chunks of {chunk:,}: time, peak", *cells, speed))
+    return result | {"rows": rows}
+
+
+def _time_and_peak(entry: dict) -> str:
+    if "oom" in entry:
+        return "out of memory"
+    peak = "" if entry["peak_gib"] is None else f", peak {entry['peak_gib']:.1f} GiB"
+    return f"{entry['seconds']:.2f} s{peak}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Training steps
+# --------------------------------------------------------------------------------------------------
+
+
+def _training_batches(bench: Bench) -> dict:
+    """A right-padded batch (labels -100 on the padding) and packed documents in one row without padding
+    (positions restart per document; no label across a document boundary)."""
+    rows, length = bench.plan.train_batch
+    ids = bench.ids(rows, length)
+    mask = torch.ones_like(ids)
+    for row in range(1, rows):
+        mask[row, length - row * length // (2 * rows):] = 0
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    total = rows * length
+    lengths = [total // 2, total // 4, total // 8, total - total // 2 - total // 4 - total // 8]
+    packed_ids = bench.ids(1, total)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(bench.device)
+    labels = packed_ids.clone()
+    labels[positions == 0] = -100
+    packed = dict(input_ids=packed_ids, position_ids=positions, labels=labels)
+    return {"padded": padded, "packed": packed}
+
+
+def _lora(theirs, ours, family: str):
+    """The same LoRA (r=8) on both sides; ours gets transformers' side's initial adapter weights by name."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "v_proj"] if family == "llama" else ["q_b_proj", "kv_b_proj"]
+    models = [get_peft_model(m, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
+              for m in (theirs, ours)]
+    adapters = {k: v for k, v in models[0].state_dict().items() if "lora_" in k}
+    missing = models[1].load_state_dict(adapters, strict=False).unexpected_keys
+    if missing:
+        raise RuntimeError(f"LoRA adapters named differently on the two sides: {missing[:3]}")
+    return models
+
+
+def _train_steps(pair: dict, optimizers: dict, batch: dict, repeats: int) -> dict:
+    """Median step time of both sides and every step's loss (a warm-up step, then `repeats` alternating)."""
+    losses = {side: [] for side in pair}
+    side_of = {id(model): side for side, model in pair.items()}
+
+    def step(model):
+        side = side_of[id(model)]
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        optimizers[side].step()
+        optimizers[side].zero_grad(set_to_none=True)
+        losses[side].append(loss.item())
+
+    seconds = timed(pair, step, repeats)
+    diff = max(abs(a - b) / abs(a) for a, b in zip(losses["transformers"], losses["ours"]))
+    return {"transformers_ms": 1e3 * seconds["transformers"], "ours_ms": 1e3 * seconds["ours"],
+            "ratio": ratio(seconds), "losses": losses, "loss_max_rel_diff": diff}
+
+
+def training(bench: Bench, family: str, method: str) -> dict:
+    """Steps (forward, backward, AdamW) of a full fine-tune or a LoRA, on sdpa and flex, on a padded batch and on
+    packed documents: median step time of both sides and the losses of every step (the same weights and data,
+    so they agree to bf16 accuracy)."""
+    theirs, ours = bench.pair(family, fresh=True)
+    if method == "lora":
+        theirs, ours = _lora(theirs, ours, family)
+    pair = {"transformers": theirs, "ours": ours}
+    optimizers = {side: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5)
+                  for side, m in pair.items()}
+    trainable = {side: sum(p.numel() for p in m.parameters() if p.requires_grad) for side, m in pair.items()}
+    result, rows, label = {}, [], "Llama" if family == "llama" else "DeepSeek-V3"
+    try:
+        for backend in ("sdpa", "flex_attention"):
+            if backend == "flex_attention" and bench.device == "cpu":
+                result[backend] = {"skipped": "FlexAttention has no backward on the CPU (torch: NotImplementedError)"}
+                rows.append((f"train {method} {label} {backend}", "", "skipped on the CPU: no flex backward", ""))
+                continue
+            for model in pair.values():
+                model.train()
+                model.set_attn_implementation(backend)
+            for kind, batch in _training_batches(bench).items():
+                case = f"train {method} {label} {backend} {kind}"
+                try:
+                    result[f"{backend}_{kind}"] = run = _train_steps(pair, optimizers, batch, bench.plan.repeats)
+                    rows.append((f"{case} (ms/step; loss rel. diff {run['loss_max_rel_diff']:.1e})",
+                                 f"{run['transformers_ms']:.1f}", f"{run['ours_ms']:.1f}", f"{run['ratio']:.2f}x"))
+                except Exception as error:  # one backend or batch failing keeps the others
+                    result[f"{backend}_{kind}"] = {"error": f"{type(error).__name__}: {error}"[:400]}
+                    rows.append((case, "", f"error: {type(error).__name__}", ""))
+    except PartTimeout as error:  # keep the cases already measured
+        result["timeout"] = str(error)
+        rows.append((f"train {method} {label}: the rest", "", str(error), ""))
+    finally:
+        bench.models.clear()  # trained weights: the next user reloads
+    return {"trainable": trainable, "train_batch": list(bench.plan.train_batch), **result, "rows": rows}
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+
+# name -> (function, time guard in seconds on the GPU plan); the order is the order of the run.
+PARTS = {
+    "llama_prefill": (llama_prefill, 60),  # makes, saves and converts the checkpoint first
+    "llama_generate": (llama_generate, 70),
+    "host_syncs": (host_syncs, 30),
+    "flash_backends": (flash_backends, 40),
+    "mla_decode_grid": (mla_decode_grid, 60),  # makes the DeepSeek-V3 checkpoint first
+    "mla_chunked_prefill": (mla_chunked_prefill, 100),
+    "train_llama_full": (lambda b: training(b, "llama", "full"), 45),
+    "train_llama_lora": (lambda b: training(b, "llama", "lora"), 40),
+    "train_deepseek_v3_full": (lambda b: training(b, "deepseek_v3", "full"), 35),
+    "train_deepseek_v3_lora": (lambda b: training(b, "deepseek_v3", "lora"), 35),
+    "compiled_decode": (compiled_decode, 150),
+}
+
+
+def metadata(plan: Plan, device: str) -> dict:
+    hardware = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+    return {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "hardware": hardware, "device": device, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "transformers": tf.__version__, "python": platform.python_version(),
+            "plan": plan.name, "dtype": str(plan.dtype).removeprefix("torch."), "attn_implementation": "sdpa"}
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [f"GPU matrix, {meta['date_utc'][:10]}: {meta['hardware']}, torch {meta['torch']}, transformers "
+             f"{meta['transformers']}, {meta['dtype']}, `python3 -m benchmarks.gpu`; ratio > 1: ours faster", "",
+             "| case | transformers | ours | ratio |", "|---|---:|---:|---:|"]
+    for name, part in results["parts"].items():
+        if "rows" in part:
+            lines += [f"| {' | '.join(row)} |" for row in part["rows"]]
+        else:
+            why = part.get("skipped") or part.get("error") or "no result"
+            lines.append(f"| {name} | | {why[:120]} | |")
+    return "\n".join(lines)
+
+
+def write(results: dict, out: Path | None) -> None:
+    if out is None:
+        return
+    partial = out.with_suffix(".partial")
+    partial.write_text(json.dumps(results, indent=1, default=str))
+    partial.replace(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="JSON written after every part")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, on the CPU: the code paths only")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), help="run only these parts")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (parts after it skip); default: "
+                                                      "the plan's (345 on the GPU)")
+    args = parser.parse_args(argv)
+    plan = SMOKE if args.smoke else FULL
+    budget = args.budget or plan.budget_s
+    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    results = {"meta": metadata(plan, device), "parts": {}}
+    print(json.dumps(results["meta"]), flush=True)
+    run_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        bench = Bench(plan, Path(folder), device)
+        for name in args.parts or PARTS:
+            function, guard = PARTS[name]
+            left = budget - (time.perf_counter() - run_start)
+            start = time.perf_counter()
+            try:
+                if left < 5:
+                    raise Skip(f"out of time: the run's budget of {budget:.0f} s is spent")
+                with part_guard(min(guard * plan.guard_scale, left)):
+                    results["parts"][name] = function(bench)
+            except Skip as reason:
+                results["parts"][name] = {"skipped": str(reason)}
+            except (Exception, PartTimeout) as error:  # one part failing keeps the rest
+                results["parts"][name] = {"error": f"{type(error).__name__}: {error}"[:500],
+                                          "traceback": traceback.format_exc()[-2000:]}
+                bench.models.clear()
+                _empty_cache()
+            results["parts"][name]["elapsed_s"] = round(time.perf_counter() - start, 2)
+            status = next((k for k in ("skipped", "error") if k in results["parts"][name]), "ok")
+            print(f"[{time.perf_counter() - run_start:6.1f} s] {name}: {status} in "
+                  f"{results['parts'][name]['elapsed_s']:.1f} s", flush=True)
+            write(results, args.out)
+    results["total_s"] = round(time.perf_counter() - run_start, 1)
+    results["markdown"] = markdown(results)
+    write(results, args.out)
+    print("\n" + results["markdown"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
