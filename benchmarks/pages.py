@@ -61,7 +61,6 @@ def families_section(results: dict) -> str:
 
     fams = results["families"]
     dense = [f for f, r in fams.items() if not r["moe"]]
-    moe = [f for f, r in fams.items() if r["moe"]]
     llama = fams["llama"]["metrics"]
     d1 = {name: llama["decode_1"][name] for name in ("transformers", "ours")}
     nosplit = [r["metrics"]["decode_1"]["ratio"]["ours, no split products"] for r in fams.values()]

@@ -4,9 +4,10 @@ from the committed JSON; its test command is the one CI runs.
 
 A block that cannot run here says so on its first line, visibly, with the reason (`SKIP`); a Python block
 whose first line is `# run with: COMMAND` is saved under the file name COMMAND ends with and run by COMMAND
-(the vLLM one, in `.venv-vllm`). The blocks run in a temporary folder holding `.venv` (this interpreter's
-environment) and `.venv-vllm` (vLLM's, as tests/test_vllm.py finds it), with `.venv/bin` first on PATH, as
-the README's "`.venv` active" asks.
+(the vLLM one, in `.venv-vllm`). The blocks run in a temporary folder standing in for the repository root
+(so that they write nothing into the checkout): it holds `.venv` (this interpreter's environment) and
+`.venv-vllm` (vLLM's, as tests/test_vllm.py finds it), the checkout is on PYTHONPATH (`python -m benchmarks...`)
+and `.venv/bin` first on PATH, as the README's "`.venv` active" asks.
 """
 
 from __future__ import annotations
