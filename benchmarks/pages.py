@@ -76,7 +76,8 @@ def families_section(results: dict) -> str:
         "## Speed, memory and training against transformers (CPU, fp32)",
         "",
         "```bash",
-        f"HF_HUB_OFFLINE=1 .venv/bin/{command(results)}   # about 38 min on 2 cores",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{command(results)}   # this run: "
+        f"{sum(r['seconds'] for r in fams.values()) / 60:.0f} min",
         "HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.run --quick --json /tmp/quick.json   # smoke test, tiny shapes",
         "```",
         "",
@@ -131,7 +132,7 @@ def compiled_section(compiled: dict, results: dict) -> str:
         "## Compiled decoding (SmolLM2-135M, batch 1)",
         "",
         "```bash",
-        f"HF_HUB_OFFLINE=1 .venv/bin/{compiled['command']}   # about 3 min on 2 cores",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{compiled['command']}",
         "```",
         "",
         f"{compiled['label']}, fp32, {compiled['threads']} threads, static cache, {compiled['new_tokens']} new tokens "
