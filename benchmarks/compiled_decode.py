@@ -18,6 +18,8 @@ Nothing is asserted here; the tests check that the compiled tokens equal the eag
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
 import tempfile
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny random shapes: a smoke test")
     parser.add_argument("--seed", type=int, default=0, help="seeds the order of the four runs in each repeat")
+    parser.add_argument("--json", type=Path, help="also write the results here (benchmarks.pages renders them)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         reference, ours, label = build_pair("llama", Path(folder), quick=args.quick)
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     prompt = torch.randint(0, reference.config.vocab_size, (1, 32))
     runs = {(name, mode): [] for name in models for mode in ("eager", "compiled")}
+    compile_seconds = {}
 
     def run(name: str, mode: str) -> float:
         return measure.decode(models[name], prompt, args.new_tokens, **compiled_decoding(),
@@ -55,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in models:
             start = time.perf_counter()
             run(name, "compiled")
-            print(f"{name}: first compiled generate (compiles the decode step) {time.perf_counter() - start:.0f} s",
+            compile_seconds[name] = time.perf_counter() - start
+            print(f"{name}: first compiled generate (compiles the decode step) {compile_seconds[name]:.0f} s",
                   flush=True)
         order, shuffle = list(runs), random.Random(args.seed).shuffle
         for repeat in range(args.repeats):
@@ -73,6 +78,16 @@ def main(argv: list[str] | None = None) -> int:
               f"| {mine / theirs:.2f} |")
     versus_eager = median["ours", "compiled"] / median["transformers", "eager"]
     print(f"| ours compiled vs transformers eager | | | {versus_eager:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "command": "python -m benchmarks.compiled_decode " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "label": label, "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+            "repeats": args.repeats, "compile_seconds": compile_seconds,
+            "runs": {f"{name}/{mode}": {"median": median[name, mode], "half_spread": spread[name, mode],
+                                        "min": min(values), "max": max(values), "all": values}
+                     for (name, mode), values in runs.items()},
+        }, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -297,7 +297,7 @@ def _family_cell(family: str, result: dict) -> str:
 
 
 def table(results: dict, args) -> str:
-    """The README table: every family's rows (those it measured), then its roofline."""
+    """The family table (docs/benchmarks.md, via benchmarks.pages): every family's rows, then its roofline."""
     lines = [
         "| family | metric | transformers | ours | ours, no split products | ratio | ratio, no split products |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -367,7 +367,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=Path("bench_results.json"))
     parser.add_argument("--quick", action="store_true", help="tiny shapes, short sequences, 1 repeat: a smoke test")
     parser.add_argument("--readme", type=Path, default=None,
-                        help="also write the table between the bench-table markers of this file (README.md)")
+                        help="also write the table between the bench-table markers of this file (docs/benchmarks.md "
+                             "is rendered from --json by `python -m benchmarks.pages`)")
     extra = parser.add_argument_group("memory, training, largest batch")
     extra.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory probes")
     extra.add_argument("--no-train", action="store_true", help="skip the training throughput rows")

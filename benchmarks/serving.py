@@ -105,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             results["ours_generate"] = our_generate(smol, prompts, args.new_tokens)
 
     report(results, args)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+    if args.out:  # the format benchmarks.pages renders
+        args.out.write_text(json.dumps({
+            "command": "python -m benchmarks.serving " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "shape": {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
+            "results": results}, indent=1) + "\n")
     return 0
 
 

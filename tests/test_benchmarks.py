@@ -245,23 +245,20 @@ def test_quick_pairs_agree(tmp_path, name):
         torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_readme_has_the_bench_table_markers():
-    """`python -m benchmarks.run --readme README.md` rewrites the table between these."""
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start, end = readme.index(run.TABLE_START), readme.index(run.TABLE_END)
-    assert readme.index("<!-- bench:start -->") < start < end < readme.index("<!-- bench:end -->")
-
-
-def test_compiled_decode_quick_prints_both_modes(capsys):
-    """`benchmarks.compiled_decode` runs end to end on tiny shapes: eager and compiled rows for both models."""
-    from benchmarks import compiled_decode
+def test_compiled_decode_quick_prints_both_modes(capsys, tmp_path):
+    """`benchmarks.compiled_decode` runs end to end on tiny shapes: eager and compiled rows for both models,
+    and its `--json` output is what `benchmarks.pages` renders (the printed medians reappear on the page)."""
+    from benchmarks import compiled_decode, pages
 
     torch._dynamo.reset()
-    assert compiled_decode.main(["--quick", "--repeats", "1", "--new-tokens", "4"]) == 0
+    out = tmp_path / "compiled.json"
+    assert compiled_decode.main(["--quick", "--repeats", "1", "--new-tokens", "4", "--json", str(out)]) == 0
     torch._dynamo.reset()
-    table = capsys.readouterr().out.split("| decode b1 tok/s (static cache)")[1]
+    page = pages.compiled_section(json.loads(out.read_text()), pages.load("results.json"))
+    printed = capsys.readouterr().out
+    for mode in ("eager", "compiled"):
+        assert next(line for line in printed.splitlines() if line.startswith(f"| {mode} |")) in page
+    table = printed.split("| decode b1 tok/s (static cache)")[1]
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
     assert {"eager", "compiled", "ours compiled vs transformers eager"} <= rows.keys()
     for mode in ("eager", "compiled"):

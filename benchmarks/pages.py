@@ -1,0 +1,310 @@
+"""Render the benchmarks' JSON output into `docs/benchmarks.md` and the README's headline table.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages          # rewrite both from the committed JSON
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages --check  # exit 1 if either is stale
+
+Every number on the page and in the headline table is computed here from a JSON file a benchmark wrote
+(`SECTIONS` names each file and the command that wrote it); no prose retypes a figure. Adding a benchmark's
+output is one entry in `SECTIONS`: its JSON path and a function that turns it into markdown.
+`tests/test_readme.py` checks that the committed page and table equal what this module renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
+
+
+def load(name: str) -> dict:
+    return json.loads((ROOT / "benchmarks" / name).read_text())
+
+
+def span(values, fmt: str = "{:.2f}") -> str:
+    """'a-b' over values (one value when they agree at this precision)."""
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
+# --- benchmarks/results.json: `python -m benchmarks.run` (seven families, speed, memory, training) ----------
+
+def command(results: dict) -> str:
+    """The recorded command, without the README-writing flag of older runs (the page is written here now)."""
+    return re.sub(r" --readme \S+", "", results["command"])
+
+
+def _run_args(results: dict) -> argparse.Namespace:
+    """The arguments the run was made with, re-parsed from the command it recorded (labels need them)."""
+    from . import run  # here, not at the top: benchmarks.run imports torch, which the other sections never need
+
+    return run.parse_args(shlex.split(results["command"])[3:])
+
+
+def ratios(results: dict, key: str, families=None) -> dict:
+    return {family: result["metrics"][key]["ratio"]["ours"] for family, result in results["families"].items()
+            if key in result["metrics"] and (families is None or family in families)}
+
+
+def families_section(results: dict) -> str:
+    from . import run
+
+    fams = results["families"]
+    dense = [f for f, r in fams.items() if not r["moe"]]
+    llama = fams["llama"]["metrics"]
+    d1 = {name: llama["decode_1"][name] for name in ("transformers", "ours")}
+    nosplit = [r["metrics"]["decode_1"]["ratio"]["ours, no split products"] for r in fams.values()]
+    mla = fams["deepseek_v3"]["metrics"]["max_batch"]
+    mix = fams["mixtral"]["memory"]
+    train = {**ratios(results, "train_full"), **{f"{f} lora": v for f, v in ratios(results, "train_lora").items()}}
+    # Mixtral's full fine-tune is the one outlier (each side's calibrated experts implementation): said apart
+    train_but_mixtral_full = [v for k, v in train.items() if k != "mixtral"]
+    resident = ratios(results, "resident_mb", dense)
+    max_batch = {f: (fams[f]["metrics"]["max_batch"]["transformers"]["median"],
+                     fams[f]["metrics"]["max_batch"]["ours"]["median"]) for f in dense}
+    load_end = results["load_average_end"][0]
+    lines = [
+        "## Speed, memory and training against transformers (CPU, fp32)",
+        "",
+        "```bash",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{command(results)}   # this run: "
+        f"{sum(r['seconds'] for r in fams.values()) / 60:.0f} min",
+        "HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.run --quick --json /tmp/quick.json   # smoke test, tiny shapes",
+        "```",
+        "",
+        "Ours against transformers' own class with the same weights (converted by `modular_decoder.conversion`), in",
+        "one process, the models alternating inside every repeat (what each row measures: `benchmarks/run.py`'s",
+        "docstring). Cells are the median over the repeats ± half the min-max spread; read ratios within the spread",
+        "as parity. \"ours, no split products\" is the same model with `MODULAR_DECODER_SPLIT_PRODUCTS=0`. The",
+        "roofline divides the measured copy bandwidth by the weight bytes one batch-1 step reads (for the experts",
+        "families, the active weights only).",
+        "",
+        f"Measured with torch {results['torch']}, transformers {results['transformers']}, {results['threads']} threads, "
+        f"copy bandwidth {results['copy_bandwidth_gb_s']:.1f} GB/s, 1-minute load average "
+        f"{results['load_average_start'][0]:.1f} at the start and {load_end:.1f} at the end.",
+        "",
+        run.table(results, _run_args(results)),
+        "",
+        f"- Batch-1 decode: ours {span(ratios(results, 'decode_1').values())}x transformers (SmolLM2-135M "
+        f"{llama['decode_1']['ratio']['ours']:.2f}x, {d1['ours']['median']:.1f} vs {d1['transformers']['median']:.1f} "
+        f"tokens/s; its repeats {span(d1['ours']['all'], '{:.1f}')} against {span(d1['transformers']['all'], '{:.1f}')}). "
+        f"Without the split products it is parity ({span(nosplit)}x): the gain is the few-row products split across "
+        "the cores, which wait for their slower half when the host takes a core, so ours varies more. "
+        "`python -m benchmarks.decode_profile` splits a step into its products and the rest.",
+        f"- Batch-8 decode: {span(ratios(results, 'decode_B').values())}x.",
+        f"- Prefill: {span(ratios(results, 'prefill_1').values())}x at 1x512, "
+        f"{span(ratios(results, 'prefill_4').values())}x at 4x512: both sides spend a prefill in the same MKL products "
+        "and SDPA kernel (MLA pads V so that torch's CPU SDPA takes its flash kernel).",
+        f"- Training (full fine-tune and LoRA): {span(train_but_mixtral_full)}x; Mixtral's full fine-tune "
+        f"{train['mixtral']:.2f}x, with each side's calibrated experts implementation (the table's experts row; "
+        "`--experts-implementation grouped_mm` runs both sides alike).",
+        f"- Memory, dense families: resident after load {span(resident.values())}x; the largest batch at 1024 tokens "
+        "in 1 GB " + ", ".join(f"{f} {t:.0f} vs {o:.0f}" for f, (t, o) in max_batch.items())
+        + " (transformers vs ours). MLA's latent cache fits "
+        f"{mla['ratio']['ours']:.1f}x the batch ({mla['ours']['median']:.0f} vs {mla['transformers']['median']:.0f}).",
+        f"- Memory, experts: ours maps the saved 3-D expert tensors; transformers' loader concatenates its per-expert "
+        f"tensors into new memory, so with every weight read it holds {mix['transformers']['resident_mb']:.0f} MB "
+        f"against ours {mix['ours']['resident_mb']:.0f} MB (Mixtral layout; after load transformers "
+        f"{mix['transformers']['after_load_mb']['anon']:.0f} MB anonymous + {mix['transformers']['after_load_mb']['file']:.0f} "
+        f"MB file pages, ours {mix['ours']['after_load_mb']['anon']:.0f} + {mix['ours']['after_load_mb']['file']:.0f}).",
+    ]
+    return "\n".join(lines)
+
+
+# --- benchmarks/results_compiled_decode.json: `python -m benchmarks.compiled_decode --json ...` -------------
+
+def compiled_section(compiled: dict, results: dict) -> str:
+    runs = compiled["runs"]
+    median = {key: runs[key]["median"] for key in runs}
+    roofline = results["families"]["llama"]["roofline_b1_tok_s"]
+    step_mb = results["families"]["llama"]["step_mb"]
+    step_ms = 1e3 / median["ours/compiled"]
+    lines = [
+        "## Compiled decoding (SmolLM2-135M, batch 1)",
+        "",
+        "```bash",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{compiled['command']}",
+        "```",
+        "",
+        f"{compiled['label']}, fp32, {compiled['threads']} threads, static cache, {compiled['new_tokens']} new tokens "
+        "after a 32-token prompt, greedy; ours against transformers' `LlamaForCausalLM` with the same weights, each "
+        "eager and through transformers' compiled decode step (`compiled_decoding()`); the four runs once per repeat "
+        f"in a shuffled order, {compiled['repeats']} repeats, median ± half the spread.",
+        "",
+        "| decode b1 tok/s (static cache) | transformers | ours | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for mode in ("eager", "compiled"):
+        theirs, mine = runs[f"transformers/{mode}"], runs[f"ours/{mode}"]
+        lines.append(f"| {mode} | {theirs['median']:.1f} ±{theirs['half_spread']:.1f} | {mine['median']:.1f} "
+                     f"±{mine['half_spread']:.1f} | {mine['median'] / theirs['median']:.2f} |")
+    lines += [
+        f"| ours compiled vs transformers eager | | | {median['ours/compiled'] / median['transformers/eager']:.2f} |",
+        "",
+        "The first compiled call took " + ", ".join(f"{s:.0f} s ({name})" for name, s in compiled["compile_seconds"].items())
+        + f". Compiled, ours decodes a step in {step_ms:.1f} ms: {100 * median['ours/compiled'] / roofline:.0f}% of the "
+        f"family table's batch-1 roofline for this model ({roofline:.1f} tokens/s, {step_mb:.0f} MB of weights a step at "
+        "the copy bandwidth of that run). Inductor fuses the norms, rotary, residuals and cache writes between the "
+        "products, and the products, split across the cores inside the graph, read the weights on both; transformers' "
+        "graph runs each product as a matrix-vector product on one core.",
+    ]
+    if compiled.get("note"):
+        lines += ["", compiled["note"]]
+    return "\n".join(lines)
+
+
+# --- benchmarks/results_serving.json: `python -m benchmarks.serving --out ...` ---------------------------
+
+OURS, NATIVE = "ours_vllm_transformers_backend", "llama_vllm_native"
+
+
+def serving_rounds(serving: dict) -> list[float]:
+    rounds = sorted({int(key.split("/")[1]) for key in serving["results"] if key.startswith(OURS + "/")})
+    return [serving["results"][f"{OURS}/{r}"]["tokens_per_s"] / serving["results"][f"{NATIVE}/{r}"]["tokens_per_s"]
+            for r in rounds]
+
+
+def serving_section(serving: dict) -> str:
+    results, shape = serving["results"], serving["shape"]
+    ratios_ = serving_rounds(serving)
+    rounds = range(1, len(ratios_) + 1)
+    lines = [
+        "## Serving through vLLM (CPU, fp32)",
+        "",
+        "```bash",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{serving['command']}",
+        "```",
+        "",
+        f"SmolLM2-135M, {shape['prompts']} prompts x {shape['prompt_tokens']} tokens, {shape['new_tokens']} new each, "
+        "greedy, output tokens/s; eager engines, one at a time in one process, ours first in odd rounds and native "
+        "first in even ones:",
+        "",
+        "| engine | " + " | ".join(f"round {r} ({'ours' if r % 2 else 'native'} first)" for r in rounds) + " |",
+        "|---|" + "---:|" * len(ratios_),
+        "| ours through vLLM's Transformers backend (`model_impl=\"transformers\"`) | "
+        + " | ".join(f"{results[f'{OURS}/{r}']['tokens_per_s']:.1f}" for r in rounds) + " |",
+        "| same weights as `LlamaForCausalLM`, vLLM's native Llama | "
+        + " | ".join(f"{results[f'{NATIVE}/{r}']['tokens_per_s']:.1f}" for r in rounds) + " |",
+        "| ratio | " + " | ".join(f"{ratio:.2f}" for ratio in ratios_) + " |",
+        "",
+        f"Ours through vLLM runs at **{statistics.median(ratios_):.2f}x** vLLM's native Llama (median of the rounds; "
+        f"{span(ratios_)}). vLLM builds one q/k/v product and one gate/up product per layer for both "
+        "(`tests/test_vllm.py` compares the linear modules it built); the rest of the difference is mostly the "
+        "rotary embedding, which vLLM fuses into one kernel for its native Llama.",
+    ]
+    if "ours_generate" in results:
+        lines.append(f"Our own batched `generate()` (no vLLM, the same prompts): "
+                     f"{results['ours_generate']['tokens_per_s']:.1f} tokens/s.")
+    if "deepseek_ours_kv" in results:
+        ours, native = results["deepseek_ours_kv"], results["deepseek_v3_native_kv"]
+        lines += ["", f"DeepSeek-V3 layout (MLA latent 512 + 64, 4 layers), `VLLM_CPU_KVCACHE_SPACE=1` GiB: vLLM's KV "
+                  f"cache holds **{ours['kv_capacity_tokens']:,} tokens** for our folder and "
+                  f"**{native['kv_capacity_tokens']:,}** for the same weights exported to `DeepseekV3ForCausalLM` "
+                  "(native): the latent cache, not expanded heads."]
+    if serving.get("note"):
+        lines += ["", serving["note"]]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Section:
+    """One page section: the JSON files it reads (under benchmarks/) and how it renders them."""
+    sources: tuple[str, ...]
+    render: Callable[..., str]
+
+
+SECTIONS = (
+    Section(("results.json",), families_section),
+    Section(("results_compiled_decode.json", "results.json"), compiled_section),
+    Section(("results_serving.json",), serving_section),
+)
+
+PAGE_HEADER = """# Benchmarks
+
+<!-- Generated by `python -m benchmarks.pages` from the JSON files under benchmarks/: do not edit by hand.
+     tests/test_readme.py checks that this page equals what the renderer produces. -->
+
+Every figure below is computed from a benchmark's JSON output (the file named under each section). To add or
+refresh one: run the benchmark with its JSON option into `benchmarks/`, then
+
+```bash
+HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages
+```
+
+rewrites this page and the headline table in the README. Nothing here is asserted by a test: speed is measured
+side by side in one process and read as ratios.
+"""
+
+
+def page() -> str:
+    parts = [PAGE_HEADER]
+    for section in SECTIONS:
+        parts.append(section.render(*(load(name) for name in section.sources))
+                     + "\n\nSource: " + ", ".join(f"`benchmarks/{name}`" for name in section.sources) + ".\n")
+    return "\n".join(parts)
+
+
+def headline() -> str:
+    """The README's short table: one ratio per thing people ask about, each linked to its section."""
+    results, compiled, serving = load("results.json"), load("results_compiled_decode.json"), load("results_serving.json")
+    fams = results["families"]
+    runs = compiled["runs"]
+    llama, family = "transformers' `LlamaForCausalLM`", "transformers' class of each family"
+    section = "#speed-memory-and-training-against-transformers-cpu-fp32"
+    rows = [
+        ("batch-1 decode, SmolLM2-135M (eager)", llama,
+         f"{fams['llama']['metrics']['decode_1']['ratio']['ours']:.2f}x", section),
+        ("batch-1 decode, seven families (eager)", family, f"{span(ratios(results, 'decode_1').values())}x", section),
+        ("batch-1 decode, SmolLM2-135M, both compiled", llama,
+         f"{runs['ours/compiled']['median'] / runs['transformers/compiled']['median']:.2f}x",
+         "#compiled-decoding-smollm2-135m-batch-1"),
+        ("prefill 1x512, seven families", family, f"{span(ratios(results, 'prefill_1').values())}x", section),
+        ("training step (full and LoRA), seven families", family,
+         f"{span([*ratios(results, 'train_full').values(), *ratios(results, 'train_lora').values()])}x", section),
+        ("largest decode batch in 1 GB, DeepSeek-V3 MLA layout", "transformers' `DeepseekV3ForCausalLM`",
+         f"{fams['deepseek_v3']['metrics']['max_batch']['ratio']['ours']:.2f}x", section),
+        ("served by vLLM, SmolLM2-135M (output tokens/s)", "vLLM's native Llama",
+         f"{statistics.median(serving_rounds(serving)):.2f}x", "#serving-through-vllm-cpu-fp32"),
+    ]
+    lines = ["| measured on a 2-core CPU, fp32 | against | ours / it |", "|---|---|---:|"]
+    lines += [f"| [{what}](docs/benchmarks.md{anchor}) | {against} | {ratio} |" for what, against, ratio, anchor in rows]
+    return "\n".join(lines)
+
+
+def readme_with_headline(readme: str) -> str:
+    pattern = re.compile(re.escape(HEADLINE_START) + ".*?" + re.escape(HEADLINE_END), re.S)
+    if not pattern.search(readme):
+        raise ValueError(f"README.md has no {HEADLINE_START} ... {HEADLINE_END} markers.")
+    return pattern.sub(lambda _: f"{HEADLINE_START}\n{headline()}\n{HEADLINE_END}", readme)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is stale")
+    args = parser.parse_args(argv)
+    wanted = {PAGE: page(), README: readme_with_headline(README.read_text())}
+    stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is stale: run python -m benchmarks.pages", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(wanted[path])
+        tmp.replace(path)
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
