@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from modular_decoder import split_products
+from modular_decoder.compat import cache_of, with_cache
 
 from .families import build_pair
 
@@ -37,11 +38,11 @@ from .families import build_pair
 def _step_ms(model, prompt: torch.Tensor, steps: int) -> float:
     with torch.inference_mode():
         out = model(prompt)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = cache_of(out), out.logits[:, -1:].argmax(-1)
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            model(token, past_key_values=cache)
+            model(token, **with_cache(cache))
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 

@@ -34,6 +34,7 @@ import torch
 import transformers as tf
 
 import modular_decoder  # noqa: F401  (registers the family with the Auto classes)
+from modular_decoder.compat import with_cache
 
 from .gpu_plan import FULL, SMOKE, Plan, deepseek_v3_config, llama_config
 from .gpu_timing import PartTimeout, Skip, agreement, count_syncs, cuda_peak, part_guard, ratio, sync, timed
@@ -267,7 +268,7 @@ def mla_decode_grid(bench: Bench) -> dict:
             position = torch.full((batch, 1), context, device=bench.device)
 
             def run(model):
-                model(step, past_key_values=caches[model], position_ids=position, use_cache=True)
+                model(step, **with_cache(caches[model]), position_ids=position, use_cache=True)
                 caches[model].crop(-1)  # back to `context` tokens (a positive length is refused)
 
             seconds = timed({"transformers": theirs, "ours": ours}, run, plan.step_repeats)
@@ -294,7 +295,7 @@ def _chunked_prefill(model, ids: torch.Tensor, chunk: int, ours: bool) -> tuple[
 
     cache = ModularDecoderCache(model.config) if ours else tf.DynamicCache(config=model.config)
     for start in range(0, ids.shape[1], chunk):
-        logits = model(ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(ids[:, start:start + chunk], **with_cache(cache), use_cache=True, logits_to_keep=1).logits
     return logits[:, -1].float()
 
 

@@ -99,10 +99,12 @@ def _fits(model, context: int, steps: int, batch: int, vocab: int, baseline: int
     """(peak MB above baseline of one probe at `batch`, RSS MB above baseline after it is freed)."""
     import torch
 
+    from modular_decoder.compat import cache_of
+
     generator = torch.Generator().manual_seed(batch)
     prompt = torch.randint(0, vocab, (1, context - steps), generator=generator)
     with Peak() as peak, torch.inference_mode():
-        cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+        cache = cache_of(model(prompt, use_cache=True, logits_to_keep=1))
         cache.batch_repeat_interleave(batch)
         for _ in range(steps):
             ids = torch.randint(0, vocab, (batch, 1), generator=generator)

@@ -43,7 +43,6 @@ import gc
 import json
 import math
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -338,21 +337,6 @@ def table(results: dict, args) -> str:
     return "\n".join(lines)
 
 
-TABLE_START, TABLE_END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
-
-
-def write_readme(path: Path, text: str) -> None:
-    """Replace the table between the bench-table markers of `path` (written to a temporary file, renamed)."""
-    readme = path.read_text()
-    pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.S)
-    if not pattern.search(readme):
-        raise ValueError(f"{path} has no {TABLE_START} ... {TABLE_END} markers.")
-    updated = pattern.sub(lambda _: f"{TABLE_START}\n{text}\n{TABLE_END}", readme)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(updated)
-    tmp.replace(path)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -366,9 +350,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", type=Path, default=Path("bench_results.json"))
     parser.add_argument("--quick", action="store_true", help="tiny shapes, short sequences, 1 repeat: a smoke test")
-    parser.add_argument("--readme", type=Path, default=None,
-                        help="also write the table between the bench-table markers of this file (docs/benchmarks.md "
-                             "is rendered from --json by `python -m benchmarks.pages`)")
     extra = parser.add_argument_group("memory, training, largest batch")
     extra.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory probes")
     extra.add_argument("--no-train", action="store_true", help="skip the training throughput rows")
@@ -461,9 +442,7 @@ def main(argv=None) -> int:
     print(text)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.json}")
-    if args.readme:
-        write_readme(args.readme, text)
-        print(f"wrote the table into {args.readme}")
+    print("docs/benchmarks.md is rendered from it: python -m benchmarks.pages")
     return 0
 
 

@@ -208,7 +208,7 @@ def check_destination(out, force: bool = False, sources=()) -> None:
                 "choose another output folder."
             )
     if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists; pass force=True (`--force`) to replace it.")
+        raise FileExistsError(f"{out} already exists; pass `force=True` to replace it.")
     base = target.parent
     while not base.exists() and base != base.parent:
         base = base.parent

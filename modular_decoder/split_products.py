@@ -21,7 +21,7 @@ Four questions, one predicate each:
     is_fx_proxy(x)              is `x` a symbolic tracer's stand-in rather than a value
 
 and `takes_split_branch(layer, x)`, the branch test of a forward that routes its linears through
-`project` (`is_bare_linear` and not `is_fx_proxy`).
+`project` (the split on, an fp32 CPU value, `is_bare_linear`).
 
 The split engages only where it is measured to pay and computes what `F.linear` computes: fp32 input,
 weight and bias, all on the CPU, plain tensors (never a DTensor, a quantized or other tensor subclass,
@@ -170,15 +170,21 @@ def is_fx_proxy(x) -> bool:
 
 
 def takes_split_branch(layer: nn.Module, x) -> bool:
-    """Whether a forward with two branches takes the one through `project`: `layer` (the linear that branch
-    ends with) is bare and `x` a value. The other branch calls each module plainly (`forward`'s own source is
-    what vLLM's fusers read under its trace)."""
-    return is_bare_linear(layer) and not is_fx_proxy(x)
+    """Whether a forward with two branches takes the one through `project`: the split is on, `x` is an fp32
+    CPU value (not a tracer's proxy) and `layer` (the linear that branch ends with) is bare. The cheap tests
+    come first: on an accelerator or in half precision every forward takes the plain branch, with no
+    per-product checks (a decode step has ~7 products a layer). The other branch calls each module plainly
+    (`forward`'s own source is what vLLM's fusers read under its trace)."""
+    return (
+        _enabled and not is_fx_proxy(x) and x.dtype is torch.float32 and x.device.type == "cpu"
+        and is_bare_linear(layer)
+    )
 
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)`; a bare `nn.Linear` goes through `linear` (a few rows run on all cores). Anything else (PEFT
-    or quantised layers, hooked or wrapped modules, a tracer's proxy `x`) is called as usual."""
+    """`layer(x)`; a bare `nn.Linear` on an fp32 CPU input goes through `linear` (a few rows run on all
+    cores). Anything else (PEFT or quantised layers, hooked or wrapped modules, a tracer's proxy `x`, an
+    accelerator or half-precision input) is called as usual."""
     return linear(x, layer.weight, layer.bias) if takes_split_branch(layer, x) else layer(x)
 
 

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -31,9 +30,6 @@ def add_arguments(parser) -> None:
                                                          "the mean and the min-max range over them")
     abl.add_argument("--out", default="experiments_out",
                      help="folder for ablation.md, ablation.png and ablation.json (every seed's losses)")
-    abl.add_argument("--readme", default=None,
-                     help="also write the section between the ablation markers of this file (README.md), "
-                          "the plot linked from it")
 
 
 def run(args) -> int:
@@ -68,20 +64,14 @@ def run(args) -> int:
         for name in args.variants or ():
             ablation.config_for(name)  # an unknown name fails before any training
     results = ablation.run(args.tokens, names=args.variants, seed=args.seed, seeds=args.seeds)
-    text = ablation.markdown(results, args.tokens)
-    (out / "ablation.md").write_text(text + "\n\n![ablation](ablation.png)\n")
+    options = ["--tokens", str(args.tokens), "--seeds", str(args.seeds)]
+    options += ["--seed", str(args.seed)] if args.seed else []
+    options += ["--variants", *args.variants] if args.variants else []
+    options += ["--out", args.out]
+    command = ".venv/bin/modular-decoder experiment ablation " + " ".join(shlex.quote(a) for a in options)
+    (out / "ablation.md").write_text(ablation.page(results, args.tokens, command, "ablation.png") + "\n")
     ablation.plot(results, out / "ablation.png")
     ablation.write_json(results, out / "ablation.json")
-    print(text)
+    print(ablation.markdown(results, args.tokens))
     print(f"wrote {out / 'ablation.md'}, {out / 'ablation.png'} and {out / 'ablation.json'}")
-    if args.readme:
-        readme = Path(args.readme)
-        image = os.path.relpath((out / "ablation.png").resolve(), readme.resolve().parent)
-        options = ["--tokens", str(args.tokens), "--seeds", str(args.seeds)]
-        options += ["--seed", str(args.seed)] if args.seed else []
-        options += ["--variants", *args.variants] if args.variants else []
-        options += ["--out", args.out, "--readme", args.readme]
-        command = ".venv/bin/modular-decoder experiment ablation " + " ".join(shlex.quote(a) for a in options)
-        ablation.write_readme(readme, ablation.readme_section(results, args.tokens, command, image))
-        print(f"wrote the ablation section of {readme}")
     return 0

@@ -253,14 +253,11 @@ def plot(results: list[dict], path) -> None:
     plt.close(fig)
 
 
-START, END = "<!-- ablation:start -->", "<!-- ablation:end -->"
-
-
-def readme_section(results: list[dict], tokens: int, command: str, image: str) -> str:
-    """The README's ablation section: command, table, plot, and how to read them."""
+def page(results: list[dict], tokens: int, command: str, image: str) -> str:
+    """The ablation page (`docs/ablation/ablation.md`): command, table, plot, and how to read them."""
     seeds = len(results[0]["runs"])
     return "\n".join([
-        "## Ablation (matched token budget, CPU)", "", "```bash", command, "```", "",
+        "# Ablation (matched token budget, CPU)", "", "```bash", command, "```", "",
         markdown(results, tokens), "",
         f"![Training loss against tokens, one line per variant (mean over seeds) with its min–max band; "
         f"held-out loss against cache bytes]({image})", "",
@@ -271,18 +268,3 @@ def readme_section(results: list[dict], tokens: int, command: str, image: str) -
         f"{MOE_BASELINE} row's active parameters and tokens (and hold about 3x its total parameters). "
         "`modular-decoder experiment gradnorm` and `experiment ffn-budget` reproduce the other seed measurements.",
     ])
-
-
-def write_readme(path, section: str) -> None:
-    """Replace the ablation section of `path` between its markers (temporary file, then rename)."""
-    import re
-    from pathlib import Path
-
-    path = Path(path)
-    text = path.read_text()
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{path} has no {START} ... {END} markers.")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(pattern.sub(lambda _: f"{START}\n{section}\n{END}", text))
-    tmp.replace(path)
