@@ -6,7 +6,10 @@ and a GQA model of the same width, side by side in one process (fp32, CPU).
 
 `--crossover` times one step of T new tokens against a cache of S tokens, absorbed vs expanded (one
 model, `decode_mode` forced), with DeepSeek-V3's attention (q_lora_rank 1536, no MoE, one layer): the
-measurement behind `mla.ABSORBED_MAX_NEW_TOKENS`.
+measurement behind `mla.ABSORBED_MAX_NEW_TOKENS`. `--fused-probe` times the absorbed scoring alone (16
+heads, latent 512 + rotary 64) as `absorbed_attention` computes it against one fused SDPA call in
+FlashMLA's MQA form (keys = values = the joint 576-wide [latent, rotary] tensor, output cropped to 512),
+with the joint tensor stored and with it concatenated per step from the two cached tensors.
 
 Shape: DeepSeek-V2-Lite's attention (hidden 2048, 16 heads, kv_lora_rank 512, qk_rope 64, qk_nope
 128, v 128, no q_lora_rank), 2 dense layers, a small FFN (1408) and vocabulary (1024) so that the
@@ -154,6 +157,35 @@ def crossover(contexts: list[int], new_tokens: list[int], repeats: int) -> list[
     return rows
 
 
+@torch.inference_mode()
+def fused_probe(contexts: list[int], new_tokens: list[int], repeats: int) -> None:
+    heads, latent, rotary, scale = 16, 512, 64, 0.07
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for context in contexts:
+        for tokens in new_tokens:
+            cached_latents, cached_rot = torch.randn(1, context, latent), torch.randn(1, context, rotary)
+            q_latent, q_rot = torch.randn(1, heads * tokens, latent), torch.randn(1, heads * tokens, rotary)
+            joint_query = torch.cat([q_latent, q_rot], -1)[:, None]  # (1, 1, H·T, 576): heads as query rows
+            joint = torch.cat([cached_latents, cached_rot], -1)[:, None]  # (1, 1, S, 576)
+
+            def matmuls():  # absorbed_attention's arithmetic (decode: no mask)
+                scores = torch.baddbmm(q_rot @ cached_rot.transpose(1, 2), q_latent, cached_latents.transpose(1, 2))
+                return torch.softmax(scores * scale, -1) @ cached_latents
+
+            def fused_stored():
+                return sdpa(joint_query, joint, joint, scale=scale)[..., :latent]
+
+            def fused_concatenated():
+                keys = torch.cat([cached_latents, cached_rot], -1)[:, None]  # a whole-cache copy per step
+                return sdpa(joint_query, keys, keys, scale=scale)[..., :latent]
+
+            difference = (matmuls() - fused_stored()[:, 0]).abs().max().item()
+            best = {fn.__name__: min(_time(fn) for _ in range(repeats + 1)) * 1e3
+                    for fn in (matmuls, fused_stored, fused_concatenated)}
+            print(f"context {context:6d}  new tokens {tokens:3d}  " + "  ".join(f"{k} {v:7.2f} ms" for k, v in best.items())
+                  + f"  max diff {difference:.1e}", flush=True)
+
+
 def report(rows: list[dict], bytes_per_second: float, weight_bytes: int) -> str:
     ref = "transformers DeepseekV3"
     lines = [f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}, "
@@ -180,9 +212,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--crossover", action="store_true", help="absorbed vs expanded over new tokens per step")
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--fused-probe", action="store_true", help="absorbed scoring: matmuls vs one fused SDPA call")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.fused_probe:
+        fused_probe(args.contexts, args.new_tokens, args.repeats)
+        return 0
     if args.crossover:
         print(f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}")
         rows = crossover(args.contexts, args.new_tokens, args.repeats)

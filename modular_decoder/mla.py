@@ -51,7 +51,8 @@ DECODE_MODES = ("auto", "absorbed", "expanded")
 
 # The longest step (new tokens against a cache) that runs absorbed. Measured with `python
 # benchmarks/bench_mla_decode.py --crossover` (CPU, fp32, DeepSeek-V3 attention, one layer): absorbed is
-# 1.2-2x faster up to 128 new tokens at 1k and 8k cached, even at 256 (0.88x / 0.99x). 64 keeps a margin
+# 1.2-2x faster up to 128 new tokens at 1k and 8k cached, slower or even at 256 (0.88x / 0.99x): the CPU
+# crossover lies between 128 and 256 (fp32 FLOPs alone put it near 170 for these widths). 64 keeps a margin
 # for GPUs, where the expanded step runs a flash kernel and the explicit scores cost more traffic than
 # the latent cache itself (vLLM's default split is 1 new token; 128 with FlashMLA's fused absorbed kernel).
 # The scores, (B, H, T_new, T_cached) at most fp32, then stay well below the per-head K/V the expanded
