@@ -109,6 +109,7 @@ def main(argv=None) -> int:
         folder = Path(tmp)
         build(folder, args.layers)
         peaks = {side: peak_in_fresh_process(folder, side, args) for side in SIDES}
+        print(f"peak MB above pre-prefill RSS: {peaks}", flush=True)
         models = {side: load(folder, side) for side in SIDES}
     ids = prompt(args.tokens)
     logits, seconds = {}, {side: [] for side in SIDES}
