@@ -19,7 +19,9 @@ Two ways to compute the same attention:
 `scoring_path` picks one per step, as vLLM and SGLang split MLA: a decode step of at most
 `ABSORBED_MAX_NEW_TOKENS` new tokens against a cache runs absorbed; everything else (prefill, chunked
 prefill, a second chat turn, a long assisted-decoding check, training) runs expanded, expanding the
-cache once per step as transformers' `DeepseekV3Attention` does. The absorbed form reads
+cache once per step as transformers' `DeepseekV3Attention` does (vLLM's bounded alternative, up-projecting
+the cache chunk by chunk and merging by log-sum-exp, needs each chunk's log-sum-exp, which SDPA does not
+return through a public API). The absorbed form reads
 `kv_b_proj.weight` instead of calling the module, so it engages only where `kv_b_proj` is a plain
 `nn.Linear` on a plain weight (no PEFT layer, hook, quantized or tensor-parallel weight).
 
