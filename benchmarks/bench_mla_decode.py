@@ -2,6 +2,14 @@
 and a GQA model of the same width, side by side in one process (fp32, CPU).
 
     python benchmarks/bench_mla_decode.py [--contexts 256 1024 4096 16384] [--repeats 3] [--threads N] [--json out.json]
+    python benchmarks/bench_mla_decode.py --crossover [--contexts 1024 8192] [--new-tokens 1 2 4 8 16 32 64]
+
+`--crossover` times one step of T new tokens against a cache of S tokens, absorbed vs expanded (one
+model, `decode_mode` forced), with DeepSeek-V3's attention (q_lora_rank 1536, no MoE, one layer): the
+measurement behind `mla.ABSORBED_MAX_NEW_TOKENS`. `--fused-probe` times the absorbed scoring alone (16
+heads, latent 512 + rotary 64) as `absorbed_attention` computes it against one fused SDPA call in
+FlashMLA's MQA form (keys = values = the joint 576-wide [latent, rotary] tensor, output cropped to 512),
+with the joint tensor stored and with it concatenated per step from the two cached tensors.
 
 Shape: DeepSeek-V2-Lite's attention (hidden 2048, 16 heads, kv_lora_rank 512, qk_rope 64, qk_nope
 128, v 128, no q_lora_rank), 2 dense layers, a small FFN (1408) and vocabulary (1024) so that the
@@ -117,6 +125,67 @@ def measure(models: dict, contexts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+@torch.inference_mode()
+def crossover(contexts: list[int], new_tokens: list[int], repeats: int) -> list[dict]:
+    """Median seconds of one T-token step against S cached tokens, absorbed and expanded."""
+    torch.manual_seed(0)
+    config = ModularDecoderConfig(**{**SHAPE, "num_hidden_layers": 1}, **{**MLA, "q_lora_rank": 1536}, attention_type="mla")
+    model = ModularDecoderForCausalLM(config).eval()
+    rows = []
+    for context in contexts:
+        latents = [torch.randn(1, 1, context, 512)]
+        rope_keys = [torch.randn(1, 1, context, 64)]
+        cache = ModularDecoderCache(config)
+        cache.update(latents[0], rope_keys[0], 0)
+        for tokens in new_tokens:
+            ids = torch.randint(0, config.vocab_size, (1, tokens))
+            positions = torch.arange(context, context + tokens)[None]
+            seconds = {}
+            for repeat in range(repeats + 1):  # the first round is a warm-up
+                for mode in ("absorbed", "expanded"):
+                    set_decode_mode(model, mode)
+                    took = _time(lambda: model(ids, cache=cache, position_ids=positions))
+                    cache.crop(-tokens)  # back to `context` cached tokens
+                    if repeat:
+                        seconds.setdefault(mode, []).append(took)
+            row = {"context": context, "new_tokens": tokens,
+                   **{mode: statistics.median(times) for mode, times in seconds.items()}}
+            rows.append(row)
+            print(f"context {context:6d}  new tokens {tokens:3d}  absorbed {row['absorbed'] * 1e3:8.1f} ms  "
+                  f"expanded {row['expanded'] * 1e3:8.1f} ms  expanded/absorbed {row['expanded'] / row['absorbed']:5.2f}",
+                  flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def fused_probe(contexts: list[int], new_tokens: list[int], repeats: int) -> None:
+    heads, latent, rotary, scale = 16, 512, 64, 0.07
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for context in contexts:
+        for tokens in new_tokens:
+            cached_latents, cached_rot = torch.randn(1, context, latent), torch.randn(1, context, rotary)
+            q_latent, q_rot = torch.randn(1, heads * tokens, latent), torch.randn(1, heads * tokens, rotary)
+            joint_query = torch.cat([q_latent, q_rot], -1)[:, None]  # (1, 1, H·T, 576): heads as query rows
+            joint = torch.cat([cached_latents, cached_rot], -1)[:, None]  # (1, 1, S, 576)
+
+            def matmuls():  # absorbed_attention's arithmetic (decode: no mask)
+                scores = torch.baddbmm(q_rot @ cached_rot.transpose(1, 2), q_latent, cached_latents.transpose(1, 2))
+                return torch.softmax(scores * scale, -1) @ cached_latents
+
+            def fused_stored():
+                return sdpa(joint_query, joint, joint, scale=scale)[..., :latent]
+
+            def fused_concatenated():
+                keys = torch.cat([cached_latents, cached_rot], -1)[:, None]  # a whole-cache copy per step
+                return sdpa(joint_query, keys, keys, scale=scale)[..., :latent]
+
+            difference = (matmuls() - fused_stored()[:, 0]).abs().max().item()
+            best = {fn.__name__: min(_time(fn) for _ in range(repeats + 1)) * 1e3
+                    for fn in (matmuls, fused_stored, fused_concatenated)}
+            print(f"context {context:6d}  new tokens {tokens:3d}  " + "  ".join(f"{k} {v:7.2f} ms" for k, v in best.items())
+                  + f"  max diff {difference:.1e}", flush=True)
+
+
 def report(rows: list[dict], bytes_per_second: float, weight_bytes: int) -> str:
     ref = "transformers DeepseekV3"
     lines = [f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}, "
@@ -141,9 +210,21 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 is steadier on a busy machine")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--crossover", action="store_true", help="absorbed vs expanded over new tokens per step")
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--fused-probe", action="store_true", help="absorbed scoring: matmuls vs one fused SDPA call")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.fused_probe:
+        fused_probe(args.contexts, args.new_tokens, args.repeats)
+        return 0
+    if args.crossover:
+        print(f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.1f}")
+        rows = crossover(args.contexts, args.new_tokens, args.repeats)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         models = build_models(Path(tmp))
     weight_bytes = sum(p.numel() * p.element_size() for p in models["ours absorbed"].parameters())

@@ -44,8 +44,8 @@ class LatentLayerMixin:
 
 
 class DynamicLatentLayer(LatentLayerMixin, GrowingLayer):
-    """Grows with every token (the default), into doubling storage: no copy of the whole latent
-    cache per decode step."""
+    """Grows with every token (the default) into pre-allocated storage with 1/64 of its length spare
+    (`growing_cache.py`): no copy of the whole latent cache per decode step."""
 
 
 class DynamicSlidingLatentLayer(LatentLayerMixin, DynamicSlidingWindowLayer):

@@ -7,16 +7,23 @@ values v = c W_UV (both inside `kv_b_proj`) are derived from the latent. Queries
 directly (`q_proj`) or through their own bottleneck (`q_a_proj` -> `q_a_layernorm` -> `q_b_proj`
 when `q_lora_rank` is set); each head's query is [q_C (`qk_nope_head_dim`), q_R (d_R)].
 
-Two ways to compute the same scores:
+Two ways to compute the same attention:
 
-* expanded (prefill, training): k = [c W_UK, k_R], v = c W_UV for every cached token, then the
-  attention interface (eager / sdpa / flash) as for any attention;
-* absorbed (decode): q_C·k_Cᵀ = (q_C W_UKᵀ)·cᵀ, so the query is moved into latent space once and
-  scored directly against the cached latents; the weighted sum of latents is mapped through W_UV
-  afterwards. No per-head key or value is ever built for the cached tokens. It reads
-  `kv_b_proj.weight` instead of calling the module, so it engages only where `kv_b_proj` is a plain
-  `nn.Linear` on a plain weight (no PEFT layer, hook, quantized or tensor-parallel weight); anything
-  else decodes on the expanded path, which calls `kv_b_proj`.
+* expanded: k = [c W_UK, k_R], v = c W_UV for every key, then the model's attention backend (sdpa,
+  flash, flex: fused kernels that never hold the scores; eager: the reference) as for any attention.
+  Building per-head K/V costs one up-projection of the whole cache per step, shared by all queries.
+* absorbed: q_C·k_Cᵀ = (q_C W_UKᵀ)·cᵀ, so each query moves into latent space once and is scored
+  directly against the cached latents; the weighted sum of latents goes through W_UV afterwards. No
+  per-head key or value is built, but the (T_new x T_cached) scores are explicit.
+
+`scoring_path` picks one per step, as vLLM and SGLang split MLA: a decode step of at most
+`ABSORBED_MAX_NEW_TOKENS` new tokens against a cache runs absorbed; everything else (prefill, chunked
+prefill, a second chat turn, a long assisted-decoding check, training) runs expanded, expanding the
+cache once per step as transformers' `DeepseekV3Attention` does (vLLM's bounded alternative, up-projecting
+the cache chunk by chunk and merging by log-sum-exp, needs each chunk's log-sum-exp, which SDPA does not
+return through a public API). The absorbed form reads
+`kv_b_proj.weight` instead of calling the module, so it engages only where `kv_b_proj` is a plain
+`nn.Linear` on a plain weight (no PEFT layer, hook, quantized or tensor-parallel weight).
 
 Module names follow DeepSeek's (`q_a_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, ...), so
 checkpoints convert by a near-identity map and PEFT targets read naturally.
@@ -40,10 +47,19 @@ from .split_products import plain_linear, project, symbolic
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 
-# "auto": absorbed when the queries are fewer than the keys they attend to (decoding against a
-# cache), expanded otherwise; the other two force one path (tests, benchmarks). A `kv_b_proj` that is
-# not a plain `nn.Linear` is always expanded.
+# "auto": `scoring_path`'s rule; the other two force one path (tests, benchmarks), still only where
+# the absorbed form may read `kv_b_proj`'s weight.
 DECODE_MODES = ("auto", "absorbed", "expanded")
+
+# The longest step (new tokens against a cache) that runs absorbed. Measured with `python
+# benchmarks/bench_mla_decode.py --crossover` (CPU, fp32, DeepSeek-V3 attention, one layer): absorbed is
+# 1.2-2x faster up to 128 new tokens at 1k and 8k cached, slower or even at 256 (0.88x / 0.99x): the CPU
+# crossover lies between 128 and 256 (fp32 FLOPs alone put it near 170 for these widths). 64 keeps a margin
+# for GPUs, where the expanded step runs a flash kernel and the explicit scores cost more traffic than
+# the latent cache itself (vLLM's default split is 1 new token; 128 with FlashMLA's fused absorbed kernel).
+# The scores, (B, H, T_new, T_cached) at most fp32, then stay well below the per-head K/V the expanded
+# form builds, (B, H, T_cached, d_qk + d_v): 320 wide for DeepSeek-V3.
+ABSORBED_MAX_NEW_TOKENS = 64
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -100,14 +116,16 @@ class MultiHeadLatentAttention(AttentionLayer):
         cache=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Written as transformers' DeepSeek-V3 attention is, because vLLM's Transformers backend reads
-        this source: it fuses `q_a_proj` with `kv_a_proj_with_mqa` (direct calls here), recognises the
-        `kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj` chain, and replaces the `self.expand_kv(...)`
-        call by its arguments, so that its latent attention receives (queries, latents, rotary key) and
-        caches the latent."""
+        """h (B, T, d) -> queries [q_C, q_R] per head, latent c and rotary key k_R per token; the cache
+        stores (c, k_R); `scoring_path` then scores absorbed against the latents or expanded (module docstring).
+
+        vLLM's Transformers backend reads and rewrites this source: keep the module calls direct (it fuses
+        `q_a_proj` with `kv_a_proj_with_mqa` and follows the `kv_a_proj_with_mqa -> kv_a_layernorm ->
+        kv_b_proj` chain) and the one `self.expand_kv(latents, k_rot)` call, which it replaces by its own
+        latent attention.
+        """
         del position_bias  # config validation rules out ALiBi with MLA
         batch, seq = hidden_states.shape[:2]
-        # Module calls written out (no `project`): vLLM proves the fused input is not rewritten in between
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
@@ -122,9 +140,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         k_rot = apply_rotary(k_rot, cos, sin, self.interleaved)
         if cache is not None and not symbolic(cache):
             latents, k_rot = cache.update(latents, k_rot, self.layer_idx)
-            # The absorbed path masks scores itself, so it takes tensor masks only (flex's BlockMask
-            # goes through the backend on the expanded path).
-            if self._absorb(seq, latents.shape[-2]) and (attention_mask is None or torch.is_tensor(attention_mask)):
+            if self.scoring_path(seq, latents.shape[-2], attention_mask) == "absorbed":
                 out, weights = self.absorbed_attention(q_nope, q_rot, latents, k_rot, attention_mask)
                 return project(self.o_proj, out.reshape(batch, seq, -1)), weights
 
@@ -143,15 +159,23 @@ class MultiHeadLatentAttention(AttentionLayer):
             out = out[..., : self.v_dim]
         return project(self.o_proj, out.reshape(batch, seq, -1)), weights
 
-    def _absorb(self, q_len: int, kv_len: int) -> bool:
-        # The absorbed path reads `kv_b_proj.weight` instead of calling the module: only where the call
-        # would compute nothing but `F.linear` on a plain weight. A PEFT layer, a hook, a quantized or
-        # tensor-parallel weight, an engine's wrapped forward: the expanded path, which calls the module.
-        if not plain_linear(self.kv_b_proj):
-            return False
-        if self.decode_mode == "auto":
-            return q_len < kv_len and not self.training
-        return self.decode_mode == "absorbed"
+    def scoring_path(self, new_tokens: int, keys: int, attention_mask) -> str:
+        """`"absorbed"` or `"expanded"` for a step of `new_tokens` queries against `keys` keys (cache included).
+
+        Absorbed only for a decode step: a few new tokens (at most `ABSORBED_MAX_NEW_TOKENS`) against
+        cached ones, in inference. Longer steps (prefill, chunked prefill, a second turn, assisted
+        decoding's check of many candidates) expand, so the backend's fused kernel scores them without a
+        (T_new x T_cached) matrix. Whatever `decode_mode` says, the absorbed form needs a plain `kv_b_proj`
+        (it reads the weight; a PEFT layer, hook, quantized or tensor-parallel weight must be called) and
+        a tensor mask (it masks scores itself; flex's BlockMask is the backend's to apply).
+        """
+        absorbable = plain_linear(self.kv_b_proj) and (attention_mask is None or torch.is_tensor(attention_mask))
+        if not absorbable or self.decode_mode == "expanded":
+            return "expanded"
+        if self.decode_mode == "absorbed":
+            return "absorbed"
+        decoding = new_tokens < keys and new_tokens <= ABSORBED_MAX_NEW_TOKENS and not self.training
+        return "absorbed" if decoding else "expanded"
 
     def expand_kv(self, latents: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys and values for every cached token: latents (B, 1, S, d_c) and k_rot (B, 1, S, d_R)
@@ -171,7 +195,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         """
         batch, heads, q_len, _ = q_nope.shape
         kv_len = latents.shape[-2]
-        weight = self.kv_b_proj.weight  # a plain tensor: `_absorb` engages only then
+        weight = self.kv_b_proj.weight  # a plain tensor: `scoring_path` engages only then
         w_uk, w_uv = weight.view(heads, -1, self.latent_dim).split([self.nope_dim, self.v_dim], dim=1)
         q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, d_c)
         # Heads and query positions share one row axis, so each score is a plain (B, H·T, S) matmul
@@ -284,4 +308,5 @@ def set_decode_mode(model: nn.Module, mode: str) -> None:
             module.decode_mode = mode
 
 
-__all__ = ["MultiHeadLatentAttention", "LATENT_ATTENTION", "mla_softmax_scale", "set_decode_mode", "DECODE_MODES"]
+__all__ = ["MultiHeadLatentAttention", "LATENT_ATTENTION", "mla_softmax_scale", "set_decode_mode", "DECODE_MODES",
+           "ABSORBED_MAX_NEW_TOKENS"]

@@ -5,6 +5,7 @@ transformers' DeepSeek-V2 / V3 through the conversion package."""
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -13,7 +14,7 @@ from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.contract import cache_bytes, cache_bytes_per_token
 from modular_decoder.conversion import convert, export, get_family
 from modular_decoder.latent_cache import LatentLayerMixin
-from modular_decoder.mla import mla_softmax_scale, set_decode_mode
+from modular_decoder.mla import ABSORBED_MAX_NEW_TOKENS, MultiHeadLatentAttention, mla_softmax_scale, set_decode_mode
 
 SEQ = 20
 MLA = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -396,3 +397,80 @@ def test_output_attentions_from_both_paths():
         assert a.shape == (2, 4, 8, 8)
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         torch.testing.assert_close(a.sum(-1), torch.ones(2, 4, 8), rtol=0, atol=1e-5)
+
+
+# --- multi-token steps against a cache: absorbed for a few new tokens, expanded beyond -----------
+
+def _steps(chunks: list[int]) -> list[tuple[int, int]]:
+    ends = [sum(chunks[: i + 1]) for i in range(len(chunks))]
+    return list(zip([0] + ends[:-1], ends))
+
+
+# A prefill, a long step (chunked prefill, a second turn), a few-token step, a decode step, a long step
+MULTI_TOKEN_CHUNKS = [ABSORBED_MAX_NEW_TOKENS // 2, ABSORBED_MAX_NEW_TOKENS + 5, 3, 1, ABSORBED_MAX_NEW_TOKENS + 1]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora_kv_b"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_multi_token_steps_against_a_cache_match_the_full_forward(backend, lora, padded, monkeypatch):
+    """Steps of every length against a growing cache give the no-cache forward's logits; a plain
+    `kv_b_proj` takes both paths on the way, a LoRA on it only the expanded one (which calls it)."""
+    length = sum(MULTI_TOKEN_CHUNKS)
+    model = _model(_config(max_position_embeddings=length, q_lora_rank=12, rope_parameters=dict(DEEPSEEK_YARN)),
+                   backend)
+    if lora:
+        model = get_peft_model(model, LoraConfig(target_modules=["kv_b_proj"], init_lora_weights=False)).eval()
+    paths = []
+    scoring_path = MultiHeadLatentAttention.scoring_path
+    monkeypatch.setattr(MultiHeadLatentAttention, "scoring_path",
+                        lambda self, *args: paths.append(scoring_path(self, *args)) or paths[-1])
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        cache, steps = ModularDecoderCache(model.config), []
+        for start, end in _steps(MULTI_TOKEN_CHUNKS):
+            steps.append(model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], cache=cache,
+                               position_ids=positions[:, start:end]).logits)
+    cached = torch.cat(steps, dim=1)
+    torch.testing.assert_close(cached[0], full[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached[1, 3:], full[1, 3:], rtol=0, atol=1e-5)
+    assert set(paths) == ({"expanded"} if lora else {"absorbed", "expanded"})
+
+
+def test_long_steps_against_a_cache_build_no_score_matrix(monkeypatch):
+    """Only a step of at most `ABSORBED_MAX_NEW_TOKENS` new tokens scores explicitly (absorbed); a longer
+    one against the same cache goes to the backend's fused kernel. Recorded where MLA builds scores."""
+    import modular_decoder.mla as mla
+
+    shapes = []
+    monkeypatch.setattr(mla, "attention_probs", lambda module, scores, *a, _f=mla.attention_probs, **k:
+                        shapes.append(tuple(scores.shape)) or _f(module, scores, *a, **k))
+    model = _model(_config(max_position_embeddings=4 * ABSORBED_MAX_NEW_TOKENS), "sdpa")
+    ids = torch.randint(0, model.config.vocab_size, (1, 4 * ABSORBED_MAX_NEW_TOKENS))
+    with torch.no_grad():
+        for new_tokens in (ABSORBED_MAX_NEW_TOKENS, ABSORBED_MAX_NEW_TOKENS + 1, 2 * ABSORBED_MAX_NEW_TOKENS):
+            cache = model(ids[:, :ABSORBED_MAX_NEW_TOKENS]).cache
+            shapes.clear()
+            model(ids[:, ABSORBED_MAX_NEW_TOKENS : ABSORBED_MAX_NEW_TOKENS + new_tokens], cache=cache)
+            decoding = new_tokens <= ABSORBED_MAX_NEW_TOKENS
+            assert shapes == ([(1, 4, new_tokens, ABSORBED_MAX_NEW_TOKENS + new_tokens)] * 2 if decoding else [])
+
+
+def test_scoring_path_rule():
+    layer = _model(_config()).model.layers[0].self_attn
+    few, many = ABSORBED_MAX_NEW_TOKENS, ABSORBED_MAX_NEW_TOKENS + 1
+    assert layer.scoring_path(1, 100, None) == layer.scoring_path(few, 100, None) == "absorbed"
+    assert layer.scoring_path(many, 1000, None) == "expanded"  # chunked prefill, a second turn
+    assert layer.scoring_path(3, 3, None) == "expanded"  # a prefill without cached tokens
+    layer.train()
+    assert layer.scoring_path(1, 100, None) == "expanded"
+    layer.eval()
+    layer.decode_mode = "absorbed"
+    assert layer.scoring_path(many, 1000, None) == "absorbed"  # forced (tests, benchmarks)
+    layer.kv_b_proj.register_forward_pre_hook(lambda *_: None)
+    assert layer.scoring_path(1, 100, None) == "expanded"  # a hooked kv_b_proj is always called
