@@ -43,7 +43,7 @@ from .attention_layer import AttentionLayer
 from .eager_attention import attention_probs, eager_attention, explicit_mask
 from .kinds import AttentionKind, require_bool, require_int
 from .latent_cache import latent_layer
-from .split_products import plain_linear, project, symbolic
+from .split_products import is_fx_proxy, project, weight_is_readable
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
 
@@ -138,7 +138,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         cos, sin = position_embeddings
         q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
         k_rot = apply_rotary(k_rot, cos, sin, self.interleaved)
-        if cache is not None and not symbolic(cache):
+        if cache is not None and not is_fx_proxy(cache):
             latents, k_rot = cache.update(latents, k_rot, self.layer_idx)
             if self.scoring_path(seq, latents.shape[-2], attention_mask) == "absorbed":
                 out, weights = self.absorbed_attention(q_nope, q_rot, latents, k_rot, attention_mask)
@@ -169,7 +169,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         (it reads the weight; a PEFT layer, hook, quantized or tensor-parallel weight must be called) and
         a tensor mask (it masks scores itself; flex's BlockMask is the backend's to apply).
         """
-        absorbable = plain_linear(self.kv_b_proj) and (attention_mask is None or torch.is_tensor(attention_mask))
+        absorbable = weight_is_readable(self.kv_b_proj) and (attention_mask is None or torch.is_tensor(attention_mask))
         if not absorbable or self.decode_mode == "expanded":
             return "expanded"
         if self.decode_mode == "absorbed":

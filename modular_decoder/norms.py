@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .split_products import symbolic
+from .split_products import is_fx_proxy
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.unit_offset and not symbolic(x) and x.dtype == self.weight.dtype == torch.float32:
+        if not self.unit_offset and not is_fx_proxy(x) and x.dtype == self.weight.dtype == torch.float32:
             # Same math in one call (bit-equal in fp32): a decode step runs two norms per layer. (A tracer's
             # proxy takes the formula below, which vLLM's fx matcher recognises as an RMSNorm.)
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)

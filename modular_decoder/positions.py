@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
 from .kinds import Kind, Registry, require_bool, require_int, require_number
-from .split_products import symbolic
+from .split_products import is_fx_proxy
 
 
 class LearnedPositions(nn.Module):
@@ -135,7 +135,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     """
     rot = cos.shape[-1]
     rotate = _rotate_pairs if interleaved else _rotate_half
-    if not symbolic(x) and rot == x.shape[-1]:  # (a traced proxy has no shape to branch on: general form)
+    if not is_fx_proxy(x) and rot == x.shape[-1]:  # (a traced proxy has no shape to branch on: general form)
         return x * cos + rotate(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)

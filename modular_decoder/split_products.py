@@ -187,7 +187,3 @@ def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     accelerator or half-precision input) is called as usual."""
     return linear(x, layer.weight, layer.bias) if takes_split_branch(layer, x) else layer(x)
 
-
-# Former names, imported by mla.py, norms.py and positions.py until they take the new ones
-plain_linear = weight_is_readable
-symbolic = is_fx_proxy
