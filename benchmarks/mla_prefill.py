@@ -1,6 +1,7 @@
 """MLA chunked prefill against a growing cache: ours vs transformers' `DeepseekV3ForCausalLM`, same weights.
 
     python -m benchmarks.mla_prefill [--tokens 8192] [--chunk 2048] [--layers 2] [--rounds 2] [--threads N]
+                                     [--json benchmarks/results_mla_prefill.json]
 
 DeepSeek-V3's attention (hidden 2048, 16 heads, q_lora_rank 1536, kv_lora_rank 512, nope 128, rope 64,
 v 128), `--layers` dense layers, a small FFN (1408) and vocabulary (1024) so the step is mostly attention;
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
+from transformers import __version__ as transformers_version
 
 from benchmarks.memory import MALLOC_ENV, MB, Peak
 from modular_decoder import ModularDecoderForCausalLM
@@ -96,6 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--json", type=Path, help="also write the results here (docs/benchmarks.md renders them)")
     parser.add_argument("--measure", choices=SIDES, help=argparse.SUPPRESS)  # the fresh per-side process
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -129,6 +132,17 @@ def main(argv=None) -> int:
     print(f"ours / transformers: time {median['ours'] / median['transformers']:.2f}x, "
           f"peak memory {peaks['ours']['peak_mb'] / peaks['transformers']['peak_mb']:.2f}x "
           f"(peak method: {peaks['ours']['method']})")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "command": "python -m benchmarks.mla_prefill " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers_version,
+            "shape": {"tokens": args.tokens, "chunk": args.chunk, "layers": args.layers, **SHAPE},
+            "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],
+            "seconds": {side: seconds[side] for side in SIDES}, "median_seconds": median,
+            "peak_mb": {side: peaks[side]["peak_mb"] for side in SIDES}, "peak_method": peaks["ours"]["method"],
+            "max_last_token_logit_diff": float((logits["ours"] - logits["transformers"]).abs().max()),
+        }, indent=1) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

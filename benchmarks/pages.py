@@ -48,7 +48,7 @@ def _run_args(results: dict) -> argparse.Namespace:
     """The arguments the run was made with, re-parsed from the command it recorded (labels need them)."""
     from . import run  # here, not at the top: benchmarks.run imports torch, which the other sections never need
 
-    return run.parse_args(shlex.split(results["command"])[3:])
+    return run.parse_args(shlex.split(command(results))[3:])
 
 
 def ratios(results: dict, key: str, families=None) -> dict:
@@ -216,17 +216,76 @@ def serving_section(serving: dict) -> str:
     return "\n".join(lines)
 
 
+# --- benchmarks/results_mla_prefill.json: `python -m benchmarks.mla_prefill --json ...` --------------------
+
+def mla_prefill_ratios(run: dict) -> tuple[float, float]:
+    """(time, peak memory) of ours over transformers'."""
+    return (run["median_seconds"]["ours"] / run["median_seconds"]["transformers"],
+            run["peak_mb"]["ours"] / run["peak_mb"]["transformers"])
+
+
+def mla_prefill_section(run: dict) -> str:
+    shape, (time_ratio, memory_ratio) = run["shape"], mla_prefill_ratios(run)
+    rounds = len(run["seconds"]["ours"])
+    return "\n".join([
+        "## MLA chunked prefill (CPU, fp32)",
+        "",
+        "```bash",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{run['command']}",
+        "```",
+        "",
+        f"DeepSeek-V3 attention (hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads, q_lora "
+        f"{shape['q_lora_rank']}, kv_lora {shape['kv_lora_rank']}, nope {shape['qk_nope_head_dim']}, rope "
+        f"{shape['qk_rope_head_dim']}, v {shape['v_head_dim']}), {shape['layers']} dense layers, batch 1: "
+        f"{shape['tokens']:,} tokens prefilled in chunks of {shape['chunk']:,}, every chunk after the first a "
+        f"multi-token step against the cache. Same weights (made by transformers' `DeepseekV3ForCausalLM`, "
+        f"converted); {run['threads']} threads, load average {run['load_average']:.1f}, {run['date']}, torch "
+        f"{run['torch']}, transformers {run['transformers']}.",
+        "",
+        "| | transformers' `DeepseekV3ForCausalLM` | ours | ours / it |",
+        "|---|---:|---:|---:|",
+        f"| seconds (median of {rounds} round{'s' if rounds > 1 else ''}, sides alternating in one process) | "
+        f"{run['median_seconds']['transformers']:.2f} | {run['median_seconds']['ours']:.2f} | {time_ratio:.2f}x |",
+        f"| peak MB above the RSS before the prefill (a fresh process per side, {run['peak_method']}) | "
+        f"{run['peak_mb']['transformers']:.0f} | {run['peak_mb']['ours']:.0f} | {memory_ratio:.2f}x |",
+        "",
+        f"Last-token logits agree to {run['max_last_token_logit_diff']:.1e}. A step of more than "
+        "`ABSORBED_MAX_NEW_TOKENS` new tokens runs the expanded form through the backend's fused kernel (no "
+        "score matrix); on this CPU transformers' sdpa takes its math path for MLA's narrower values, ours pads "
+        "them to the key width and takes the flash kernel.",
+    ])
+
+
+# --- benchmarks/results_gpu.json: `python3 -m benchmarks.gpu --out ...` on a GPU machine ----------------
+
+def gpu_section(gpu: dict | None) -> str:
+    lines = ["## GPU: ours against transformers on one accelerator (bf16)", ""]
+    if gpu is None:
+        return "\n".join(lines + [
+            "No run of `benchmarks/gpu.py` is recorded yet (no GPU was lent to the sessions since it was written). "
+            "On a GPU machine:", "", "```bash",
+            "python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && "
+            "PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out benchmarks/results_gpu.json", "```", "",
+            "then `python -m benchmarks.pages` renders its table here. Its CPU smoke run "
+            "(`python -m benchmarks.gpu --smoke`) is part of the test suite."])
+    return "\n".join(lines + [gpu["markdown"]])  # dated, with the hardware and versions
+
+
 @dataclass(frozen=True)
 class Section:
-    """One page section: the JSON files it reads (under benchmarks/) and how it renders them."""
+    """One page section: the JSON files it reads (under benchmarks/) and how it renders them; an optional
+    section's render takes `None` while its file has not been written."""
     sources: tuple[str, ...]
     render: Callable[..., str]
+    optional: bool = False
 
 
 SECTIONS = (
     Section(("results.json",), families_section),
     Section(("results_compiled_decode.json", "results.json"), compiled_section),
     Section(("results_serving.json",), serving_section),
+    Section(("results_mla_prefill.json",), mla_prefill_section),
+    Section(("results_gpu.json",), gpu_section, optional=True),
 )
 
 PAGE_HEADER = """# Benchmarks
@@ -249,6 +308,10 @@ side by side in one process and read as ratios.
 def page() -> str:
     parts = [PAGE_HEADER]
     for section in SECTIONS:
+        present = all((ROOT / "benchmarks" / name).exists() for name in section.sources)
+        if not present and section.optional:
+            parts.append(section.render(None) + "\n")
+            continue
         parts.append(section.render(*(load(name) for name in section.sources))
                      + "\n\nSource: " + ", ".join(f"`benchmarks/{name}`" for name in section.sources) + ".\n")
     return "\n".join(parts)
@@ -257,6 +320,7 @@ def page() -> str:
 def headline() -> str:
     """The README's short table: one ratio per thing people ask about, each linked to its section."""
     results, compiled, serving = load("results.json"), load("results_compiled_decode.json"), load("results_serving.json")
+    mla_prefill = load("results_mla_prefill.json")
     fams = results["families"]
     runs = compiled["runs"]
     llama, family = "transformers' `LlamaForCausalLM`", "transformers' class of each family"
@@ -275,6 +339,8 @@ def headline() -> str:
          f"{fams['deepseek_v3']['metrics']['max_batch']['ratio']['ours']:.2f}x", section),
         ("served by vLLM, SmolLM2-135M (output tokens/s)", "vLLM's native Llama",
          f"{statistics.median(serving_rounds(serving)):.2f}x", "#serving-through-vllm-cpu-fp32"),
+        ("MLA chunked prefill, 8k tokens in 2k chunks: time / peak memory", "transformers' `DeepseekV3ForCausalLM`",
+         "{:.2f}x / {:.2f}x".format(*mla_prefill_ratios(mla_prefill)), "#mla-chunked-prefill-cpu-fp32"),
     ]
     lines = ["| measured on a 2-core CPU, fp32 | against | ours / it |", "|---|---|---:|"]
     lines += [f"| [{what}](docs/benchmarks.md{anchor}) | {against} | {ratio} |" for what, against, ratio, anchor in rows]

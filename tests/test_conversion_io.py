@@ -57,7 +57,7 @@ def test_existing_output_left_alone_unless_force(llama_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="--force"):
+    with pytest.raises(FileExistsError, match="`force=True`"):
         convert(llama_dir, out, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
     convert(llama_dir, out, force=True, progress=False)

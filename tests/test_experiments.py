@@ -73,16 +73,18 @@ def test_ffn_budget_cli(capsys):
 
 
 def test_ablation_smoke(tmp_path, capsys):
-    """Two seeds per row (mean, min-max), a dense vs MoE pair, the plot, the JSON and the README section."""
+    """Two seeds per row (mean, min-max), a dense vs MoE pair, the plot, the JSON and the page (command, table,
+    plot, how to read it)."""
     import json
 
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{ablation.START}\nold\n{ablation.END}\nrest\n")
     out = tmp_path / "out"
     variants = ["SwiGLU (8d/3)", "MQA (1 kv head)", "MoE 8 experts top-2, half width"]
     assert main(["experiment", "ablation", "--tokens", "1024", "--seeds", "2", "--out", str(out),
-                 "--readme", str(readme), "--variants", *variants]) == 0
+                 "--variants", *variants]) == 0
     table = (out / "ablation.md").read_text()
+    assert table.startswith("# Ablation") and "experiment ablation --tokens 1024 --seeds 2 --variants" in table
+    assert f"--out {out}" in table
+    assert "![Training loss against tokens" in table and "(ablation.png)" in table
     assert "| MQA (1 kv head) |" in table and "| MoE 8 experts top-2, half width | 2,413,696 | 828,544 |" in table
     assert "2 seeds (0, 1)" in table and "min–max" in table
     assert (out / "ablation.png").read_bytes()[:4] == b"\x89PNG"
@@ -96,9 +98,6 @@ def test_ablation_smoke(tmp_path, capsys):
             assert f"{row[key]['mean']:.3f} ({stats['min']:.3f}–{stats['max']:.3f})" in table or key == "tokens_per_s"
         assert row["runs"][0]["losses"] != row["runs"][1]["losses"]  # the seeds differ
         assert all(0 < loss < 10 for run in row["runs"] for loss in run["losses"])  # cross-entropy, not +router losses
-    section = readme.read_text()
-    assert section.startswith("intro\n") and section.endswith("rest\n") and "\nold\n" not in section
-    assert "![" in section and "(out/ablation.png)" in section and "--seeds 2" in section
     mha, mqa = ablation.config_for("pre-norm (base)"), ablation.config_for("MQA (1 kv head)")
     assert f"| {ablation.cache_bytes_per_token(mqa):,} |" in table
     assert ablation.cache_bytes_per_token(mha) == 4 * ablation.cache_bytes_per_token(mqa)  # H / H_kv

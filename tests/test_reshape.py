@@ -333,7 +333,7 @@ def test_cli_refuses_bad_options_with_one_line_and_writes_nothing(tiny_folder, t
     out = tmp_path / "out"
     assert main(["reshape", str(tiny_folder), str(out), "--kv-heads", "4"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: `kv_heads`=4") and "\n" not in err
+    assert err.startswith("error: `--kv-heads`=4") and "\n" not in err  # the flag the user typed
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
     assert main(["reshape", str(tiny_folder), str(out), "--kv-heads", "2", "--calibration", "missing.txt"]) == 2
     assert "calibration" in capsys.readouterr().err
