@@ -71,7 +71,8 @@ def test_generated_pages_equal_the_renderer_output():
 
 
 def test_headline_ratios_are_the_json_ratios():
-    """The renderer itself against the JSON, computed independently: the SmolLM2 decode ratio and the serving median."""
+    """The renderer itself against the JSON, computed independently: the SmolLM2 decode ratio, the serving median
+    and the MLA chunked prefill's speed and memory."""
     import json
     import statistics
 
@@ -83,6 +84,10 @@ def test_headline_ratios_are_the_json_ratios():
     rounds = [serving[f"ours_vllm_transformers_backend/{r}"]["tokens_per_s"]
               / serving[f"llama_vllm_native/{r}"]["tokens_per_s"] for r in (1, 2, 3, 4)]
     assert f"| {statistics.median(rounds):.2f}x |" in pages.headline()
+    mla = json.loads((ROOT / "benchmarks" / "results_mla_prefill.json").read_text())
+    speed = statistics.median(mla["seconds"]["transformers"]) / statistics.median(mla["seconds"]["ours"])
+    memory = mla["peak_mb"]["ours"] / mla["peak_mb"]["transformers"]
+    assert f"| {speed:.2f}x / {memory:.2f}x |" in pages.headline()
 
 
 def _workdir(tmp_path: Path) -> dict:
