@@ -44,7 +44,6 @@ def generating():
         _GENERATING.reset(token)
 
 
-
 def check_inputs(config, input_ids=None, attention_mask=None, inputs_embeds=None, cache=None) -> None:
     """Raise a `ValueError` naming the argument when the inputs of `forward` cannot be what they claim.
 
@@ -120,7 +119,7 @@ def check_generate_inputs(config, input_ids=None, attention_mask=None, inputs_em
     mask = _checked_shapes(config, input_ids, attention_mask, inputs_embeds, cache=None)
     flags = {}  # what would be refused -> a 0-d bool tensor: whether the prompt holds it
     if mask is not None:
-        flags["mask"] = ((mask != 0) & (mask != 1)).any()
+        flags["mask"] = _not_zero_or_one(mask).any()
     if input_ids is not None:
         flags["ids"] = ((input_ids < 0) | (input_ids >= config.vocab_size)).any()
     if not flags:
@@ -219,12 +218,17 @@ def _cached_tokens(cache) -> int | None:
 
 def _zeros_and_ones(mask: torch.Tensor) -> bool:
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        return not bool(((mask != 0) & (mask != 1)).any())
+        return not bool(_not_zero_or_one(mask).any())
     # integers: one min/max reduction (the cheapest form measured on CPU: ~6 us for a decode step's mask)
     low, high = torch.aminmax(mask)
     return low.item() >= 0 and high.item() <= 1
 
 
+def _not_zero_or_one(mask: torch.Tensor) -> torch.Tensor:
+    """Where `mask` holds a value other than 0 and 1 (a bool tensor of its shape)."""
+    return (mask != 0) & (mask != 1)
+
+
 def _few_values(mask: torch.Tensor) -> str:
-    bad = mask[(mask != 0) & (mask != 1)]
+    bad = mask[_not_zero_or_one(mask)]
     return ", ".join(str(v) for v in bad.unique()[:5].tolist())
