@@ -16,14 +16,14 @@ Two ways to compute the same attention:
   directly against the cached latents; the weighted sum of latents goes through W_UV afterwards. No
   per-head key or value is built, but the (T_new x T_cached) scores are explicit.
 
-`scoring_path` picks one per step, as vLLM and SGLang split MLA: a decode step of at most
-`ABSORBED_MAX_NEW_TOKENS` new tokens against a cache runs absorbed; everything else (prefill, chunked
-prefill, a second chat turn, a long assisted-decoding check, training) runs expanded, expanding the
-cache once per step as transformers' `DeepseekV3Attention` does (vLLM's bounded alternative, up-projecting
-the cache chunk by chunk and merging by log-sum-exp, needs each chunk's log-sum-exp, which SDPA does not
-return through a public API). The absorbed form reads
-`kv_b_proj.weight` instead of calling the module, so it engages only where `kv_b_proj` is a plain
-`nn.Linear` on a plain weight (no PEFT layer, hook, quantized or tensor-parallel weight).
+`scoring_path` picks one per step, as vLLM and SGLang split MLA: in inference, a decode step of at most
+`ABSORBED_MAX_NEW_TOKENS` new tokens against a cache runs absorbed; everything else (prefill, and chunked
+prefill, a second chat turn or an assisted-decoding check of more new tokens than that; training) runs
+expanded, expanding the cache once per step as transformers' `DeepseekV3Attention` does (vLLM's bounded
+alternative, up-projecting the cache chunk by chunk and merging by log-sum-exp, needs each chunk's
+log-sum-exp, which SDPA does not return through a public API). The absorbed form reads `kv_b_proj.weight`
+instead of calling the module, so it engages only where `kv_b_proj` is a plain `nn.Linear` on a plain
+weight (no PEFT layer, hook, quantized or tensor-parallel weight).
 
 Module names follow DeepSeek's (`q_a_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, ...), so
 checkpoints convert by a near-identity map and PEFT targets read naturally.

@@ -6,9 +6,9 @@
     NORMS       `norm_type`                rmsnorm, layernorm
 
 Each registry's keys are the values its config field allows. The blocks (`blocks.BLOCKS`: `norm_position`
-and `parallel_block`) are built from these registries, so they import this module, never the reverse. A new attention or feed-forward kind
-is one `register_attention(kind)` / `register_mlp(kind)` call with an `AttentionKind` /
-`FeedForwardKind` (see kinds.py) before the config is built.
+and `parallel_block`) are built from these registries, so they import this module, never the reverse. A
+new attention or feed-forward kind is one `register_attention(kind)` / `register_mlp(kind)` call with an
+`AttentionKind` / `FeedForwardKind` (see kinds.py) before the config is built.
 """
 
 from __future__ import annotations
