@@ -568,7 +568,7 @@ def test_sweep_ranks_reports_each_rank_s_measured_cache(tiny_folder, tmp_path, m
     from modular_decoder.tools.reshape import mla_conversion
     from modular_decoder.tools.reshape.rebuild import derived_config
 
-    def to_mla(model, kv_lora_rank, rope_dim, calibration_ids, *, progress=True):
+    def to_mla(model, kv_lora_rank, rope_dim, calibration_ids, *, progress=True, moments=None):
         config = derived_config(model.config, attention_type="mla", kv_lora_rank=kv_lora_rank,
                                 qk_rope_head_dim=rope_dim or 4, qk_nope_head_dim=4, v_head_dim=8)
         return ModularDecoderForCausalLM(config).eval()

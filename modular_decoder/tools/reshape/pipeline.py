@@ -94,10 +94,12 @@ def transform(model, calibration_ids=None, *, kv_heads=None, kv_pool="mean", att
     return current, changes
 
 
-def to_latent_attention(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids, progress: bool = True):
-    """GQA / MHA -> MLA the TransMLA way (`mla_conversion.to_mla`); returns (model, Change)."""
+def to_latent_attention(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids, progress: bool = True,
+                        moments: list[torch.Tensor] | None = None):
+    """GQA / MHA -> MLA the TransMLA way (`mla_conversion.to_mla`); returns (model, Change). `moments`:
+    `moments.attention_moments(model, calibration_ids)` computed already (a rank sweep reuses them)."""
     from .mla_conversion import to_mla  # imported on use: it pulls in the attention classes
-    new = to_mla(model, kv_lora_rank, rope_dim, calibration_ids, progress=progress)
+    new = to_mla(model, kv_lora_rank, rope_dim, calibration_ids, progress=progress, moments=moments)
     change = Change(
         "attention",
         keeps="queries' RoPE part on the kept rotary dimensions, FFN, norms, embeddings",
