@@ -71,7 +71,8 @@ def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None):
 
     source = Path(tokenizer_folder or folder)
     if not source.exists():
-        raise FileNotFoundError(f"`--tokenizer` {source} does not exist.")
+        given = "`--tokenizer` " if tokenizer_folder is not None else ""  # else the checkpoint folder itself
+        raise FileNotFoundError(f"{given}{source} does not exist.")
     if source.is_dir() and not any((source / name).exists() for name in TOKENIZER_FILES):
         if tokenizer_folder is not None:
             raise ValueError(f"`--tokenizer` {source} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
