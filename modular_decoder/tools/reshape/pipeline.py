@@ -58,11 +58,11 @@ def _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks) -> 
                          f"{config.attention_type!r}.")
     if kv_lora_rank is None:
         raise ValueError("`attention='mla'` needs `kv_lora_rank` (the latent width d_c).")
-    require_positive_int("kv_lora_rank", kv_lora_rank)
-    if rope_dim is not None:
-        require_positive_int("rope_dim", rope_dim)
-        if rope_dim % 2 or rope_dim > config.head_dim:
-            raise ValueError(f"`rope_dim`={rope_dim} must be even and at most head_dim={config.head_dim}.")
+    from .mla_conversion import check_source  # imported on use: it pulls in the attention classes
+
+    # what `to_mla` refuses (the source's keys, rope_dim, the rank's range), refused before any work;
+    # the layers dropped or upcycled first leave every field it reads as it is
+    check_source(config, kv_lora_rank, rope_dim)
     for rank in sweep_ranks or ():
         require_positive_int("sweep_ranks", rank)
 
