@@ -64,9 +64,11 @@ def load_checkpoint(folder: Path, args: argparse.Namespace | None = None, chat: 
         return AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer
 
 
-def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None):
+def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None,
+                   remedy: str = "pass `--tokenizer DIR` with the folder of the tokenizer the model was trained with"):
     """The tokenizer from `tokenizer_folder` (`--tokenizer`), else from the checkpoint `folder`; a folder
-    holding none of TOKENIZER_FILES is refused with what to do, before tokenizers' own error."""
+    holding none of TOKENIZER_FILES is refused with what to do (`remedy`, a command's own way to get one, or
+    saving one beside the weights), before tokenizers' own error."""
     from transformers import AutoTokenizer
 
     source = Path(tokenizer_folder or folder)
@@ -76,8 +78,7 @@ def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None):
     if source.is_dir() and not any((source / name).exists() for name in TOKENIZER_FILES):
         if tokenizer_folder is not None:
             raise ValueError(f"`--tokenizer` {source} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
-        raise ValueError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass "
-                         f"`--tokenizer DIR` with the folder of the tokenizer the model was trained with, or save "
+        raise ValueError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): {remedy}, or save "
                          f"one beside the weights (`tokenizer.save_pretrained(\"{source}\")`).")
     return AutoTokenizer.from_pretrained(source)
 
