@@ -359,6 +359,11 @@ def test_a_folder_without_a_tokenizer_says_what_to_do(capsys, checkpoint, tmp_pa
         message = user_error(capsys, argv)
         assert message.startswith(f"{bare} has no tokenizer") and "--tokenizer DIR" in message
         assert f'save_pretrained("{bare}")' in message
+    capsys.readouterr()
+    assert main(["demo", "--out", str(bare)]) == 2  # demo has no --tokenizer: it converts again
+    message = capsys.readouterr().err.splitlines()[-1]  # the model loaded first (its progress bar above)
+    assert message.startswith(f"error: {bare} has no tokenizer") and "`--force`" in message
+    assert "--tokenizer" not in message
     assert "holds no tokenizer" in user_error(capsys, ["generate", str(bare), "hi", "--tokenizer", str(tmp_path)])
     capsys.readouterr()
     assert main(["generate", str(bare), "hello", "--tokenizer", str(checkpoint), "--max-new-tokens", "2"]) == 0

@@ -276,6 +276,19 @@ def test_upcycling_refuses_a_non_gated_ffn():
 # --- the command -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("overrides", "options", "named"), [
+    (dict(qk_norm="head"), [], "`qk_norm`"),
+    (dict(partial_rotary_factor=0.5), ["--rope-dim", "8"], "`--rope-dim`"),
+], ids=["qk-norm-source", "rope-dim-above-rotary-width"])
+def test_what_to_mla_refuses_is_a_user_error_before_any_work(tmp_path, capsys, overrides, options, named):
+    """Refused with the other options (one line, exit 2), not by `to_mla` after loading and calibrating,
+    where its `ValueError` was a bug's traceback."""
+    src = saved_folder(tmp_path / "src", **overrides)
+    out = tmp_path / "out"
+    assert main(["reshape", str(src), str(out), "--attention", "mla", "--kv-lora-rank", "8", *options]) == 2
+    assert named in capsys.readouterr().err and not out.exists()
+
+
 def saved_folder(folder: Path, **overrides) -> Path:
     """A tiny checkpoint folder with the tiny test tokenizer."""
     from tiny_tokenizer import tiny_tokenizer
@@ -568,7 +581,7 @@ def test_sweep_ranks_reports_each_rank_s_measured_cache(tiny_folder, tmp_path, m
     from modular_decoder.tools.reshape import mla_conversion
     from modular_decoder.tools.reshape.rebuild import derived_config
 
-    def to_mla(model, kv_lora_rank, rope_dim, calibration_ids, *, progress=True):
+    def to_mla(model, kv_lora_rank, rope_dim, calibration_ids, *, progress=True, moments=None):
         config = derived_config(model.config, attention_type="mla", kv_lora_rank=kv_lora_rank,
                                 qk_rope_head_dim=rope_dim or 4, qk_nope_head_dim=4, v_head_dim=8)
         return ModularDecoderForCausalLM(config).eval()

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"converted {GGUF_NAME} -> {args.out} in {time.perf_counter() - start:.1f} s")
     with user_input():  # an --out folder from an earlier run: from_pretrained checks it
         model = AutoModelForCausalLM.from_pretrained(args.out).eval()
-        tokenizer = load_tokenizer(args.out)
+        tokenizer = load_tokenizer(args.out, remedy="convert it again with `--force`")  # demo has no --tokenizer
     print(f"loaded {type(model).__name__} ({model.num_parameters():,} parameters, "
           f"attention backend {attn_implementation(model.config)})")
 

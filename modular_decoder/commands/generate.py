@@ -64,19 +64,21 @@ def load_checkpoint(folder: Path, args: argparse.Namespace | None = None, chat: 
         return AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer
 
 
-def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None):
+def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None,
+                   remedy: str = "pass `--tokenizer DIR` with the folder of the tokenizer the model was trained with"):
     """The tokenizer from `tokenizer_folder` (`--tokenizer`), else from the checkpoint `folder`; a folder
-    holding none of TOKENIZER_FILES is refused with what to do, before tokenizers' own error."""
+    holding none of TOKENIZER_FILES is refused with what to do (`remedy`, a command's own way to get one, or
+    saving one beside the weights), before tokenizers' own error."""
     from transformers import AutoTokenizer
 
     source = Path(tokenizer_folder or folder)
     if not source.exists():
-        raise FileNotFoundError(f"`--tokenizer` {source} does not exist.")
+        given = "`--tokenizer` " if tokenizer_folder is not None else ""  # else the checkpoint folder itself
+        raise FileNotFoundError(f"{given}{source} does not exist.")
     if source.is_dir() and not any((source / name).exists() for name in TOKENIZER_FILES):
         if tokenizer_folder is not None:
             raise ValueError(f"`--tokenizer` {source} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
-        raise ValueError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass "
-                         f"`--tokenizer DIR` with the folder of the tokenizer the model was trained with, or save "
+        raise ValueError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): {remedy}, or save "
                          f"one beside the weights (`tokenizer.save_pretrained(\"{source}\")`).")
     return AutoTokenizer.from_pretrained(source)
 

@@ -14,6 +14,7 @@ import torch
 from .calibration import Calibration, calibration_from_file, sampled_calibration
 from .healing import LEARNING_RATE, heal
 from .measures import logit_change, measured_cache_bytes_per_token, perplexity
+from .moments import attention_moments
 from .pipeline import changed_modules, check_options, to_latent_attention, transform
 
 REPORT_FILE = "reshape_report.json"
@@ -74,7 +75,9 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
     base, changes = transform(model, calib.ids, seed=seed, progress=progress, measure_ids=calib.ids, **structural)
     new = base
     if options.get("attention") == "mla":  # apart, so that the sweep starts from `base`
-        new, change = to_latent_attention(base, options["kv_lora_rank"], options.get("rope_dim"), calib.ids, progress)
+        moments = attention_moments(base, calib.ids, progress=progress)  # one calibration pass, reused by the sweep
+        new, change = to_latent_attention(base, options["kv_lora_rank"], options.get("rope_dim"), calib.ids, progress,
+                                          moments)
         change.measured = logit_change(base, new, calib.ids)
         changes.append(change)
     timing["transform"] = time.perf_counter() - start - sum(timing.values())
@@ -91,7 +94,7 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
                           "gap_closed": (after["perplexity"] - healed) / gap if gap else None}
         timing["heal"] = time.perf_counter() - start - sum(timing.values())
     if sweep_ranks:
-        report["sweep"] = _sweep(base, calib, sweep_ranks, options.get("rope_dim"), progress)
+        report["sweep"] = _sweep(base, calib, sweep_ranks, options.get("rope_dim"), moments, progress)
         timing["sweep"] = time.perf_counter() - start - sum(timing.values())
     del model, base
     new = new.to(saved_dtype)
@@ -125,13 +128,15 @@ def _given(options: dict, calibration, heal_steps: int, seed: int) -> dict:
     return given
 
 
-def _sweep(base, calib: Calibration, ranks, rope_dim: int | None, progress: bool) -> list[dict]:
-    """Cache bytes and held-out perplexity of the MLA conversion of `base` at each latent rank."""
+def _sweep(base, calib: Calibration, ranks, rope_dim: int | None, moments: list[torch.Tensor],
+           progress: bool) -> list[dict]:
+    """Cache bytes and held-out perplexity of the MLA conversion of `base` at each latent rank, from `base`'s
+    attention moments on `calib.ids`."""
     from tqdm.auto import tqdm
 
     rows = []
     for rank in tqdm(sorted(set(ranks)), desc="rank sweep", unit="rank", disable=not progress):
-        candidate, _ = to_latent_attention(base, rank, rope_dim, calib.ids, progress=False)
+        candidate, _ = to_latent_attention(base, rank, rope_dim, calib.ids, progress=False, moments=moments)
         rows.append({"kv_lora_rank": rank, **measure(candidate, calib.held_out)})
         del candidate
     return rows

@@ -6,7 +6,8 @@ Every new K/V head serves a group of H/N query heads; it is the mean of the K/V 
 used, counted once per query head (`pooling_matrix`). An increase to a multiple of the old count (GQA -> MHA)
 repeats heads, and fewer heads whose old heads are equal within each new group average equal heads: both
 compute the source's function. Any other count (GQA 2 -> 3 of 6 query heads: new head 1 serves query heads
-of old heads 0 and 1) averages different heads. Whether the logits moved is measured, not assumed. `pool="first"` (keep the first head of each group) and `pool="random"` (fresh K/V weights) are the
+of old heads 0 and 1) averages different heads. Whether the logits moved is measured, not assumed.
+`pool="first"` (keep the first head of each group) and `pool="random"` (fresh K/V weights) are the
 baselines the GQA paper compares mean pooling with.
 """
 

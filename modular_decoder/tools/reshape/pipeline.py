@@ -58,11 +58,11 @@ def _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks) -> 
                          f"{config.attention_type!r}.")
     if kv_lora_rank is None:
         raise ValueError("`attention='mla'` needs `kv_lora_rank` (the latent width d_c).")
-    require_positive_int("kv_lora_rank", kv_lora_rank)
-    if rope_dim is not None:
-        require_positive_int("rope_dim", rope_dim)
-        if rope_dim % 2 or rope_dim > config.head_dim:
-            raise ValueError(f"`rope_dim`={rope_dim} must be even and at most head_dim={config.head_dim}.")
+    from .mla_conversion import check_source  # imported on use: it pulls in the attention classes
+
+    # what `to_mla` refuses (the source's keys, rope_dim, the rank's range), refused before any work;
+    # the layers dropped or upcycled first leave every field it reads as it is
+    check_source(config, kv_lora_rank, rope_dim)
     for rank in sweep_ranks or ():
         require_positive_int("sweep_ranks", rank)
 
@@ -94,10 +94,12 @@ def transform(model, calibration_ids=None, *, kv_heads=None, kv_pool="mean", att
     return current, changes
 
 
-def to_latent_attention(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids, progress: bool = True):
-    """GQA / MHA -> MLA the TransMLA way (`mla_conversion.to_mla`); returns (model, Change)."""
+def to_latent_attention(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids, progress: bool = True,
+                        moments: list[torch.Tensor] | None = None):
+    """GQA / MHA -> MLA the TransMLA way (`mla_conversion.to_mla`); returns (model, Change). `moments`:
+    `moments.attention_moments(model, calibration_ids)` computed already (a rank sweep reuses them)."""
     from .mla_conversion import to_mla  # imported on use: it pulls in the attention classes
-    new = to_mla(model, kv_lora_rank, rope_dim, calibration_ids, progress=progress)
+    new = to_mla(model, kv_lora_rank, rope_dim, calibration_ids, progress=progress, moments=moments)
     change = Change(
         "attention",
         keeps="queries' RoPE part on the kept rotary dimensions, FFN, norms, embeddings",
