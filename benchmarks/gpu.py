@@ -140,32 +140,30 @@ def _generate_pair(bench: Bench, label: str, batch: int, prompt_len: int, **kwar
     return result, row
 
 
-def llama_generate(bench: Bench) -> dict:
+def _generate_batches(bench: Bench, label: str, **kwargs) -> dict:
+    """`_generate_pair` at batch 1 and at the plan's big batch; a guard firing at the second keeps the first."""
     plan, result, rows = bench.plan, {}, []
     for batch, prompt_len in ((1, plan.prompt_b1), (plan.big_batch, plan.prompt_big)):
         try:
-            result[f"b{batch}"], row = _generate_pair(bench, "eager `generate`", batch, prompt_len)
+            result[f"b{batch}"], row = _generate_pair(bench, label, batch, prompt_len, **kwargs)
         except PartTimeout as error:  # keep the batch already measured
-            result[f"b{batch}"], row = {"timeout": str(error)}, (f"eager `generate` b{batch}", "", str(error), "")
+            result[f"b{batch}"], row = {"timeout": str(error)}, (f"{label} b{batch}", "", str(error), "")
         rows.append(row)
     return result | {"rows": rows}
+
+
+def llama_generate(bench: Bench) -> dict:
+    return _generate_batches(bench, "eager `generate`")
 
 
 def compiled_decode(bench: Bench) -> dict:
-    """`cache_implementation="static"`: transformers compiles the decode step (CUDA graphs) on a GPU; on the CPU
-    it does not compile by default, so the smoke run times the static cache eagerly (same calls)."""
-    plan, result, rows = bench.plan, {"compiled": torch.cuda.is_available()}, []
+    """`cache_implementation="static"`: transformers compiles the decode step (CUDA graphs) on a GPU, anew for
+    each batch size; on the CPU it does not compile by default, so the smoke run times the static cache eagerly
+    (same calls)."""
+    result = {"compiled": torch.cuda.is_available()}
     if not torch.cuda.is_available():
         result["note"] = "no CUDA: transformers compiles the static-cache decode step only on a GPU; timed eagerly"
-    for batch, prompt_len in ((1, plan.prompt_b1), (plan.big_batch, plan.prompt_big)):
-        try:
-            result[f"b{batch}"], row = _generate_pair(bench, "compiled decode (static cache)", batch, prompt_len,
-                                                      cache_implementation="static")
-        except PartTimeout as error:  # keep the batch already measured (each batch size compiles anew)
-            result[f"b{batch}"] = {"timeout": str(error)}
-            row = (f"compiled decode (static cache) b{batch}", "", str(error), "")
-        rows.append(row)
-    return result | {"rows": rows}
+    return result | _generate_batches(bench, "compiled decode (static cache)", cache_implementation="static")
 
 
 def host_syncs(bench: Bench) -> dict:
