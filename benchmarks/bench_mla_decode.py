@@ -133,10 +133,8 @@ def crossover(contexts: list[int], new_tokens: list[int], repeats: int) -> list[
     model = ModularDecoderForCausalLM(config).eval()
     rows = []
     for context in contexts:
-        latents = [torch.randn(1, 1, context, 512)]
-        rope_keys = [torch.randn(1, 1, context, 64)]
         cache = ModularDecoderCache(config)
-        cache.update(latents[0], rope_keys[0], 0)
+        cache.update(torch.randn(1, 1, context, 512), torch.randn(1, 1, context, 64), 0)  # latent, rotary key
         for tokens in new_tokens:
             ids = torch.randint(0, config.vocab_size, (1, tokens))
             positions = torch.arange(context, context + tokens)[None]

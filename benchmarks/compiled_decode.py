@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| ours compiled vs transformers eager | | | {versus_eager:.2f} |")
     if args.json:
         args.json.write_text(json.dumps({
-            "command": "python -m benchmarks.compiled_decode " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "command": "python -m benchmarks.compiled_decode " + " ".join(argv if argv is not None else sys.argv[1:]),
             "label": label, "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "compile_seconds": compile_seconds,
             "runs": {f"{name}/{mode}": {"median": median[name, mode], "half_spread": spread[name, mode],

@@ -38,6 +38,7 @@ from modular_decoder.compat import with_cache
 
 from .gpu_plan import FULL, SMOKE, Plan, deepseek_v3_config, llama_config
 from .gpu_timing import PartTimeout, Skip, agreement, count_syncs, cuda_peak, part_guard, ratio, sync, timed
+from .mla_prefill import chunked_prefill, new_cache
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
@@ -139,32 +140,30 @@ def _generate_pair(bench: Bench, label: str, batch: int, prompt_len: int, **kwar
     return result, row
 
 
-def llama_generate(bench: Bench) -> dict:
+def _generate_batches(bench: Bench, label: str, **kwargs) -> dict:
+    """`_generate_pair` at batch 1 and at the plan's big batch; a guard firing at the second keeps the first."""
     plan, result, rows = bench.plan, {}, []
     for batch, prompt_len in ((1, plan.prompt_b1), (plan.big_batch, plan.prompt_big)):
         try:
-            result[f"b{batch}"], row = _generate_pair(bench, "eager `generate`", batch, prompt_len)
+            result[f"b{batch}"], row = _generate_pair(bench, label, batch, prompt_len, **kwargs)
         except PartTimeout as error:  # keep the batch already measured
-            result[f"b{batch}"], row = {"timeout": str(error)}, (f"eager `generate` b{batch}", "", str(error), "")
+            result[f"b{batch}"], row = {"timeout": str(error)}, (f"{label} b{batch}", "", str(error), "")
         rows.append(row)
     return result | {"rows": rows}
+
+
+def llama_generate(bench: Bench) -> dict:
+    return _generate_batches(bench, "eager `generate`")
 
 
 def compiled_decode(bench: Bench) -> dict:
-    """`cache_implementation="static"`: transformers compiles the decode step (CUDA graphs) on a GPU; on the CPU
-    it does not compile by default, so the smoke run times the static cache eagerly (same calls)."""
-    plan, result, rows = bench.plan, {"compiled": torch.cuda.is_available()}, []
+    """`cache_implementation="static"`: transformers compiles the decode step (CUDA graphs) on a GPU, anew for
+    each batch size; on the CPU it does not compile by default, so the smoke run times the static cache eagerly
+    (same calls)."""
+    result = {"compiled": torch.cuda.is_available()}
     if not torch.cuda.is_available():
         result["note"] = "no CUDA: transformers compiles the static-cache decode step only on a GPU; timed eagerly"
-    for batch, prompt_len in ((1, plan.prompt_b1), (plan.big_batch, plan.prompt_big)):
-        try:
-            result[f"b{batch}"], row = _generate_pair(bench, "compiled decode (static cache)", batch, prompt_len,
-                                                      cache_implementation="static")
-        except PartTimeout as error:  # keep the batch already measured (each batch size compiles anew)
-            result[f"b{batch}"] = {"timeout": str(error)}
-            row = (f"compiled decode (static cache) b{batch}", "", str(error), "")
-        rows.append(row)
-    return result | {"rows": rows}
+    return result | _generate_batches(bench, "compiled decode (static cache)", cache_implementation="static")
 
 
 def host_syncs(bench: Bench) -> dict:
@@ -240,13 +239,9 @@ def flash_backends(bench: Bench) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def _filled_cache(model, batch: int, context: int, ours: bool, device: str):
+def _filled_cache(model, batch: int, context: int, side: str, device: str):
     """A cache holding `context` random tokens (latent and rotary key per layer), filled without a prefill."""
-    from modular_decoder.cache import ModularDecoderCache
-
-    config = model.config
-    cache = ModularDecoderCache(config) if ours else tf.DynamicCache(config=config)
-    dtype = model.dtype
+    config, dtype, cache = model.config, model.dtype, new_cache(model, side)
     for layer in range(config.num_hidden_layers):
         latent = torch.randn(batch, 1, context, config.kv_lora_rank, device=device, dtype=dtype)
         cache.update(latent, torch.randn(batch, 1, context, config.qk_rope_head_dim, device=device, dtype=dtype),
@@ -263,7 +258,8 @@ def mla_decode_grid(bench: Bench) -> dict:
     for batch, context in grid:
         key = f"b{batch}_ctx{context}"
         try:
-            caches = {m: _filled_cache(m, batch, context, m is ours, bench.device) for m in (theirs, ours)}
+            caches = {m: _filled_cache(m, batch, context, side, bench.device)
+                      for side, m in (("transformers", theirs), ("ours", ours))}
             step = bench.ids(batch, 1)
             position = torch.full((batch, 1), context, device=bench.device)
 
@@ -289,16 +285,6 @@ def mla_decode_grid(bench: Bench) -> dict:
     return {"points": points, "rows": rows}
 
 
-@torch.inference_mode()
-def _chunked_prefill(model, ids: torch.Tensor, chunk: int, ours: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from modular_decoder.cache import ModularDecoderCache
-
-    cache = ModularDecoderCache(model.config) if ours else tf.DynamicCache(config=model.config)
-    for start in range(0, ids.shape[1], chunk):
-        logits = model(ids[:, start:start + chunk], **with_cache(cache), use_cache=True, logits_to_keep=1).logits
-    return logits[:, -1].float()
-
-
 def mla_chunked_prefill(bench: Bench) -> dict:
     """A batch of long prompts fed in chunks, each chunk against the cache: time and peak GPU memory (an
     out-of-memory is recorded, not fatal); the last position's greedy token compared."""
@@ -306,8 +292,8 @@ def mla_chunked_prefill(bench: Bench) -> dict:
     plan, result, rows = bench.plan, {}, []
     batch, tokens = plan.chunked
     ids = bench.ids(batch, tokens)
-    _chunked_prefill(theirs, ids[:1, : 2 * plan.chunks[0]], plan.chunks[0], False)  # warm-up, both sides
-    _chunked_prefill(ours, ids[:1, : 2 * plan.chunks[0]], plan.chunks[0], True)
+    for side, model in (("transformers", theirs), ("ours", ours)):  # warm-up
+        chunked_prefill(model, side, ids[:1, : 2 * plan.chunks[0]], plan.chunks[0])
     for chunk in plan.chunks:
         entry, last = {}, {}
         for side, model in (("transformers", theirs), ("ours", ours)):
@@ -316,7 +302,7 @@ def mla_chunked_prefill(bench: Bench) -> dict:
                 with cuda_peak() as peak:
                     sync()
                     start = time.perf_counter()
-                    last[side] = _chunked_prefill(model, ids, chunk, model is ours)
+                    last[side] = chunked_prefill(model, side, ids, chunk)
                     sync()
                     entry[side] = {"seconds": time.perf_counter() - start}
                 entry[side]["peak_gib"] = peak.gib

@@ -80,7 +80,6 @@ def count_syncs(run: Callable) -> int:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             run()
-            torch.cuda.set_sync_debug_mode(0)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return sum("synchroniz" in str(w.message).lower() for w in caught)

@@ -6,7 +6,7 @@
 DeepSeek-V3's attention (hidden 2048, 16 heads, q_lora_rank 1536, kv_lora_rank 512, nope 128, rope 64,
 v 128), `--layers` dense layers, a small FFN (1408) and vocabulary (1024) so the step is mostly attention;
 fp32, sdpa, batch 1. Weights are made by transformers' class, saved, and `convert`ed. Every chunk after
-the first is a multi-token step against the cache (`cache=`, `logits_to_keep=1`), each side's own cache.
+the first is a multi-token step against the cache (`logits_to_keep=1`), each side's own cache.
 
 - time: both models in this process, `--rounds` alternating rounds after a warm-up, the median per side;
 - peak memory: one fresh process per side (`--measure SIDE`): the kernel's high-water mark of resident
@@ -35,6 +35,7 @@ from transformers import __version__ as transformers_version
 from benchmarks.memory import MALLOC_ENV, MB, Peak
 from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.cache import ModularDecoderCache
+from modular_decoder.compat import with_cache
 from modular_decoder.conversion import convert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,8 @@ def chunked_prefill(model, side: str, ids: torch.Tensor, chunk: int) -> torch.Te
     """The last token's logits after prefilling `ids` chunk by chunk into a fresh cache."""
     cache = new_cache(model, side)
     for start in range(0, ids.shape[1], chunk):
-        logits = model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids[:, start : start + chunk], **with_cache(cache), use_cache=True,
+                       logits_to_keep=1).logits
     return logits[:, -1]
 
 

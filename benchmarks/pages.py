@@ -321,6 +321,8 @@ def headline() -> str:
     """The README's short table: one ratio per thing people ask about, each linked to its section."""
     results, compiled, serving = load("results.json"), load("results_compiled_decode.json"), load("results_serving.json")
     mla_prefill = load("results_mla_prefill.json")
+    mla_time, mla_memory = mla_prefill_ratios(mla_prefill)
+    mla_shape = mla_prefill["shape"]
     fams = results["families"]
     runs = compiled["runs"]
     llama, family = "transformers' `LlamaForCausalLM`", "transformers' class of each family"
@@ -339,8 +341,8 @@ def headline() -> str:
          f"{fams['deepseek_v3']['metrics']['max_batch']['ratio']['ours']:.2f}x", section),
         ("served by vLLM, SmolLM2-135M (output tokens/s)", "vLLM's native Llama",
          f"{statistics.median(serving_rounds(serving)):.2f}x", "#serving-through-vllm-cpu-fp32"),
-        ("MLA chunked prefill, 8k tokens in 2k chunks: speed / peak memory", "transformers' `DeepseekV3ForCausalLM`",
-         "{:.2f}x / {:.2f}x".format(1 / mla_prefill_ratios(mla_prefill)[0], mla_prefill_ratios(mla_prefill)[1]),
+        (f"MLA chunked prefill, {mla_shape['tokens'] / 1024:g}k tokens in {mla_shape['chunk'] / 1024:g}k chunks: "
+         "speed / peak memory", "transformers' `DeepseekV3ForCausalLM`", f"{1 / mla_time:.2f}x / {mla_memory:.2f}x",
          "#mla-chunked-prefill-cpu-fp32"),
     ]
     lines = ["| measured on a 2-core CPU, fp32 | against | ours / it |", "|---|---|---:|"]

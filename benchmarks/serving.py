@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     report(results, args)
     if args.out:  # the format benchmarks.pages renders
         args.out.write_text(json.dumps({
-            "command": "python -m benchmarks.serving " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "command": "python -m benchmarks.serving " + " ".join(argv if argv is not None else sys.argv[1:]),
             "shape": {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
             "results": results}, indent=1) + "\n")
     return 0
