@@ -14,7 +14,8 @@ Two ways to compute the same attention:
   Building per-head K/V costs one up-projection of the whole cache per step, shared by all queries.
 * absorbed: q_C·k_Cᵀ = (q_C W_UKᵀ)·cᵀ, so each query moves into latent space once and is scored
   directly against the cached latents; the weighted sum of latents goes through W_UV afterwards. No
-  per-head key or value is built, but the (T_new x T_cached) scores are explicit.
+  per-head key or value is built, but the scores are explicit: (`ABSORBED_QUERY_BLOCK` x T_cached) per head
+  at a time.
 
 `scoring_path` picks one per step, as vLLM and SGLang split MLA: in inference, a decode step of at most
 `ABSORBED_MAX_NEW_TOKENS` new tokens against a cache runs absorbed; everything else (prefill, and chunked
@@ -60,6 +61,13 @@ DECODE_MODES = ("auto", "absorbed", "expanded")
 # The scores, (B, H, T_new, T_cached) at most fp32, then stay well below the per-head K/V the expanded
 # form builds, (B, H, T_cached, d_qk + d_v): 320 wide for DeepSeek-V3.
 ABSORBED_MAX_NEW_TOKENS = 64
+
+# New tokens an absorbed step scores per pass (every backend but eager, the reference): its explicit
+# scores and probabilities then hold at most (B, H, 8, S) values, about 8 bytes each at their peak (scores,
+# fp32 softmax, probabilities), so 64·H bytes per cached token: for DeepSeek-V3's 128 heads 1/10 of the
+# per-head K/V (128 x (192 + 128) x 2 bytes) that transformers' expanded step builds, whatever the step's length.
+# A longer step reads the latent cache once per block instead of once.
+ABSORBED_QUERY_BLOCK = 8
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -189,29 +197,47 @@ class MultiHeadLatentAttention(AttentionLayer):
         """Scores against the cached latents: W_UK folded into the query, W_UV applied after the sum.
 
         q_nope (B, H, T, d_n), q_rot (B, H, T, d_R), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R)
-        -> (B, T, H, d_v). The cost per step is one pass over the cache, with no re-expansion. The
-        mask is read as the model's backend means it (`eager_attention.explicit_mask`), so every backend
-        scores the same keys here as on the expanded path.
+        -> ((B, T, H, d_v), weights). The cost per step is one pass over the cache per block of new tokens,
+        with no re-expansion. The mask is read as the model's backend means it (`eager_attention.explicit_mask`),
+        so every backend scores the same keys here as on the expanded path.
+
+        The eager backend (the reference) scores all T queries at once and returns the probabilities, as
+        `eager_attention` does. Every other backend scores `ABSORBED_QUERY_BLOCK` new tokens per pass and
+        returns no weights, as its fused kernel would not: the explicit scores never exceed
+        (B, H, ABSORBED_QUERY_BLOCK, S), whatever the step's length.
         """
         batch, heads, q_len, _ = q_nope.shape
         kv_len = latents.shape[-2]
         weight = self.kv_b_proj.weight  # a plain tensor: `scoring_path` engages only then
         w_uk, w_uv = weight.view(heads, -1, self.latent_dim).split([self.nope_dim, self.v_dim], dim=1)
         q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, d_c)
-        # Heads and query positions share one row axis, so each score is a plain (B, H·T, S) matmul
-        # against the un-expanded cache (broadcasting a 1-head cache over H would copy it H times).
         cache_latents, cache_rot = latents[:, 0], k_rot[:, 0]  # (B, S, d_c), (B, S, d_R)
+        mask = explicit_mask(attention_mask, q_len, kv_len, self.sliding_window, self.config._attn_implementation)
+        eager = self.config._attn_implementation == "eager"
+        block = q_len if eager else ABSORBED_QUERY_BLOCK
+        outs, probs = [], None
+        for start in range(0, q_len, block):
+            rows = slice(start, min(start + block, q_len))
+            block_mask = mask[..., rows, :] if mask is not None and mask.shape[-2] > 1 else mask
+            probs = self._latent_probs(q_latent[:, :, rows], q_rot[:, :, rows], cache_latents, cache_rot, block_mask)
+            out_latent = probs.flatten(1, 2) @ cache_latents  # (B, H·t, d_c)
+            outs.append(out_latent.view(batch, heads, -1, self.latent_dim))
+        out_latent = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, T, d_c)
+        out = torch.einsum("bhtc,hvc->bthv", out_latent, w_uv)  # (B, T, H, d_v)
+        return out, probs if eager else None
+
+    def _latent_probs(self, q_latent, q_rot, cache_latents, cache_rot, mask) -> torch.Tensor:
+        """Probabilities (B, H, t, S) of t latent-space queries over the cached latents and rotary keys."""
+        batch, heads, q_len, _ = q_latent.shape
+        # Heads and query positions share one row axis, so each score is a plain (B, H·t, S) matmul
+        # against the un-expanded cache (broadcasting a 1-head cache over H would copy it H times).
         scores = torch.baddbmm(
             q_rot.reshape(batch, heads * q_len, -1) @ cache_rot.transpose(1, 2),
             q_latent.reshape(batch, heads * q_len, -1),
             cache_latents.transpose(1, 2),
-        ).view(batch, heads, q_len, kv_len) * self.scaling  # (B, H, T, S)
-        mask = explicit_mask(attention_mask, q_len, kv_len, self.sliding_window, self.config._attn_implementation)
+        ).view(batch, heads, q_len, -1) * self.scaling  # (B, H, t, S)
         dropout = self.config.attention_dropout if self.training else 0.0
-        probs = attention_probs(self, scores, mask, self.softcap, dropout=dropout)
-        out_latent = probs.view(batch, heads * q_len, kv_len) @ cache_latents  # (B, H·T, d_c)
-        out = torch.einsum("bhtc,hvc->bthv", out_latent.view(batch, heads, q_len, -1), w_uv)  # (B, T, H, d_v)
-        return out, probs
+        return attention_probs(self, scores, mask, self.softcap, dropout=dropout)
 
 
 class LatentKind(AttentionKind):
@@ -309,4 +335,4 @@ def set_decode_mode(model: nn.Module, mode: str) -> None:
 
 
 __all__ = ["MultiHeadLatentAttention", "LATENT_ATTENTION", "mla_softmax_scale", "set_decode_mode", "DECODE_MODES",
-           "ABSORBED_MAX_NEW_TOKENS"]
+           "ABSORBED_MAX_NEW_TOKENS", "ABSORBED_QUERY_BLOCK"]

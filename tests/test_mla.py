@@ -14,7 +14,8 @@ from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.contract import cache_bytes, cache_bytes_per_token
 from modular_decoder.conversion import convert, export, get_family
 from modular_decoder.latent_cache import LatentLayerMixin
-from modular_decoder.mla import ABSORBED_MAX_NEW_TOKENS, MultiHeadLatentAttention, mla_softmax_scale, set_decode_mode
+from modular_decoder.mla import (ABSORBED_MAX_NEW_TOKENS, ABSORBED_QUERY_BLOCK, MultiHeadLatentAttention, mla_softmax_scale,
+                                 set_decode_mode)
 
 SEQ = 20
 MLA = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -406,19 +407,24 @@ def _steps(chunks: list[int]) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-# A prefill, a long step (chunked prefill, a second turn), a few-token step, a decode step, a long step
-MULTI_TOKEN_CHUNKS = [ABSORBED_MAX_NEW_TOKENS // 2, ABSORBED_MAX_NEW_TOKENS + 5, 3, 1, ABSORBED_MAX_NEW_TOKENS + 1]
+# A prefill, a long step (chunked prefill, a second turn), an absorbed step of several query blocks (the last
+# one partial), a few-token step, a decode step, a long step
+MULTI_TOKEN_CHUNKS = [ABSORBED_MAX_NEW_TOKENS // 2, ABSORBED_MAX_NEW_TOKENS + 5, 2 * ABSORBED_QUERY_BLOCK + 3, 3, 1,
+                      ABSORBED_MAX_NEW_TOKENS + 1]
 
 
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "sliding"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora_kv_b"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_multi_token_steps_against_a_cache_match_the_full_forward(backend, lora, padded, monkeypatch):
+def test_multi_token_steps_against_a_cache_match_the_full_forward(backend, lora, padded, window, monkeypatch):
     """Steps of every length against a growing cache give the no-cache forward's logits; a plain
-    `kv_b_proj` takes both paths on the way, a LoRA on it only the expanded one (which calls it)."""
+    `kv_b_proj` takes both paths on the way, a LoRA on it only the expanded one (which calls it). With a
+    window, the first layer slides (shorter than the long steps, longer than a query block)."""
     length = sum(MULTI_TOKEN_CHUNKS)
-    model = _model(_config(max_position_embeddings=length, q_lora_rank=12, rope_parameters=dict(DEEPSEEK_YARN)),
-                   backend)
+    layers = {} if window is None else dict(sliding_window=window, layer_types=["sliding_attention", "full_attention"])
+    model = _model(_config(max_position_embeddings=length, q_lora_rank=12, rope_parameters=dict(DEEPSEEK_YARN),
+                           **layers), backend)
     if lora:
         model = get_peft_model(model, LoraConfig(target_modules=["kv_b_proj"], init_lora_weights=False)).eval()
     paths = []
@@ -443,8 +449,9 @@ def test_multi_token_steps_against_a_cache_match_the_full_forward(backend, lora,
 
 
 def test_long_steps_against_a_cache_build_no_score_matrix(monkeypatch):
-    """Only a step of at most `ABSORBED_MAX_NEW_TOKENS` new tokens scores explicitly (absorbed); a longer
-    one against the same cache goes to the backend's fused kernel. Recorded where MLA builds scores."""
+    """Only a step of at most `ABSORBED_MAX_NEW_TOKENS` new tokens scores explicitly (absorbed), and then
+    `ABSORBED_QUERY_BLOCK` new tokens per pass; a longer step against the same cache goes to the backend's
+    fused kernel. Recorded where MLA builds scores."""
     import modular_decoder.mla as mla
 
     shapes = []
@@ -453,12 +460,29 @@ def test_long_steps_against_a_cache_build_no_score_matrix(monkeypatch):
     model = _model(_config(max_position_embeddings=4 * ABSORBED_MAX_NEW_TOKENS), "sdpa")
     ids = torch.randint(0, model.config.vocab_size, (1, 4 * ABSORBED_MAX_NEW_TOKENS))
     with torch.no_grad():
-        for new_tokens in (ABSORBED_MAX_NEW_TOKENS, ABSORBED_MAX_NEW_TOKENS + 1, 2 * ABSORBED_MAX_NEW_TOKENS):
+        for new_tokens in (3, ABSORBED_MAX_NEW_TOKENS - 1, ABSORBED_MAX_NEW_TOKENS + 1, 2 * ABSORBED_MAX_NEW_TOKENS):
             cache = model(ids[:, :ABSORBED_MAX_NEW_TOKENS]).cache
             shapes.clear()
             model(ids[:, ABSORBED_MAX_NEW_TOKENS : ABSORBED_MAX_NEW_TOKENS + new_tokens], cache=cache)
-            decoding = new_tokens <= ABSORBED_MAX_NEW_TOKENS
-            assert shapes == ([(1, 4, new_tokens, ABSORBED_MAX_NEW_TOKENS + new_tokens)] * 2 if decoding else [])
+            keys = ABSORBED_MAX_NEW_TOKENS + new_tokens
+            blocks = [min(ABSORBED_QUERY_BLOCK, new_tokens - start) for start in range(0, new_tokens, ABSORBED_QUERY_BLOCK)]
+            expected = [(1, 4, rows, keys) for rows in blocks] * model.config.num_hidden_layers
+            assert shapes == (expected if new_tokens <= ABSORBED_MAX_NEW_TOKENS else [])
+
+
+def test_eager_absorbed_step_scores_every_new_token_at_once_and_returns_the_weights():
+    """The eager reference keeps one score matrix per step, and its weights equal the expanded path's."""
+    model = _model(_config(max_position_embeddings=64))
+    ids = torch.randint(0, model.config.vocab_size, (2, 3 * ABSORBED_QUERY_BLOCK))
+    weights = {}
+    with torch.no_grad():
+        for mode in ("expanded", "absorbed"):
+            set_decode_mode(model, mode)
+            cache = model(ids[:, :ABSORBED_QUERY_BLOCK]).cache
+            weights[mode] = model(ids[:, ABSORBED_QUERY_BLOCK:], cache=cache, output_attentions=True).attentions
+    for a, b in zip(weights["expanded"], weights["absorbed"]):
+        assert b.shape == (2, 4, 2 * ABSORBED_QUERY_BLOCK, 3 * ABSORBED_QUERY_BLOCK)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_scoring_path_rule():
