@@ -75,17 +75,18 @@ class GrowingLayer(DynamicLayer):
             # the setter's pointer test, which a compiled step skips).
             self._key_store = self._value_store = None
             return super().update(key_states, value_states)
-        length = self.get_seq_length()
-        end = length + key_states.shape[-2]
+        # (written for host time: a decode step runs this once per layer, and on a GPU the host is the limit)
+        new = key_states.shape[-2]
+        length = self._keys.shape[-2] if self._keys.dim() == 4 else 0  # 1-D and empty until the first tokens
+        end = length + new
         key_store, value_store = self._key_store, self._value_store
         if key_store is None or value_store is None or min(key_store.shape[-2], value_store.shape[-2]) < end:
             self._reserve(length, self.capacity_for(end), key_states, value_states)
             key_store, value_store = self._key_store, self._value_store
-        key_store[..., length:end, :].copy_(key_states)
-        value_store[..., length:end, :].copy_(value_states)
-        # prefix views of the storage: set past the setters' test, which they pass by construction (a decode
-        # step runs this once per layer, and the test's reads of pointers and strides cost host time)
-        self._keys, self._values = key_store[..., :end, :], value_store[..., :end, :]
+        key_store.narrow(-2, length, new).copy_(key_states)
+        value_store.narrow(-2, length, new).copy_(value_states)
+        # prefix views of the storage: set past the setters' test, which they pass by construction
+        self._keys, self._values = key_store.narrow(-2, 0, end), value_store.narrow(-2, 0, end)
         return self._keys, self._values
 
     def _reserve(self, length: int, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
