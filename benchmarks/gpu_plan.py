@@ -21,9 +21,12 @@ class Plan:
     big_batch: int
     new_tokens: int  # new tokens per generate (min_new_tokens = max_new_tokens)
     sync_new_tokens: int  # new tokens of the host-sync count
+    profile_new_tokens: int  # new tokens of the profiled big-batch generate (generate_profile)
     grid_batches: tuple[int, ...]  # MLA decode-step grid: batches x contexts, then the extra points
     grid_contexts: tuple[int, ...]
     grid_extra: tuple[tuple[int, int], ...]
+    crossover_points: tuple[tuple[int, int], ...]  # MLA step crossover: (batch, context) points
+    crossover_new_tokens: tuple[int, ...]  # ... and new tokens per step at each point
     chunked: tuple[int, int]  # MLA chunked prefill: (batch, tokens)
     chunks: tuple[int, ...]  # chunk sizes
     train_batch: tuple[int, int]  # (rows, tokens) of the padded batch; the packed row holds rows x tokens
@@ -57,14 +60,16 @@ TINY_DEEPSEEK_V3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, n
 
 FULL = Plan(name="gpu", dtype=torch.bfloat16, llama=LLAMA_3_2_1B, deepseek_v3=DEEPSEEK_V3_ATTENTION,
             logits_tokens=512, prefill_tokens=4096, prompt_b1=128, prompt_big=512, big_batch=32, new_tokens=128,
-            sync_new_tokens=16, grid_batches=(1, 8, 32), grid_contexts=(1024, 8192, 32768),
-            grid_extra=((16, 32768),), chunked=(16, 32768), chunks=(1024, 4096), train_batch=(4, 1024),
-            repeats=2, step_repeats=10, guard_scale=1.0,
-            budget_s=345.0)  # under 6 minutes on one H200, start-up included
+            sync_new_tokens=16, profile_new_tokens=16, grid_batches=(1, 8, 32), grid_contexts=(1024, 8192, 32768),
+            grid_extra=((16, 32768),), crossover_points=((1, 8192), (16, 8192), (16, 32768)),
+            crossover_new_tokens=(1, 8, 16, 32, 64, 128, 256), chunked=(16, 32768), chunks=(1024, 4096),
+            train_batch=(4, 1024), repeats=2, step_repeats=10, guard_scale=1.0,
+            budget_s=420.0)  # 7 minutes: with start-up and install, inside one 10-minute device call
 SMOKE = Plan(name="smoke (CPU, tiny shapes, fp32)", dtype=torch.float32, llama=TINY_LLAMA,
              deepseek_v3=TINY_DEEPSEEK_V3, logits_tokens=16, prefill_tokens=32, prompt_b1=8, prompt_big=8, big_batch=2,
-             new_tokens=4, sync_new_tokens=2, grid_batches=(1, 2), grid_contexts=(16,), grid_extra=((2, 64),),
-             chunked=(2, 64), chunks=(16, 32), train_batch=(2, 16), repeats=1, step_repeats=1,
+             new_tokens=4, sync_new_tokens=2, profile_new_tokens=4, grid_batches=(1, 2), grid_contexts=(16,),
+             grid_extra=((2, 64),), crossover_points=((1, 16), (2, 32)), crossover_new_tokens=(1, 4), chunked=(2, 64),
+             chunks=(16, 32), train_batch=(2, 16), repeats=1, step_repeats=1,
              guard_scale=3.0, budget_s=900.0)  # a shared 2-core CPU: room for contention
 
 

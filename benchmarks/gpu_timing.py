@@ -40,6 +40,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def wall(run: Callable) -> float:
+    """Seconds of `run()`, the device's queue drained before and after."""
+    sync()
+    start = time.perf_counter()
+    run()
+    sync()
+    return time.perf_counter() - start
+
+
 def timed(models: dict, run: Callable, repeats: int) -> dict[str, float]:
     """Median seconds of `run(model)` per side after one warm-up each; the order alternates every repeat so
     that neither side always runs first."""
@@ -49,11 +58,7 @@ def timed(models: dict, run: Callable, repeats: int) -> dict[str, float]:
     order = list(models)
     for repeat in range(repeats):
         for side in order if repeat % 2 == 0 else reversed(order):
-            sync()
-            start = time.perf_counter()
-            run(models[side])
-            sync()
-            times[side].append(time.perf_counter() - start)
+            times[side].append(wall(lambda: run(models[side])))
     return {side: statistics.median(values) for side, values in times.items()}
 
 
@@ -86,15 +91,19 @@ def count_syncs(run: Callable) -> int:
 
 
 class _Peak:
-    gib: float | None = None
+    gib: float | None = None  # the peak of all allocated memory (weights included)
+    above_gib: float | None = None  # the peak above what was allocated when the block began
 
 
 @contextlib.contextmanager
 def cuda_peak():
-    """`torch.cuda.max_memory_allocated` over the block in GiB (`None` on the CPU: no device allocator to ask)."""
+    """`torch.cuda.max_memory_allocated` over the block in GiB, absolute and above the allocation at its start
+    (`None` on the CPU: no device allocator to ask)."""
     peak = _Peak()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
     yield peak
     if torch.cuda.is_available():
         peak.gib = torch.cuda.max_memory_allocated() / 2**30
+        peak.above_gib = (torch.cuda.max_memory_allocated() - start) / 2**30

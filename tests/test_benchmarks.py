@@ -264,8 +264,9 @@ def test_compiled_decode_quick_prints_both_modes(capsys, tmp_path):
 def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
     """`python -m benchmarks.gpu --smoke`: the GPU matrix's code paths on the CPU with tiny fp32 shapes. Every part
     reaches the JSON with a result or a stated skip reason (sync counting, flash kernels: CUDA only), none errors,
-    the pairs generate the same greedy tokens, the training losses agree, and the README table is printed."""
-    from benchmarks import gpu
+    the pairs generate the same greedy tokens, the training losses agree, the diagnostics (profiled generate, MLA
+    step crossover) record their figures, and the README table is printed."""
+    from benchmarks import gpu, gpu_profile
 
     out = tmp_path / "gpu.json"
     assert gpu.main(["--smoke", "--out", str(out)]) == 0
@@ -277,8 +278,21 @@ def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
         assert part.get("rows") or part.get("skipped"), name
     parts = results["parts"]
     assert "CUDA" in parts["host_syncs"]["skipped"] and "CUDA" in parts["flash_backends"]["skipped"]
-    for name in ("llama_generate", "compiled_decode"):
+    for name in ("llama_generate", "llama_generate_dynamic_cache", "compiled_decode"):
         assert all(v["greedy_agreement"]["equal"] for k, v in parts[name].items() if k.startswith("b")), name
+    profile = parts["generate_profile"]
+    assert "no CUDA" in profile["note"]
+    for side, _, _ in gpu.PROFILE_SIDES:  # per decode step: the CPU ops of every layer's attention, no CUDA
+        step = profile[side]["per_decode_step"]
+        assert step["sdpa"] and step["top_aten_self_cpu"] and step["self_cpu_ms"] > 0, side
+        assert list(step["runtime_calls"]) == list(gpu_profile.RUNTIME_CALLS) and step["kernels"] == 0, side
+        assert profile[side]["wall_s"] > 0 and profile[side]["profiled_wall_s"] > 0, side
+    crossover = parts["mla_step_crossover"]["points"]
+    assert len(crossover) == len(gpu.SMOKE.crossover_points)
+    for point in crossover.values():
+        for new in gpu.SMOKE.crossover_new_tokens:
+            assert all(point[f"new{new}"][side]["ms"] > 0 for side, _, _ in gpu.CROSSOVER_SIDES)
+        assert point["fused_probe"]["max_abs_diff"] < 1e-4 and point["fused_probe"]["sdpa_ops"]
     assert parts["llama_prefill"]["logits_max_abs_diff"] < 1e-4
     assert len(parts["mla_decode_grid"]["points"]) == 3
     assert all(entry["greedy_agreement"] == 1.0 for key, entry in parts["mla_chunked_prefill"].items()
