@@ -33,12 +33,17 @@ def attention_probs(
     softcap: float | None = None,
     position_bias: torch.Tensor | None = None,
     dropout: float = 0.0,
+    fused_upcast: bool = False,
 ) -> torch.Tensor:
     """Scaled scores (B, H, T_q, T_k) -> probabilities: soft-cap, bias, mask, softmax in (at least) fp32, dropout.
 
     The order (soft-cap, bias, mask) is Gemma 2's and FlexAttention's. `attention_mask` is a 4-D
     boolean keep-mask or additive mask (sliced to T_k). Without autograd the steps reuse the scores
     tensor (same arithmetic, no new B x H x T_q x T_k tensor per step); autograd needs each kept.
+
+    `fused_upcast`: half-precision scores go to torch's softmax as they are, which accumulates in fp32 and
+    rounds once: the values of an fp32 softmax cast back (bit-equal on this CPU), in one kernel instead of
+    two. The reference (`eager_attention`) keeps transformers' explicit form.
     """
     fresh = not scores.requires_grad
     if softcap is not None:
@@ -55,9 +60,12 @@ def attention_probs(
     # At least fp32 (half precision is upcast), never below the scores' own precision: a float64
     # model's mask fill (finfo(float64).min) would become -inf in fp32, and a row with no key to
     # see (a left-padding query) would turn into NaN that reaches the real tokens through its values.
-    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
-    probs = nn.functional.softmax(scores, dim=-1, dtype=softmax_dtype).to(scores.dtype)
-    return nn.functional.dropout(probs, p=dropout, training=module.training)
+    if fused_upcast:
+        probs = nn.functional.softmax(scores, dim=-1)
+    else:
+        softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
+        probs = nn.functional.softmax(scores, dim=-1, dtype=softmax_dtype).to(scores.dtype)
+    return nn.functional.dropout(probs, p=dropout, training=module.training) if dropout else probs
 
 
 def eager_attention(

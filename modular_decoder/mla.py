@@ -231,13 +231,17 @@ class MultiHeadLatentAttention(AttentionLayer):
         batch, heads, q_len, _ = q_latent.shape
         # Heads and query positions share one row axis, so each score is a plain (B, H·t, S) matmul
         # against the un-expanded cache (broadcasting a 1-head cache over H would copy it H times).
+        # (the scale rides in the product's own alpha / beta, and the softmax upcasts inside: a decode step
+        # is host-bound at small batches, where each kernel launch counts)
         scores = torch.baddbmm(
             q_rot.reshape(batch, heads * q_len, -1) @ cache_rot.transpose(1, 2),
             q_latent.reshape(batch, heads * q_len, -1),
             cache_latents.transpose(1, 2),
-        ).view(batch, heads, q_len, -1) * self.scaling  # (B, H, t, S)
+            beta=self.scaling,
+            alpha=self.scaling,
+        ).view(batch, heads, q_len, -1)  # (B, H, t, S)
         dropout = self.config.attention_dropout if self.training else 0.0
-        return attention_probs(self, scores, mask, self.softcap, dropout=dropout)
+        return attention_probs(self, scores, mask, self.softcap, dropout=dropout, fused_upcast=True)
 
 
 class LatentKind(AttentionKind):
