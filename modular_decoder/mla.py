@@ -53,20 +53,19 @@ from .positions import apply_rotary
 DECODE_MODES = ("auto", "absorbed", "expanded")
 
 # The longest step (new tokens against a cache) that runs absorbed. Measured with `python
-# benchmarks/bench_mla_decode.py --crossover` (CPU, fp32, DeepSeek-V3 attention, one layer): absorbed is
-# 1.2-2x faster up to 128 new tokens at 1k and 8k cached, slower or even at 256 (0.88x / 0.99x): the CPU
-# crossover lies between 128 and 256 (fp32 FLOPs alone put it near 170 for these widths). 64 keeps a margin
-# for GPUs, where the expanded step runs a flash kernel and the explicit scores cost more traffic than
-# the latent cache itself (vLLM's default split is 1 new token; 128 with FlashMLA's fused absorbed kernel).
-# The scores, (B, H, T_new, T_cached) at most fp32, then stay well below the per-head K/V the expanded
-# form builds, (B, H, T_cached, d_qk + d_v): 320 wide for DeepSeek-V3.
+# benchmarks/bench_mla_decode.py --crossover --contexts 1024 8192` (CPU, fp32, DeepSeek-V3 attention, one layer,
+# absorbed in query blocks): absorbed is 1.5x / 2.1x faster at 64 new tokens (1k / 8k cached), 1.15x / 1.3x at 128,
+# slower at 256 (0.88x / 0.82x): the CPU crossover lies between 128 and 256 (fp32 FLOPs alone put it near 170
+# for these widths). 64 keeps a margin for GPUs, where the expanded step runs a flash kernel and the explicit
+# scores cost more traffic than the latent cache itself (vLLM's default split is 1 new token; 128 with
+# FlashMLA's fused absorbed kernel); `python -m benchmarks.gpu --parts mla_step_crossover` measures it there.
 ABSORBED_MAX_NEW_TOKENS = 64
 
 # New tokens an absorbed step scores per pass (every backend but eager, the reference): its explicit
-# scores and probabilities then hold at most (B, H, 8, S) values, about 8 bytes each at their peak (scores,
-# fp32 softmax, probabilities), so 64·H bytes per cached token: for DeepSeek-V3's 128 heads 1/10 of the
-# per-head K/V (128 x (192 + 128) x 2 bytes) that transformers' expanded step builds, whatever the step's length.
-# A longer step reads the latent cache once per block instead of once.
+# scores and probabilities then hold at most (B, H, 8, S) values, 8 bytes each at their peak in fp32 (scores and
+# probabilities; 4 in half precision, whose softmax upcasts inside), so at most 64·H bytes per cached token: for
+# DeepSeek-V3's 128 heads 1/10 of the per-head K/V (128 x (192 + 128) x 2 bytes) that transformers' expanded step
+# builds, whatever the step's length. A longer step reads the latent cache once per block instead of once.
 ABSORBED_QUERY_BLOCK = 8
 
 
