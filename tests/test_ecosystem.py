@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, LlamaForCausalLM
 
 import modular_decoder  # noqa: F401  (registers the Auto classes)
-from modular_decoder import compiled_decoding
+from modular_decoder import compiled_decoding, split_products
 from modular_decoder.conversion import convert
 from decoding import recording_backend
 from tiny_tokenizer import tiny_tokenizer
@@ -67,8 +67,10 @@ def load(folders, side: str, **kwargs):
 
 
 @pytest.fixture
-def two_threads():
-    """The few-row product split runs only with more than one thread (pytest-xdist workers have one)."""
+def two_threads(monkeypatch):
+    """The few-row product split runs only with more than one thread (pytest-xdist workers have one), and
+    only over weights of `MIN_SPLIT_WEIGHT` elements, which the tiny test models lack: lowered to every size."""
+    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

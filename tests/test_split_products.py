@@ -16,13 +16,20 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from decoding import prompt, recording_backend, tiny_model
-from modular_decoder import compiled_decoding
+from modular_decoder import compiled_decoding, split_products
 from modular_decoder.split_products import linear, project, set_split_products
 from modular_decoder.tools.presets import PRESETS
 
 MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
            v_head_dim=6)
 VARIANTS = {name: (name, {}) for name in PRESETS} | {"mla": ("llama", MLA), "mixtral_eager_experts": ("mixtral", {})}
+
+
+@pytest.fixture(autouse=True)
+def split_every_size(monkeypatch):
+    """The tiny weights here split too (`MIN_SPLIT_WEIGHT` keeps small products on `F.linear` by default:
+    `test_small_weights_stay_on_f_linear`)."""
+    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 0)
 
 
 @contextlib.contextmanager
@@ -347,3 +354,21 @@ def test_a_global_hook_sees_every_linear():
     finally:
         handle.remove()
     assert len(calls) == sum(isinstance(m, nn.Linear) for m in model.modules())
+
+
+def test_small_weights_stay_on_f_linear(monkeypatch):
+    """Below `MIN_SPLIT_WEIGHT` elements the product is `F.linear` itself (dispatching the batched product costs
+    more there than one core's pass: measured in `split_products.py`); from it on, the product splits."""
+    x = torch.randn(1, 1, 256)
+    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 256 * 256)
+    for out_features, splits in ((254, False), (256, True)):  # 254 x 256 < 256 x 256; both even
+        layer = nn.Linear(256, out_features, bias=False)
+        with threads(2), torch.no_grad(), counting(torch, "bmm") as bmm_calls:
+            y, z = linear(x, layer.weight), project(layer, x)
+            expected = F.linear(x, layer.weight)
+        assert len(bmm_calls) == (2 if splits else 0), out_features
+        if splits:
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(z, expected, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(y, expected) and torch.equal(z, expected)
