@@ -8,6 +8,7 @@ the graph."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ from modular_decoder.tools.presets import PRESETS
 MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
            v_head_dim=6)
 VARIANTS = {name: (name, {}) for name in PRESETS} | {"mla": ("llama", MLA), "mixtral_eager_experts": ("mixtral", {})}
+
+
+SHIPPED_MIN_SPLIT_WEIGHT = split_products.MIN_SPLIT_WEIGHT
 
 
 @pytest.fixture(autouse=True)
@@ -359,10 +363,11 @@ def test_a_global_hook_sees_every_linear():
 def test_small_weights_stay_on_f_linear(monkeypatch):
     """Below `MIN_SPLIT_WEIGHT` elements the product is `F.linear` itself (dispatching the batched product costs
     more there than one core's pass: measured in `split_products.py`); from it on, the product splits."""
-    x = torch.randn(1, 1, 256)
-    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 256 * 256)
-    for out_features, splits in ((254, False), (256, True)):  # 254 x 256 < 256 x 256; both even
-        layer = nn.Linear(256, out_features, bias=False)
+    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", SHIPPED_MIN_SPLIT_WEIGHT)  # the autouse fixture's 0 undone
+    width = math.isqrt(SHIPPED_MIN_SPLIT_WEIGHT)  # 256 for 2^16
+    x = torch.randn(1, 1, width)
+    for out_features, splits in ((width - 2, False), (width, True)):  # (width - 2) x width < width²; both even
+        layer = nn.Linear(width, out_features, bias=False)
         with threads(2), torch.no_grad(), counting(torch, "bmm") as bmm_calls:
             y, z = linear(x, layer.weight), project(layer, x)
             expected = F.linear(x, layer.weight)
