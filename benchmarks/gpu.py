@@ -18,8 +18,9 @@ after every part, so a failure or a timeout loses only that part (or only its un
 relative to transformers: above 1 means ours is faster. Greedy tokens are compared wherever tokens are generated.
 
 The parts, in the order of the run, with the seconds each is expected to take on one H200 (estimates, not yet
-measured: scaled from an earlier H200 run of eager generate, 1,649 / 1,297 tok/s at b32 x 512 +128, and from
-each part's FLOPs and bytes at H200 rates; the guard in brackets):
+measured: scaled from the H200 measurement that issue 27 reports and ../shared/GPU.md records, made outside this
+repository (eager generate 1,649 / 1,297 tok/s at b32 x 512 +128), and from each part's FLOPs and bytes at H200
+rates; the guard in brackets):
 
 - `llama_prefill` ~25 [60]: makes, saves and converts the Llama checkpoint, then logits parity and a prefill.
 - `generate_profile` ~20 [60]: diagnoses the eager-generate gap at the big batch (ours 0.79x of transformers

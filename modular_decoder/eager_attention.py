@@ -60,8 +60,8 @@ def attention_probs(
     # At least fp32 (half precision is upcast), never below the scores' own precision: a float64
     # model's mask fill (finfo(float64).min) would become -inf in fp32, and a row with no key to
     # see (a left-padding query) would turn into NaN that reaches the real tokens through its values.
-    if fused_upcast:
-        probs = nn.functional.softmax(scores, dim=-1)
+    if fused_upcast:  # (the cast is free, except under CUDA autocast, whose softmax returns fp32)
+        probs = nn.functional.softmax(scores, dim=-1).to(scores.dtype)
     else:
         softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
         probs = nn.functional.softmax(scores, dim=-1, dtype=softmax_dtype).to(scores.dtype)

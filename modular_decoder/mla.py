@@ -15,7 +15,7 @@ Two ways to compute the same attention:
 * absorbed: q_C·k_Cᵀ = (q_C W_UKᵀ)·cᵀ, so each query moves into latent space once and is scored
   directly against the cached latents; the weighted sum of latents goes through W_UV afterwards. No
   per-head key or value is built, but the scores are explicit: (`ABSORBED_QUERY_BLOCK` x T_cached) per head
-  at a time.
+  at a time (all T_new at once on the eager reference).
 
 `scoring_path` picks one per step, as vLLM and SGLang split MLA: in inference, a decode step of at most
 `ABSORBED_MAX_NEW_TOKENS` new tokens against a cache runs absorbed; everything else (prefill, and chunked

@@ -5,7 +5,7 @@ hook that changes the output, torchao's int8 weight-only tensors (`decode_torcha
 The reference is the same model's forward over the whole sequence without a cache (which for MLA is the
 expanded path, the one that calls `kv_b_proj`). A path that reads a module's weight instead of calling it
 (absorbed MLA decoding, the split products) would apply the adapter at prefill and skip it while decoding.
-Two threads, so that the split products (a decode step's few rows) are in play.
+Two threads and no size threshold, so that the split products (a decode step's few rows) are in play.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from modular_decoder import ModularDecoderForCausalLM, preset_config
+from modular_decoder import ModularDecoderForCausalLM, preset_config, split_products
 from modular_decoder.experts import Experts
 
 TESTS = Path(__file__).parent
@@ -39,7 +39,9 @@ EXPERT_PARAMETERS = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts
 
 
 @pytest.fixture(autouse=True)
-def two_threads():
+def two_threads(monkeypatch):
+    # the tiny weights split too (`MIN_SPLIT_WEIGHT` keeps small products on F.linear by default)
+    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

@@ -14,6 +14,7 @@ from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.contract import cache_bytes, cache_bytes_per_token
 from modular_decoder.conversion import convert, export, get_family
 from modular_decoder.latent_cache import LatentLayerMixin
+from modular_decoder.eager_attention import attention_probs
 from modular_decoder.mla import (ABSORBED_MAX_NEW_TOKENS, ABSORBED_QUERY_BLOCK, MultiHeadLatentAttention, mla_softmax_scale,
                                  set_decode_mode)
 
@@ -483,6 +484,41 @@ def test_eager_absorbed_step_scores_every_new_token_at_once_and_returns_the_weig
     for a, b in zip(weights["expanded"], weights["absorbed"]):
         assert b.shape == (2, 4, 2 * ABSORBED_QUERY_BLOCK, 3 * ABSORBED_QUERY_BLOCK)
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_absorbed_step_returns_weights_on_eager_only():
+    """Eager (the reference) returns the absorbed step's probabilities; every other backend returns none, as its
+    fused kernel would not (and as the query blocks it scores in would not add up to one matrix)."""
+    recorded = {}
+    ids = torch.randint(0, MLA["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(5))
+    for backend in ("eager", "sdpa"):
+        model = _model(_config(), backend)
+        set_decode_mode(model, "absorbed")
+        handle = model.model.layers[0].self_attn.register_forward_hook(
+            lambda module, args, out, backend=backend: recorded.__setitem__(backend, out[1]))
+        with torch.no_grad():
+            model(ids[:, 9:], cache=model(ids[:, :9]).cache)
+        handle.remove()
+    assert recorded["eager"].shape == (2, 4, 3, 12)
+    assert recorded["sdpa"] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_fused_upcast_softmax_equals_the_explicit_one(dtype):
+    """The absorbed path's softmax (`attention_probs(fused_upcast=True)`: in the scores' dtype, which torch
+    accumulates in fp32) gives the values of the explicit fp32 softmax cast back, bit for bit, with boolean and
+    additive masks and a query that sees no key."""
+    torch.manual_seed(0)
+    module = nn.Module().eval()
+    scores = (torch.randn(2, 4, 3, 300) * 8).to(dtype)
+    keep = torch.rand(2, 1, 3, 300) > 0.3
+    keep[0, 0, 1] = False  # a query with no key to see
+    additive = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min / 2)
+    for mask in (keep, additive):
+        fused = attention_probs(module, scores.clone(), mask, fused_upcast=True)
+        explicit = attention_probs(module, scores.clone(), mask)
+        assert fused.dtype == dtype and not fused.isnan().any()
+        assert torch.equal(fused, explicit)
 
 
 def test_scoring_path_rule():
