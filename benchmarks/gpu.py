@@ -185,8 +185,10 @@ def _generate_batches(bench: Bench, label: str, **kwargs) -> dict:
     for batch, prompt_len in ((1, plan.prompt_b1), (plan.big_batch, plan.prompt_big)):
         try:
             result[f"b{batch}"], row = _generate_pair(bench, label, batch, prompt_len, **kwargs)
-        except PartTimeout as error:  # keep the batch already measured
-            result[f"b{batch}"], row = {"timeout": str(error)}, (f"{label} b{batch}", "", str(error), "")
+        except PartTimeout as error:  # keep the batch already measured; the guard fires once, so stop here
+            result[f"b{batch}"] = {"timeout": str(error)}
+            rows.append((f"{label} b{batch}", "", str(error), ""))
+            break
         rows.append(row)
     return result | {"rows": rows}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,3 +329,27 @@ def test_gpu_matrix_flash_part_runs_both_sides_through_the_flash_path(tmp_path, 
     assert calls, "the reference flash kernel was not called"
     assert [row[0] for row in part["rows"]] == ["flash_attention_2: prefill 1 x 32, `logits_to_keep=1` (ms)",
                                                 "flash_attention_2 generate b1, 8-token prompt, +4 (tok/s)"]
+
+
+def test_gpu_matrix_generate_stops_at_the_batch_its_guard_fired_in(monkeypatch):
+    """The part guard fires once: a batch that ran past it must end the part (the next batch would run with no guard),
+    keeping the batches measured before it."""
+    import time
+
+    from benchmarks import gpu
+    from benchmarks.gpu_plan import SMOKE
+    from benchmarks.gpu_timing import part_guard
+
+    batches = []
+
+    def generate_pair(bench, label, batch, prompt_len, **kwargs):
+        batches.append(batch)
+        time.sleep(0.5)  # past the guard below, in the first batch
+        return {}, (label, "", "", "")
+
+    monkeypatch.setattr(gpu, "_generate_pair", generate_pair)
+    bench = gpu.Bench(SMOKE, Path("."), "cpu")
+    with part_guard(0.1):
+        result = gpu._generate_batches(bench, "eager `generate`")
+    assert batches == [1]
+    assert "timeout" in result["b1"] and f"b{SMOKE.big_batch}" not in result

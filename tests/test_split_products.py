@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from decoding import prompt, recording_backend, tiny_model
 from modular_decoder import compiled_decoding, split_products
-from modular_decoder.split_products import linear, project, set_split_products
+from modular_decoder.split_products import linear, project, set_split_products, takes_split_branch
 from modular_decoder.tools.presets import PRESETS
 
 MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -371,6 +371,7 @@ def test_small_weights_stay_on_f_linear(monkeypatch):
         with threads(2), torch.no_grad(), counting(torch, "bmm") as bmm_calls:
             y, z = linear(x, layer.weight), project(layer, x)
             expected = F.linear(x, layer.weight)
+            assert takes_split_branch(layer, x) is splits, out_features  # the branch test skips small ones too
         assert len(bmm_calls) == (2 if splits else 0), out_features
         if splits:
             torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
