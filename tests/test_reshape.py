@@ -114,11 +114,15 @@ def test_mean_pooling_averages_each_group_s_rows():
             torch.testing.assert_close(new.self_attn.get_parameter(path), old.self_attn.get_parameter(path))
 
 
-def test_the_result_shares_no_tensor_with_its_source():
-    source = tiny_model()
-    result = reshape(source, kv_heads=6, progress=False)
+@pytest.mark.parametrize("options", [dict(kv_heads=6), dict(attention="mla", kv_lora_rank=16)],
+                         ids=["kv_heads", "mla"])
+def test_the_result_shares_no_tensor_with_its_source_and_keeps_its_generation_config(options):
+    source = tiny_model(num_hidden_layers=2)
+    source.generation_config.update(temperature=0.6, top_p=0.9, do_sample=True, eos_token_id=7)
+    result = reshape(source, ids(4, 16), progress=False, **options)
     ours = {p.untyped_storage().data_ptr() for p in source.parameters()}
     assert not ours & {p.untyped_storage().data_ptr() for p in result.parameters()}
+    assert result.generation_config.to_dict() == source.generation_config.to_dict()
 
 
 # --- experts -----------------------------------------------------------------------------------------------

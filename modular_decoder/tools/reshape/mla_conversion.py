@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.initialization import no_init_weights
 
 from ...mla import mla_softmax_scale
 from ...modeling_modular_decoder import ModularDecoderForCausalLM
 from ...positions import RotaryEmbedding
 from .moments import attention_moments, one_thread, principal_directions, progress_bar
+from .rebuild import derived_config, model_from_state
 from .rorope import KeyBasis, check_rope_source, layer_bases
 
 # rope types whose inv_freq at base θ^(D/r) over width D equals the source's first D/2 at base θ over r
@@ -81,7 +81,6 @@ def factorise(kv_weight: torch.Tensor, key_rows: int, moment: torch.Tensor, rank
 def mla_config(config, kv_lora_rank: int, rope_dim: int, latent_norm: bool = False):
     """The converted model's config: latent R + rotary key D, per-head NoPE key and value of the source's
     head width, the source's D/2 highest RoPE frequencies, no latent norm unless `latent_norm`."""
-    fields = config.to_dict()
     rotary = config.rotary_dim
     params = copy.deepcopy(config.rope_parameters)
     for one in (params.values() if config.rope_is_nested else [params]):
@@ -92,14 +91,13 @@ def mla_config(config, kv_lora_rank: int, rope_dim: int, latent_norm: bool = Fal
                                  f"frequencies rescale with the base ({list(RESCALABLE_ROPE_TYPES)}), got "
                                  f"{one.get('rope_type')!r}; use `rope_dim`={rotary}.")
             one["rope_theta"] = one["rope_theta"] ** (rope_dim / rotary)  # keeps the D/2 highest frequencies
-    fields.update(
-        attention_type="mla", q_lora_rank=None, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=config.head_dim,
+    new = derived_config(
+        config, attention_type="mla", q_lora_rank=None, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=config.head_dim,
         qk_rope_head_dim=rope_dim, v_head_dim=config.head_dim, kv_latent_norm=latent_norm,
         num_key_value_heads=config.num_attention_heads, partial_rotary_factor=1.0, rope_parameters=params,
         query_pre_attn_scalar=None,  # MLA's own scale (d_h + D)^-1/2; the source's is folded into the query
         head_dim=None,  # MLA's default: the latent width the cache holds per token (what vLLM sizes it by)
     )
-    new = type(config).from_dict(fields)
     _check_positions(config, new)
     return new
 
@@ -186,27 +184,11 @@ def to_mla(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids: torc
         moments = attention_moments(model, calibration_ids, progress=progress)
     with one_thread():  # hundreds of small matrices: threads add only synchronisation (9x slower on two)
         bases = layer_bases(model, moments, rope_dim)
-        state = _copied((name, t) for name, t in model.state_dict().items() if ".self_attn." not in name)
+        state = {name: t for name, t in model.state_dict().items() if ".self_attn." not in name}
         layers = model.model.layers
         for i in progress_bar(range(len(layers)), progress, "to MLA"):
             weights = mla_attention_weights(layers[i].self_attn, bases[i], moments[i], config, method)
             dtype = layers[i].self_attn.q_proj.weight.dtype
             state.update({f"model.layers.{i}.self_attn.{name}": w.to(dtype) for name, w in weights.items()})
-        config._attn_implementation = model.config._attn_implementation
-        with no_init_weights():  # every parameter is assigned below; the empty ones are never touched
-            out = ModularDecoderForCausalLM(config).to(device=model.device, dtype=model.dtype)
-        out.load_state_dict(state, strict=True, assign=True)  # no second copy of the new weights
-        if config.tie_word_embeddings:
-            out.tie_weights()
+        out = model_from_state(config, state, model, copy=True)  # the kept tensors copied, never shared
     return out.eval()
-
-
-def _copied(items) -> dict[str, torch.Tensor]:
-    """Copies of `(name, tensor)` items that share storage where the source does (tied embeddings)."""
-    copies, out = {}, {}
-    for name, tensor in items:
-        key = (tensor.data_ptr(), tensor.shape, tensor.stride())
-        if key not in copies:
-            copies[key] = tensor.detach().clone()
-        out[name] = copies[key]
-    return out

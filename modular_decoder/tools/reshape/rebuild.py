@@ -50,7 +50,7 @@ def derived_config(config: ModularDecoderConfig, **changes) -> ModularDecoderCon
 
 def model_from_state(config: ModularDecoderConfig, state: dict[str, torch.Tensor], like,
                      copy: bool = True) -> torch.nn.Module:
-    """A `ModularDecoderForCausalLM` of `config` holding exactly `state`, in `like`'s dtype.
+    """A `ModularDecoderForCausalLM` of `config` holding exactly `state`, on `like`'s device and in its dtype.
 
     With `copy`, every tensor of `state` that shares storage with `like` is cloned, so the result never
     shares a parameter with its source (the chain of `reshape` passes `copy=False` for the intermediate
@@ -61,9 +61,9 @@ def model_from_state(config: ModularDecoderConfig, state: dict[str, torch.Tensor
 
     from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
 
-    dtype = next(like.parameters()).dtype
-    with no_init_weights():
-        model = ModularDecoderForCausalLM(config).to(dtype)
+    first = next(like.parameters())
+    with no_init_weights():  # on `like`'s device: the buffers (rotary tables) are not in `state`
+        model = ModularDecoderForCausalLM(config).to(device=first.device, dtype=first.dtype)
     head, embed = "lm_head.weight", "model.embed_tokens.weight"
     state = {name: tensor.detach() for name, tensor in state.items() if not (config.tie_word_embeddings and name == head)}
     if copy:
