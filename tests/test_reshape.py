@@ -283,7 +283,10 @@ def test_upcycling_refuses_a_non_gated_ffn():
 @pytest.mark.parametrize(("overrides", "options", "named"), [
     (dict(qk_norm="head"), [], "`qk_norm`"),
     (dict(partial_rotary_factor=0.5), ["--rope-dim", "8"], "`--rope-dim`"),
-], ids=["qk-norm-source", "rope-dim-above-rotary-width"])
+    (dict(), ["--sweep-ranks", "8,999"], "`--sweep-ranks`"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                           "original_max_position_embeddings": 64}), ["--rope-dim", "4"], "`--rope-dim`"),
+], ids=["qk-norm-source", "rope-dim-above-rotary-width", "sweep-rank-out-of-range", "rope-dim-on-unrescalable-rope"])
 def test_what_to_mla_refuses_is_a_user_error_before_any_work(tmp_path, capsys, overrides, options, named):
     """Refused with the other options (one line, exit 2), not by `to_mla` after loading and calibrating,
     where its `ValueError` was a bug's traceback."""

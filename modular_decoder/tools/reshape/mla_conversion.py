@@ -39,14 +39,17 @@ from .rorope import KeyBasis, check_rope_source, layer_bases
 RESCALABLE_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def check_source(config, kv_lora_rank: int | None, rope_dim: int | None) -> int:
-    """Refuse, naming the option, what the conversion cannot do; return the rotary key width D."""
+def check_source(config, kv_lora_rank: int | None, rope_dim: int | None, sweep_ranks=()) -> int:
+    """Refuse, naming the option, what the conversion cannot do with `kv_lora_rank` or any of the `sweep_ranks`;
+    return the rotary key width D."""
     rope_dim = check_rope_source(config, rope_dim)
-    if kv_lora_rank is not None:
-        full = 2 * config.num_key_value_heads * config.head_dim - rope_dim
-        if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int) or not 1 <= kv_lora_rank <= full:
-            raise ValueError(f"`kv_lora_rank` must be an integer in [1, {full}] (2·kv_heads·head_dim - rope_dim, "
-                             f"the width of [K_nope; V]), got {kv_lora_rank!r}.")
+    full = 2 * config.num_key_value_heads * config.head_dim - rope_dim
+    ranks = ([("kv_lora_rank", kv_lora_rank)] if kv_lora_rank is not None else []) + \
+        [("sweep_ranks", rank) for rank in sweep_ranks]
+    for name, rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= full:
+            raise ValueError(f"`{name}` must be an integer in [1, {full}] (2·kv_heads·head_dim - rope_dim, "
+                             f"the width of [K_nope; V]), got {rank!r}.")
     return rope_dim
 
 

@@ -58,13 +58,13 @@ def _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks) -> 
                          f"{config.attention_type!r}.")
     if kv_lora_rank is None:
         raise ValueError("`attention='mla'` needs `kv_lora_rank` (the latent width d_c).")
-    from .mla_conversion import check_source  # imported on use: it pulls in the attention classes
+    from .mla_conversion import check_source, mla_config  # imported on use: they pull in the attention classes
 
-    # what `to_mla` refuses (the source's keys, rope_dim, the rank's range), refused before any work;
-    # the layers dropped or upcycled first leave every field it reads as it is
-    check_source(config, kv_lora_rank, rope_dim)
-    for rank in sweep_ranks or ():
-        require_positive_int("sweep_ranks", rank)
+    # what `to_mla` refuses (the source's keys, rope_dim, each rank's range; the rope type and rotary tables
+    # its config must keep), refused before any work; the layers dropped or upcycled first leave every field
+    # these read as it is
+    rope_dim = check_source(config, kv_lora_rank, rope_dim, sweep_ranks or ())
+    mla_config(config, kv_lora_rank, rope_dim)
 
 
 def transform(model, calibration_ids=None, *, kv_heads=None, kv_pool="mean", attention=None, kv_lora_rank=None,
