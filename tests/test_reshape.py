@@ -125,6 +125,22 @@ def test_the_result_shares_no_tensor_with_its_source_and_keeps_its_generation_co
     assert result.generation_config.to_dict() == source.generation_config.to_dict()
 
 
+@pytest.mark.parametrize("wrap", ["lora", "hook"])
+@pytest.mark.parametrize("options", [dict(kv_heads=6), dict(attention="mla", kv_lora_rank=16)], ids=["kv_heads", "mla"])
+def test_a_wrapped_linear_is_refused_not_dropped(wrap, options):
+    """The transformations compute from the weights; an unmerged LoRA or a hook on a projection would be dropped
+    (the adapter's keys fall outside the rebuilt state) or bypassed in silence: refused, naming the module."""
+    source = tiny_model(num_hidden_layers=2)
+    if wrap == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        source = get_peft_model(source, LoraConfig(target_modules=["k_proj"], init_lora_weights=False))
+    else:
+        source.model.layers[1].self_attn.k_proj.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(ValueError, match=r"layers\.\d\.self_attn\.k_proj`.*merge or remove"):
+        reshape(source, ids(4, 16), progress=False, **options)
+
+
 # --- experts -----------------------------------------------------------------------------------------------
 
 UPCYCLES = [dict(experts=4, top_k=1), dict(experts=8, top_k=2), dict(experts=4, top_k=2, fine_grained=2),

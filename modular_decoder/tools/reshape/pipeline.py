@@ -4,7 +4,9 @@ layers, K/V heads, experts, MLA), then optionally healed. `reshape(model, ...)` 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from ...split_products import weight_is_readable
 from .drop_layers import check_drop_layers, drop_block
 from .healing import LEARNING_RATE, heal
 from .kv_heads import POOLS, check_kv_heads, reshape_kv_heads
@@ -73,6 +75,7 @@ def transform(model, calibration_ids=None, *, kv_heads=None, kv_pool="mean", att
     """Apply the chosen transformations in order (drop layers, K/V heads, experts, MLA); returns the new
     model (sharing no tensor with `model`, which is left unchanged) and each transformation's record.
     With `measure_ids`, each record carries how far that step moved the logits (`measures.logit_change`)."""
+    check_weights_readable(model)
     steps = []  # each: (model, copy) -> (model, Change)
     if drop_layers is not None:
         steps.append(lambda m, copy: drop_block(m, calibration_ids, drop_layers, progress, copy=copy))
@@ -92,6 +95,19 @@ def transform(model, calibration_ids=None, *, kv_heads=None, kv_pool="mean", att
         current = new
         changes.append(change)
     return current, changes
+
+
+def check_weights_readable(model) -> None:
+    """The transformations compute from the linears' weights: refuse, naming the module, a linear whose weight
+    is not what calling it computes (a PEFT adapter, a hook, a quantized or tensor-parallel weight), which they
+    would drop or misread in silence."""
+    for name, module in model.named_modules():
+        if hasattr(module, "base_layer") or (isinstance(module, nn.Linear) and not weight_is_readable(module)):
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            raise ValueError(
+                f"reshape computes from the weights, and `{name}` ({kind}) is not a plain linear (an adapter, a "
+                "hook, a quantized or tensor-parallel weight): merge or remove it first (PEFT: `merge_and_unload()`)."
+            )
 
 
 def to_latent_attention(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids, progress: bool = True,
