@@ -40,3 +40,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """Two torch threads and no weight-size threshold, so that the split products (`split_products.py`: a
+    decode step's few rows over all cores) run on the tiny test weights (xdist workers have one thread, and
+    `MIN_SPLIT_WEIGHT` keeps small products on F.linear)."""
+    from modular_decoder import split_products
+
+    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)

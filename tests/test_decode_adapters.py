@@ -21,7 +21,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from modular_decoder import ModularDecoderForCausalLM, preset_config, split_products
+from modular_decoder import ModularDecoderForCausalLM, preset_config
 from modular_decoder.experts import Experts
 
 TESTS = Path(__file__).parent
@@ -38,14 +38,7 @@ KINDS = {
 EXPERT_PARAMETERS = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-@pytest.fixture(autouse=True)
-def two_threads(monkeypatch):
-    # the tiny weights split too (`MIN_SPLIT_WEIGHT` keeps small products on F.linear by default)
-    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("two_threads")  # conftest: the split products in play
 
 
 def _linear_names(model: nn.Module) -> list[str]:

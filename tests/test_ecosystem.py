@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, LlamaForCausalLM
 
 import modular_decoder  # noqa: F401  (registers the Auto classes)
-from modular_decoder import compiled_decoding, split_products
+from modular_decoder import compiled_decoding
 from modular_decoder.conversion import convert
 from decoding import recording_backend
 from tiny_tokenizer import tiny_tokenizer
@@ -64,17 +64,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 def load(folders, side: str, **kwargs):
     """The default load path, for transformers' Llama and for ours alike."""
     return AutoModelForCausalLM.from_pretrained(folders[side], **kwargs).eval()
-
-
-@pytest.fixture
-def two_threads(monkeypatch):
-    """The few-row product split runs only with more than one thread (pytest-xdist workers have one), and
-    only over weights of `MIN_SPLIT_WEIGHT` elements, which the tiny test models lack: lowered to every size."""
-    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _client_env() -> dict[str, str]:
