@@ -65,6 +65,7 @@ from .gpu_profile import difference, digest, profiled
 from .gpu_timing import (PartTimeout, Skip, agreement, count_syncs, cuda_peak, part_guard, ratio, sync, timed,
                          wall)
 from .mla_prefill import chunked_prefill, new_cache
+from .pages import gpu_table
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
@@ -219,7 +220,7 @@ def generate_profile(bench: Bench) -> dict:
     prompt, new = bench.ids(plan.big_batch, plan.prompt_big), plan.profile_new_tokens
     sides = {name: _profile_side(pair[index], prompt, new, extra) for name, index, extra in PROFILE_SIDES}
     result = {"batch": plan.big_batch, "prompt": plan.prompt_big, "new_tokens": new, **sides}
-    if not torch.cuda.is_available():
+    if bench.device != "cuda":
         result["note"] = "no CUDA: kernels, kernel time and CUDA runtime calls are zero (CPU activity only)"
     elif not sides["transformers"]["call"]["kernels"]:  # kineto's CUDA tracing (CUPTI) can fail with a warning only
         result["note"] = "the profiler recorded no CUDA kernel: CUDA activity tracing (CUPTI) did not run here"
@@ -275,8 +276,8 @@ def compiled_decode(bench: Bench) -> dict:
     """`cache_implementation="static"`: transformers compiles the decode step (CUDA graphs) on a GPU, anew for
     each batch size; on the CPU it does not compile by default, so the smoke run times the static cache eagerly
     (same calls)."""
-    result = {"compiled": torch.cuda.is_available()}
-    if not torch.cuda.is_available():
+    result = {"compiled": bench.device == "cuda"}
+    if bench.device != "cuda":
         result["note"] = "no CUDA: transformers compiles the static-cache decode step only on a GPU; timed eagerly"
     return result | _generate_batches(bench, "compiled decode (static cache)", cache_implementation="static")
 
@@ -284,7 +285,7 @@ def compiled_decode(bench: Bench) -> dict:
 def host_syncs(bench: Bench) -> dict:
     """Host syncs (`torch.cuda.set_sync_debug_mode("warn")` warnings) in a left-padded batched `generate` and in
     two training steps (forward + backward)."""
-    if not torch.cuda.is_available():
+    if bench.device != "cuda":
         raise Skip("no CUDA: torch.cuda.set_sync_debug_mode counts device-to-host syncs, which a CPU does not have")
     theirs, ours = bench.pair("llama")
     plan = bench.plan
@@ -707,20 +708,6 @@ def metadata(plan: Plan, device: str) -> dict:
             "plan": plan.name, "dtype": str(plan.dtype).removeprefix("torch."), "attn_implementation": "sdpa"}
 
 
-def markdown(results: dict) -> str:
-    meta = results["meta"]
-    lines = [f"GPU matrix, {meta['date_utc'][:10]}: {meta['hardware']}, torch {meta['torch']}, transformers "
-             f"{meta['transformers']}, {meta['dtype']}, `python3 -m benchmarks.gpu`; ratio > 1: ours faster", "",
-             "| case | transformers | ours | ratio |", "|---|---:|---:|---:|"]
-    for name, part in results["parts"].items():
-        if "rows" in part:
-            lines += [f"| {' | '.join(row)} |" for row in part["rows"]]
-        else:
-            why = part.get("skipped") or part.get("error") or "no result"
-            lines.append(f"| {name} | | {why[:120]} | |")
-    return "\n".join(lines)
-
-
 def write(results: dict, out: Path | None) -> None:
     if out is None:
         return
@@ -767,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{results['parts'][name]['elapsed_s']:.1f} s", flush=True)
             write(results, args.out)
     results["total_s"] = round(time.perf_counter() - run_start, 1)
-    results["markdown"] = markdown(results)
+    results["markdown"] = gpu_table(results)
     write(results, args.out)
     print("\n" + results["markdown"], flush=True)
     return 0
