@@ -60,10 +60,10 @@ import modular_decoder  # noqa: F401  (registers the family with the Auto classe
 from modular_decoder.compat import with_cache
 from modular_decoder.mla import ABSORBED_MAX_NEW_TOKENS, set_decode_mode
 
+from .families import LORA_TARGETS
 from .gpu_plan import FULL, SMOKE, Plan, deepseek_v3_config, llama_config
 from .gpu_profile import difference, digest, profiled
-from .gpu_timing import (PartTimeout, Skip, agreement, count_syncs, cuda_peak, part_guard, ratio, sync, timed,
-                         wall)
+from .gpu_timing import PartTimeout, Skip, agreement, count_syncs, cuda_peak, part_guard, ratio, timed, wall
 from .mla_prefill import chunked_prefill, new_cache
 from .pages import gpu_table
 
@@ -553,13 +553,12 @@ def mla_chunked_prefill(bench: Bench) -> dict:
         for side, model in (("transformers", theirs), ("ours", ours)):
             _empty_cache()
             try:
-                with cuda_peak() as peak:
-                    sync()
-                    start = time.perf_counter()
+                def prefill():
                     last[side] = chunked_prefill(model, side, ids, chunk)
-                    sync()
-                    entry[side] = {"seconds": time.perf_counter() - start}
-                entry[side]["peak_gib"] = peak.gib
+
+                with cuda_peak() as peak:
+                    seconds = wall(prefill)
+                entry[side] = {"seconds": seconds, "peak_gib": peak.gib}
             except torch.OutOfMemoryError as error:
                 entry[side] = {"oom": str(error)[:300]}
         if len(last) == 2:
@@ -608,7 +607,7 @@ def _lora(theirs, ours, family: str):
     """The same LoRA (r=8) on both sides; ours gets transformers' side's initial adapter weights by name."""
     from peft import LoraConfig, get_peft_model
 
-    targets = ["q_proj", "v_proj"] if family == "llama" else ["q_b_proj", "kv_b_proj"]
+    targets = LORA_TARGETS[family][0]  # the benchmarks' LoRA targets (same names on both sides for these two)
     models = [get_peft_model(m, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
               for m in (theirs, ours)]
     adapters = {k: v for k, v in models[0].state_dict().items() if "lora_" in k}
