@@ -441,6 +441,34 @@ def test_cli_writes_a_first_class_checkpoint_with_its_report(tiny_folder, tmp_pa
     assert main(["validate", str(out), "--checks", "shapes", "causality", "cached_decoding", "cache_bytes"]) == 0
 
 
+def test_healing_after_an_exact_step_reports_no_gap_not_a_share_of_rounding_noise(tiny_folder, tmp_path):
+    """Upcycling is measured exact, so its perplexity "gap" is rounding noise: dividing by it printed
+    "closed -516987% of the perplexity gap". The report says there is no gap, and why."""
+    out = tmp_path / "out"
+    args = ["reshape", str(tiny_folder), str(out), "--experts", "4", "--top-k", "2", "--heal-steps", "2",
+            "--calibration", str(calibration_file(tmp_path))]
+    assert main(args) == 0
+    heal = json.loads((out / REPORT_FILE).read_text())["heal"]
+    assert heal["gap_closed"] is None and heal["no_gap"] == "every transformation was measured exact"
+    [line] = [line for line in (out / "README.md").read_text().splitlines() if line.startswith("Healing:")]
+    assert "no perplexity gap to close (every transformation was measured exact)" in line and "%" not in line
+
+
+@pytest.mark.parametrize(("after", "healed", "closed", "no_gap"), [
+    (12.0, 11.0, 0.5, None),  # a real gap of 2, healed by 1
+    (10.0 + 1e-5, 9.0, None, "within rounding"),
+    (9.0, 8.5, None, "lowered perplexity"),
+], ids=["gap", "rounding", "lowered"])
+def test_the_perplexity_gap_is_divided_only_when_there_is_one(after, healed, closed, no_gap):
+    from modular_decoder.tools.reshape.measures import perplexity_gap
+
+    lossy = [{"measured": {"exact": False}}]
+    gap = perplexity_gap(10.0, after, healed, lossy)
+    assert gap["closed"] == (pytest.approx(closed) if closed is not None else None)
+    assert (no_gap is None) == ("no_gap" not in gap)
+    assert no_gap is None or no_gap in gap["no_gap"]
+
+
 def test_plot_reshape_draws_perplexity_against_cache_bytes(tmp_path):
     pytest.importorskip("matplotlib")
     report = {"before": {"kv_cache_bytes_per_token": 4096, "perplexity": 10.0},

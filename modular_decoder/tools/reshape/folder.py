@@ -13,7 +13,7 @@ import torch
 
 from .calibration import Calibration, calibration_from_file, sampled_calibration
 from .healing import LEARNING_RATE, heal
-from .measures import logit_change, measured_cache_bytes_per_token, perplexity
+from .measures import logit_change, measured_cache_bytes_per_token, perplexity, perplexity_gap
 from .moments import attention_moments
 from .pipeline import changed_modules, check_options, to_latent_attention, transform
 
@@ -88,10 +88,10 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
     if heal_steps:
         losses = heal(new, model, calib.ids, heal_steps, changed_modules(changes), heal_lr, progress)
         healed = perplexity(new, calib.held_out)
-        gap = after["perplexity"] - before["perplexity"]
+        gap = perplexity_gap(before["perplexity"], after["perplexity"], healed, report["transformations"])
         report["heal"] = {"steps": heal_steps, "learning_rate": heal_lr, "trainable": changed_modules(changes),
                           "kl_first": losses[0], "kl_last": losses[-1], "perplexity": healed,
-                          "gap_closed": (after["perplexity"] - healed) / gap if gap else None}
+                          "gap_closed": gap.pop("closed"), **gap}
         timing["heal"] = time.perf_counter() - start - sum(timing.values())
     if sweep_ranks:
         report["sweep"] = _sweep(base, calib, sweep_ranks, options.get("rope_dim"), moments, progress)
