@@ -375,6 +375,50 @@ def test_cli_refuses_bad_options_with_one_line_and_writes_nothing(tiny_folder, t
     assert "calibration" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["too-short", "no-tokenizer", "ids-outside-vocabulary"])
+def test_bad_calibration_input_is_refused_in_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, bad):
+    """A calibration text the model cannot use was read after the checks, once the model had loaded: a
+    traceback (exit 1). It is a user error now, found before `from_pretrained` runs."""
+    import transformers
+
+    src, text = saved_folder(tmp_path / "src"), calibration_file(tmp_path)
+    if bad == "too-short":
+        text.write_text("the quick brown fox")
+    elif bad == "no-tokenizer":
+        for path in src.iterdir():
+            if "token" in path.name:
+                path.unlink()
+    else:  # a checkpoint whose vocabulary is smaller than its tokenizer's
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "vocab_size": 8}))
+    loaded = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["reshape", str(src), str(out), "--kv-heads", "2", "--calibration", str(text)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: `--calibration` {text}") and "\n" not in err, err
+    assert {"too-short": "at least 64 are needed", "no-tokenizer": "has none",
+            "ids-outside-vocabulary": "(vocab_size=8)"}[bad] in err
+    assert not loaded and not out.exists()
+
+
+def test_a_short_calibration_text_holds_out_its_last_quarter(tmp_path):
+    """The README's promise, for a short text too (it held out half of one under 512 tokens)."""
+    from transformers import AutoTokenizer
+
+    from modular_decoder.tools.reshape.calibration import calibration_from_file
+
+    src, text = saved_folder(tmp_path / "src"), calibration_file(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    for words in (30, 200):  # a short text and a longer one
+        text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * words))
+        total = len(tokenizer(text.read_text(), add_special_tokens=False).input_ids)
+        calibration = calibration_from_file(text, tokenizer)
+        kept, held = len(calibration.ids), len(calibration.held_out)  # sequences of equal length
+        assert held == (kept + held) // 4 >= 1 and calibration.ids.numel() + calibration.held_out.numel() > 0.9 * total
+
+
 def test_sampled_calibration_is_unpadded_text_and_warns_nothing(tmp_path):
     """Without `--calibration`, text is sampled from the source's first token. When that token is also the pad
     id (SmolLM2: 0), generate took it for padding: it warned "right-padding was detected" and masked it."""

@@ -64,11 +64,13 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
         check_options(config, sweep_ranks=sweep_ranks, heal_steps=heal_steps, heal_lr=heal_lr,
                       needs_calibration_ids=False, **options)
 
+        tokenizer = _tokenizer(src)
+        # the calibration text is read (and refused) before the model loads
+        calib = calibration_from_file(calibration, tokenizer, config.vocab_size) if calibration else None
         saved_dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
-        tokenizer = _tokenizer(src)
     timing = {"load": time.perf_counter() - start}
-    calib = calibration_from_file(calibration, tokenizer) if calibration else sampled_calibration(model, seed)
+    calib = calib or sampled_calibration(model, seed)
     timing["calibration"] = time.perf_counter() - start - sum(timing.values())
     before = measure(model, calib.held_out)
     structural = {**options, "attention": None, "kv_lora_rank": None, "rope_dim": None}
