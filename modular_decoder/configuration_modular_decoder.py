@@ -334,10 +334,15 @@ class ModularDecoderConfig(PretrainedConfig):
 
     @classmethod
     def integer_fields(cls) -> list[str]:
-        """The fields this class declares as `int` (or `int | None`): kinds read them to derive others (MLA's
-        `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first."""
-        return [name for name, kind in vars(cls).get("__annotations__", {}).items()
-                if kind in ("int", "int | None") and FIELD_RULES.get(name) is not _token_ids]  # ids may be lists
+        """The fields this class and its bases declare as `int` (or `int | None`): kinds read them to derive others
+        (MLA's `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first.
+        The whole MRO is read, so that a subclass keeps the checks."""
+        declared = {}
+        for klass in reversed(cls.__mro__):
+            if issubclass(klass, ModularDecoderConfig):
+                declared.update(vars(klass).get("__annotations__", {}))
+        return [name for name, kind in declared.items()  # annotations are strings here, types in a subclass
+                if kind in ("int", "int | None", int, int | None) and FIELD_RULES.get(name) is not _token_ids]
 
     # RoPE parameters only mean something for rotary positions (and MLA's decoupled rotary key):
     # other position types keep `rope_parameters=None` instead of a default dict nobody reads.
