@@ -445,3 +445,18 @@ def test_gpu_matrix_generate_stops_at_the_batch_its_guard_fired_in(monkeypatch):
         result = gpu._generate_batches(bench, "eager `generate`")
     assert batches == [1]
     assert "timeout" in result["b1"] and f"b{SMOKE.big_batch}" not in result
+
+
+def test_mla_crossover_smoke_records_crossover_query_blocks_static_prefill(tmp_path):
+    """`python -m benchmarks mla_crossover --smoke`: the rows behind `tuning`'s MLA settings, each present: the
+    crossover, the query blocks with the absorbed scoring's own peak (`measure.TensorBytes`) and the prefill into
+    an empty static cache."""
+    from benchmarks import mla_crossover
+
+    out = tmp_path / "crossover.json"
+    assert mla_crossover.main(["--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["crossover"] and record["static_prefill"]
+    assert all(row["absorbed"] > 0 and row["expanded"] > 0 for row in record["crossover"] + record["static_prefill"])
+    assert all(row["scoring_peak"]["score_blocks"] >= 2 for row in record["query_blocks"])
+    assert record["provenance"]["command"].startswith("python -m benchmarks mla_crossover --smoke")
