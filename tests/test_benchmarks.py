@@ -105,6 +105,7 @@ def test_suite_quick_extras_memory_training_max_batch(tmp_path, capsys):
         assert probe["load_decode_peak_mb"] >= max(probe["load_peak_mb"], probe["decode_peak_mb"]) - 1e-9
         batch = probe["max_batch"]
         assert batch["capped"] and batch["batch"] == 16  # tiny model, 400 MB: the quick cap
+        assert batch["cache_mb_per_sequence"] > 0
         assert all(peak <= 400 for peak in batch["peaks_mb"].values())
     for side in run.PAIR:
         assert family["memory"][side]["experts_implementation"] == family["experts_implementation"][side]["decode"]
