@@ -42,11 +42,7 @@ rates; the guard in brackets):
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -60,6 +56,7 @@ import modular_decoder  # noqa: F401  (registers the family with the Auto classe
 from modular_decoder.compat import with_cache
 from modular_decoder.mla import ABSORBED_MAX_NEW_TOKENS, set_decode_mode
 
+from . import harness
 from .families import LORA_TARGETS
 from .gpu_plan import FULL, SMOKE, Plan, deepseek_v3_config, llama_config
 from .gpu_profile import difference, digest, profiled
@@ -700,34 +697,23 @@ PARTS = {
 
 
 def metadata(plan: Plan, device: str) -> dict:
-    hardware = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
-    return {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "hardware": hardware, "device": device, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "transformers": tf.__version__, "python": platform.python_version(),
-            "plan": plan.name, "dtype": str(plan.dtype).removeprefix("torch."), "attn_implementation": "sdpa"}
-
-
-def write(results: dict, out: Path | None) -> None:
-    if out is None:
-        return
-    partial = out.with_suffix(".partial")
-    partial.write_text(json.dumps(results, indent=1, default=str))
-    partial.replace(out)
+    """What the run measured with (the machine, versions and commit are in the result's provenance)."""
+    return {"device": device, "plan": plan.name, "dtype": str(plan.dtype).removeprefix("torch."),
+            "attn_implementation": "sdpa"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="JSON written after every part")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, on the CPU: the code paths only")
+    parser = harness.parser("gpu", __doc__, repeats=None, smoke="tiny shapes, fp32, on the CPU: the code paths only")
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), help="run only these parts")
     parser.add_argument("--budget", type=float, help="seconds for the whole run (parts after it skip); default: "
                                                       "the plan's (420 on the GPU)")
     args = parser.parse_args(argv)
+    run = harness.begin("gpu", argv, args)
     plan = SMOKE if args.smoke else FULL
     budget = args.budget or plan.budget_s
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     results = {"meta": metadata(plan, device), "parts": {}}
-    print(json.dumps(results["meta"]), flush=True)
+    print(run.command, json.dumps(results["meta"]), flush=True)
     run_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         bench = Bench(plan, Path(folder), device)
@@ -751,11 +737,9 @@ def main(argv: list[str] | None = None) -> int:
             status = next((k for k in ("skipped", "error") if k in results["parts"][name]), "ok")
             print(f"[{time.perf_counter() - run_start:6.1f} s] {name}: {status} in "
                   f"{results['parts'][name]['elapsed_s']:.1f} s", flush=True)
-            write(results, args.out)
+            harness.write_result(args.out, results, run)  # after every part: a cut-short run keeps what it measured
     results["total_s"] = round(time.perf_counter() - run_start, 1)
-    results["markdown"] = gpu_table(results)
-    write(results, args.out)
-    print("\n" + results["markdown"], flush=True)
+    print("\n" + gpu_table(harness.write_result(args.out, results, run)), flush=True)
     return 0
 
 

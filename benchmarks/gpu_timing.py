@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import statistics
-import time
 import warnings
 from collections.abc import Callable
 
 import torch
+
+from .measure import median_seconds, wall  # noqa: F401  (wall: the parts' timer)
 
 
 class Skip(Exception):
@@ -35,31 +35,9 @@ def part_guard(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def wall(run: Callable) -> float:
-    """Seconds of `run()`, the device's queue drained before and after."""
-    sync()
-    start = time.perf_counter()
-    run()
-    sync()
-    return time.perf_counter() - start
-
-
 def timed(models: dict, run: Callable, repeats: int) -> dict[str, float]:
-    """Median seconds of `run(model)` per side after one warm-up each; the order alternates every repeat so
-    that neither side always runs first."""
-    for model in models.values():
-        run(model)
-    times = {side: [] for side in models}
-    order = list(models)
-    for repeat in range(repeats):
-        for side in order if repeat % 2 == 0 else reversed(order):
-            times[side].append(wall(lambda: run(models[side])))
-    return {side: statistics.median(values) for side, values in times.items()}
+    """Median seconds of `run(model)` per side (`measure.median_seconds`: a warm-up each, the order alternating)."""
+    return median_seconds({side: (lambda model=model: run(model)) for side, model in models.items()}, repeats)
 
 
 def ratio(seconds: dict[str, float]) -> float:

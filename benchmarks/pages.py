@@ -1,12 +1,14 @@
-"""Render the benchmarks' JSON output into `docs/benchmarks.md` and the README's headline table.
+"""Render the benchmarks' JSON output into `docs/benchmarks.md` and the README's headline table, and the list of
+benchmarks (`registry.BENCHMARKS`) into `benchmarks/README.md`.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages          # rewrite both from the committed JSON
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages --check  # exit 1 if either is stale
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages          # rewrite all three from the committed JSON
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages --check  # exit 1 if one is stale
 
 Every number on the page and in the headline table is computed here from a JSON file a benchmark wrote
-(`SECTIONS` names each file and the command that wrote it); no prose retypes a figure. Adding a benchmark's
-output is one entry in `SECTIONS`: its JSON path and a function that turns it into markdown.
-`tests/test_readme.py` checks that the committed page and table equal what this module renders.
+(`SECTIONS` names each file); no prose retypes a figure, and each section ends with the file's provenance (commit,
+versions, machine, load, as `harness.write_result` recorded them). Adding a benchmark's output is one entry in
+`SECTIONS`: its JSON path and a function that turns it into markdown. `tests/test_readme.py` checks that the
+committed pages equal what this module renders.
 """
 
 from __future__ import annotations
@@ -24,11 +26,37 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
+BENCHMARKS_README = ROOT / "benchmarks" / "README.md"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
+LIST_START, LIST_END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 
 
 def load(name: str) -> dict:
     return json.loads((ROOT / "benchmarks" / name).read_text())
+
+
+def command_of(data: dict) -> str:
+    """The command that wrote a result JSON (`harness.write_result` records it under "provenance")."""
+    return data["provenance"]["command"] if "provenance" in data else data["command"]
+
+
+def provenance_line(data: dict) -> str:
+    """Where a result came from: the commit, versions, machine and load, as `harness.write_result` recorded them
+    (a file written before it did says what it lacks)."""
+    record = data.get("provenance")
+    if record is None:
+        known = ", ".join(f"{key} {data[key]}" for key in ("torch", "transformers") if key in data)
+        return (f"Recorded before result files named their commit and machine{': ' + known if known else ''}; "
+                "re-run to trace it.")
+    versions, host = record["versions"], record["machine"]
+    where = host.get("gpu") or f"{host['cpu']} ({host['cpu_count']} cores, {host['torch_threads']} torch threads)"
+    changed = (f" with {len(record['changed_files'])} changed file(s) ({', '.join(record['changed_files'][:3])})"
+               if record["changed_files"] else "")
+    return (f"Measured {record['date_utc'][:10]} at commit `{record['commit'][:10]}`{changed}: torch "
+            f"{versions['torch']}, transformers {versions['transformers']}, modular-decoder "
+            f"{versions['modular-decoder']}, Python {versions['python']}; {where}; 1-minute load average "
+            f"{record['load_average_start'][0]:.1f} at the start, {record['load_average_end'][0]:.1f} at the end; "
+            f"{record['seconds'] / 60:.0f} min.")
 
 
 def span(values, fmt: str = "{:.2f}") -> str:
@@ -41,14 +69,18 @@ def span(values, fmt: str = "{:.2f}") -> str:
 
 def command(results: dict) -> str:
     """The recorded command, without the README-writing flag of older runs (the page is written here now)."""
-    return re.sub(r" --readme \S+", "", results["command"])
+    return re.sub(r" --readme \S+", "", command_of(results))
 
 
 def _run_args(results: dict) -> argparse.Namespace:
-    """The arguments the run was made with, re-parsed from the command it recorded (labels need them)."""
+    """The arguments the run was made with (labels need them): recorded, or re-parsed from an older run's
+    command (`python -m benchmarks.run ... --json FILE`)."""
+    if "provenance" in results:
+        return argparse.Namespace(**results["provenance"]["arguments"])
     from . import run  # here, not at the top: benchmarks.run imports torch, which the other sections never need
 
-    return run.parse_args(shlex.split(command(results))[3:])
+    old = shlex.split(command(results))[3:]
+    return run.parse_args(["--out" if word == "--json" else word for word in old])
 
 
 def ratios(results: dict, key: str, families=None) -> dict:
@@ -72,14 +104,13 @@ def families_section(results: dict) -> str:
     resident = ratios(results, "resident_mb", dense)
     max_batch = {f: (fams[f]["metrics"]["max_batch"]["transformers"]["median"],
                      fams[f]["metrics"]["max_batch"]["ours"]["median"]) for f in dense}
-    load_end = results["load_average_end"][0]
     lines = [
         "## Speed, memory and training against transformers (CPU, fp32)",
         "",
         "```bash",
         f"HF_HUB_OFFLINE=1 .venv/bin/{command(results)}   # this run: "
         f"{sum(r['seconds'] for r in fams.values()) / 60:.0f} min",
-        "HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.run --quick --json /tmp/quick.json   # smoke test, tiny shapes",
+        "HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks run --smoke --out /tmp/smoke.json   # smoke test, tiny shapes",
         "```",
         "",
         "Ours against transformers' own class with the same weights (converted by `modular_decoder.conversion`), in",
@@ -89,9 +120,8 @@ def families_section(results: dict) -> str:
         "roofline divides the measured copy bandwidth by the weight bytes one batch-1 step reads (for the experts",
         "families, the active weights only).",
         "",
-        f"Measured with torch {results['torch']}, transformers {results['transformers']}, {results['threads']} threads, "
-        f"copy bandwidth {results['copy_bandwidth_gb_s']:.1f} GB/s, 1-minute load average "
-        f"{results['load_average_start'][0]:.1f} at the start and {load_end:.1f} at the end.",
+        f"Copy bandwidth {results['copy_bandwidth_gb_s']:.1f} GB/s; the run's provenance (commit, versions, threads, "
+        "load) is under the table.",
         "",
         run.table(results, _run_args(results)),
         "",
@@ -121,9 +151,15 @@ def families_section(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _threads(data: dict) -> int:
+    return data["provenance"]["machine"]["torch_threads"] if "provenance" in data else data["threads"]
+
+
 # --- benchmarks/results_compiled_decode.json: `python -m benchmarks.compiled_decode --json ...` -------------
 
 def compiled_section(compiled: dict, results: dict) -> str:
+    from .compiled_decode import table as compiled_table
+
     runs = compiled["runs"]
     median = {key: runs[key]["median"] for key in runs}
     roofline = results["families"]["llama"]["roofline_b1_tok_s"]
@@ -133,23 +169,16 @@ def compiled_section(compiled: dict, results: dict) -> str:
         "## Compiled decoding (SmolLM2-135M, batch 1)",
         "",
         "```bash",
-        f"HF_HUB_OFFLINE=1 .venv/bin/{compiled['command']}",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(compiled)}",
         "```",
         "",
-        f"{compiled['label']}, fp32, {compiled['threads']} threads, static cache, {compiled['new_tokens']} new tokens "
+        f"{compiled['label']}, fp32, {_threads(compiled)} threads, static cache, {compiled['new_tokens']} new tokens "
         "after a 32-token prompt, greedy; ours against transformers' `LlamaForCausalLM` with the same weights, each "
         "eager and through transformers' compiled decode step (`compiled_decoding()`); the four runs once per repeat "
-        f"in a shuffled order, {compiled['repeats']} repeats, median ± half the spread.",
+        f"after a warm-up round, the order reversed every other repeat, {compiled['repeats']} repeats, median ± half "
+        "the spread.",
         "",
-        "| decode b1 tok/s (static cache) | transformers | ours | ratio |",
-        "|---|---:|---:|---:|",
-    ]
-    for mode in ("eager", "compiled"):
-        theirs, mine = runs[f"transformers/{mode}"], runs[f"ours/{mode}"]
-        lines.append(f"| {mode} | {theirs['median']:.1f} ±{theirs['half_spread']:.1f} | {mine['median']:.1f} "
-                     f"±{mine['half_spread']:.1f} | {mine['median'] / theirs['median']:.2f} |")
-    lines += [
-        f"| ours compiled vs transformers eager | | | {median['ours/compiled'] / median['transformers/eager']:.2f} |",
+        compiled_table(runs),
         "",
         "The first compiled call took " + ", ".join(f"{s:.0f} s ({name})" for name, s in compiled["compile_seconds"].items())
         + f". Compiled, ours decodes a step in {step_ms:.1f} ms: {100 * median['ours/compiled'] / roofline:.0f}% of the "
@@ -182,7 +211,7 @@ def serving_section(serving: dict) -> str:
         "## Serving through vLLM (CPU, fp32)",
         "",
         "```bash",
-        f"HF_HUB_OFFLINE=1 .venv/bin/{serving['command']}",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(serving)}",
         "```",
         "",
         f"SmolLM2-135M, {shape['prompts']} prompts x {shape['prompt_tokens']} tokens, {shape['new_tokens']} new each, "
@@ -231,16 +260,15 @@ def mla_prefill_section(run: dict) -> str:
         "## MLA chunked prefill (CPU, fp32)",
         "",
         "```bash",
-        f"HF_HUB_OFFLINE=1 .venv/bin/{run['command']}",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}",
         "```",
         "",
-        f"DeepSeek-V3 attention (hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads, q_lora "
-        f"{shape['q_lora_rank']}, kv_lora {shape['kv_lora_rank']}, nope {shape['qk_nope_head_dim']}, rope "
-        f"{shape['qk_rope_head_dim']}, v {shape['v_head_dim']}), {shape['layers']} dense layers, batch 1: "
-        f"{shape['tokens']:,} tokens prefilled in chunks of {shape['chunk']:,}, every chunk after the first a "
-        f"multi-token step against the cache. Same weights (made by transformers' `DeepseekV3ForCausalLM`, "
-        f"converted); {run['threads']} threads, load average {run['load_average']:.1f}, {run['date']}, torch "
-        f"{run['torch']}, transformers {run['transformers']}.",
+        f"DeepSeek-V2-Lite's attention widths with a low-rank query (hidden {shape['hidden_size']}, "
+        f"{shape['num_attention_heads']} heads, q_lora {shape['q_lora_rank']}, kv_lora {shape['kv_lora_rank']}, nope "
+        f"{shape['qk_nope_head_dim']}, rope {shape['qk_rope_head_dim']}, v {shape['v_head_dim']}), {shape['layers']} "
+        f"dense layers, batch 1: {shape['tokens']:,} tokens prefilled in chunks of {shape['chunk']:,}, every chunk "
+        "after the first a multi-token step against the cache. Same weights (made by transformers' "
+        "`DeepseekV3ForCausalLM`, converted).",
         "",
         "| | transformers' `DeepseekV3ForCausalLM` | ours | ours / it |",
         "|---|---:|---:|---:|",
@@ -261,9 +289,11 @@ def mla_prefill_section(run: dict) -> str:
 def gpu_table(results: dict) -> str:
     """The GPU matrix's table from its JSON's parts (a run cut short by its budget or killed renders what it
     recorded), under a line with its date, hardware and versions."""
-    meta = results["meta"]
-    lines = [f"GPU matrix, {meta['date_utc'][:10]}: {meta['hardware']}, torch {meta['torch']}, transformers "
-             f"{meta['transformers']}, {meta['dtype']}, `python3 -m benchmarks.gpu`; ratio > 1: ours faster", "",
+    meta, record = results["meta"], results["provenance"]
+    hardware = record["machine"].get("gpu") or record["machine"]["cpu"]
+    lines = [f"GPU matrix, {record['date_utc'][:10]}: {hardware}, torch {record['versions']['torch']}, transformers "
+             f"{record['versions']['transformers']}, {meta['dtype']}, `{record['command']}` at commit "
+             f"`{record['commit'][:10]}`; ratio > 1: ours faster", "",
              "| case | transformers | ours | ratio |", "|---|---:|---:|---:|"]
     for name, part in results["parts"].items():
         if "rows" in part:
@@ -328,8 +358,9 @@ def page() -> str:
         if not present and section.optional:
             parts.append(section.render(None) + "\n")
             continue
-        parts.append(section.render(*(load(name) for name in section.sources))
-                     + "\n\nSource: " + ", ".join(f"`benchmarks/{name}`" for name in section.sources) + ".\n")
+        data = [load(name) for name in section.sources]
+        sources = [f"Source: `benchmarks/{name}`. {provenance_line(d)}" for name, d in zip(section.sources, data)]
+        parts.append(section.render(*data) + "\n\n" + "\n".join(f"{line}\n" for line in sources))
     return "\n".join(parts)
 
 
@@ -366,18 +397,37 @@ def headline() -> str:
     return "\n".join(lines)
 
 
+def _between(text: str, start: str, end: str, body: str, name: str) -> str:
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{name} has no {start} ... {end} markers.")
+    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text)
+
+
 def readme_with_headline(readme: str) -> str:
-    pattern = re.compile(re.escape(HEADLINE_START) + ".*?" + re.escape(HEADLINE_END), re.S)
-    if not pattern.search(readme):
-        raise ValueError(f"README.md has no {HEADLINE_START} ... {HEADLINE_END} markers.")
-    return pattern.sub(lambda _: f"{HEADLINE_START}\n{headline()}\n{HEADLINE_END}", readme)
+    return _between(readme, HEADLINE_START, HEADLINE_END, headline(), "README.md")
+
+
+def benchmark_list() -> str:
+    """benchmarks/README.md's table: every registered benchmark, what it measures, the JSON it commits."""
+    from .registry import BENCHMARKS
+
+    lines = ["| `python -m benchmarks NAME` | measures | committed result |", "|---|---|---|"]
+    lines += [f"| `{b.name}` (`benchmarks/{b.module}.py`) | {b.measures} | "
+              f"{f'`benchmarks/{b.writes}`' if b.writes else '—'} |" for b in BENCHMARKS]
+    return "\n".join(lines)
+
+
+def benchmarks_readme_with_list(text: str) -> str:
+    return _between(text, LIST_START, LIST_END, benchmark_list(), "benchmarks/README.md")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is stale")
     args = parser.parse_args(argv)
-    wanted = {PAGE: page(), README: readme_with_headline(README.read_text())}
+    wanted = {PAGE: page(), README: readme_with_headline(README.read_text()),
+              BENCHMARKS_README: benchmarks_readme_with_list(BENCHMARKS_README.read_text())}
     stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:

@@ -1,6 +1,6 @@
-"""The benchmark suite: ours vs transformers' own class, same weights, one process, fp32.
+"""The family suite: ours vs transformers' own class, same weights, one process, fp32.
 
-    python -m benchmarks.run [--families llama gpt2 ...] [--repeats 3] [--json bench.json] [--quick]
+    python -m benchmarks run [--families llama gpt2 ...] [--repeats 3] [--out bench.json] [--smoke]
 
 For each family (see benchmarks/families.py): prefill tokens/s at 1xP and 4xP (no cache, last
 logits only), greedy decode tokens/s at batch 1 and batch B over N new tokens (steps after the
@@ -33,14 +33,13 @@ each side used and how it was chosen.
 
 Timed runs never share the process with a memory-sampling thread: the "decode bB peak" row comes from
 one separate, untimed batch-B run per model after the timed repeats.
-`--quick` runs tiny shapes with short sequences: a smoke test, not a measurement.
+`--smoke` runs tiny shapes with short sequences, one repeat: a smoke test, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import statistics
@@ -49,13 +48,13 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 
 from modular_decoder.compat import attn_implementation
 from modular_decoder.split_products import set_split_products
 
 from modular_decoder import parameter_count
 
+from . import harness
 from .families import CONFIGS, LORA_TARGETS, MOE_FAMILIES, build_pair
 from .measure import active_bytes_read_per_step, bytes_read_per_step, copy_bandwidth, decode, prefill, train_step
 from .memory import run_probes
@@ -338,18 +337,14 @@ def table(results: dict, args) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser("run", __doc__, smoke="tiny shapes, short sequences, 1 repeat: a smoke test")
     parser.add_argument("--families", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", type=int, default=512, help="prompt length P of the prefill rows")
     parser.add_argument("--prompt", type=int, default=32, help="prompt length before decoding")
     parser.add_argument("--prefill-samples", type=int, default=3,
                         help="prefill forwards per model and repeat; their median is the repeat's value")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--json", type=Path, default=Path("bench_results.json"))
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, short sequences, 1 repeat: a smoke test")
     extra = parser.add_argument_group("memory, training, largest batch")
     extra.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory probes")
     extra.add_argument("--no-train", action="store_true", help="skip the training throughput rows")
@@ -369,7 +364,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     moe.add_argument("--calibration-rounds", type=int, default=2)
     moe.add_argument("--calibration-tokens", type=int, default=16, help="decode steps per calibration round")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.smoke:
         args.repeats, args.prefill, args.prompt, args.new_tokens, args.decode_batch = 1, 32, 8, 8, 2
         args.prefill_samples = 1
         args.train_batch, args.train_seq, args.train_steps = 1, 16, 1
@@ -380,15 +375,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    bandwidth = copy_bandwidth(64 if args.quick else 256)
-    results = {
-        "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "load_average_start": os.getloadavg(), "families": {},
-    }
+    run = harness.begin("run", argv, args)
+    bandwidth = copy_bandwidth(64 if args.smoke else 256)
+    results = {"copy_bandwidth_gb_s": bandwidth / 1e9, "families": {}}
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     for family in args.families:
@@ -396,7 +385,7 @@ def main(argv=None) -> int:
         entry = {}
         phases, clock = {}, time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
-            reference, ours, label = build_pair(family, Path(tmp), args.quick)
+            reference, ours, label = build_pair(family, Path(tmp), args.smoke)
             moe = family in MOE_FAMILIES
             weight_bytes = bytes_read_per_step(ours)
             step_bytes = active_bytes_read_per_step(ours)
@@ -437,12 +426,8 @@ def main(argv=None) -> int:
         print(f"{family}: {time.perf_counter() - start:.0f} s ("
               + ", ".join(f"{k} {v:.0f} s" for k, v in entry["phase_seconds"].items())
               + f"), load average {os.getloadavg()[0]:.2f}", flush=True)
-    results["load_average_end"] = os.getloadavg()
-    text = table(results, args)
-    print(text)
-    args.json.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.json}")
-    print("docs/benchmarks.md is rendered from it: python -m benchmarks.pages")
+    print(table(results, args))
+    harness.write_result(args.out, results, run)
     return 0
 
 

@@ -7,7 +7,6 @@ never a shape error deep inside ``forward``.
 
 from __future__ import annotations
 
-import sys
 
 # first: importing compat checks the transformers version, before anything below can fail on an older one
 from .compat import convert_nested_rope_params, plan_additions, run_config_validators  # isort: skip
@@ -17,6 +16,7 @@ from transformers import PretrainedConfig  # noqa: E402
 from .blocks import validate_block  # noqa: E402
 from .kinds import require_bool, require_choice, require_int, require_number  # noqa: E402
 from .norms import NORMS  # noqa: E402
+from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
 from .registries import ATTENTIONS, MLPS, POSITIONS  # noqa: E402
 
@@ -78,27 +78,6 @@ FIELD_RULES = {
     "bos_token_id": _token_ids,
     "eos_token_id": _token_ids,
 }
-
-
-# `LoraConfig()` without `target_modules`: PEFT takes its defaults from its own table keyed by `model_type`
-# (Llama: q_proj, v_proj), which has no entry for this family. These are Llama's for standard attention;
-# with MLA, the query projection (`q_proj`, or `q_b_proj` after the query bottleneck) and `kv_b_proj`, which
-# makes the per-head keys and values from the latent. PEFT needs only some of the names to exist.
-PEFT_LORA_TARGET_MODULES = ["q_proj", "v_proj", "q_b_proj", "kv_b_proj"]
-
-
-def register_peft_defaults() -> bool:
-    """Add this family's LoRA default targets to PEFT's table, if PEFT is imported (never imports it).
-
-    `ModularDecoderConfig.to_dict` calls it: PEFT reads `model.config.to_dict()` right before it looks the
-    defaults up, so the entry is there whichever of PEFT and the model was loaded first, at no import cost.
-    """
-    constants = sys.modules.get("peft.utils.constants")
-    table = getattr(constants, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", None)
-    if not isinstance(table, dict):
-        return False
-    table.setdefault(ModularDecoderConfig.model_type, list(PEFT_LORA_TARGET_MODULES))
-    return True
 
 
 class ModularDecoderConfig(PretrainedConfig):
@@ -340,10 +319,15 @@ class ModularDecoderConfig(PretrainedConfig):
 
     @classmethod
     def integer_fields(cls) -> list[str]:
-        """The fields this class declares as `int` (or `int | None`): kinds read them to derive others (MLA's
-        `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first."""
-        return [name for name, kind in vars(cls).get("__annotations__", {}).items()
-                if kind in ("int", "int | None") and FIELD_RULES.get(name) is not _token_ids]  # ids may be lists
+        """The fields this class and its bases declare as `int` (or `int | None`): kinds read them to derive others
+        (MLA's `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first.
+        The whole MRO is read, so that a subclass keeps the checks."""
+        declared = {}
+        for klass in reversed(cls.__mro__):
+            if issubclass(klass, ModularDecoderConfig):
+                declared.update(vars(klass).get("__annotations__", {}))
+        return [name for name, kind in declared.items()  # annotations are strings here, types in a subclass
+                if kind in ("int", "int | None", int, int | None) and FIELD_RULES.get(name) is not _token_ids]
 
     # RoPE parameters only mean something for rotary positions (and MLA's decoupled rotary key):
     # other position types keep `rope_parameters=None` instead of a default dict nobody reads.
@@ -373,7 +357,7 @@ class ModularDecoderConfig(PretrainedConfig):
         return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:
-        register_peft_defaults()  # see there: PEFT reads this dict to pick `LoraConfig()`'s targets
+        register_peft_defaults()  # see there: PEFT reads this dict to pick a config's default targets
         output = super().to_dict()
         model_entry = (output.get("auto_map") or {}).get("AutoModel")
         if isinstance(model_entry, str):

@@ -53,8 +53,8 @@ from .sinks import sink_parameters
 # the absorbed form may read `kv_b_proj`'s weight.
 DECODE_MODES = ("auto", "absorbed", "expanded")
 
-# The longest step (new tokens against a cache) that runs absorbed. Measured with `python
-# benchmarks/bench_mla_decode.py --crossover --contexts 1024 8192` (CPU, fp32, DeepSeek-V3 attention, one layer,
+# The longest step (new tokens against a cache) that runs absorbed. Measured with `python -m benchmarks
+# mla_crossover --contexts 1024 8192` (CPU, fp32, DeepSeek-V2-Lite attention + q_lora, one layer,
 # absorbed in query blocks): absorbed is 1.5x / 2.1x faster at 64 new tokens (1k / 8k cached), 1.15x / 1.3x at 128,
 # slower at 256 (0.88x / 0.82x): the CPU crossover lies between 128 and 256 (fp32 FLOPs alone put it near 170
 # for these widths). 64 keeps a margin for GPUs, where the expanded step runs a flash kernel and the explicit
