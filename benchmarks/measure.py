@@ -142,6 +142,14 @@ class PeakMemory:
     def peak_mb(self) -> float:
         return self.peak_bytes / MB
 
+    @property
+    def gib(self) -> float:
+        return self.peak_bytes / 2**30
+
+    @property
+    def above_gib(self) -> float:
+        return (self.peak_bytes - self.start_bytes) / 2**30
+
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes/s of a STREAM-like copy (read + write counted) over arrays larger than the caches: best of `repeats`."""
