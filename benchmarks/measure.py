@@ -146,6 +146,14 @@ class PeakMemory:
     def peak_mb(self) -> float:
         return self.peak_bytes / MB
 
+    @property
+    def gib(self) -> float:
+        return self.peak_bytes / 2**30
+
+    @property
+    def above_gib(self) -> float:
+        return (self.peak_bytes - self.start_bytes) / 2**30
+
 
 class TensorBytes(TorchDispatchMode):
     """`with TensorBytes() as probe: fn()`, then `probe.peak_bytes`: the most bytes that tensors allocated by the

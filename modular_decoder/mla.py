@@ -51,6 +51,7 @@ from .latent_cache import latent_layer
 from .split_products import is_fx_proxy, project, weight_is_readable
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
+from .sinks import sink_parameters
 from .tuning import Tuning, tuning
 
 # "auto": `scoring_path`'s rule; the other two force one path (tests, benchmarks), still only where
@@ -153,8 +154,10 @@ class MultiHeadLatentAttention(AttentionLayer):
         if pad:
             values = nn.functional.pad(values, [0, self.qk_dim - self.v_dim])
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        attention_interface = self.scores_through(attention_interface, kwargs)  # sinks
         out, weights = attention_interface(
-            self, queries, keys, values, attention_mask, scaling=self.scaling, **self.score_kwargs(kwargs)
+            self, queries, keys, values, attention_mask, scaling=self.scaling, s_aux=self.sinks,
+            **self.score_kwargs(kwargs),
         )
         if pad:
             out = out[..., : self.v_dim]
@@ -241,7 +244,7 @@ class MultiHeadLatentAttention(AttentionLayer):
             alpha=self.scaling,
         ).view(batch, heads, q_len, -1)  # (B, H, t, S)
         dropout = self.config.attention_dropout if self.training else 0.0
-        return attention_probs(self, scores, mask, self.softcap, dropout=dropout, fused_upcast=True)
+        return attention_probs(self, scores, mask, self.softcap, dropout=dropout, fused_upcast=True, sinks=self.sinks)
 
 
 class LatentKind(AttentionKind):
@@ -291,6 +294,8 @@ class LatentKind(AttentionKind):
             needed.add("latent_window")
         if config.head_dim != config.kv_lora_rank + config.qk_rope_head_dim:
             needed.add("latent_head_dim")
+        if config.attention_sinks:
+            needed.add("latent_sinks")
         return needed
 
     def cache_layer(self, config, layer_type: str, implementation: str, max_cache_len: int | None):
@@ -309,7 +314,7 @@ class LatentKind(AttentionKind):
         kv = linear_parameters(d, config.kv_lora_rank + config.qk_rope_head_dim, bias)
         kv += norm_parameters(config, config.kv_lora_rank) if config.kv_latent_norm else 0
         kv += linear_parameters(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), False)
-        return q + kv + linear_parameters(h * config.v_head_dim, d, config.attention_output_bias)
+        return q + kv + linear_parameters(h * config.v_head_dim, d, config.attention_output_bias) + sink_parameters(config)
 
     def bytes_per_token(self, config, element_bytes: int, quantization: str | None = None) -> int:
         """(d_c + d_R)·b: the latent and the shared rotary key."""
