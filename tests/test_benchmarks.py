@@ -263,6 +263,8 @@ def test_result_json_records_commit_versions_machine_and_command(tmp_path):
     provenance = record["provenance"]
     assert provenance["command"] == f"python -m benchmarks example --repeats 2 --out {tmp_path / 'r.json'}"
     assert len(provenance["commit"]) == 40 and isinstance(provenance["changed_files"], list)
+    # whole paths (a status line's leading space is no part of the first): their folders exist, deleted or not
+    assert all((harness.ROOT / path.split(" -> ")[-1]).parent.is_dir() for path in provenance["changed_files"])
     assert provenance["versions"]["torch"] == torch.__version__.split("+")[0] or \
         provenance["versions"]["torch"] == torch.__version__
     assert {"transformers", "modular-decoder", "python"} <= set(provenance["versions"])
