@@ -1,6 +1,6 @@
 """From what weight size a few-row product pays for being split across the cores: whole decode steps of Llama
 layouts at several widths, with the split products off, on everywhere, and on from each threshold (fp32, CPU). The
-measurement behind `split_products.MIN_SPLIT_WEIGHT`.
+measurement behind `tuning.Tuning.min_split_weight` (`split_products.MIN_SPLIT_WEIGHT`, the shipped default).
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks split_threshold [--hidden 64 128 256 384] [--layers 16]
         [--thresholds 0 16384 65536 262144] [--steps 16] [--repeats 5] [--out benchmarks/results_split_threshold.json]
@@ -9,7 +9,7 @@ For each width h: one model of ours (`preset_config("llama")`, hidden h, FFN 3h,
 vocabulary 1024, random weights), a 32-token prompt's cache, then `--steps` cached one-token forwards (a decode
 step, the weights read from memory as in use: a product timed alone keeps its weight hot in the cache and splits
 profitably only at larger sizes); the value of a repeat is the median step. The variants alternate
-(`measure.alternating`): "off" (`set_split_products(False)`), and the split on with `MIN_SPLIT_WEIGHT` set to each
+(`measure.alternating`): "off" (`set_split_products(False)`), and the split on with `min_split_weight` set to each
 `--thresholds` value (0: every product splits), the shipped value among them. Nothing is asserted; compare the
 columns of one width (same process, same model). `--smoke`: widths 32 and 64, 2 layers, 2 steps, one repeat.
 """
@@ -23,6 +23,7 @@ import torch
 
 from modular_decoder import ModularDecoderForCausalLM, preset_config, split_products
 from modular_decoder.compat import cache_of, with_cache
+from modular_decoder.tuning import Tuning, tuned, tuning
 
 from . import harness, measure
 
@@ -30,13 +31,12 @@ from . import harness, measure
 @contextlib.contextmanager
 def split_from(threshold: int | None):
     """The split products on from `threshold` elements (`None`: off) for the duration."""
-    previous, enabled = split_products.MIN_SPLIT_WEIGHT, split_products.split_products_enabled()
+    enabled = split_products.split_products_enabled()
     split_products.set_split_products(threshold is not None)
-    split_products.MIN_SPLIT_WEIGHT = previous if threshold is None else threshold
     try:
-        yield
+        with tuned(min_split_weight=tuning().min_split_weight if threshold is None else threshold):
+            yield
     finally:
-        split_products.MIN_SPLIT_WEIGHT = previous
         split_products.set_split_products(enabled)
 
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.hidden, args.layers, args.steps, args.repeats = [32, 64], 2, 2, 1
     run = harness.begin("split_threshold", argv, args)
-    shipped = split_products.MIN_SPLIT_WEIGHT
+    shipped = Tuning.min_split_weight
     thresholds = sorted(set(args.thresholds) | {shipped})
     variants = {"off": None, **{f"from {t}": t for t in thresholds}}
     print(f"decode step ms (median of {args.steps} steps, median of {args.repeats} repeats), {args.layers} layers, "

@@ -4,16 +4,16 @@ environment variable read at import (a saved folder's remote code reads them too
     absorbed_max_new_tokens  MODULAR_DECODER_ABSORBED_MAX_NEW_TOKENS  (default 64)
         The longest step (new tokens) that MLA scores absorbed, against the latent cache; longer steps expand
         the cache to per-head K/V and run the backend's fused kernel (`mla.MultiHeadLatentAttention.scoring_path`).
-        0: never absorbed. Measured: the `mla_crossover` rows of `benchmarks/results_thresholds.json`
-        (`python -m benchmarks.thresholds --parts mla_crossover`).
+        0: never absorbed. Measured: the "crossover" and "static_prefill" rows of
+        `benchmarks/results_mla_crossover.json` (`python -m benchmarks mla_crossover`).
     absorbed_query_block     MODULAR_DECODER_ABSORBED_QUERY_BLOCK     (default 8)
         New tokens an absorbed step scores per pass (every backend but the eager reference): its explicit scores
-        hold at most (batch, heads, block, cached tokens) values at a time. Measured: the `mla_query_block` rows
-        of the same file (`--parts mla_query_block`: time and peak memory per block size).
+        hold at most (batch, heads, block, cached tokens) values at a time, two such blocks at the scoring's
+        peak. Measured: the "query_blocks" rows of the same file (time, the step's peak, the scoring's own peak).
     min_split_weight         MODULAR_DECODER_MIN_SPLIT_WEIGHT         (default 65536)
         The fewest weight elements over which a few-row product is split across the CPU cores
-        (`split_products`); 0: every product that may split does. Measured: the `split_weight` rows of the
-        same file (`--parts split_weight`: decode steps split everywhere / from the threshold / not at all).
+        (`split_products`); 0: every product that may split does. Measured: `benchmarks/results_split_threshold.json`
+        (`python -m benchmarks split_threshold`: decode steps with the split off, everywhere, from each threshold).
 
 Each is an integer, validated where it is set (a `ValueError` naming the setting or the variable). On a GPU
 the measurements of `benchmarks/` decide them for that GPU: docs/benchmarks.md.
