@@ -61,6 +61,7 @@ FIELD_RULES = {
     "attention_output_bias": _flag,
     "sliding_window": _int(MIN_SLIDING_WINDOW, optional=True),
     "attn_logit_softcapping": _number(optional=True, above=0),
+    "attention_sinks": _flag,
     "final_logit_softcapping": _number(optional=True, above=0),
     "query_pre_attn_scalar": _number(optional=True, above=0),
     "attention_dropout": _number(at_least=0, below=1),
@@ -177,6 +178,10 @@ class ModularDecoderConfig(PretrainedConfig):
         layer_types (`list[str]`, *optional*): One of `"full_attention"` / `"sliding_attention"` per
             layer. Defaults to all sliding when `sliding_window` is set, else all full.
         attn_logit_softcapping (`float`, *optional*): Scores become c·tanh(s/c) (Gemma 2).
+        attention_sinks (`bool`): A learned logit per query head (`self_attn.sinks`) joins every softmax's
+            denominator: probability mass that attends to nothing, so a head may attend to no key (gpt-oss).
+            p_ij = exp(s_ij) / (exp(sink_h) + Σ_j' exp(s_ij')). Any attention kind; every backend but flash-attn 2,
+            whose kernels take no sink.
         final_logit_softcapping (`float`, *optional*): Logits become c·tanh(z/c) (Gemma 2).
         query_pre_attn_scalar (`float`, *optional*): Scores are scaled by this value^-1/2 instead of
             d_h^-1/2 (Gemma 2/3).
@@ -260,6 +265,7 @@ class ModularDecoderConfig(PretrainedConfig):
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     attn_logit_softcapping: float | None = None
+    attention_sinks: bool = False
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     attention_dropout: float = 0.0

@@ -24,6 +24,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .alibi_kernels import takes_alibi_slopes
+from .attention_layer import AttentionLayer
 from .backend_features import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
@@ -131,6 +132,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, name), buffer)
         elif isinstance(module, AlibiBias):
             init.copy_(module.slopes, AlibiBias(self.config).slopes)
+        elif isinstance(module, AttentionLayer) and module.sinks is not None:
+            init.normal_(module.sinks, mean=0.0, std=std)  # as transformers' gpt-oss
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:

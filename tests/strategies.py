@@ -3,7 +3,7 @@
 `config_kwargs()` draws the keyword arguments of a valid config: every value of every registry axis
 (`modular_decoder/registries.py`), MHA / GQA / MQA, explicit head widths, partial rotary widths,
 every rope type with the keys it needs (flat or nested per layer type), sliding windows and
-local/global mixes, QK-norm, soft-caps, the score scale, the embedding ends, biases, learned
+local/global mixes, QK-norm, soft-caps, attention sinks, the score scale, the embedding ends, biases, learned
 offsets and MLA's widths. Sizes stay tiny (hidden <= 48, 1-3 layers, vocabulary <= 64) so a model
 builds and runs in milliseconds.
 
@@ -206,6 +206,7 @@ def config_kwargs(draw) -> dict:
     kw["attention_bias"] = draw(st.booleans())
     kw["attention_output_bias"] = draw(st.sampled_from([None, True, False]))
     kw["attn_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
+    kw["attention_sinks"] = draw(st.booleans())
     kw["final_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
     kw["query_pre_attn_scalar"] = draw(st.none() | st.floats(1.0, 64.0))
     kw["attention_dropout"] = draw(st.sampled_from([0.0, 0.1]))  # eval mode: no effect on the properties
@@ -261,7 +262,7 @@ _NOT_CHOICE = ["bogus", "", 3, None, True]
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
 BOOL_FIELDS = ("norm_bias", "norm_unit_offset", "parallel_block", "mlp_bias", "attention_bias",
-               "tie_word_embeddings", "embedding_norm", "lm_head_bias", "use_cache")
+               "tie_word_embeddings", "embedding_norm", "lm_head_bias", "use_cache", "attention_sinks")
 OPTIONAL_BOOL_FIELDS = ("final_norm", "attention_output_bias")
 # name -> (values out of range, whether None is allowed)
 NUMBER_FIELDS = {

@@ -20,7 +20,7 @@ import transformers.masking_utils as transformers_masking
 from backend_cases import make_model, packed_batch, padded_batch
 
 TOL = dict(atol=1e-5, rtol=1e-4)
-VARIANTS = ["gqa", "sliding_mixed", "softcap_scale", "alibi_gqa_sliding", "mla"]
+VARIANTS = ["gqa", "sliding_mixed", "softcap_scale", "alibi_gqa_sliding", "mla", "sinks_sliding", "mla_sinks"]
 
 
 @pytest.fixture(autouse=True)

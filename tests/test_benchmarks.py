@@ -82,7 +82,9 @@ def test_choose_experts_picks_the_best_median_of_interleaved_rounds(monkeypatch)
     assert chosen["calibration"] == {"prefill_1": {"eager": 95, "grouped_mm": 85},
                                      "decode_1": {"eager": 11, "grouped_mm": 6, "batched_mm": 13}}
     timed_decodes = [c for p, c, warm_up in calls if p == "decode" and not warm_up]
-    assert timed_decodes == list(run.EXPERTS_CANDIDATES) * 3
+    rounds = [timed_decodes[i:i + 3] for i in range(0, 9, 3)]
+    assert all(sorted(r) == sorted(run.EXPERTS_CANDIDATES) for r in rounds)  # every round times every candidate
+    assert rounds[1] == rounds[0][::-1]  # in the reverse order every other round (measure.alternating)
 
 
 def test_suite_quick_extras_memory_training_max_batch(tmp_path, capsys):
@@ -103,6 +105,7 @@ def test_suite_quick_extras_memory_training_max_batch(tmp_path, capsys):
         assert probe["load_decode_peak_mb"] >= max(probe["load_peak_mb"], probe["decode_peak_mb"]) - 1e-9
         batch = probe["max_batch"]
         assert batch["capped"] and batch["batch"] == 16  # tiny model, 400 MB: the quick cap
+        assert batch["cache_mb_per_sequence"] > 0
         assert all(peak <= 400 for peak in batch["peaks_mb"].values())
     for side in run.PAIR:
         assert family["memory"][side]["experts_implementation"] == family["experts_implementation"][side]["decode"]
@@ -239,6 +242,8 @@ def test_every_benchmark_takes_the_shared_flags(name, capsys):
     assert usage.startswith(f"usage: python -m benchmarks {name}"), usage[:200]
     for flag in ("--out", "--smoke", "--threads"):
         assert flag in usage, (name, flag)
+    if not name.startswith("reshape"):  # the reshape ones time no repeated call
+        assert "--repeats" in usage, name
     from benchmarks.pages import SECTIONS
 
     optional = {name for section in SECTIONS if section.optional for name in section.sources}
@@ -258,6 +263,8 @@ def test_result_json_records_commit_versions_machine_and_command(tmp_path):
     provenance = record["provenance"]
     assert provenance["command"] == f"python -m benchmarks example --repeats 2 --out {tmp_path / 'r.json'}"
     assert len(provenance["commit"]) == 40 and isinstance(provenance["changed_files"], list)
+    # whole paths (a status line's leading space is no part of the first): their folders exist, deleted or not
+    assert all((harness.ROOT / path.split(" -> ")[-1]).parent.is_dir() for path in provenance["changed_files"])
     assert provenance["versions"]["torch"] == torch.__version__.split("+")[0] or \
         provenance["versions"]["torch"] == torch.__version__
     assert {"transformers", "modular-decoder", "python"} <= set(provenance["versions"])
@@ -348,7 +355,8 @@ def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
     reaches the JSON with a result or a stated skip reason (sync counting, flash kernels: CUDA only), none errors,
     the pairs generate the same greedy tokens, the training losses agree, the diagnostics (profiled generate, MLA
     step crossover) record their figures, and the README table is printed."""
-    from benchmarks import gpu, gpu_profile
+    from benchmarks import gpu
+    from benchmarks.gpu import diagnostics, profiler
 
     out = tmp_path / "gpu.json"
     assert gpu.main(["--smoke", "--out", str(out)]) == 0
@@ -372,19 +380,19 @@ def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
         assert all(v["greedy_agreement"]["equal"] for k, v in parts[name].items() if k.startswith("b")), name
     profile = parts["generate_profile"]
     assert "no CUDA" in profile["note"]
-    for side, _, _ in gpu.PROFILE_SIDES:  # per decode step: the CPU ops of every layer's attention, no CUDA
+    for side, _, _ in diagnostics.PROFILE_SIDES:  # per decode step: the CPU ops of every layer's attention, no CUDA
         step = profile[side]["per_decode_step"]
         # a difference of two profiled calls: its CPU time is noise on a busy 2-core machine (it can come out
         # negative), so only the whole call's is held positive
         assert step["sdpa"] and step["top_aten_self_cpu"] and math.isfinite(step["self_cpu_ms"]), side
         assert profile[side]["call"]["self_cpu_ms"] > 0, side
-        assert list(step["runtime_calls"]) == list(gpu_profile.RUNTIME_CALLS) and step["kernels"] == 0, side
+        assert list(step["runtime_calls"]) == list(profiler.RUNTIME_CALLS) and step["kernels"] == 0, side
         assert profile[side]["wall_s"] > 0 and profile[side]["profiled_wall_s"] > 0, side
     crossover = parts["mla_step_crossover"]["points"]
     assert len(crossover) == len(gpu.SMOKE.crossover_points)
     for point in crossover.values():
         for new in gpu.SMOKE.crossover_new_tokens:
-            assert all(point[f"new{new}"][side]["ms"] > 0 for side, _, _ in gpu.CROSSOVER_SIDES)
+            assert all(point[f"new{new}"][side]["ms"] > 0 for side, _, _ in diagnostics.CROSSOVER_SIDES)
         assert point["fused_probe"]["max_abs_diff"] < 1e-4 and point["fused_probe"]["sdpa_ops"]
     assert parts["llama_prefill"]["logits_max_abs_diff"] < 1e-4
     assert len(parts["mla_decode_grid"]["points"]) == 3
@@ -407,11 +415,12 @@ def test_gpu_matrix_flash_part_runs_both_sides_through_the_flash_path(tmp_path, 
     from backend_cases import install_reference_kernels
 
     from benchmarks import gpu
+    from benchmarks.gpu import llama_parts
 
     calls = install_reference_kernels(monkeypatch)
-    monkeypatch.setattr(gpu, "flash_available", lambda: {"flash_attention_2": True, "flash_attention_3": False,
+    monkeypatch.setattr(llama_parts, "flash_available", lambda: {"flash_attention_2": True, "flash_attention_3": False,
                                                          "flash_attention_4": False})
-    monkeypatch.setattr(gpu, "use_backend", lambda model, name: setattr(model.config, "_attn_implementation", name))
+    monkeypatch.setattr(llama_parts, "use_backend", lambda model, name: setattr(model.config, "_attn_implementation", name))
     out = tmp_path / "gpu.json"
     assert gpu.main(["--smoke", "--parts", "flash_backends", "--out", str(out)]) == 0
     part = json.loads(out.read_text())["parts"]["flash_backends"]
@@ -428,9 +437,10 @@ def test_gpu_matrix_generate_stops_at_the_batch_its_guard_fired_in(monkeypatch):
     keeping the batches measured before it."""
     import time
 
-    from benchmarks import gpu
-    from benchmarks.gpu_plan import SMOKE
-    from benchmarks.gpu_timing import part_guard
+    from benchmarks.gpu import llama_parts
+    from benchmarks.gpu.bench import Bench
+    from benchmarks.gpu.plan import SMOKE
+    from benchmarks.gpu.timing import part_guard
 
     batches = []
 
@@ -439,9 +449,24 @@ def test_gpu_matrix_generate_stops_at_the_batch_its_guard_fired_in(monkeypatch):
         time.sleep(0.5)  # past the guard below, in the first batch
         return {}, (label, "", "", "")
 
-    monkeypatch.setattr(gpu, "_generate_pair", generate_pair)
-    bench = gpu.Bench(SMOKE, Path("."), "cpu")
+    monkeypatch.setattr(llama_parts, "_generate_pair", generate_pair)
+    bench = Bench(SMOKE, Path("."), "cpu")
     with part_guard(0.1):
-        result = gpu._generate_batches(bench, "eager `generate`")
+        result = llama_parts._generate_batches(bench, "eager `generate`")
     assert batches == [1]
     assert "timeout" in result["b1"] and f"b{SMOKE.big_batch}" not in result
+
+
+def test_mla_crossover_smoke_records_crossover_query_blocks_static_prefill(tmp_path):
+    """`python -m benchmarks mla_crossover --smoke`: the rows behind `tuning`'s MLA settings, each present: the
+    crossover, the query blocks with the absorbed scoring's own peak (`measure.TensorBytes`) and the prefill into
+    an empty static cache."""
+    from benchmarks import mla_crossover
+
+    out = tmp_path / "crossover.json"
+    assert mla_crossover.main(["--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["crossover"] and record["static_prefill"]
+    assert all(row["absorbed"] > 0 and row["expanded"] > 0 for row in record["crossover"] + record["static_prefill"])
+    assert all(row["scoring_peak"]["score_blocks"] >= 2 for row in record["query_blocks"])
+    assert record["provenance"]["command"].startswith("python -m benchmarks mla_crossover --smoke")

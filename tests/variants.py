@@ -83,6 +83,7 @@ AXES: dict[str, dict[str, dict]] = {
         "attn": dict(attn_logit_softcapping=5.0),
         "final": dict(final_logit_softcapping=3.0),
         "both_scaled": dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=12),
+        "sinks": dict(attention_sinks=True),  # a learned logit per head in every softmax's denominator (gpt-oss)
     },
     "window": {
         "full": {},

@@ -1,4 +1,5 @@
-"""Timing, guards, sync counting and peak memory for `benchmarks.gpu` (CUDA-aware, CPU-safe)."""
+"""Guards, timing and sync counting for the GPU matrix (CUDA-aware, CPU-safe; the timer and the peak-memory
+probe are `benchmarks.measure`'s)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from .measure import median_seconds, wall  # noqa: F401  (wall: the parts' timer)
+from ..measure import median_seconds
 
 
 class Skip(Exception):
@@ -66,22 +67,3 @@ def count_syncs(run: Callable) -> int:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return sum("synchroniz" in str(w.message).lower() for w in caught)
-
-
-class _Peak:
-    gib: float | None = None  # the peak of all allocated memory (weights included)
-    above_gib: float | None = None  # the peak above what was allocated when the block began
-
-
-@contextlib.contextmanager
-def cuda_peak():
-    """`torch.cuda.max_memory_allocated` over the block in GiB, absolute and above the allocation at its start
-    (`None` on the CPU: no device allocator to ask)."""
-    peak = _Peak()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-    yield peak
-    if torch.cuda.is_available():
-        peak.gib = torch.cuda.max_memory_allocated() / 2**30
-        peak.above_gib = (torch.cuda.max_memory_allocated() - start) / 2**30
