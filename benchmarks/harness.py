@@ -51,7 +51,7 @@ def _git(*args: str) -> str | None:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() if done.returncode == 0 else None
+    return done.stdout.rstrip() if done.returncode == 0 else None  # (a status line starts with a space)
 
 
 def commit() -> dict:

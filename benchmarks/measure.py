@@ -4,7 +4,8 @@
   `seconds(fn)` turns a call into a case that returns its wall time, the device's queue drained around it;
   `summary(values)` the median, spread and every value;
 - `PeakMemory(device)`: the one peak-memory probe (the CUDA allocator's high-water mark on a GPU, the kernel's
-  resident high-water mark on a CPU);
+  resident high-water mark on a CPU); `TensorBytes()` the bytes of the tensors one call allocates, alive at
+  once (exact, any device: for a function inside a step, where a process-wide probe also sees the rest);
 - `prefill`, `decode`, `train_step`: one measured call of a model; `copy_bandwidth` and the bytes a decode step
   reads, for rooflines.
 """
@@ -14,9 +15,12 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import LogitsProcessor, LogitsProcessorList
 
 MB = 2**20
@@ -149,6 +153,44 @@ class PeakMemory:
     @property
     def above_gib(self) -> float:
         return (self.peak_bytes - self.start_bytes) / 2**30
+
+
+class TensorBytes(TorchDispatchMode):
+    """`with TensorBytes() as probe: fn()`, then `probe.peak_bytes`: the most bytes that tensors allocated by the
+    operations inside the block held at once (inputs made before it, and views of or writes into them, are not
+    counted; a storage counts until its last tensor is gone). Exact and deterministic on any device, for a
+    function inside a step (`MultiHeadLatentAttention.absorbed_attention`), where `PeakMemory` sees the whole
+    process. Dispatch-level: it sees what torch allocates, not the allocator's caching or fragmentation."""
+
+    def __init__(self):
+        super().__init__()
+        self.holders: dict[int, int] = {}  # storage address -> tensors alive on it
+        self.sizes: dict[int, int] = {}
+        self.live_bytes = self.peak_bytes = 0
+
+    def _release(self, key: int) -> None:
+        self.holders[key] -= 1
+        if not self.holders[key]:
+            del self.holders[key]
+            self.live_bytes -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.sizes:
+                if key in inputs or not storage.nbytes():
+                    continue  # a view of, or a write into, a tensor from before the block
+                self.sizes[key], self.holders[key] = storage.nbytes(), 0
+                self.live_bytes += storage.nbytes()
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.holders[key] += 1
+            weakref.finalize(tensor, self._release, key)
+        return out
 
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:

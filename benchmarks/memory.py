@@ -76,6 +76,25 @@ def _fits(model, context: int, steps: int, batch: int, vocab: int, baseline: int
     return (peak.peak_bytes - baseline) / MB, (_status()["VmRSS"] - baseline) / MB
 
 
+def cache_mb(model, context: int, vocab: int) -> float:
+    """MB the model's own cache allocates for one sequence of `context` tokens: the bytes of every distinct
+    storage behind its layers' tensors (pre-allocated room included), measured from the cache after a forward."""
+    import torch
+
+    from modular_decoder.compat import cache_of
+
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = cache_of(model(prompt, use_cache=True, logits_to_keep=1))
+    storages = {}
+    for layer in cache.layers:
+        for tensor in vars(layer).values():
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) / MB
+
+
 def largest_batch(probe, budget_mb: float, cap: int) -> tuple[int, dict]:
     """Largest b in [0, cap] with probe(b) <= budget_mb, probe increasing in b: doubling, then bisection.
     Returns (b, {b: peak MB} of every probe run)."""
@@ -165,6 +184,7 @@ def measure(args) -> dict:
             "budget_mb": args.budget_mb, "context": args.context, "steps": args.steps, "batch": best,
             "capped": best == args.cap, "peaks_mb": {str(b): p for b, p in sorted(peaks.items())},
             "rss_after_probe_mb": {str(b): r for b, r in sorted(residue.items())},
+            "cache_mb_per_sequence": cache_mb(model, args.context, vocab),
             "seconds": time.perf_counter() - start,
         }
     return result

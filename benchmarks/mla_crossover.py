@@ -1,6 +1,6 @@
 """Where MLA's absorbed step stops paying: one step of T new tokens against S cached tokens, ours forced absorbed
 against forced expanded, and the absorbed step's query block (fp32, CPU). The measurement behind
-`mla.ABSORBED_MAX_NEW_TOKENS` and `mla.ABSORBED_QUERY_BLOCK`.
+`tuning.Tuning.absorbed_max_new_tokens` and `.absorbed_query_block`.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks mla_crossover [--contexts 1024 8192]
         [--new-tokens 1 8 16 32 64 128 256] [--query-blocks 1 4 8 16 64] [--repeats 3] [--fused-probe]
@@ -12,7 +12,10 @@ directly with S random tokens. For each (S, T): the median time of absorbed and 
 the modes alternating, a warm-up round first) and, in a separate untimed run of each, the peak memory above the
 start (`measure.PeakMemory`; the process runs with glibc's mmap threshold fixed, `memory.MALLOC_ENV`, so a freed
 block goes back to the kernel and the next step's peak is its own). Then, at the largest T not above
-`ABSORBED_MAX_NEW_TOKENS`, the absorbed step with each `--query-blocks` value as its query block (time and peak).
+`absorbed_max_new_tokens`, the absorbed step with each `--query-blocks` value as its query block (time and peak;
+and the peak of the absorbed scoring alone, `measure.TensorBytes`, in bytes per cached token and in score blocks).
+Then a prefill of T tokens into an empty static cache of each capacity S, absorbed against expanded (both compute
+over every slot). The settings are `modular_decoder.tuning`'s.
 `--fused-probe` also times the absorbed scoring alone as the explicit matmuls against one fused SDPA call in
 FlashMLA's MQA form (keys = values = the joint 576-wide [latent, rotary] tensor, output cropped to 512).
 `--smoke`: a tiny shape.
@@ -20,7 +23,6 @@ FlashMLA's MQA form (keys = values = the joint 576-wide [latent, rotary] tensor,
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import subprocess
@@ -28,9 +30,10 @@ import sys
 
 import torch
 
-from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, mla
+from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM
 from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.mla import set_decode_mode
+from modular_decoder.tuning import tuned, tuning
 
 from . import harness, measure
 from .memory import MALLOC_ENV
@@ -45,15 +48,9 @@ SMOKE_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hi
 MODES = ("absorbed", "expanded")
 
 
-@contextlib.contextmanager
 def query_block(block: int):
-    """The absorbed step's query block set to `block` for the duration (restored after)."""
-    previous = mla.ABSORBED_QUERY_BLOCK
-    mla.ABSORBED_QUERY_BLOCK = block
-    try:
-        yield
-    finally:
-        mla.ABSORBED_QUERY_BLOCK = previous
+    """The absorbed step's query block set to `block` for the duration (the `tuning` setting, restored after)."""
+    return tuned(absorbed_query_block=block)
 
 
 class Step:
@@ -79,6 +76,22 @@ class Step:
         with measure.PeakMemory("cpu") as peak:
             self(mode)
         return peak.above_mb
+
+    def scoring_peak(self) -> dict:
+        """The absorbed scoring alone (`absorbed_attention` on this step's queries and the cache), measured by
+        `measure.TensorBytes`: its peak in bytes, per cached token, and in score blocks, a block being the
+        (1, H, query block, S) fp32 scores of one pass."""
+        attention = self.model.model.layers[0].self_attn
+        config = self.model.config
+        heads, context = config.num_attention_heads, self.context
+        q_nope = torch.randn(1, heads, self.tokens, config.qk_nope_head_dim)
+        q_rot = torch.randn(1, heads, self.tokens, config.qk_rope_head_dim)
+        layer = self.cache.layers[0]
+        with measure.TensorBytes() as probe:
+            attention.absorbed_attention(q_nope, q_rot, layer.keys, layer.values, None)
+        block = min(tuning().absorbed_query_block, self.tokens)
+        return {"bytes": probe.peak_bytes, "bytes_per_cached_token": probe.peak_bytes / context,
+                "score_blocks": probe.peak_bytes / (heads * block * context * 4)}
 
 
 @torch.inference_mode()
@@ -116,11 +129,39 @@ def query_blocks(model, contexts: list[int], tokens: int, blocks: list[int], rep
         times = measure.alternating({block: case(block) for block in blocks}, repeats)
         for block in blocks:
             with query_block(block):
-                peak = step.peak_mb("absorbed")
+                peak, scoring = step.peak_mb("absorbed"), step.scoring_peak()
             rows.append({"context": context, "new_tokens": tokens, "query_block": block,
-                         "seconds": statistics.median(times[block]), "all_seconds": times[block], "peak_mb": peak})
+                         "seconds": statistics.median(times[block]), "all_seconds": times[block], "peak_mb": peak,
+                         "scoring_peak": scoring})
             print(f"context {context:6d}  new tokens {tokens:3d}  query block {block:3d}  "
-                  f"{rows[-1]['seconds'] * 1e3:8.1f} ms  peak {peak:7.1f} MB", flush=True)
+                  f"{rows[-1]['seconds'] * 1e3:8.1f} ms  peak {peak:7.1f} MB  scoring alone "
+                  f"{scoring['bytes_per_cached_token']:7.0f} B per cached token ({scoring['score_blocks']:.2f} score "
+                  "blocks)", flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def static_prefill(model, capacities: list[int], new_tokens: list[int], repeats: int) -> list[dict]:
+    """A prefill of T tokens into an empty static cache of each capacity, absorbed against expanded: both forms
+    compute over the cache's every slot, so this is the crossover of a short first step (`scoring_path`)."""
+    ids = {tokens: torch.randint(0, model.config.vocab_size, (1, tokens)) for tokens in new_tokens}
+    rows = []
+    for capacity in capacities:
+        for tokens in new_tokens:
+            def case(mode: str, tokens=tokens, capacity=capacity):
+                def run():
+                    set_decode_mode(model, mode)
+                    model(ids[tokens], cache=ModularDecoderCache(model.config, "static", max_cache_len=capacity))
+                return measure.seconds(run)
+
+            times = measure.alternating({mode: case(mode) for mode in MODES}, repeats)
+            row = {"capacity": capacity, "new_tokens": tokens, **{m: statistics.median(times[m]) for m in MODES},
+                   "all_seconds": times}
+            rows.append(row)
+            print(f"static cache {capacity:6d}  prefill {tokens:3d}  absorbed {row['absorbed'] * 1e3:8.1f} ms  "
+                  f"expanded {row['expanded'] * 1e3:8.1f} ms  expanded/absorbed {row['expanded'] / row['absorbed']:5.2f}",
+                  flush=True)
+    set_decode_mode(model, "auto")
     return rows
 
 
@@ -176,10 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = ModularDecoderForCausalLM(ModularDecoderConfig(**shape, attention_type="mla")).eval()
     rows = crossover(model, args.contexts, args.new_tokens, args.repeats)
-    at = max([t for t in args.new_tokens if t <= mla.ABSORBED_MAX_NEW_TOKENS], default=args.new_tokens[0])
+    at = max([t for t in args.new_tokens if t <= tuning().absorbed_max_new_tokens], default=args.new_tokens[0])
     blocks = query_blocks(model, args.contexts, at, args.query_blocks, args.repeats)
-    results = {"shape": shape, "absorbed_max_new_tokens": mla.ABSORBED_MAX_NEW_TOKENS,
-               "absorbed_query_block": mla.ABSORBED_QUERY_BLOCK, "crossover": rows, "query_blocks": blocks}
+    short = [t for t in args.new_tokens if t > 1]  # a prefill of one token is a decode step's shape
+    results = {"shape": shape, "absorbed_max_new_tokens": tuning().absorbed_max_new_tokens,
+               "absorbed_query_block": tuning().absorbed_query_block, "crossover": rows, "query_blocks": blocks,
+               "static_prefill": static_prefill(model, args.contexts, short, args.repeats)}
     if args.fused_probe:
         results["fused_probe"] = fused_probe(shape, args.contexts, [1, 8], args.repeats)
     harness.write_result(args.out, results, run)

@@ -56,7 +56,11 @@ def provenance_line(data: dict) -> str:
             f"{versions['torch']}, transformers {versions['transformers']}, modular-decoder "
             f"{versions['modular-decoder']}, Python {versions['python']}; {where}; 1-minute load average "
             f"{record['load_average_start'][0]:.1f} at the start, {record['load_average_end'][0]:.1f} at the end; "
-            f"{record['seconds'] / 60:.0f} min.")
+            f"{_duration(record['seconds'])}.")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def span(values, fmt: str = "{:.2f}") -> str:
@@ -140,8 +144,8 @@ def families_section(results: dict) -> str:
         "`--experts-implementation grouped_mm` runs both sides alike).",
         f"- Memory, dense families: resident after load {span(resident.values())}x; the largest batch at 1024 tokens "
         "in 1 GB " + ", ".join(f"{f} {t:.0f} vs {o:.0f}" for f, (t, o) in max_batch.items())
-        + " (transformers vs ours). MLA's latent cache fits "
-        f"{mla['ratio']['ours']:.1f}x the batch ({mla['ours']['median']:.0f} vs {mla['transformers']['median']:.0f}).",
+        + " (transformers vs ours; the largest batch whose probe, a cached prompt repeated B times and 2 decode steps, "
+        "peaks within the budget, weights included). " + mla_batch_sentence(fams["deepseek_v3"], results),
         f"- Memory, experts: ours maps the saved 3-D expert tensors; transformers' loader concatenates its per-expert "
         f"tensors into new memory, so with every weight read it holds {mix['transformers']['resident_mb']:.0f} MB "
         f"against ours {mix['ours']['resident_mb']:.0f} MB (Mixtral layout; after load transformers "
@@ -153,6 +157,30 @@ def families_section(results: dict) -> str:
 
 def _threads(data: dict) -> int:
     return data["provenance"]["machine"]["torch_threads"] if "provenance" in data else data["threads"]
+
+
+def _growth_per_sequence(probe: dict) -> float:
+    """MB the largest-batch probe's peak grows per extra sequence: from batch 1 to the largest batch that fitted."""
+    peaks, best = {int(b): p for b, p in probe["peaks_mb"].items()}, probe["batch"]
+    return (peaks[best] - peaks[1]) / (best - 1) if best > 1 else float("nan")
+
+
+def mla_batch_sentence(family: dict, results: dict) -> str:
+    """What the MLA layout's largest-batch row measures (issue 39, item 6): both sides cache the latent; the
+    difference is the per-step expansion."""
+    row, probes = family["metrics"]["max_batch"], family["memory"]
+    sides = {side: probes[side]["max_batch"] for side in ("transformers", "ours")}
+    version = results["provenance"]["versions"]["transformers"] if "provenance" in results else results["transformers"]
+    cache = ", ".join(f"{side} {probe['cache_mb_per_sequence']:.1f}" for side, probe in sides.items()
+                      if "cache_mb_per_sequence" in probe)
+    cached = (f" (measured from each cache's storage after a {sides['ours']['context']}-token prompt, MB per sequence: "
+              f"{cache})" if cache else "")
+    return (f"MLA layout: ours fits {row['ratio']['ours']:.1f}x the batch ({row['ours']['median']:.0f} vs "
+            f"{row['transformers']['median']:.0f}). transformers {version} caches the same latent as ours{cached}; the "
+            "difference is the decode step: transformers expands the whole latent cache into per-head keys and values "
+            "at every step, ours scores the new token against the latent (absorbed), so per extra sequence the "
+            f"probe's peak grows {_growth_per_sequence(sides['transformers']):.1f} MB for transformers and "
+            f"{_growth_per_sequence(sides['ours']):.1f} MB for ours.")
 
 
 # --- benchmarks/results_compiled_decode.json: `python -m benchmarks.compiled_decode --json ...` -------------
@@ -284,6 +312,62 @@ def mla_prefill_section(run: dict) -> str:
     ])
 
 
+# --- benchmarks/results_mla_crossover.json: `python -m benchmarks mla_crossover --out ...` -------------------
+
+def mla_crossover_section(run: dict | None) -> str:
+    lines = ["## MLA: absorbed against expanded steps, and the absorbed query block (CPU, fp32)", ""]
+    if run is None:
+        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks mla_crossover --out "
+                                   "benchmarks/results_mla_crossover.json`."])
+    shape = run["shape"]
+    lines += [
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"One MLA layer (hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads, q_lora "
+        f"{shape['q_lora_rank']}, kv_lora {shape['kv_lora_rank']}, rope {shape['qk_rope_head_dim']}, nope "
+        f"{shape['qk_nope_head_dim']}, v {shape['v_head_dim']}: DeepSeek-V2-Lite's attention with a low-rank query), "
+        "random weights, a latent cache of S random tokens; one step of T new tokens, ours forced absorbed and forced "
+        "expanded, alternating (median ms), and in a separate run of each the peak memory above the start (MB, the "
+        f"kernel's resident high-water mark). The shipped `ABSORBED_MAX_NEW_TOKENS` is {run['absorbed_max_new_tokens']} "
+        f"and `ABSORBED_QUERY_BLOCK` {run['absorbed_query_block']}.",
+        "", "| cached S | new T | absorbed ms | expanded ms | expanded / absorbed | absorbed peak MB | expanded peak MB |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [f"| {r['context']:,} | {r['new_tokens']} | {1e3 * r['absorbed']:.2f} | {1e3 * r['expanded']:.2f} | "
+              f"{r['expanded'] / r['absorbed']:.2f} | {r['peak_mb']['absorbed']:.1f} | {r['peak_mb']['expanded']:.1f} |"
+              for r in run["crossover"]]
+    blocks = run["query_blocks"]
+    if blocks:
+        lines += ["", f"The absorbed step of {blocks[0]['new_tokens']} new tokens with each query block (new tokens "
+                  "scored per pass):", "", "| cached S | query block | ms | peak MB |", "|---:|---:|---:|---:|"]
+        lines += [f"| {b['context']:,} | {b['query_block']} | {1e3 * b['seconds']:.2f} | {b['peak_mb']:.1f} |"
+                  for b in blocks]
+    return "\n".join(lines)
+
+
+# --- benchmarks/results_split_threshold.json: `python -m benchmarks split_threshold --out ...` ---------------
+
+def split_threshold_section(run: dict | None) -> str:
+    lines = ["## Split products: from what weight size (CPU, fp32)", ""]
+    if run is None:
+        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks split_threshold --out "
+                                   "benchmarks/results_split_threshold.json`."])
+    variants = list(run["variants"])
+    lines += [
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"Decode steps of ours (Llama layouts, hidden h, FFN 3h, {run['layers']} layers, random weights): the median "
+        f"of {run['steps']} cached one-token forwards, median ± half the spread over the repeats, the variants "
+        "alternating in one process: the split products off, and on for every weight of at least N elements "
+        f"(`MIN_SPLIT_WEIGHT`, shipped {run['min_split_weight']:,}; N = 0 splits every few-row product).",
+        "", "| hidden | weights MB | largest weight | " + " | ".join(f"{v} ms" for v in variants) + " |",
+        "|---:|---:|---:|" + "---:|" * len(variants),
+    ]
+    for row in run["rows"]:
+        cells = [f"{row['step_ms'][v]['median']:.2f} ±{row['step_ms'][v]['half_spread']:.2f}" for v in variants]
+        lines.append(f"| {row['hidden']} | {row['weights_mb']:.1f} | {row['largest_weight']:,} | " + " | ".join(cells)
+                     + " |")
+    return "\n".join(lines)
+
+
 # --- benchmarks/results_gpu.json: `python3 -m benchmarks.gpu --out ...` on a GPU machine ----------------
 
 def gpu_table(results: dict) -> str:
@@ -331,6 +415,8 @@ SECTIONS = (
     Section(("results_compiled_decode.json", "results.json"), compiled_section),
     Section(("results_serving.json",), serving_section),
     Section(("results_mla_prefill.json",), mla_prefill_section),
+    Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
+    Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),
 )
 

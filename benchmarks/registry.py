@@ -32,6 +32,8 @@ BENCHMARKS = (
     Benchmark("mla_crossover", "mla_crossover", "one MLA step of T new tokens against S cached: absorbed against "
               "expanded, and the absorbed step's query block (time, peak memory): where `ABSORBED_MAX_NEW_TOKENS` "
               "and `ABSORBED_QUERY_BLOCK` come from"),
+    Benchmark("split_threshold", "split_threshold", "decode steps of Llama layouts at several widths with the split "
+              "products off, everywhere, and from each weight size: where `MIN_SPLIT_WEIGHT` comes from"),
     Benchmark("decode_profile", "decode_profile", "where a decode step's time goes (products vs the rest), and the "
               "host's time per generate step"),
     Benchmark("cache", "cache", "static cache + compile against the dynamic cache; the int8 K/V cache's "

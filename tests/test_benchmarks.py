@@ -105,6 +105,7 @@ def test_suite_quick_extras_memory_training_max_batch(tmp_path, capsys):
         assert probe["load_decode_peak_mb"] >= max(probe["load_peak_mb"], probe["decode_peak_mb"]) - 1e-9
         batch = probe["max_batch"]
         assert batch["capped"] and batch["batch"] == 16  # tiny model, 400 MB: the quick cap
+        assert batch["cache_mb_per_sequence"] > 0
         assert all(peak <= 400 for peak in batch["peaks_mb"].values())
     for side in run.PAIR:
         assert family["memory"][side]["experts_implementation"] == family["experts_implementation"][side]["decode"]
@@ -262,6 +263,8 @@ def test_result_json_records_commit_versions_machine_and_command(tmp_path):
     provenance = record["provenance"]
     assert provenance["command"] == f"python -m benchmarks example --repeats 2 --out {tmp_path / 'r.json'}"
     assert len(provenance["commit"]) == 40 and isinstance(provenance["changed_files"], list)
+    # whole paths (a status line's leading space is no part of the first): their folders exist, deleted or not
+    assert all((harness.ROOT / path.split(" -> ")[-1]).parent.is_dir() for path in provenance["changed_files"])
     assert provenance["versions"]["torch"] == torch.__version__.split("+")[0] or \
         provenance["versions"]["torch"] == torch.__version__
     assert {"transformers", "modular-decoder", "python"} <= set(provenance["versions"])
@@ -452,3 +455,18 @@ def test_gpu_matrix_generate_stops_at_the_batch_its_guard_fired_in(monkeypatch):
         result = llama_parts._generate_batches(bench, "eager `generate`")
     assert batches == [1]
     assert "timeout" in result["b1"] and f"b{SMOKE.big_batch}" not in result
+
+
+def test_mla_crossover_smoke_records_crossover_query_blocks_static_prefill(tmp_path):
+    """`python -m benchmarks mla_crossover --smoke`: the rows behind `tuning`'s MLA settings, each present: the
+    crossover, the query blocks with the absorbed scoring's own peak (`measure.TensorBytes`) and the prefill into
+    an empty static cache."""
+    from benchmarks import mla_crossover
+
+    out = tmp_path / "crossover.json"
+    assert mla_crossover.main(["--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["crossover"] and record["static_prefill"]
+    assert all(row["absorbed"] > 0 and row["expanded"] > 0 for row in record["crossover"] + record["static_prefill"])
+    assert all(row["scoring_peak"]["score_blocks"] >= 2 for row in record["query_blocks"])
+    assert record["provenance"]["command"].startswith("python -m benchmarks mla_crossover --smoke")
