@@ -233,7 +233,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == their_head_key)}
     check_shapes(produced, expected, f"exporting to {fam.name}")
     dtype = produced[their_embed_key].dtype
-    planned, sinks = _file_tensors(expected, produced, fam)
+    planned, sinks = file_tensors(expected, produced, fam)
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
         _save_model_files(model, tmp, dtype)
         _write_weights(tmp, plan, tensors, cfg, planned, sinks, model.num_parameters(), None,
@@ -242,7 +242,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     return out
 
 
-def _file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
+def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
     """The tensors `save_pretrained` writes for the family's model tensors `names` (in this order): renamed
     back to the file's prefixes, stacked experts split into one tensor per expert. Returns ({file name:
     (dtype, shape)}, {model name: [Sink]})."""
