@@ -68,13 +68,22 @@ def _save_model_files(model, folder: Path, dtype: torch.dtype) -> None:
 
 def _write_weights(folder: Path, plan, tensors, cfg, planned: dict, sinks: dict, total_parameters: int,
                    dtype: torch.dtype | None, desc: str, progress: bool) -> None:
-    """Stream the plan's outputs into `folder`'s shards, with a progress bar over the bytes read."""
+    """Stream the plan's outputs into `folder`'s shards, with a progress bar over the bytes read and the count of
+    source tensors done."""
     from tqdm.auto import tqdm
 
-    total = sum(tensors[name].nbytes for instance in plan for name in instance.inputs)
+    sources = [tensors[name] for instance in plan for name in instance.inputs]
+    total, count, done = sum(t.nbytes for t in sources), sum(len(t.files) for t in sources), 0
     with ShardedWriter(folder, planned, total_parameters) as writer, tqdm(
             total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress) as bar:
-        write_plan(plan, tensors, cfg, writer, sinks, dtype, bar.update)
+
+        def advance(nbytes: int, finished: int) -> None:
+            nonlocal done
+            done += finished
+            bar.set_postfix_str(f"{done}/{count} tensors", refresh=False)
+            bar.update(nbytes)
+
+        write_plan(plan, tensors, cfg, writer, sinks, dtype, advance)
 
 
 def _compute_dtype(src_cfg) -> torch.dtype:
