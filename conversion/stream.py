@@ -64,6 +64,7 @@ def write_plan(plan: list[RuleInstance], tensors: dict[str, SourceTensor], cfg, 
                 _write(writer, sinks[instance.outputs[0]], block, dtype, first)
                 if progress is not None:
                     progress(block.shape[0] * row_bytes, 0)
+                del block  # before the next block is read: one block alive at a time
             if progress is not None:
                 progress(0, len(source.files))
             continue
