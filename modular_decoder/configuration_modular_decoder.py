@@ -159,6 +159,10 @@ class ModularDecoderConfig(PretrainedConfig):
         partial_rotary_factor (`float`): Fraction of each head's width that is rotated (GPT-J, NeoX, Phi).
         rope_interleaved (`bool`): Rotate adjacent pairs (x0, x1), (x2, x3), ... (GPT-J) instead of the
             two halves (GPT-NeoX / Llama layout).
+        no_rope_layers (`list[int]`, *optional*): Which layers rotate, transformers' SmolLM3 field and meaning:
+            per layer 1 for a RoPE layer, 0 for a NoPE layer (no rotary on its queries and keys; SmolLM3 has one
+            every fourth layer). `None`: every layer rotates. Standard attention only (MLA's rotary key is its
+            only position signal).
         attention_type (`str`): `"standard"` (MHA / GQA / MQA through `num_key_value_heads`) or `"mla"`.
         q_lora_rank (`int`, *optional*): MLA query bottleneck width; `None` projects queries directly.
         kv_lora_rank (`int`, *optional*): MLA joint KV latent width d_c.
@@ -251,6 +255,7 @@ class ModularDecoderConfig(PretrainedConfig):
     rope_parameters: dict | None = None
     partial_rotary_factor: float = 1.0
     rope_interleaved: bool = False
+    no_rope_layers: list[int] | None = None
     # attention
     attention_type: str = "standard"
     q_lora_rank: int | None = None

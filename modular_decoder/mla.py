@@ -306,6 +306,11 @@ class LatentKind(AttentionKind):
             )
         if config.qk_rope_head_dim % 2:
             raise ValueError(f"`qk_rope_head_dim` must be even, got {config.qk_rope_head_dim}.")
+        if isinstance(config.no_rope_layers, list) and 0 in config.no_rope_layers:
+            raise ValueError(
+                "`no_rope_layers` marks NoPE layers, which `attention_type='mla'` cannot have: its decoupled rotary "
+                f"key carries all of its position, got {config.no_rope_layers!r}."
+            )
         if config.partial_rotary_factor != 1.0:
             raise ValueError(
                 "`partial_rotary_factor` must be 1.0 with `attention_type='mla'`: the rotated width is "

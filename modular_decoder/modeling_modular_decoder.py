@@ -34,7 +34,7 @@ from .experts import experts_kernels_available
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .moe import init_moe_weights
 from .norms import LayerNorm, RMSNorm, build_norm
-from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
+from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, rotary_layers
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
@@ -211,7 +211,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = block(
                 hidden,
                 attention_mask=masks[layer_type],
-                position_embeddings=rotary.get(layer_type),
+                position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
                 cache=cache,
                 **alibi.get(layer_type, {}),
@@ -325,11 +325,14 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = self.embed_norm(hidden)
         return self.embed_dropout(hidden)
 
-    def _rotary_tables(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
-        """The rotary (cos, sin) of each layer type; none without rotary positions."""
+    def _rotary_tables(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """The rotary (cos, sin) of each layer, its layer type's (`None` without rotary positions, and on the
+        NoPE layers of `no_rope_layers`)."""
         if self.rotary_emb is None:
-            return {}
-        return self.rotary_emb.tables(hidden, position_ids, self.config.layer_types)
+            return [None] * self.config.num_hidden_layers
+        tables = self.rotary_emb.tables(hidden, position_ids, self.config.layer_types)
+        return [tables[layer_type] if rotates else None
+                for layer_type, rotates in zip(self.config.layer_types, rotary_layers(self.config))]
 
     def _alibi_kwargs(self, hidden: torch.Tensor, cache) -> dict:
         """ALiBi per layer type: the slopes for backends that take them (flex, flash), else the

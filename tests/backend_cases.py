@@ -29,6 +29,9 @@ VARIANTS: dict[str, dict] = {
                           layer_types=["sliding_attention", "full_attention"]),
     "mla_sinks": dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                       attention_sinks=True),
+    # SmolLM3's NoPE layers (no rotary on layer 0, here the sliding one)
+    "nope_sliding": dict(num_key_value_heads=2, no_rope_layers=[0, 1], sliding_window=5,
+                         layer_types=["sliding_attention", "full_attention"]),
     # What transformers' backends run and vLLM's Transformers backend refuses (its "vllm" row): latent
     # scores with a cap and a window, a `head_dim` that is not the latent width, scaled logits, GELU experts
     "mla_capped_windowed_moe": dict(

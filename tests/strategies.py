@@ -2,7 +2,7 @@
 
 `config_kwargs()` draws the keyword arguments of a valid config: every value of every registry axis
 (`modular_decoder/registries.py`), MHA / GQA / MQA, explicit head widths, partial rotary widths,
-every rope type with the keys it needs (flat or nested per layer type), sliding windows and
+every rope type with the keys it needs (flat or nested per layer type), NoPE layers, sliding windows and
 local/global mixes, QK-norm, soft-caps, attention sinks, the score scale, the embedding ends, biases, learned
 offsets and MLA's widths. Sizes stay tiny (hidden <= 48, 1-3 layers, vocabulary <= 64) so a model
 builds and runs in milliseconds.
@@ -194,6 +194,10 @@ def config_kwargs(draw) -> dict:
             if factor != 1.0 or draw(st.booleans()):
                 kw["partial_rotary_factor"] = factor
         kw["rope_interleaved"] = draw(st.booleans())
+        if attention_type == "standard" and draw(st.booleans()):  # SmolLM3's NoPE layers: at least one rotates
+            flags = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
+            flags[draw(st.integers(0, layers - 1))] = 1
+            kw["no_rope_layers"] = flags
         if draw(st.booleans()):  # nested per layer type, each with its own type and base
             kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in sorted(set(layer_types))}
             if draw(st.booleans()):  # a table for a layer type no layer uses is allowed too
@@ -333,7 +337,7 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     kinds = ["size", "bool", "optional_bool", "number", "choice", "window", "pad", "token_ids", "layer_types",
              "heads", "other_kind", "offset", "integer_type"]
     if kw.get("position_embedding_type") == "rope":
-        kinds += ["rope", "rope", "rotary_factor", "interleaved"]
+        kinds += ["rope", "rope", "rotary_factor", "interleaved", "no_rope_layers"]
     else:
         kinds += ["rope_only"]
     if kw.get("attention_type") == "mla":
@@ -407,9 +411,18 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     elif kind == "interleaved":
         field = "rope_interleaved"
         broken[field] = draw(st.sampled_from(_NOT_BOOL))
+    elif kind == "no_rope_layers":
+        field = "no_rope_layers"
+        layers = kw["num_hidden_layers"]
+        broken[field] = draw(st.sampled_from([
+            [1] * (layers + 1), [1] * (layers - 1), [2] + [1] * (layers - 1), [True] + [1] * (layers - 1),
+            ["1"] + [1] * (layers - 1), [0] * layers, 1,
+        ]))
+        if kw.get("attention_type") == "mla" and layers > 1 and draw(st.booleans()):
+            broken[field] = [0] + [1] * (layers - 1)  # MLA has no NoPE layers
     elif kind == "rope_only":  # rope fields under another position type
-        field = draw(st.sampled_from(["partial_rotary_factor", "rope_interleaved"]))
-        broken[field] = 0.5 if field == "partial_rotary_factor" else True
+        field = draw(st.sampled_from(["partial_rotary_factor", "rope_interleaved", "no_rope_layers"]))
+        broken[field] = {"partial_rotary_factor": 0.5, "rope_interleaved": True}.get(field, [1] * kw["num_hidden_layers"])
     elif kind == "mla_field":
         field = draw(st.sampled_from(MLA_FIELDS))
         bad = [0, -1, "8", 2.5, True]

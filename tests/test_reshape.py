@@ -219,6 +219,36 @@ def test_drop_layers_shortens_the_experts_layer_list():
     assert result.config.mlp_layer_types == ["sparse"] * 3
 
 
+def test_sinks_and_nope_layers_go_through_kv_heads_and_drop_layers():
+    """gpt-oss's sinks and SmolLM3's NoPE layers: more K/V heads repeat them exactly (the sinks are per query
+    head, kept), dropping a layer drops its `no_rope_layers` entry and its sinks."""
+    source = tiny_model(attention_sinks=True, no_rope_layers=[1, 1, 1, 0], sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention"] * 2)
+    calibration = ids()
+    repeated = reshape(source, kv_heads=6, progress=False)
+    assert max_diff(source, repeated.eval(), calibration) <= 1e-5
+    dropped = reshape(source, calibration, drop_layers=1, progress=False)
+    config = dropped.config
+
+    def without(values, i):
+        return [v for j, v in enumerate(values) if j != i]
+
+    removed = [i for i in range(4) if config.layer_types == without(source.config.layer_types, i)
+               and config.no_rope_layers == without(source.config.no_rope_layers, i)
+               and all(torch.equal(layer.self_attn.sinks, kept.self_attn.sinks)
+                       for layer, kept in zip(dropped.model.layers, without(list(source.model.layers), i)))]
+    assert config.num_hidden_layers == 3 and removed
+
+
+@pytest.mark.parametrize("overrides", [dict(attention_sinks=True), dict(no_rope_layers=[1, 0, 1, 1])],
+                         ids=["sinks", "nope"])
+def test_to_mla_refuses_sinks_and_nope_layers_by_name(overrides):
+    name = next(iter(overrides))
+    with pytest.raises(ValueError, match=f"`{name}"):
+        transform(tiny_model(num_key_value_heads=6, **overrides), attention="mla", kv_lora_rank=8, progress=False,
+                  calibration_ids=ids())
+
+
 # --- what a run measures -----------------------------------------------------------------------------------
 
 

@@ -48,6 +48,7 @@ AXES: dict[str, dict[str, dict]] = {
         "alibi": dict(position_embedding_type="alibi"),
         "rope": dict(position_embedding_type="rope", rope_parameters=dict(_ROPE)),
         "rope_partial": dict(position_embedding_type="rope", partial_rotary_factor=0.5, rope_parameters=dict(_ROPE)),
+        "rope_nope": dict(position_embedding_type="rope", no_rope_layers=[1, 0], rope_parameters=dict(_ROPE)),  # SmolLM3
         "rope_interleaved": dict(position_embedding_type="rope", partial_rotary_factor=0.5, rope_interleaved=True,
                                  rope_parameters=dict(_ROPE)),
         "rope_linear": dict(position_embedding_type="rope",
