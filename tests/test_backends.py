@@ -180,6 +180,8 @@ def test_refused_pairs_are_the_expected_ones():
         ("mla_capped_windowed_moe", "sdpa"),  # the soft-cap
         # vLLM never passes ALiBi slopes; its latent attention has no cap or window
         ("alibi", "vllm"), ("alibi_gqa_sliding", "vllm"), ("mla_capped_windowed_moe", "vllm"),
+        # DSA's per-query selection is a mask: the flash kernels take none, vLLM's latent attention has no indexer
+        ("dsa", "flash_attention_2"), ("dsa", "flash_attention_3"), ("dsa", "flash_attention_4"), ("dsa", "vllm"),
     }
 
 
