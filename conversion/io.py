@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import mmap
 import os
@@ -25,39 +24,6 @@ SIDE_FILES = (
     "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
-
-
-def read_safetensors_folder(src: Path, allow_bin: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face folder: `model.safetensors`, sharded safetensors, or (opt-in,
-    since it unpickles) `pytorch_model*.bin`."""
-    from safetensors.torch import load_file
-
-    files = sorted(src.glob("*.safetensors"))
-    index = src / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted({src / name for name in json.loads(index.read_text())["weight_map"].values()})
-    if files:
-        from modular_decoder.checkpoint_checks import read_safetensors_header
-
-        tensors: dict[str, torch.Tensor] = {}
-        for file in files:
-            if not file.exists():
-                raise FileNotFoundError(f"{index} names {file.name}, which is not in {src}.")
-            read_safetensors_header(file)  # a truncated or damaged file is named, not a deserializer error
-            tensors.update(load_file(str(file)))
-        return tensors
-    bins = sorted(src.glob("pytorch_model*.bin"))
-    if bins and not allow_bin:
-        raise ValueError(
-            f"{src} holds only legacy `.bin` weights, which are loaded by unpickling (it can run code). "
-            "Pass `allow_bin=True` (`--allow-bin`) if you trust the source."
-        )
-    if not bins:
-        raise ValueError(f"{src} holds no `*.safetensors` (nor `pytorch_model*.bin`) weights.")
-    tensors = {}
-    for file in bins:
-        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
-    return tensors
 
 
 def read_gguf(src: Path, gguf_file: str):

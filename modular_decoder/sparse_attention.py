@@ -10,7 +10,7 @@ The same function on every path, chosen as MLA's `scoring_path` chooses (a decod
 against a plain `kv_b_proj` is absorbed, everything else expanded):
 
 * gathered (absorbed steps, every backend but eager): each query's chosen latents and rotary keys are gathered,
-  (t, k, d_c + d_R) per block of `ABSORBED_QUERY_BLOCK` queries, and scored in latent space. The main attention
+  (t, k, d_c + d_R) per block of `tuning().absorbed_query_block` queries, and scored in latent space. The main attention
   reads k keys per query, not the S cached ones: this is what DSA saves at decode time. (A fused kernel that reads
   the chosen keys in place, as DeepSeek's FlashMLA sparse kernels do on Hopper GPUs, would not copy them; none is
   used here.)
@@ -36,9 +36,10 @@ from .eager_attention import eager_attention, explicit_mask
 from .kinds import require_int
 from .latent_cache import indexed_latent_layer
 from .lightning_indexer import LightningIndexer
-from .mla import ABSORBED_QUERY_BLOCK, LatentKind, MultiHeadLatentAttention
+from .mla import LatentKind, MultiHeadLatentAttention
 from .positions import apply_rotary
 from .split_products import is_fx_proxy, project
+from .tuning import tuning
 
 # A long step's queries are selected and scored in blocks whose boolean selection, (B, 1, t, S), stays within
 # this many bytes (at least one query per block): 64 MiB is 2,048 queries against 32k keys.
@@ -151,6 +152,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         if pad:
             values = torch.nn.functional.pad(values, [0, self.qk_dim - self.v_dim])
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        attention_interface = self.scores_through(attention_interface, kwargs)  # sinks
         if select is None:
             blocks, mask = [slice(None)], attention_mask
         else:
@@ -165,7 +167,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
                 rows_mask = None if mask is None else mask[:, :, rows]
                 block_mask = self.backend_mask(restrict(rows_mask, selection_mask(select(rows, rows_mask), kv_len)))
             out, probs = attention_interface(self, queries[:, :, rows], keys, values, block_mask,
-                                             scaling=self.scaling, **self.score_kwargs(kwargs))
+                                             scaling=self.scaling, s_aux=self.sinks, **self.score_kwargs(kwargs))
             outs.append(out)
             weights.append(probs)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # (B, T, H, d)
@@ -178,7 +180,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         """Absorbed scores against each query's chosen keys only.
 
         q_nope (B, H, T, d_n), q_rot (B, H, T, d_R), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R), indices (B, T, k),
-        mask (B, 1, T, S) or None -> (B, T, H, d_v). Per block of `ABSORBED_QUERY_BLOCK` queries, the chosen latents
+        mask (B, 1, T, S) or None -> (B, T, H, d_v). Per block of `tuning().absorbed_query_block` queries, the chosen latents
         and rotary keys, (B·t, k, d_c + d_R), are gathered and each query scores its own k: the work and the
         explicit scores, (B·t, H, k), grow with k, not with the cache. Reads `kv_b_proj.weight` as MLA's absorbed
         path does (`scoring_path` engages it only for a plain module).
@@ -189,9 +191,10 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         q_rot = q_rot.transpose(1, 2)  # (B, T, H, d_R)
         cache_latents, cache_rot = latents[:, 0], k_rot[:, 0]  # (B, S, d_c), (B, S, d_R)
         batch_rows = torch.arange(batch, device=indices.device)[:, None, None]
-        outs = []
-        for start in range(0, q_len, ABSORBED_QUERY_BLOCK):
-            rows = slice(start, min(start + ABSORBED_QUERY_BLOCK, q_len))
+        outs, block = [], tuning().absorbed_query_block
+        for start in range(0, q_len, block):
+            rows = slice(start, min(start + block, q_len))
+            chosen_latents = chosen_rot = probs = None  # the previous block's, freed before this block's exist
             chosen = indices[:, rows]  # (B, t, k)
             chosen_latents = cache_latents[batch_rows, chosen].flatten(0, 1)  # (B·t, k, d_c)
             chosen_rot = cache_rot[batch_rows, chosen].flatten(0, 1)  # (B·t, k, d_R)

@@ -46,13 +46,13 @@ def one_thread():
 def two_threads(monkeypatch):
     """Two torch threads and no weight-size threshold, so that the split products (`split_products.py`: a
     decode step's few rows over all cores) run on the tiny test weights (xdist workers have one thread, and
-    `MIN_SPLIT_WEIGHT` keeps small products on F.linear)."""
-    from modular_decoder import split_products
+    `tuning().min_split_weight` keeps small products on F.linear)."""
+    from modular_decoder.tuning import tuned
 
-    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    yield
+    with tuned(min_split_weight=0):
+        yield
     torch.set_num_threads(threads)
 
 

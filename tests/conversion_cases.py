@@ -91,3 +91,12 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
             if name in saved and buffer.is_floating_point():
                 buffer.add_(torch.randn_like(buffer) * 0.1)
     return model
+
+
+def saved_source(config, path):
+    """A tiny random source checkpoint saved by transformers' own class, every parameter perturbed
+    (`--verify`, exports and conversions compare it)."""
+    config.architectures = None
+    torch.manual_seed(0)
+    perturbed(tf.AutoModelForCausalLM.from_config(config)).save_pretrained(path)
+    return path

@@ -2,8 +2,8 @@
 
 `config_kwargs()` draws the keyword arguments of a valid config: every value of every registry axis
 (`modular_decoder/registries.py`), MHA / GQA / MQA, explicit head widths, partial rotary widths,
-every rope type with the keys it needs (flat or nested per layer type), sliding windows and
-local/global mixes, QK-norm, soft-caps, the score scale, the embedding ends, biases, learned
+every rope type with the keys it needs (flat or nested per layer type), NoPE layers, sliding windows and
+local/global mixes, QK-norm, soft-caps, attention sinks, the score scale, the embedding ends, biases, learned
 offsets and MLA's widths. Sizes stay tiny (hidden <= 48, 1-3 layers, vocabulary <= 64) so a model
 builds and runs in milliseconds.
 
@@ -201,6 +201,10 @@ def config_kwargs(draw) -> dict:
             if factor != 1.0 or draw(st.booleans()):
                 kw["partial_rotary_factor"] = factor
         kw["rope_interleaved"] = draw(st.booleans())
+        if attention_type == "standard" and draw(st.booleans()):  # SmolLM3's NoPE layers: at least one rotates
+            flags = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
+            flags[draw(st.integers(0, layers - 1))] = 1
+            kw["no_rope_layers"] = flags
         if draw(st.booleans()):  # nested per layer type, each with its own type and base
             kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in sorted(set(layer_types))}
             if draw(st.booleans()):  # a table for a layer type no layer uses is allowed too
@@ -213,6 +217,7 @@ def config_kwargs(draw) -> dict:
     kw["attention_bias"] = draw(st.booleans())
     kw["attention_output_bias"] = draw(st.sampled_from([None, True, False]))
     kw["attn_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
+    kw["attention_sinks"] = draw(st.booleans())
     kw["final_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
     kw["query_pre_attn_scalar"] = draw(st.none() | st.floats(1.0, 64.0))
     kw["attention_dropout"] = draw(st.sampled_from([0.0, 0.1]))  # eval mode: no effect on the properties
@@ -268,7 +273,7 @@ _NOT_CHOICE = ["bogus", "", 3, None, True]
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
 BOOL_FIELDS = ("norm_bias", "norm_unit_offset", "parallel_block", "mlp_bias", "attention_bias",
-               "tie_word_embeddings", "embedding_norm", "lm_head_bias", "use_cache")
+               "tie_word_embeddings", "embedding_norm", "lm_head_bias", "use_cache", "attention_sinks")
 OPTIONAL_BOOL_FIELDS = ("final_norm", "attention_output_bias")
 # name -> (values out of range, whether None is allowed)
 NUMBER_FIELDS = {
@@ -339,7 +344,7 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     kinds = ["size", "bool", "optional_bool", "number", "choice", "window", "pad", "token_ids", "layer_types",
              "heads", "other_kind", "offset", "integer_type"]
     if kw.get("position_embedding_type") == "rope":
-        kinds += ["rope", "rope", "rotary_factor", "interleaved"]
+        kinds += ["rope", "rope", "rotary_factor", "interleaved", "no_rope_layers"]
     else:
         kinds += ["rope_only"]
     if kw.get("attention_type") in LATENT_TYPES:
@@ -413,9 +418,18 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     elif kind == "interleaved":
         field = "rope_interleaved"
         broken[field] = draw(st.sampled_from(_NOT_BOOL))
+    elif kind == "no_rope_layers":
+        field = "no_rope_layers"
+        layers = kw["num_hidden_layers"]
+        broken[field] = draw(st.sampled_from([
+            [1] * (layers + 1), [1] * (layers - 1), [2] + [1] * (layers - 1), [True] + [1] * (layers - 1),
+            ["1"] + [1] * (layers - 1), [0] * layers, 1,
+        ]))
+        if kw.get("attention_type") == "mla" and layers > 1 and draw(st.booleans()):
+            broken[field] = [0] + [1] * (layers - 1)  # MLA has no NoPE layers
     elif kind == "rope_only":  # rope fields under another position type
-        field = draw(st.sampled_from(["partial_rotary_factor", "rope_interleaved"]))
-        broken[field] = 0.5 if field == "partial_rotary_factor" else True
+        field = draw(st.sampled_from(["partial_rotary_factor", "rope_interleaved", "no_rope_layers"]))
+        broken[field] = {"partial_rotary_factor": 0.5, "rope_interleaved": True}.get(field, [1] * kw["num_hidden_layers"])
     elif kind == "mla_field":
         field = draw(st.sampled_from(MLA_FIELDS))
         bad = [0, -1, "8", 2.5, True]

@@ -18,7 +18,7 @@ import torch
 from backend_cases import make_model, packed_batch, padded_batch
 
 TOL = dict(atol=1e-5, rtol=1e-4)
-VARIANTS = ["gqa", "sliding_mixed", "softcap_scale", "alibi_gqa_sliding", "mla"]
+VARIANTS = ["gqa", "sliding_mixed", "softcap_scale", "alibi_gqa_sliding", "mla", "sinks_sliding", "mla_sinks"]
 
 
 pytestmark = pytest.mark.usefixtures("uncompiled_flex")  # conftest: why flex runs uncompiled on this CPU

@@ -491,3 +491,28 @@ def test_packed_documents_equal_each_alone():
             alone = model(input_ids=torch.tensor([doc])).logits[0]
             torch.testing.assert_close(packed[start : start + len(doc)], alone, rtol=0, atol=1e-5)
             start += len(doc)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex_attention"])
+def test_attention_sinks_compose_with_the_selection(backend):
+    """gpt-oss's sinks on a DSA layer: the sink joins the softmax over the chosen keys, on every path and backend,
+    equal to eager and, through the cache, to the uncached forward."""
+    eager, other = _model("eager", attention_sinks=True), _model(backend, attention_sinks=True)
+    for model in (eager, other):
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, SparseLatentAttention):
+                    module.sinks.copy_(torch.linspace(-1.0, 2.0, module.sinks.numel()))
+    ids = _ids(2, 30)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        expected = eager(ids, attention_mask=mask).logits
+        got = other(ids, attention_mask=mask).logits
+        without = _model("eager")(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1, 4:], expected[1, 4:], rtol=0, atol=1e-5)
+    assert (expected - without).abs().max() > 1e-2
+    cached, full = steps_against_full(other, ids, mask, [3, 9, 1, 1, 16])
+    torch.testing.assert_close(cached[0], full[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached[1, 4:], full[1, 4:], rtol=0, atol=1e-5)
