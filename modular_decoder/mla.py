@@ -47,7 +47,7 @@ from .attention import linear_parameters
 from .attention_layer import AttentionLayer
 from .eager_attention import attention_probs, eager_attention, explicit_mask
 from .kinds import AttentionKind, require_bool, require_int
-from .latent_cache import latent_layer
+from .latent_cache import LatentLayerMixin, latent_layer
 from .split_products import is_fx_proxy, project, weight_is_readable
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
@@ -141,7 +141,10 @@ class MultiHeadLatentAttention(AttentionLayer):
         q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
         k_rot = apply_rotary(k_rot, cos, sin, self.interleaved)
         if cache is not None and not is_fx_proxy(cache):
+            check_latent_cache(cache, self.layer_idx, self.latent_dim)
             latents, k_rot = cache.update(latents, k_rot, self.layer_idx)
+            if latents.shape[-2] > seq and type(self.kv_b_proj) is not nn.Linear:
+                check_expansion_of_cached_tokens(self.kv_b_proj)
             if self.scoring_path(seq, latents.shape[-2], attention_mask) == "absorbed":
                 out, weights = self.absorbed_attention(q_nope, q_rot, latents, k_rot, attention_mask)
                 return project(self.o_proj, out.reshape(batch, seq, -1)), weights
@@ -247,6 +250,39 @@ class MultiHeadLatentAttention(AttentionLayer):
         return attention_probs(self, scores, mask, self.softcap, dropout=dropout, fused_upcast=True, sinks=self.sinks)
 
 
+def check_latent_cache(cache, layer_idx: int, latent_dim: int) -> None:
+    """Refuse a cache whose layer already holds per-head keys rather than latents: a prefix of per-head K/V, as
+    PEFT's prefix tuning builds it (`PrefixTuningConfig`), which MLA cannot attend to (its cache holds one latent
+    per token, `kv_lora_rank` wide; the keys are made from it). Only another cache class than this package's
+    latent layers is looked at (transformers' `DynamicCache` holds latents too once MLA has filled it)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or layer_idx >= len(layers) or isinstance(layers[layer_idx], LatentLayerMixin):
+        return
+    keys = getattr(layers[layer_idx], "keys", None)
+    if torch.is_tensor(keys) and keys.dim() == 4 and keys.numel() and (keys.shape[1], keys.shape[-1]) != (1, latent_dim):
+        raise ValueError(
+            f"MLA (`attention_type='mla'`) cannot attend to a prefix of per-head keys and values (this cache's layer "
+            f"{layer_idx} holds keys of shape {tuple(keys.shape)}; MLA caches one {latent_dim}-wide latent per "
+            "token), as PEFT's prefix tuning passes: use prompt tuning (`PromptTuningConfig`), P-tuning or LoRA."
+        )
+
+
+def check_expansion_of_cached_tokens(kv_b_proj: nn.Module) -> None:
+    """Refuse a `kv_b_proj` whose output depends on where a token sits in the call: PEFT's activated LoRA (aLoRA)
+    adapts the call's last tokens from its invocation sequence on, which holds where each call's tokens are new
+    (transformers' models project each token once and cache the result), but the latent cache re-expands every
+    cached token through `kv_b_proj` at each step, so past the prompt the window would slide onto other tokens: a
+    cached step would then answer otherwise than the uncached forward. (Read by class name: PEFT is not imported.)"""
+    variants = getattr(kv_b_proj, "lora_variant", None)
+    if isinstance(variants, dict) and any(type(v).__name__ == "ALoraLinearVariant" for v in variants.values()):
+        raise ValueError(
+            "Activated LoRA (`alora_invocation_tokens`) on MLA's `kv_b_proj` cannot run against a cache: MLA's "
+            "latent cache re-expands every cached token through `kv_b_proj` at each step, where aLoRA adapts only "
+            "the last tokens of a call. Target `kv_a_proj_with_mqa` instead (its output is what the cache holds), "
+            "with `q_b_proj`/`q_proj` and `o_proj`, or run without a cache (`use_cache=False`)."
+        )
+
+
 class LatentKind(AttentionKind):
     """`attention_type="mla"`: DeepSeek's latent attention; the cache stores the latent and rotary key."""
 
@@ -258,13 +294,13 @@ class LatentKind(AttentionKind):
     def validate(self, config) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(config, name) is None:
-                raise ValueError(f"`attention_type='mla'` needs `{name}`.")
+                raise ValueError(f"`attention_type={self.name!r}` needs `{name}`.")
             require_int(name, getattr(config, name), minimum=1)
         require_int("q_lora_rank", config.q_lora_rank, minimum=1, optional=True)
         require_bool("kv_latent_norm", config.kv_latent_norm)
         if config.position_embedding_type != "rope":
             raise ValueError(
-                "`attention_type='mla'` carries position only in its decoupled rotary key: it needs "
+                f"`attention_type={self.name!r}` carries position only in its decoupled rotary key: it needs "
                 f"`position_embedding_type='rope'`, got {config.position_embedding_type!r} (ALiBi and "
                 "absolute positions cannot reach the absorbed latent scores)."
             )
@@ -272,12 +308,12 @@ class LatentKind(AttentionKind):
             raise ValueError(f"`qk_rope_head_dim` must be even, got {config.qk_rope_head_dim}.")
         if isinstance(config.no_rope_layers, list) and 0 in config.no_rope_layers:
             raise ValueError(
-                "`no_rope_layers` marks NoPE layers, which `attention_type='mla'` cannot have: its decoupled rotary "
-                f"key carries all of its position, got {config.no_rope_layers!r}."
+                f"`no_rope_layers` marks NoPE layers, which `attention_type={self.name!r}` cannot have: its decoupled "
+                f"rotary key carries all of its position, got {config.no_rope_layers!r}."
             )
         if config.partial_rotary_factor != 1.0:
             raise ValueError(
-                "`partial_rotary_factor` must be 1.0 with `attention_type='mla'`: the rotated width is "
+                f"`partial_rotary_factor` must be 1.0 with `attention_type={self.name!r}`: the rotated width is "
                 f"`qk_rope_head_dim`, got `partial_rotary_factor`={config.partial_rotary_factor}."
             )
 
