@@ -9,9 +9,10 @@ import torch
 
 from . import get_family
 from .core import Family, RuleInstance, check_shapes, plan_rules, rename
-from .io import atomic_folder, check_destination, copy_side_files, read_gguf
+from .gguf_source import open_gguf
+from .io import atomic_folder, check_destination, copy_side_files
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
-                      quantization_of, tensor_in_memory)
+                      quantization_of)
 from .stream import Sink, plan_shapes, produce, write_plan
 from .tensor_files import WEIGHTS_NAME, ShardedWriter
 
@@ -116,8 +117,7 @@ def _open_source(src: Path, gguf_file: str | None, allow_bin: bool):
     """(source config, its tensors under their file names, tokenizer, generation config)."""
     _check_source(src, gguf_file)
     if gguf_file is not None:
-        state, src_cfg, tokenizer, generation_config = read_gguf(src, gguf_file)
-        return src_cfg, {k: tensor_in_memory(k, v) for k, v in state.items()}, tokenizer, generation_config
+        return open_gguf(src, gguf_file)
     src_cfg = _source_config(src)
     return src_cfg, folder_tensors(src, allow_bin=allow_bin), None, None
 

@@ -171,7 +171,9 @@ class ModularDecoderConfig(PretrainedConfig):
             per layer 1 for a RoPE layer, 0 for a NoPE layer (no rotary on its queries and keys; SmolLM3 has one
             every fourth layer). `None`: every layer rotates. Standard attention only (MLA's rotary key is its
             only position signal).
-        attention_type (`str`): `"standard"` (MHA / GQA / MQA through `num_key_value_heads`) or `"mla"`.
+        attention_type (`str`): `"standard"` (MHA / GQA / MQA through `num_key_value_heads`), `"mla"`, or
+            `"dsa"` (DeepSeek Sparse Attention, DeepSeek-V3.2: MLA whose every query attends only to the
+            `index_topk` keys a lightning indexer ranks highest; the `index_*` fields apply to it only).
         q_lora_rank (`int`, *optional*): MLA query bottleneck width; `None` projects queries directly.
         kv_lora_rank (`int`, *optional*): MLA joint KV latent width d_c.
         qk_nope_head_dim (`int`, *optional*): MLA per-head content (non-rotary) q/k width.
@@ -181,6 +183,17 @@ class ModularDecoderConfig(PretrainedConfig):
             as DeepSeek always does). `False` keeps the latent a linear function of the hidden state, which is
             what makes an exact conversion of standard attention to MLA possible (TransMLA,
             `modular_decoder.tools.reshape.mla_conversion`); DeepSeek's classes cannot express it.
+        index_n_heads (`int`, *optional*): DSA indexer heads H_I (transformers' name; DeepSeek-V3.2: 64). Each
+            head scores every key, ReLU(q_I·k_I / sqrt(D_I)), and the heads are summed with per-token weights
+            (`weights_proj(x) / sqrt(H_I)`). Required with `"dsa"`.
+        index_head_dim (`int`, *optional*): DSA indexer head width D_I (DeepSeek-V3.2: 128): the width of the one
+            indexer key each token caches beside the latent (after a LayerNorm with bias, eps `norm_eps`), and of
+            each indexer query (made from the query latent, so `q_lora_rank` is required). Its first
+            `qk_rope_head_dim` features are rotated, in the halves layout whatever `rope_interleaved` says (as
+            transformers' `DeepseekV32Indexer` does). Required with `"dsa"`.
+        index_topk (`int`, *optional*): Keys k each query attends to under `"dsa"` (DeepSeek-V3.2: 2048): the k
+            with the highest indexer score among those the mask lets it see; a query that sees at most k keys
+            attends to all of them, as dense MLA does. Required with `"dsa"`.
         attention_bias (`bool`): Biases on the q, k and v projections.
         attention_output_bias (`bool`, *optional*): Bias on the output projection. Defaults to
             `attention_bias` (Qwen 2 sets q/k/v biases but none on the output).
@@ -275,6 +288,9 @@ class ModularDecoderConfig(PretrainedConfig):
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     kv_latent_norm: bool = True
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
     attention_bias: bool = False
     attention_output_bias: bool | None = None
     qk_norm: str = "none"

@@ -258,13 +258,13 @@ class LatentKind(AttentionKind):
     def validate(self, config) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(config, name) is None:
-                raise ValueError(f"`attention_type='mla'` needs `{name}`.")
+                raise ValueError(f"`attention_type={self.name!r}` needs `{name}`.")
             require_int(name, getattr(config, name), minimum=1)
         require_int("q_lora_rank", config.q_lora_rank, minimum=1, optional=True)
         require_bool("kv_latent_norm", config.kv_latent_norm)
         if config.position_embedding_type != "rope":
             raise ValueError(
-                "`attention_type='mla'` carries position only in its decoupled rotary key: it needs "
+                f"`attention_type={self.name!r}` carries position only in its decoupled rotary key: it needs "
                 f"`position_embedding_type='rope'`, got {config.position_embedding_type!r} (ALiBi and "
                 "absolute positions cannot reach the absorbed latent scores)."
             )
@@ -272,12 +272,12 @@ class LatentKind(AttentionKind):
             raise ValueError(f"`qk_rope_head_dim` must be even, got {config.qk_rope_head_dim}.")
         if isinstance(config.no_rope_layers, list) and 0 in config.no_rope_layers:
             raise ValueError(
-                "`no_rope_layers` marks NoPE layers, which `attention_type='mla'` cannot have: its decoupled rotary "
-                f"key carries all of its position, got {config.no_rope_layers!r}."
+                f"`no_rope_layers` marks NoPE layers, which `attention_type={self.name!r}` cannot have: its decoupled "
+                f"rotary key carries all of its position, got {config.no_rope_layers!r}."
             )
         if config.partial_rotary_factor != 1.0:
             raise ValueError(
-                "`partial_rotary_factor` must be 1.0 with `attention_type='mla'`: the rotated width is "
+                f"`partial_rotary_factor` must be 1.0 with `attention_type={self.name!r}`: the rotated width is "
                 f"`qk_rope_head_dim`, got `partial_rotary_factor`={config.partial_rotary_factor}."
             )
 

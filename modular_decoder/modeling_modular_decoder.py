@@ -65,6 +65,7 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         super().__init__(config, *inputs, **kwargs)
         # read by `from_pretrained` in half precision (e.g. DeepSeek-V3's sigmoid routers stay fp32)
         self._keep_in_fp32_modules_strict = list(config.mlp_kind.fp32_parameters(config))
+        self._keep_in_fp32_modules = list(config.attention_kind.fp32_modules(config))  # under fp16 only
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:

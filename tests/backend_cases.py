@@ -23,6 +23,9 @@ VARIANTS: dict[str, dict] = {
     "alibi_gqa_sliding": dict(num_key_value_heads=2, position_embedding_type="alibi", rope_parameters=None,
                               sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
     "mla": dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    # DeepSeek Sparse Attention keeping 4 keys per query: the selection is a mask, which the flash kernels refuse
+    "dsa": dict(attention_type="dsa", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                q_lora_rank=12, index_n_heads=8, index_head_dim=8, index_topk=4),
     # gpt-oss's attention: a sink per head, sliding and full layers; and sinks on MLA (vLLM's latent attention
     # takes none)
     "sinks_sliding": dict(num_key_value_heads=2, attention_sinks=True, sliding_window=5,

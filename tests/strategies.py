@@ -40,10 +40,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # What the strategy knows how to draw for each registry; `test_strategies_cover_every_registry_entry`
 # fails when an entry is added to a registry and not here.
-ATTENTION_TYPES = ("standard", "mla")
+ATTENTION_TYPES = ("standard", "mla", "dsa")
 MLP_TYPES = ("dense", "gated", "moe")
 POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's lightning indexer
+LATENT_TYPES = ("mla", "dsa")
 REGISTRIES = {"attention_type": (ATTENTIONS, ATTENTION_TYPES), "mlp_type": (MLPS, MLP_TYPES),
               "position_embedding_type": (POSITIONS, POSITION_TYPES), "norm_type": (NORMS, tuple(NORMS))}
 
@@ -152,8 +154,9 @@ def config_kwargs(draw) -> dict:
     else:
         kw["mlp_bias"] = draw(st.booleans())
 
-    # windows: none, all sliding, or a per-layer mix (a window with only full layers is allowed too)
-    window = draw(st.none() | st.integers(2, MAX_SEQ))
+    # windows: none, all sliding, or a per-layer mix (a window with only full layers is allowed too); DSA chooses
+    # its keys from the whole context (no sliding layers)
+    window = draw(st.none() | st.integers(2, MAX_SEQ)) if attention_type != "dsa" else None
     if window is not None:
         kw["sliding_window"] = window
         if draw(st.integers(0, 2)):  # mostly an explicit per-layer list (local/global mixes)
@@ -163,12 +166,16 @@ def config_kwargs(draw) -> dict:
     layer_types = kw.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
 
     # attention kind
-    if attention_type == "mla":
+    if attention_type in LATENT_TYPES:
         kw.update(kv_lora_rank=draw(st.integers(1, 16)), qk_nope_head_dim=draw(st.integers(1, 8)),
                   qk_rope_head_dim=2 * draw(st.integers(1, 4)), v_head_dim=draw(st.integers(1, 8)))
-        q_lora_rank = draw(st.none() | st.integers(1, 16))
+        q_lora_rank = draw(st.none() | st.integers(1, 16)) if attention_type == "mla" else draw(st.integers(1, 16))
         if q_lora_rank is not None or draw(st.booleans()):
             kw["q_lora_rank"] = q_lora_rank
+        if attention_type == "dsa":  # the indexer: from one head keeping one key to more keys than any input has
+            kw.update(index_n_heads=draw(st.integers(1, 4)),
+                      index_head_dim=kw["qk_rope_head_dim"] + draw(st.integers(0, 6)),
+                      index_topk=draw(st.integers(1, MAX_SEQ + 1)))
         if draw(st.booleans()):
             kw["kv_latent_norm"] = False  # the linear latent of a converted standard attention
         position = "rope"
@@ -352,8 +359,10 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         kinds += ["rope", "rope", "rotary_factor", "interleaved", "no_rope_layers"]
     else:
         kinds += ["rope_only"]
-    if kw.get("attention_type") == "mla":
+    if kw.get("attention_type") in LATENT_TYPES:
         kinds += ["mla_field", "mla_position"]
+    if kw.get("attention_type") == "dsa":
+        kinds += ["dsa_field", "dsa_field", "dsa_window"]
     if kw.get("norm_position", "pre") != "pre":
         kinds += ["parallel"]
     kind = draw(st.sampled_from(kinds))
@@ -400,12 +409,10 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         field = "num_key_value_heads"
         broken[field] = draw(st.sampled_from(non_divisors))
     elif kind == "other_kind":  # a field that only another attention kind reads
-        if kw.get("attention_type") == "mla":
-            field = "qk_norm"
-            broken[field] = draw(st.sampled_from(["head", "full"]))
-        else:
-            field = draw(st.sampled_from(MLA_FIELDS))
-            broken[field] = draw(st.sampled_from([8, 1, 0, -1]))
+        attention_type = kw.get("attention_type", "standard")
+        field = draw(st.sampled_from({"mla": ("qk_norm",) + INDEX_FIELDS, "dsa": ("qk_norm",)}.get(
+            attention_type, MLA_FIELDS + INDEX_FIELDS)))
+        broken[field] = draw(st.sampled_from(["head", "full"] if field == "qk_norm" else [8, 1, 0, -1]))
     elif kind == "integer_type":  # any integer field, read by this config's kinds or not
         field = draw(st.sampled_from(ModularDecoderConfig.integer_fields()))
         broken[field] = draw(st.sampled_from(["16", 4.5, 16.0, True]))
@@ -438,7 +445,7 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     elif kind == "mla_field":
         field = draw(st.sampled_from(MLA_FIELDS))
         bad = [0, -1, "8", 2.5, True]
-        if field != "q_lora_rank":
+        if field != "q_lora_rank" or kw["attention_type"] == "dsa":  # DSA's indexer reads the query latent
             bad.append(None)
         if field == "qk_rope_head_dim":
             bad += [1, 3, 5]
@@ -449,6 +456,18 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         broken.pop("rope_parameters", None)
         broken.pop("rope_interleaved", None)
         broken.pop("partial_rotary_factor", None)
+    elif kind == "dsa_field":
+        field = draw(st.sampled_from(INDEX_FIELDS))
+        bad = [0, -1, "8", 2.5, True, None]
+        if field == "index_head_dim" and kw["qk_rope_head_dim"] > 1:
+            bad.append(kw["qk_rope_head_dim"] - 1)  # narrower than the rotary features it rotates
+        broken[field] = draw(st.sampled_from(bad))
+    elif kind == "dsa_window":
+        field = "sliding_window"
+        broken.update(sliding_window=draw(st.integers(2, MAX_SEQ)),
+                      layer_types=draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=kw["num_hidden_layers"],
+                                                max_size=kw["num_hidden_layers"]).filter(
+                          lambda types: "sliding_attention" in types)))
     elif kind == "parallel":
         field = "parallel_block"
         broken[field] = True

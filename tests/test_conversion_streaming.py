@@ -5,6 +5,13 @@ converting a checkpoint of about 1 GB in small shards stays within a few shards'
 from __future__ import annotations
 
 import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -111,3 +118,90 @@ def test_each_source_tensor_is_read_once_and_copies_go_through_in_blocks(tmp_pat
     assert len(whole) == len(set(whole))
     blocks = [rows for name, rows in reads if name == "model.embed_tokens.weight"]
     assert blocks == [(first, min(first + 10, 96)) for first in range(0, 96, 10)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory: a checkpoint of about 1 GB in 100 MB shards converts with a peak that is a fraction of one shard.
+
+MEASURE = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from modular_decoder.conversion import convert
+
+    def status(key):
+        return int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key)).split()[1])
+
+    tiny, big, out = map(Path, sys.argv[1:4])
+    convert(tiny, out / "warm-up", progress=False)  # every import and code path once, before the baseline
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current resident size
+    baseline = status("VmRSS:")
+    convert(big, out / "big", progress=False)
+    print(json.dumps({"baseline_kib": baseline, "peak_kib": status("VmHWM:")}))
+""")
+SHARD = 100 * 2**20
+
+
+def write_llama_in_shards(path: Path, layers: int) -> int:
+    """A Llama checkpoint (bf16; 32 MiB per layer) in shards of about 100 MB, as `save_pretrained` would shard it.
+    Each shard is its safetensors header followed by zeros left to the file system (a sparse file): written in no
+    time, read like any other. Returns the size of the weights in bytes."""
+    config = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = "bfloat16"
+    config.save_pretrained(path)
+    with torch.device("meta"):
+        shapes = {k: list(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    shards, weight_map = [[]], {}
+    for name, shape in shapes.items():
+        if sum(2 * math.prod(s) for _, s in shards[-1]) >= SHARD:
+            shards.append([])
+        shards[-1].append((name, shape))
+    for i, shard in enumerate(shards):
+        file, header, offset = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", {}, 0
+        for name, shape in shard:
+            header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + 2 * math.prod(shape)]}
+            offset += 2 * math.prod(shape)
+            weight_map[name] = file
+        raw = json.dumps(header).encode()
+        with open(path / file, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            f.truncate(8 + len(raw) + offset)
+    size = sum(2 * math.prod(shape) for shape in shapes.values())
+    index = {"metadata": {"total_size": size}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return size
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    """A folder in memory (/dev/shm) where there is room for 3 GB: writing 2 GB to a busy disk takes longer than
+    the conversion itself, and what is measured is the process's own memory (tmpfs pages are not in its RSS)."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 3 * 2**30):
+        yield tmp_path
+        return
+    folder = Path(tempfile.mkdtemp(dir=shm, prefix="md-memory-test-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_peak_memory_of_a_1gb_conversion_stays_within_a_shard(scratch, tmp_path):
+    size = write_llama_in_shards(scratch / "big", layers=30)
+    assert size > 2**30 * 0.95 and len(list((scratch / "big").glob("*.safetensors"))) >= 10
+    tiny = save(LlamaConfig(**TINY, num_key_value_heads=2), tmp_path / "tiny")
+    here = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", MEASURE, str(tiny), str(scratch / "big"), str(scratch / "out")],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    above = (measured["peak_kib"] - measured["baseline_kib"]) * 1024
+    print(f"converting {size / 2**20:.0f} MiB in 100 MB shards: peak {above / 2**20:.0f} MiB above the baseline")
+    # the largest tensor is 8 MiB (an MLP projection): a few of them, far below one 100 MB shard, let alone 1 GB
+    assert above < SHARD, f"peak {above / 2**20:.0f} MiB above the baseline"
+    converted = tensor_files.folder_layout(scratch / "out" / "big")
+    assert len(converted) == 3 + 30 * 9 and sum(t.nbytes for t in converted.values()) == size

@@ -5,6 +5,7 @@ transformers' DeepSeek-V2 / V3 through the conversion package."""
 
 import pytest
 import torch
+from decoding import steps_against_full
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
@@ -403,11 +404,6 @@ def test_output_attentions_from_both_paths():
 
 # --- multi-token steps against a cache: absorbed for a few new tokens, expanded beyond -----------
 
-def _steps(chunks: list[int]) -> list[tuple[int, int]]:
-    ends = [sum(chunks[: i + 1]) for i in range(len(chunks))]
-    return list(zip([0] + ends[:-1], ends))
-
-
 # A prefill, a long step (chunked prefill, a second turn), an absorbed step of several query blocks (the last
 # one partial), a few-token step, a decode step, a long step
 MULTI_TOKEN_CHUNKS = [ABSORBED_MAX_NEW_TOKENS // 2, ABSORBED_MAX_NEW_TOKENS + 5, 2 * ABSORBED_QUERY_BLOCK + 3, 3, 1,
@@ -436,14 +432,7 @@ def test_multi_token_steps_against_a_cache_match_the_full_forward(backend, lora,
     mask = torch.ones_like(ids)
     if padded:
         mask[1, :3] = 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        cache, steps = ModularDecoderCache(model.config), []
-        for start, end in _steps(MULTI_TOKEN_CHUNKS):
-            steps.append(model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], cache=cache,
-                               position_ids=positions[:, start:end]).logits)
-    cached = torch.cat(steps, dim=1)
+    cached, full = steps_against_full(model, ids, mask, MULTI_TOKEN_CHUNKS)
     torch.testing.assert_close(cached[0], full[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(cached[1, 3:], full[1, 3:], rtol=0, atol=1e-5)
     assert set(paths) == ({"expanded"} if lora else {"absorbed", "expanded"})

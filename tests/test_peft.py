@@ -57,7 +57,7 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
     base.save_pretrained(tmp_path / "base")
     peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=use_dora))
     wrapped = {name.rsplit(".", 1)[-1] for name, module in peft_model.named_modules() if hasattr(module, "lora_A")}
-    if config.attention_type == "mla":  # DeepSeek's own projection names, of which TARGETS holds these
+    if config.attention_type in ("mla", "dsa"):  # DeepSeek's own projection names, of which TARGETS holds these
         expected = {"o_proj"} | ({"q_proj"} if config.q_lora_rank is None else set())
     else:
         expected = {"q_proj", "k_proj", "v_proj", "o_proj"}
