@@ -47,7 +47,7 @@ from .attention import linear_parameters
 from .attention_layer import AttentionLayer
 from .eager_attention import attention_probs, eager_attention, explicit_mask
 from .kinds import AttentionKind, require_bool, require_int
-from .latent_cache import latent_layer
+from .latent_cache import LatentLayerMixin, latent_layer
 from .split_products import is_fx_proxy, project, weight_is_readable
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
@@ -141,7 +141,10 @@ class MultiHeadLatentAttention(AttentionLayer):
         q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
         k_rot = apply_rotary(k_rot, cos, sin, self.interleaved)
         if cache is not None and not is_fx_proxy(cache):
+            check_latent_cache(cache, self.layer_idx, self.latent_dim)
             latents, k_rot = cache.update(latents, k_rot, self.layer_idx)
+            if latents.shape[-2] > seq and type(self.kv_b_proj) is not nn.Linear:
+                check_expansion_of_cached_tokens(self.kv_b_proj)
             if self.scoring_path(seq, latents.shape[-2], attention_mask) == "absorbed":
                 out, weights = self.absorbed_attention(q_nope, q_rot, latents, k_rot, attention_mask)
                 return project(self.o_proj, out.reshape(batch, seq, -1)), weights
@@ -149,7 +152,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         queries = torch.cat((q_nope, q_rot), dim=-1)  # (B, H, T, d_qk)
         keys, values = self.expand_kv(latents, k_rot)
         # CPU SDPA with V narrower than q/k: zero-pad V to the q/k width (torch then takes its flash
-        # kernel instead of the math path: 3x faster at 512 tokens, measured) and crop the output
+        # kernel instead of the math path) and crop the output
         pad = self.config._attn_implementation == "sdpa" and self.v_dim < self.qk_dim and values.device.type == "cpu"
         if pad:
             values = nn.functional.pad(values, [0, self.qk_dim - self.v_dim])
@@ -245,6 +248,39 @@ class MultiHeadLatentAttention(AttentionLayer):
         ).view(batch, heads, q_len, -1)  # (B, H, t, S)
         dropout = self.config.attention_dropout if self.training else 0.0
         return attention_probs(self, scores, mask, self.softcap, dropout=dropout, fused_upcast=True, sinks=self.sinks)
+
+
+def check_latent_cache(cache, layer_idx: int, latent_dim: int) -> None:
+    """Refuse a cache whose layer already holds per-head keys rather than latents: a prefix of per-head K/V, as
+    PEFT's prefix tuning builds it (`PrefixTuningConfig`), which MLA cannot attend to (its cache holds one latent
+    per token, `kv_lora_rank` wide; the keys are made from it). Only another cache class than this package's
+    latent layers is looked at (transformers' `DynamicCache` holds latents too once MLA has filled it)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or layer_idx >= len(layers) or isinstance(layers[layer_idx], LatentLayerMixin):
+        return
+    keys = getattr(layers[layer_idx], "keys", None)
+    if torch.is_tensor(keys) and keys.dim() == 4 and keys.numel() and (keys.shape[1], keys.shape[-1]) != (1, latent_dim):
+        raise ValueError(
+            f"MLA (`attention_type='mla'`) cannot attend to a prefix of per-head keys and values (this cache's layer "
+            f"{layer_idx} holds keys of shape {tuple(keys.shape)}; MLA caches one {latent_dim}-wide latent per "
+            "token), as PEFT's prefix tuning passes: use prompt tuning (`PromptTuningConfig`), P-tuning or LoRA."
+        )
+
+
+def check_expansion_of_cached_tokens(kv_b_proj: nn.Module) -> None:
+    """Refuse a `kv_b_proj` whose output depends on where a token sits in the call: PEFT's activated LoRA (aLoRA)
+    adapts the call's last tokens from its invocation sequence on, which holds where each call's tokens are new
+    (transformers' models project each token once and cache the result), but the latent cache re-expands every
+    cached token through `kv_b_proj` at each step, so past the prompt the window would slide onto other tokens: a
+    cached step would then answer otherwise than the uncached forward. (Read by class name: PEFT is not imported.)"""
+    variants = getattr(kv_b_proj, "lora_variant", None)
+    if isinstance(variants, dict) and any(type(v).__name__ == "ALoraLinearVariant" for v in variants.values()):
+        raise ValueError(
+            "Activated LoRA (`alora_invocation_tokens`) on MLA's `kv_b_proj` cannot run against a cache: MLA's "
+            "latent cache re-expands every cached token through `kv_b_proj` at each step, where aLoRA adapts only "
+            "the last tokens of a call. Target `kv_a_proj_with_mqa` instead (its output is what the cache holds), "
+            "with `q_b_proj`/`q_proj` and `o_proj`, or run without a cache (`use_cache=False`)."
+        )
 
 
 class LatentKind(AttentionKind):
