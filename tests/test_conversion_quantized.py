@@ -1,6 +1,6 @@
 """Checkpoints published quantized convert to what transformers computes when it loads them dequantized.
 
-FP8 (DeepSeek-V3, V3.2 with its indexer, Qwen3 -FP8): tiny transformers models whose linear weights are quantized the way the
+FP8 (DeepSeek-V3, Qwen3 -FP8): tiny transformers models whose linear weights are quantized the way the
 published checkpoints store them (`float8_e4m3fn`, one `weight_scale_inv` per 128 x 128 block, per-expert
 files, a `quantization_config` with `quant_method: fp8`), loaded by transformers with
 `FineGrainedFP8Config(dequantize=True)` as the reference: every converted tensor equals the reference's,
@@ -38,10 +38,11 @@ FP8_CASES = {
         num_attention_heads=2, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=64,
         v_head_dim=64, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         n_group=2, topk_group=1, max_position_embeddings=64),
+    # DeepSeek-V3.2: V3 with an indexer in every layer (its wq_b and wk in FP8, its head weights not)
     "deepseek_v32": lambda: tf.DeepseekV32Config(
         vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=64,
-        qk_nope_head_dim=64, v_head_dim=64, index_n_heads=2, index_head_dim=128, index_topk=5, first_k_dense_replace=1,
+        qk_nope_head_dim=64, v_head_dim=64, index_n_heads=2, index_head_dim=128, index_topk=4, first_k_dense_replace=1,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
         max_position_embeddings=64),
     "qwen3": lambda: tf.Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
@@ -68,10 +69,10 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
-    """The linear weights DeepSeek-V3 and Qwen3 -FP8 publish in FP8 (not the embedding, the head, norms or the
-    router)."""
+    """The linear weights DeepSeek-V3 (V3.2) and Qwen3 -FP8 publish in FP8 (not the embedding, the head, norms, the
+    router or V3.2's indexer head weights)."""
     return (tensor.dim() >= 2 and name.endswith((".weight", "_proj")) and "embed_tokens" not in name
-            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
+            and not name.startswith("lm_head") and not name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")))
 
 
 def fp8_folder(case: str, path: Path, fused: bool = False) -> Path:
