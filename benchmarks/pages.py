@@ -327,9 +327,8 @@ def mla_crossover_section(run: dict | None) -> str:
         f"{shape['qk_nope_head_dim']}, v {shape['v_head_dim']}: DeepSeek-V2-Lite's attention with a low-rank query), "
         "random weights, a latent cache of S random tokens; one step of T new tokens, ours forced absorbed and forced "
         "expanded, alternating (median ms), and in a separate run of each the peak memory above the start (MB, the "
-        f"kernel's resident high-water mark). The settings in force (`modular_decoder.tuning`): "
-        f"`absorbed_max_new_tokens` {run['absorbed_max_new_tokens']}, `absorbed_query_block` "
-        f"{run['absorbed_query_block']}.",
+        f"kernel's resident high-water mark). The shipped `ABSORBED_MAX_NEW_TOKENS` is {run['absorbed_max_new_tokens']} "
+        f"and `ABSORBED_QUERY_BLOCK` {run['absorbed_query_block']}.",
         "", "| cached S | new T | absorbed ms | expanded ms | expanded / absorbed | absorbed peak MB | expanded peak MB |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -338,22 +337,27 @@ def mla_crossover_section(run: dict | None) -> str:
               for r in run["crossover"]]
     blocks = run["query_blocks"]
     if blocks:
+        scoring = all("scoring_peak" in b for b in blocks)
         lines += ["", f"The absorbed step of {blocks[0]['new_tokens']} new tokens with each query block (new tokens "
-                  "scored per pass); the absorbed scoring alone (`absorbed_attention`, its tensors' bytes alive at "
-                  "once, `measure.TensorBytes`) per cached token and in score blocks, a block being the (1, heads, "
-                  "query block, S) fp32 scores of one pass:", "",
-                  "| cached S | query block | ms | step peak MB | scoring peak B / cached token | score blocks |",
-                  "|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {b['context']:,} | {b['query_block']} | {1e3 * b['seconds']:.2f} | {b['peak_mb']:.1f} | "
-                  + (f"{b['scoring_peak']['bytes_per_cached_token']:,.0f} | {b['scoring_peak']['score_blocks']:.2f} |"
-                     if "scoring_peak" in b else "— | — |") for b in blocks]
-    if run.get("static_prefill"):
-        lines += ["", "A prefill of T tokens into an empty static cache of S slots (both forms compute over every "
-                  "slot; `scoring_path` runs it absorbed up to `absorbed_max_new_tokens`):", "",
-                  "| static slots S | prefill T | absorbed ms | expanded ms | expanded / absorbed |",
+                  "scored per pass)" + (": time, the step's peak, and the peak of the absorbed scoring alone "
+                                        "(`measure.TensorBytes`: the bytes its own tensors hold at once, per cached "
+                                        "token and in score blocks of (1, H, block, S) fp32)" if scoring else "") + ":",
+                  "", "| cached S | query block | ms | peak MB |" + (" scoring B per cached token | score blocks |"
+                                                                    if scoring else ""),
+                  "|---:|---:|---:|---:|" + ("---:|---:|" if scoring else "")]
+        for b in blocks:
+            cells = f"| {b['context']:,} | {b['query_block']} | {1e3 * b['seconds']:.2f} | {b['peak_mb']:.1f} |"
+            if scoring:
+                cells += f" {b['scoring_peak']['bytes_per_cached_token']:,.0f} | {b['scoring_peak']['score_blocks']:.2f} |"
+            lines.append(cells)
+    prefills = run.get("static_prefill")
+    if prefills:
+        lines += ["", "A prefill of T tokens into an empty static cache of capacity S (both forms compute over every "
+                  "slot: the crossover of a short first step):", "",
+                  "| static capacity S | prefill T | absorbed ms | expanded ms | expanded / absorbed |",
                   "|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['capacity']:,} | {r['new_tokens']} | {1e3 * r['absorbed']:.2f} | {1e3 * r['expanded']:.2f} | "
-                  f"{r['expanded'] / r['absorbed']:.2f} |" for r in run["static_prefill"]]
+                  f"{r['expanded'] / r['absorbed']:.2f} |" for r in prefills]
     return "\n".join(lines)
 
 
