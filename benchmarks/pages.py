@@ -337,10 +337,27 @@ def mla_crossover_section(run: dict | None) -> str:
               for r in run["crossover"]]
     blocks = run["query_blocks"]
     if blocks:
+        scoring = all("scoring_peak" in b for b in blocks)
         lines += ["", f"The absorbed step of {blocks[0]['new_tokens']} new tokens with each query block (new tokens "
-                  "scored per pass):", "", "| cached S | query block | ms | peak MB |", "|---:|---:|---:|---:|"]
-        lines += [f"| {b['context']:,} | {b['query_block']} | {1e3 * b['seconds']:.2f} | {b['peak_mb']:.1f} |"
-                  for b in blocks]
+                  "scored per pass)" + (": time, the step's peak, and the peak of the absorbed scoring alone "
+                                        "(`measure.TensorBytes`: the bytes its own tensors hold at once, per cached "
+                                        "token and in score blocks of (1, H, block, S) fp32)" if scoring else "") + ":",
+                  "", "| cached S | query block | ms | peak MB |" + (" scoring B per cached token | score blocks |"
+                                                                    if scoring else ""),
+                  "|---:|---:|---:|---:|" + ("---:|---:|" if scoring else "")]
+        for b in blocks:
+            cells = f"| {b['context']:,} | {b['query_block']} | {1e3 * b['seconds']:.2f} | {b['peak_mb']:.1f} |"
+            if scoring:
+                cells += f" {b['scoring_peak']['bytes_per_cached_token']:,.0f} | {b['scoring_peak']['score_blocks']:.2f} |"
+            lines.append(cells)
+    prefills = run.get("static_prefill")
+    if prefills:
+        lines += ["", "A prefill of T tokens into an empty static cache of capacity S (both forms compute over every "
+                  "slot: the crossover of a short first step):", "",
+                  "| static capacity S | prefill T | absorbed ms | expanded ms | expanded / absorbed |",
+                  "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['capacity']:,} | {r['new_tokens']} | {1e3 * r['absorbed']:.2f} | {1e3 * r['expanded']:.2f} | "
+                  f"{r['expanded'] / r['absorbed']:.2f} |" for r in prefills]
     return "\n".join(lines)
 
 

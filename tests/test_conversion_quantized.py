@@ -38,6 +38,13 @@ FP8_CASES = {
         num_attention_heads=2, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=64,
         v_head_dim=64, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         n_group=2, topk_group=1, max_position_embeddings=64),
+    # DeepSeek-V3.2: V3 with an indexer in every layer (its wq_b and wk in FP8, its head weights not)
+    "deepseek_v32": lambda: tf.DeepseekV32Config(
+        vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=64,
+        qk_nope_head_dim=64, v_head_dim=64, index_n_heads=2, index_head_dim=128, index_topk=4, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+        max_position_embeddings=64),
     "qwen3": lambda: tf.Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                     max_position_embeddings=64),
@@ -62,10 +69,10 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
-    """The linear weights DeepSeek-V3 and Qwen3 -FP8 publish in FP8 (not the embedding, the head, norms or the
-    router)."""
+    """The linear weights DeepSeek-V3 (V3.2) and Qwen3 -FP8 publish in FP8 (not the embedding, the head, norms, the
+    router or V3.2's indexer head weights)."""
     return (tensor.dim() >= 2 and name.endswith((".weight", "_proj")) and "embed_tokens" not in name
-            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
+            and not name.startswith("lm_head") and not name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")))
 
 
 def fp8_folder(case: str, path: Path, fused: bool = False) -> Path:
