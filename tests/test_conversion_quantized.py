@@ -182,6 +182,23 @@ def test_other_quantization_methods_are_refused_by_name(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_float8_weights_without_their_scales_are_refused_by_name(tmp_path):
+    """Cast to bf16 without its scale, a float8 weight would load wrong in silence."""
+    src = fp8_folder("qwen3", tmp_path / "src")
+    weights = load_file(src / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight'\] cannot be dequantized: "
+                                         r"`model.layers.1.mlp.down_proj.weight_scale_inv` is missing"):
+        convert(src, tmp_path / "a", progress=False)
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="the config has no `quantization_config` to scale them by"):
+        convert(src, tmp_path / "b", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_mxfp4_experts_equal_transformers_dequantization(dtype):
     """Every byte value of blocks and scales (NaN and infinity where the exponent overflows included): the same
