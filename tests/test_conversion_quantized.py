@@ -1,11 +1,12 @@
 """Checkpoints published quantized convert to what transformers computes when it loads them dequantized.
 
-FP8 (DeepSeek-V3, Qwen3 -FP8): tiny transformers models whose linear weights are quantized the way the
+FP8 (DeepSeek-V3, V3.2, Qwen3 -FP8): tiny transformers models whose linear weights are quantized the way the
 published checkpoints store them (`float8_e4m3fn`, one `weight_scale_inv` per 128 x 128 block, per-expert
 files, a `quantization_config` with `quant_method: fp8`), loaded by transformers with
 `FineGrainedFP8Config(dequantize=True)` as the reference: every converted tensor equals the reference's,
 bit for bit, in bf16 (the default) and in float32. MXFP4 (gpt-oss's experts): the reading layer against
-transformers' own dequantization function.
+transformers' own dequantization function and its `Mxfp4Config(dequantize=True)` load, and a tiny gpt-oss folder
+quantized as published converted end to end.
 """
 
 from __future__ import annotations
@@ -274,3 +275,29 @@ def test_mxfp4_folder_reads_as_transformers_loads_it_dequantized(tmp_path, dtype
         if "experts" in name and not name.endswith("bias"):
             assert got.dtype == dtype and tuple(read[name].shape) == tuple(tensor.shape), name
         assert torch.equal(got.to(tensor.dtype), tensor), name
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_mxfp4_gpt_oss_converts_to_transformers_dequantized_model(tmp_path, dtype):
+    """A gpt-oss folder as published (experts in MXFP4) converts to the tensors of transformers' dequantized load
+    through the family's map, bit for bit, and to its logits."""
+    from transformers import Mxfp4Config
+
+    from modular_decoder import ModularDecoderForCausalLM
+
+    src = mxfp4_folder(tmp_path / "gpt-oss")
+    out = convert(src, tmp_path / "md", dtype=dtype, progress=False)
+    torch_dtype = torch.float32 if dtype else torch.bfloat16  # the default: the checkpoint's compute dtype
+    reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype,
+                                                     quantization_config=Mxfp4Config(dequantize=True)).eval()
+    expected = expected_contract(src, {k: v for k, v in reference.state_dict().items() if not k.endswith("inv_freq")})
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch_dtype and torch.equal(got[name], tensor), name
+    assert "MXFP4 experts" in (out / "README.md").read_text()
+    if dtype == "float32":
+        ids = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90]])
+        ours = ModularDecoderForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-4, rtol=0)
