@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import Family, apply_rules, check_shapes, rename_prefixes
+from .core import Family, apply_rules, check_shapes, refuse_tensors, rename_prefixes
 from .io import atomic_folder, check_destination, copy_side_files, read_gguf, read_safetensors_folder
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -142,6 +142,7 @@ def convert(
         family = get_family(src_cfg.model_type)
         cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
         state = _drop_ignored(_model_names(state, family), family)
+        refuse_tensors(state, family)
         with tqdm(total=len(state), desc=f"converting {family.name}", unit="tensor", disable=not progress) as bar:
             ours = apply_rules(family.rules(src_cfg), state, cfg, progress=bar.update)
         ours = _untie(ours, cfg.tie_word_embeddings, embed, head, "source")

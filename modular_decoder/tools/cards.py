@@ -79,6 +79,10 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         tags.append(f"qk-norm-{config.qk_norm}")
     if "sliding_attention" in config.layer_types:
         tags.append("sliding-window")
+    if config.linear_attention_kind.in_use(config):
+        tags += ["hybrid-linear-attention", f"linear-attention-{config.linear_attention_type}"]
+    if config.attn_output_gate:
+        tags.append("gated-attention")
     if config.attn_logit_softcapping or config.final_logit_softcapping:
         tags.append("logit-softcapping")
     if config.tie_word_embeddings:
