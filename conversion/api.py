@@ -141,8 +141,8 @@ def convert(
         state, src_cfg, tokenizer, generation_config = _read_source(src, gguf_file, allow_bin)
         family = get_family(src_cfg.model_type)
         cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
+        refuse_tensors(state, family)  # by the file's names
         state = _drop_ignored(_model_names(state, family), family)
-        refuse_tensors(state, family)
         with tqdm(total=len(state), desc=f"converting {family.name}", unit="tensor", disable=not progress) as bar:
             ours = apply_rules(family.rules(src_cfg), state, cfg, progress=bar.update)
         ours = _untie(ours, cfg.tie_word_embeddings, embed, head, "source")
