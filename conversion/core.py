@@ -10,6 +10,12 @@ stores a tensor differently, the family says so declaratively and the file is re
 model's names first: `renames` for moved prefixes, `ExpertStack`s for mixture-of-experts weights
 saved one 2-D tensor per expert (`{expert}`) that the model holds as one 3-D tensor (transformers
 stacks them on load and splits them again in `save_pretrained`, so export writes per-expert files).
+
+Conversion streams (`stream.py`): `plan_rules` names, for each rule instance, the tensors it needs
+(`RuleInstance.inputs`) before anything is read; the instances run once on meta-device tensors to plan
+the output's names and shapes, then once per instance on the tensors read for it. A transform must
+therefore be a shape operation that also runs on the meta device (split, cat, reshape, transpose), as
+every one in `TRANSFORMS` is.
 """
 
 from __future__ import annotations
@@ -199,41 +205,65 @@ class ExpertStack:
         escaped = re.escape(part).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
         return re.compile(escaped.replace(re.escape("{expert}"), r"(?P<expert>\d+)") + "$")
 
-    def stack(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`state` with every layer's per-expert tensors replaced by the stacked one (files that hold the
-        stacked tensor already pass through)."""
+    def groups(self, names) -> dict[str, list[list[str]]]:
+        """{stacked name: per part, the per-expert names it is made of, expert by expert} for every layer
+        whose experts `names` holds; raises `ValueError` naming the pieces a layer lacks."""
         found: dict[int, set[int]] = {}
         pattern = self._pattern(self.parts[0])
-        for name in state:
+        for name in names:
             match = pattern.match(name)
             if match:
                 found.setdefault(int(match["layer"]), set()).add(int(match["expert"]))
-        state = dict(state)
+        names = set(names)
+        groups = {}
         for layer, experts in sorted(found.items()):
             count = max(experts) + 1
-            names = [[part.format(layer=layer, expert=e) for e in range(count)] for part in self.parts]
-            missing = [name for group in names for name in group if name not in state]
+            group = [[part.format(layer=layer, expert=e) for e in range(count)] for part in self.parts]
+            missing = [name for part in group for name in part if name not in names]
             if missing:
                 raise ValueError(f"Experts of layer {layer} are incomplete: missing {missing[:5]}.")
-            stacks = [torch.stack([state.pop(name) for name in group]) for group in names]  # (E, out, in) each
-            state[self.dst.format(layer=layer)] = torch.cat(stacks, dim=1) if len(stacks) > 1 else stacks[0]
+            groups[self.dst.format(layer=layer)] = group
+        return groups
+
+    def stack(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with every layer's per-expert tensors replaced by the stacked one (files that hold the
+        stacked tensor already pass through)."""
+        state = dict(state)
+        for dst, group in self.groups(state).items():
+            stacks = [torch.stack([state.pop(name) for name in part]) for part in group]  # (E, out, in) each
+            state[dst] = torch.cat(stacks, dim=1) if len(stacks) > 1 else stacks[0]
         return state
+
+    def pieces(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int, slice]] | None:
+        """How `save_pretrained` splits stacked tensor `name` (of `shape`) back into per-expert file tensors:
+        [(file name, expert, rows of dim 1)], parts of equal width; None if `name` is not this stack's."""
+        pattern = re.compile(re.escape(self.dst).replace(re.escape("{layer}"), r"(?P<layer>\d+)") + "$")
+        match = pattern.match(name)
+        if match is None:
+            return None
+        width = shape[1] // len(self.parts)
+        return [(part.format(layer=int(match["layer"]), expert=e), e, slice(j * width, (j + 1) * width))
+                for e in range(shape[0]) for j, part in enumerate(self.parts)]
+
+
+def rename(name: str, renames: dict[str, str], inverse: bool = False) -> str:
+    """One name through old -> new prefixes (new -> old with `inverse`); a prefix may contain `{layer}`
+    (any layer number, kept)."""
+    for old, new in renames.items():
+        if inverse:
+            old, new = new, old
+        if "{layer}" in old:
+            match = re.compile(re.escape(old).replace(re.escape("{layer}"), r"(?P<layer>\d+)")).match(name)
+            if match:
+                name = new.format(layer=match["layer"]) + name[match.end():]
+        elif name.startswith(old):
+            name = new + name[len(old):]
+    return name
 
 
 def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
     """Old name prefixes -> new ones; a prefix may contain `{layer}` (any layer number, kept)."""
-    for old, new in renames.items():
-        if "{layer}" in old:
-            pattern = re.compile(re.escape(old).replace(re.escape("{layer}"), r"(?P<layer>\d+)"))
-
-            def renamed(name: str, pattern=pattern, new=new) -> str:
-                match = pattern.match(name)
-                return new.format(layer=match["layer"]) + name[match.end():] if match else name
-
-            state = {renamed(k): v for k, v in state.items()}
-        else:
-            state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
-    return state
+    return {rename(k, renames): v for k, v in state.items()}
 
 
 @dataclass
@@ -313,20 +343,31 @@ def _instances(rules: list[Rule], cfg):
             yield r, _expand(r.src, layer), _expand(r.dst, layer)
 
 
-def apply_rules(
-    rules: list[Rule],
-    tensors: dict[str, torch.Tensor],
-    cfg,
-    direction: str = "forward",
-    progress: Callable[[int], None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Apply every rule instance to `tensors`; `direction="inverse"` maps target names back to source.
+@dataclass(frozen=True)
+class RuleInstance:
+    """One rule at one layer, in one direction: the tensors it needs (`inputs`) and those it makes."""
 
-    Raises `ValueError` for partly present rules and for tensors no rule consumed.
+    rule: Rule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    inverse: bool = False
+
+    def apply(self, tensors: Tensors, cfg) -> dict[str, torch.Tensor]:
+        """The outputs from the input tensors (in `inputs`' order)."""
+        transform = TRANSFORMS[self.rule.transform]
+        fn = transform.inverse if self.inverse else transform.forward
+        return dict(zip(self.outputs, fn(list(tensors), cfg), strict=True))
+
+
+def plan_rules(rules: list[Rule], names, cfg, direction: str = "forward") -> list[RuleInstance]:
+    """The rule instances that map tensors named `names`, each naming the tensors it needs; nothing is read.
+
+    `direction="inverse"` maps target names back to source names. Raises `ValueError` for partly
+    present rules and for tensors no rule consumes.
     """
     inverse = direction == "inverse"
-    remaining = dict(tensors)
-    out: dict[str, torch.Tensor] = {}
+    remaining = set(names)
+    plan = []
     for r, src, dst in _instances(rules, cfg):
         ins, outs = (dst, src) if inverse else (src, dst)
         present = [name for name in ins if name in remaining]
@@ -335,14 +376,28 @@ def apply_rules(
         if len(present) != len(ins):
             missing = [name for name in ins if name not in remaining]
             raise ValueError(f"Missing tensors {missing} (rule {r.src} -> {r.dst}).")
-        transform = TRANSFORMS[r.transform]
-        fn = transform.inverse if inverse else transform.forward
-        results = fn([remaining.pop(name) for name in ins], cfg)
-        out.update(zip(outs, results, strict=True))
-        if progress is not None:
-            progress(len(ins))
+        remaining.difference_update(ins)
+        plan.append(RuleInstance(r, tuple(ins), tuple(outs), inverse))
     if remaining:
         raise ValueError(f"Unexpected tensors that no rule of the map consumes: {sorted(remaining)[:20]}.")
+    return plan
+
+
+def apply_rules(
+    rules: list[Rule],
+    tensors: dict[str, torch.Tensor],
+    cfg,
+    direction: str = "forward",
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Apply every rule instance to `tensors` (held in memory); `direction="inverse"` maps target names
+    back to source. Raises as `plan_rules` does. Conversion streams instead (`conversion/stream.py`).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for instance in plan_rules(rules, tensors, cfg, direction):
+        out.update(instance.apply([tensors[name] for name in instance.inputs], cfg))
+        if progress is not None:
+            progress(len(instance.inputs))
     return out
 
 

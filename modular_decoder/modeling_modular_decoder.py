@@ -24,6 +24,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .alibi_kernels import takes_alibi_slopes
+from .attention_layer import AttentionLayer
 from .backend_features import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
@@ -35,8 +36,9 @@ from .input_checks import check_generate_inputs, check_inputs, check_token_ids, 
 from .kinds import LINEAR_ATTENTION
 from .moe import init_moe_weights
 from .norms import LayerNorm, RMSNorm, build_norm
+from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
+                        rotary_layers)
 from .recurrent_cache import refuse_rollback_decoding
-from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
@@ -81,6 +83,7 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         super().__init__(config, *inputs, **kwargs)
         # read by `from_pretrained` in half precision (e.g. DeepSeek-V3's sigmoid routers stay fp32)
         self._keep_in_fp32_modules_strict = list(config.mlp_kind.fp32_parameters(config))
+        self._keep_in_fp32_modules = list(config.attention_kind.fp32_modules(config))  # under fp16 only
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
@@ -148,6 +151,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, name), buffer)
         elif isinstance(module, AlibiBias):
             init.copy_(module.slopes, AlibiBias(self.config).slopes)
+        elif isinstance(module, AttentionLayer) and module.sinks is not None:
+            init.normal_(module.sinks, mean=0.0, std=std)  # as transformers' gpt-oss
         elif isinstance(module, GatedDeltaNet):  # as transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)
             init.ones_(module.dt_bias)
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
@@ -231,7 +236,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = block(
                 hidden,
                 attention_mask=masks[layer_type],
-                position_embeddings=rotary.get(layer_type),
+                position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
                 cache=cache,
                 **alibi.get(layer_type, {}),
@@ -358,11 +363,14 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = self.embed_norm(hidden)
         return self.embed_dropout(hidden)
 
-    def _rotary_tables(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
-        """The rotary (cos, sin) of each layer type; none without rotary positions."""
+    def _rotary_tables(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """The rotary (cos, sin) of each layer, its layer type's (`None` without rotary positions, and on the
+        NoPE layers of `no_rope_layers`)."""
         if self.rotary_emb is None:
-            return {}
-        return self.rotary_emb.tables(hidden, position_ids, self.config.layer_types)
+            return [None] * self.config.num_hidden_layers
+        tables = self.rotary_emb.tables(hidden, position_ids, self.config.layer_types)
+        return [tables.get(layer_type) if rotates else None  # none for a linear-attention layer (reads no positions)
+                for layer_type, rotates in zip(self.config.layer_types, rotary_layers(self.config))]
 
     def _alibi_kwargs(self, hidden: torch.Tensor, cache) -> dict:
         """ALiBi per layer type: the slopes for backends that take them (flex, flash), else the

@@ -2,8 +2,8 @@
 
 `config_kwargs()` draws the keyword arguments of a valid config: every value of every registry axis
 (`modular_decoder/registries.py`), MHA / GQA / MQA, explicit head widths, partial rotary widths,
-every rope type with the keys it needs (flat or nested per layer type), sliding windows and
-local/global mixes, QK-norm, soft-caps, the score scale, the embedding ends, biases, learned
+every rope type with the keys it needs (flat or nested per layer type), NoPE layers, sliding windows and
+local/global mixes, QK-norm, soft-caps, attention sinks, the score scale, the embedding ends, biases, learned
 offsets and MLA's widths. Sizes stay tiny (hidden <= 48, 1-3 layers, vocabulary <= 64) so a model
 builds and runs in milliseconds.
 
@@ -41,13 +41,15 @@ LINEAR = "linear_attention"
 
 # What the strategy knows how to draw for each registry; `test_strategies_cover_every_registry_entry`
 # fails when an entry is added to a registry and not here.
-ATTENTION_TYPES = ("standard", "mla")
+ATTENTION_TYPES = ("standard", "mla", "dsa")
 MLP_TYPES = ("dense", "gated", "moe")
 LINEAR_ATTENTION_TYPES = ("gated_deltanet",)
 LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_conv_kernel_dim")
 POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's lightning indexer
+LATENT_TYPES = ("mla", "dsa")
 REGISTRIES = {"attention_type": (ATTENTIONS, ATTENTION_TYPES), "mlp_type": (MLPS, MLP_TYPES),
               "position_embedding_type": (POSITIONS, POSITION_TYPES), "norm_type": (NORMS, tuple(NORMS)),
               "linear_attention_type": (LINEAR_ATTENTIONS, LINEAR_ATTENTION_TYPES)}
@@ -155,8 +157,9 @@ def config_kwargs(draw) -> dict:
     else:
         kw["mlp_bias"] = draw(st.booleans())
 
-    # windows: none, all sliding, or a per-layer mix (a window with only full layers is allowed too)
-    window = draw(st.none() | st.integers(2, MAX_SEQ))
+    # windows: none, all sliding, or a per-layer mix (a window with only full layers is allowed too); DSA chooses
+    # its keys from the whole context (no sliding layers)
+    window = draw(st.none() | st.integers(2, MAX_SEQ)) if attention_type != "dsa" else None
     if window is not None:
         kw["sliding_window"] = window
         if draw(st.integers(0, 2)):  # mostly an explicit per-layer list (local/global mixes)
@@ -164,23 +167,27 @@ def config_kwargs(draw) -> dict:
     elif draw(st.booleans()):
         kw["layer_types"] = ["full_attention"] * layers
     layer_types = kw.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
-    # a hybrid: some layers (all, without MLA, whose rotary key needs an attention layer) linear attention
-    if draw(st.integers(0, 2)) == 0 and (attention_type != "mla" or layers > 1):
+    # a hybrid: some layers (all, without MLA / DSA, whose rotary key needs an attention layer) linear attention
+    if draw(st.integers(0, 2)) == 0 and (attention_type not in LATENT_TYPES or layers > 1):
         linear = draw(st.lists(st.booleans(), min_size=layers, max_size=layers))
         linear[draw(st.integers(0, layers - 1))] = True
-        if attention_type == "mla" and all(linear):
+        if attention_type in LATENT_TYPES and all(linear):
             linear[linear.index(True)] = False
         layer_types = kw["layer_types"] = [LINEAR if lin else t for lin, t in zip(linear, layer_types)]
         kw.update(draw(linear_fields()))
     attending = sorted(set(layer_types) - {LINEAR})
 
     # attention kind
-    if attention_type == "mla":
+    if attention_type in LATENT_TYPES:
         kw.update(kv_lora_rank=draw(st.integers(1, 16)), qk_nope_head_dim=draw(st.integers(1, 8)),
                   qk_rope_head_dim=2 * draw(st.integers(1, 4)), v_head_dim=draw(st.integers(1, 8)))
-        q_lora_rank = draw(st.none() | st.integers(1, 16))
+        q_lora_rank = draw(st.none() | st.integers(1, 16)) if attention_type == "mla" else draw(st.integers(1, 16))
         if q_lora_rank is not None or draw(st.booleans()):
             kw["q_lora_rank"] = q_lora_rank
+        if attention_type == "dsa":  # the indexer: from one head keeping one key to more keys than any input has
+            kw.update(index_n_heads=draw(st.integers(1, 4)),
+                      index_head_dim=kw["qk_rope_head_dim"] + draw(st.integers(0, 6)),
+                      index_topk=draw(st.integers(1, MAX_SEQ + 1)))
         if draw(st.booleans()):
             kw["kv_latent_norm"] = False  # the linear latent of a converted standard attention
         position = "rope"
@@ -211,6 +218,10 @@ def config_kwargs(draw) -> dict:
             if factor != 1.0 or draw(st.booleans()):
                 kw["partial_rotary_factor"] = factor
         kw["rope_interleaved"] = draw(st.booleans())
+        if attention_type == "standard" and draw(st.booleans()):  # SmolLM3's NoPE layers: at least one rotates
+            flags = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
+            flags[draw(st.sampled_from([i for i, t in enumerate(layer_types) if t != LINEAR]))] = 1
+            kw["no_rope_layers"] = flags
         if draw(st.booleans()):  # nested per layer type, each with its own type and base
             kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in attending}
             if draw(st.booleans()):  # a table for a layer type no layer uses is allowed too
@@ -223,6 +234,7 @@ def config_kwargs(draw) -> dict:
     kw["attention_bias"] = draw(st.booleans())
     kw["attention_output_bias"] = draw(st.sampled_from([None, True, False]))
     kw["attn_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
+    kw["attention_sinks"] = draw(st.booleans())
     kw["final_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
     kw["query_pre_attn_scalar"] = draw(st.none() | st.floats(1.0, 64.0))
     kw["attention_dropout"] = draw(st.sampled_from([0.0, 0.1]))  # eval mode: no effect on the properties
@@ -293,7 +305,7 @@ _NOT_CHOICE = ["bogus", "", 3, None, True]
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
 BOOL_FIELDS = ("norm_bias", "norm_unit_offset", "parallel_block", "mlp_bias", "attention_bias", "attn_output_gate",
-               "tie_word_embeddings", "embedding_norm", "lm_head_bias", "use_cache")
+               "tie_word_embeddings", "embedding_norm", "lm_head_bias", "use_cache", "attention_sinks")
 OPTIONAL_BOOL_FIELDS = ("final_norm", "attention_output_bias")
 # name -> (values out of range, whether None is allowed)
 NUMBER_FIELDS = {
@@ -364,11 +376,13 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     kinds = ["size", "bool", "optional_bool", "number", "choice", "window", "pad", "token_ids", "layer_types",
              "heads", "other_kind", "offset", "integer_type"]
     if kw.get("position_embedding_type") == "rope":
-        kinds += ["rope", "rope", "rotary_factor", "interleaved"]
+        kinds += ["rope", "rope", "rotary_factor", "interleaved", "no_rope_layers"]
     else:
         kinds += ["rope_only"]
-    if kw.get("attention_type") == "mla":
+    if kw.get("attention_type") in LATENT_TYPES:
         kinds += ["mla_field", "mla_position"]
+    if kw.get("attention_type") == "dsa":
+        kinds += ["dsa_field", "dsa_field", "dsa_window"]
     if kw.get("norm_position", "pre") != "pre":
         kinds += ["parallel"]
     kinds += ["linear_field"]
@@ -416,12 +430,12 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         field = "num_key_value_heads"
         broken[field] = draw(st.sampled_from(non_divisors))
     elif kind == "other_kind":  # a field that only another attention kind reads
-        if kw.get("attention_type") == "mla":
-            field = draw(st.sampled_from(["qk_norm", "attn_output_gate"]))
-            broken[field] = draw(st.sampled_from(["head", "full"])) if field == "qk_norm" else True
-        else:
-            field = draw(st.sampled_from(MLA_FIELDS))
-            broken[field] = draw(st.sampled_from([8, 1, 0, -1]))
+        attention_type = kw.get("attention_type", "standard")
+        field = draw(st.sampled_from({"mla": ("qk_norm", "attn_output_gate") + INDEX_FIELDS,
+                                      "dsa": ("qk_norm", "attn_output_gate")}.get(
+            attention_type, MLA_FIELDS + INDEX_FIELDS)))
+        broken[field] = draw(st.sampled_from(["head", "full"] if field == "qk_norm" else
+                                             [True] if field == "attn_output_gate" else [8, 1, 0, -1]))
     elif kind == "integer_type":  # any integer field, read by this config's kinds or not
         field = draw(st.sampled_from(ModularDecoderConfig.integer_fields()))
         broken[field] = draw(st.sampled_from(["16", 4.5, 16.0, True]))
@@ -439,13 +453,22 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     elif kind == "interleaved":
         field = "rope_interleaved"
         broken[field] = draw(st.sampled_from(_NOT_BOOL))
+    elif kind == "no_rope_layers":
+        field = "no_rope_layers"
+        layers = kw["num_hidden_layers"]
+        broken[field] = draw(st.sampled_from([
+            [1] * (layers + 1), [1] * (layers - 1), [2] + [1] * (layers - 1), [True] + [1] * (layers - 1),
+            ["1"] + [1] * (layers - 1), [0] * layers, 1,
+        ]))
+        if kw.get("attention_type") == "mla" and layers > 1 and draw(st.booleans()):
+            broken[field] = [0] + [1] * (layers - 1)  # MLA has no NoPE layers
     elif kind == "rope_only":  # rope fields under another position type
-        field = draw(st.sampled_from(["partial_rotary_factor", "rope_interleaved"]))
-        broken[field] = 0.5 if field == "partial_rotary_factor" else True
+        field = draw(st.sampled_from(["partial_rotary_factor", "rope_interleaved", "no_rope_layers"]))
+        broken[field] = {"partial_rotary_factor": 0.5, "rope_interleaved": True}.get(field, [1] * kw["num_hidden_layers"])
     elif kind == "mla_field":
         field = draw(st.sampled_from(MLA_FIELDS))
         bad = [0, -1, "8", 2.5, True]
-        if field != "q_lora_rank":
+        if field != "q_lora_rank" or kw["attention_type"] == "dsa":  # DSA's indexer reads the query latent
             bad.append(None)
         if field == "qk_rope_head_dim":
             bad += [1, 3, 5]
@@ -456,6 +479,18 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         broken.pop("rope_parameters", None)
         broken.pop("rope_interleaved", None)
         broken.pop("partial_rotary_factor", None)
+    elif kind == "dsa_field":
+        field = draw(st.sampled_from(INDEX_FIELDS))
+        bad = [0, -1, "8", 2.5, True, None]
+        if field == "index_head_dim" and kw["qk_rope_head_dim"] > 1:
+            bad.append(kw["qk_rope_head_dim"] - 1)  # narrower than the rotary features it rotates
+        broken[field] = draw(st.sampled_from(bad))
+    elif kind == "dsa_window":
+        field = "sliding_window"
+        broken.update(sliding_window=draw(st.integers(2, MAX_SEQ)),
+                      layer_types=draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=kw["num_hidden_layers"],
+                                                max_size=kw["num_hidden_layers"]).filter(
+                          lambda types: "sliding_attention" in types)))
     elif kind == "parallel":
         field = "parallel_block"
         broken[field] = True

@@ -48,6 +48,7 @@ AXES: dict[str, dict[str, dict]] = {
         "alibi": dict(position_embedding_type="alibi"),
         "rope": dict(position_embedding_type="rope", rope_parameters=dict(_ROPE)),
         "rope_partial": dict(position_embedding_type="rope", partial_rotary_factor=0.5, rope_parameters=dict(_ROPE)),
+        "rope_nope": dict(position_embedding_type="rope", no_rope_layers=[1, 0], rope_parameters=dict(_ROPE)),  # SmolLM3
         "rope_interleaved": dict(position_embedding_type="rope", partial_rotary_factor=0.5, rope_interleaved=True,
                                  rope_parameters=dict(_ROPE)),
         "rope_linear": dict(position_embedding_type="rope",
@@ -83,6 +84,7 @@ AXES: dict[str, dict[str, dict]] = {
         "attn": dict(attn_logit_softcapping=5.0),
         "final": dict(final_logit_softcapping=3.0),
         "both_scaled": dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=12),
+        "sinks": dict(attention_sinks=True),  # a learned logit per head in every softmax's denominator (gpt-oss)
     },
     "window": {
         "full": {},
