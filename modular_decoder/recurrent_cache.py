@@ -39,7 +39,9 @@ class RecurrentLayer(LinearAttentionLayer):
 
     def __init__(self, **kwargs):
         super().__init__(number_of_states=1)
-        self.tokens = 0  # tokens seen (the releases differ in how they count: transformers 5.25 counts on the device)
+        # Tokens seen, counted on the states' device and in place (a compiled decode step sees one tensor, not a
+        # new integer each step to recompile for); read only where a cache has no attention layer to count them.
+        self.tokens = torch.zeros((), dtype=torch.long)
 
     @property
     def is_initialized(self) -> bool:
@@ -57,6 +59,8 @@ class RecurrentLayer(LinearAttentionLayer):
                             conv_kernel_size: int | None = None) -> None:
         if conv_states is not None:
             self.dtype, self.device = conv_states.dtype, conv_states.device
+            self.tokens = self.tokens.to(self.device)
+            _mark_static(self.tokens)
             self.conv_kernel_size[0] = conv_kernel_size
             self.conv_states[0] = conv_states.new_zeros((*conv_states.shape[:-1], conv_kernel_size))
             self.is_conv_states_initialized[0] = True
@@ -72,7 +76,7 @@ class RecurrentLayer(LinearAttentionLayer):
         convolution's input (x alone, when nothing is stored yet: the convolution pads it with zeros)."""
         if not self.is_conv_states_initialized[0]:
             self.lazy_initialization(conv_states=conv_states, conv_kernel_size=conv_kernel_size)
-        self.tokens += conv_states.shape[-1]
+        self.tokens.add_(conv_states.shape[-1])
         full = torch.cat((self.conv_states[0], conv_states), dim=-1) if self.has_previous_state[0] else conv_states
         window = full[..., -self.conv_kernel_size[0]:]
         if window.shape[-1] < self.conv_kernel_size[0]:
@@ -82,7 +86,7 @@ class RecurrentLayer(LinearAttentionLayer):
 
     def count_step(self) -> None:
         """Count the token of a decode step whose kernel updated `conv_state` in place (causal-conv1d's update)."""
-        self.tokens += 1
+        self.tokens.add_(1)
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         if not self.is_recurrent_states_initialized[0]:
@@ -91,15 +95,16 @@ class RecurrentLayer(LinearAttentionLayer):
         self.has_previous_state[0] = True
         return self.recurrent_states[0]
 
-    def get_seq_length(self) -> int:
-        return self.tokens
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens seen: an int, or inside a compiled graph the device count (never read on the host there)."""
+        return self.tokens if torch.compiler.is_compiling() else int(self.tokens)
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
         super().reset()
-        self.tokens = 0
+        self.tokens.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
