@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import importlib.metadata
 import json
 import os
@@ -45,7 +44,6 @@ def parser(name: str, doc: str | None, *, repeats: int | None = 3, smoke: str = 
     return result
 
 
-@functools.lru_cache(maxsize=None)
 def _git(*args: str) -> str | None:
     try:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
@@ -112,6 +110,7 @@ class Run:
     arguments: dict = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     load_average_start: tuple = field(default_factory=os.getloadavg)
+    code: dict = field(default_factory=lambda: commit())  # the code as the run starts (later edits are not its own)
 
     @property
     def command(self) -> str:
@@ -120,7 +119,7 @@ class Run:
     def provenance(self) -> dict:
         return {
             "command": self.command,
-            **commit(),
+            **self.code,
             "date_utc": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(
                 timespec="seconds"),
             "seconds": round(time.time() - self.started, 1),

@@ -337,10 +337,27 @@ def mla_crossover_section(run: dict | None) -> str:
               for r in run["crossover"]]
     blocks = run["query_blocks"]
     if blocks:
+        scoring = all("scoring_peak" in b for b in blocks)
         lines += ["", f"The absorbed step of {blocks[0]['new_tokens']} new tokens with each query block (new tokens "
-                  "scored per pass):", "", "| cached S | query block | ms | peak MB |", "|---:|---:|---:|---:|"]
-        lines += [f"| {b['context']:,} | {b['query_block']} | {1e3 * b['seconds']:.2f} | {b['peak_mb']:.1f} |"
-                  for b in blocks]
+                  "scored per pass)" + (": time, the step's peak, and the peak of the absorbed scoring alone "
+                                        "(`measure.TensorBytes`: the bytes its own tensors hold at once, per cached "
+                                        "token and in score blocks of (1, H, block, S) fp32)" if scoring else "") + ":",
+                  "", "| cached S | query block | ms | peak MB |" + (" scoring B per cached token | score blocks |"
+                                                                    if scoring else ""),
+                  "|---:|---:|---:|---:|" + ("---:|---:|" if scoring else "")]
+        for b in blocks:
+            cells = f"| {b['context']:,} | {b['query_block']} | {1e3 * b['seconds']:.2f} | {b['peak_mb']:.1f} |"
+            if scoring:
+                cells += f" {b['scoring_peak']['bytes_per_cached_token']:,.0f} | {b['scoring_peak']['score_blocks']:.2f} |"
+            lines.append(cells)
+    prefills = run.get("static_prefill")
+    if prefills:
+        lines += ["", "A prefill of T tokens into an empty static cache of capacity S (both forms compute over every "
+                  "slot: the crossover of a short first step):", "",
+                  "| static capacity S | prefill T | absorbed ms | expanded ms | expanded / absorbed |",
+                  "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['capacity']:,} | {r['new_tokens']} | {1e3 * r['absorbed']:.2f} | {1e3 * r['expanded']:.2f} | "
+                  f"{r['expanded'] / r['absorbed']:.2f} |" for r in prefills]
     return "\n".join(lines)
 
 
@@ -401,6 +418,29 @@ def gpu_section(gpu: dict | None) -> str:
     return "\n".join(lines + [gpu_table(gpu)])  # dated, with the hardware and versions
 
 
+# --- benchmarks/results_conversion_memory.json: `python -m benchmarks conversion_memory --out ...` -----------
+
+def conversion_memory_section(run: dict) -> str:
+    lines = ["## Converting and exporting checkpoints of several GB (CPU)", "", "```bash",
+             f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+             "Synthetic bf16 checkpoints in the files `save_pretrained` writes for their family (5 GB shards; Mixtral: "
+             "one tensor per expert), converted by `modular_decoder.conversion.convert` and exported back by `export`, "
+             "each in a fresh process: the peak resident memory above the process's level after its imports and a "
+             "warm-up conversion of a tiny checkpoint (`VmHWM`, reset there), and the wall seconds of reading and "
+             "writing the whole checkpoint (disk-bound, on a shared machine).", "",
+             "| layout | checkpoint | largest tensor | step | peak above the baseline | share of the checkpoint | "
+             "seconds |", "|---|---:|---:|---|---:|---:|---:|"]
+    for result in run["results"]:
+        checkpoint = result["checkpoint"]
+        for what in ("convert", "export"):
+            row = result[what]
+            lines.append(f"| {result['layout']} ({checkpoint['layers']} layers) | {checkpoint['bytes'] / 1e9:.2f} GB in "
+                         f"{checkpoint['files']} files | {checkpoint['largest_tensor_bytes'] / 2**20:.0f} MiB | {what} | "
+                         f"{row['peak_above_mb']:.0f} MB | {100 * row['peak_fraction_of_checkpoint']:.1f}% | "
+                         f"{row['seconds_median']:.0f} |")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Section:
     """One page section: the JSON files it reads (under benchmarks/) and how it renders them; an optional
@@ -415,6 +455,7 @@ SECTIONS = (
     Section(("results_compiled_decode.json", "results.json"), compiled_section),
     Section(("results_serving.json",), serving_section),
     Section(("results_mla_prefill.json",), mla_prefill_section),
+    Section(("results_conversion_memory.json",), conversion_memory_section),
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),

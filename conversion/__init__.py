@@ -44,6 +44,8 @@ FAMILIES: dict[str, str] = {
     "granitemoe": "modular_decoder.conversion.families.granitemoe",
     "qwen3_next": "modular_decoder.conversion.families.qwen3_next",
     "qwen3_5_text": "modular_decoder.conversion.families.qwen3_5",
+    "gpt_oss": "modular_decoder.conversion.families.gpt_oss",
+    "smollm3": "modular_decoder.conversion.families.smollm3",
 }
 
 

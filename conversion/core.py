@@ -135,6 +135,28 @@ def _fuse_grouped_ba(tensors: Tensors, cfg) -> Tensors:
     heads = cfg.linear_num_key_heads
     b, a = (t.reshape(heads, -1, t.shape[-1]) for t in tensors)
     return [torch.cat((b, a), dim=1).reshape(-1, b.shape[-1]).contiguous()]
+def _deinterleave_gate_up(tensors: Tensors, cfg) -> Tensors:
+    """gpt-oss's experts: gate and up columns interleaved (gate 2i, up 2i + 1) along the last axis of its
+    (E, d, 2f) products and (E, 2f) biases -> [gate; up] as the contract's (E, 2f, d) and (E, 2f) hold them."""
+    out = []
+    for t in tensors:
+        halves = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+        out.append((halves.transpose(1, 2) if t.dim() == 3 else halves).contiguous())
+    return out
+
+
+def _interleave_gate_up(tensors: Tensors, cfg) -> Tensors:
+    out = []
+    for t in tensors:
+        halves = t.transpose(1, 2) if t.dim() == 3 else t  # (E, d, 2f) / (E, 2f): [gate; up] along the last axis
+        gate, up = halves.chunk(2, dim=-1)
+        out.append(torch.stack((gate, up), dim=-1).flatten(-2).contiguous())
+    return out
+
+
+def _transpose_experts(tensors: Tensors, cfg) -> Tensors:
+    """(E, in, out) products, as gpt-oss stores them, <-> (E, out, in), as the contract's experts do."""
+    return [t.transpose(1, 2).contiguous() for t in tensors]
 
 
 TRANSFORMS: dict[str, Transform] = {
@@ -146,6 +168,8 @@ TRANSFORMS: dict[str, Transform] = {
     "split_gate_up": Transform(_split_gate_up, lambda tensors, cfg: [torch.cat(tensors, dim=0)]),
     "split_grouped_qkvz": Transform(_split_grouped_qkvz, _fuse_grouped_qkvz),
     "split_grouped_ba": Transform(_split_grouped_ba, _fuse_grouped_ba),
+    "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up),
+    "transpose_experts": Transform(_transpose_experts, _transpose_experts),
 }
 
 # Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`)

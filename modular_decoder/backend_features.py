@@ -31,6 +31,9 @@ FEATURE_FIELDS = {
     # Not attention, but what an engine that runs the whole model (vLLM: its own lm_head and experts) must honour
     "logits_scaling": "logits_scaling (logits divided by it)",
     "experts_activation": "hidden_act other than 'silu' with mlp_type='moe'",
+    "experts_clamped_swiglu": "swiglu_limit (gpt-oss's clamped SwiGLU experts)",
+    "experts_bias": "mlp_bias with mlp_type='moe' (experts with biases)",
+    "router_bias": "router_bias",
 }
 
 ALL_FEATURES = frozenset(FEATURE_FIELDS)
@@ -52,10 +55,12 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # implementation while it builds the model: its attention never receives ALiBi slopes or a bias, its
     # latent (MLA) attention has no cap, window or sink and sizes its cache by `head_dim`, its lm_head multiplies by
     # `logit_scale` rather than dividing by `logits_scaling`, and its fused experts apply SiLU whatever `hidden_act`
-    # says. (Its per-head attention takes the sinks it finds passed as `s_aux=self.sinks`.) Its latent attention
-    # attends to every key: no indexer, no indexer cache.
+    # says, with no bias (its gpt-oss forms apply to gpt-oss's own architecture only). (Its per-head attention
+    # takes the sinks it finds passed as `s_aux=self.sinks`.) Its latent attention attends to every key: no
+    # indexer, no indexer cache.
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
-                            "logits_scaling", "experts_activation", "key_selection"},
+                            "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
+                            "router_bias", "key_selection"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}

@@ -115,7 +115,8 @@ class ModularDecoderConfig(PretrainedConfig):
             (a mixture of gated experts; the fields below up to `output_router_logits` apply to it only).
         hidden_act (`str`): Any `transformers.activations.ACT2FN` key. With `mlp_type="gated"`,
             sigmoid / relu / gelu / silu give GLU / ReGLU / GEGLU / SwiGLU.
-        mlp_bias (`bool`): Biases on the FFN projections (not with `"moe"`: experts carry none).
+        mlp_bias (`bool`): Biases on the FFN projections (with `"moe"`: every expert's gate/up and down products,
+            `mlp.experts.gate_up_proj_bias` / `down_proj_bias`, as gpt-oss's; and the shared and dense MLPs').
         mlp_layer_types (`list[str]`, *optional*): With `"moe"`, `"sparse"` (experts) or `"dense"` (a gated
             MLP of `intermediate_size`) per layer, transformers' values. DeepSeek's `first_k_dense_replace=k`
             is k × `"dense"` then `"sparse"`; Qwen-MoE's `mlp_only_layers` are `"dense"`. Defaults to all
@@ -131,8 +132,10 @@ class ModularDecoderConfig(PretrainedConfig):
         shared_expert_gate (`bool`): Scale the shared experts' output by σ(x·w), a learned per-token
             gate (Qwen2-MoE).
         router_type (`str`): `"softmax_topk"` (softmax over all experts, keep the k largest: Mixtral, Qwen,
-            OLMoE, DeepSeek-V2) or `"sigmoid_topk"` (independent sigmoid scores, chosen on score + a
-            load-balancing correction bias, weighted by the unbiased scores: DeepSeek-V3).
+            OLMoE, DeepSeek-V2), `"sigmoid_topk"` (independent sigmoid scores, chosen on score + a
+            load-balancing correction bias, weighted by the unbiased scores: DeepSeek-V3) or `"topk_softmax"`
+            (keep the k largest logits, softmax over those k: gpt-oss; no groups, `norm_topk_prob` stays True).
+        router_bias (`bool`): A learned bias on the router logits (`mlp.gate.bias`, gpt-oss).
         norm_topk_prob (`bool`): Renormalise the k kept weights to sum to 1 (Mixtral, Qwen3-MoE,
             DeepSeek-V3: yes; Qwen2-MoE, OLMoE, DeepSeek-V2: no).
         n_group (`int`): Group-limited routing: the experts form `n_group` equal groups (1: no groups).
@@ -151,6 +154,11 @@ class ModularDecoderConfig(PretrainedConfig):
             router logits) added likewise; 0 disables it. Softmax routers only.
         output_router_logits (`bool`): Return every sparse layer's router logits (and add the router losses
             to a loss computed from `labels`) unless `forward(output_router_logits=...)` says otherwise.
+        swiglu_limit (`float`, *optional*): Gives the experts gpt-oss's clamped SwiGLU, transformers' field:
+            g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) · g·σ(α·g) (with
+            `hidden_act="silu"`). `None`: act(gate) · up.
+        swiglu_alpha (`float`, *optional*): α of that SwiGLU (transformers' field); defaults to gpt-oss's 1.702
+            where `swiglu_limit` is set.
         position_embedding_type (`str`): `"learned"`, `"sinusoidal"` (added to the token embedding),
             `"rope"` (rotary on q and k), `"alibi"` (linear bias on the scores) or `"none"`.
         learned_position_offset (`int`): Rows of the learned table before position 0 (OPT uses 2).
@@ -274,6 +282,7 @@ class ModularDecoderConfig(PretrainedConfig):
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False
     router_type: str = "softmax_topk"
+    router_bias: bool = False
     norm_topk_prob: bool = True
     n_group: int = 1
     topk_group: int | None = None
@@ -281,6 +290,8 @@ class ModularDecoderConfig(PretrainedConfig):
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
     output_router_logits: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
     # positions
     position_embedding_type: str = "rope"
     learned_position_offset: int = 0

@@ -212,7 +212,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
 
         Serving: vLLM's Transformers backend calls this forward with its requests packed in one row,
         positions in `position_ids` and no cache; `**kwargs` reach every attention call, where it
-        puts its own kernel and paged cache (DESIGN.md, "Serving and scale").
+        puts its own kernel and paged cache (docs/serving.md).
         """
         self._check_inputs(input_ids, attention_mask, inputs_embeds, cache)
         self._check_linear_documents(position_ids, attention_mask, cache)

@@ -32,6 +32,12 @@ VARIANTS: dict[str, dict] = {
                           layer_types=["sliding_attention", "full_attention"]),
     "mla_sinks": dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                       attention_sinks=True),
+    # the whole of gpt-oss's layout: sinks, sliding and full layers, a biased top-k-then-softmax router, experts
+    # with biases and the clamped SwiGLU (what vLLM's fused experts do not compute for this architecture)
+    "gpt_oss": dict(num_key_value_heads=2, attention_sinks=True, sliding_window=5, attention_bias=True,
+                    layer_types=["sliding_attention", "full_attention"], mlp_type="moe", num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=16, router_type="topk_softmax", router_bias=True,
+                    mlp_bias=True, swiglu_limit=1.0),
     # SmolLM3's NoPE layers (no rotary on layer 0, here the sliding one)
     "nope_sliding": dict(num_key_value_heads=2, no_rope_layers=[0, 1], sliding_window=5,
                          layer_types=["sliding_attention", "full_attention"]),

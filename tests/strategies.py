@@ -154,6 +154,8 @@ def config_kwargs(draw) -> dict:
     kw["hidden_act"] = draw(st.sampled_from(sorted(ACT2FN)))
     if kw["mlp_type"] == "moe":
         kw.update(draw(moe_fields(layers)))
+        if "swiglu_limit" in kw:  # gpt-oss's clamped SwiGLU replaces the activation
+            kw["hidden_act"] = "silu"
     else:
         kw["mlp_bias"] = draw(st.booleans())
 
@@ -255,8 +257,9 @@ def config_kwargs(draw) -> dict:
 
 @st.composite
 def moe_fields(draw, layers: int) -> dict:
-    """The mixture-of-experts fields: experts, routing (softmax or DeepSeek-V3's sigmoid with groups),
-    shared experts (optionally Qwen2-MoE's gate) and which layers are sparse."""
+    """The mixture-of-experts fields: experts, routing (softmax, gpt-oss's softmax over the kept logits, or
+    DeepSeek-V3's sigmoid with groups; a router bias), shared experts (optionally Qwen2-MoE's gate), gpt-oss's
+    expert biases and clamped SwiGLU, and which layers are sparse."""
     experts = draw(st.sampled_from([2, 4, 6, 8]))
     kw = dict(num_experts=experts, num_experts_per_tok=draw(st.integers(1, min(3, experts))),
               moe_intermediate_size=draw(st.integers(1, 16)), norm_topk_prob=draw(st.booleans()))
@@ -266,7 +269,16 @@ def moe_fields(draw, layers: int) -> dict:
     if draw(st.booleans()):
         kw["n_shared_experts"] = draw(st.integers(1, 2))
         kw["shared_expert_gate"] = draw(st.booleans())
-    if draw(st.booleans()):  # sigmoid scores, a correction bias, group-limited top-k, a routed scale
+    kw["mlp_bias"] = draw(st.booleans())  # experts with biases (gpt-oss)
+    kw["router_bias"] = draw(st.booleans())
+    if draw(st.booleans()):  # gpt-oss's clamped SwiGLU (a low limit, so that it clamps), its gain or the default
+        kw["swiglu_limit"] = draw(st.floats(0.1, 8.0))
+        if draw(st.booleans()):
+            kw["swiglu_alpha"] = draw(st.floats(0.5, 2.0))
+    router = draw(st.integers(0, 2))
+    if router == 1:  # gpt-oss: softmax over the kept logits (no groups, always normalised)
+        kw.update(router_type="topk_softmax", norm_topk_prob=True)
+    elif router == 2:  # sigmoid scores, a correction bias, group-limited top-k, a routed scale
         groups = draw(st.sampled_from([g for g in (1, 2) if experts % g == 0 and experts // g >= 2]))
         kw.update(router_type="sigmoid_topk", n_group=groups, topk_group=draw(st.integers(1, groups)),
                   routed_scaling_factor=draw(st.floats(0.5, 3.0)))

@@ -38,6 +38,13 @@ FP8_CASES = {
         num_attention_heads=2, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=64,
         v_head_dim=64, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         n_group=2, topk_group=1, max_position_embeddings=64),
+    # DeepSeek-V3.2: V3 with an indexer in every layer (its wq_b and wk in FP8, its head weights not)
+    "deepseek_v32": lambda: tf.DeepseekV32Config(
+        vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=64,
+        qk_nope_head_dim=64, v_head_dim=64, index_n_heads=2, index_head_dim=128, index_topk=4, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+        max_position_embeddings=64),
     "qwen3": lambda: tf.Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                     max_position_embeddings=64),
@@ -62,10 +69,10 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
-    """The linear weights DeepSeek-V3 and Qwen3 -FP8 publish in FP8 (not the embedding, the head, norms or the
-    router)."""
+    """The linear weights DeepSeek-V3 (V3.2) and Qwen3 -FP8 publish in FP8 (not the embedding, the head, norms, the
+    router or V3.2's indexer head weights)."""
     return (tensor.dim() >= 2 and name.endswith((".weight", "_proj")) and "embed_tokens" not in name
-            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
+            and not name.startswith("lm_head") and not name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")))
 
 
 def fp8_folder(case: str, path: Path, fused: bool = False) -> Path:
@@ -173,6 +180,23 @@ def test_other_quantization_methods_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"quantized with `quant_method`='awq', which convert cannot read"):
         convert(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_float8_weights_without_their_scales_are_refused_by_name(tmp_path):
+    """Cast to bf16 without its scale, a float8 weight would load wrong in silence."""
+    src = fp8_folder("qwen3", tmp_path / "src")
+    weights = load_file(src / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight'\] cannot be dequantized: "
+                                         r"`model.layers.1.mlp.down_proj.weight_scale_inv` is missing"):
+        convert(src, tmp_path / "a", progress=False)
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="the config has no `quantization_config` to scale them by"):
+        convert(src, tmp_path / "b", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

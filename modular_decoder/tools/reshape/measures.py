@@ -35,8 +35,8 @@ def logit_change(before, after, ids: torch.LongTensor) -> dict:
 def perplexity_gap(before: float, after: float, healed: float, changes: list[dict]) -> dict:
     """The perplexity gap a transformation opened and the share of it healing closed (`closed`), or, where there
     is no gap to close, why (`no_gap`): every transformation was measured exact, the gap is within float32
-    rounding of the perplexity (`PERPLEXITY_ROUNDING`), or the transformation lowered perplexity. Dividing by a
-    gap of rounding noise gave shares like -5170 (-516987%)."""
+    rounding of the perplexity (`PERPLEXITY_ROUNDING`), or the transformation lowered perplexity: a share of
+    rounding noise is no figure."""
     gap = after - before
     if changes and all((change.get("measured") or {}).get("exact") for change in changes):
         reason = "every transformation was measured exact"
