@@ -361,6 +361,46 @@ def mla_crossover_section(run: dict | None) -> str:
     return "\n".join(lines)
 
 
+# --- benchmarks/results_dsa_decode.json: `python -m benchmarks dsa_decode --out ...` ----------------------
+
+def dsa_decode_section(run: dict) -> str:
+    from .dsa_decode import DENSE, OURS, REFERENCE  # the sides' labels, as the benchmark writes them
+
+    shape, rows = run["shape"], run["rows"]
+    repeats = len(next(iter(rows[0]["all_seconds"].values())))
+    lines = [
+        "## DeepSeek Sparse Attention: one decode step against dense MLA (CPU, fp32)", "",
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"{run['layers']} layer of DeepSeek-V3.2's attention at full width (hidden {shape['hidden_size']:,}, "
+        f"{shape['num_attention_heads']} heads, q_lora {shape['q_lora_rank']:,}, kv_lora {shape['kv_lora_rank']}, "
+        f"nope {shape['qk_nope_head_dim']}, rope {shape['qk_rope_head_dim']}, v {shape['v_head_dim']}; indexer "
+        f"{shape['index_n_heads']} heads of {shape['index_head_dim']}, top-k {shape['index_topk']:,}), a dense MLP of "
+        f"{shape['intermediate_size']} and a vocabulary of {shape['vocab_size']:,}, batch {run['batch']}: one token "
+        "against a cache filled with the same random contents for every side. Ours with `attention_type=\"dsa\"` "
+        "gathers each query's chosen keys; dense MLA is ours with the same weights less the indexer (absorbed over "
+        f"every key); transformers' `DeepseekV32ForCausalLM` up-projects its whole latent cache every step. Median of "
+        f"{repeats} alternating repeats; peak: the resident high-water mark of one more step above the level before it.",
+        "", "| cached tokens | model | ms / step | dense MLA / it | peak MB | cache bytes / token |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for name in (OURS, DENSE, REFERENCE):
+            if name in row["skipped"]:
+                lines.append(f"| {row['context']:,} | {name} | {row['skipped'][name]} | | | |")
+                continue
+            seconds = row["seconds"][name]
+            lines.append(f"| {row['context']:,} | {name} | {seconds * 1e3:,.1f} | {row['seconds'][DENSE] / seconds:.2f}x "
+                         f"| {row['peak_mb'][name]:,.0f} | {row['bytes_per_token'][name]:,} |")
+    diffs = [row["max_logit_diff_vs_transformers"] for row in rows if row["max_logit_diff_vs_transformers"] is not None]
+    lines += ["", "Of ours' step, the lightning indexer (its scores over every cached key and the top-k): "
+              + ", ".join(f"{row['indexer_seconds'] * 1e3:.1f} ms at {row['context']:,}" for row in rows) + ". "
+              + (f"On the same cache ours and transformers' logits agree to {max(diffs):.1e}; " if diffs else "")
+              + "DSA's differ from dense MLA's by up to "
+              + f"{max(row['max_logit_diff_dense_vs_dsa'] for row in rows):.1f} (the selection is in play). The "
+              "indexer's keys are cached beside the latent: the cache grows per token, it is not cut by the selection."]
+    return "\n".join(lines)
+
+
 # --- benchmarks/results_split_threshold.json: `python -m benchmarks split_threshold --out ...` ---------------
 
 def split_threshold_section(run: dict | None) -> str:
@@ -433,6 +473,7 @@ SECTIONS = (
     Section(("results_serving.json",), serving_section),
     Section(("results_mla_prefill.json",), mla_prefill_section),
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
+    Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),
 )
