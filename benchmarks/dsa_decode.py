@@ -15,9 +15,10 @@ in its own (halves) layout, so the same contents mean the same thing to both sid
 
 Each row: the median time of one decode step at batch 1 (`measure.alternating`: a warm-up round, then the order
 reversed every other repeat), the part of ours spent in the lightning indexer's scoring and top-k, the peak memory
-of one step above the level before it (`measure.PeakMemory`: the process's resident high-water mark, a separate
-untimed step), each cache's bytes per token, and the largest logit difference of ours against transformers on the
-same cache. transformers' step up-projects the whole cache to per-head keys and values (about 1.1 GB per 1k cached
+of one step in two separate untimed steps (the bytes of the tensors the step allocates, alive at once:
+`measure.TensorBytes`, exact; and the process's resident high-water mark above the level before it:
+`measure.PeakMemory`, which also sees the allocator), each cache's bytes per token, and the largest logit difference
+of ours against transformers on the same cache. transformers' step up-projects the whole cache to per-head keys and values (about 1.1 GB per 1k cached
 tokens at this width): where the machine's available memory cannot hold that, its row says so and it is not run.
 `--smoke`: a tiny shape, contexts 16 and 64, top-k 8.
 """
@@ -123,11 +124,14 @@ def measure_row(models: dict, context: int, contents: list[dict], repeats: int, 
         logits[name] = runnable[name](token, cache=caches[name], position_ids=position, use_cache=True).logits
         caches[name].crop(-1)  # back to `context` tokens for the next call
 
-    peaks = {}
+    peaks, tensor_peaks = {}, {}
     for name in runnable:
         with measure.PeakMemory() as peak:
             step(name)
         peaks[name] = peak.above_mb
+        with measure.TensorBytes() as probe:
+            step(name)
+        tensor_peaks[name] = probe.peak_bytes / measure.MB
     with IndexerClock() as clock:
         times = measure.alternating({name: measure.seconds(lambda n=name: step(n)) for name in runnable}, repeats)
     layers = shape["num_hidden_layers"]
@@ -138,6 +142,7 @@ def measure_row(models: dict, context: int, contents: list[dict], repeats: int, 
         "all_seconds": times,
         "indexer_seconds": statistics.median(per_step),
         "peak_mb": peaks,
+        "tensor_peak_mb": tensor_peaks,
         "bytes_per_token": {name: cache_bytes(cache) // context for name, cache in caches.items()},
         "skipped": skipped,
         "max_logit_diff_vs_transformers": (logits[OURS] - logits[REFERENCE]).abs().max().item()
@@ -162,14 +167,16 @@ def report(rows: list[dict]) -> str:
         diff = row["max_logit_diff_vs_transformers"]
         lines.append(f"\ncontext {row['context']} (max |logit diff| ours vs transformers on the same cache: "
                      f"{'-' if diff is None else f'{diff:.1e}'}; DSA vs dense: {row['max_logit_diff_dense_vs_dsa']:.1e})")
-        lines.append(f"  {'model':28s} {'ms/step':>9s} {'vs dense':>9s} {'peak MB':>9s} {'cache B/token':>14s}")
+        lines.append(f"  {'model':28s} {'ms/step':>9s} {'vs dense':>9s} {'tensors MB':>11s} {'RSS MB':>8s} "
+                     f"{'cache B/token':>14s}")
         for name in (OURS, DENSE, REFERENCE):
             if name in row["skipped"]:
                 lines.append(f"  {name:28s} {row['skipped'][name]}")
                 continue
             seconds = row["seconds"][name]
             lines.append(f"  {name:28s} {seconds * 1e3:9.1f} {row['seconds'][DENSE] / seconds:8.2f}x "
-                         f"{row['peak_mb'][name]:9.0f} {row['bytes_per_token'][name]:14,d}")
+                         f"{row['tensor_peak_mb'][name]:11.1f} {row['peak_mb'][name]:8.0f} "
+                         f"{row['bytes_per_token'][name]:14,d}")
         lines.append(f"  of ours' step, the indexer (scores + top-k): {row['indexer_seconds'] * 1e3:.1f} ms")
     return "\n".join(lines)
 

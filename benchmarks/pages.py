@@ -379,18 +379,21 @@ def dsa_decode_section(run: dict) -> str:
         "against a cache filled with the same random contents for every side. Ours with `attention_type=\"dsa\"` "
         "gathers each query's chosen keys; dense MLA is ours with the same weights less the indexer (absorbed over "
         f"every key); transformers' `DeepseekV32ForCausalLM` up-projects its whole latent cache every step. Median of "
-        f"{repeats} alternating repeats; peak: the resident high-water mark of one more step above the level before it.",
-        "", "| cached tokens | model | ms / step | dense MLA / it | peak MB | cache bytes / token |",
-        "|---:|---|---:|---:|---:|---:|",
+        f"{repeats} alternating repeats, {run['provenance']['machine']['torch_threads']} torch thread(s); the peak of one "
+        "more step: the tensors it allocates, alive at once (exact), and the process's resident high-water mark above "
+        "the level before it (the allocator's view).",
+        "", "| cached tokens | model | ms / step | dense MLA / it | peak tensors MB | peak RSS MB | cache bytes / token |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         for name in (OURS, DENSE, REFERENCE):
             if name in row["skipped"]:
-                lines.append(f"| {row['context']:,} | {name} | {row['skipped'][name]} | | | |")
+                lines.append(f"| {row['context']:,} | {name} | {row['skipped'][name]} | | | | |")
                 continue
             seconds = row["seconds"][name]
             lines.append(f"| {row['context']:,} | {name} | {seconds * 1e3:,.1f} | {row['seconds'][DENSE] / seconds:.2f}x "
-                         f"| {row['peak_mb'][name]:,.0f} | {row['bytes_per_token'][name]:,} |")
+                         f"| {row['tensor_peak_mb'][name]:,.1f} | {row['peak_mb'][name]:,.0f} | "
+                         f"{row['bytes_per_token'][name]:,} |")
     diffs = [row["max_logit_diff_vs_transformers"] for row in rows if row["max_logit_diff_vs_transformers"] is not None]
     lines += ["", "Of ours' step, the lightning indexer (its scores over every cached key and the top-k): "
               + ", ".join(f"{row['indexer_seconds'] * 1e3:.1f} ms at {row['context']:,}" for row in rows) + ". "

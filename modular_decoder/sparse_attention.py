@@ -141,40 +141,64 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         return self.gathered_attention(q_nope, q_rot, latents, k_rot, indices, mask), None
 
     def sparse_expanded(self, q_nope, q_rot, latents, k_rot, attention_mask, select, kwargs):
-        """Per-head keys and values for every cached token (as MLA's expanded path), scored by the backend with
-        the selection as a mask, `SELECTION_MASK_BYTES` of it per block of queries."""
+        """Per-head keys and values through `kv_b_proj` (which this path calls: adapters and hooks apply), scored by
+        the backend. A step whose queries choose fewer keys in all than the cache holds (a decode step under an
+        adapter, or on flex) expands only the chosen ones (`gathered_expanded`); otherwise every cached key is
+        expanded, as on MLA's expanded path, and the selection is a mask, `SELECTION_MASK_BYTES` of it per block
+        of queries (eager, the reference, in one block)."""
         batch, _, q_len, _ = q_nope.shape
         kv_len = latents.shape[-2]
         queries = torch.cat((q_nope, q_rot), dim=-1)  # (B, H, T, d_qk)
-        keys, values = self.expand_kv(latents, k_rot)
-        # CPU SDPA with V narrower than q/k: zero-padded V takes its flash kernel (as in MLA's forward)
-        pad = self.config._attn_implementation == "sdpa" and self.v_dim < self.qk_dim and values.device.type == "cpu"
-        if pad:
-            values = torch.nn.functional.pad(values, [0, self.qk_dim - self.v_dim])
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
-        attention_interface = self.scores_through(attention_interface, kwargs)  # sinks
+        eager = self.config._attn_implementation == "eager"
         if select is None:
-            blocks, mask = [slice(None)], attention_mask
-        else:
-            eager = self.config._attn_implementation == "eager"
-            block = q_len if eager else max(1, SELECTION_MASK_BYTES // (batch * kv_len))
-            blocks = [slice(start, min(start + block, q_len)) for start in range(0, q_len, block)]
-            mask = self.visible_keys(attention_mask, q_len, kv_len, batch)
+            return self.scored(queries, *self.expanded(latents, k_rot), attention_mask, kwargs)
+        mask = self.visible_keys(attention_mask, q_len, kv_len, batch)
+        if not eager and q_len * self.indexer.top_k < kv_len:
+            return self.gathered_expanded(queries, latents, k_rot, select(slice(None), mask), mask, kwargs), None
+        keys, values = self.expanded(latents, k_rot)
+        block = q_len if eager else max(1, SELECTION_MASK_BYTES // (batch * kv_len))
         outs, weights = [], []
-        for rows in blocks:
-            block_mask = mask
-            if select is not None:
-                rows_mask = None if mask is None else mask[:, :, rows]
-                block_mask = self.backend_mask(restrict(rows_mask, selection_mask(select(rows, rows_mask), kv_len)))
-            out, probs = attention_interface(self, queries[:, :, rows], keys, values, block_mask,
-                                             scaling=self.scaling, s_aux=self.sinks, **self.score_kwargs(kwargs))
+        for start in range(0, q_len, block):
+            rows = slice(start, min(start + block, q_len))
+            rows_mask = None if mask is None else mask[:, :, rows]
+            keep = self.backend_mask(restrict(rows_mask, selection_mask(select(rows, rows_mask), kv_len)))
+            out, probs = self.scored(queries[:, :, rows], keys, values, keep, kwargs)
             outs.append(out)
             weights.append(probs)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # (B, T, H, d)
-        if pad:
-            out = out[..., : self.v_dim]
-        probs = weights[0] if len(weights) == 1 or weights[0] is None else torch.cat(weights, dim=2)
-        return out, probs
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # (B, T, H, d_v)
+        return out, weights[0] if len(weights) == 1 or weights[0] is None else torch.cat(weights, dim=2)
+
+    def gathered_expanded(self, queries, latents, k_rot, indices, mask, kwargs) -> torch.Tensor:
+        """Each query's chosen keys gathered, up-projected through `kv_b_proj` and scored by the backend, each query
+        its own batch row: queries (B, H, T, d_qk), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R), indices (B, T, k),
+        mask (B, 1, T, S) or None -> (B, T, H, d_v). Expands T·k latents instead of the S cached ones."""
+        batch, heads, q_len, _ = queries.shape
+        batch_rows = torch.arange(batch, device=indices.device)[:, None, None]
+        chosen_latents = latents[:, 0][batch_rows, indices].flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_c)
+        chosen_rot = k_rot[:, 0][batch_rows, indices].flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_R)
+        keys, values = self.expanded(chosen_latents, chosen_rot)  # (B·T, H, k, d_qk), (B·T, H, k, d_v)
+        chosen_mask = None if mask is None else mask[:, 0].gather(-1, indices).flatten(0, 1)[:, None, None]
+        if chosen_mask is not None:
+            chosen_mask = self.backend_mask(chosen_mask)
+        rows = queries.transpose(1, 2).flatten(0, 1).unsqueeze(2)  # (B·T, H, 1, d_qk)
+        out, _ = self.scored(rows, keys, values, chosen_mask, kwargs)  # (B·T, 1, H, d_v)
+        return out.view(batch, q_len, heads, -1)
+
+    def expanded(self, latents, k_rot) -> tuple[torch.Tensor, torch.Tensor]:
+        """`expand_kv`'s per-head keys and values, V zero-padded to the q/k width for CPU SDPA (its flash kernel
+        then applies, as in MLA's forward; `scored` crops the output)."""
+        keys, values = self.expand_kv(latents, k_rot)
+        if self.config._attn_implementation == "sdpa" and self.v_dim < self.qk_dim and values.device.type == "cpu":
+            values = torch.nn.functional.pad(values, [0, self.qk_dim - self.v_dim])
+        return keys, values
+
+    def scored(self, queries, keys, values, mask, kwargs):
+        """The model's attention backend on per-head q/k/v (B, H, ·, ·) -> ((B, T, H, d_v), weights or None)."""
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        attention_interface = self.scores_through(attention_interface, kwargs)  # sinks
+        out, probs = attention_interface(self, queries, keys, values, mask, scaling=self.scaling, s_aux=self.sinks,
+                                         **self.score_kwargs(kwargs))
+        return out[..., : self.v_dim], probs
 
     def gathered_attention(self, q_nope, q_rot, latents, k_rot, indices, mask):
         """Absorbed scores against each query's chosen keys only.
