@@ -18,8 +18,9 @@ reversed every other repeat), the part of ours spent in the lightning indexer's 
 of one step in two separate untimed steps (the bytes of the tensors the step allocates, alive at once:
 `measure.TensorBytes`, exact; and the process's resident high-water mark above the level before it:
 `measure.PeakMemory`, which also sees the allocator), each cache's bytes per token, and the largest logit difference
-of ours against transformers on the same cache. transformers' step up-projects the whole cache to per-head keys and values (about 1.1 GB per 1k cached
-tokens at this width): where the machine's available memory cannot hold that, its row says so and it is not run.
+of ours against transformers on the same cache. transformers' step up-projects the whole cache to per-head keys
+and values (`EXPANDED_BYTES` per cached token, about 0.35 GB per 1k tokens at this width): where the machine's
+available memory cannot hold that, its row says so and it is not run.
 `--smoke`: a tiny shape, contexts 16 and 64, top-k 8.
 """
 
@@ -165,8 +166,9 @@ def report(rows: list[dict]) -> str:
     lines = [f"torch threads: {torch.get_num_threads()}"]
     for row in rows:
         diff = row["max_logit_diff_vs_transformers"]
-        lines.append(f"\ncontext {row['context']} (max |logit diff| ours vs transformers on the same cache: "
-                     f"{'-' if diff is None else f'{diff:.1e}'}; DSA vs dense: {row['max_logit_diff_dense_vs_dsa']:.1e})")
+        against = "-" if diff is None else f"{diff:.1e}"
+        lines.append(f"\ncontext {row['context']} (max |logit diff| ours vs transformers on the same cache: {against}; "
+                     f"DSA vs dense: {row['max_logit_diff_dense_vs_dsa']:.1e})")
         lines.append(f"  {'model':28s} {'ms/step':>9s} {'vs dense':>9s} {'tensors MB':>11s} {'RSS MB':>8s} "
                      f"{'cache B/token':>14s}")
         for name in (OURS, DENSE, REFERENCE):

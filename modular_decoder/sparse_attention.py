@@ -10,11 +10,13 @@ The same function on every path, chosen as MLA's `scoring_path` chooses (a decod
 against a plain `kv_b_proj` is absorbed, everything else expanded):
 
 * gathered (absorbed steps, every backend but eager): each query's chosen latents and rotary keys are gathered,
-  (t, k, d_c + d_R) per block of `tuning().absorbed_query_block` queries, and scored in latent space. The main attention
-  reads k keys per query, not the S cached ones: this is what DSA saves at decode time. (A fused kernel that reads
-  the chosen keys in place, as DeepSeek's FlashMLA sparse kernels do on Hopper GPUs, would not copy them; none is
-  used here.)
-* masked (the expanded path, and eager's absorbed one): the selection becomes a boolean mask, the model's mask
+  (t, k, d_c + d_R) per block of `tuning().absorbed_query_block` queries, and scored in latent space. The main
+  attention reads k keys per query, not the S cached ones: this is what DSA saves at decode time. (A fused kernel
+  that reads the chosen keys in place, as DeepSeek's FlashMLA sparse kernels do on Hopper GPUs, would not copy
+  them; none is used here.)
+* gathered and expanded (a decode step that must call `kv_b_proj`: an adapter or hook on it; or on flex): the
+  chosen latents go through `kv_b_proj` (T·k rows, not S) and the backend scores each query against its own keys.
+* masked (longer expanded steps, and eager's every step): the selection becomes a boolean mask, the model's mask
   AND the chosen keys, which eager and SDPA take as a tensor and FlexAttention as a `BlockMask`. Long steps run
   in query blocks whose (B, 1, t, S) selection stays within `SELECTION_MASK_BYTES`; the backend's fused kernel
   scores each block, so no (query x key) score matrix is built (eager, the reference, scores all queries at once).
@@ -55,6 +57,19 @@ def restrict(mask: torch.Tensor | None, selected: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask & selected
     return mask.masked_fill(~selected, torch.finfo(mask.dtype).min)
+
+
+def gather_rows(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """cache (B, S, D), indices (B, T, k) -> (B, T, k, D), each query's chosen rows: one `index_select` over the rows
+    of the cache's storage (a copy per row, not an index computed per element as advanced indexing does) where its
+    rows are laid out one after another, as every cache layer here stores them."""
+    batch, length, width = cache.shape
+    if cache.stride(2) != 1 or cache.stride(1) != width or cache.stride(0) % width:
+        return cache[torch.arange(batch, device=indices.device)[:, None, None], indices]
+    rows_per_batch = cache.stride(0) // width  # a growing layer's capacity, a static layer's length
+    rows = cache.as_strided(((batch - 1) * rows_per_batch + length, width), (width, 1))
+    offsets = torch.arange(batch, device=indices.device).mul_(rows_per_batch).view(batch, 1, 1)
+    return rows.index_select(0, (indices + offsets).flatten()).view(*indices.shape, width)
 
 
 def selection_mask(indices: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -173,9 +188,8 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         its own batch row: queries (B, H, T, d_qk), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R), indices (B, T, k),
         mask (B, 1, T, S) or None -> (B, T, H, d_v). Expands T·k latents instead of the S cached ones."""
         batch, heads, q_len, _ = queries.shape
-        batch_rows = torch.arange(batch, device=indices.device)[:, None, None]
-        chosen_latents = latents[:, 0][batch_rows, indices].flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_c)
-        chosen_rot = k_rot[:, 0][batch_rows, indices].flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_R)
+        chosen_latents = gather_rows(latents[:, 0], indices).flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_c)
+        chosen_rot = gather_rows(k_rot[:, 0], indices).flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_R)
         keys, values = self.expanded(chosen_latents, chosen_rot)  # (B·T, H, k, d_qk), (B·T, H, k, d_v)
         chosen_mask = None if mask is None else mask[:, 0].gather(-1, indices).flatten(0, 1)[:, None, None]
         if chosen_mask is not None:
@@ -204,24 +218,23 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         """Absorbed scores against each query's chosen keys only.
 
         q_nope (B, H, T, d_n), q_rot (B, H, T, d_R), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R), indices (B, T, k),
-        mask (B, 1, T, S) or None -> (B, T, H, d_v). Per block of `tuning().absorbed_query_block` queries, the chosen latents
-        and rotary keys, (B·t, k, d_c + d_R), are gathered and each query scores its own k: the work and the
-        explicit scores, (B·t, H, k), grow with k, not with the cache. Reads `kv_b_proj.weight` as MLA's absorbed
-        path does (`scoring_path` engages it only for a plain module).
+        mask (B, 1, T, S) or None -> (B, T, H, d_v). Per block of `tuning().absorbed_query_block` queries, the
+        chosen latents and rotary keys, (B·t, k, d_c + d_R), are gathered and each query scores its own k: the work
+        and the explicit scores, (B·t, H, k), grow with k, not with the cache. Reads `kv_b_proj.weight` as MLA's
+        absorbed path does (`scoring_path` engages it only for a plain module).
         """
         batch, heads, q_len, _ = q_nope.shape
         w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, self.latent_dim).split([self.nope_dim, self.v_dim], dim=1)
         q_latent = torch.einsum("bhtn,hnc->bthc", q_nope, w_uk)  # (B, T, H, d_c)
         q_rot = q_rot.transpose(1, 2)  # (B, T, H, d_R)
         cache_latents, cache_rot = latents[:, 0], k_rot[:, 0]  # (B, S, d_c), (B, S, d_R)
-        batch_rows = torch.arange(batch, device=indices.device)[:, None, None]
         outs, block = [], tuning().absorbed_query_block
         for start in range(0, q_len, block):
             rows = slice(start, min(start + block, q_len))
             chosen_latents = chosen_rot = probs = None  # the previous block's, freed before this block's exist
             chosen = indices[:, rows]  # (B, t, k)
-            chosen_latents = cache_latents[batch_rows, chosen].flatten(0, 1)  # (B·t, k, d_c)
-            chosen_rot = cache_rot[batch_rows, chosen].flatten(0, 1)  # (B·t, k, d_R)
+            chosen_latents = gather_rows(cache_latents, chosen).flatten(0, 1)  # (B·t, k, d_c)
+            chosen_rot = gather_rows(cache_rot, chosen).flatten(0, 1)  # (B·t, k, d_R)
             chosen_mask = None if mask is None else mask[:, 0, rows].gather(-1, chosen).flatten(0, 1)[:, None, None]
             probs = self._latent_probs(q_latent[:, rows].flatten(0, 1).unsqueeze(2),
                                        q_rot[:, rows].flatten(0, 1).unsqueeze(2), chosen_latents, chosen_rot,
@@ -278,4 +291,5 @@ class SparseLatentKind(LatentKind):
 
 SPARSE_LATENT_ATTENTION = SparseLatentKind()
 
-__all__ = ["SparseLatentAttention", "SPARSE_LATENT_ATTENTION", "SELECTION_MASK_BYTES", "restrict", "selection_mask"]
+__all__ = ["SparseLatentAttention", "SPARSE_LATENT_ATTENTION", "SELECTION_MASK_BYTES", "restrict", "selection_mask",
+           "gather_rows"]

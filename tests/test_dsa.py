@@ -300,8 +300,8 @@ def test_bounded_blocks_give_the_same_logits(monkeypatch):
                         lambda a, b: shapes.append(tuple(b.shape)) or matmul(a, b))
     blocks = []
     interface = sparse_attention.ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
-    monkeypatch.setattr(sparse_attention.ALL_ATTENTION_FUNCTIONS, "get_interface",
-                        lambda name, default: lambda m, q, *a, **k: blocks.append(q.shape[2]) or interface(m, q, *a, **k))
+    monkeypatch.setattr(sparse_attention.ALL_ATTENTION_FUNCTIONS, "get_interface", lambda name, default:
+                        lambda m, q, *a, **k: blocks.append(q.shape[2]) or interface(m, q, *a, **k))
     with torch.no_grad():
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
@@ -545,7 +545,8 @@ def test_reshape_refuses_by_name_what_it_cannot_transform_and_drops_dsa_layers()
     block works as for any kind: the indexer and its cache go with the layer."""
     from modular_decoder.tools.reshape import check_options, reshape
 
-    config = preset_config("deepseek_v32", tiny=True, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])
+    config = preset_config("deepseek_v32", tiny=True, num_hidden_layers=3,
+                           mlp_layer_types=["dense", "sparse", "sparse"])
     for options in (dict(kv_heads=1), dict(attention="mla", kv_lora_rank=8)):
         with pytest.raises(ValueError, match="attention_type='dsa'"):
             check_options(config, **options)
@@ -608,3 +609,17 @@ def test_compiled_static_decode_equals_dynamic_cache():
                               compile_config=config)
     assert hasattr(model, "_compiled_call")  # generate() did take the compiled path
     assert torch.equal(compiled, dynamic) and torch.equal(dynamic, greedy_no_cache(model, ids, 8))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "prefix_of_storage", "transposed"])
+def test_gather_rows_equals_advanced_indexing(layout):
+    """The row gather reads the cache's storage directly where its rows lie one after another (a growing layer's
+    prefix view, a static layer), and falls back to advanced indexing elsewhere: the same rows either way."""
+    from modular_decoder.sparse_attention import gather_rows
+
+    store = torch.randn(3, 20, 6)
+    cache = {"contiguous": store, "prefix_of_storage": store[:, :13],
+             "transposed": torch.randn(3, 6, 13).transpose(1, 2)}[layout]
+    indices = torch.randint(0, cache.shape[1], (3, 4, 5))
+    expected = cache[torch.arange(3)[:, None, None], indices]
+    assert torch.equal(gather_rows(cache, indices), expected)
