@@ -8,7 +8,8 @@ Shape: one layer of DeepSeek-V3.2's attention at full width (deepseek-ai/DeepSee
 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128; indexer 64 heads of 128,
 top-k 2,048; its YaRN), a dense MLP of width 256 and a vocabulary of 1,024 so that the step is mostly attention.
 The pair is made by transformers' `DeepseekV32ForCausalLM` and converted (`families.save_pair`); dense MLA is ours
-with `attention_type="mla"` loaded with the same weights less the indexer's. Caches are filled directly with random
+with `attention_type="mla"` loaded with the same weights less the indexer's; every side's weights are copied into
+the process's memory (`resident`). Caches are filled directly with random
 latents, rotary keys and indexer keys of the right shape (a 32k-token prefill through the indexer, which scores
 every pair of tokens, would take far longer than the steps measured); transformers' cache gets the same rotary keys
 in its own (halves) layout, so the same contents mean the same thing to both sides and the logits are compared.
@@ -57,14 +58,25 @@ EXPANDED_BYTES = lambda shape: 4 * shape["num_attention_heads"] * (  # noqa: E73
     2 * (shape["qk_nope_head_dim"] + shape["v_head_dim"]) + shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"])
 
 
+@torch.no_grad()
+def resident(model):
+    """`model` with every parameter and buffer copied into the process's own memory: loaded weights may be pages
+    of the saved file, which the kernel drops under memory pressure (transformers' step at 32k takes ~10 GB) and
+    reads back from disk in the next step, a second or more (the file is deleted after the build; the pages stay
+    mapped)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
+    return model
+
+
 def build_models(folder: Path, shape: dict) -> dict:
     save_pair(DeepseekV32Config(**shape, first_k_dense_replace=shape["num_hidden_layers"], n_group=1, topk_group=1),
               folder)
-    ours = load_side(folder, "ours")
+    ours = resident(load_side(folder, "ours"))
     mla_fields = {k: v for k, v in ours.config.to_dict().items() if not k.startswith("index_")}
     dense = ModularDecoderForCausalLM(ModularDecoderConfig.from_dict(dict(mla_fields, attention_type="mla"))).eval()
     dense.load_state_dict({k: v for k, v in ours.state_dict().items() if ".indexer." not in k})
-    return {OURS: ours, DENSE: dense, REFERENCE: load_side(folder, "transformers")}
+    return {OURS: ours, DENSE: dense, REFERENCE: resident(load_side(folder, "transformers"))}
 
 
 def filled_cache(name: str, model, context: int, contents: list[dict]):
