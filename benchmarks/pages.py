@@ -374,7 +374,7 @@ def dsa_decode_section(run: dict) -> str:
         f"{run['layers']} layer of DeepSeek-V3.2's attention at full width (hidden {shape['hidden_size']:,}, "
         f"{shape['num_attention_heads']} heads, q_lora {shape['q_lora_rank']:,}, kv_lora {shape['kv_lora_rank']}, "
         f"nope {shape['qk_nope_head_dim']}, rope {shape['qk_rope_head_dim']}, v {shape['v_head_dim']}; indexer "
-        f"{shape['index_n_heads']} heads of {shape['index_head_dim']}, top-k {shape['index_topk']:,}), a dense MLP of "
+        f"{shape['index_n_heads']} heads of {shape['index_head_dim']}, top-k {shape['index_topk']:,}), a dense MLP of width "
         f"{shape['intermediate_size']} and a vocabulary of {shape['vocab_size']:,}, batch {run['batch']}: one token "
         "against a cache filled with the same random contents for every side. Ours with `attention_type=\"dsa\"` "
         "gathers each query's chosen keys; dense MLA is ours with the same weights less the indexer (absorbed over "
