@@ -17,7 +17,7 @@ from .attention_layer import AttentionLayer
 from .eager_attention import eager_attention
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
-from .kinds import AttentionKind, require_bool
+from .kinds import AttentionKind
 from .split_products import project, takes_split_branch
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
@@ -144,7 +144,6 @@ class StandardKind(AttentionKind):
     def validate(self, config) -> None:
         if config.qk_norm not in QK_NORMS:
             raise ValueError(f"`qk_norm`={config.qk_norm!r} is not one of the allowed values {list(QK_NORMS)}.")
-        require_bool("attn_output_gate", config.attn_output_gate)
 
     def rope_head_dim(self, config) -> int:
         return config.head_dim
