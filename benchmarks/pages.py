@@ -306,7 +306,7 @@ def mla_prefill_section(run: dict) -> str:
         f"{run['peak_mb']['transformers']:.0f} | {run['peak_mb']['ours']:.0f} | {memory_ratio:.2f}x |",
         "",
         f"Last-token logits agree to {run['max_last_token_logit_diff']:.1e}. A step of more than "
-        "`ABSORBED_MAX_NEW_TOKENS` new tokens runs the expanded form through the backend's fused kernel (no "
+        "`absorbed_max_new_tokens` (`modular_decoder.tuning`) new tokens runs the expanded form through the backend's fused kernel (no "
         "score matrix); on this CPU transformers' sdpa takes its math path for MLA's narrower values, ours pads "
         "them to the key width and takes the flash kernel.",
     ])
