@@ -418,6 +418,29 @@ def gpu_section(gpu: dict | None) -> str:
     return "\n".join(lines + [gpu_table(gpu)])  # dated, with the hardware and versions
 
 
+# --- benchmarks/results_conversion_memory.json: `python -m benchmarks conversion_memory --out ...` -----------
+
+def conversion_memory_section(run: dict) -> str:
+    lines = ["## Converting and exporting checkpoints of several GB (CPU)", "", "```bash",
+             f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+             "Synthetic bf16 checkpoints in the files `save_pretrained` writes for their family (5 GB shards; Mixtral: "
+             "one tensor per expert), converted by `modular_decoder.conversion.convert` and exported back by `export`, "
+             "each in a fresh process: the peak resident memory above the process's level after its imports and a "
+             "warm-up conversion of a tiny checkpoint (`VmHWM`, reset there), and the wall seconds of reading and "
+             "writing the whole checkpoint (disk-bound, on a shared machine).", "",
+             "| layout | checkpoint | largest tensor | step | peak above the baseline | share of the checkpoint | "
+             "seconds |", "|---|---:|---:|---|---:|---:|---:|"]
+    for result in run["results"]:
+        checkpoint = result["checkpoint"]
+        for what in ("convert", "export"):
+            row = result[what]
+            lines.append(f"| {result['layout']} ({checkpoint['layers']} layers) | {checkpoint['bytes'] / 1e9:.2f} GB in "
+                         f"{checkpoint['files']} files | {checkpoint['largest_tensor_bytes'] / 2**20:.0f} MiB | {what} | "
+                         f"{row['peak_above_mb']:.0f} MB | {100 * row['peak_fraction_of_checkpoint']:.1f}% | "
+                         f"{row['seconds_median']:.0f} |")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Section:
     """One page section: the JSON files it reads (under benchmarks/) and how it renders them; an optional
@@ -432,6 +455,7 @@ SECTIONS = (
     Section(("results_compiled_decode.json", "results.json"), compiled_section),
     Section(("results_serving.json",), serving_section),
     Section(("results_mla_prefill.json",), mla_prefill_section),
+    Section(("results_conversion_memory.json",), conversion_memory_section),
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),

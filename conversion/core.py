@@ -99,6 +99,30 @@ def _split_gate_up(tensors: Tensors, cfg) -> Tensors:
     return [t.contiguous() for t in tensors[0].chunk(2, dim=0)]
 
 
+def _deinterleave_gate_up(tensors: Tensors, cfg) -> Tensors:
+    """gpt-oss's experts: gate and up columns interleaved (gate 2i, up 2i + 1) along the last axis of its
+    (E, d, 2f) products and (E, 2f) biases -> [gate; up] as the contract's (E, 2f, d) and (E, 2f) hold them."""
+    out = []
+    for t in tensors:
+        halves = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+        out.append((halves.transpose(1, 2) if t.dim() == 3 else halves).contiguous())
+    return out
+
+
+def _interleave_gate_up(tensors: Tensors, cfg) -> Tensors:
+    out = []
+    for t in tensors:
+        halves = t.transpose(1, 2) if t.dim() == 3 else t  # (E, d, 2f) / (E, 2f): [gate; up] along the last axis
+        gate, up = halves.chunk(2, dim=-1)
+        out.append(torch.stack((gate, up), dim=-1).flatten(-2).contiguous())
+    return out
+
+
+def _transpose_experts(tensors: Tensors, cfg) -> Tensors:
+    """(E, in, out) products, as gpt-oss stores them, <-> (E, out, in), as the contract's experts do."""
+    return [t.transpose(1, 2).contiguous() for t in tensors]
+
+
 TRANSFORMS: dict[str, Transform] = {
     "copy": Transform(_copy, _copy),
     "transpose": Transform(_transpose, _transpose),
@@ -106,6 +130,8 @@ TRANSFORMS: dict[str, Transform] = {
     "split_conv1d_qkv": Transform(_split_conv1d_qkv, _fuse_conv1d_qkv),
     "split_grouped_qkv": Transform(_split_grouped_qkv, _fuse_grouped_qkv),
     "split_gate_up": Transform(_split_gate_up, lambda tensors, cfg: [torch.cat(tensors, dim=0)]),
+    "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up),
+    "transpose_experts": Transform(_transpose_experts, _transpose_experts),
 }
 
 

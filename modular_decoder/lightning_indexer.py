@@ -87,14 +87,16 @@ class LightningIndexer(nn.Module):
         queries = self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
         queries = self._rotate(queries, position_embeddings).transpose(1, 2).float()  # (B, T, H_I, D_I)
         dtype = getattr(self.weights_proj, "weight", hidden_states).dtype  # kept in fp32 under fp16
-        weights = self.weights_proj(hidden_states.to(dtype)).float() * self.num_heads**-0.5  # (B, T, H_I)
+        # ReLU(x·s) = ReLU(x)·s for the positive scale s = D_I^-1/2: it rides in the head weights (one pass fewer
+        # over the scores)
+        weights = self.weights_proj(hidden_states.to(dtype)).float() * (self.num_heads**-0.5 * self.scaling)
         keys_t = keys.float().transpose(1, 2).unsqueeze(1)  # (B, 1, D_I, S)
         top_k = min(self.top_k, keys.shape[1])
         block = query_block(batch, self.num_heads, keys.shape[1])
         indices = []
         for start in range(0, q_len, block):
             rows = slice(start, min(start + block, q_len))
-            scores = (queries[:, rows] @ keys_t).mul_(self.scaling).relu_()  # (B, t, H_I, S)
+            scores = (queries[:, rows] @ keys_t).relu_()  # (B, t, H_I, S)
             scores = (weights[:, rows].unsqueeze(-2) @ scores).squeeze(-2)  # (B, t, S)
             if visible is not None:  # a boolean mask (True = may see) or an additive one, as transformers applies it
                 mask = visible[:, 0, rows]

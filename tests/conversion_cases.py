@@ -10,6 +10,7 @@ COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layer
               max_position_embeddings=P)
 GPT = dict(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=P)
 MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+SMOLLM3 = dict(num_key_value_heads=2, pad_token_id=None, bos_token_id=1, eos_token_id=2)  # its ids lie past V
 
 # name -> (family model_type, config builder); several cases may exercise one family's variants
 CASES: dict[str, tuple[str, callable]] = {
@@ -72,11 +73,24 @@ CASES: dict[str, tuple[str, callable]] = {
         **COMMON, **MLA, num_key_value_heads=H, q_lora_rank=12, index_n_heads=8, index_head_dim=8, index_topk=5,
         first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
         moe_intermediate_size=12, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    # gpt-oss: sinks, alternating windows, YaRN; a biased router, experts with biases and the clamped SwiGLU
+    # stored interleaved and transposed (a limit low enough to clamp these perturbed weights)
+    "gpt_oss": ("gpt_oss", lambda: tf.GptOssConfig(
+        **{**COMMON, "intermediate_size": 24}, num_key_value_heads=2, head_dim=8, num_local_experts=6,
+        num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
+    # SmolLM3: NoPE every fourth layer (here layer 3 of 4), and NoPE sliding layers where windows are on
+    "smollm3": ("smollm3", lambda: tf.SmolLM3Config(**{**COMMON, "num_hidden_layers": 4}, **SMOLLM3)),
+    "smollm3-sliding": ("smollm3", lambda: tf.SmolLM3Config(
+        **{**COMMON, "num_hidden_layers": 4}, **SMOLLM3, no_rope_layers=[1, 0, 1, 0],
+        use_sliding_window=True, sliding_window=8, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
 }
 
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe") or name.endswith(("-moe", "-moe-grouped"))]
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
+             or name.endswith(("-moe", "-moe-grouped"))]
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:

@@ -470,3 +470,17 @@ def test_mla_crossover_smoke_records_crossover_query_blocks_static_prefill(tmp_p
     assert all(row["absorbed"] > 0 and row["expanded"] > 0 for row in record["crossover"] + record["static_prefill"])
     assert all(row["scoring_peak"]["score_blocks"] >= 2 for row in record["query_blocks"])
     assert record["provenance"]["command"].startswith("python -m benchmarks mla_crossover --smoke")
+
+
+def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_path):
+    from benchmarks import conversion_memory
+
+    out = tmp_path / "conversion_memory.json"
+    assert conversion_memory.main(["--smoke", "--scratch", str(tmp_path), "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["provenance"]["command"].startswith("python -m benchmarks conversion_memory --smoke")
+    assert [result["layout"] for result in record["results"]] == ["llama", "mixtral"]
+    for result in record["results"]:
+        for what in ("convert", "export"):
+            assert len(result[what]["runs"]) == 1 and result[what]["runs"][0]["method"] in ("VmHWM", "sampled")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conversion_memory.json"]  # the checkpoints are gone

@@ -516,3 +516,42 @@ def test_attention_sinks_compose_with_the_selection(backend):
     cached, full = steps_against_full(other, ids, mask, [3, 9, 1, 1, 16])
     torch.testing.assert_close(cached[0], full[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(cached[1, 4:], full[1, 4:], rtol=0, atol=1e-5)
+
+
+# --- reshape -----------------------------------------------------------------------------------------------------
+
+def test_reshape_refuses_by_name_what_it_cannot_transform_and_drops_dsa_layers():
+    """Pooling K/V heads and TransMLA convert standard attention: a DSA model is refused naming its kind. Dropping a
+    block works as for any kind: the indexer and its cache go with the layer."""
+    from modular_decoder.tools.reshape import check_options, reshape
+
+    config = preset_config("deepseek_v32", tiny=True, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])
+    for options in (dict(kv_heads=1), dict(attention="mla", kv_lora_rank=8)):
+        with pytest.raises(ValueError, match="attention_type='dsa'"):
+            check_options(config, **options)
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(config).eval()
+    smaller = reshape(model, _ids(2, 16).remainder(config.vocab_size), drop_layers=1, progress=False)
+    assert smaller.config.attention_type == "dsa" and smaller.config.num_hidden_layers == 2
+    assert cache_bytes_per_token(smaller.config, torch.float32) == 2 * (32 + 8 + 16) * 4
+    ids = _ids(1, 12).remainder(config.vocab_size)
+    with torch.no_grad():
+        cached, full = steps_against_full(smaller, ids, torch.ones_like(ids), [5, 1, 1, 5])
+    torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+
+
+def test_a_multi_token_prediction_layer_is_refused_by_name(pair, tmp_path):
+    """The published checkpoints hold their MTP module as layer `num_hidden_layers`; transformers' class does not
+    build it, and neither does this conversion (yet): the tensors are named, nothing is written."""
+    from safetensors.torch import save_file
+
+    ref, path = pair
+    state = load_file(path / "src" / "model.safetensors")
+    mtp = f"model.layers.{V32['num_hidden_layers']}"
+    state.update({f"{mtp}.eh_proj.weight": torch.zeros(32, 64), f"{mtp}.enorm.weight": torch.ones(32)})
+    (tmp_path / "src").mkdir()
+    save_file(state, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "src" / "config.json").write_text((path / "src" / "config.json").read_text())
+    with pytest.raises(ValueError, match=f"{mtp}.e"):
+        convert(tmp_path / "src", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -54,7 +54,7 @@ def moe_contract(src, family: str) -> dict:
         num_experts=src.n_routed_experts, num_experts_per_tok=src.num_experts_per_tok,
         moe_intermediate_size=src.moe_intermediate_size, n_shared_experts=src.n_shared_experts,
         routed_scaling_factor=src.routed_scaling_factor, router_aux_loss_coef=0.0,
-        output_router_logits=bool(src.output_router_logits),
+        output_router_logits=bool(getattr(src, "output_router_logits", False)),  # not a field of every release
     )
 
 
