@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import Family, RuleInstance, check_shapes, plan_rules, rename
+from .core import Family, RuleInstance, check_shapes, plan_rules, refuse_tensors, rename
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
@@ -68,13 +68,22 @@ def _save_model_files(model, folder: Path, dtype: torch.dtype) -> None:
 
 def _write_weights(folder: Path, plan, tensors, cfg, planned: dict, sinks: dict, total_parameters: int,
                    dtype: torch.dtype | None, desc: str, progress: bool) -> None:
-    """Stream the plan's outputs into `folder`'s shards, with a progress bar over the bytes read."""
+    """Stream the plan's outputs into `folder`'s shards, with a progress bar over the bytes read and the count of
+    source tensors done."""
     from tqdm.auto import tqdm
 
-    total = sum(tensors[name].nbytes for instance in plan for name in instance.inputs)
+    sources = [tensors[name] for instance in plan for name in instance.inputs]
+    total, count, done = sum(t.nbytes for t in sources), sum(len(t.files) for t in sources), 0
     with ShardedWriter(folder, planned, total_parameters) as writer, tqdm(
             total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress) as bar:
-        write_plan(plan, tensors, cfg, writer, sinks, dtype, bar.update)
+
+        def advance(nbytes: int, finished: int) -> None:
+            nonlocal done
+            done += finished
+            bar.set_postfix_str(f"{done}/{count} tensors", refresh=False)
+            bar.update(nbytes)
+
+        write_plan(plan, tensors, cfg, writer, sinks, dtype, advance)
 
 
 def _compute_dtype(src_cfg) -> torch.dtype:
@@ -156,6 +165,7 @@ def convert(
         src_cfg, files, tokenizer, generation_config = _open_source(src, gguf_file, allow_bin)
         family = get_family(src_cfg.model_type)
         cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
+        refuse_tensors(files, family)  # by the file's names, before any is read
         quantization = quantization_of(src_cfg) if gguf_file is None else None  # GGUF: dequantized on reading
         if quantization is not None:  # dequantized straight into the dtype written
             torch_dtype = torch_dtype or _compute_dtype(src_cfg)
@@ -233,7 +243,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == their_head_key)}
     check_shapes(produced, expected, f"exporting to {fam.name}")
     dtype = produced[their_embed_key].dtype
-    planned, sinks = _file_tensors(expected, produced, fam)
+    planned, sinks = file_tensors(expected, produced, fam)
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
         _save_model_files(model, tmp, dtype)
         _write_weights(tmp, plan, tensors, cfg, planned, sinks, model.num_parameters(), None,
@@ -242,7 +252,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     return out
 
 
-def _file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
+def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
     """The tensors `save_pretrained` writes for the family's model tensors `names` (in this order): renamed
     back to the file's prefixes, stacked experts split into one tensor per expert. Returns ({file name:
     (dtype, shape)}, {model name: [Sink]})."""

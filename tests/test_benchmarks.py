@@ -489,3 +489,17 @@ def test_dsa_decode_smoke_compares_the_three_sides_on_one_cache(tmp_path):
         assert per_token[dsa_decode.OURS] == per_token[dsa_decode.DENSE] + 4 * record["shape"]["index_head_dim"]
         assert row["indexer_seconds"] > 0
     assert record["provenance"]["command"].startswith("python -m benchmarks dsa_decode --smoke")
+
+
+def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_path):
+    from benchmarks import conversion_memory
+
+    out = tmp_path / "conversion_memory.json"
+    assert conversion_memory.main(["--smoke", "--scratch", str(tmp_path), "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["provenance"]["command"].startswith("python -m benchmarks conversion_memory --smoke")
+    assert [result["layout"] for result in record["results"]] == ["llama", "mixtral"]
+    for result in record["results"]:
+        for what in ("convert", "export"):
+            assert len(result[what]["runs"]) == 1 and result[what]["runs"][0]["method"] in ("VmHWM", "sampled")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conversion_memory.json"]  # the checkpoints are gone
