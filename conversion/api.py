@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import Family, RuleInstance, check_shapes, plan_rules, rename
+from .core import Family, RuleInstance, check_shapes, plan_rules, refuse_tensors, rename
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
@@ -165,6 +165,7 @@ def convert(
         src_cfg, files, tokenizer, generation_config = _open_source(src, gguf_file, allow_bin)
         family = get_family(src_cfg.model_type)
         cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
+        refuse_tensors(files, family)  # by the file's names, before any is read
         quantization = quantization_of(src_cfg) if gguf_file is None else None  # GGUF: dequantized on reading
         if quantization is not None:  # dequantized straight into the dtype written
             torch_dtype = torch_dtype or _compute_dtype(src_cfg)

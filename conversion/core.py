@@ -20,6 +20,7 @@ every one in `TRANSFORMS` is.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +100,41 @@ def _split_gate_up(tensors: Tensors, cfg) -> Tensors:
     return [t.contiguous() for t in tensors[0].chunk(2, dim=0)]
 
 
+def _key_groups(cfg) -> tuple[int, int, int, int]:
+    """(H_k, d_k, H_v / H_k, d_v) of the contract's linear-attention layers."""
+    heads = cfg.linear_num_key_heads
+    return heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads // heads, cfg.linear_value_head_dim
+
+
+def _split_grouped_qkvz(tensors: Tensors, cfg) -> Tensors:
+    """Qwen3-Next's `in_proj_qkvz`, rows grouped per key head as [q_h, k_h, v_h·r, z_h·r] (r = H_v / H_k), into
+    the contract's `in_proj_qkv` ([all q, all k, all v]) and `in_proj_z`: the same rows, reordered."""
+    heads, d_k, r, d_v = _key_groups(cfg)
+    grouped = tensors[0].reshape(heads, 2 * d_k + 2 * r * d_v, -1)
+    q, k, v, z = grouped.split((d_k, d_k, r * d_v, r * d_v), dim=1)
+    flat = [part.reshape(-1, grouped.shape[-1]) for part in (q, k, v, z)]
+    return [torch.cat(flat[:3], dim=0).contiguous(), flat[3].contiguous()]
+
+
+def _fuse_grouped_qkvz(tensors: Tensors, cfg) -> Tensors:
+    heads, d_k, r, d_v = _key_groups(cfg)
+    qkv, z = tensors
+    q, k, v = qkv.split((heads * d_k, heads * d_k, heads * r * d_v), dim=0)
+    parts = [t.reshape(heads, -1, qkv.shape[-1]) for t in (q, k, v, z)]
+    return [torch.cat(parts, dim=1).reshape(-1, qkv.shape[-1]).contiguous()]
+
+
+def _split_grouped_ba(tensors: Tensors, cfg) -> Tensors:
+    """Qwen3-Next's `in_proj_ba`, rows grouped per key head as [b_h·r, a_h·r], into `in_proj_b` and `in_proj_a`."""
+    heads, _, r, _ = _key_groups(cfg)
+    b, a = tensors[0].reshape(heads, 2 * r, -1).split((r, r), dim=1)
+    return [b.reshape(-1, b.shape[-1]).contiguous(), a.reshape(-1, a.shape[-1]).contiguous()]
+
+
+def _fuse_grouped_ba(tensors: Tensors, cfg) -> Tensors:
+    heads = cfg.linear_num_key_heads
+    b, a = (t.reshape(heads, -1, t.shape[-1]) for t in tensors)
+    return [torch.cat((b, a), dim=1).reshape(-1, b.shape[-1]).contiguous()]
 def _deinterleave_gate_up(tensors: Tensors, cfg) -> Tensors:
     """gpt-oss's experts: gate and up columns interleaved (gate 2i, up 2i + 1) along the last axis of its
     (E, d, 2f) products and (E, 2f) biases -> [gate; up] as the contract's (E, 2f, d) and (E, 2f) hold them."""
@@ -130,9 +166,14 @@ TRANSFORMS: dict[str, Transform] = {
     "split_conv1d_qkv": Transform(_split_conv1d_qkv, _fuse_conv1d_qkv),
     "split_grouped_qkv": Transform(_split_grouped_qkv, _fuse_grouped_qkv),
     "split_gate_up": Transform(_split_gate_up, lambda tensors, cfg: [torch.cat(tensors, dim=0)]),
+    "split_grouped_qkvz": Transform(_split_grouped_qkvz, _fuse_grouped_qkvz),
+    "split_grouped_ba": Transform(_split_grouped_ba, _fuse_grouped_ba),
     "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up),
     "transpose_experts": Transform(_transpose_experts, _transpose_experts),
 }
+
+# Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`)
+MIXERS = {"attention": ("full_attention", "sliding_attention"), "linear_attention": ("linear_attention",)}
 
 
 @dataclass(frozen=True)
@@ -142,7 +183,8 @@ class Rule:
     Names may contain `{layer}`. An `optional` rule is skipped when none of its source tensors exist
     (biases, tied heads); a partial match is always an error. `layers` ("sparse" or "dense") limits a
     `{layer}` rule to the layers the contract's `mlp_layer_types` marks so (a config without it has
-    dense layers only).
+    dense layers only); `mixer` ("attention" or "linear_attention", `MIXERS`) to the layers whose
+    `layer_types` entry mixes tokens that way.
     """
 
     src: tuple[str, ...]
@@ -150,6 +192,7 @@ class Rule:
     transform: str = "copy"
     optional: bool = False
     layers: str | None = None
+    mixer: str | None = None
 
     def __post_init__(self):
         if isinstance(self.src, str):
@@ -160,10 +203,17 @@ class Rule:
             raise ValueError(f"Unknown transform {self.transform!r}; known: {sorted(TRANSFORMS)}.")
         if self.layers not in (None, "sparse", "dense"):
             raise ValueError(f"`layers`={self.layers!r} is not one of None, 'sparse', 'dense'.")
+        if self.mixer is not None and self.mixer not in MIXERS:
+            raise ValueError(f"`mixer`={self.mixer!r} is not one of None, {', '.join(map(repr, MIXERS))}.")
 
 
 def rule(src, dst, transform: str = "copy", optional: bool = False, layers: str | None = None) -> Rule:
     return Rule(src, dst, transform, optional, layers)
+
+
+def in_layers(rules: list[Rule], mixer: str) -> list[Rule]:
+    """`rules` limited to the layers whose token mixer is `mixer` (see `Rule`)."""
+    return [dataclasses.replace(r, mixer=mixer) for r in rules]
 
 
 @dataclass(frozen=True)
@@ -258,6 +308,8 @@ class Family:
             checkpoint conversion mapping renames on load and back on save); `{layer}` matches any layer.
             Rules use model names.
         experts: Per-expert file tensors the model holds stacked (see `ExpertStack`), read after `renames`.
+        refused: Name prefixes of source tensors the contract cannot hold yet -> what they are: a source with
+            any of them is refused naming them (`refuse_tensors`), never converted without them.
     """
 
     name: str
@@ -270,6 +322,16 @@ class Family:
     head: tuple[str, ...] = ("lm_head.",)
     renames: dict[str, str] = field(default_factory=dict)
     experts: tuple[ExpertStack, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+def refuse_tensors(names, family: Family) -> None:
+    """Raise one `ValueError` when source tensors `names` include any of `family.refused`'s prefixes."""
+    found = {prefix: what for prefix, what in family.refused.items() if any(n.startswith(prefix) for n in names)}
+    if found:
+        parts = [f"{what} (tensors `{prefix}*`)" for prefix, what in found.items()]
+        raise ValueError(f"This {family.name} checkpoint holds {'; '.join(parts)}, which modular_decoder cannot hold "
+                         "yet; it is not converted without them.")
 
 
 def refuse(features: dict[str, bool], family: str) -> None:
@@ -294,7 +356,9 @@ def _layers(r: Rule, cfg) -> list[int | None]:
     if not _is_layered(r):
         return [None]
     kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"] * cfg.num_hidden_layers
-    return [layer for layer in range(cfg.num_hidden_layers) if r.layers in (None, kinds[layer])]
+    mixers = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return [layer for layer in range(cfg.num_hidden_layers) if r.layers in (None, kinds[layer])
+            and (r.mixer is None or mixers[layer] in MIXERS[r.mixer])]
 
 
 def _instances(rules: list[Rule], cfg):

@@ -87,9 +87,27 @@ CASES: dict[str, tuple[str, callable]] = {
         use_sliding_window=True, sliding_window=8, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
 }
 
+# Hybrid linear attention: Gated DeltaNet layers (2 key heads, 4 value heads: each key head serves two) beside
+# gated full attention; Qwen3-Next with experts in every other layer and a dense one
+HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+              linear_conv_kernel_dim=4, num_key_value_heads=2, head_dim=16,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+HYBRID_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+CASES.update({
+    "qwen3_next": ("qwen3_next", lambda: tf.Qwen3NextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40, mlp_only_layers=[2],
+        decoder_sparse_step=1, norm_topk_prob=True)),
+    "qwen3_next-dense": ("qwen3_next", lambda: tf.Qwen3NextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS[::-1], num_experts=0,
+        tie_word_embeddings=True)),
+    "qwen3_5_text": ("qwen3_5_text", lambda: tf.Qwen3_5TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS)),
+})
+
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"
              or name.endswith(("-moe", "-moe-grouped"))]
 
 

@@ -33,8 +33,9 @@ ROOT = Path(__file__).parent.parent
 # Installed releases are kept between runs (a release never changes)
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "modular-decoder-tests"
 # sliding/global layers with QK-norm; MLA with routed experts; DeepSeek Sparse Attention (4 keys kept per query);
-# attention sinks with windows and gpt-oss's experts; NoPE layers
-PRESETS = ("gemma3", "deepseek_v3", "deepseek_v32", "gpt_oss", "smollm3")
+# attention sinks with windows and gpt-oss's experts; NoPE layers; Gated DeltaNet beside gated full attention with
+# experts
+PRESETS = ("gemma3", "deepseek_v3", "deepseek_v32", "gpt_oss", "smollm3", "qwen3_next")
 IDS = [[3, 1, 4, 1, 5, 9, 2, 6]]
 
 CHILD = textwrap.dedent(
@@ -143,6 +144,34 @@ COMMANDS_CHILD = textwrap.dedent(
         reply = llama.generate(**turn, max_new_tokens=6, do_sample=False)[0, turn["input_ids"].shape[1]:]
     out["reference_completion"] = prompt + tokenizer.decode(completion, skip_special_tokens=True)
     out["reference_reply"] = tokenizer.decode(reply, skip_special_tokens=True)
+    print(json.dumps(out))
+    """
+)
+
+
+# transformers' own hybrid classes on a release beside our converted folder loaded as remote code: logits, greedy
+# tokens (each through its own cache) and a left-padded batch
+HYBRID_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["modular_decoder"] = None
+    target, pairs = sys.argv[1], sys.argv[2:]
+    import torch, transformers
+    from transformers import AutoModelForCausalLM
+    assert transformers.__file__.startswith(target), transformers.__file__
+    ids = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90], [0, 0, 0, 64, 12, 40, 5, 77, 18, 26]])
+    mask = torch.tensor([[1] * 10, [0] * 3 + [1] * 7])
+    greedy = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    out = {"version": transformers.__version__}
+    for source_folder, ours_folder in zip(pairs[::2], pairs[1::2]):
+        source = AutoModelForCausalLM.from_pretrained(source_folder).eval()
+        ours = AutoModelForCausalLM.from_pretrained(ours_folder, trust_remote_code=True).eval()
+        assert "transformers_modules" in type(ours).__module__
+        with torch.no_grad():
+            diff = (source(ids[:1]).logits - ours(ids[:1]).logits).abs().max().item()
+        out[ours_folder] = {"class": type(source).__name__, "max_logit_diff": diff,
+                            "tokens": [m.generate(ids[:1], **greedy)[0].tolist() for m in (source, ours)],
+                            "padded": [m.generate(ids, attention_mask=mask, **greedy).tolist() for m in (source, ours)]}
     print(json.dumps(out))
     """
 )
@@ -392,6 +421,38 @@ def test_gpt_oss_and_smollm3_match_their_classes_on_the_oldest_and_newest_releas
 
 def _oldest_and_newest() -> list[str]:
     return [MIN_TRANSFORMERS, str(max(_releases()))]
+
+
+@pytest.mark.slow
+def test_hybrid_folders_match_transformers_classes_on_the_oldest_and_newest(tmp_path):
+    """Qwen3-Next and Qwen3.5 checkpoints made by transformers' own classes, converted here, loaded with
+    `trust_remote_code` on the oldest and the newest release beside that release's `Qwen3NextForCausalLM` /
+    `Qwen3_5ForCausalLM`: the same logits, greedy tokens and left-padded batch on each."""
+    from conversion_cases import CASES, perturbed
+    from transformers import AutoModelForCausalLM
+
+    from modular_decoder.conversion import convert
+
+    folders = []
+    for case in ("qwen3_next", "qwen3_5_text"):
+        config = CASES[case][1]()
+        config.architectures = None
+        torch.manual_seed(0)
+        perturbed(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path / case)
+        convert(tmp_path / case, tmp_path / f"{case}-ours", progress=False)
+        folders += [str(tmp_path / case), str(tmp_path / f"{case}-ours")]
+    for version in _oldest_and_newest():
+        target = _installed(version)
+        result = subprocess.run([sys.executable, "-c", HYBRID_CHILD, str(target), *folders], capture_output=True,
+                                text=True, timeout=300, cwd=tmp_path, env=_child_env(target, tmp_path / f"m-{version}"))
+        assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
+        child = json.loads(result.stdout.strip().splitlines()[-1])
+        assert child["version"] == version
+        for ours in folders[1::2]:
+            got = child[ours]
+            assert got["class"] in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"), got["class"]
+            assert got["max_logit_diff"] <= 1e-5, (version, ours, got["max_logit_diff"])
+            assert got["tokens"][0] == got["tokens"][1] and got["padded"][0] == got["padded"][1], (version, ours)
 
 
 @pytest.mark.slow
