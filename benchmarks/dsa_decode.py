@@ -174,6 +174,21 @@ def contents_of(shape: dict, longest: int) -> list[dict]:
             for _ in range(shape["num_hidden_layers"])]
 
 
+def side_cells(row: dict) -> list[tuple[str, list[str]]]:
+    """Each side's measured cells for one context (ms/step, dense/it, tensors MB, RSS MB, cache B/token), or the
+    one reason it was skipped: the text report and docs/benchmarks.md print the same figures."""
+    sides = []
+    for name in (OURS, DENSE, REFERENCE):
+        if name in row["skipped"]:
+            sides.append((name, [row["skipped"][name]]))
+            continue
+        seconds = row["seconds"][name]
+        sides.append((name, [f"{seconds * 1e3:,.1f}", f"{row['seconds'][DENSE] / seconds:.2f}x",
+                             f"{row['tensor_peak_mb'][name]:,.1f}", f"{row['peak_mb'][name]:,.0f}",
+                             f"{row['bytes_per_token'][name]:,}"]))
+    return sides
+
+
 def report(rows: list[dict]) -> str:
     lines = [f"torch threads: {torch.get_num_threads()}"]
     for row in rows:
@@ -183,14 +198,10 @@ def report(rows: list[dict]) -> str:
                      f"DSA vs dense: {row['max_logit_diff_dense_vs_dsa']:.1e})")
         lines.append(f"  {'model':28s} {'ms/step':>9s} {'vs dense':>9s} {'tensors MB':>11s} {'RSS MB':>8s} "
                      f"{'cache B/token':>14s}")
-        for name in (OURS, DENSE, REFERENCE):
-            if name in row["skipped"]:
-                lines.append(f"  {name:28s} {row['skipped'][name]}")
-                continue
-            seconds = row["seconds"][name]
-            lines.append(f"  {name:28s} {seconds * 1e3:9.1f} {row['seconds'][DENSE] / seconds:8.2f}x "
-                         f"{row['tensor_peak_mb'][name]:11.1f} {row['peak_mb'][name]:8.0f} "
-                         f"{row['bytes_per_token'][name]:14,d}")
+        for name, cells in side_cells(row):
+            widths = (9, 9, 11, 8, 14)
+            lines.append(f"  {name:28s} " + (" ".join(f"{cell:>{width}s}" for cell, width in zip(cells, widths))
+                                              if len(cells) > 1 else cells[0]))
         lines.append(f"  of ours' step, the indexer (scores + top-k): {row['indexer_seconds'] * 1e3:.1f} ms")
     return "\n".join(lines)
 

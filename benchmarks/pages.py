@@ -364,7 +364,7 @@ def mla_crossover_section(run: dict | None) -> str:
 # --- benchmarks/results_dsa_decode.json: `python -m benchmarks dsa_decode --out ...` ----------------------
 
 def dsa_decode_section(run: dict) -> str:
-    from .dsa_decode import DENSE, OURS, REFERENCE  # the sides' labels, as the benchmark writes them
+    from .dsa_decode import side_cells  # the sides' figures, as the benchmark's report prints them
 
     shape, rows = run["shape"], run["rows"]
     repeats = len(next(iter(rows[0]["all_seconds"].values())))
@@ -386,14 +386,8 @@ def dsa_decode_section(run: dict) -> str:
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        for name in (OURS, DENSE, REFERENCE):
-            if name in row["skipped"]:
-                lines.append(f"| {row['context']:,} | {name} | {row['skipped'][name]} | | | | |")
-                continue
-            seconds = row["seconds"][name]
-            lines.append(f"| {row['context']:,} | {name} | {seconds * 1e3:,.1f} | {row['seconds'][DENSE] / seconds:.2f}x "
-                         f"| {row['tensor_peak_mb'][name]:,.1f} | {row['peak_mb'][name]:,.0f} | "
-                         f"{row['bytes_per_token'][name]:,} |")
+        for name, cells in side_cells(row):
+            lines.append(f"| {row['context']:,} | {name} | " + " | ".join(cells + [""] * (5 - len(cells))) + " |")
     diffs = [row["max_logit_diff_vs_transformers"] for row in rows if row["max_logit_diff_vs_transformers"] is not None]
     lines += ["", "Of ours' step, the lightning indexer (its scores over every cached key and the top-k): "
               + ", ".join(f"{row['indexer_seconds'] * 1e3:.1f} ms at {row['context']:,}" for row in rows) + ". "
