@@ -132,9 +132,9 @@ def families_section(results: dict) -> str:
         f"- Batch-1 decode: ours {span(ratios(results, 'decode_1').values())}x transformers (SmolLM2-135M "
         f"{llama['decode_1']['ratio']['ours']:.2f}x, {d1['ours']['median']:.1f} vs {d1['transformers']['median']:.1f} "
         f"tokens/s; its repeats {span(d1['ours']['all'], '{:.1f}')} against {span(d1['transformers']['all'], '{:.1f}')}). "
-        f"Without the split products it is parity ({span(nosplit)}x): the gain is the few-row products split across "
-        "the cores, which wait for their slower half when the host takes a core, so ours varies more. "
-        "`python -m benchmarks.decode_profile` splits a step into its products and the rest.",
+        f"Without the split products (the same model, the ablation column): {span(nosplit)}x. The split products "
+        "share a few-row product across the cores and wait for the slower half, which a busy machine delays. "
+        "`python -m benchmarks decode_profile` splits a step into its products and the rest.",
         f"- Batch-8 decode: {span(ratios(results, 'decode_B').values())}x.",
         f"- Prefill: {span(ratios(results, 'prefill_1').values())}x at 1x512, "
         f"{span(ratios(results, 'prefill_4').values())}x at 4x512: both sides spend a prefill in the same MKL products "
@@ -256,8 +256,8 @@ def serving_section(serving: dict) -> str:
         "",
         f"Ours through vLLM runs at **{statistics.median(ratios_):.2f}x** vLLM's native Llama (median of the rounds; "
         f"{span(ratios_)}). vLLM builds one q/k/v product and one gate/up product per layer for both "
-        "(`tests/test_vllm.py` compares the linear modules it built); the rest of the difference is mostly the "
-        "rotary embedding, which vLLM fuses into one kernel for its native Llama.",
+        "(`tests/test_vllm.py` compares the linear modules it built); its native Llama also runs the rotary "
+        "embedding as one fused kernel.",
     ]
     if "ours_generate" in results:
         lines.append(f"Our own batched `generate()` (no vLLM, the same prompts): "
@@ -306,7 +306,7 @@ def mla_prefill_section(run: dict) -> str:
         f"{run['peak_mb']['transformers']:.0f} | {run['peak_mb']['ours']:.0f} | {memory_ratio:.2f}x |",
         "",
         f"Last-token logits agree to {run['max_last_token_logit_diff']:.1e}. A step of more than "
-        "`ABSORBED_MAX_NEW_TOKENS` new tokens runs the expanded form through the backend's fused kernel (no "
+        "`absorbed_max_new_tokens` (`modular_decoder.tuning`) new tokens runs the expanded form through the backend's fused kernel (no "
         "score matrix); on this CPU transformers' sdpa takes its math path for MLA's narrower values, ours pads "
         "them to the key width and takes the flash kernel.",
     ])
@@ -358,6 +358,43 @@ def mla_crossover_section(run: dict | None) -> str:
                   "|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['capacity']:,} | {r['new_tokens']} | {1e3 * r['absorbed']:.2f} | {1e3 * r['expanded']:.2f} | "
                   f"{r['expanded'] / r['absorbed']:.2f} |" for r in prefills]
+    return "\n".join(lines)
+
+
+# --- benchmarks/results_dsa_decode.json: `python -m benchmarks dsa_decode --out ...` ----------------------
+
+def dsa_decode_section(run: dict) -> str:
+    from .dsa_decode import side_cells  # the sides' figures, as the benchmark's report prints them
+
+    shape, rows = run["shape"], run["rows"]
+    repeats = len(next(iter(rows[0]["all_seconds"].values())))
+    lines = [
+        "## DeepSeek Sparse Attention: one decode step against dense MLA (CPU, fp32)", "",
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"{run['layers']} layer of DeepSeek-V3.2's attention at full width (hidden {shape['hidden_size']:,}, "
+        f"{shape['num_attention_heads']} heads, q_lora {shape['q_lora_rank']:,}, kv_lora {shape['kv_lora_rank']}, "
+        f"nope {shape['qk_nope_head_dim']}, rope {shape['qk_rope_head_dim']}, v {shape['v_head_dim']}; indexer "
+        f"{shape['index_n_heads']} heads of {shape['index_head_dim']}, top-k {shape['index_topk']:,}), a dense MLP of width "
+        f"{shape['intermediate_size']} and a vocabulary of {shape['vocab_size']:,}, batch {run['batch']}: one token "
+        "against a cache filled with the same random contents for every side. Ours with `attention_type=\"dsa\"` "
+        "gathers each query's chosen keys; dense MLA is ours with the same weights less the indexer (absorbed over "
+        f"every key); transformers' `DeepseekV32ForCausalLM` up-projects its whole latent cache every step. Median of "
+        f"{repeats} alternating repeats, {run['provenance']['machine']['torch_threads']} torch thread(s); the peak of one "
+        "more step: the tensors it allocates, alive at once (exact), and the process's resident high-water mark above "
+        "the level before it (the allocator's view).",
+        "", "| cached tokens | model | ms / step | dense MLA / it | peak tensors MB | peak RSS MB | cache bytes / token |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for name, cells in side_cells(row):
+            lines.append(f"| {row['context']:,} | {name} | " + " | ".join(cells + [""] * (5 - len(cells))) + " |")
+    diffs = [row["max_logit_diff_vs_transformers"] for row in rows if row["max_logit_diff_vs_transformers"] is not None]
+    lines += ["", "Of ours' step, the lightning indexer (its scores over every cached key and the top-k): "
+              + ", ".join(f"{row['indexer_seconds'] * 1e3:.1f} ms at {row['context']:,}" for row in rows) + ". "
+              + (f"On the same cache ours and transformers' logits agree to {max(diffs):.1e}; " if diffs else "")
+              + "DSA's differ from dense MLA's by up to "
+              + f"{max(row['max_logit_diff_dense_vs_dsa'] for row in rows):.1f} (the selection is in play). The "
+              "indexer's keys are cached beside the latent: the cache grows per token, it is not cut by the selection."]
     return "\n".join(lines)
 
 
@@ -457,6 +494,7 @@ SECTIONS = (
     Section(("results_mla_prefill.json",), mla_prefill_section),
     Section(("results_conversion_memory.json",), conversion_memory_section),
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
+    Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),
 )
@@ -521,6 +559,11 @@ def headline() -> str:
     ]
     lines = ["| measured on a 2-core CPU, fp32 | against | ours / it |", "|---|---|---:|"]
     lines += [f"| [{what}](docs/benchmarks.md{anchor}) | {against} | {ratio} |" for what, against, ratio, anchor in rows]
+    loads = [load for data in (results, compiled, serving, mla_prefill) if "provenance" in data
+             for load in (data["provenance"]["load_average_start"][0], data["provenance"]["load_average_end"][0])]
+    if loads:
+        lines += ["", f"The machine is shared: its 1-minute load average was {min(loads):.1f} to {max(loads):.1f} while "
+                  "these were measured (each source's commit, versions and load: docs/benchmarks.md)."]
     return "\n".join(lines)
 
 

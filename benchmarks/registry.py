@@ -29,6 +29,9 @@ BENCHMARKS = (
               "ours against transformers' DeepseekV3", "results_mla_prefill.json"),
     Benchmark("mla_decode", "mla_decode", "one MLA decode step at long cached contexts: ours absorbed and expanded, "
               "transformers' DeepseekV3, a GQA model of the same width"),
+    Benchmark("dsa_decode", "dsa_decode", "one DeepSeek Sparse Attention decode step at 8k and 32k cached tokens "
+              "(DeepSeek-V3.2 width, top-k 2,048): ours against dense MLA and transformers' DeepseekV32, time and "
+              "peak memory", "results_dsa_decode.json"),
     Benchmark("mla_crossover", "mla_crossover", "one MLA step of T new tokens against S cached: absorbed against "
               "expanded, and the absorbed step's query block (time, peak memory): where `ABSORBED_MAX_NEW_TOKENS` "
               "and `ABSORBED_QUERY_BLOCK` come from"),
@@ -45,6 +48,8 @@ BENCHMARKS = (
     Benchmark("conversion_memory", "conversion_memory", "converting and exporting synthetic checkpoints of 8.5 GB "
               "(Llama and Mixtral layouts, bf16, 5 GB shards) in fresh processes: the peak resident memory above the "
               "baseline, and the time", "results_conversion_memory.json"),
+    Benchmark("sinks", "sinks", "one attention layer of gpt-oss's widths, prefill and a decode step: SDPA with "
+              "attention sinks against SDPA without them and eager with them (time, peak memory)"),
     Benchmark("gpu", "gpu", "the GPU matrix (bf16, one accelerator): prefill, eager and compiled generate, MLA "
               "decode and chunked prefill, training steps, diagnostics; `--smoke` runs its code paths on the CPU",
               "results_gpu.json"),

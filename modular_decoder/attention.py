@@ -17,7 +17,7 @@ from .attention_layer import AttentionLayer
 from .eager_attention import eager_attention
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
-from .kinds import AttentionKind, require_bool
+from .kinds import AttentionKind
 from .split_products import project, takes_split_branch
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
@@ -144,7 +144,6 @@ class StandardKind(AttentionKind):
     def validate(self, config) -> None:
         if config.qk_norm not in QK_NORMS:
             raise ValueError(f"`qk_norm`={config.qk_norm!r} is not one of the allowed values {list(QK_NORMS)}.")
-        require_bool("attn_output_gate", config.attn_output_gate)
 
     def rope_head_dim(self, config) -> int:
         return config.head_dim
@@ -186,12 +185,14 @@ class StandardKind(AttentionKind):
     def tp_plan(self, config) -> dict[str, str]:
         """Heads split across ranks: q/k/v column-parallel, o row-parallel. A norm over the whole q / k
         projection (`qk_norm="full"`) needs all heads, so q/k/v then gather and o splits its input, as
-        transformers plans OLMo 2 and OLMoE."""
+        transformers plans OLMo 2 and OLMoE. With attention sinks, none: every rank holds the whole attention."""
         if config.qk_norm == "full":
             styles = {"q_proj": "colwise_gather_output", "k_proj": "colwise_gather_output",
                       "v_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}
         else:
             styles = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+        if config.attention_sinks:  # the per-head sinks are no module a style splits: attention stays whole, as
+            return {}               # transformers plans gpt-oss's (vLLM splits them itself)
         return {f"self_attn.{name}": style for name, style in styles.items()}
 
 

@@ -61,6 +61,7 @@ FIELD_RULES = {
     "final_norm": _flag,
     "attention_bias": _flag,
     "attention_output_bias": _flag,
+    "attn_output_gate": _flag,  # its type under any attention kind (only standard attention may set it)
     "sliding_window": _int(MIN_SLIDING_WINDOW, optional=True),
     "attn_logit_softcapping": _number(optional=True, above=0),
     "attention_sinks": _flag,

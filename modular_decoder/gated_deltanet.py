@@ -92,7 +92,7 @@ class GatedDeltaNet(nn.Module):
         if attention_mask is not None:  # the 2-D padding mask of the new tokens (`linear_attention_mask`)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         batch, seq = hidden_states.shape[:2]
-        layer = cache.layers[self.layer_idx] if cache is not None else None
+        layer = self._state(cache)
         kernels = kernels_for(hidden_states.device)
         mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # (B, C, T)
         if documents is None:
@@ -136,6 +136,21 @@ class GatedDeltaNet(nn.Module):
             layer.update_conv_state(last_document_only(x, documents), conv_kernel_size=self.conv_kernel_size)
         fused = self._fused_conv(kernels)
         return convolve_documents(x, documents, self.conv_kernel_size, lambda row: self._convolution(row, kernels, fused))
+
+    def _state(self, cache) -> RecurrentLayer | None:
+        """This layer's entry of `cache` (the family's `ModularDecoderCache`), or a `ValueError` naming the cache
+        where another kind was passed: a K/V cache has no place for a recurrent state."""
+        if cache is None:
+            return None
+        layers = getattr(cache, "layers", None)
+        layer = layers[self.layer_idx] if isinstance(layers, list) and self.layer_idx < len(layers) else None
+        if not isinstance(layer, RecurrentLayer):
+            raise ValueError(
+                f"`cache` is a {type(cache).__name__} whose layer {self.layer_idx} cannot hold this "
+                "'linear_attention' layer's state: pass `modular_decoder.ModularDecoderCache(config)` (generate "
+                "builds one by itself)."
+            )
+        return layer
 
     def _convolve(self, x: torch.Tensor, layer, kernels) -> torch.Tensor:
         """The short causal convolution of x (B, C, T), continuing the cached window when there is one.

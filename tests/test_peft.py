@@ -100,7 +100,7 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
 EXPERT_PARAMETERS = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-@pytest.mark.parametrize("preset", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("preset", ["mixtral", "deepseek_v3", "gpt_oss"])  # gpt-oss: biased router and experts
 def test_lora_on_router_and_experts_trains_saves_reloads_and_merges(preset, tmp_path):
     config = preset_config(preset, tiny=True, initializer_range=0.1)
     base = ModularDecoderForCausalLM(config).eval()
@@ -241,7 +241,7 @@ def test_prefix_tuning_on_mla_is_refused_at_the_first_forward():
     with torch.no_grad(), pytest.raises(ValueError) as error:
         adapted(input_ids=_counting_batch(1, 6))
     message = str(error.value)
-    assert "\n" not in message and message.startswith("MLA (`attention_type='mla'`) cannot attend to a prefix")
+    assert "\n" not in message and message.startswith("MLA (`attention_type='mla'`) cannot attend to per-head keys")
     assert "`PromptTuningConfig`" in message and "LoRA" in message
 
 

@@ -22,6 +22,8 @@ def check_options(config, *, kv_heads=None, kv_pool="mean", attention=None, kv_l
                   heal_steps=0, heal_lr=LEARNING_RATE, calibration_ids=None, needs_calibration_ids=True) -> None:
     """Refuse bad options before any work: a `ValueError` naming the option. Checks each transformation's
     options against `config` as it will be when that transformation runs."""
+    if config.linear_attention_kind.in_use(config):  # every transformation reads each layer's `self_attn`
+        raise ValueError("reshape does not transform models with 'linear_attention' layers (`layer_types`) yet.")
     _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks)
     if not any(value is not None for value in (kv_heads, attention, experts, drop_layers)):
         raise ValueError("Nothing to do: pass at least one of `kv_heads`, `attention`, `experts`, `drop_layers`.")
