@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from conversion_cases import CASES, perturbed
-from decoding import recording_backend
+from decoding import recording_backend, right_padded
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from modular_decoder import ModularDecoderForCausalLM, compiled_decoding
@@ -131,7 +131,7 @@ def test_gradient_checkpointing_and_packing_give_the_same_gradients(qwen3_5):
     _, ours, _ = qwen3_5
     model = ours.train()
     try:
-        padded = _padded([{"input_ids": d} for d in DOCUMENTS[:3]])
+        padded = right_padded([{"input_ids": d} for d in DOCUMENTS[:3]])
         plain = _grads(model, **padded)
         batch = _packed(DOCUMENTS[:3])
         packed = _grads(model, input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
@@ -145,17 +145,6 @@ def test_gradient_checkpointing_and_packing_give_the_same_gradients(qwen3_5):
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(packed[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
-
-
-def _padded(features: list[dict]) -> dict:
-    """Right-padded rows with an attention mask, pad labels -100 (what a padding collator gives)."""
-    length = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, feature in enumerate(features):
-        ids[row, :len(feature["input_ids"])] = torch.tensor(feature["input_ids"])
-        mask[row, :len(feature["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _train(model, collator, tmp_path, **arguments) -> list[float]:
@@ -176,8 +165,8 @@ def test_trainer_padded_and_packed_beside_transformers(tmp_path):
     torch.manual_seed(0)
     perturbed(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path / "theirs")
     convert(tmp_path / "theirs", tmp_path / "ours", progress=False)
-    theirs = _train(AutoModelForCausalLM.from_pretrained(tmp_path / "theirs"), _padded, tmp_path / "a")
-    padded = _train(ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours"), _padded, tmp_path / "b")
+    theirs = _train(AutoModelForCausalLM.from_pretrained(tmp_path / "theirs"), right_padded, tmp_path / "a")
+    padded = _train(ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours"), right_padded, tmp_path / "b")
     packed = _train(ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours"),
                     DataCollatorWithFlattening(return_position_ids=True), tmp_path / "c", gradient_checkpointing=True)
     assert len(theirs) == 3
