@@ -371,7 +371,7 @@ def dsa_decode_section(run: dict) -> str:
         f"every key); transformers' `DeepseekV32ForCausalLM` up-projects its whole latent cache every step. Median of "
         f"{repeats} alternating repeats, {run['provenance']['machine']['torch_threads']} torch thread(s); the peak of one "
         "more step: the tensors it allocates, alive at once (exact), and the process's resident high-water mark above "
-        "the level before it (the allocator's view).",
+        "the level before it (the allocator's view: a step that reuses memory the process already holds adds 0).",
         "", "| cached tokens | model | ms / step | dense MLA / it | peak tensors MB | peak RSS MB | cache bytes / token |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
@@ -522,7 +522,7 @@ def page() -> str:
 def headline() -> str:
     """The README's short table: one ratio per thing people ask about, each linked to its section."""
     results, compiled, serving = load("results.json"), load("results_compiled_decode.json"), load("results_serving.json")
-    mla_prefill = load("results_mla_prefill.json")
+    mla_prefill, dsa_decode = load("results_mla_prefill.json"), load("results_dsa_decode.json")
     mla_time, mla_memory = mla_prefill_ratios(mla_prefill)
     mla_shape = mla_prefill["shape"]
     fams = results["families"]
@@ -546,15 +546,33 @@ def headline() -> str:
         (f"MLA chunked prefill, {mla_shape['tokens'] / 1024:g}k tokens in {mla_shape['chunk'] / 1024:g}k chunks: "
          "speed / peak memory", "transformers' `DeepseekV3ForCausalLM`", f"{1 / mla_time:.2f}x / {mla_memory:.2f}x",
          "#mla-chunked-prefill-cpu-fp32"),
+        *dsa_decode_headline(dsa_decode),
     ]
     lines = ["| measured on a 2-core CPU, fp32 | against | ours / it |", "|---|---|---:|"]
     lines += [f"| [{what}](docs/benchmarks.md{anchor}) | {against} | {ratio} |" for what, against, ratio, anchor in rows]
-    loads = [load for data in (results, compiled, serving, mla_prefill) if "provenance" in data
+    loads = [load for data in (results, compiled, serving, mla_prefill, dsa_decode) if "provenance" in data
              for load in (data["provenance"]["load_average_start"][0], data["provenance"]["load_average_end"][0])]
     if loads:
         lines += ["", f"The machine is shared: its 1-minute load average was {min(loads):.1f} to {max(loads):.1f} while "
                   "these were measured (each source's commit, versions and load: docs/benchmarks.md)."]
     return "\n".join(lines)
+
+
+def dsa_decode_headline(run: dict) -> list[tuple[str, str, str, str]]:
+    """The README's rows for the longest context measured: ours' DSA step against dense MLA and against
+    transformers' class (where its step ran)."""
+    from .dsa_decode import DENSE, OURS, REFERENCE
+
+    row = max(run["rows"], key=lambda r: r["context"])
+    anchor = "#deepseek-sparse-attention-one-decode-step-against-dense-mla-cpu-fp32"
+    threads = run["provenance"]["machine"]["torch_threads"]
+    what = (f"DeepSeek Sparse Attention decode step, {row['context'] / 1024:g}k cached, top-k "
+            f"{run['shape']['index_topk']:,} (one layer, {threads} torch thread{'s' * (threads != 1)})")
+    seconds = row["seconds"]
+    rows = [(what, "dense MLA (ours, same weights)", f"{seconds[DENSE] / seconds[OURS]:.2f}x", anchor)]
+    if REFERENCE in seconds:
+        rows.append((what, "transformers' `DeepseekV32ForCausalLM`", f"{seconds[REFERENCE] / seconds[OURS]:,.0f}x", anchor))
+    return rows
 
 
 def _between(text: str, start: str, end: str, body: str, name: str) -> str:
