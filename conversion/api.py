@@ -8,13 +8,14 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import Family, apply_rules, check_shapes, rename_prefixes
-from .io import atomic_folder, check_destination, copy_side_files, read_gguf, read_safetensors_folder
+from .core import Family, apply_rules, check_shapes, count_mtp_layers, rename_prefixes
+from .io import (add_safetensors_shard, atomic_folder, check_destination, copy_side_files, read_gguf,
+                 read_safetensors_folder)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Contract fields that do not change the function a checkpoint computes (compared on export).
 _NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "pad_token_id",
-             "bos_token_id", "eos_token_id", "max_position_embeddings"}
+             "bos_token_id", "eos_token_id", "max_position_embeddings", "mtp_loss_scaling_factor"}
 VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
@@ -140,8 +141,8 @@ def convert(
         torch_dtype = _dtype(dtype)
         state, src_cfg, tokenizer, generation_config = _read_source(src, gguf_file, allow_bin)
         family = get_family(src_cfg.model_type)
-        cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
         state = _drop_ignored(_model_names(state, family), family)
+        cfg = ModularDecoderConfig(**_with_mtp_layers(family.to_contract(src_cfg), family, src_cfg, state, src))
         with tqdm(total=len(state), desc=f"converting {family.name}", unit="tensor", disable=not progress) as bar:
             ours = apply_rules(family.rules(src_cfg), state, cfg, progress=bar.update)
         ours = _untie(ours, cfg.tie_word_embeddings, embed, head, "source")
@@ -197,6 +198,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
         state = _untie(read_safetensors_folder(src), cfg.tie_word_embeddings, embed, head, str(src))
     with tqdm(total=len(state), desc=f"exporting {fam.name}", unit="tensor", disable=not progress) as bar:
         theirs = apply_rules(fam.rules(src_cfg), state, cfg, direction="inverse", progress=bar.update)
+    theirs, mtp = _split_mtp(theirs, fam, cfg)
     src_cfg.architectures = None
     model = _meta_model(lambda: AutoModelForCausalLM.from_config(src_cfg))
     their_embed_key = _param_name(model, model.get_input_embeddings().weight)
@@ -208,8 +210,36 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     _load_assigned(model, theirs, their_head_key, their_embed_key, tied)
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
         model.save_pretrained(tmp)
+        if mtp:
+            add_safetensors_shard(tmp, mtp)
         copy_side_files(src, tmp)
     return out
+
+
+def _with_mtp_layers(fields: dict, family: Family, src_cfg, state: dict, src: Path) -> dict:
+    """The contract's `num_mtp_layers`: the MTP modules the source's files hold (a folder without them converts
+    without them, whatever config.json declares); files holding another number than it declares are refused."""
+    if family.mtp_layers is None:
+        return fields
+    held = count_mtp_layers(state, family.mtp_layers, src_cfg.num_hidden_layers)
+    declared = fields.get("num_mtp_layers", 0)
+    if held and held != declared:
+        raise ValueError(f"{src}: config.json declares {declared} multi-token-prediction module(s) "
+                         f"(`num_mtp_layers` / `num_nextn_predict_layers`) and the files hold {held} (from layer "
+                         f"{src_cfg.num_hidden_layers} on): fix config.json.")
+    return {**fields, "num_mtp_layers": held}
+
+
+def _split_mtp(theirs: dict, family: Family, cfg) -> tuple[dict, dict]:
+    """(the tensors the family's transformers model holds, the MTP modules' tensors it does not hold): those are
+    written beside `save_pretrained`'s files, one tensor per expert as the files of the model's layers are."""
+    if family.mtp_layers is None or not cfg.num_mtp_layers:
+        return theirs, {}
+    prefixes = tuple(family.mtp_layers.format(mtp_layer=cfg.num_hidden_layers + k) for k in range(cfg.num_mtp_layers))
+    mtp = {k: v for k, v in theirs.items() if k.startswith(prefixes)}
+    for stack in family.experts:
+        mtp = stack.unstack(mtp)
+    return {k: v for k, v in theirs.items() if not k.startswith(prefixes)}, mtp
 
 
 def _param_name(model, param, exclude: str | None = None) -> str:

@@ -10,6 +10,12 @@ stores a tensor differently, the family says so declaratively and the file is re
 model's names first: `renames` for moved prefixes, `ExpertStack`s for mixture-of-experts weights
 saved one 2-D tensor per expert (`{expert}`) that the model holds as one 3-D tensor (transformers
 stacks them on load and splits them again in `save_pretrained`, so export writes per-expert files).
+
+Multi-token-prediction modules are rules too: names with `{mtp}` (module k of the contract's `mtp.layers.{k}`) and
+`{mtp_layer}` (the layer index the source's files give module k, `num_hidden_layers` + k) expand once per module
+(`mtp_block_rules` re-aims a family's layer rules at a module's block), and a `"duplicate"` rule names a source
+tensor that is a copy of one the model holds once (DeepSeek's MTP layer stores the embedding and the head again):
+conversion checks it equals that tensor and drops it, export writes the copy back.
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ def _split_gate_up(tensors: Tensors, cfg) -> Tensors:
 
 TRANSFORMS: dict[str, Transform] = {
     "copy": Transform(_copy, _copy),
+    # src: a copy of the tensor named by dst; `apply_rules` checks it (forward) and writes it back (inverse)
+    "duplicate": Transform(_copy, _copy),
     "transpose": Transform(_transpose, _transpose),
     "split_qkv": Transform(_split_qkv, _fuse_qkv),
     "split_conv1d_qkv": Transform(_split_conv1d_qkv, _fuse_conv1d_qkv),
@@ -167,6 +175,21 @@ class ExpertStack:
             state[self.dst.format(layer=layer)] = torch.cat(stacks, dim=1) if len(stacks) > 1 else stacks[0]
         return state
 
+    def unstack(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inverse of `stack`: every stacked tensor of `state` split back into one tensor per expert and part
+        (what `save_pretrained` writes for the tensors of the model; this is for those it does not hold)."""
+        pattern = re.compile(re.escape(self.dst).replace(re.escape("{layer}"), r"(?P<layer>\d+)") + "$")
+        out = {}
+        for name, tensor in state.items():
+            match = pattern.match(name)
+            if match is None:
+                out[name] = tensor
+                continue
+            for part, stacked in zip(self.parts, tensor.chunk(len(self.parts), dim=1), strict=True):
+                for expert, weight in enumerate(stacked.unbind(0)):
+                    out[part.format(layer=int(match["layer"]), expert=expert)] = weight.contiguous()
+        return out
+
 
 def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
     """Old name prefixes -> new ones; a prefix may contain `{layer}` (any layer number, kept)."""
@@ -202,6 +225,9 @@ class Family:
             checkpoint conversion mapping renames on load and back on save); `{layer}` matches any layer.
             Rules use model names.
         experts: Per-expert file tensors the model holds stacked (see `ExpertStack`), read after `renames`.
+        mtp_layers: Where the files keep multi-token-prediction module k, a name prefix with `{mtp_layer}` (the
+            source's layer index of module k, `num_hidden_layers` + k); `None`: the family has no MTP modules.
+            The modules the files hold are what converts (`count_mtp_layers`); their tensors go by `{mtp}` rules.
     """
 
     name: str
@@ -214,6 +240,7 @@ class Family:
     head: tuple[str, ...] = ("lm_head.",)
     renames: dict[str, str] = field(default_factory=dict)
     experts: tuple[ExpertStack, ...] = ()
+    mtp_layers: str | None = None
 
 
 def refuse(features: dict[str, bool], family: str) -> None:
@@ -234,6 +261,10 @@ def _is_layered(r: Rule) -> bool:
     return any("{layer}" in name for name in r.src + r.dst)
 
 
+def _is_mtp(r: Rule) -> bool:
+    return any("{mtp}" in name or "{mtp_layer}" in name for name in r.src + r.dst)
+
+
 def _layers(r: Rule, cfg) -> list[int | None]:
     if not _is_layered(r):
         return [None]
@@ -241,10 +272,46 @@ def _layers(r: Rule, cfg) -> list[int | None]:
     return [layer for layer in range(cfg.num_hidden_layers) if r.layers in (None, kinds[layer])]
 
 
+def _mtp_modules(r: Rule, cfg) -> list[int]:
+    """The MTP modules a `{mtp}` rule applies to: all of them, or none when `layers` names another feed-forward
+    kind than theirs (the last layer's)."""
+    kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"]
+    count = getattr(cfg, "num_mtp_layers", 0) if r.layers in (None, kinds[-1]) else 0
+    return list(range(count))
+
+
 def _instances(rules: list[Rule], cfg):
     for r in rules:
+        if _is_mtp(r):
+            for k in _mtp_modules(r, cfg):
+                names = {"mtp": k, "mtp_layer": cfg.num_hidden_layers + k}
+                yield r, [n.format(**names) for n in r.src], [n.format(**names) for n in r.dst]
+            continue
         for layer in _layers(r, cfg):
             yield r, _expand(r.src, layer), _expand(r.dst, layer)
+
+
+def mtp_block_rules(rules: list[Rule], src_layer: str, src_module: str, dst_layer: str = "model.layers.{layer}.",
+                    dst_module: str = "mtp.layers.{mtp}.mtp_block.") -> list[Rule]:
+    """A family's layer rules re-aimed at the MTP modules' blocks: each rule whose source names all start with
+    `src_layer` and target names with `dst_layer` (both with `{layer}`), those prefixes replaced by `src_module`
+    (with `{mtp_layer}`, e.g. "model.layers.{mtp_layer}.") and `dst_module`."""
+    def moved(names, old, new):
+        return tuple(new + name[len(old):] for name in names)
+
+    return [Rule(moved(r.src, src_layer, src_module), moved(r.dst, dst_layer, dst_module), r.transform, r.optional,
+                 r.layers)
+            for r in rules
+            if all(n.startswith(src_layer) for n in r.src) and all(n.startswith(dst_layer) for n in r.dst)]
+
+
+def count_mtp_layers(state_names, prefix: str, num_hidden_layers: int) -> int:
+    """How many MTP modules a source's files hold: consecutive `prefix` (with `{mtp_layer}`) from
+    `num_hidden_layers` on that start some tensor's name."""
+    count = 0
+    while any(name.startswith(prefix.format(mtp_layer=num_hidden_layers + count)) for name in state_names):
+        count += 1
+    return count
 
 
 def apply_rules(
@@ -261,7 +328,11 @@ def apply_rules(
     inverse = direction == "inverse"
     remaining = dict(tensors)
     out: dict[str, torch.Tensor] = {}
+    duplicates = []
     for r, src, dst in _instances(rules, cfg):
+        if r.transform == "duplicate":  # after the other rules: the tensor it copies is theirs
+            duplicates.append((src[0], dst[0], r))
+            continue
         ins, outs = (dst, src) if inverse else (src, dst)
         present = [name for name in ins if name in remaining]
         if not present and r.optional:
@@ -275,9 +346,29 @@ def apply_rules(
         out.update(zip(outs, results, strict=True))
         if progress is not None:
             progress(len(ins))
+    for copy_name, original, r in duplicates:
+        _duplicate(copy_name, original, r, remaining, out, tensors, inverse)
     if remaining:
         raise ValueError(f"Unexpected tensors that no rule of the map consumes: {sorted(remaining)[:20]}.")
     return out
+
+
+def _duplicate(copy_name: str, original: str, r: Rule, remaining: dict, out: dict, tensors: dict, inverse: bool):
+    """A `"duplicate"` rule: the copy is written from the original (inverse), or checked equal to it and dropped."""
+    if inverse:
+        if original in tensors:
+            out[copy_name] = tensors[original].clone()  # its own storage, as the file held it
+        elif not r.optional:
+            raise ValueError(f"Missing tensors {[original]} (rule {r.src} -> {r.dst}).")
+        return
+    if copy_name not in remaining:
+        if r.optional:
+            return
+        raise ValueError(f"Missing tensors {[copy_name]} (rule {r.src} -> {r.dst}).")
+    copy = remaining.pop(copy_name)
+    if original not in out or not torch.equal(copy, out[original]):
+        raise ValueError(f"`{copy_name}` should be a copy of `{original}`, which the model holds once, and it differs "
+                         "from it: converting would lose it.")
 
 
 def check_shapes(produced: dict[str, torch.Tensor], expected: dict[str, tuple], where: str) -> None:

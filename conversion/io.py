@@ -189,6 +189,34 @@ def copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+def add_safetensors_shard(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Add `tensors` to the weights `save_pretrained` wrote in `folder` as one more shard named in the index (a
+    single `model.safetensors` becomes the first of two shards: transformers reads a lone `model.safetensors`
+    before an index, so the index must be the only entry)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())
+        name = "model-extra.safetensors"
+    else:
+        single = folder / "model.safetensors"
+        first = "model-00001-of-00002.safetensors"
+        single.rename(folder / first)
+        from modular_decoder.checkpoint_checks import read_safetensors_header
+
+        header = read_safetensors_header(folder / first)
+        index = {"metadata": {}, "weight_map": dict.fromkeys(header, first)}
+        name = "model-00002-of-00002.safetensors"
+    save_file(tensors, str(folder / name), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(tensors, name))
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    sizes = {f: (folder / f).stat().st_size for f in set(index["weight_map"].values())}
+    index.setdefault("metadata", {})["total_size"] = sum(sizes.values())
+    index_file.write_text(json.dumps(index, indent=2) + "\n")
+
+
 PARTIAL = ".{name}.partial-"  # prefix of the temporary folder next to OUT
 OLD = ".{name}.old-"  # the replaced OUT, for the moment of the swap under `force`
 

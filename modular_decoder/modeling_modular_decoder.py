@@ -32,6 +32,8 @@ from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .moe import init_moe_weights
+from .mtp import MultiTokenPredictor
+from .mtp_generation import check_use_mtp, mtp_candidate_generator_for
 from .norms import LayerNorm, RMSNorm, build_norm
 from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
 from .routers import TopKRouter, router_losses
@@ -345,14 +347,17 @@ def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor
 @dataclass
 class ModularDecoderCausalLMOutput(MoeCausalLMOutputWithPast):
     """transformers' MoE causal-LM output (`aux_loss`, `router_logits` beside the usual fields), plus
-    `z_loss`: the router z-loss, returned with the router logits.
+    `z_loss`: the router z-loss, returned with the router logits, and `mtp_loss`: the multi-token-prediction
+    modules' loss, returned with `labels`.
 
     `aux_loss` (the router kind's balance loss: Switch's for softmax routers, DeepSeek-V3's sequence-wise
-    one for sigmoid routers) and `z_loss` (softmax routers only) are the unweighted losses; `loss` (with
-    `labels`) already holds `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss`.
+    one for sigmoid routers), `z_loss` (softmax routers only) and `mtp_loss` (the mean of the MTP modules'
+    cross-entropies) are the unweighted losses; `loss` (with `labels`) already holds
+    `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss + mtp_loss_scaling_factor · mtp_loss`.
     """
 
     z_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
 
 
 class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
@@ -367,6 +372,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = ModularDecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        # beside the base model: they read its output and the head, and only the loss and drafting run them
+        self.mtp = MultiTokenPredictor(config) if config.num_mtp_layers else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -404,6 +411,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         `attention_mask`; with `labels`, their coefficient-weighted sum is added to `loss`, as
         transformers' MoE families add theirs. A model without routers records none (an empty
         `router_logits`, no router losses), as the outputs the class declares recordable allow.
+
+        With `labels` and MTP modules (`num_mtp_layers`), their loss `mtp_loss` over this forward's tokens is
+        returned and added to `loss` with its weight `mtp_loss_scaling_factor` (`mtp.MultiTokenPredictor.loss`).
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
@@ -420,9 +430,13 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         logits = self._logits(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = aux_loss = z_loss = None
+        loss = aux_loss = z_loss = mtp_loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            if self.mtp is not None:
+                mtp_loss = self._mtp_loss(outputs.last_hidden_state, input_ids, inputs_embeds, attention_mask,
+                                          position_ids, labels, **kwargs)
+                loss = loss + self.config.mtp_loss_scaling_factor * mtp_loss.to(loss.device)
         if output_router_logits and outputs.router_logits:  # a model without routers records none
             router_loss, aux_loss, z_loss = self._router_losses(outputs, attention_mask, past_seen)
             if loss is not None:
@@ -436,6 +450,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
             z_loss=z_loss,
+            mtp_loss=mtp_loss,
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -447,6 +462,45 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         return logits
+
+    def _mtp_loss(self, hidden, input_ids, inputs_embeds, attention_mask, position_ids, labels, **kwargs):
+        """The MTP modules' loss over this forward's tokens (no cache): their inputs are the token embeddings and
+        the positions the base model read (positions given without a mask may mark packed documents)."""
+        token_embeds = self._mtp_token_embeds(input_ids) if inputs_embeds is None else inputs_embeds
+        packed = position_ids is not None
+        if position_ids is None:
+            position_ids = self.model._default_position_ids(token_embeds, attention_mask, 0)
+        loss_kwargs = {k: v for k, v in kwargs.items() if k == "num_items_in_batch"}
+        return self.mtp.loss(self, hidden, token_embeds, labels, attention_mask, position_ids, packed, **loss_kwargs)
+
+    def _mtp_token_embeds(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The MTP modules' token input: the model's embedding table (times `embedding_multiplier`), without
+        positions or an embedding norm, as transformers' `MtpModel` reads the input embeddings."""
+        embeds = self.model._embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            embeds = embeds * torch.tensor(self.config.embedding_multiplier, dtype=embeds.dtype)
+        return embeds
+
+    def _mtp_block_kwargs(self, depth: int, token_embeds, position_ids, attention_mask, cache, packed: bool) -> dict:
+        """What MTP block `depth` takes beside its input (all are of the last layer's type): that type's mask and
+        rotary table (or ALiBi bias), over its layer of the modules' own `cache` while drafting, none while
+        training."""
+        config, layer_type = self.mtp.block_config, self.mtp.layer_type
+        mask_cache = cache if cache is not None and cache.get_seq_length(depth) else None  # empty: as none
+        mask = MASK_BUILDERS[layer_type](config=config, inputs_embeds=token_embeds, attention_mask=attention_mask,
+                                         position_ids=position_ids if packed else None, layer_idx=depth,
+                                         **with_cache(mask_cache))
+        kwargs = {"attention_mask": mask, "position_ids": position_ids, "cache": cache}
+        if self.model.rotary_emb is not None:
+            kwargs["position_embeddings"] = self.model.rotary_emb.tables(token_embeds, position_ids, [layer_type])[layer_type]
+        if self.model.alibi is not None:
+            if takes_alibi_slopes(attn_implementation(self.config)):
+                kwargs["alibi_slopes"] = self.model.alibi.slopes
+            else:
+                seq = token_embeds.shape[1]
+                kv_length = cache.get_mask_sizes(seq, depth)[0] if cache is not None else seq
+                kwargs["position_bias"] = self.model.alibi(seq, kv_length, token_embeds.dtype)
+        return kwargs
 
     def _router_losses(self, outputs, attention_mask, past_seen: int | torch.Tensor):
         """(weighted sum, aux_loss, z_loss) of the router logits, over the new tokens' real positions: padding
@@ -463,8 +517,10 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         checked first: an empty or 1-D prompt or a mask that does not fit it raises a `ValueError`.
         The steps then skip re-reading the mask's values (generate only appends ones to it). A cache
         passed as `cache=` is used on every transformers release (before 5.24 generate calls it
-        `past_key_values`)."""
+        `past_key_values`). `use_mtp=True` drafts with the model's MTP modules (`mtp_generation.py`); a model
+        without them raises a `ValueError`."""
         kwargs = generate_cache_kwarg(kwargs)
+        check_use_mtp(self.config, kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None))
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),
@@ -473,6 +529,16 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         )
         with generating():
             return super().generate(inputs, *args, **kwargs)
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 *args, **kwargs):
+        """With `use_mtp`, the candidate generator that drafts with this model's own MTP modules; otherwise
+        transformers' choice (a hook of transformers' `GenerationMixin`: see compat.py)."""
+        if generation_config.use_mtp and generation_config.assistant_early_exit is None \
+                and generation_config.prompt_lookup_num_tokens is None:
+            return mtp_candidate_generator_for(self, generation_config, model_kwargs, logits_processor)
+        return super()._get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor,
+                                                model_kwargs, *args, **kwargs)
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int

@@ -71,7 +71,8 @@ SHIPPED = {
     "backend_features.py", "eager_attention.py", "alibi_kernels.py", "blocks.py",
     "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py",
     "mla.py", "mlp.py", "moe.py", "routers.py", "experts.py", "router_losses.py", "norms.py", "positions.py",
-    "registries.py", "split_products.py", "input_checks.py", "checkpoint_checks.py",
+    "registries.py", "split_products.py", "input_checks.py", "checkpoint_checks.py", "mtp.py",
+    "mtp_generation.py",
 }
 
 
