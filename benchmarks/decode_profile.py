@@ -1,7 +1,7 @@
 """Where a decode step's time goes: ours vs transformers' Llama with the same weights (fp32, CPU).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.decode_profile [--steps 30] [--repeats 3]
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.decode_profile --host [--repeats 7]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks decode_profile [--steps 30] [--repeats 3] [--out FILE]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks decode_profile --host [--repeats 7] [--out FILE]
 
 Each repeat times `--steps` cached one-token forwards per model (interleaved, median per model), then
 the same with every linear product replaced by an empty output of its shape (`nn.Linear.forward` and
@@ -14,13 +14,14 @@ layer count of Llama-3.2-1B) on one thread, whose products take microseconds, so
 dispatch, masks, positions and cache handling: what a GPU step waits on while the host launches its kernels.
 Both models generate greedily from left-padded 64-token prompts at batch 1 and 32; a step's time is the CPU
 time of this thread ((`--new-tokens` + 8 steps) - 8 steps, so the prefill cancels), which a busy machine
-disturbs less than the clock; the median of `--repeats`, models alternating. Ours runs twice: as shipped,
-and with the split products off (`split_products.set_split_products(False)`).
+disturbs less than the clock; the median of `--repeats`, models alternating (`measure.alternating`). Ours runs
+twice: as shipped, and with the split products off (`split_products.set_split_products(False)`).
+
+`--smoke`: tiny random shapes, few steps.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -32,7 +33,8 @@ from torch import nn
 from modular_decoder import split_products
 from modular_decoder.compat import cache_of, with_cache
 
-from .families import build_pair
+from . import harness, measure
+from .families import build_pair, load_pair, save_pair
 
 
 def _step_ms(model, prompt: torch.Tensor, steps: int) -> float:
@@ -57,25 +59,18 @@ def _host_step_ms(model, prompt: torch.Tensor, mask: torch.Tensor, new_tokens: i
     return (times[8 + new_tokens] - times[8]) / new_tokens * 1e3
 
 
-def host_overhead(repeats: int, new_tokens: int) -> None:
-    """The `--host` table (module docstring)."""
+def host_overhead(repeats: int, new_tokens: int, layers: int = 16) -> dict:
+    """The `--host` table (module docstring): {batch: {model: median ms per step}}."""
     import transformers
 
-    from modular_decoder import ModularDecoderForCausalLM
-    from modular_decoder.conversion import convert
-
     torch.set_num_threads(1)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=16,
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                                       pad_token_id=0, tie_word_embeddings=True)
-    torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as folder:
-        transformers.LlamaForCausalLM(config).save_pretrained(Path(folder) / "llama")
-        convert(Path(folder) / "llama", Path(folder) / "ours", progress=False)
-        reference = transformers.LlamaForCausalLM.from_pretrained(Path(folder) / "llama", attn_implementation="sdpa")
-        ours = ModularDecoderForCausalLM.from_pretrained(Path(folder) / "ours", attn_implementation="sdpa")
+        reference, ours = load_pair(save_pair(config, Path(folder)))
     for model in (reference, ours):
-        model.eval().generation_config.pad_token_id = 0
+        model.generation_config.pad_token_id = 0
 
     def ours_unsplit(*args):
         split_products.set_split_products(False)
@@ -86,21 +81,20 @@ def host_overhead(repeats: int, new_tokens: int) -> None:
 
     runs = {"transformers": lambda *a: _host_step_ms(reference, *a), "ours": lambda *a: _host_step_ms(ours, *a),
             "ours, split products off": ours_unsplit}
-    print(f"host time per generate step (ms, CPU thread time, median of {repeats}), width 64 x 16 layers, "
-          f"transformers {transformers.__version__}, torch {torch.__version__}")
+    print(f"host time per generate step (ms, CPU thread time, median of {repeats}), width 64 x {layers} layers")
     print("| batch | " + " | ".join(runs) + " | ratio transformers / ours |\n|---|" + "---:|" * (len(runs) + 1))
+    table = {}
     for batch in (1, 32):
         prompt = torch.randint(1, config.vocab_size, (batch, 64), generator=torch.Generator().manual_seed(1))
         mask = torch.ones_like(prompt)
         mask[::2, :8] = 0  # every other row left-padded (row 0 too, so batch 1 is padded as well)
-        times = {name: [] for name in runs}
         with torch.inference_mode():
-            for _ in range(repeats):
-                for name, run in runs.items():
-                    times[name].append(run(prompt, mask, new_tokens))
-        median = {name: statistics.median(values) for name, values in times.items()}
+            times = measure.alternating({name: (lambda run=run: run(prompt, mask, new_tokens))
+                                         for name, run in runs.items()}, repeats, warmup=0)
+        table[batch] = median = {name: statistics.median(values) for name, values in times.items()}
         print(f"| {batch} | " + " | ".join(f"{median[name]:.2f}" for name in runs)
               + f" | {median['transformers'] / median['ours']:.2f} |", flush=True)
+    return table
 
 
 def _empty_product(x, weight, bias=None):
@@ -111,31 +105,44 @@ def _empty_linear_forward(self, x):
     return x.new_empty(*x.shape[:-1], self.weight.shape[0])
 
 
+def products_and_rest(reference, ours, prompt: torch.Tensor, steps: int, repeats: int) -> list[dict]:
+    """Per repeat: each model's step, with its products emptied (the rest), and the products' share."""
+    real_product, real_forward = split_products.linear, nn.Linear.forward
+    rows = []
+    for _ in range(repeats):
+        full = {"transformers": _step_ms(reference, prompt, steps), "ours": _step_ms(ours, prompt, steps)}
+        split_products.linear, nn.Linear.forward = _empty_product, _empty_linear_forward
+        try:
+            rest = {"transformers": _step_ms(reference, prompt, steps), "ours": _step_ms(ours, prompt, steps)}
+        finally:
+            split_products.linear, nn.Linear.forward = real_product, real_forward
+        rows.append({name: {"step_ms": full[name], "products_ms": full[name] - rest[name], "rest_ms": rest[name]}
+                     for name in full})
+        print(" | ".join(f"{name}: step {full[name]:.1f}, products {full[name] - rest[name]:.1f}, rest {rest[name]:.1f}"
+                         for name in full) + f" | step ratio {full['transformers'] / full['ours']:.2f}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser("decode_profile", __doc__, smoke="tiny random shapes, few steps")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--host", action="store_true", help="host time per generate step (module docstring)")
     parser.add_argument("--new-tokens", type=int, default=32, help="with --host: steps timed per generate")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.new_tokens, args.repeats = 3, 2, 1
+    run = harness.begin("decode_profile", argv, args)
     if args.host:
-        host_overhead(args.repeats, args.new_tokens)
+        table = host_overhead(args.repeats, args.new_tokens, layers=2 if args.smoke else 16)
+        harness.write_result(args.out, {"host_step_ms": table}, run)
         return 0
     with tempfile.TemporaryDirectory() as folder:
-        reference, ours, label = build_pair("llama", Path(folder), quick=False)
+        reference, ours, label = build_pair("llama", Path(folder), quick=args.smoke)
     torch.manual_seed(0)
     prompt = torch.randint(0, reference.config.vocab_size, (1, 32))
     print(f"{label}, {torch.get_num_threads()} threads; step ms (median of {args.steps})")
-    real_product, real_forward = split_products.linear, nn.Linear.forward
-    for _ in range(args.repeats):
-        full = {"transformers": _step_ms(reference, prompt, args.steps), "ours": _step_ms(ours, prompt, args.steps)}
-        split_products.linear, nn.Linear.forward = _empty_product, _empty_linear_forward
-        try:
-            rest = {"transformers": _step_ms(reference, prompt, args.steps), "ours": _step_ms(ours, prompt, args.steps)}
-        finally:
-            split_products.linear, nn.Linear.forward = real_product, real_forward
-        print(" | ".join(f"{name}: step {full[name]:.1f}, products {full[name] - rest[name]:.1f}, rest {rest[name]:.1f}"
-                         for name in full) + f" | step ratio {full['transformers'] / full['ours']:.2f}", flush=True)
+    rows = products_and_rest(reference, ours, prompt, args.steps, args.repeats)
+    harness.write_result(args.out, {"label": label, "repeats": rows}, run)
     return 0
 
 

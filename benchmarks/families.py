@@ -1,4 +1,9 @@
-"""The model pairs the suite measures: transformers' own class and ours with the same weights.
+"""The model pairs the benchmarks measure: transformers' own class and ours with the same weights.
+
+`save_pair(config, folder)` is the one way to make a pair: random weights made by transformers' own class for a
+transformers config, saved, and converted with `modular_decoder.conversion.convert` (the production path);
+`load_pair(folder)` loads both sides the default way. `build_pair(name, ...)` does both for the named families
+below.
 
 Each entry builds the reference with transformers (random weights at a small-but-real shape, or
 the real SmolLM2 checkpoint for `llama`), converts it with `modular_decoder.conversion.convert`
@@ -133,8 +138,36 @@ LORA_TARGETS = {
 }
 
 
+def save_pair(config, folder: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Path:
+    """Random weights made by transformers' class for `config` (seeded), saved to `folder/"hf"`, converted to
+    `folder/"ours"`; returns `folder`. `device="cuda"` initialises on the GPU (seconds instead of a minute for a
+    1B model on the host)."""
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        reference = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    reference.save_pretrained(folder / "hf")
+    del reference
+    convert(folder / "hf", folder / "ours", progress=False)
+    return folder
+
+
+def load_side(folder: Path, side: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+              attn_implementation: str | None = "sdpa"):
+    """One side of a saved pair ("transformers" or "ours"), loaded with `AutoModelForCausalLM.from_pretrained`,
+    in eval mode on `device`."""
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    path = Path(folder) / ("hf" if side == "transformers" else "ours")
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+
+
+def load_pair(folder: Path, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(transformers' model, ours) from a folder `save_pair` wrote; keyword arguments as `load_side`."""
+    return load_side(folder, "transformers", **kwargs), load_side(folder, "ours", **kwargs)
+
+
 def build_pair(name: str, folder: Path, quick: bool) -> tuple[torch.nn.Module, torch.nn.Module, str]:
-    """(transformers' model, ours, label), both fp32 in eval mode, same weights.
+    """(transformers' model, ours, label) of a named family, both fp32 in eval mode, same weights.
 
     `folder/"hf"` and `folder/"ours"` hold the two checkpoints (fp32 safetensors) afterwards, for the
     memory probes that load each in a fresh process."""
@@ -148,15 +181,10 @@ def build_pair(name: str, folder: Path, quick: bool) -> tuple[torch.nn.Module, t
         del dequantized.config.quantization_config
         dequantized.save_pretrained(folder / "hf")
         del dequantized
-        reference = tf.AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32)
         convert(source, folder / "ours", gguf_file=gguf, progress=False)
         label = LABELS[name]
     else:
-        torch.manual_seed(0)
-        config = CONFIGS[name](quick)
-        reference = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        reference.save_pretrained(folder / "hf")
-        convert(folder / "hf", folder / "ours", progress=False)
+        save_pair(CONFIGS[name](quick), folder)
         label = "tiny (random)" if quick else LABELS[name]
-    ours = tf.AutoModelForCausalLM.from_pretrained(folder / "ours", dtype=torch.float32)
-    return reference.eval(), ours.eval(), label
+    reference, ours = load_pair(folder, attn_implementation=None)
+    return reference, ours, label

@@ -6,9 +6,9 @@
 The parent (`benchmarks.run`) starts one such process per model so that neither load pollutes the
 other's numbers. Every number is MB of resident memory (RSS) above the process's level right after its
 imports, before `from_pretrained`: the *pre-load baseline*. Peaks are the kernel's high-water mark
-(`VmHWM` in /proc/self/status, reset between phases by writing 5 to /proc/self/clear_refs), so no
-short peak is missed; where that reset is refused, a thread samples RSS every millisecond instead
-(`method` in the output says which).
+(`measure.PeakMemory`: `VmHWM` in /proc/self/status, reset between phases by writing 5 to
+/proc/self/clear_refs), so no short peak is missed; where that reset is refused, a thread samples RSS every
+millisecond instead (`method` in the output says which).
 
 - load: peak during `AutoModelForCausalLM.from_pretrained(FOLDER, dtype=float32)`, and RSS after it.
   Small for an fp32 safetensors checkpoint on both sides: the weights stay memory-mapped and enter RSS
@@ -36,11 +36,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-MB = 2**20
+from .measure import MB, PeakMemory, _proc_status
 ROOT = Path(__file__).resolve().parents[1]
 # Large blocks straight from mmap and back to the kernel when freed (glibc otherwise raises its mmap
 # threshold after the first free and keeps freed blocks resident): the probes of a bisection then do
@@ -49,50 +48,13 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_
 
 
 def _status() -> dict:
-    with open("/proc/self/status") as f:
-        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
-                if line.startswith(("VmHWM", "VmRSS", "RssAnon", "RssFile"))}
+    return _proc_status()
 
 
 def _split(baseline: dict) -> dict:
     """RSS now above `baseline`, MB, split into anonymous memory and file-backed pages (mapped weights)."""
     now = _status()
     return {kind: (now[key] - baseline[key]) / MB for kind, key in (("anon", "RssAnon"), ("file", "RssFile"))}
-
-
-class Peak:
-    """Peak RSS over a `with` block: the kernel's high-water mark (reset at entry), or sampled."""
-
-    def __init__(self):
-        self.method = "VmHWM"
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            self.method = "sampled"
-
-    def __enter__(self):
-        if self.method == "VmHWM":
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        self.peak = _status()["VmRSS"]
-        self.running = self.method == "sampled"
-        if self.running:
-            self.thread = threading.Thread(target=self._sample, daemon=True)
-            self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, _status()["VmRSS"])
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        if self.running:
-            self.running = False
-            self.thread.join()
-        status = _status()
-        self.peak = max(self.peak, status["VmRSS"], status["VmHWM"] if self.method == "VmHWM" else 0)
 
 
 def _fits(model, context: int, steps: int, batch: int, vocab: int, baseline: int) -> tuple[float, float]:
@@ -103,7 +65,7 @@ def _fits(model, context: int, steps: int, batch: int, vocab: int, baseline: int
 
     generator = torch.Generator().manual_seed(batch)
     prompt = torch.randint(0, vocab, (1, context - steps), generator=generator)
-    with Peak() as peak, torch.inference_mode():
+    with PeakMemory("cpu") as peak, torch.inference_mode():
         cache = cache_of(model(prompt, use_cache=True, logits_to_keep=1))
         cache.batch_repeat_interleave(batch)
         for _ in range(steps):
@@ -111,7 +73,26 @@ def _fits(model, context: int, steps: int, batch: int, vocab: int, baseline: int
             model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         del cache
     gc.collect()
-    return (peak.peak - baseline) / MB, (_status()["VmRSS"] - baseline) / MB
+    return (peak.peak_bytes - baseline) / MB, (_status()["VmRSS"] - baseline) / MB
+
+
+def cache_mb(model, context: int, vocab: int) -> float:
+    """MB the model's own cache allocates for one sequence of `context` tokens: the bytes of every distinct
+    storage behind its layers' tensors (pre-allocated room included), measured from the cache after a forward."""
+    import torch
+
+    from modular_decoder.compat import cache_of
+
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = cache_of(model(prompt, use_cache=True, logits_to_keep=1))
+    storages = {}
+    for layer in cache.layers:
+        for tensor in vars(layer).values():
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) / MB
 
 
 def largest_batch(probe, budget_mb: float, cap: int) -> tuple[int, dict]:
@@ -160,7 +141,7 @@ def measure(args) -> dict:
     before = _status()
     baseline = before["VmRSS"]
     kwargs = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
-    with Peak() as load:
+    with PeakMemory("cpu") as load:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32, **kwargs).eval()
     gc.collect()
     after_load = _status()["VmRSS"]
@@ -172,17 +153,17 @@ def measure(args) -> dict:
     resident = _status()["VmRSS"]
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
-    with Peak() as decode, torch.inference_mode():
+    with PeakMemory("cpu") as decode, torch.inference_mode():
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
                        min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
     gc.collect()
     decoded_split = _split(before)
     result = {
         "method": load.method, "baseline_mb": baseline / MB,
-        "load_peak_mb": (load.peak - baseline) / MB, "loaded_mb": (after_load - baseline) / MB,
+        "load_peak_mb": (load.peak_bytes - baseline) / MB, "loaded_mb": (after_load - baseline) / MB,
         "resident_mb": (resident - baseline) / MB,
-        "decode_peak_mb": (decode.peak - baseline) / MB,
-        "load_decode_peak_mb": (max(load.peak, decode.peak) - baseline) / MB,
+        "decode_peak_mb": (decode.peak_bytes - baseline) / MB,
+        "load_decode_peak_mb": (max(load.peak_bytes, decode.peak_bytes) - baseline) / MB,
         "decode_shape": [args.batch, args.prompt, args.new_tokens],
         # where the resident memory is: safetensors weights stay memory-mapped (file pages, entering RSS
         # when first read) unless a load converts them
@@ -203,6 +184,7 @@ def measure(args) -> dict:
             "budget_mb": args.budget_mb, "context": args.context, "steps": args.steps, "batch": best,
             "capped": best == args.cap, "peaks_mb": {str(b): p for b, p in sorted(peaks.items())},
             "rss_after_probe_mb": {str(b): r for b, r in sorted(residue.items())},
+            "cache_mb_per_sequence": cache_mb(model, args.context, vocab),
             "seconds": time.perf_counter() - start,
         }
     return result

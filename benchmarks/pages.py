@@ -1,12 +1,14 @@
-"""Render the benchmarks' JSON output into `docs/benchmarks.md` and the README's headline table.
+"""Render the benchmarks' JSON output into `docs/benchmarks.md` and the README's headline table, and the list of
+benchmarks (`registry.BENCHMARKS`) into `benchmarks/README.md`.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages          # rewrite both from the committed JSON
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages --check  # exit 1 if either is stale
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages          # rewrite all three from the committed JSON
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages --check  # exit 1 if one is stale
 
 Every number on the page and in the headline table is computed here from a JSON file a benchmark wrote
-(`SECTIONS` names each file and the command that wrote it); no prose retypes a figure. Adding a benchmark's
-output is one entry in `SECTIONS`: its JSON path and a function that turns it into markdown.
-`tests/test_readme.py` checks that the committed page and table equal what this module renders.
+(`SECTIONS` names each file); no prose retypes a figure, and each section ends with the file's provenance (commit,
+versions, machine, load, as `harness.write_result` recorded them). Adding a benchmark's output is one entry in
+`SECTIONS`: its JSON path and a function that turns it into markdown. `tests/test_readme.py` checks that the
+committed pages equal what this module renders.
 """
 
 from __future__ import annotations
@@ -24,11 +26,41 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
+BENCHMARKS_README = ROOT / "benchmarks" / "README.md"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
+LIST_START, LIST_END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 
 
 def load(name: str) -> dict:
     return json.loads((ROOT / "benchmarks" / name).read_text())
+
+
+def command_of(data: dict) -> str:
+    """The command that wrote a result JSON (`harness.write_result` records it under "provenance")."""
+    return data["provenance"]["command"] if "provenance" in data else data["command"]
+
+
+def provenance_line(data: dict) -> str:
+    """Where a result came from: the commit, versions, machine and load, as `harness.write_result` recorded them
+    (a file written before it did says what it lacks)."""
+    record = data.get("provenance")
+    if record is None:
+        known = ", ".join(f"{key} {data[key]}" for key in ("torch", "transformers") if key in data)
+        return (f"Recorded before result files named their commit and machine{': ' + known if known else ''}; "
+                "re-run to trace it.")
+    versions, host = record["versions"], record["machine"]
+    where = host.get("gpu") or f"{host['cpu']} ({host['cpu_count']} cores, {host['torch_threads']} torch threads)"
+    changed = (f" with {len(record['changed_files'])} changed file(s) ({', '.join(record['changed_files'][:3])})"
+               if record["changed_files"] else "")
+    return (f"Measured {record['date_utc'][:10]} at commit `{record['commit'][:10]}`{changed}: torch "
+            f"{versions['torch']}, transformers {versions['transformers']}, modular-decoder "
+            f"{versions['modular-decoder']}, Python {versions['python']}; {where}; 1-minute load average "
+            f"{record['load_average_start'][0]:.1f} at the start, {record['load_average_end'][0]:.1f} at the end; "
+            f"{_duration(record['seconds'])}.")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def span(values, fmt: str = "{:.2f}") -> str:
@@ -41,14 +73,18 @@ def span(values, fmt: str = "{:.2f}") -> str:
 
 def command(results: dict) -> str:
     """The recorded command, without the README-writing flag of older runs (the page is written here now)."""
-    return re.sub(r" --readme \S+", "", results["command"])
+    return re.sub(r" --readme \S+", "", command_of(results))
 
 
 def _run_args(results: dict) -> argparse.Namespace:
-    """The arguments the run was made with, re-parsed from the command it recorded (labels need them)."""
+    """The arguments the run was made with (labels need them): recorded, or re-parsed from an older run's
+    command (`python -m benchmarks.run ... --json FILE`)."""
+    if "provenance" in results:
+        return argparse.Namespace(**results["provenance"]["arguments"])
     from . import run  # here, not at the top: benchmarks.run imports torch, which the other sections never need
 
-    return run.parse_args(shlex.split(command(results))[3:])
+    old = shlex.split(command(results))[3:]
+    return run.parse_args(["--out" if word == "--json" else word for word in old])
 
 
 def ratios(results: dict, key: str, families=None) -> dict:
@@ -72,14 +108,13 @@ def families_section(results: dict) -> str:
     resident = ratios(results, "resident_mb", dense)
     max_batch = {f: (fams[f]["metrics"]["max_batch"]["transformers"]["median"],
                      fams[f]["metrics"]["max_batch"]["ours"]["median"]) for f in dense}
-    load_end = results["load_average_end"][0]
     lines = [
         "## Speed, memory and training against transformers (CPU, fp32)",
         "",
         "```bash",
         f"HF_HUB_OFFLINE=1 .venv/bin/{command(results)}   # this run: "
         f"{sum(r['seconds'] for r in fams.values()) / 60:.0f} min",
-        "HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.run --quick --json /tmp/quick.json   # smoke test, tiny shapes",
+        "HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks run --smoke --out /tmp/smoke.json   # smoke test, tiny shapes",
         "```",
         "",
         "Ours against transformers' own class with the same weights (converted by `modular_decoder.conversion`), in",
@@ -89,9 +124,8 @@ def families_section(results: dict) -> str:
         "roofline divides the measured copy bandwidth by the weight bytes one batch-1 step reads (for the experts",
         "families, the active weights only).",
         "",
-        f"Measured with torch {results['torch']}, transformers {results['transformers']}, {results['threads']} threads, "
-        f"copy bandwidth {results['copy_bandwidth_gb_s']:.1f} GB/s, 1-minute load average "
-        f"{results['load_average_start'][0]:.1f} at the start and {load_end:.1f} at the end.",
+        f"Copy bandwidth {results['copy_bandwidth_gb_s']:.1f} GB/s; the run's provenance (commit, versions, threads, "
+        "load) is under the table.",
         "",
         run.table(results, _run_args(results)),
         "",
@@ -110,8 +144,8 @@ def families_section(results: dict) -> str:
         "`--experts-implementation grouped_mm` runs both sides alike).",
         f"- Memory, dense families: resident after load {span(resident.values())}x; the largest batch at 1024 tokens "
         "in 1 GB " + ", ".join(f"{f} {t:.0f} vs {o:.0f}" for f, (t, o) in max_batch.items())
-        + " (transformers vs ours). MLA's latent cache fits "
-        f"{mla['ratio']['ours']:.1f}x the batch ({mla['ours']['median']:.0f} vs {mla['transformers']['median']:.0f}).",
+        + " (transformers vs ours; the largest batch whose probe, a cached prompt repeated B times and 2 decode steps, "
+        "peaks within the budget, weights included). " + mla_batch_sentence(fams["deepseek_v3"], results),
         f"- Memory, experts: ours maps the saved 3-D expert tensors; transformers' loader concatenates its per-expert "
         f"tensors into new memory, so with every weight read it holds {mix['transformers']['resident_mb']:.0f} MB "
         f"against ours {mix['ours']['resident_mb']:.0f} MB (Mixtral layout; after load transformers "
@@ -121,9 +155,39 @@ def families_section(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _threads(data: dict) -> int:
+    return data["provenance"]["machine"]["torch_threads"] if "provenance" in data else data["threads"]
+
+
+def _growth_per_sequence(probe: dict) -> float:
+    """MB the largest-batch probe's peak grows per extra sequence: from batch 1 to the largest batch that fitted."""
+    peaks, best = {int(b): p for b, p in probe["peaks_mb"].items()}, probe["batch"]
+    return (peaks[best] - peaks[1]) / (best - 1) if best > 1 else float("nan")
+
+
+def mla_batch_sentence(family: dict, results: dict) -> str:
+    """What the MLA layout's largest-batch row measures (issue 39, item 6): both sides cache the latent; the
+    difference is the per-step expansion."""
+    row, probes = family["metrics"]["max_batch"], family["memory"]
+    sides = {side: probes[side]["max_batch"] for side in ("transformers", "ours")}
+    version = results["provenance"]["versions"]["transformers"] if "provenance" in results else results["transformers"]
+    cache = ", ".join(f"{side} {probe['cache_mb_per_sequence']:.1f}" for side, probe in sides.items()
+                      if "cache_mb_per_sequence" in probe)
+    cached = (f" (measured from each cache's storage after a {sides['ours']['context']}-token prompt, MB per sequence: "
+              f"{cache})" if cache else "")
+    return (f"MLA layout: ours fits {row['ratio']['ours']:.1f}x the batch ({row['ours']['median']:.0f} vs "
+            f"{row['transformers']['median']:.0f}). transformers {version} caches the same latent as ours{cached}; the "
+            "difference is the decode step: transformers expands the whole latent cache into per-head keys and values "
+            "at every step, ours scores the new token against the latent (absorbed), so per extra sequence the "
+            f"probe's peak grows {_growth_per_sequence(sides['transformers']):.1f} MB for transformers and "
+            f"{_growth_per_sequence(sides['ours']):.1f} MB for ours.")
+
+
 # --- benchmarks/results_compiled_decode.json: `python -m benchmarks.compiled_decode --json ...` -------------
 
 def compiled_section(compiled: dict, results: dict) -> str:
+    from .compiled_decode import table as compiled_table
+
     runs = compiled["runs"]
     median = {key: runs[key]["median"] for key in runs}
     roofline = results["families"]["llama"]["roofline_b1_tok_s"]
@@ -133,23 +197,16 @@ def compiled_section(compiled: dict, results: dict) -> str:
         "## Compiled decoding (SmolLM2-135M, batch 1)",
         "",
         "```bash",
-        f"HF_HUB_OFFLINE=1 .venv/bin/{compiled['command']}",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(compiled)}",
         "```",
         "",
-        f"{compiled['label']}, fp32, {compiled['threads']} threads, static cache, {compiled['new_tokens']} new tokens "
+        f"{compiled['label']}, fp32, {_threads(compiled)} threads, static cache, {compiled['new_tokens']} new tokens "
         "after a 32-token prompt, greedy; ours against transformers' `LlamaForCausalLM` with the same weights, each "
         "eager and through transformers' compiled decode step (`compiled_decoding()`); the four runs once per repeat "
-        f"in a shuffled order, {compiled['repeats']} repeats, median ± half the spread.",
+        f"after a warm-up round, the order reversed every other repeat, {compiled['repeats']} repeats, median ± half "
+        "the spread.",
         "",
-        "| decode b1 tok/s (static cache) | transformers | ours | ratio |",
-        "|---|---:|---:|---:|",
-    ]
-    for mode in ("eager", "compiled"):
-        theirs, mine = runs[f"transformers/{mode}"], runs[f"ours/{mode}"]
-        lines.append(f"| {mode} | {theirs['median']:.1f} ±{theirs['half_spread']:.1f} | {mine['median']:.1f} "
-                     f"±{mine['half_spread']:.1f} | {mine['median'] / theirs['median']:.2f} |")
-    lines += [
-        f"| ours compiled vs transformers eager | | | {median['ours/compiled'] / median['transformers/eager']:.2f} |",
+        compiled_table(runs),
         "",
         "The first compiled call took " + ", ".join(f"{s:.0f} s ({name})" for name, s in compiled["compile_seconds"].items())
         + f". Compiled, ours decodes a step in {step_ms:.1f} ms: {100 * median['ours/compiled'] / roofline:.0f}% of the "
@@ -182,7 +239,7 @@ def serving_section(serving: dict) -> str:
         "## Serving through vLLM (CPU, fp32)",
         "",
         "```bash",
-        f"HF_HUB_OFFLINE=1 .venv/bin/{serving['command']}",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(serving)}",
         "```",
         "",
         f"SmolLM2-135M, {shape['prompts']} prompts x {shape['prompt_tokens']} tokens, {shape['new_tokens']} new each, "
@@ -231,16 +288,15 @@ def mla_prefill_section(run: dict) -> str:
         "## MLA chunked prefill (CPU, fp32)",
         "",
         "```bash",
-        f"HF_HUB_OFFLINE=1 .venv/bin/{run['command']}",
+        f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}",
         "```",
         "",
-        f"DeepSeek-V3 attention (hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads, q_lora "
-        f"{shape['q_lora_rank']}, kv_lora {shape['kv_lora_rank']}, nope {shape['qk_nope_head_dim']}, rope "
-        f"{shape['qk_rope_head_dim']}, v {shape['v_head_dim']}), {shape['layers']} dense layers, batch 1: "
-        f"{shape['tokens']:,} tokens prefilled in chunks of {shape['chunk']:,}, every chunk after the first a "
-        f"multi-token step against the cache. Same weights (made by transformers' `DeepseekV3ForCausalLM`, "
-        f"converted); {run['threads']} threads, load average {run['load_average']:.1f}, {run['date']}, torch "
-        f"{run['torch']}, transformers {run['transformers']}.",
+        f"DeepSeek-V2-Lite's attention widths with a low-rank query (hidden {shape['hidden_size']}, "
+        f"{shape['num_attention_heads']} heads, q_lora {shape['q_lora_rank']}, kv_lora {shape['kv_lora_rank']}, nope "
+        f"{shape['qk_nope_head_dim']}, rope {shape['qk_rope_head_dim']}, v {shape['v_head_dim']}), {shape['layers']} "
+        f"dense layers, batch 1: {shape['tokens']:,} tokens prefilled in chunks of {shape['chunk']:,}, every chunk "
+        "after the first a multi-token step against the cache. Same weights (made by transformers' "
+        "`DeepseekV3ForCausalLM`, converted).",
         "",
         "| | transformers' `DeepseekV3ForCausalLM` | ours | ours / it |",
         "|---|---:|---:|---:|",
@@ -256,14 +312,89 @@ def mla_prefill_section(run: dict) -> str:
     ])
 
 
+# --- benchmarks/results_mla_crossover.json: `python -m benchmarks mla_crossover --out ...` -------------------
+
+def mla_crossover_section(run: dict | None) -> str:
+    lines = ["## MLA: absorbed against expanded steps, and the absorbed query block (CPU, fp32)", ""]
+    if run is None:
+        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks mla_crossover --out "
+                                   "benchmarks/results_mla_crossover.json`."])
+    shape = run["shape"]
+    lines += [
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"One MLA layer (hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads, q_lora "
+        f"{shape['q_lora_rank']}, kv_lora {shape['kv_lora_rank']}, rope {shape['qk_rope_head_dim']}, nope "
+        f"{shape['qk_nope_head_dim']}, v {shape['v_head_dim']}: DeepSeek-V2-Lite's attention with a low-rank query), "
+        "random weights, a latent cache of S random tokens; one step of T new tokens, ours forced absorbed and forced "
+        "expanded, alternating (median ms), and in a separate run of each the peak memory above the start (MB, the "
+        f"kernel's resident high-water mark). The shipped `ABSORBED_MAX_NEW_TOKENS` is {run['absorbed_max_new_tokens']} "
+        f"and `ABSORBED_QUERY_BLOCK` {run['absorbed_query_block']}.",
+        "", "| cached S | new T | absorbed ms | expanded ms | expanded / absorbed | absorbed peak MB | expanded peak MB |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [f"| {r['context']:,} | {r['new_tokens']} | {1e3 * r['absorbed']:.2f} | {1e3 * r['expanded']:.2f} | "
+              f"{r['expanded'] / r['absorbed']:.2f} | {r['peak_mb']['absorbed']:.1f} | {r['peak_mb']['expanded']:.1f} |"
+              for r in run["crossover"]]
+    blocks = run["query_blocks"]
+    if blocks:
+        scoring = all("scoring_peak" in b for b in blocks)
+        lines += ["", f"The absorbed step of {blocks[0]['new_tokens']} new tokens with each query block (new tokens "
+                  "scored per pass)" + (": time, the step's peak, and the peak of the absorbed scoring alone "
+                                        "(`measure.TensorBytes`: the bytes its own tensors hold at once, per cached "
+                                        "token and in score blocks of (1, H, block, S) fp32)" if scoring else "") + ":",
+                  "", "| cached S | query block | ms | peak MB |" + (" scoring B per cached token | score blocks |"
+                                                                    if scoring else ""),
+                  "|---:|---:|---:|---:|" + ("---:|---:|" if scoring else "")]
+        for b in blocks:
+            cells = f"| {b['context']:,} | {b['query_block']} | {1e3 * b['seconds']:.2f} | {b['peak_mb']:.1f} |"
+            if scoring:
+                cells += f" {b['scoring_peak']['bytes_per_cached_token']:,.0f} | {b['scoring_peak']['score_blocks']:.2f} |"
+            lines.append(cells)
+    prefills = run.get("static_prefill")
+    if prefills:
+        lines += ["", "A prefill of T tokens into an empty static cache of capacity S (both forms compute over every "
+                  "slot: the crossover of a short first step):", "",
+                  "| static capacity S | prefill T | absorbed ms | expanded ms | expanded / absorbed |",
+                  "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['capacity']:,} | {r['new_tokens']} | {1e3 * r['absorbed']:.2f} | {1e3 * r['expanded']:.2f} | "
+                  f"{r['expanded'] / r['absorbed']:.2f} |" for r in prefills]
+    return "\n".join(lines)
+
+
+# --- benchmarks/results_split_threshold.json: `python -m benchmarks split_threshold --out ...` ---------------
+
+def split_threshold_section(run: dict | None) -> str:
+    lines = ["## Split products: from what weight size (CPU, fp32)", ""]
+    if run is None:
+        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks split_threshold --out "
+                                   "benchmarks/results_split_threshold.json`."])
+    variants = list(run["variants"])
+    lines += [
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"Decode steps of ours (Llama layouts, hidden h, FFN 3h, {run['layers']} layers, random weights): the median "
+        f"of {run['steps']} cached one-token forwards, median ± half the spread over the repeats, the variants "
+        "alternating in one process: the split products off, and on for every weight of at least N elements "
+        f"(`MIN_SPLIT_WEIGHT`, shipped {run['min_split_weight']:,}; N = 0 splits every few-row product).",
+        "", "| hidden | weights MB | largest weight | " + " | ".join(f"{v} ms" for v in variants) + " |",
+        "|---:|---:|---:|" + "---:|" * len(variants),
+    ]
+    for row in run["rows"]:
+        cells = [f"{row['step_ms'][v]['median']:.2f} ±{row['step_ms'][v]['half_spread']:.2f}" for v in variants]
+        lines.append(f"| {row['hidden']} | {row['weights_mb']:.1f} | {row['largest_weight']:,} | " + " | ".join(cells)
+                     + " |")
+    return "\n".join(lines)
+
+
 # --- benchmarks/results_gpu.json: `python3 -m benchmarks.gpu --out ...` on a GPU machine ----------------
 
 def gpu_table(results: dict) -> str:
     """The GPU matrix's table from its JSON's parts (a run cut short by its budget or killed renders what it
     recorded), under a line with its date, hardware and versions."""
-    meta = results["meta"]
-    lines = [f"GPU matrix, {meta['date_utc'][:10]}: {meta['hardware']}, torch {meta['torch']}, transformers "
-             f"{meta['transformers']}, {meta['dtype']}, `python3 -m benchmarks.gpu`; ratio > 1: ours faster", "",
+    meta, record = results["meta"], results["provenance"]
+    hardware = record["machine"].get("gpu") or record["machine"]["cpu"]
+    lines = [f"GPU matrix, {record['date_utc'][:10]}: {hardware}, torch {record['versions']['torch']}, transformers "
+             f"{record['versions']['transformers']}, {meta['dtype']}, `{record['command']}` at commit "
+             f"`{record['commit'][:10]}`; ratio > 1: ours faster", "",
              "| case | transformers | ours | ratio |", "|---|---:|---:|---:|"]
     for name, part in results["parts"].items():
         if "rows" in part:
@@ -301,6 +432,8 @@ SECTIONS = (
     Section(("results_compiled_decode.json", "results.json"), compiled_section),
     Section(("results_serving.json",), serving_section),
     Section(("results_mla_prefill.json",), mla_prefill_section),
+    Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
+    Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),
 )
 
@@ -328,8 +461,9 @@ def page() -> str:
         if not present and section.optional:
             parts.append(section.render(None) + "\n")
             continue
-        parts.append(section.render(*(load(name) for name in section.sources))
-                     + "\n\nSource: " + ", ".join(f"`benchmarks/{name}`" for name in section.sources) + ".\n")
+        data = [load(name) for name in section.sources]
+        sources = [f"Source: `benchmarks/{name}`. {provenance_line(d)}" for name, d in zip(section.sources, data)]
+        parts.append(section.render(*data) + "\n\n" + "\n".join(f"{line}\n" for line in sources))
     return "\n".join(parts)
 
 
@@ -366,18 +500,37 @@ def headline() -> str:
     return "\n".join(lines)
 
 
+def _between(text: str, start: str, end: str, body: str, name: str) -> str:
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{name} has no {start} ... {end} markers.")
+    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text)
+
+
 def readme_with_headline(readme: str) -> str:
-    pattern = re.compile(re.escape(HEADLINE_START) + ".*?" + re.escape(HEADLINE_END), re.S)
-    if not pattern.search(readme):
-        raise ValueError(f"README.md has no {HEADLINE_START} ... {HEADLINE_END} markers.")
-    return pattern.sub(lambda _: f"{HEADLINE_START}\n{headline()}\n{HEADLINE_END}", readme)
+    return _between(readme, HEADLINE_START, HEADLINE_END, headline(), "README.md")
+
+
+def benchmark_list() -> str:
+    """benchmarks/README.md's table: every registered benchmark, what it measures, the JSON it commits."""
+    from .registry import BENCHMARKS
+
+    lines = ["| `python -m benchmarks NAME` | measures | committed result |", "|---|---|---|"]
+    lines += [f"| `{b.name}` (`benchmarks/{b.module}.py`) | {b.measures} | "
+              f"{f'`benchmarks/{b.writes}`' if b.writes else '—'} |" for b in BENCHMARKS]
+    return "\n".join(lines)
+
+
+def benchmarks_readme_with_list(text: str) -> str:
+    return _between(text, LIST_START, LIST_END, benchmark_list(), "benchmarks/README.md")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is stale")
     args = parser.parse_args(argv)
-    wanted = {PAGE: page(), README: readme_with_headline(README.read_text())}
+    wanted = {PAGE: page(), README: readme_with_headline(README.read_text()),
+              BENCHMARKS_README: benchmarks_readme_with_list(BENCHMARKS_README.read_text())}
     stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:

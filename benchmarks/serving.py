@@ -1,6 +1,7 @@
 """Serving throughput and KV-cache capacity through vLLM (never asserted; tests/test_vllm.py checks tokens).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.serving [--prompts 64 --prompt-tokens 128 --new-tokens 128]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks serving [--prompts 64 --prompt-tokens 128 --new-tokens 128]
+                                                            [--repeats 2] [--out FILE]
 
 1. The converted SmolLM2-135M (fp32): 64 prompts of 128 tokens, 128 new tokens each, greedy, as one batch:
    our folder through vLLM's Transformers modeling backend, the same weights exported to transformers'
@@ -10,24 +11,25 @@
    to `DeepseekV3ForCausalLM` (vLLM's native class).
 
 vLLM runs in its own environment (`.venv-vllm`, or `MODULAR_DECODER_VLLM_PYTHON`), eager (`enforce_eager`),
-one engine at a time in one process (benchmarks/serving_worker.py). `--rounds N` serves both SmolLM2 engines N
-times, the order alternating (ours first in odd rounds, native first in even ones), so neither side always
-runs on the warmer or quieter machine; each round's ratio is printed, and their median.
+one engine at a time in one process (benchmarks/serving_worker.py). `--repeats N` serves both SmolLM2 engines N
+times (rounds), the order alternating (ours first in odd rounds, native first in even ones), so neither side
+always runs on the warmer or quieter machine; each round's ratio is printed, and their median. `--smoke`: 4
+prompts of 16 tokens, 8 new, one round.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from . import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("serving_worker.py")
@@ -51,15 +53,16 @@ def our_generate(folder: Path, prompts: list[list[int]], new_tokens: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser("serving", __doc__, repeats=2, smoke="4 prompts of 16 tokens, 8 new, one round")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="vllm: SmolLM2 through vLLM (ours, native Llama); generate: our generate(); kv: DeepSeek-V3 capacity")
-    parser.add_argument("--rounds", type=int, default=2, help="times each SmolLM2 engine is served, order alternating")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.prompt_tokens, args.new_tokens, args.repeats = 4, 16, 8, 1
+    run = harness.begin("serving", argv, args)
     python = Path(os.environ.get("MODULAR_DECODER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
     from modular_decoder import ModularDecoderForCausalLM, preset_config
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_tokens=args.new_tokens, max_model_len=length),
                     dict(name=NATIVE, folder=str(llama), model_impl="auto", prompts=prompts,
                          max_tokens=args.new_tokens, max_model_len=length)]
-            for round_ in range(1, args.rounds + 1):
+            for round_ in range(1, args.repeats + 1):
                 jobs += [dict(job, name=f"{job['name']}/{round_}") for job in (pair if round_ % 2 else pair[::-1])]
         if "kv" in args.parts:
             jobs += [dict(name="deepseek_ours_kv", folder=str(ds), model_impl="transformers", prompts=None,
@@ -105,12 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         if "generate" in args.parts:
             results["ours_generate"] = our_generate(smol, prompts, args.new_tokens)
 
+    vllm_version = next((r.pop("vllm") for r in list(results.values()) if "vllm" in r), None)
+    for result in results.values():
+        result.pop("vllm", None)
     report(results, args)
-    if args.out:  # the format benchmarks.pages renders
-        args.out.write_text(json.dumps({
-            "command": "python -m benchmarks.serving " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "shape": {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
-            "results": results}, indent=1) + "\n")
+    harness.write_result(args.out, {
+        "vllm": vllm_version,
+        "shape": {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
+        "results": results}, run)
     return 0
 
 
@@ -118,7 +123,7 @@ def report(results: dict, args) -> None:
     for result in results.values():
         result.pop("tokens", None)
     print(f"SmolLM2-135M fp32, {args.prompts} prompts x {args.prompt_tokens} tokens, {args.new_tokens} new, greedy:")
-    rounds = [r for r in range(1, args.rounds + 1) if f"{OURS}/{r}" in results]
+    rounds = [r for r in range(1, args.repeats + 1) if f"{OURS}/{r}" in results]
     if rounds:
         print("| engine | " + " | ".join(f"round {r} ({'ours' if r % 2 else 'native'} first)" for r in rounds) + " |")
         print("|---|" + "---:|" * len(rounds))

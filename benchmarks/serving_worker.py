@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def run(job: dict) -> dict:
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -29,7 +30,7 @@ def run(job: dict) -> dict:
               skip_tokenizer_init=True, distributed_executor_backend="uni", seed=0,
               hf_overrides=job.get("hf_overrides"))
     config = llm.llm_engine.vllm_config.cache_config
-    result = {"architecture": llm.llm_engine.model_config.architecture,
+    result = {"vllm": vllm.__version__, "architecture": llm.llm_engine.model_config.architecture,
               "kv_capacity_tokens": config.num_gpu_blocks * config.block_size}
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
     inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]

@@ -36,6 +36,7 @@ FAMILIES: dict[str, str] = {
     "phi": "modular_decoder.conversion.families.phi",
     "deepseek_v2": "modular_decoder.conversion.families.deepseek_v2",
     "deepseek_v3": "modular_decoder.conversion.families.deepseek_v3",
+    "deepseek_v32": "modular_decoder.conversion.families.deepseek_v32",
     "mixtral": "modular_decoder.conversion.families.mixtral",
     "qwen2_moe": "modular_decoder.conversion.families.qwen2_moe",
     "qwen3_moe": "modular_decoder.conversion.families.qwen3_moe",

@@ -8,9 +8,13 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import Family, apply_rules, check_shapes, count_mtp_layers, rename_prefixes
-from .io import (add_safetensors_shard, atomic_folder, check_destination, copy_side_files, read_gguf,
-                 read_safetensors_folder)
+from .core import Family, RuleInstance, check_duplicate, check_shapes, count_mtp_layers, duplicates, plan_rules, rename
+from .gguf_source import open_gguf
+from .io import atomic_folder, check_destination, copy_side_files
+from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
+                      quantization_of)
+from .stream import Sink, plan_shapes, produce, write_plan
+from .tensor_files import WEIGHTS_NAME, ShardedWriter
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Contract fields that do not change the function a checkpoint computes (compared on export).
@@ -27,31 +31,18 @@ def _dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def _model_names(state: dict, family: Family) -> dict:
-    """File names -> the transformers model's names: old prefixes renamed as transformers does on load,
-    the causal-LM prefix (`transformer.`, `model.`) added where a base model was saved, and per-expert
-    tensors stacked into the model's 3-D experts tensors."""
-    state = rename_prefixes(state, family.renames)
-    keep = (family.prefix, *family.head) if family.prefix else None
-    if keep is not None:
-        state = {k if k.startswith(keep) else family.prefix + k: v for k, v in state.items()}
-    for stack in family.experts:
-        state = stack.stack(state)
-    return state
-
-
-def _drop_ignored(state: dict, family: Family) -> dict:
-    """Buffers that old checkpoints saved but that carry no weights (causal masks, rotary tables)."""
-    return {k: v for k, v in state.items() if not any(k.endswith(suffix) for suffix in family.ignore)}
-
-
-def _untie(state: dict, tied: bool, embed_key: str, head_key: str, where: str) -> dict:
-    """Drop a tied head (checked equal to the embedding first); a tied contract never stores it."""
-    if tied and head_key in state:
-        if not torch.equal(state[head_key], state[embed_key]):
-            raise ValueError(f"{where}: `tie_word_embeddings` is set but `{head_key}` differs from `{embed_key}`.")
-        state = {k: v for k, v in state.items() if k != head_key}
-    return state
+def _tied_head(plan: list[RuleInstance], tensors: dict[str, SourceTensor], cfg, tied: bool, embed: str, head: str,
+               where: str) -> list[RuleInstance]:
+    """The plan without the instance that makes a tied head, after checking that head equal to the embedding
+    (both read from the source); a tied contract never stores it."""
+    makes = {name: instance for instance in plan for name in instance.outputs}
+    if not tied or head not in makes:
+        return plan
+    if len(makes[head].outputs) != 1 or embed not in makes:
+        raise ValueError(f"{where}: `tie_word_embeddings` is set but `{head}` is not a tensor of its own.")
+    if not torch.equal(produce(makes[head], tensors, cfg)[head], produce(makes[embed], tensors, cfg)[embed]):
+        raise ValueError(f"{where}: `tie_word_embeddings` is set but `{head}` differs from `{embed}`.")
+    return [instance for instance in plan if instance is not makes[head]]
 
 
 def _meta_model(build):
@@ -59,14 +50,39 @@ def _meta_model(build):
         return build()
 
 
-def _load_assigned(model, state: dict, head_key: str, embed_key: str, tied: bool) -> None:
-    """Put real tensors into a meta-initialised model (no random init anywhere)."""
-    state = dict(state)
-    if tied:
-        state[head_key] = state[embed_key]
-    model.load_state_dict(state, strict=True, assign=True)
-    if tied:
-        model.tie_weights()
+def _save_model_files(model, folder: Path, dtype: torch.dtype) -> None:
+    """What `save_pretrained` writes beside the weights (the config with the weights' dtype and the class, the
+    generation config, the model's code where it is remote code), written by `save_pretrained` itself, on the
+    meta-device model and without weights, so that a model's own `save_pretrained` (its `auto_map`) holds."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # its bar over zero shards
+    try:
+        model.to(dtype).save_pretrained(folder, state_dict={})
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+    (folder / WEIGHTS_NAME).unlink(missing_ok=True)  # an empty weights file, where a release writes one
+
+
+def _write_weights(folder: Path, plan, tensors, cfg, planned: dict, sinks: dict, total_parameters: int,
+                   dtype: torch.dtype | None, desc: str, progress: bool) -> None:
+    """Stream the plan's outputs into `folder`'s shards, with a progress bar over the bytes read."""
+    from tqdm.auto import tqdm
+
+    total = sum(tensors[name].nbytes for instance in plan for name in instance.inputs)
+    with ShardedWriter(folder, planned, total_parameters) as writer, tqdm(
+            total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress) as bar:
+        write_plan(plan, tensors, cfg, writer, sinks, dtype, bar.update)
+
+
+def _compute_dtype(src_cfg) -> torch.dtype:
+    """The dtype a quantized checkpoint computes in: its config's `dtype` where it names a float type, else bf16."""
+    dtype = getattr(src_cfg, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype)
+    return dtype if dtype in DTYPES.values() else torch.bfloat16
 
 
 def _check_source(src: Path, gguf_file: str | None = None) -> None:
@@ -97,13 +113,13 @@ def _source_config(src: Path):
     return AutoConfig.from_pretrained(str(src))
 
 
-def _read_source(src: Path, gguf_file: str | None, allow_bin: bool):
+def _open_source(src: Path, gguf_file: str | None, allow_bin: bool):
+    """(source config, its tensors under their file names, tokenizer, generation config)."""
     _check_source(src, gguf_file)
     if gguf_file is not None:
-        state, src_cfg, tokenizer, generation_config = read_gguf(src, gguf_file)
-        return state, src_cfg, tokenizer, generation_config
+        return open_gguf(src, gguf_file)
     src_cfg = _source_config(src)
-    return read_safetensors_folder(src, allow_bin=allow_bin), src_cfg, None, None
+    return src_cfg, folder_tensors(src, allow_bin=allow_bin), None, None
 
 
 def convert(
@@ -129,8 +145,6 @@ def convert(
     `input_checks`: a context manager the steps that check the caller's input run inside (paths,
     files, the source's config and tensors); the CLI turns their errors into one-line user errors.
     """
-    from tqdm.auto import tqdm
-
     from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM
     from modular_decoder.tools.cards import render_model_card
 
@@ -139,33 +153,45 @@ def convert(
     with input_checks():
         check_destination(out, force, sources=(src,))  # before any work: never the source, nor a folder holding it
         torch_dtype = _dtype(dtype)
-        state, src_cfg, tokenizer, generation_config = _read_source(src, gguf_file, allow_bin)
+        src_cfg, files, tokenizer, generation_config = _open_source(src, gguf_file, allow_bin)
         family = get_family(src_cfg.model_type)
-        state = _drop_ignored(_model_names(state, family), family)
-        cfg = ModularDecoderConfig(**_with_mtp_layers(family.to_contract(src_cfg), family, src_cfg, state, src))
-        with tqdm(total=len(state), desc=f"converting {family.name}", unit="tensor", disable=not progress) as bar:
-            ours = apply_rules(family.rules(src_cfg), state, cfg, progress=bar.update)
-        ours = _untie(ours, cfg.tie_word_embeddings, embed, head, "source")
-    cfg.architectures = ["ModularDecoderForCausalLM"]
-    if torch_dtype is None:
-        torch_dtype = ours[embed].dtype
-    ours = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in ours.items()}
-    cfg.dtype = torch_dtype
-
-    model = _meta_model(lambda: ModularDecoderForCausalLM(cfg))
-    expected = {k: v.shape for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == head)}
-    with input_checks():
-        check_shapes(ours, expected, f"converting {src}")
-    _load_assigned(model, ours, head, embed, cfg.tie_word_embeddings)
-
+        fields = family.to_contract(src_cfg)
+        quantization = quantization_of(src_cfg) if gguf_file is None else None  # GGUF: dequantized on reading
+        if quantization is not None:  # dequantized straight into the dtype written
+            torch_dtype = torch_dtype or _compute_dtype(src_cfg)
+        tensors = model_tensors(dequantized(files, quantization, torch_dtype, str(src)), family)
+        cfg = ModularDecoderConfig(**_with_mtp_layers(fields, family, src_cfg, tensors, src))
+        plan, copies = duplicates(plan_rules(family.rules(src_cfg), tensors, cfg))
+        for instance in copies:  # each read twice (its original is converted too), checked, not written
+            check_duplicate(instance, *(tensors[name].read() for name in instance.inputs))
+        produced = plan_shapes(plan, tensors, cfg)
+        torch_dtype = torch_dtype or produced[embed].dtype
+        cfg.architectures = ["ModularDecoderForCausalLM"]
+        cfg.dtype = torch_dtype
+        model = _meta_model(lambda: ModularDecoderForCausalLM(cfg))
+        tied = cfg.tie_word_embeddings
+        expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == head)}
+        check_shapes({k: v for k, v in produced.items() if not (tied and k == head)}, expected, f"converting {src}")
+        if verify:
+            check_verify_memory(model.num_parameters())
+        plan = _tied_head(plan, tensors, cfg, tied, embed, head, "source")
+    planned = {k: (torch_dtype if produced[k].is_floating_point() else produced[k].dtype, tuple(produced[k].shape))
+               for k in expected}  # in the model's order, as `save_pretrained` shards it
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
-        model.save_pretrained(tmp)
+        _save_model_files(model, tmp, torch_dtype)
+        _write_weights(tmp, plan, tensors, cfg, planned, {k: [Sink(k)] for k in planned}, model.num_parameters(),
+                       torch_dtype, f"converting {family.name}", progress)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         copy_side_files(src, tmp)
-        (tmp / "README.md").write_text(render_model_card(cfg, base_model=base_model))
+        description = None
+        if quantization is not None:
+            origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a checkpoint"
+            description = (f"The weights of {origin}, published as {describe_quantization(quantization)}, dequantized "
+                           f"to {str(torch_dtype).split('.')[1]} and converted to the modular_decoder family.")
+        (tmp / "README.md").write_text(render_model_card(cfg, base_model=base_model, description=description))
     if verify:
         diff = compare_with_source(src, out, gguf_file=gguf_file)
         print(f"largest logit difference (source vs converted, fp32): {diff:.3e}")
@@ -174,12 +200,12 @@ def convert(
 
 def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = True,
            input_checks=contextlib.nullcontext) -> Path:
-    """Write a modular_decoder folder back in `family`'s own transformers format (the inverse map).
+    """Write a modular_decoder folder back in `family`'s own transformers format (the inverse map), tensor
+    by tensor as `convert` does.
 
     Raises `ValueError` naming the contract fields the family cannot express. `input_checks`: as
     for `convert`.
     """
-    from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from modular_decoder import ModularDecoderConfig
@@ -195,33 +221,37 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
             raise ValueError(f"{src} is not a modular_decoder checkpoint (model_type={cfg.model_type!r}).")
         src_cfg = fam.from_contract(cfg)
         _check_round_trip(cfg, ModularDecoderConfig(**fam.to_contract(src_cfg)), fam.name)
-        state = _untie(read_safetensors_folder(src), cfg.tie_word_embeddings, embed, head, str(src))
-    with tqdm(total=len(state), desc=f"exporting {fam.name}", unit="tensor", disable=not progress) as bar:
-        theirs = apply_rules(fam.rules(src_cfg), state, cfg, direction="inverse", progress=bar.update)
-    theirs, mtp = _split_mtp(theirs, fam, cfg)
+        tensors = folder_tensors(src)
+        tied = cfg.tie_word_embeddings
+        if tied and head in tensors:  # a tied contract's head is the embedding: checked, then not read again
+            if not torch.equal(tensors[head].read(), tensors[embed].read()):
+                raise ValueError(f"{src}: `tie_word_embeddings` is set but `{head}` differs from `{embed}`.")
+            tensors = {k: v for k, v in tensors.items() if k != head}
+    plan = plan_rules(fam.rules(src_cfg), tensors, cfg, direction="inverse")
+    produced = plan_shapes(plan, tensors, cfg)
     src_cfg.architectures = None
     model = _meta_model(lambda: AutoModelForCausalLM.from_config(src_cfg))
     their_embed_key = _param_name(model, model.get_input_embeddings().weight)
     their_head_key = _param_name(model, model.get_output_embeddings().weight, exclude=their_embed_key)
-    tied = cfg.tie_word_embeddings
     expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == their_head_key)}
-    check_shapes(theirs, expected, f"exporting to {fam.name}")
-    src_cfg.dtype = theirs[their_embed_key].dtype
-    _load_assigned(model, theirs, their_head_key, their_embed_key, tied)
+    expected.update(_mtp_tensors(produced, fam, cfg))  # written beside the model's, which does not hold them
+    check_shapes(produced, expected, f"exporting to {fam.name}")
+    dtype = produced[their_embed_key].dtype
+    planned, sinks = _file_tensors(expected, produced, fam)
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
-        model.save_pretrained(tmp)
-        if mtp:
-            add_safetensors_shard(tmp, mtp)
+        _save_model_files(model, tmp, dtype)
+        _write_weights(tmp, plan, tensors, cfg, planned, sinks, model.num_parameters(), None,
+                       f"exporting {fam.name}", progress)
         copy_side_files(src, tmp)
     return out
 
 
-def _with_mtp_layers(fields: dict, family: Family, src_cfg, state: dict, src: Path) -> dict:
+def _with_mtp_layers(fields: dict, family: Family, src_cfg, names, src: Path) -> dict:
     """The contract's `num_mtp_layers`: the MTP modules the source's files hold (a folder without them converts
     without them, whatever config.json declares); files holding another number than it declares are refused."""
     if family.mtp_layers is None:
         return fields
-    held = count_mtp_layers(state, family.mtp_layers, src_cfg.num_hidden_layers)
+    held = count_mtp_layers(names, family.mtp_layers, src_cfg.num_hidden_layers)
     declared = fields.get("num_mtp_layers", 0)
     if held and held != declared:
         raise ValueError(f"{src}: config.json declares {declared} multi-token-prediction module(s) "
@@ -230,16 +260,51 @@ def _with_mtp_layers(fields: dict, family: Family, src_cfg, state: dict, src: Pa
     return {**fields, "num_mtp_layers": held}
 
 
-def _split_mtp(theirs: dict, family: Family, cfg) -> tuple[dict, dict]:
-    """(the tensors the family's transformers model holds, the MTP modules' tensors it does not hold): those are
-    written beside `save_pretrained`'s files, one tensor per expert as the files of the model's layers are."""
+def _mtp_tensors(produced: dict, family: Family, cfg) -> dict:
+    """{name: shape} of the exported MTP modules' tensors (the family's transformers model does not hold them: its
+    `MtpModel` reads them from the files), in module order after the model's."""
     if family.mtp_layers is None or not cfg.num_mtp_layers:
-        return theirs, {}
+        return {}
     prefixes = tuple(family.mtp_layers.format(mtp_layer=cfg.num_hidden_layers + k) for k in range(cfg.num_mtp_layers))
-    mtp = {k: v for k, v in theirs.items() if k.startswith(prefixes)}
-    for stack in family.experts:
-        mtp = stack.unstack(mtp)
-    return {k: v for k, v in theirs.items() if not k.startswith(prefixes)}, mtp
+    return {k: v.shape for k, v in produced.items() if k.startswith(prefixes)}
+
+
+def _file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
+    """The tensors `save_pretrained` writes for the family's model tensors `names` (in this order): renamed
+    back to the file's prefixes, stacked experts split into one tensor per expert. Returns ({file name:
+    (dtype, shape)}, {model name: [Sink]})."""
+    planned, sinks = {}, {}
+    for name in names:
+        tensor = produced[name]
+        pieces = next((p for stack in family.experts if (p := stack.pieces(name, tuple(tensor.shape))) is not None),
+                      None)
+        if pieces is None:
+            file = rename(name, family.renames, inverse=True)
+            planned[file] = (tensor.dtype, tuple(tensor.shape))
+            sinks[name] = [Sink(file)]
+            continue
+        sinks[name] = []
+        for file, expert, rows in pieces:
+            file = rename(file, family.renames, inverse=True)
+            planned[file] = (tensor.dtype, (rows.stop - rows.start, *tensor.shape[2:]))
+            sinks[name].append(Sink(file, expert, rows))
+    return planned, sinks
+
+
+def check_verify_memory(parameters: int) -> None:
+    """`--verify` runs the source and the converted model side by side in float32: refuse, before converting,
+    where this machine's available memory cannot hold both (it would run out after the whole conversion)."""
+    import psutil
+
+    needed = 2 * 4 * parameters
+    available = psutil.virtual_memory().available
+    if needed > available:
+        raise ValueError(
+            f"`--verify` loads the source and the converted model side by side in float32, about "
+            f"{needed / 2**30:.1f} GiB for {parameters:,} parameters; this machine has {available / 2**30:.1f} GiB "
+            "available. Convert without `--verify` (conversion itself needs a few tensors' worth of memory), or "
+            "verify on a machine with more memory."
+        )
 
 
 def _param_name(model, param, exclude: str | None = None) -> str:

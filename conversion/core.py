@@ -15,7 +15,13 @@ Multi-token-prediction modules are rules too: names with `{mtp}` (module k of th
 `{mtp_layer}` (the layer index the source's files give module k, `num_hidden_layers` + k) expand once per module
 (`mtp_block_rules` re-aims a family's layer rules at a module's block), and a `"duplicate"` rule names a source
 tensor that is a copy of one the model holds once (DeepSeek's MTP layer stores the embedding and the head again):
-conversion checks it equals that tensor and drops it, export writes the copy back.
+conversion reads both, checks them equal and writes nothing (`duplicates`), export writes the copy from the original.
+
+Conversion streams (`stream.py`): `plan_rules` names, for each rule instance, the tensors it needs
+(`RuleInstance.inputs`) before anything is read; the instances run once on meta-device tensors to plan
+the output's names and shapes, then once per instance on the tensors read for it. A transform must
+therefore be a shape operation that also runs on the meta device (split, cat, reshape, transpose), as
+every one in `TRANSFORMS` is.
 """
 
 from __future__ import annotations
@@ -101,8 +107,8 @@ def _split_gate_up(tensors: Tensors, cfg) -> Tensors:
 
 TRANSFORMS: dict[str, Transform] = {
     "copy": Transform(_copy, _copy),
-    # src: a copy of the tensor named by dst; `apply_rules` checks it (forward) and writes it back (inverse)
-    "duplicate": Transform(_copy, _copy),
+    # forward: [copy, original] -> nothing (`duplicates` checks them equal); inverse: original -> copy
+    "duplicate": Transform(lambda tensors, cfg: [], _copy),
     "transpose": Transform(_transpose, _transpose),
     "split_qkv": Transform(_split_qkv, _fuse_qkv),
     "split_conv1d_qkv": Transform(_split_conv1d_qkv, _fuse_conv1d_qkv),
@@ -155,56 +161,65 @@ class ExpertStack:
         escaped = re.escape(part).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
         return re.compile(escaped.replace(re.escape("{expert}"), r"(?P<expert>\d+)") + "$")
 
-    def stack(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`state` with every layer's per-expert tensors replaced by the stacked one (files that hold the
-        stacked tensor already pass through)."""
+    def groups(self, names) -> dict[str, list[list[str]]]:
+        """{stacked name: per part, the per-expert names it is made of, expert by expert} for every layer
+        whose experts `names` holds; raises `ValueError` naming the pieces a layer lacks."""
         found: dict[int, set[int]] = {}
         pattern = self._pattern(self.parts[0])
-        for name in state:
+        for name in names:
             match = pattern.match(name)
             if match:
                 found.setdefault(int(match["layer"]), set()).add(int(match["expert"]))
-        state = dict(state)
+        names = set(names)
+        groups = {}
         for layer, experts in sorted(found.items()):
             count = max(experts) + 1
-            names = [[part.format(layer=layer, expert=e) for e in range(count)] for part in self.parts]
-            missing = [name for group in names for name in group if name not in state]
+            group = [[part.format(layer=layer, expert=e) for e in range(count)] for part in self.parts]
+            missing = [name for part in group for name in part if name not in names]
             if missing:
                 raise ValueError(f"Experts of layer {layer} are incomplete: missing {missing[:5]}.")
-            stacks = [torch.stack([state.pop(name) for name in group]) for group in names]  # (E, out, in) each
-            state[self.dst.format(layer=layer)] = torch.cat(stacks, dim=1) if len(stacks) > 1 else stacks[0]
+            groups[self.dst.format(layer=layer)] = group
+        return groups
+
+    def stack(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with every layer's per-expert tensors replaced by the stacked one (files that hold the
+        stacked tensor already pass through)."""
+        state = dict(state)
+        for dst, group in self.groups(state).items():
+            stacks = [torch.stack([state.pop(name) for name in part]) for part in group]  # (E, out, in) each
+            state[dst] = torch.cat(stacks, dim=1) if len(stacks) > 1 else stacks[0]
         return state
 
-    def unstack(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The inverse of `stack`: every stacked tensor of `state` split back into one tensor per expert and part
-        (what `save_pretrained` writes for the tensors of the model; this is for those it does not hold)."""
+    def pieces(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int, slice]] | None:
+        """How `save_pretrained` splits stacked tensor `name` (of `shape`) back into per-expert file tensors:
+        [(file name, expert, rows of dim 1)], parts of equal width; None if `name` is not this stack's."""
         pattern = re.compile(re.escape(self.dst).replace(re.escape("{layer}"), r"(?P<layer>\d+)") + "$")
-        out = {}
-        for name, tensor in state.items():
-            match = pattern.match(name)
-            if match is None:
-                out[name] = tensor
-                continue
-            for part, stacked in zip(self.parts, tensor.chunk(len(self.parts), dim=1), strict=True):
-                for expert, weight in enumerate(stacked.unbind(0)):
-                    out[part.format(layer=int(match["layer"]), expert=expert)] = weight.contiguous()
-        return out
+        match = pattern.match(name)
+        if match is None:
+            return None
+        width = shape[1] // len(self.parts)
+        return [(part.format(layer=int(match["layer"]), expert=e), e, slice(j * width, (j + 1) * width))
+                for e in range(shape[0]) for j, part in enumerate(self.parts)]
+
+
+def rename(name: str, renames: dict[str, str], inverse: bool = False) -> str:
+    """One name through old -> new prefixes (new -> old with `inverse`); a prefix may contain `{layer}`
+    (any layer number, kept)."""
+    for old, new in renames.items():
+        if inverse:
+            old, new = new, old
+        if "{layer}" in old:
+            match = re.compile(re.escape(old).replace(re.escape("{layer}"), r"(?P<layer>\d+)")).match(name)
+            if match:
+                name = new.format(layer=match["layer"]) + name[match.end():]
+        elif name.startswith(old):
+            name = new + name[len(old):]
+    return name
 
 
 def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
     """Old name prefixes -> new ones; a prefix may contain `{layer}` (any layer number, kept)."""
-    for old, new in renames.items():
-        if "{layer}" in old:
-            pattern = re.compile(re.escape(old).replace(re.escape("{layer}"), r"(?P<layer>\d+)"))
-
-            def renamed(name: str, pattern=pattern, new=new) -> str:
-                match = pattern.match(name)
-                return new.format(layer=match["layer"]) + name[match.end():] if match else name
-
-            state = {renamed(k): v for k, v in state.items()}
-        else:
-            state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
-    return state
+    return {rename(k, renames): v for k, v in state.items()}
 
 
 @dataclass
@@ -305,13 +320,88 @@ def mtp_block_rules(rules: list[Rule], src_layer: str, src_module: str, dst_laye
             if all(n.startswith(src_layer) for n in r.src) and all(n.startswith(dst_layer) for n in r.dst)]
 
 
-def count_mtp_layers(state_names, prefix: str, num_hidden_layers: int) -> int:
+def count_mtp_layers(names, prefix: str, num_hidden_layers: int) -> int:
     """How many MTP modules a source's files hold: consecutive `prefix` (with `{mtp_layer}`) from
     `num_hidden_layers` on that start some tensor's name."""
     count = 0
-    while any(name.startswith(prefix.format(mtp_layer=num_hidden_layers + count)) for name in state_names):
+    while any(name.startswith(prefix.format(mtp_layer=num_hidden_layers + count)) for name in names):
         count += 1
     return count
+
+
+def duplicates(plan: list["RuleInstance"]) -> tuple[list["RuleInstance"], list["RuleInstance"]]:
+    """(the plan without the instances of forward `"duplicate"` rules, those instances: inputs (copy, original),
+    which the caller reads and gives to `check_duplicate`)."""
+    checks = [i for i in plan if i.rule.transform == "duplicate" and not i.inverse]
+    return [i for i in plan if i not in checks], checks
+
+
+def check_duplicate(instance: "RuleInstance", copy: torch.Tensor, original: torch.Tensor) -> None:
+    """A source tensor that should be a copy of one the model holds once: refused, naming both, where it differs
+    (converting would lose it)."""
+    if copy.shape != original.shape or not torch.equal(copy, original):
+        name, of = instance.inputs
+        raise ValueError(f"`{name}` should be a copy of `{of}`, which the model holds once, and it differs from it: "
+                         "converting would lose it.")
+
+
+@dataclass(frozen=True)
+class RuleInstance:
+    """One rule at one layer, in one direction: the tensors it needs (`inputs`) and those it makes."""
+
+    rule: Rule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    inverse: bool = False
+
+    def apply(self, tensors: Tensors, cfg) -> dict[str, torch.Tensor]:
+        """The outputs from the input tensors (in `inputs`' order)."""
+        transform = TRANSFORMS[self.rule.transform]
+        fn = transform.inverse if self.inverse else transform.forward
+        return dict(zip(self.outputs, fn(list(tensors), cfg), strict=True))
+
+
+def plan_rules(rules: list[Rule], names, cfg, direction: str = "forward") -> list[RuleInstance]:
+    """The rule instances that map tensors named `names`, each naming the tensors it needs; nothing is read.
+
+    `direction="inverse"` maps target names back to source names. Raises `ValueError` for partly
+    present rules and for tensors no rule consumes.
+    """
+    inverse = direction == "inverse"
+    remaining = set(names)
+    plan = []
+    names = set(names)
+    for r, src, dst in _instances(rules, cfg):
+        if r.transform == "duplicate":
+            plan += _duplicate_instance(r, src[0], dst[0], names, remaining, inverse)
+            continue
+        ins, outs = (dst, src) if inverse else (src, dst)
+        present = [name for name in ins if name in remaining]
+        if not present and r.optional:
+            continue
+        if len(present) != len(ins):
+            missing = [name for name in ins if name not in remaining]
+            raise ValueError(f"Missing tensors {missing} (rule {r.src} -> {r.dst}).")
+        remaining.difference_update(ins)
+        plan.append(RuleInstance(r, tuple(ins), tuple(outs), inverse))
+    if remaining:
+        raise ValueError(f"Unexpected tensors that no rule of the map consumes: {sorted(remaining)[:20]}.")
+    return plan
+
+
+def _duplicate_instance(r: Rule, copy: str, original: str, names: set, remaining: set, inverse: bool) -> list:
+    """A `"duplicate"` rule's instance: forward it consumes the copy (read with the original, which its own rule
+    consumes too), inverse it writes the copy from the original."""
+    if inverse:
+        return [RuleInstance(r, (original,), (copy,), True)] if original in names or not r.optional else []
+    if copy not in remaining:
+        if r.optional:
+            return []
+        raise ValueError(f"Missing tensors {[copy]} (rule {r.src} -> {r.dst}).")
+    if original not in names:
+        raise ValueError(f"Missing tensors {[original]} (rule {r.src} -> {r.dst}).")
+    remaining.discard(copy)
+    return [RuleInstance(r, (copy, original), ())]
 
 
 def apply_rules(
@@ -321,54 +411,18 @@ def apply_rules(
     direction: str = "forward",
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Apply every rule instance to `tensors`; `direction="inverse"` maps target names back to source.
-
-    Raises `ValueError` for partly present rules and for tensors no rule consumed.
+    """Apply every rule instance to `tensors` (held in memory); `direction="inverse"` maps target names
+    back to source. Raises as `plan_rules` does. Conversion streams instead (`conversion/stream.py`).
     """
-    inverse = direction == "inverse"
-    remaining = dict(tensors)
     out: dict[str, torch.Tensor] = {}
-    duplicates = []
-    for r, src, dst in _instances(rules, cfg):
-        if r.transform == "duplicate":  # after the other rules: the tensor it copies is theirs
-            duplicates.append((src[0], dst[0], r))
-            continue
-        ins, outs = (dst, src) if inverse else (src, dst)
-        present = [name for name in ins if name in remaining]
-        if not present and r.optional:
-            continue
-        if len(present) != len(ins):
-            missing = [name for name in ins if name not in remaining]
-            raise ValueError(f"Missing tensors {missing} (rule {r.src} -> {r.dst}).")
-        transform = TRANSFORMS[r.transform]
-        fn = transform.inverse if inverse else transform.forward
-        results = fn([remaining.pop(name) for name in ins], cfg)
-        out.update(zip(outs, results, strict=True))
+    for instance in plan_rules(rules, tensors, cfg, direction):
+        inputs = [tensors[name] for name in instance.inputs]
+        if instance.rule.transform == "duplicate" and not instance.inverse:
+            check_duplicate(instance, *inputs)
+        out.update(instance.apply(inputs, cfg))
         if progress is not None:
-            progress(len(ins))
-    for copy_name, original, r in duplicates:
-        _duplicate(copy_name, original, r, remaining, out, tensors, inverse)
-    if remaining:
-        raise ValueError(f"Unexpected tensors that no rule of the map consumes: {sorted(remaining)[:20]}.")
+            progress(len(instance.inputs))
     return out
-
-
-def _duplicate(copy_name: str, original: str, r: Rule, remaining: dict, out: dict, tensors: dict, inverse: bool):
-    """A `"duplicate"` rule: the copy is written from the original (inverse), or checked equal to it and dropped."""
-    if inverse:
-        if original in tensors:
-            out[copy_name] = tensors[original].clone()  # its own storage, as the file held it
-        elif not r.optional:
-            raise ValueError(f"Missing tensors {[original]} (rule {r.src} -> {r.dst}).")
-        return
-    if copy_name not in remaining:
-        if r.optional:
-            return
-        raise ValueError(f"Missing tensors {[copy_name]} (rule {r.src} -> {r.dst}).")
-    copy = remaining.pop(copy_name)
-    if original not in out or not torch.equal(copy, out[original]):
-        raise ValueError(f"`{copy_name}` should be a copy of `{original}`, which the model holds once, and it differs "
-                         "from it: converting would lose it.")
 
 
 def check_shapes(produced: dict[str, torch.Tensor], expected: dict[str, tuple], where: str) -> None:

@@ -1,9 +1,8 @@
-"""Reading source checkpoints (Hugging Face folders, GGUF files) and writing folders atomically."""
+"""Checking source checkpoints (GGUF files) and writing folders atomically: nothing the user has is lost."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import mmap
 import os
@@ -14,8 +13,8 @@ import socket
 import struct
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -27,63 +26,34 @@ SIDE_FILES = (
 )
 
 
-def read_safetensors_folder(src: Path, allow_bin: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face folder: `model.safetensors`, sharded safetensors, or (opt-in,
-    since it unpickles) `pytorch_model*.bin`."""
-    from safetensors.torch import load_file
-
-    files = sorted(src.glob("*.safetensors"))
-    index = src / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted({src / name for name in json.loads(index.read_text())["weight_map"].values()})
-    if files:
-        from modular_decoder.checkpoint_checks import read_safetensors_header
-
-        tensors: dict[str, torch.Tensor] = {}
-        for file in files:
-            if not file.exists():
-                raise FileNotFoundError(f"{index} names {file.name}, which is not in {src}.")
-            read_safetensors_header(file)  # a truncated or damaged file is named, not a deserializer error
-            tensors.update(load_file(str(file)))
-        return tensors
-    bins = sorted(src.glob("pytorch_model*.bin"))
-    if bins and not allow_bin:
-        raise ValueError(
-            f"{src} holds only legacy `.bin` weights, which are loaded by unpickling (it can run code). "
-            "Pass `allow_bin=True` (`--allow-bin`) if you trust the source."
-        )
-    if not bins:
-        raise ValueError(f"{src} holds no `*.safetensors` (nor `pytorch_model*.bin`) weights.")
-    tensors = {}
-    for file in bins:
-        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
-    return tensors
-
-
-def read_gguf(src: Path, gguf_file: str):
-    """(state dict with the family's transformers names, source config, tokenizer) from a GGUF file,
-    through transformers' own GGUF loader (it dequantizes every tensor to fp32)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not (src / gguf_file).is_file():
-        found = sorted(p.name for p in src.glob("*.gguf"))
-        raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {src} (GGUF files there: {found or 'none'}).")
-    check_gguf(src / gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=gguf_file)
-    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    return state, model.config, tokenizer, model.generation_config
-
-
 # GGUF metadata value types (gguf-py's `GGUFValueType`) -> byte size of one value; 8 = string, 9 = array
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def check_gguf(path) -> None:
+class GGUFTensorInfo(NamedTuple):
+    """One tensor of a GGUF file's table: `dims` in GGUF's order (the fastest-varying first), `kind` its
+    `GGMLQuantizationType`, `start` its first byte in the file, `nbytes` its size."""
+
+    name: str
+    dims: tuple[int, ...]
+    kind: int
+    start: int
+    nbytes: int
+
+
+class GGUFLayout(NamedTuple):
+    """What a GGUF file's header says: `general.architecture` and the table of tensors."""
+
+    architecture: str | None
+    tensors: list[GGUFTensorInfo]
+
+
+def check_gguf(path) -> GGUFLayout:
     """Walk a GGUF file's header and tensor table; raise a `ValueError` naming the file and what is wrong
     (not a GGUF file, truncated in the header or in a tensor's data, an unknown type) before anything
-    tries to reshape its bytes. Reads only the header (memory-mapped), not the tensor data."""
+    tries to reshape its bytes. Reads only the header (memory-mapped), not the tensor data. Returns the
+    architecture and the table (empty without gguf-py, which knows the types' sizes)."""
     path = Path(path)
     size = path.stat().st_size
     if size < 24:
@@ -95,7 +65,7 @@ def check_gguf(path) -> None:
         version = struct.unpack_from(order + "I", data, 4)[0]
         if version not in (2, 3):
             raise ValueError(f"{path} is damaged or unsupported: GGUF version {version} (readable: 2, 3).")
-        _GGUFWalk(path, data, order).walk()
+        return _GGUFWalk(path, data, order).walk()
 
 
 class _GGUFWalk:
@@ -103,6 +73,7 @@ class _GGUFWalk:
 
     def __init__(self, path: Path, data, order: str):
         self.path, self.data, self.order, self.pos, self.where = path, data, order, 8, "the header"
+        self.architecture = None
 
     def take(self, fmt: str):
         width = struct.calcsize(fmt)
@@ -141,7 +112,7 @@ class _GGUFWalk:
         else:
             raise ValueError(f"{self.path} is damaged: metadata {key!r} has unknown value type {kind}.")
 
-    def walk(self) -> None:
+    def walk(self) -> GGUFLayout:
         tensors, entries = self.take("Q"), self.take("Q")
         alignment = 32
         for i in range(entries):
@@ -151,6 +122,8 @@ class _GGUFWalk:
             kind = self.take("I")
             if key == "general.alignment" and kind == 4:
                 alignment = self.take("I")
+            elif key == "general.architecture" and kind == _GGUF_STRING:
+                self.architecture = self.string()
             else:
                 self.value(kind, key)
         infos = []
@@ -166,7 +139,8 @@ class _GGUFWalk:
         try:
             from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
         except ImportError:  # without gguf-py the byte sizes are unknown: the table was still walked
-            return
+            return GGUFLayout(self.architecture, [])
+        table = []
         for name, shape, kind, offset in infos:
             try:
                 block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
@@ -181,40 +155,14 @@ class _GGUFWalk:
                     f"{self.path} is truncated: tensor {name!r} ends at byte {end} but the file has "
                     f"{len(self.data)} bytes ({end - len(self.data)} missing)."
                 )
+            table.append(GGUFTensorInfo(name, tuple(shape), kind, start + offset, count // block * nbytes))
+        return GGUFLayout(self.architecture, table)
 
 
 def copy_side_files(src: Path, dst: Path) -> None:
     for name in SIDE_FILES:
         if (src / name).exists() and not (dst / name).exists():
             shutil.copy2(src / name, dst / name)
-
-
-def add_safetensors_shard(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Add `tensors` to the weights `save_pretrained` wrote in `folder` as one more shard named in the index (a
-    single `model.safetensors` becomes the first of two shards: transformers reads a lone `model.safetensors`
-    before an index, so the index must be the only entry)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    index_file = folder / "model.safetensors.index.json"
-    if index_file.exists():
-        index = json.loads(index_file.read_text())
-        name = "model-extra.safetensors"
-    else:
-        single = folder / "model.safetensors"
-        first = "model-00001-of-00002.safetensors"
-        single.rename(folder / first)
-        from modular_decoder.checkpoint_checks import read_safetensors_header
-
-        header = read_safetensors_header(folder / first)
-        index = {"metadata": {}, "weight_map": dict.fromkeys(header, first)}
-        name = "model-00002-of-00002.safetensors"
-    save_file(tensors, str(folder / name), metadata={"format": "pt"})
-    index["weight_map"].update(dict.fromkeys(tensors, name))
-    index["weight_map"] = dict(sorted(index["weight_map"].items()))
-    sizes = {f: (folder / f).stat().st_size for f in set(index["weight_map"].values())}
-    index.setdefault("metadata", {})["total_size"] = sum(sizes.values())
-    index_file.write_text(json.dumps(index, indent=2) + "\n")
 
 
 PARTIAL = ".{name}.partial-"  # prefix of the temporary folder next to OUT

@@ -1,5 +1,5 @@
 """ALiBi from slopes: the two score functions this family adds to transformers' backends, and which
-backends take them.
+backends take them. The flex function also takes attention sinks (`sinks.py`), with or without slopes.
 
 Eager and SDPA add the materialised (1, H, T_q, T_k) bias the model passes as `position_bias`.
 FlexAttention and flash attention 2 take the per-head slopes instead (`alibi_slopes`), so no
@@ -18,6 +18,7 @@ import torch
 
 from .backend_features import canonical_backend
 from .compat import internals
+from .sinks import renormalize_with_sinks
 
 
 def flex_attention_with_alibi(
@@ -29,12 +30,16 @@ def flex_attention_with_alibi(
     scaling: float | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """FlexAttention with ALiBi as a `score_mod`: score − slope_h · (q_idx + T_k − T_q − kv_idx), the
     distance with the queries aligned to the last keys, as `AlibiBias` and the flash kernel take it.
     Order of operations as in `eager_attention`: scale, soft-cap, bias, mask. The mask is
     transformers' BlockMask (padding, packing, window, causal).
+
+    `s_aux` (H,): attention sinks, by the rows' log-sum-exp the kernel returns (`sinks.renormalize_with_sinks`);
+    without `alibi_slopes` this is flex attention with sinks alone.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -43,30 +48,42 @@ def flex_attention_with_alibi(
         raise ValueError("`flex_attention` does not support attention dropout while training; use `eager` or `sdpa`.")
     block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
     score_mask = None if block_mask is not None or attention_mask is None else attention_mask[..., : key.shape[-2]]
-    slopes = alibi_slopes.to(device=query.device, dtype=torch.float32)
+    slopes = None if alibi_slopes is None else alibi_slopes.to(device=query.device, dtype=torch.float32)
     # a tensor, not a Python int, so that decoding step after step does not recompile
     shift = torch.tensor(key.shape[-2] - query.shape[-2], device=query.device)
 
     def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
         if softcap is not None:
             score = softcap * torch.tanh(score / softcap)
-        score = score - slopes[head_idx] * (q_idx + shift - kv_idx)
+        if slopes is not None:
+            score = score - slopes[head_idx] * (q_idx + shift - kv_idx)
         if score_mask is not None:
             score = score + score_mask[batch_idx][0][q_idx][kv_idx]
         return score
 
-    out = flex.compile_friendly_flex_attention(
-        query,
-        key,
-        value,
-        score_mod=score_mod,
-        block_mask=block_mask,
-        enable_gqa=query.shape[1] != key.shape[1],  # K/V heads are shared, never repeated
-        scale=scaling,
-        kernel_options=kwargs.get("kernel_options"),
-        training=module.training,
-        **flex.get_flex_attention_lse_kwargs(False),
-    )
+    try:
+        out = flex.compile_friendly_flex_attention(
+            query,
+            key,
+            value,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            enable_gqa=query.shape[1] != key.shape[1],  # K/V heads are shared, never repeated
+            scale=scaling,
+            kernel_options=kwargs.get("kernel_options"),
+            training=module.training,
+            **flex.get_flex_attention_lse_kwargs(s_aux is not None),
+        )
+    except Exception as error:  # torch's compiled CPU flex returns no log-sum-exp (torch 2.13)
+        if s_aux is not None and "return_lse" in str(error):
+            raise ValueError(
+                "`attention_sinks` on flex_attention needs the kernel's log-sum-exp, which torch's compiled flex "
+                f"kernel does not return on {query.device.type}; use sdpa or eager there."
+            ) from error
+        raise
+    if s_aux is not None:
+        out, lse = out  # torch < 2.9 returns the log-sum-exp itself, later ones an AuxOutput holding it
+        out = renormalize_with_sinks(out, getattr(lse, "lse", lse), s_aux)
     return out.transpose(1, 2).contiguous(), None  # (B, T_q, H, D_v)
 
 

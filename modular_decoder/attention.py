@@ -13,9 +13,7 @@ from torch import nn
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .alibi_kernels import ALIBI_SLOPE_FUNCTIONS
 from .attention_layer import AttentionLayer
-from .backend_features import canonical_backend
 from .eager_attention import eager_attention
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
@@ -23,6 +21,7 @@ from .kinds import AttentionKind
 from .split_products import project, takes_split_branch
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
+from .sinks import sink_parameters
 
 
 QK_NORMS = ("none", "head", "full")
@@ -111,9 +110,10 @@ class StandardAttention(AttentionLayer):
             kwargs["position_bias"] = position_bias
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
-        if "alibi_slopes" in kwargs:  # flex / flash-attn 2 take ALiBi as slopes, through this family's functions
-            attention_interface = ALIBI_SLOPE_FUNCTIONS[canonical_backend(self.config._attn_implementation)]
-        out, weights = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, **self.score_kwargs(kwargs))
+        attention_interface = self.scores_through(attention_interface, kwargs)  # ALiBi slopes, sinks
+        out, weights = attention_interface(
+            self, q, k, v, attention_mask, scaling=self.scaling, s_aux=self.sinks, **self.score_kwargs(kwargs)
+        )
         out = out.reshape(batch, seq, -1).contiguous()  # (B, T, H·D)
         return project(self.o_proj, out), weights
 
@@ -145,7 +145,7 @@ class StandardKind(AttentionKind):
         return Int8SlidingWindowLayer(sliding_window=window) if sliding else Int8Layer()
 
     def parameters(self, config) -> int:
-        """2·d·H·d_h + 2·d·H_kv·d_h (+ biases, + QK-norms)."""
+        """2·d·H·d_h + 2·d·H_kv·d_h (+ biases, + QK-norms, + H sinks)."""
         d, h, kv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         total = linear_parameters(d, h * hd, config.attention_bias)
         total += 2 * linear_parameters(d, kv * hd, config.attention_bias)
@@ -154,7 +154,7 @@ class StandardKind(AttentionKind):
             total += 2 * norm_parameters(config, hd)
         elif config.qk_norm == "full":
             total += norm_parameters(config, h * hd) + norm_parameters(config, kv * hd)
-        return total
+        return total + sink_parameters(config)
 
     def bytes_per_token(self, config, element_bytes: int, quantization: str | None = None) -> int:
         """2·H_kv·d_h·b; int8: 2·H_kv·(d_h + b), one code per element and one b-byte scale per head."""

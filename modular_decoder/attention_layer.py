@@ -1,11 +1,16 @@
 """The base class of every attention kind's module: what the attention backends read from a layer
 (its config and index, the score scale, the soft-cap and window of its layer type, causality, the
-RoPE pair layout) and the keyword arguments of the one attention call each kind makes.
+RoPE pair layout, the attention sinks) and the keyword arguments of the one attention call each kind makes.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+from .alibi_kernels import ALIBI_SLOPE_FUNCTIONS
+from .backend_features import canonical_backend
+from .sinks import sink_function
 
 
 class AttentionLayer(nn.Module):
@@ -14,9 +19,12 @@ class AttentionLayer(nn.Module):
 
     A kind's `forward` makes exactly one call through transformers' attention interface, written out
     in its own source as `attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(...)` and
-    `attention_interface(self, q, k, v, mask, scaling=self.scaling, **self.score_kwargs(kwargs))`:
-    `attn_implementation` picks the backend, and vLLM's Transformers modeling backend finds each
-    layer's attention by reading that call (with `scaling=self.<attr>` and `layer_idx`)."""
+    `attention_interface(self, q, k, v, mask, scaling=self.scaling, s_aux=self.sinks, **self.score_kwargs(kwargs))`:
+    `attn_implementation` picks the backend (`scores_through` swaps in this family's function where a
+    backend takes ALiBi slopes or sinks only through it), and vLLM's Transformers modeling backend finds each
+    layer's attention by reading that call (with `scaling=self.<attr>`, `s_aux=self.<attr>` and `layer_idx`).
+
+    `sinks` (H,): the attention sinks with `attention_sinks` (`sinks.py`), else `None`."""
 
     def __init__(self, config, layer_idx: int, scaling: float):
         super().__init__()
@@ -28,6 +36,19 @@ class AttentionLayer(nn.Module):
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
         self.is_causal = True
         self.interleaved = config.rope_interleaved
+        sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.attention_sinks else None
+        self.register_parameter("sinks", sinks)
+
+    def scores_through(self, interface, kwargs: dict):
+        """The function that scores this layer: `interface` (the backend `attn_implementation` names), or this
+        family's own where a backend takes ALiBi slopes (flex, flash-attn 2) or sinks (sdpa, flex, flash) only
+        through it."""
+        backend = canonical_backend(self.config._attn_implementation)
+        if "alibi_slopes" in kwargs:  # flex / flash-attn 2 take ALiBi as slopes (flex takes the sinks too)
+            return ALIBI_SLOPE_FUNCTIONS[backend]
+        if self.sinks is not None:
+            return ALIBI_SLOPE_FUNCTIONS[backend] if backend == "flex_attention" else sink_function(backend, interface)
+        return interface
 
     def score_kwargs(self, kwargs: dict) -> dict:
         """What a backend takes beside q, k, v, the mask and `scaling`: the dropout while training, this

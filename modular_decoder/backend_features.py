@@ -19,14 +19,21 @@ FEATURE_FIELDS = {
     "scale": "query_pre_attn_scalar",
     "alibi": "position_embedding_type='alibi'",
     "mla": "attention_type='mla' (q/k width differs from v width)",
+    "sinks": "attention_sinks",
     # Latent scores (MLA served from its latent cache) with a cap or a window: transformers' backends score
     # expanded keys like any others; vLLM's latent attention takes neither.
     "latent_softcap": "attn_logit_softcapping with attention_type='mla'",
     "latent_window": "sliding_window / layer_types with attention_type='mla'",
     "latent_head_dim": "head_dim other than kv_lora_rank + qk_rope_head_dim with attention_type='mla'",
+    "latent_sinks": "attention_sinks with attention_type='mla'",
+    # A per-query choice of keys (DeepSeek Sparse Attention): a mask only eager, SDPA and flex take
+    "key_selection": "attention_type='dsa' (index_topk: each query attends to the keys its indexer picks)",
     # Not attention, but what an engine that runs the whole model (vLLM: its own lm_head and experts) must honour
     "logits_scaling": "logits_scaling (logits divided by it)",
     "experts_activation": "hidden_act other than 'silu' with mlp_type='moe'",
+    "experts_clamped_swiglu": "swiglu_limit (gpt-oss's clamped SwiGLU experts)",
+    "experts_bias": "mlp_bias with mlp_type='moe' (experts with biases)",
+    "router_bias": "router_bias",
 }
 
 ALL_FEATURES = frozenset(FEATURE_FIELDS)
@@ -37,16 +44,23 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # torch SDPA has no logit soft-capping (transformers raises on `softcap`)
     "sdpa": ALL_FEATURES - {"softcap"},
     "flex_attention": ALL_FEATURES,
-    # flash-attn 2 takes `alibi_slopes`; the FA3 (hopper) and FA4 (cute) interfaces have no ALiBi argument
-    "flash_attention_2": ALL_FEATURES,
-    "flash_attention_3": ALL_FEATURES - {"alibi"},
-    "flash_attention_4": ALL_FEATURES - {"alibi"},
+    # flash-attn 2 takes `alibi_slopes` and no sink; the FA3 (hopper) and FA4 (cute) interfaces have no ALiBi
+    # argument, and take sinks where the loaded kernel does (vLLM's FA3 `s_aux`, FA4 `learnable_sink`: checked
+    # when called, `sinks.flash_attention_with_sinks`)
+    # flash kernels take no arbitrary mask, so no per-query selection of keys
+    "flash_attention_2": ALL_FEATURES - {"sinks", "key_selection"},
+    "flash_attention_3": ALL_FEATURES - {"alibi", "key_selection"},
+    "flash_attention_4": ALL_FEATURES - {"alibi", "key_selection"},
     # vLLM's Transformers modeling backend (`LLM(folder, model_impl="transformers")`) sets this
     # implementation while it builds the model: its attention never receives ALiBi slopes or a bias, its
-    # latent (MLA) attention has no cap or window and sizes its cache by `head_dim`, its lm_head multiplies by `logit_scale` rather than
-    # dividing by `logits_scaling`, and its fused experts apply SiLU whatever `hidden_act` says.
-    "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "logits_scaling",
-                            "experts_activation"},
+    # latent (MLA) attention has no cap, window or sink and sizes its cache by `head_dim`, its lm_head multiplies by
+    # `logit_scale` rather than dividing by `logits_scaling`, and its fused experts apply SiLU whatever `hidden_act`
+    # says, with no bias (its gpt-oss forms apply to gpt-oss's own architecture only). (Its per-head attention
+    # takes the sinks it finds passed as `s_aux=self.sinks`.) Its latent attention attends to every key: no
+    # indexer, no indexer cache.
+    "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
+                            "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
+                            "router_bias", "key_selection"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -78,6 +92,8 @@ def required_features(config) -> set[str]:
         needed.add("alibi")
     if config.logits_scaling != 1.0:
         needed.add("logits_scaling")
+    if config.attention_sinks:
+        needed.add("sinks")
     return needed | config.attention_kind.backend_features(config) | config.mlp_kind.backend_features(config)
 
 

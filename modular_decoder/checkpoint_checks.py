@@ -36,6 +36,13 @@ def read_safetensors_header(path) -> dict[str, tuple[str, tuple[int, ...]]]:
     A file too short for its header, a header that is not JSON, or tensors whose data lie past the end
     of the file raise a `ValueError` naming the file and saying it is truncated or damaged.
     """
+    _, tensors = read_safetensors_layout(path)
+    return {name: (dtype, shape) for name, (dtype, shape, _) in tensors.items()}
+
+
+def read_safetensors_layout(path) -> tuple[int, dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]]:
+    """(byte where the data starts, {tensor name: (dtype, shape, (start, end) within the data)}) from a
+    `.safetensors` file's header, checked as `read_safetensors_header` says."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -60,10 +67,10 @@ def read_safetensors_header(path) -> dict[str, tuple[str, tuple[int, ...]]]:
                 raise ValueError(
                     f"{path} is truncated: tensor {name!r} needs {end} bytes of data but the file holds {data}."
                 )
-            tensors[name] = (info["dtype"], tuple(int(n) for n in info["shape"]))
+            tensors[name] = (info["dtype"], tuple(int(n) for n in info["shape"]), (int(start), int(end)))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path} is damaged: its safetensors header cannot be read ({error}).") from None
-    return tensors
+    return 8 + length, tensors
 
 
 def _weight_files(folder: str, variant: str | None, kwargs: dict) -> list[str] | None:

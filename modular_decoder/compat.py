@@ -75,9 +75,18 @@ CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).paramet
 def accepts_past_key_values(forward):
     """Decorate a forward taking `cache=` so that it also takes `past_key_values=` (PEFT's prefix tuning
     passes that name): transformers' deprecation shim from 5.24, where it is the old name; a silent
-    rename before, where it is the name transformers itself (generate) passes."""
+    rename before, where it is the name transformers itself (generate) passes. Both at once are refused
+    (`refuse_two_caches`), where the shim would drop `past_key_values` in silence."""
     if CACHE_NAME == "cache":
-        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+        shimmed = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+        @functools.wraps(forward)
+        def checked(*args, **kwargs):
+            if kwargs.get("past_key_values") is not None and kwargs.get("cache") is not None:
+                refuse_two_caches(kwargs["past_key_values"], kwargs["cache"])
+            return shimmed(*args, **kwargs)
+
+        return checked
 
     @functools.wraps(forward)
     def renamed(*args, **kwargs):
@@ -88,6 +97,22 @@ def accepts_past_key_values(forward):
         return forward(*args, **kwargs)
 
     return renamed
+
+
+def refuse_two_caches(past_key_values, cache) -> None:
+    """A forward given a cache under both names: from transformers 5.24 `generate` passes its own as `cache`, and
+    PEFT 0.21's prompt learning adds its virtual-token prefix as `past_key_values` (prefix tuning), which the
+    cache in use does not hold. transformers' own models keep `cache` and ignore the prefix in silence
+    (docs/using.md, "PEFT"); refused here, naming what happened."""
+    if past_key_values is cache:
+        return
+    held = past_key_values.get_seq_length() if hasattr(past_key_values, "get_seq_length") else None
+    prefix = f"a prefix of {int(held)} tokens" if held is not None else "a prefix"
+    raise ValueError(
+        f"`past_key_values` ({prefix}, as PEFT's prefix tuning passes its virtual tokens) came beside `cache` (the "
+        "cache `generate` passes): the cache in use does not hold that prefix, so it would be ignored. Pass one "
+        "cache; PEFT's prefix tuning cannot generate on transformers >= 5.24 (docs/using.md, PEFT)."
+    )
 
 
 def generate_cache_kwarg(kwargs: dict) -> dict:

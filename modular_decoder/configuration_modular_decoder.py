@@ -7,7 +7,6 @@ never a shape error deep inside ``forward``.
 
 from __future__ import annotations
 
-import sys
 
 # first: importing compat checks the transformers version, before anything below can fail on an older one
 from .compat import convert_nested_rope_params, plan_additions, run_config_validators  # isort: skip
@@ -17,13 +16,14 @@ from transformers import PretrainedConfig  # noqa: E402
 from .blocks import validate_block  # noqa: E402
 from .kinds import require_bool, require_choice, require_int, require_number  # noqa: E402
 from .norms import NORMS  # noqa: E402
+from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
 from .registries import ATTENTIONS, MLPS, POSITIONS  # noqa: E402
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Config fields that hold one entry per layer: a multi-token-prediction module is built from a config whose
 # lists hold the last layer's entry once per module (`mtp.mtp_block_config`). A new per-layer field goes here.
-PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types")
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers")
 # `mtp_loss_scaling_factor` where unset and `num_mtp_layers` > 0: DeepSeek-V3's λ for the last 4.8T of its
 # 14.8T training tokens (0.3 before; arXiv 2412.19437, §4.2)
 MTP_LOSS_SCALING_FACTOR = 0.1
@@ -67,6 +67,7 @@ FIELD_RULES = {
     "attention_output_bias": _flag,
     "sliding_window": _int(MIN_SLIDING_WINDOW, optional=True),
     "attn_logit_softcapping": _number(optional=True, above=0),
+    "attention_sinks": _flag,
     "final_logit_softcapping": _number(optional=True, above=0),
     "query_pre_attn_scalar": _number(optional=True, above=0),
     "attention_dropout": _number(at_least=0, below=1),
@@ -85,27 +86,6 @@ FIELD_RULES = {
     "bos_token_id": _token_ids,
     "eos_token_id": _token_ids,
 }
-
-
-# `LoraConfig()` without `target_modules`: PEFT takes its defaults from its own table keyed by `model_type`
-# (Llama: q_proj, v_proj), which has no entry for this family. These are Llama's for standard attention;
-# with MLA, the query projection (`q_proj`, or `q_b_proj` after the query bottleneck) and `kv_b_proj`, which
-# makes the per-head keys and values from the latent. PEFT needs only some of the names to exist.
-PEFT_LORA_TARGET_MODULES = ["q_proj", "v_proj", "q_b_proj", "kv_b_proj"]
-
-
-def register_peft_defaults() -> bool:
-    """Add this family's LoRA default targets to PEFT's table, if PEFT is imported (never imports it).
-
-    `ModularDecoderConfig.to_dict` calls it: PEFT reads `model.config.to_dict()` right before it looks the
-    defaults up, so the entry is there whichever of PEFT and the model was loaded first, at no import cost.
-    """
-    constants = sys.modules.get("peft.utils.constants")
-    table = getattr(constants, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", None)
-    if not isinstance(table, dict):
-        return False
-    table.setdefault(ModularDecoderConfig.model_type, list(PEFT_LORA_TARGET_MODULES))
-    return True
 
 
 class ModularDecoderConfig(PretrainedConfig):
@@ -141,7 +121,8 @@ class ModularDecoderConfig(PretrainedConfig):
             (a mixture of gated experts; the fields below up to `output_router_logits` apply to it only).
         hidden_act (`str`): Any `transformers.activations.ACT2FN` key. With `mlp_type="gated"`,
             sigmoid / relu / gelu / silu give GLU / ReGLU / GEGLU / SwiGLU.
-        mlp_bias (`bool`): Biases on the FFN projections (not with `"moe"`: experts carry none).
+        mlp_bias (`bool`): Biases on the FFN projections (with `"moe"`: every expert's gate/up and down products,
+            `mlp.experts.gate_up_proj_bias` / `down_proj_bias`, as gpt-oss's; and the shared and dense MLPs').
         mlp_layer_types (`list[str]`, *optional*): With `"moe"`, `"sparse"` (experts) or `"dense"` (a gated
             MLP of `intermediate_size`) per layer, transformers' values. DeepSeek's `first_k_dense_replace=k`
             is k × `"dense"` then `"sparse"`; Qwen-MoE's `mlp_only_layers` are `"dense"`. Defaults to all
@@ -157,8 +138,10 @@ class ModularDecoderConfig(PretrainedConfig):
         shared_expert_gate (`bool`): Scale the shared experts' output by σ(x·w), a learned per-token
             gate (Qwen2-MoE).
         router_type (`str`): `"softmax_topk"` (softmax over all experts, keep the k largest: Mixtral, Qwen,
-            OLMoE, DeepSeek-V2) or `"sigmoid_topk"` (independent sigmoid scores, chosen on score + a
-            load-balancing correction bias, weighted by the unbiased scores: DeepSeek-V3).
+            OLMoE, DeepSeek-V2), `"sigmoid_topk"` (independent sigmoid scores, chosen on score + a
+            load-balancing correction bias, weighted by the unbiased scores: DeepSeek-V3) or `"topk_softmax"`
+            (keep the k largest logits, softmax over those k: gpt-oss; no groups, `norm_topk_prob` stays True).
+        router_bias (`bool`): A learned bias on the router logits (`mlp.gate.bias`, gpt-oss).
         norm_topk_prob (`bool`): Renormalise the k kept weights to sum to 1 (Mixtral, Qwen3-MoE,
             DeepSeek-V3: yes; Qwen2-MoE, OLMoE, DeepSeek-V2: no).
         n_group (`int`): Group-limited routing: the experts form `n_group` equal groups (1: no groups).
@@ -177,6 +160,11 @@ class ModularDecoderConfig(PretrainedConfig):
             router logits) added likewise; 0 disables it. Softmax routers only.
         output_router_logits (`bool`): Return every sparse layer's router logits (and add the router losses
             to a loss computed from `labels`) unless `forward(output_router_logits=...)` says otherwise.
+        swiglu_limit (`float`, *optional*): Gives the experts gpt-oss's clamped SwiGLU, transformers' field:
+            g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) · g·σ(α·g) (with
+            `hidden_act="silu"`). `None`: act(gate) · up.
+        swiglu_alpha (`float`, *optional*): α of that SwiGLU (transformers' field); defaults to gpt-oss's 1.702
+            where `swiglu_limit` is set.
         position_embedding_type (`str`): `"learned"`, `"sinusoidal"` (added to the token embedding),
             `"rope"` (rotary on q and k), `"alibi"` (linear bias on the scores) or `"none"`.
         learned_position_offset (`int`): Rows of the learned table before position 0 (OPT uses 2).
@@ -187,7 +175,13 @@ class ModularDecoderConfig(PretrainedConfig):
         partial_rotary_factor (`float`): Fraction of each head's width that is rotated (GPT-J, NeoX, Phi).
         rope_interleaved (`bool`): Rotate adjacent pairs (x0, x1), (x2, x3), ... (GPT-J) instead of the
             two halves (GPT-NeoX / Llama layout).
-        attention_type (`str`): `"standard"` (MHA / GQA / MQA through `num_key_value_heads`) or `"mla"`.
+        no_rope_layers (`list[int]`, *optional*): Which layers rotate, transformers' SmolLM3 field and meaning:
+            per layer 1 for a RoPE layer, 0 for a NoPE layer (no rotary on its queries and keys; SmolLM3 has one
+            every fourth layer). `None`: every layer rotates. Standard attention only (MLA's rotary key is its
+            only position signal).
+        attention_type (`str`): `"standard"` (MHA / GQA / MQA through `num_key_value_heads`), `"mla"`, or
+            `"dsa"` (DeepSeek Sparse Attention, DeepSeek-V3.2: MLA whose every query attends only to the
+            `index_topk` keys a lightning indexer ranks highest; the `index_*` fields apply to it only).
         q_lora_rank (`int`, *optional*): MLA query bottleneck width; `None` projects queries directly.
         kv_lora_rank (`int`, *optional*): MLA joint KV latent width d_c.
         qk_nope_head_dim (`int`, *optional*): MLA per-head content (non-rotary) q/k width.
@@ -197,6 +191,17 @@ class ModularDecoderConfig(PretrainedConfig):
             as DeepSeek always does). `False` keeps the latent a linear function of the hidden state, which is
             what makes an exact conversion of standard attention to MLA possible (TransMLA,
             `modular_decoder.tools.reshape.mla_conversion`); DeepSeek's classes cannot express it.
+        index_n_heads (`int`, *optional*): DSA indexer heads H_I (transformers' name; DeepSeek-V3.2: 64). Each
+            head scores every key, ReLU(q_I·k_I / sqrt(D_I)), and the heads are summed with per-token weights
+            (`weights_proj(x) / sqrt(H_I)`). Required with `"dsa"`.
+        index_head_dim (`int`, *optional*): DSA indexer head width D_I (DeepSeek-V3.2: 128): the width of the one
+            indexer key each token caches beside the latent (after a LayerNorm with bias, eps `norm_eps`), and of
+            each indexer query (made from the query latent, so `q_lora_rank` is required). Its first
+            `qk_rope_head_dim` features are rotated, in the halves layout whatever `rope_interleaved` says (as
+            transformers' `DeepseekV32Indexer` does). Required with `"dsa"`.
+        index_topk (`int`, *optional*): Keys k each query attends to under `"dsa"` (DeepSeek-V3.2: 2048): the k
+            with the highest indexer score among those the mask lets it see; a query that sees at most k keys
+            attends to all of them, as dense MLA does. Required with `"dsa"`.
         attention_bias (`bool`): Biases on the q, k and v projections.
         attention_output_bias (`bool`, *optional*): Bias on the output projection. Defaults to
             `attention_bias` (Qwen 2 sets q/k/v biases but none on the output).
@@ -206,6 +211,10 @@ class ModularDecoderConfig(PretrainedConfig):
         layer_types (`list[str]`, *optional*): One of `"full_attention"` / `"sliding_attention"` per
             layer. Defaults to all sliding when `sliding_window` is set, else all full.
         attn_logit_softcapping (`float`, *optional*): Scores become c·tanh(s/c) (Gemma 2).
+        attention_sinks (`bool`): A learned logit per query head (`self_attn.sinks`) joins every softmax's
+            denominator: probability mass that attends to nothing, so a head may attend to no key (gpt-oss).
+            p_ij = exp(s_ij) / (exp(sink_h) + Σ_j' exp(s_ij')). Any attention kind; every backend but flash-attn 2,
+            whose kernels take no sink.
         final_logit_softcapping (`float`, *optional*): Logits become c·tanh(z/c) (Gemma 2).
         query_pre_attn_scalar (`float`, *optional*): Scores are scaled by this value^-1/2 instead of
             d_h^-1/2 (Gemma 2/3).
@@ -271,6 +280,7 @@ class ModularDecoderConfig(PretrainedConfig):
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False
     router_type: str = "softmax_topk"
+    router_bias: bool = False
     norm_topk_prob: bool = True
     n_group: int = 1
     topk_group: int | None = None
@@ -278,12 +288,15 @@ class ModularDecoderConfig(PretrainedConfig):
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
     output_router_logits: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
     # positions
     position_embedding_type: str = "rope"
     learned_position_offset: int = 0
     rope_parameters: dict | None = None
     partial_rotary_factor: float = 1.0
     rope_interleaved: bool = False
+    no_rope_layers: list[int] | None = None
     # attention
     attention_type: str = "standard"
     q_lora_rank: int | None = None
@@ -292,12 +305,16 @@ class ModularDecoderConfig(PretrainedConfig):
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     kv_latent_norm: bool = True
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
     attention_bias: bool = False
     attention_output_bias: bool | None = None
     qk_norm: str = "none"
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     attn_logit_softcapping: float | None = None
+    attention_sinks: bool = False
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     attention_dropout: float = 0.0
@@ -356,10 +373,15 @@ class ModularDecoderConfig(PretrainedConfig):
 
     @classmethod
     def integer_fields(cls) -> list[str]:
-        """The fields this class declares as `int` (or `int | None`): kinds read them to derive others (MLA's
-        `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first."""
-        return [name for name, kind in vars(cls).get("__annotations__", {}).items()
-                if kind in ("int", "int | None") and FIELD_RULES.get(name) is not _token_ids]  # ids may be lists
+        """The fields this class and its bases declare as `int` (or `int | None`): kinds read them to derive others
+        (MLA's `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first.
+        The whole MRO is read, so that a subclass keeps the checks."""
+        declared = {}
+        for klass in reversed(cls.__mro__):
+            if issubclass(klass, ModularDecoderConfig):
+                declared.update(vars(klass).get("__annotations__", {}))
+        return [name for name, kind in declared.items()  # annotations are strings here, types in a subclass
+                if kind in ("int", "int | None", int, int | None) and FIELD_RULES.get(name) is not _token_ids]
 
     # RoPE parameters only mean something for rotary positions (and MLA's decoupled rotary key):
     # other position types keep `rope_parameters=None` instead of a default dict nobody reads.
@@ -389,7 +411,7 @@ class ModularDecoderConfig(PretrainedConfig):
         return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:
-        register_peft_defaults()  # see there: PEFT reads this dict to pick `LoraConfig()`'s targets
+        register_peft_defaults()  # see there: PEFT reads this dict to pick a config's default targets
         output = super().to_dict()
         model_entry = (output.get("auto_map") or {}).get("AutoModel")
         if isinstance(model_entry, str):

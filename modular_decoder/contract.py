@@ -174,11 +174,13 @@ def _unread(config: ModularDecoderConfig) -> set[str]:
 _PATTERNS = {
     "layer_types": {"sliding_attention": "S", "full_attention": "F"},
     "mlp_layer_types": {"sparse": "S", "dense": "D"},
+    "no_rope_layers": {1: "R", 0: "N"},
 }
 
 
 def _render(name: str, value) -> str:
-    """A table cell; per-layer lists (`layer_types`, `mlp_layer_types`) as counts or a one-letter pattern."""
+    """A table cell; per-layer lists (`layer_types`, `mlp_layer_types`, `no_rope_layers`) as counts or a one-letter
+    pattern."""
     letters = _PATTERNS.get(name)
     if letters is not None and isinstance(value, list):
         if len(set(value)) == 1:

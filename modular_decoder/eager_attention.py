@@ -1,5 +1,6 @@
 """The eager reference attention: softmax(softcap(q·kᵀ·scale) + bias + mask)·v, written out, that every
-backend is tested against, and its parts for attention that scores the keys itself (MLA's absorbed
+backend is tested against (with attention sinks, each head's sink logit joins the softmax as one more column
+whose probability is dropped), and its parts for attention that scores the keys itself (MLA's absorbed
 path): K/V head repetition, scores to probabilities, and the mask a backend received made explicit.
 
 Every backend is a plain function with transformers' attention signature
@@ -34,8 +35,13 @@ def attention_probs(
     position_bias: torch.Tensor | None = None,
     dropout: float = 0.0,
     fused_upcast: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled scores (B, H, T_q, T_k) -> probabilities: soft-cap, bias, mask, softmax in (at least) fp32, dropout.
+
+    `sinks` (H,): each head's sink logit joins its softmax as one more key column (after the cap, bias and
+    mask: a sink is a logit, not a score), whose probability is dropped, so a row sums to less than 1 (to 0
+    where every key is masked).
 
     The order (soft-cap, bias, mask) is Gemma 2's and FlexAttention's. `attention_mask` is a 4-D
     boolean keep-mask or additive mask (sliced to T_k). Without autograd the steps reuse the scores
@@ -57,14 +63,20 @@ def attention_probs(
             scores = scores.masked_fill_(~attention_mask, fill) if fresh else scores.masked_fill(~attention_mask, fill)
         else:
             scores = scores.add_(attention_mask) if fresh else scores + attention_mask
+    dtype = scores.dtype
+    if sinks is not None:
+        sink_column = sinks.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, H, T_q, 1)
+        scores = torch.cat((scores, sink_column), dim=-1)  # (B, H, T_q, T_k + 1)
     # At least fp32 (half precision is upcast), never below the scores' own precision: a float64
     # model's mask fill (finfo(float64).min) would become -inf in fp32, and a row with no key to
     # see (a left-padding query) would turn into NaN that reaches the real tokens through its values.
     if fused_upcast:  # (the cast is free, except under CUDA autocast, whose softmax returns fp32)
-        probs = nn.functional.softmax(scores, dim=-1).to(scores.dtype)
+        probs = nn.functional.softmax(scores, dim=-1).to(dtype)
     else:
-        softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
-        probs = nn.functional.softmax(scores, dim=-1, dtype=softmax_dtype).to(scores.dtype)
+        softmax_dtype = torch.promote_types(dtype, torch.float32)
+        probs = nn.functional.softmax(scores, dim=-1, dtype=softmax_dtype).to(dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink's share attends to nothing
     return nn.functional.dropout(probs, p=dropout, training=module.training) if dropout else probs
 
 
@@ -78,16 +90,18 @@ def eager_attention(
     dropout: float = 0.0,
     softcap: float | None = None,
     position_bias: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: softmax(softcap(q·kᵀ·scale) + bias + mask)·v, softmax in fp32.
+    """The reference: softmax(softcap(q·kᵀ·scale) + bias + mask)·v, softmax in fp32; `s_aux` (H,) the sinks
+    (transformers' name for them), a column of the softmax whose probability is dropped.
 
     query (B, H, T_q, D_qk), key (B, H_kv, T_k, D_qk), value (B, H_kv, T_k, D_v) -> (B, T_q, H, D_v).
     """
     n_rep = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T_q, T_k)
-    probs = attention_probs(module, scores, attention_mask, softcap, position_bias, dropout)
+    probs = attention_probs(module, scores, attention_mask, softcap, position_bias, dropout, sinks=s_aux)
     out = torch.matmul(probs, value)  # (B, H, T_q, D_v)
     return out.transpose(1, 2).contiguous(), probs
 

@@ -5,6 +5,13 @@ transformers has them.
 
     mlp.experts.gate_up_proj             (E, 2·f, d)   [gate; up] of every expert, concatenated
     mlp.experts.down_proj                (E, d, f)
+    mlp.experts.gate_up_proj_bias        (E, 2·f)      `mlp_bias=True` only (gpt-oss), [gate; up] as above
+    mlp.experts.down_proj_bias           (E, d)        `mlp_bias=True` only
+
+The gate is act(gate) ⊙ up with `hidden_act`, or with `swiglu_limit` gpt-oss's clamped SwiGLU:
+g = min(gate, limit), u = clamp(up, ±limit), (u + 1) ⊙ g·σ(α·g), α = `swiglu_alpha`. (gpt-oss's checkpoints
+interleave gate and up columns and store the products transposed; conversion rearranges them into this one
+layout, so every family's experts share this module, its kernels' flags and its parallel plans.)
 
 Part of the remote-code files: torch and transformers only.
 """
@@ -40,7 +47,15 @@ class Experts(nn.Module):
         self.intermediate_dim = config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        biases = config.mlp_bias
+        self.register_parameter(
+            "gate_up_proj_bias", nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim)) if biases else None
+        )
+        self.register_parameter(
+            "down_proj_bias", nn.Parameter(torch.empty(self.num_experts, self.hidden_dim)) if biases else None
+        )
         self.act_fn = ACT2FN[config.hidden_act]
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -69,10 +84,23 @@ class Experts(nn.Module):
         return summed.index_add_(0, tokens, weighted).to(hidden_states.dtype)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        # f from the tensor, not the config: tensor parallelism shards each half of gate_up_proj
         # `linear`: a decode step's few rows split across the cores (plain fp32 CPU weights only)
-        gate, up = linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n, f) each
-        return linear(self.act_fn(gate) * up, self.down_proj[expert])  # (n, d)
+        gate_up = linear(x, self.gate_up_proj[expert])  # (n, 2·f)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[expert]
+        out = linear(self._apply_gate(gate_up), self.down_proj[expert])  # (n, d)
+        return out if self.down_proj_bias is None else out + self.down_proj_bias[expert]
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(S, 2·f) [gate; up] -> (S, f): act(gate) ⊙ up, or gpt-oss's clamped SwiGLU with `swiglu_limit` (its
+        formula, term for term). transformers' experts kernels call this too."""
+        # f from the tensor, not the config: tensor parallelism shards each half of gate_up_proj
+        gate, up = gate_up.chunk(2, dim=-1)  # (S, f) each
+        if self.limit is None:
+            return self.act_fn(gate) * up
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 _EXPERTS_KERNELS = experts_kernels()
@@ -97,6 +125,13 @@ if _EXPERTS_KERNELS is not None:
     _own_forward = Experts.forward
     Experts = _EXPERTS_KERNELS(Experts)
     _dispatching_forward = Experts.forward
+    _decorated_init = Experts.__init__
+
+    def _init(self, config, *args, **kwargs):
+        _decorated_init(self, config, *args, **kwargs)
+        self.has_bias = self.gate_up_proj_bias is not None  # the decorator sets its class-wide flag: per config here
+
+    Experts.__init__ = _init
 
     def _forward(self, hidden_states, top_k_index, top_k_weights):
         run = _dispatching_forward if _kernel_applies(self, hidden_states) else _own_forward

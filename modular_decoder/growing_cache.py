@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 
-def _is_prefix_view(tensor, store) -> bool:
+def is_prefix_view(tensor, store) -> bool:
     """Whether `tensor` is `store[..., :n, :]` for some n (what `update` and `crop` leave).
 
     While compiling, the data pointers are not compared (dynamo cannot trace that): inside a compiled step
@@ -52,7 +52,7 @@ class GrowingLayer(DynamicLayer):
 
     @keys.setter
     def keys(self, tensor):
-        if not _is_prefix_view(tensor, self._key_store):
+        if not is_prefix_view(tensor, self._key_store):
             self._key_store = None  # replaced: let the old storage go now
         self._keys = tensor
 
@@ -62,7 +62,7 @@ class GrowingLayer(DynamicLayer):
 
     @values.setter
     def values(self, tensor):
-        if not _is_prefix_view(tensor, self._value_store):
+        if not is_prefix_view(tensor, self._value_store):
             self._value_store = None
         self._values = tensor
 

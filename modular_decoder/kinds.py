@@ -180,6 +180,11 @@ class AttentionKind(Kind):
         """A short tag for cards and tables (`mha`, `gqa`, `mqa`, `mla`, ...)."""
         return self.name
 
+    def fp32_modules(self, config) -> tuple[str, ...]:
+        """Name patterns of modules that stay fp32 when the model loads in fp16 (transformers'
+        `_keep_in_fp32_modules`; bf16 loads them in bf16)."""
+        return ()
+
     def tp_plan(self, config) -> dict[str, str]:
         """transformers tensor-parallel styles of the attention's modules, keyed by their names in a block
         (`"self_attn.q_proj"`); the config prefixes them with `layers.*.`."""

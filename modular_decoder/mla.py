@@ -14,17 +14,21 @@ Two ways to compute the same attention:
   Building per-head K/V costs one up-projection of the whole cache per step, shared by all queries.
 * absorbed: q_C·k_Cᵀ = (q_C W_UKᵀ)·cᵀ, so each query moves into latent space once and is scored
   directly against the cached latents; the weighted sum of latents goes through W_UV afterwards. No
-  per-head key or value is built, but the scores are explicit: (`ABSORBED_QUERY_BLOCK` x T_cached) per head
-  at a time (all T_new at once on the eager reference).
+  per-head key or value is built, but the scores are explicit: (`absorbed_query_block` x S) per head
+  at a time (all T_new at once on the eager reference), S the keys the cache returns.
 
-`scoring_path` picks one per step, as vLLM and SGLang split MLA: in inference, a decode step of at most
-`ABSORBED_MAX_NEW_TOKENS` new tokens against a cache runs absorbed; everything else (prefill, and chunked
-prefill, a second chat turn or an assisted-decoding check of more new tokens than that; training) runs
-expanded, expanding the cache once per step as transformers' `DeepseekV3Attention` does (vLLM's bounded
-alternative, up-projecting the cache chunk by chunk and merging by log-sum-exp, needs each chunk's
-log-sum-exp, which SDPA does not return through a public API). The absorbed form reads `kv_b_proj.weight`
-instead of calling the module, so it engages only where `kv_b_proj` is a plain `nn.Linear` on a plain
-weight (no PEFT layer, hook, quantized or tensor-parallel weight).
+`scoring_path` picks one per step, as vLLM and SGLang split MLA, by the number of new tokens T against the S
+keys the cache returns (a dynamic cache: the tokens it holds; a static cache: all its slots, filled or not, which
+both forms then compute over). In inference with a cache, a step of at most `absorbed_max_new_tokens` new
+tokens with S > T runs absorbed: a decode step, a short chunk or assisted-decoding check, and a short prefill
+into a static cache (whose empty slots the expanded form would up-project too). Everything else runs expanded,
+expanding the cache once per step as transformers' `DeepseekV3Attention` does: a longer step, a prefill into an
+empty dynamic cache (S = T, where the two forms cost the same), training, no cache. (vLLM's bounded alternative
+to expanding, up-projecting the cache chunk by chunk and merging by log-sum-exp, needs each chunk's
+log-sum-exp, which SDPA does not return through a public API.) The thresholds are `tuning.tuning()`'s settings;
+the measurements behind them are named there. The absorbed form reads `kv_b_proj.weight` instead of calling the
+module, so it engages only where `kv_b_proj` is a plain `nn.Linear` on a plain weight (no PEFT layer, hook,
+quantized or tensor-parallel weight).
 
 Module names follow DeepSeek's (`q_a_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, ...), so
 checkpoints convert by a near-identity map and PEFT targets read naturally.
@@ -43,30 +47,21 @@ from .attention import linear_parameters
 from .attention_layer import AttentionLayer
 from .eager_attention import attention_probs, eager_attention, explicit_mask
 from .kinds import AttentionKind, require_bool, require_int
-from .latent_cache import latent_layer
+from .latent_cache import LatentLayerMixin, latent_layer
 from .split_products import is_fx_proxy, project, weight_is_readable
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
+from .sinks import sink_parameters
+from .tuning import Tuning, tuning
 
 # "auto": `scoring_path`'s rule; the other two force one path (tests, benchmarks), still only where
 # the absorbed form may read `kv_b_proj`'s weight.
 DECODE_MODES = ("auto", "absorbed", "expanded")
 
-# The longest step (new tokens against a cache) that runs absorbed. Measured with `python
-# benchmarks/bench_mla_decode.py --crossover --contexts 1024 8192` (CPU, fp32, DeepSeek-V3 attention, one layer,
-# absorbed in query blocks): absorbed is 1.5x / 2.1x faster at 64 new tokens (1k / 8k cached), 1.15x / 1.3x at 128,
-# slower at 256 (0.88x / 0.82x): the CPU crossover lies between 128 and 256 (fp32 FLOPs alone put it near 170
-# for these widths). 64 keeps a margin for GPUs, where the expanded step runs a flash kernel and the explicit
-# scores cost more traffic than the latent cache itself (vLLM's default split is 1 new token; 128 with
-# FlashMLA's fused absorbed kernel); `python -m benchmarks.gpu --parts mla_step_crossover` measures it there.
-ABSORBED_MAX_NEW_TOKENS = 64
-
-# New tokens an absorbed step scores per pass (every backend but eager, the reference): its explicit
-# scores and probabilities then hold at most (B, H, 8, S) values, 8 bytes each at their peak in fp32 (scores and
-# probabilities; 4 in half precision, whose softmax upcasts inside), so at most 64·H bytes per cached token: for
-# DeepSeek-V3's 128 heads 1/10 of the per-head K/V (128 x (192 + 128) x 2 bytes) that transformers' expanded step
-# builds, whatever the step's length. A longer step reads the latent cache once per block instead of once.
-ABSORBED_QUERY_BLOCK = 8
+# The shipped defaults of `tuning.Tuning.absorbed_max_new_tokens` and `.absorbed_query_block` (the settings
+# `scoring_path` and `absorbed_attention` read; `tuning.py` names the measurements behind them)
+ABSORBED_MAX_NEW_TOKENS = Tuning.absorbed_max_new_tokens
+ABSORBED_QUERY_BLOCK = Tuning.absorbed_query_block
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -146,7 +141,10 @@ class MultiHeadLatentAttention(AttentionLayer):
         q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
         k_rot = apply_rotary(k_rot, cos, sin, self.interleaved)
         if cache is not None and not is_fx_proxy(cache):
+            check_latent_cache(cache, self.layer_idx, self.latent_dim)
             latents, k_rot = cache.update(latents, k_rot, self.layer_idx)
+            if latents.shape[-2] > seq and type(self.kv_b_proj) is not nn.Linear:
+                check_expansion_of_cached_tokens(self.kv_b_proj)
             if self.scoring_path(seq, latents.shape[-2], attention_mask) == "absorbed":
                 out, weights = self.absorbed_attention(q_nope, q_rot, latents, k_rot, attention_mask)
                 return project(self.o_proj, out.reshape(batch, seq, -1)), weights
@@ -154,25 +152,29 @@ class MultiHeadLatentAttention(AttentionLayer):
         queries = torch.cat((q_nope, q_rot), dim=-1)  # (B, H, T, d_qk)
         keys, values = self.expand_kv(latents, k_rot)
         # CPU SDPA with V narrower than q/k: zero-pad V to the q/k width (torch then takes its flash
-        # kernel instead of the math path: 3x faster at 512 tokens, measured) and crop the output
+        # kernel instead of the math path) and crop the output
         pad = self.config._attn_implementation == "sdpa" and self.v_dim < self.qk_dim and values.device.type == "cpu"
         if pad:
             values = nn.functional.pad(values, [0, self.qk_dim - self.v_dim])
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        attention_interface = self.scores_through(attention_interface, kwargs)  # sinks
         out, weights = attention_interface(
-            self, queries, keys, values, attention_mask, scaling=self.scaling, **self.score_kwargs(kwargs)
+            self, queries, keys, values, attention_mask, scaling=self.scaling, s_aux=self.sinks,
+            **self.score_kwargs(kwargs),
         )
         if pad:
             out = out[..., : self.v_dim]
         return project(self.o_proj, out.reshape(batch, seq, -1)), weights
 
     def scoring_path(self, new_tokens: int, keys: int, attention_mask) -> str:
-        """`"absorbed"` or `"expanded"` for a step of `new_tokens` queries against `keys` keys (cache included).
+        """`"absorbed"` or `"expanded"` for a step of `new_tokens` queries against the `keys` keys the cache
+        returned (a static cache: its every slot).
 
-        Absorbed only for a decode step: a few new tokens (at most `ABSORBED_MAX_NEW_TOKENS`) against
-        cached ones, in inference. Longer steps (prefill, chunked prefill, a second turn, assisted
-        decoding's check of many candidates) expand, so the backend's fused kernel scores them without a
-        (T_new x T_cached) matrix. Whatever `decode_mode` says, the absorbed form needs a plain `kv_b_proj`
+        Absorbed in inference for a step of at most `tuning().absorbed_max_new_tokens` new tokens with more keys
+        than new tokens: a decode step, a short chunk, a short prefill into a static cache (module docstring).
+        Longer steps (chunked prefill, a second turn, assisted decoding's check of many candidates) and a prefill
+        into an empty dynamic cache expand, so the backend's fused kernel scores them without a
+        (T_new x S) matrix. Whatever `decode_mode` says, the absorbed form needs a plain `kv_b_proj`
         (it reads the weight; a PEFT layer, hook, quantized or tensor-parallel weight must be called) and
         a tensor mask (it masks scores itself; flex's BlockMask is the backend's to apply).
         """
@@ -181,13 +183,16 @@ class MultiHeadLatentAttention(AttentionLayer):
             return "expanded"
         if self.decode_mode == "absorbed":
             return "absorbed"
-        decoding = new_tokens < keys and new_tokens <= ABSORBED_MAX_NEW_TOKENS and not self.training
+        decoding = new_tokens < keys and new_tokens <= tuning().absorbed_max_new_tokens and not self.training
         return "absorbed" if decoding else "expanded"
 
     def expand_kv(self, latents: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys and values for every cached token: latents (B, 1, S, d_c) and k_rot (B, 1, S, d_R)
-        -> keys (B, H, S, d_qk), values (B, H, S, d_v)."""
-        kv = self.kv_b_proj(latents[:, 0]).unflatten(-1, (-1, self.nope_dim + self.v_dim)).transpose(1, 2)
+        -> keys (B, H, S, d_qk), values (B, H, S, d_v).
+
+        `kv_b_proj` gets a contiguous input: without a cache (or the latent norm) the latents are a strided
+        slice of `kv_a_proj_with_mqa`'s output, which a wrapped layer may `view` (PEFT's activated LoRA does)."""
+        kv = self.kv_b_proj(latents[:, 0].contiguous()).unflatten(-1, (-1, self.nope_dim + self.v_dim)).transpose(1, 2)
         k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, H, S, d_n), (B, H, S, d_v)
         keys = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # (B, H, S, d_qk)
         return keys, values
@@ -201,9 +206,10 @@ class MultiHeadLatentAttention(AttentionLayer):
         so every backend scores the same keys here as on the expanded path.
 
         The eager backend (the reference) scores all T queries at once and returns the probabilities, as
-        `eager_attention` does. Every other backend scores `ABSORBED_QUERY_BLOCK` new tokens per pass and
-        returns no weights, as its fused kernel would not: the explicit scores never exceed
-        (B, H, ABSORBED_QUERY_BLOCK, S), whatever the step's length.
+        `eager_attention` does. Every other backend scores `tuning().absorbed_query_block` new tokens per pass
+        and returns no weights, as its fused kernel would not: the explicit scores never exceed
+        (B, H, block, S), whatever the step's length; a block's probabilities are freed before the next block
+        is scored. Its peak memory is measured by `python -m benchmarks.thresholds --parts mla_query_block`.
         """
         batch, heads, q_len, _ = q_nope.shape
         kv_len = latents.shape[-2]
@@ -213,11 +219,12 @@ class MultiHeadLatentAttention(AttentionLayer):
         cache_latents, cache_rot = latents[:, 0], k_rot[:, 0]  # (B, S, d_c), (B, S, d_R)
         mask = explicit_mask(attention_mask, q_len, kv_len, self.sliding_window, self.config._attn_implementation)
         eager = self.config._attn_implementation == "eager"
-        block = q_len if eager else ABSORBED_QUERY_BLOCK
+        block = q_len if eager else tuning().absorbed_query_block
         outs, probs = [], None
         for start in range(0, q_len, block):
             rows = slice(start, min(start + block, q_len))
             block_mask = mask[..., rows, :] if mask is not None and mask.shape[-2] > 1 else mask
+            probs = None  # the previous block's, freed before this block's scores exist
             probs = self._latent_probs(q_latent[:, :, rows], q_rot[:, :, rows], cache_latents, cache_rot, block_mask)
             out_latent = probs.flatten(1, 2) @ cache_latents  # (B, H·t, d_c)
             outs.append(out_latent.view(batch, heads, -1, self.latent_dim))
@@ -240,7 +247,40 @@ class MultiHeadLatentAttention(AttentionLayer):
             alpha=self.scaling,
         ).view(batch, heads, q_len, -1)  # (B, H, t, S)
         dropout = self.config.attention_dropout if self.training else 0.0
-        return attention_probs(self, scores, mask, self.softcap, dropout=dropout, fused_upcast=True)
+        return attention_probs(self, scores, mask, self.softcap, dropout=dropout, fused_upcast=True, sinks=self.sinks)
+
+
+def check_latent_cache(cache, layer_idx: int, latent_dim: int) -> None:
+    """Refuse a cache whose layer already holds per-head keys rather than latents: a prefix of per-head K/V, as
+    PEFT's prefix tuning builds it (`PrefixTuningConfig`), which MLA cannot attend to (its cache holds one latent
+    per token, `kv_lora_rank` wide; the keys are made from it). Only another cache class than this package's
+    latent layers is looked at (transformers' `DynamicCache` holds latents too once MLA has filled it)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or layer_idx >= len(layers) or isinstance(layers[layer_idx], LatentLayerMixin):
+        return
+    keys = getattr(layers[layer_idx], "keys", None)
+    if torch.is_tensor(keys) and keys.dim() == 4 and keys.numel() and (keys.shape[1], keys.shape[-1]) != (1, latent_dim):
+        raise ValueError(
+            f"MLA (`attention_type='mla'`) cannot attend to a prefix of per-head keys and values (this cache's layer "
+            f"{layer_idx} holds keys of shape {tuple(keys.shape)}; MLA caches one {latent_dim}-wide latent per "
+            "token), as PEFT's prefix tuning passes: use prompt tuning (`PromptTuningConfig`), P-tuning or LoRA."
+        )
+
+
+def check_expansion_of_cached_tokens(kv_b_proj: nn.Module) -> None:
+    """Refuse a `kv_b_proj` whose output depends on where a token sits in the call: PEFT's activated LoRA (aLoRA)
+    adapts the call's last tokens from its invocation sequence on, which holds where each call's tokens are new
+    (transformers' models project each token once and cache the result), but the latent cache re-expands every
+    cached token through `kv_b_proj` at each step, so past the prompt the window would slide onto other tokens: a
+    cached step would then answer otherwise than the uncached forward. (Read by class name: PEFT is not imported.)"""
+    variants = getattr(kv_b_proj, "lora_variant", None)
+    if isinstance(variants, dict) and any(type(v).__name__ == "ALoraLinearVariant" for v in variants.values()):
+        raise ValueError(
+            "Activated LoRA (`alora_invocation_tokens`) on MLA's `kv_b_proj` cannot run against a cache: MLA's "
+            "latent cache re-expands every cached token through `kv_b_proj` at each step, where aLoRA adapts only "
+            "the last tokens of a call. Target `kv_a_proj_with_mqa` instead (its output is what the cache holds), "
+            "with `q_b_proj`/`q_proj` and `o_proj`, or run without a cache (`use_cache=False`)."
+        )
 
 
 class LatentKind(AttentionKind):
@@ -254,21 +294,26 @@ class LatentKind(AttentionKind):
     def validate(self, config) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(config, name) is None:
-                raise ValueError(f"`attention_type='mla'` needs `{name}`.")
+                raise ValueError(f"`attention_type={self.name!r}` needs `{name}`.")
             require_int(name, getattr(config, name), minimum=1)
         require_int("q_lora_rank", config.q_lora_rank, minimum=1, optional=True)
         require_bool("kv_latent_norm", config.kv_latent_norm)
         if config.position_embedding_type != "rope":
             raise ValueError(
-                "`attention_type='mla'` carries position only in its decoupled rotary key: it needs "
+                f"`attention_type={self.name!r}` carries position only in its decoupled rotary key: it needs "
                 f"`position_embedding_type='rope'`, got {config.position_embedding_type!r} (ALiBi and "
                 "absolute positions cannot reach the absorbed latent scores)."
             )
         if config.qk_rope_head_dim % 2:
             raise ValueError(f"`qk_rope_head_dim` must be even, got {config.qk_rope_head_dim}.")
+        if isinstance(config.no_rope_layers, list) and 0 in config.no_rope_layers:
+            raise ValueError(
+                f"`no_rope_layers` marks NoPE layers, which `attention_type={self.name!r}` cannot have: its decoupled "
+                f"rotary key carries all of its position, got {config.no_rope_layers!r}."
+            )
         if config.partial_rotary_factor != 1.0:
             raise ValueError(
-                "`partial_rotary_factor` must be 1.0 with `attention_type='mla'`: the rotated width is "
+                f"`partial_rotary_factor` must be 1.0 with `attention_type={self.name!r}`: the rotated width is "
                 f"`qk_rope_head_dim`, got `partial_rotary_factor`={config.partial_rotary_factor}."
             )
 
@@ -290,6 +335,8 @@ class LatentKind(AttentionKind):
             needed.add("latent_window")
         if config.head_dim != config.kv_lora_rank + config.qk_rope_head_dim:
             needed.add("latent_head_dim")
+        if config.attention_sinks:
+            needed.add("latent_sinks")
         return needed
 
     def cache_layer(self, config, layer_type: str, implementation: str, max_cache_len: int | None):
@@ -308,7 +355,7 @@ class LatentKind(AttentionKind):
         kv = linear_parameters(d, config.kv_lora_rank + config.qk_rope_head_dim, bias)
         kv += norm_parameters(config, config.kv_lora_rank) if config.kv_latent_norm else 0
         kv += linear_parameters(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), False)
-        return q + kv + linear_parameters(h * config.v_head_dim, d, config.attention_output_bias)
+        return q + kv + linear_parameters(h * config.v_head_dim, d, config.attention_output_bias) + sink_parameters(config)
 
     def bytes_per_token(self, config, element_bytes: int, quantization: str | None = None) -> int:
         """(d_c + d_R)·b: the latent and the shared rotary key."""

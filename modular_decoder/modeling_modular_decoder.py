@@ -24,6 +24,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .alibi_kernels import takes_alibi_slopes
+from .attention_layer import AttentionLayer
 from .backend_features import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_backend, default_backend
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
@@ -35,7 +36,7 @@ from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor
 from .mtp_generation import check_use_mtp, mtp_candidate_generator_for
 from .norms import LayerNorm, RMSNorm, build_norm
-from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding
+from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, rotary_layers
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
@@ -66,6 +67,7 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         super().__init__(config, *inputs, **kwargs)
         # read by `from_pretrained` in half precision (e.g. DeepSeek-V3's sigmoid routers stay fp32)
         self._keep_in_fp32_modules_strict = list(config.mlp_kind.fp32_parameters(config))
+        self._keep_in_fp32_modules = list(config.attention_kind.fp32_modules(config))  # under fp16 only
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
@@ -133,6 +135,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, name), buffer)
         elif isinstance(module, AlibiBias):
             init.copy_(module.slopes, AlibiBias(self.config).slopes)
+        elif isinstance(module, AttentionLayer) and module.sinks is not None:
+            init.normal_(module.sinks, mean=0.0, std=std)  # as transformers' gpt-oss
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
@@ -187,17 +191,11 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
 
         Serving: vLLM's Transformers backend calls this forward with its requests packed in one row,
         positions in `position_ids` and no cache; `**kwargs` reach every attention call, where it
-        puts its own kernel and paged cache (DESIGN.md, "Serving and scale").
+        puts its own kernel and paged cache (docs/serving.md).
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        check_inputs(self.config, input_ids, attention_mask, inputs_embeds, cache)
-        # packed documents are looked for (one host read) in positions a caller gave without a cache, as
-        # transformers' models look for them; generate always passes one
-        packed_positions = position_ids if cache is None else None
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
+        self._check_inputs(input_ids, attention_mask, inputs_embeds, cache)
+        packed_positions = self._packed_document_positions(position_ids, cache)
+        use_cache = self._use_cache(use_cache)
         if inputs_embeds is None:
             inputs_embeds = self._embed_tokens(input_ids)
         if use_cache and cache is None:
@@ -207,17 +205,16 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_seen)
 
         hidden = self._embed(inputs_embeds, position_ids)
-        layer_types = self.config.layer_types
         masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
-        rotary = self.rotary_emb.tables(hidden, position_ids, layer_types) if self.rotary_emb is not None else {}
-        alibi = self._alibi_kwargs(hidden, cache) if self.alibi is not None else {}
+        rotary = self._rotary_tables(hidden, position_ids)
+        alibi = self._alibi_kwargs(hidden, cache)
 
         for layer_idx, block in enumerate(self.layers):
-            layer_type = layer_types[layer_idx]
+            layer_type = self.config.layer_types[layer_idx]
             hidden = block(
                 hidden,
                 attention_mask=masks[layer_type],
-                position_embeddings=rotary.get(layer_type),
+                position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
                 cache=cache,
                 **alibi.get(layer_type, {}),
@@ -227,19 +224,37 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = self.final_norm(hidden)
         return MoeModelOutputWithPast(last_hidden_state=hidden, **with_cache(cache if use_cache else None))
 
+    def _check_inputs(self, input_ids, attention_mask, inputs_embeds, cache) -> None:
+        """Exactly one of ids or embeddings, and each input what it claims (`input_checks.check_inputs`)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        check_inputs(self.config, input_ids, attention_mask, inputs_embeds, cache)
+
+    @staticmethod
+    def _packed_document_positions(position_ids, cache) -> torch.Tensor | None:
+        """The packed-document policy: documents packed in one row are told by `position_ids` restarting
+        at 0 (no `attention_mask`), looked for (one host read, in transformers' mask builders) only in
+        positions a caller gave without a cache, as transformers' models look for them; generate always
+        passes a cache."""
+        return position_ids if cache is None else None
+
+    def _use_cache(self, use_cache: bool | None) -> bool:
+        """The caller's `use_cache`, else the config's; never while training with gradient checkpointing."""
+        if self.gradient_checkpointing and self.training:
+            return False
+        return use_cache if use_cache is not None else self.config.use_cache
+
     def _masks(self, inputs_embeds, attention_mask, packed_positions, cache, past_seen) -> dict:
         """The attention mask of each layer type, from transformers' mask builders (`MASK_BUILDERS`).
 
-        generate() pre-builds them for a static cache (a dict, used as given). A dynamic cache that holds no
-        tokens sizes the masks as no cache would, and then transformers looks for packed documents in
-        `packed_positions` (positions restarting at 0, no mask), at the cost of one host read. (A static
-        cache is tested first: its length is a tensor, which export cannot branch on.)
+        generate() pre-builds them for a static cache (a dict, used as given). The cache the builders see,
+        and the mask beside a static cache, come from `_mask_cache` and `_static_cache_mask`.
         """
         if isinstance(attention_mask, dict):
             return attention_mask
-        mask_cache = cache if cache is not None and (cache.is_compileable or past_seen) else None
-        if attention_mask is None and mask_cache is not None and mask_cache.is_compileable:
-            attention_mask = self._filled_slots_mask(inputs_embeds, past_seen)
+        mask_cache = self._mask_cache(cache, past_seen)
+        if attention_mask is None:
+            attention_mask = self._static_cache_mask(inputs_embeds, mask_cache, past_seen)
         return {
             layer_type: MASK_BUILDERS[layer_type](
                 config=self.config,
@@ -250,6 +265,20 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             )
             for layer_type in set(self.config.layer_types)
         }
+
+    @staticmethod
+    def _mask_cache(cache, past_seen) -> Cache | None:
+        """The cache the mask builders size the masks by: a static cache always; a dynamic cache only once it
+        holds tokens (an empty one sizes the masks as no cache would, so that transformers then looks for
+        packed documents). The static cache is tested first: its length is a tensor, which export cannot
+        branch on."""
+        return cache if cache is not None and (cache.is_compileable or past_seen) else None
+
+    def _static_cache_mask(self, inputs_embeds, mask_cache, past_seen) -> torch.Tensor | None:
+        """The mask to build from when the caller gave none: over a static cache, `_filled_slots_mask`."""
+        if mask_cache is None or not mask_cache.is_compileable:
+            return None
+        return self._filled_slots_mask(inputs_embeds, past_seen)
 
     def _filled_slots_mask(self, inputs_embeds: torch.Tensor, past_seen: int) -> torch.Tensor | None:
         """A (B, seen + new) all-ones mask for the flash backends over a static cache: with no mask,
@@ -299,9 +328,20 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = self.embed_norm(hidden)
         return self.embed_dropout(hidden)
 
+    def _rotary_tables(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """The rotary (cos, sin) of each layer, its layer type's (`None` without rotary positions, and on the
+        NoPE layers of `no_rope_layers`)."""
+        if self.rotary_emb is None:
+            return [None] * self.config.num_hidden_layers
+        tables = self.rotary_emb.tables(hidden, position_ids, self.config.layer_types)
+        return [tables[layer_type] if rotates else None
+                for layer_type, rotates in zip(self.config.layer_types, rotary_layers(self.config))]
+
     def _alibi_kwargs(self, hidden: torch.Tensor, cache) -> dict:
         """ALiBi per layer type: the slopes for backends that take them (flex, flash), else the
-        (1, H, T_q, T_k) `position_bias` over the keys each layer will see (eager, sdpa)."""
+        (1, H, T_q, T_k) `position_bias` over the keys each layer will see (eager, sdpa); none without ALiBi."""
+        if self.alibi is None:
+            return {}
         if takes_alibi_slopes(attn_implementation(self.config)):
             return {layer_type: {"alibi_slopes": self.alibi.slopes} for layer_type in set(self.config.layer_types)}
         seq = hidden.shape[1]
@@ -491,8 +531,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
                                          position_ids=position_ids if packed else None, layer_idx=depth,
                                          **with_cache(mask_cache))
         kwargs = {"attention_mask": mask, "position_ids": position_ids, "cache": cache}
-        if self.model.rotary_emb is not None:
-            kwargs["position_embeddings"] = self.model.rotary_emb.tables(token_embeds, position_ids, [layer_type])[layer_type]
+        if self.model.rotary_emb is not None and rotary_layers(config)[depth]:  # (not on a NoPE layer)
+            tables = self.model.rotary_emb.tables(token_embeds, position_ids, [layer_type])
+            kwargs["position_embeddings"] = tables[layer_type]
         if self.model.alibi is not None:
             if takes_alibi_slopes(attn_implementation(self.config)):
                 kwargs["alibi_slopes"] = self.model.alibi.slopes

@@ -14,9 +14,11 @@ Parameters are plain tensors with transformers' v5 names and layout, so its TP /
 experts kernels and PEFT's `target_parameters` apply unchanged:
 
     mlp.gate.weight                      (E, d)        router (a Parameter, not an nn.Linear)
+    mlp.gate.bias                        (E,)          `router_bias=True` only (gpt-oss)
     mlp.gate.e_score_correction_bias     (E,)          buffer, `router_type="sigmoid_topk"` only
     mlp.experts.gate_up_proj             (E, 2·f, d)   [gate; up] of every expert, concatenated
     mlp.experts.down_proj                (E, d, f)
+    mlp.experts.{gate_up,down}_proj_bias (E, 2·f), (E, d)   `mlp_bias=True` only (gpt-oss)
     mlp.shared_experts.{gate,up,down}_proj.weight      one gated MLP of width n_shared·f_shared
     mlp.shared_expert_gate.weight        (1, d)        `shared_expert_gate=True` only
 
@@ -26,9 +28,9 @@ them with the shared experts, and the kind's registry entry: completion, validat
 and parallelism plans.
 
 The config fields this kind owns (refused under other `mlp_type`s) are documented on
-`ModularDecoderConfig`; `MOE_FIELDS` lists them. The experts always have the gated form
-act(x W_gate) ⊙ (x W_up) W_down with `hidden_act`, as every supported family's experts do, and
-carry no biases (`mlp_bias` must be False).
+`ModularDecoderConfig`; `MOE_FIELDS` lists them. The experts have the gated form
+act(x W_gate) ⊙ (x W_up) W_down with `hidden_act`, or gpt-oss's clamped SwiGLU (`swiglu_limit`,
+`swiglu_alpha`), with biases where `mlp_bias` says so (gpt-oss).
 """
 
 from __future__ import annotations
@@ -99,8 +101,13 @@ def init_moe_weights(module: nn.Module, std: float, init) -> bool:
     if isinstance(module, Experts):
         init.normal_(module.gate_up_proj, mean=0.0, std=std)
         init.normal_(module.down_proj, mean=0.0, std=std)
+        for bias in (module.gate_up_proj_bias, module.down_proj_bias):
+            if bias is not None:
+                init.zeros_(bias)
     elif isinstance(module, TopKRouter):
         init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            init.normal_(module.bias, mean=0.0, std=std)  # as transformers' gpt-oss
         if module.e_score_correction_bias is not None:
             init.zeros_(module.e_score_correction_bias)
     else:
@@ -114,9 +121,13 @@ def init_moe_weights(module: nn.Module, std: float, init) -> bool:
 
 MOE_FIELDS = (
     "mlp_layer_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
-    "shared_expert_intermediate_size", "shared_expert_gate", "router_type", "norm_topk_prob", "n_group",
+    "shared_expert_intermediate_size", "shared_expert_gate", "router_type", "router_bias", "norm_topk_prob", "n_group",
     "topk_group", "routed_scaling_factor", "router_aux_loss_coef", "router_z_loss_coef", "output_router_logits",
+    "swiglu_limit", "swiglu_alpha",
 )
+
+# gpt-oss's sigmoid gain in its clamped SwiGLU (transformers' `GptOssConfig.swiglu_alpha` default; 5.16-5.19 fix it)
+GPT_OSS_SWIGLU_ALPHA = 1.702
 
 # transformers' names and styles for the experts module (mixtral, qwen*_moe, olmoe, deepseek_v2/v3)
 EXPERTS_TP_PLAN = {"mlp.experts.gate_up_proj": "packed_colwise", "mlp.experts.down_proj": "rowwise",
@@ -150,13 +161,15 @@ class MixtureOfExpertsKind(FeedForwardKind):
             config.shared_expert_intermediate_size = config.moe_intermediate_size
         if config.topk_group is None:
             config.topk_group = config.n_group
+        if config.swiglu_alpha is None and config.swiglu_limit is not None:
+            config.swiglu_alpha = GPT_OSS_SWIGLU_ALPHA
         router = ROUTERS.get(config.router_type) if isinstance(config.router_type, str) else None
         if config.router_aux_loss_coef is None and router is not None:  # a bad `router_type` is named by `validate`
             config.router_aux_loss_coef = router.default_aux_loss_coef
 
     def reads_for(self, config) -> tuple[str, ...]:
-        """`intermediate_size` only where a `"dense"` layer holds a gated MLP; never `mlp_bias` (no biases)."""
-        return ("intermediate_size",) if "dense" in (config.mlp_layer_types or ()) else ()
+        """`mlp_bias` (experts' biases), and `intermediate_size` only where a `"dense"` layer holds a gated MLP."""
+        return ("intermediate_size", "mlp_bias") if "dense" in (config.mlp_layer_types or ()) else ("mlp_bias",)
 
     def validate(self, config) -> None:
         self._validate_layer_types(config)
@@ -175,7 +188,11 @@ class MixtureOfExpertsKind(FeedForwardKind):
                 if getattr(config, name):
                     raise ValueError(f"`{name}` is set but `n_shared_experts` is 0: there are no shared experts.")
         require_choice("router_type", config.router_type, ROUTERS)
+        require_bool("router_bias", config.router_bias)
         require_bool("norm_topk_prob", config.norm_topk_prob)
+        if not config.norm_topk_prob and not ROUTERS[config.router_type].renormalizes:
+            raise ValueError(f"`norm_topk_prob`=False does not apply to `router_type`={config.router_type!r}: its "
+                             "softmax over the kept experts' logits sums to 1; leave it True.")
         self._validate_groups(config)
         require_number("routed_scaling_factor", config.routed_scaling_factor, above=0)
         require_number("router_aux_loss_coef", config.router_aux_loss_coef, at_least=0)
@@ -188,8 +205,18 @@ class MixtureOfExpertsKind(FeedForwardKind):
         require_bool("output_router_logits", config.output_router_logits)
         require_choice("hidden_act", config.hidden_act, ACT2FN)
         require_bool("mlp_bias", config.mlp_bias)
-        if config.mlp_bias:
-            raise ValueError("`mlp_bias=True` is not supported with `mlp_type='moe'`: experts carry no biases.")
+        self._validate_clamped_swiglu(config)
+
+    @staticmethod
+    def _validate_clamped_swiglu(config) -> None:
+        require_number("swiglu_limit", config.swiglu_limit, above=0, optional=True)
+        require_number("swiglu_alpha", config.swiglu_alpha, above=0, optional=True)
+        if config.swiglu_limit is None and config.swiglu_alpha is not None:
+            raise ValueError(f"`swiglu_alpha`={config.swiglu_alpha} is the gain of the clamped SwiGLU, which "
+                             "`swiglu_limit` turns on; set both or neither.")
+        if config.swiglu_limit is not None and config.hidden_act != "silu":
+            raise ValueError(f"`swiglu_limit` gives the experts gpt-oss's clamped SwiGLU (g·σ(α·g)), which replaces "
+                             f"`hidden_act`: leave it 'silu', got {config.hidden_act!r}.")
 
     @staticmethod
     def _validate_layer_types(config) -> None:
@@ -217,6 +244,9 @@ class MixtureOfExpertsKind(FeedForwardKind):
                 f"`num_experts_per_tok`={top_k} exceeds the {reachable} experts of the `topk_group`="
                 f"{config.topk_group} kept groups ({per_group} experts per group)."
             )
+        if n_group > 1 and not ROUTERS[config.router_type].groups:
+            raise ValueError(f"`router_type`={config.router_type!r} has no group-limited routing: leave `n_group` "
+                             f"at 1, got {n_group}.")
         needed = ROUTERS[config.router_type].min_experts_per_group
         if n_group > 1 and per_group < needed:
             raise ValueError(
@@ -225,15 +255,24 @@ class MixtureOfExpertsKind(FeedForwardKind):
             )
 
     def backend_features(self, config) -> set[str]:
-        """Experts with another activation than SiLU (vLLM's fused experts compute SiLU only)."""
-        return {"experts_activation"} if config.hidden_act != "silu" else set()
+        """What vLLM's fused experts do not compute: another activation than SiLU, gpt-oss's clamped SwiGLU,
+        biases on the experts or the router (it applies the gpt-oss forms only to gpt-oss's own architecture)."""
+        needed = {"experts_activation"} if config.hidden_act != "silu" else set()
+        if config.swiglu_limit is not None:
+            needed.add("experts_clamped_swiglu")
+        if config.mlp_bias:
+            needed.add("experts_bias")
+        if config.router_bias:
+            needed.add("router_bias")
+        return needed
 
     def build(self, config, layer_idx: int) -> nn.Module:
         """`SparseMoeBlock` for a `"sparse"` layer, `GatedMLP` of `intermediate_size` for a `"dense"` one."""
         return SparseMoeBlock(config) if config.mlp_layer_types[layer_idx] == "sparse" else GatedMLP(config)
 
     def parameters(self, config, layer_idx: int) -> int:
-        """Sparse: E·d (router) + E·3·d·f + 3·d·f_s (+ d for the shared gate); dense: 3·d·d_f."""
+        """Sparse: E·d (+ E: `router_bias`) (router) + E·3·d·f (+ E·(3·f + d): `mlp_bias`) + 3·d·f_s (+ d for the
+        shared gate); dense: 3·d·d_f."""
         if config.mlp_layer_types[layer_idx] == "dense":
             return activated_parameters(config, 2, config.intermediate_size)
         return self._always(config) + config.num_experts * self._expert(config)
@@ -250,8 +289,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
 
     @staticmethod
     def _always(config) -> int:
-        """Router, shared experts and their gate: what every token of a sparse layer uses."""
-        total = config.num_experts * config.hidden_size
+        """Router (and its bias), shared experts and their gate: what every token of a sparse layer uses."""
+        total = config.num_experts * (config.hidden_size + (1 if config.router_bias else 0))
         shared = shared_experts_intermediate_size(config)
         if shared:
             total += activated_parameters(config, 2, shared) + (config.hidden_size if config.shared_expert_gate else 0)
@@ -261,20 +300,25 @@ class MixtureOfExpertsKind(FeedForwardKind):
         """transformers' MoE families' plan: experts split inside each expert (`packed_colwise` keeps each
         half of [gate; up] on its rank), shared experts and dense layers Megatron-split, the router replicated."""
         plan = mlp_tp_plan("mlp", gated=True) if "dense" in config.mlp_layer_types else {}
-        plan.update(EXPERTS_TP_PLAN)
+        if not config.mlp_bias:  # experts with biases stay whole on every rank (transformers plans gpt-oss's so)
+            plan.update(EXPERTS_TP_PLAN)
         if config.n_shared_experts:
             plan.update(mlp_tp_plan("mlp.shared_experts", gated=True))
         return plan
 
     def ep_plan(self, config) -> dict[str, str]:
-        """Whole experts per rank (`grouped_gemm` shards dim 0), in this transformers' styles (compat.py)."""
-        return experts_ep_plan()
+        """Whole experts per rank (`grouped_gemm` shards dim 0, the experts' biases too), in this transformers'
+        styles (compat.py)."""
+        plan = experts_ep_plan()
+        if config.mlp_bias:
+            plan.update({"mlp.experts.gate_up_proj_bias": "grouped_gemm", "mlp.experts.down_proj_bias": "grouped_gemm"})
+        return plan
 
     def fp32_parameters(self, config) -> tuple[str, ...]:
         """A sigmoid router's weight and correction bias stay fp32, as DeepSeek-V3 keeps them: its scores
         are compared with a bias of order 1e-3, which bf16 logits would blur."""
         if ROUTERS[config.router_type].score_correction_bias:
-            return ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+            return ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.gate.bias")
         return ()
 
 

@@ -192,9 +192,11 @@ def _validate_learned(config) -> None:
 
 def _validate_rope(config) -> None:
     """Every RoPE dict (flat, or one per layer type) names a known `rope_type` with the keys
-    transformers needs for it, finite values, and a rotary width the type can use."""
+    transformers needs for it, finite values, and a rotary width the type can use; `no_rope_layers`
+    one 0 / 1 per layer."""
     require_number("partial_rotary_factor", config.partial_rotary_factor, above=0, at_most=1)
     require_bool("rope_interleaved", config.rope_interleaved)
+    _validate_no_rope_layers(config)
     params = config.rope_parameters
     if not isinstance(params, dict) or not params:
         raise ValueError(f"`rope_parameters` must be a dict with a `rope_type`, got {params!r}.")
@@ -219,6 +221,32 @@ def _validate_rope(config) -> None:
         transformers_rope_check(config)
     except KeyError as error:
         raise ValueError(f"`rope_parameters` is incomplete: {error.args[0]}") from None
+
+
+def _validate_no_rope_layers(config) -> None:
+    """`None` (every layer rotates) or transformers' SmolLM3 list: 1 for a RoPE layer, 0 for a NoPE one, per layer."""
+    flags = config.no_rope_layers
+    if flags is None:
+        return
+    if not isinstance(flags, list) or len(flags) != config.num_hidden_layers:
+        raise ValueError(f"`no_rope_layers` must list one 1 (RoPE) or 0 (NoPE) per layer (`num_hidden_layers`="
+                         f"{config.num_hidden_layers}), got {flags!r}.")
+    for flag in flags:
+        if isinstance(flag, bool) or flag not in (0, 1):
+            raise ValueError(f"`no_rope_layers` holds 1 (the layer rotates) or 0 (NoPE) per layer, got {flag!r}.")
+    if not any(flags):
+        raise ValueError("`no_rope_layers` marks every layer NoPE (0): no layer rotates, which is "
+                         "`position_embedding_type='none'`.")
+
+
+def rotary_layers(config) -> list[bool]:
+    """Whether each layer rotates its queries and keys: every layer with RoPE, less the NoPE layers of
+    `no_rope_layers`; none without RoPE."""
+    if not config.uses_rope:
+        return [False] * config.num_hidden_layers
+    if config.no_rope_layers is None:
+        return [True] * config.num_hidden_layers
+    return [bool(flag) for flag in config.no_rope_layers]
 
 
 ROPE_TYPES = ("default", *sorted(ROPE_INIT_FUNCTIONS))
@@ -279,7 +307,8 @@ def _validate_rope_dict(config, where: str, params, rotary: int) -> None:
 POSITIONS: Registry[PositionKind] = Registry("position_embedding_type", [
     PositionKind("learned", ("learned_position_offset",), _validate_learned),
     PositionKind("sinusoidal"),
-    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved"), _validate_rope, reads=("rope_parameters",)),
+    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved", "no_rope_layers"), _validate_rope,
+                 reads=("rope_parameters",)),
     PositionKind("alibi"),
     PositionKind("none"),
 ])

@@ -1,6 +1,6 @@
 """Every axis of the design space and its entries, in one place.
 
-    ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla
+    ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla, dsa (MLA + lightning indexer)
     MLPS        `mlp_type`                 dense, gated, moe
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
     NORMS       `norm_type`                rmsnorm, layernorm
@@ -20,8 +20,10 @@ from .mlp import DENSE_MLP, GATED_MLP
 from .moe import MIXTURE_OF_EXPERTS
 from .norms import NORMS
 from .positions import POSITIONS
+from .sparse_attention import SPARSE_LATENT_ATTENTION
 
-ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION])
+ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION,
+                                                                         SPARSE_LATENT_ATTENTION])
 MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
 
 

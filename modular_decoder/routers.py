@@ -4,9 +4,10 @@ that pair each with its training losses, the `TopKRouter` module every sparse la
 
     softmax_topk   softmax over all experts, keep the k largest (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2)
     sigmoid_topk   independent sigmoid scores, chosen with a correction bias (DeepSeek-V3 `noaux_tc`)
+    topk_softmax   keep the k largest logits, softmax over those k (gpt-oss)
 
-Both may first keep the `topk_group` best of `n_group` expert groups (DeepSeek's device-limited
-routing). The losses themselves are in `router_losses.py`. Part of the remote-code files: torch only.
+The first two may first keep the `topk_group` best of `n_group` expert groups (DeepSeek's device-limited
+routing). Any of them may add a learned bias to the logits (`router_bias`, gpt-oss). The losses themselves are in `router_losses.py`. Part of the remote-code files: torch only.
 """
 
 from __future__ import annotations
@@ -86,6 +87,26 @@ def sigmoid_topk(
     return weights * routed_scaling_factor, indices
 
 
+def topk_softmax(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the k largest logits, softmax over those k (gpt-oss's `GptOssTopKRouter`): the same weights as a
+    softmax over all experts renormalised over the kept k, computed from the k logits alone.
+
+    Returns fp32 weights (N, k) and expert ids (N, k). (No groups: the config refuses them with this router.)
+    """
+    del correction_bias, norm_topk_prob, n_group, topk_group  # none apply (weights sum to 1 by construction)
+    values, indices = logits.topk(top_k, dim=-1)  # (N, k) each
+    return values.float().softmax(dim=-1) * routed_scaling_factor, indices
+
+
 def _switch_balance_loss(router_logits, config, attention_mask, batch_size):
     # f_i counts the experts the router chose (with groups, not the plain top-k): its selection, run again
     select = selection(config)
@@ -109,6 +130,8 @@ class RouterKind:
     balance_loss: Callable[..., torch.Tensor]
     default_aux_loss_coef: float  # `router_aux_loss_coef` where unset: the weight its paper / family uses
     z_loss: bool  # whether ST-MoE's z-loss (a softmax normaliser's) applies
+    groups: bool = True  # whether it takes group-limited routing (`n_group` > 1)
+    renormalizes: bool = True  # whether `norm_topk_prob` chooses anything (a softmax over the kept k sums to 1)
 
 
 # transformers' Mixtral / Qwen-MoE default weight of the load-balancing loss
@@ -122,6 +145,10 @@ ROUTERS: dict[str, RouterKind] = {
     "sigmoid_topk": RouterKind(sigmoid_topk, score_correction_bias=True, min_experts_per_group=2,
                                balance_loss=_sequence_balance_loss, default_aux_loss_coef=SEQUENCE_AUX_LOSS_COEF,
                                z_loss=False),
+    # gpt-oss weights its Switch loss as Mixtral does (its `load_balancing_loss_func`: the same top-k)
+    "topk_softmax": RouterKind(topk_softmax, score_correction_bias=False, min_experts_per_group=1,
+                               balance_loss=_switch_balance_loss, default_aux_loss_coef=AUX_LOSS_COEF, z_loss=True,
+                               groups=False, renormalizes=False),
 }
 
 
@@ -143,7 +170,8 @@ def selection(config) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
 
 
 class TopKRouter(nn.Module):
-    """Router logits x·Wᵀ, then the `router_type` selection. Returns (logits, weights, expert ids).
+    """Router logits x·Wᵀ (+ b with `router_bias`), then the `router_type` selection. Returns (logits, weights,
+    expert ids).
 
     The logits are computed in the dtype of `weight`: a model that keeps its routers in fp32 (as
     DeepSeek-V3's checkpoints do) routes in fp32 whatever the activations' dtype. Once
@@ -160,11 +188,13 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
         bias = torch.zeros(config.num_experts, dtype=torch.float32) if kind.score_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
+        logit_bias = nn.Parameter(torch.empty(config.num_experts, dtype=dtype)) if config.router_bias else None
+        self.register_parameter("bias", logit_bias)  # transformers' gpt-oss name (`mlp.router.bias` there)
         self.expert_load: torch.Tensor | None = None
         self.select = selection(config)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)  # (N, E)
+        logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)  # (N, E)
         weights, indices = self.select(logits, self.e_score_correction_bias)  # (N, k) each
         if self.training and self.expert_load is not None:
             record_expert_load(self.expert_load, indices)
@@ -199,4 +229,4 @@ def router_losses(
 
 
 __all__ = ["AUX_LOSS_COEF", "ROUTERS", "SEQUENCE_AUX_LOSS_COEF", "RouterKind", "TopKRouter", "router_losses",
-           "selection", "sigmoid_topk", "softmax_topk"]
+           "selection", "sigmoid_topk", "softmax_topk", "topk_softmax"]

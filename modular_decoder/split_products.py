@@ -8,8 +8,7 @@ all cores, each streaming its own part of the matrix.
 
 The result is `F.linear`'s up to fp32 rounding order: the same shape and dtype, each output the same
 sum of products, which the batched product may add in another order than `F.linear`'s kernel (bit-equal
-for a few rows; 16 rows of width 576 on 2 threads measured 7.6e-6 apart, each as far from the float64
-product as the other). The weights are never copied, moved or re-laid: the slices are views of the
+for a few rows, within fp32 rounding of each other for more: `tests/test_split_products.py`). The weights are never copied, moved or re-laid: the slices are views of the
 parameter as it is stored, so every engine that reads or replaces parameters (accelerate, FSDP, tensor
 parallel, torchao, export, safetensors) sees a standard model.
 
@@ -21,7 +20,7 @@ Four questions, one predicate each:
     is_fx_proxy(x)              is `x` a symbolic tracer's stand-in rather than a value
 
 and `takes_split_branch(layer, x)`, the branch test of a forward that routes its linears through
-`project` (the split on, an fp32 CPU value, `is_bare_linear` with a weight of at least `MIN_SPLIT_WEIGHT`).
+`project` (the split on, an fp32 CPU value, `is_bare_linear` with a weight of at least `tuning().min_split_weight`).
 
 The split engages only where it is measured to pay and computes what `F.linear` computes: fp32 input,
 weight and bias, all on the CPU, plain tensors (never a DTensor, a quantized or other tensor subclass,
@@ -50,14 +49,14 @@ import torch.fx
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from .tuning import Tuning, tuning
+
 # A product with at most this many rows (a decode step's tokens) is split across the cores
 FEW_ROWS = 16
-# ... and only over a weight of at least this many elements (256 KiB of fp32): below it, dispatching the batched
-# product costs more than one core's pass over a matrix that small. Measured as whole decode steps (weights streamed
-# from memory, as in use; a product timed alone, its weight hot in cache, splits profitably only from about 4x
-# larger), 2 threads, ms per step, Llama layouts (hidden h, FFN 3h), split everywhere / from 2^16 / off:
-# h 64: 4.84 / 3.93 / 3.86; h 128: 5.50 / 5.38 / 5.20; h 256: 6.30 / 6.32 / 7.54; h 384: 8.71 / 8.89 / 12.16.
-MIN_SPLIT_WEIGHT = 1 << 16
+# ... and only over a weight of at least `tuning().min_split_weight` elements (`tuning.py`: a setting, and the
+# measurement behind its default): below it, dispatching the batched product costs more than one core's pass over
+# a matrix that small. `MIN_SPLIT_WEIGHT` is the shipped default.
+MIN_SPLIT_WEIGHT = Tuning.min_split_weight
 _enabled = os.environ.get("MODULAR_DECODER_SPLIT_PRODUCTS", "1").strip().lower() not in ("0", "false", "no", "off")
 _PLAIN = (torch.Tensor, nn.Parameter)
 # torch.export sees F.linear; a torch without `is_exporting` keeps the split out of every compiler
@@ -89,7 +88,7 @@ def _splits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return 1  # a width F.linear refuses raises there, with its own message
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= FEW_ROWS or weight.numel() < MIN_SPLIT_WEIGHT:
+    if not 0 < rows <= FEW_ROWS or weight.numel() < tuning().min_split_weight:
         return 1
     if type(weight) not in _PLAIN or type(x) not in _PLAIN:  # DTensor, quantized and other subclasses
         return 1
@@ -125,8 +124,8 @@ def _split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return nn.functional.linear(x, weight, bias)
     out_features, in_features = weight.shape
     rows, width = x.numel() // in_features, out_features // parts
-    # Views written as single `as_strided` calls: a decode step issues ~200 of these products and
-    # each tensor op costs microseconds of dispatch (view + transpose + reshape + expand cost ~6 µs more)
+    # Views written as single `as_strided` calls: a decode step issues hundreds of these products and
+    # each tensor op costs microseconds of dispatch (one `as_strided` instead of view + transpose + reshape + expand)
     slices = weight.as_strided((parts, in_features, width), (width * in_features, 1, in_features))
     if x.is_contiguous():  # every slice reads the same rows of x (stride 0 over the parts)
         x_parts = x.as_strided((parts, rows, in_features), (0, in_features, 1))
@@ -183,7 +182,7 @@ def takes_split_branch(layer: nn.Module, x) -> bool:
     (`forward`'s own source is what vLLM's fusers read under its trace)."""
     return (
         _enabled and not is_fx_proxy(x) and x.dtype is torch.float32 and x.device.type == "cpu"
-        and is_bare_linear(layer) and layer.weight.numel() >= MIN_SPLIT_WEIGHT
+        and is_bare_linear(layer) and layer.weight.numel() >= tuning().min_split_weight
     )
 
 

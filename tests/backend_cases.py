@@ -23,6 +23,24 @@ VARIANTS: dict[str, dict] = {
     "alibi_gqa_sliding": dict(num_key_value_heads=2, position_embedding_type="alibi", rope_parameters=None,
                               sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
     "mla": dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    # DeepSeek Sparse Attention keeping 4 keys per query: the selection is a mask, which the flash kernels refuse
+    "dsa": dict(attention_type="dsa", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                q_lora_rank=12, index_n_heads=8, index_head_dim=8, index_topk=4),
+    # gpt-oss's attention: a sink per head, sliding and full layers; and sinks on MLA (vLLM's latent attention
+    # takes none)
+    "sinks_sliding": dict(num_key_value_heads=2, attention_sinks=True, sliding_window=5,
+                          layer_types=["sliding_attention", "full_attention"]),
+    "mla_sinks": dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                      attention_sinks=True),
+    # the whole of gpt-oss's layout: sinks, sliding and full layers, a biased top-k-then-softmax router, experts
+    # with biases and the clamped SwiGLU (what vLLM's fused experts do not compute for this architecture)
+    "gpt_oss": dict(num_key_value_heads=2, attention_sinks=True, sliding_window=5, attention_bias=True,
+                    layer_types=["sliding_attention", "full_attention"], mlp_type="moe", num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=16, router_type="topk_softmax", router_bias=True,
+                    mlp_bias=True, swiglu_limit=1.0),
+    # SmolLM3's NoPE layers (no rotary on layer 0, here the sliding one)
+    "nope_sliding": dict(num_key_value_heads=2, no_rope_layers=[0, 1], sliding_window=5,
+                         layer_types=["sliding_attention", "full_attention"]),
     # What transformers' backends run and vLLM's Transformers backend refuses (its "vllm" row): latent
     # scores with a cap and a window, a `head_dim` that is not the latent width, scaled logits, GELU experts
     "mla_capped_windowed_moe": dict(
@@ -43,6 +61,10 @@ def make_config(variant: str) -> ModularDecoderConfig:
 def make_model(variant: str, backend: str = "eager") -> ModularDecoderForCausalLM:
     torch.manual_seed(0)
     model = ModularDecoderForCausalLM._from_config(make_config(variant), attn_implementation="eager").eval()
+    with torch.no_grad():  # sinks of order 1 (they start near 0): a backend that dropped them would show
+        for module in model.modules():
+            if getattr(module, "sinks", None) is not None:
+                module.sinks.normal_(0.0, 1.5)
     # Set directly: flash kernels are not installed on CPU, so loading through the availability
     # check is not possible; the contract check itself is tested separately.
     model.config._attn_implementation = backend
@@ -76,11 +98,12 @@ def padded_batch(lengths=(12, 7), vocab: int = 97, seed: int = 2, side: str = "l
 # the bottom-right corner; window_size=(left, right) keeps keys j with
 # i + T_k - T_q - left <= j <= i + T_k - T_q + right (-1: unbounded); softcap: s -> c·tanh(s/c)
 # after scaling; alibi_slopes (H,) add -slope·|i + T_k - T_q - j|; a row with no key outputs 0.
+# s_aux (H,): vLLM's FA3 build's attention sinks, one more logit in each head's softmax denominator.
 
 KERNEL_CALLS: list[dict] = []
 
 
-def _reference_attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes):
+def _reference_attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux=None):
     t_q, heads, dim = q.shape
     t_k, kv_heads, _ = k.shape
     k = k.repeat_interleave(heads // kv_heads, dim=1)
@@ -102,38 +125,45 @@ def _reference_attend(q, k, v, softmax_scale, causal, window_size, softcap, alib
         keep &= j >= diagonal - left
     if right >= 0:
         keep &= j <= diagonal + right
-    p = s.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0)
+    s = s.masked_fill(~keep, float("-inf"))
+    if s_aux is not None:
+        sink = s_aux.float()[:, None, None].expand(heads, t_q, 1)
+        p = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        p = s.softmax(-1).nan_to_num(0.0)
     return torch.einsum("hqk,khd->qhd", p, v.float()).to(q.dtype)
 
 
 def reference_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                                      dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                      softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                                     block_table=None):
-    """flash_attn_varlen_func's documented semantics, in plain torch (fp32 inside)."""
+                                     block_table=None, s_aux=None):
+    """flash_attn_varlen_func's documented semantics, in plain torch (fp32 inside); `s_aux` as vLLM's FA3 takes it."""
     assert dropout_p == 0.0
     KERNEL_CALLS.append(dict(kind="varlen", q_shape=tuple(q.shape), k_shape=tuple(k.shape),
                              cu_seqlens_q=cu_seqlens_q.tolist(), cu_seqlens_k=cu_seqlens_k.tolist(),
                              max_seqlen_q=int(max_seqlen_q), softmax_scale=softmax_scale, causal=causal,
-                             window_size=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes))
+                             window_size=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes,
+                             s_aux=s_aux))
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
     for b in range(len(cu_seqlens_q) - 1):
         qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         ks, ke = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
         out[qs:qe] = _reference_attend(q[qs:qe], k[ks:ke], v[ks:ke], softmax_scale, causal, tuple(window_size),
-                                       softcap, alibi_slopes)
+                                       softcap, alibi_slopes, s_aux)
     return out
 
 
 def reference_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              s_aux=None):
     """flash_attn_func's documented semantics: (B, T, H, D) batches of equal length."""
     assert dropout_p == 0.0
     KERNEL_CALLS.append(dict(kind="dense", q_shape=tuple(q.shape), k_shape=tuple(k.shape),
                              softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-                             softcap=softcap, alibi_slopes=alibi_slopes))
+                             softcap=softcap, alibi_slopes=alibi_slopes, s_aux=s_aux))
     return torch.stack([
-        _reference_attend(q[b], k[b], v[b], softmax_scale, causal, tuple(window_size), softcap, alibi_slopes)
+        _reference_attend(q[b], k[b], v[b], softmax_scale, causal, tuple(window_size), softcap, alibi_slopes, s_aux)
         for b in range(q.shape[0])
     ])
 

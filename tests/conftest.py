@@ -46,11 +46,30 @@ def one_thread():
 def two_threads(monkeypatch):
     """Two torch threads and no weight-size threshold, so that the split products (`split_products.py`: a
     decode step's few rows over all cores) run on the tiny test weights (xdist workers have one thread, and
-    `MIN_SPLIT_WEIGHT` keeps small products on F.linear)."""
-    from modular_decoder import split_products
+    `tuning().min_split_weight` keeps small products on F.linear)."""
+    from modular_decoder.tuning import tuned
 
-    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    yield
+    with tuned(min_split_weight=0):
+        yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def uncompiled_flex(monkeypatch):
+    """FlexAttention run uncompiled (torch's own implementation of its semantics), patched in where transformers
+    calls its compiled wrapper: on this CPU the inductor-compiled kernel gave wrong outputs in probes, failed to
+    compile some shapes, and took minutes per compile (tests/test_backends_flex.py). The compiled kernel is
+    checked on CUDA by tests/gpu/run_gpu_checks.py."""
+    import transformers.integrations.flex_attention as transformers_flex
+    import transformers.masking_utils as transformers_masking
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def call(query, key, value, training=False, **kwargs):
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention", call)
+    # the BlockMask too is built uncompiled (same mask_mod semantics, no minutes of compilation)
+    build_mask = transformers_masking.create_block_mask
+    monkeypatch.setattr(transformers_masking, "create_block_mask", lambda *a, _compile=True, **k: build_mask(*a, **k))

@@ -67,6 +67,11 @@ CASES: dict[str, tuple[str, callable]] = {
     "deepseek_v3-moe": ("deepseek_v3", lambda: tf.DeepseekV3Config(
         **COMMON, **MLA, q_lora_rank=12, first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4,
         n_shared_experts=1, moe_intermediate_size=12, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    # DeepSeek-V3.2: V3 with a lightning indexer in every layer keeping 5 of the prompt's 12 keys per query
+    "deepseek_v32-moe": ("deepseek_v32", lambda: tf.DeepseekV32Config(
+        **COMMON, **MLA, num_key_value_heads=H, q_lora_rank=12, index_n_heads=8, index_head_dim=8, index_topk=5,
+        first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+        moe_intermediate_size=12, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
 }
 
 # The families whose layers hold routed experts (and the cases of each)
@@ -86,3 +91,12 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
             if name in saved and buffer.is_floating_point():
                 buffer.add_(torch.randn_like(buffer) * 0.1)
     return model
+
+
+def saved_source(config, path):
+    """A tiny random source checkpoint saved by transformers' own class, every parameter perturbed
+    (`--verify`, exports and conversions compare it)."""
+    config.architectures = None
+    torch.manual_seed(0)
+    perturbed(tf.AutoModelForCausalLM.from_config(config)).save_pretrained(path)
+    return path

@@ -17,9 +17,9 @@ from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
 
 from test_decode_adapters import KINDS, _ids, _model, cached_and_uncached  # noqa: E402
 
-from modular_decoder import split_products  # noqa: E402
+from modular_decoder.tuning import set_tuning  # noqa: E402
 
-split_products.MIN_SPLIT_WEIGHT = 0  # tiny weights: the split path is what must leave quantized weights alone
+set_tuning(min_split_weight=0)  # tiny weights: the split path is what must leave quantized weights alone
 
 result = {}
 for kind in KINDS:

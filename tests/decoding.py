@@ -33,6 +33,23 @@ def greedy_no_cache(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return ids
 
 
+@torch.no_grad()
+def steps_against_full(model, ids: torch.Tensor, mask: torch.Tensor, chunks: list[int]):
+    """(the same tokens fed in `chunks` through one growing `ModularDecoderCache`, the no-cache forward): logits of
+    each, (B, T, V). Every step gets the mask up to its end and positions counting real tokens only."""
+    from modular_decoder.cache import ModularDecoderCache
+
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    full = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    cache, steps, start = ModularDecoderCache(model.config), [], 0
+    for size in chunks:
+        end = start + size
+        steps.append(model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], cache=cache,
+                           position_ids=positions[:, start:end]).logits)
+        start = end
+    return torch.cat(steps, dim=1), full
+
+
 def prompt(batch: int = 1, length: int = 6, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab, (batch, length), generator=generator)

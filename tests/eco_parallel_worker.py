@@ -34,8 +34,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
 
 from modular_decoder import split_products  # noqa: E402
+from modular_decoder.tuning import set_tuning  # noqa: E402
 
-split_products.MIN_SPLIT_WEIGHT = 0  # the tiny test weights split too: the engines are held to the split path
+set_tuning(min_split_weight=0)  # the tiny test weights split too: the engines are held to the split path
 
 ROOT, OUT = Path(sys.argv[1]), Path(sys.argv[2])
 TP_CASES = ("llama", "olmo2", "deepseek_v2", "mixtral")  # standard, qk_norm="full", MLA + MoE, MoE

@@ -2,10 +2,10 @@
 
 `config_kwargs()` draws the keyword arguments of a valid config: every value of every registry axis
 (`modular_decoder/registries.py`), MHA / GQA / MQA, explicit head widths, partial rotary widths,
-every rope type with the keys it needs (flat or nested per layer type), sliding windows and
-local/global mixes, QK-norm, soft-caps, the score scale, the embedding ends, biases, learned
-offsets, MLA's widths and multi-token-prediction modules. Sizes stay tiny (hidden <= 48, 1-3 layers, vocabulary <= 64) so a model
-builds and runs in milliseconds.
+every rope type with the keys it needs (flat or nested per layer type), NoPE layers, sliding windows and
+local/global mixes, QK-norm, soft-caps, attention sinks, the score scale, the embedding ends, biases, learned
+offsets, MLA's widths and multi-token-prediction modules. Sizes stay tiny (hidden <= 48, 1-3 layers, vocabulary
+<= 64) so a model builds and runs in milliseconds.
 
 `broken_config_kwargs()` takes such a draw and breaks exactly one field; it returns the broken
 kwargs and the name the `ValueError` must carry.
@@ -40,10 +40,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # What the strategy knows how to draw for each registry; `test_strategies_cover_every_registry_entry`
 # fails when an entry is added to a registry and not here.
-ATTENTION_TYPES = ("standard", "mla")
+ATTENTION_TYPES = ("standard", "mla", "dsa")
 MLP_TYPES = ("dense", "gated", "moe")
 POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's lightning indexer
+LATENT_TYPES = ("mla", "dsa")
 REGISTRIES = {"attention_type": (ATTENTIONS, ATTENTION_TYPES), "mlp_type": (MLPS, MLP_TYPES),
               "position_embedding_type": (POSITIONS, POSITION_TYPES), "norm_type": (NORMS, tuple(NORMS))}
 
@@ -147,11 +149,14 @@ def config_kwargs(draw) -> dict:
     kw["hidden_act"] = draw(st.sampled_from(sorted(ACT2FN)))
     if kw["mlp_type"] == "moe":
         kw.update(draw(moe_fields(layers)))
+        if "swiglu_limit" in kw:  # gpt-oss's clamped SwiGLU replaces the activation
+            kw["hidden_act"] = "silu"
     else:
         kw["mlp_bias"] = draw(st.booleans())
 
-    # windows: none, all sliding, or a per-layer mix (a window with only full layers is allowed too)
-    window = draw(st.none() | st.integers(2, MAX_SEQ))
+    # windows: none, all sliding, or a per-layer mix (a window with only full layers is allowed too); DSA chooses
+    # its keys from the whole context (no sliding layers)
+    window = draw(st.none() | st.integers(2, MAX_SEQ)) if attention_type != "dsa" else None
     if window is not None:
         kw["sliding_window"] = window
         if draw(st.integers(0, 2)):  # mostly an explicit per-layer list (local/global mixes)
@@ -161,12 +166,16 @@ def config_kwargs(draw) -> dict:
     layer_types = kw.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
 
     # attention kind
-    if attention_type == "mla":
+    if attention_type in LATENT_TYPES:
         kw.update(kv_lora_rank=draw(st.integers(1, 16)), qk_nope_head_dim=draw(st.integers(1, 8)),
                   qk_rope_head_dim=2 * draw(st.integers(1, 4)), v_head_dim=draw(st.integers(1, 8)))
-        q_lora_rank = draw(st.none() | st.integers(1, 16))
+        q_lora_rank = draw(st.none() | st.integers(1, 16)) if attention_type == "mla" else draw(st.integers(1, 16))
         if q_lora_rank is not None or draw(st.booleans()):
             kw["q_lora_rank"] = q_lora_rank
+        if attention_type == "dsa":  # the indexer: from one head keeping one key to more keys than any input has
+            kw.update(index_n_heads=draw(st.integers(1, 4)),
+                      index_head_dim=kw["qk_rope_head_dim"] + draw(st.integers(0, 6)),
+                      index_topk=draw(st.integers(1, MAX_SEQ + 1)))
         if draw(st.booleans()):
             kw["kv_latent_norm"] = False  # the linear latent of a converted standard attention
         position = "rope"
@@ -194,6 +203,10 @@ def config_kwargs(draw) -> dict:
             if factor != 1.0 or draw(st.booleans()):
                 kw["partial_rotary_factor"] = factor
         kw["rope_interleaved"] = draw(st.booleans())
+        if attention_type == "standard" and draw(st.booleans()):  # SmolLM3's NoPE layers: at least one rotates
+            flags = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
+            flags[draw(st.integers(0, layers - 1))] = 1
+            kw["no_rope_layers"] = flags
         if draw(st.booleans()):  # nested per layer type, each with its own type and base
             kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in sorted(set(layer_types))}
             if draw(st.booleans()):  # a table for a layer type no layer uses is allowed too
@@ -206,6 +219,7 @@ def config_kwargs(draw) -> dict:
     kw["attention_bias"] = draw(st.booleans())
     kw["attention_output_bias"] = draw(st.sampled_from([None, True, False]))
     kw["attn_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
+    kw["attention_sinks"] = draw(st.booleans())
     kw["final_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
     kw["query_pre_attn_scalar"] = draw(st.none() | st.floats(1.0, 64.0))
     kw["attention_dropout"] = draw(st.sampled_from([0.0, 0.1]))  # eval mode: no effect on the properties
@@ -231,8 +245,9 @@ def config_kwargs(draw) -> dict:
 
 @st.composite
 def moe_fields(draw, layers: int) -> dict:
-    """The mixture-of-experts fields: experts, routing (softmax or DeepSeek-V3's sigmoid with groups),
-    shared experts (optionally Qwen2-MoE's gate) and which layers are sparse."""
+    """The mixture-of-experts fields: experts, routing (softmax, gpt-oss's softmax over the kept logits, or
+    DeepSeek-V3's sigmoid with groups; a router bias), shared experts (optionally Qwen2-MoE's gate), gpt-oss's
+    expert biases and clamped SwiGLU, and which layers are sparse."""
     experts = draw(st.sampled_from([2, 4, 6, 8]))
     kw = dict(num_experts=experts, num_experts_per_tok=draw(st.integers(1, min(3, experts))),
               moe_intermediate_size=draw(st.integers(1, 16)), norm_topk_prob=draw(st.booleans()))
@@ -242,7 +257,16 @@ def moe_fields(draw, layers: int) -> dict:
     if draw(st.booleans()):
         kw["n_shared_experts"] = draw(st.integers(1, 2))
         kw["shared_expert_gate"] = draw(st.booleans())
-    if draw(st.booleans()):  # sigmoid scores, a correction bias, group-limited top-k, a routed scale
+    kw["mlp_bias"] = draw(st.booleans())  # experts with biases (gpt-oss)
+    kw["router_bias"] = draw(st.booleans())
+    if draw(st.booleans()):  # gpt-oss's clamped SwiGLU (a low limit, so that it clamps), its gain or the default
+        kw["swiglu_limit"] = draw(st.floats(0.1, 8.0))
+        if draw(st.booleans()):
+            kw["swiglu_alpha"] = draw(st.floats(0.5, 2.0))
+    router = draw(st.integers(0, 2))
+    if router == 1:  # gpt-oss: softmax over the kept logits (no groups, always normalised)
+        kw.update(router_type="topk_softmax", norm_topk_prob=True)
+    elif router == 2:  # sigmoid scores, a correction bias, group-limited top-k, a routed scale
         groups = draw(st.sampled_from([g for g in (1, 2) if experts % g == 0 and experts // g >= 2]))
         kw.update(router_type="sigmoid_topk", n_group=groups, topk_group=draw(st.integers(1, groups)),
                   routed_scaling_factor=draw(st.floats(0.5, 3.0)))
@@ -266,7 +290,7 @@ _NOT_CHOICE = ["bogus", "", 3, None, True]
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
 BOOL_FIELDS = ("norm_bias", "norm_unit_offset", "parallel_block", "mlp_bias", "attention_bias",
-               "tie_word_embeddings", "embedding_norm", "lm_head_bias", "use_cache")
+               "tie_word_embeddings", "embedding_norm", "lm_head_bias", "use_cache", "attention_sinks")
 OPTIONAL_BOOL_FIELDS = ("final_norm", "attention_output_bias")
 # name -> (values out of range, whether None is allowed)
 NUMBER_FIELDS = {
@@ -337,11 +361,13 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     kinds = ["size", "bool", "optional_bool", "number", "choice", "window", "pad", "token_ids", "layer_types",
              "heads", "other_kind", "offset", "integer_type", "mtp"]
     if kw.get("position_embedding_type") == "rope":
-        kinds += ["rope", "rope", "rotary_factor", "interleaved"]
+        kinds += ["rope", "rope", "rotary_factor", "interleaved", "no_rope_layers"]
     else:
         kinds += ["rope_only"]
-    if kw.get("attention_type") == "mla":
+    if kw.get("attention_type") in LATENT_TYPES:
         kinds += ["mla_field", "mla_position"]
+    if kw.get("attention_type") == "dsa":
+        kinds += ["dsa_field", "dsa_field", "dsa_window"]
     if kw.get("norm_position", "pre") != "pre":
         kinds += ["parallel"]
     kind = draw(st.sampled_from(kinds))
@@ -388,12 +414,10 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         field = "num_key_value_heads"
         broken[field] = draw(st.sampled_from(non_divisors))
     elif kind == "other_kind":  # a field that only another attention kind reads
-        if kw.get("attention_type") == "mla":
-            field = "qk_norm"
-            broken[field] = draw(st.sampled_from(["head", "full"]))
-        else:
-            field = draw(st.sampled_from(MLA_FIELDS))
-            broken[field] = draw(st.sampled_from([8, 1, 0, -1]))
+        attention_type = kw.get("attention_type", "standard")
+        field = draw(st.sampled_from({"mla": ("qk_norm",) + INDEX_FIELDS, "dsa": ("qk_norm",)}.get(
+            attention_type, MLA_FIELDS + INDEX_FIELDS)))
+        broken[field] = draw(st.sampled_from(["head", "full"] if field == "qk_norm" else [8, 1, 0, -1]))
     elif kind == "integer_type":  # any integer field, read by this config's kinds or not
         field = draw(st.sampled_from(ModularDecoderConfig.integer_fields()))
         broken[field] = draw(st.sampled_from(["16", 4.5, 16.0, True]))
@@ -411,13 +435,22 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     elif kind == "interleaved":
         field = "rope_interleaved"
         broken[field] = draw(st.sampled_from(_NOT_BOOL))
+    elif kind == "no_rope_layers":
+        field = "no_rope_layers"
+        layers = kw["num_hidden_layers"]
+        broken[field] = draw(st.sampled_from([
+            [1] * (layers + 1), [1] * (layers - 1), [2] + [1] * (layers - 1), [True] + [1] * (layers - 1),
+            ["1"] + [1] * (layers - 1), [0] * layers, 1,
+        ]))
+        if kw.get("attention_type") == "mla" and layers > 1 and draw(st.booleans()):
+            broken[field] = [0] + [1] * (layers - 1)  # MLA has no NoPE layers
     elif kind == "rope_only":  # rope fields under another position type
-        field = draw(st.sampled_from(["partial_rotary_factor", "rope_interleaved"]))
-        broken[field] = 0.5 if field == "partial_rotary_factor" else True
+        field = draw(st.sampled_from(["partial_rotary_factor", "rope_interleaved", "no_rope_layers"]))
+        broken[field] = {"partial_rotary_factor": 0.5, "rope_interleaved": True}.get(field, [1] * kw["num_hidden_layers"])
     elif kind == "mla_field":
         field = draw(st.sampled_from(MLA_FIELDS))
         bad = [0, -1, "8", 2.5, True]
-        if field != "q_lora_rank":
+        if field != "q_lora_rank" or kw["attention_type"] == "dsa":  # DSA's indexer reads the query latent
             bad.append(None)
         if field == "qk_rope_head_dim":
             bad += [1, 3, 5]
@@ -428,6 +461,18 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         broken.pop("rope_parameters", None)
         broken.pop("rope_interleaved", None)
         broken.pop("partial_rotary_factor", None)
+    elif kind == "dsa_field":
+        field = draw(st.sampled_from(INDEX_FIELDS))
+        bad = [0, -1, "8", 2.5, True, None]
+        if field == "index_head_dim" and kw["qk_rope_head_dim"] > 1:
+            bad.append(kw["qk_rope_head_dim"] - 1)  # narrower than the rotary features it rotates
+        broken[field] = draw(st.sampled_from(bad))
+    elif kind == "dsa_window":
+        field = "sliding_window"
+        broken.update(sliding_window=draw(st.integers(2, MAX_SEQ)),
+                      layer_types=draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=kw["num_hidden_layers"],
+                                                max_size=kw["num_hidden_layers"]).filter(
+                          lambda types: "sliding_attention" in types)))
     elif kind == "parallel":
         field = "parallel_block"
         broken[field] = True

@@ -178,8 +178,14 @@ def test_refused_pairs_are_the_expected_ones():
         ("alibi", "flash_attention_3"), ("alibi", "flash_attention_4"),
         ("alibi_gqa_sliding", "flash_attention_3"), ("alibi_gqa_sliding", "flash_attention_4"),
         ("mla_capped_windowed_moe", "sdpa"),  # the soft-cap
-        # vLLM never passes ALiBi slopes; its latent attention has no cap or window
-        ("alibi", "vllm"), ("alibi_gqa_sliding", "vllm"), ("mla_capped_windowed_moe", "vllm"),
+        # vLLM never passes ALiBi slopes; its latent attention has no cap, window or sink
+        ("alibi", "vllm"), ("alibi_gqa_sliding", "vllm"), ("mla_capped_windowed_moe", "vllm"), ("mla_sinks", "vllm"),
+        # flash-attn 2's kernels take no sink
+        ("sinks_sliding", "flash_attention_2"), ("mla_sinks", "flash_attention_2"), ("gpt_oss", "flash_attention_2"),
+        # vLLM's fused experts compute neither gpt-oss's clamped SwiGLU nor biases for this architecture
+        ("gpt_oss", "vllm"),
+        # DSA's per-query selection is a mask: the flash kernels take none, vLLM's latent attention has no indexer
+        ("dsa", "flash_attention_2"), ("dsa", "flash_attention_3"), ("dsa", "flash_attention_4"), ("dsa", "vllm"),
     }
 
 

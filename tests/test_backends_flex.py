@@ -15,25 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers.integrations.flex_attention as transformers_flex
-import transformers.masking_utils as transformers_masking
 from backend_cases import make_model, packed_batch, padded_batch
 
 TOL = dict(atol=1e-5, rtol=1e-4)
-VARIANTS = ["gqa", "sliding_mixed", "softcap_scale", "alibi_gqa_sliding", "mla"]
+VARIANTS = ["gqa", "sliding_mixed", "softcap_scale", "alibi_gqa_sliding", "mla", "sinks_sliding", "mla_sinks"]
 
 
-@pytest.fixture(autouse=True)
-def uncompiled_flex(monkeypatch):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    def call(query, key, value, training=False, **kwargs):
-        return flex_attention(query, key, value, **kwargs)
-
-    monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention", call)
-    # the BlockMask too is built uncompiled (same mask_mod semantics, no minutes of compilation)
-    build_mask = transformers_masking.create_block_mask
-    monkeypatch.setattr(transformers_masking, "create_block_mask", lambda *a, _compile=True, **k: build_mask(*a, **k))
+pytestmark = pytest.mark.usefixtures("uncompiled_flex")  # conftest: why flex runs uncompiled on this CPU
 
 
 def logits(model, **inputs) -> torch.Tensor:

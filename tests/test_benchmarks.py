@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from benchmarks.families import CONFIGS, MOE_FAMILIES
 def test_suite_quick_writes_table_and_json(tmp_path, capsys):
     """Every family's speed rows (the extras are covered below, on one family, to keep this fast)."""
     out = tmp_path / "bench.json"
-    assert run.main(["--quick", "--no-memory", "--no-train", "--json", str(out)]) == 0
+    assert run.main(["--smoke", "--no-memory", "--no-train", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert set(results["families"]) == set(CONFIGS)
     assert results["copy_bandwidth_gb_s"] > 0
@@ -81,14 +82,16 @@ def test_choose_experts_picks_the_best_median_of_interleaved_rounds(monkeypatch)
     assert chosen["calibration"] == {"prefill_1": {"eager": 95, "grouped_mm": 85},
                                      "decode_1": {"eager": 11, "grouped_mm": 6, "batched_mm": 13}}
     timed_decodes = [c for p, c, warm_up in calls if p == "decode" and not warm_up]
-    assert timed_decodes == list(run.EXPERTS_CANDIDATES) * 3
+    rounds = [timed_decodes[i:i + 3] for i in range(0, 9, 3)]
+    assert all(sorted(r) == sorted(run.EXPERTS_CANDIDATES) for r in rounds)  # every round times every candidate
+    assert rounds[1] == rounds[0][::-1]  # in the reverse order every other round (measure.alternating)
 
 
 def test_suite_quick_extras_memory_training_max_batch(tmp_path, capsys):
     """Memory (fresh processes), training throughput and the largest batch reach the JSON and the table;
     one MoE + MLA family keeps it short."""
     out = tmp_path / "bench.json"
-    assert run.main(["--quick", "--families", "deepseek_moe", "--max-batch-mb", "400", "--json", str(out)]) == 0
+    assert run.main(["--smoke", "--families", "deepseek_moe", "--max-batch-mb", "400", "--out", str(out)]) == 0
     family = json.loads(out.read_text())["families"]["deepseek_moe"]
     for key in list(run.TRAIN_ROWS) + list(run.MEMORY_ROWS):
         row = family["metrics"][key]
@@ -102,6 +105,7 @@ def test_suite_quick_extras_memory_training_max_batch(tmp_path, capsys):
         assert probe["load_decode_peak_mb"] >= max(probe["load_peak_mb"], probe["decode_peak_mb"]) - 1e-9
         batch = probe["max_batch"]
         assert batch["capped"] and batch["batch"] == 16  # tiny model, 400 MB: the quick cap
+        assert batch["cache_mb_per_sequence"] > 0
         assert all(peak <= 400 for peak in batch["peaks_mb"].values())
     for side in run.PAIR:
         assert family["memory"][side]["experts_implementation"] == family["experts_implementation"][side]["decode"]
@@ -153,7 +157,8 @@ def test_choose_experts_takes_each_phase_fastest_and_runs_it(monkeypatch):
 
 
 def test_timed_runs_sample_no_memory():
-    """A timed decode runs without the RSS-sampling thread; the separate memory run has it."""
+    """A timed decode measures no memory (NaN) and runs no thread beside the model; the separate memory run
+    records the peak (the kernel's high-water mark, or a sampling thread where its reset is refused)."""
     import threading
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -177,12 +182,95 @@ def test_timed_runs_sample_no_memory():
         try:
             timed = measure.decode(model, ids, new_tokens=3)
             during_timed = list(seen)
-            seen.clear()
             sampled = measure.decode(model, ids, new_tokens=3, sample_memory=True)
         finally:
             measure._StepClock = original
-    assert set(during_timed) == {before} and set(seen) == {before + 1}
+    assert set(during_timed) == {before}
     assert timed["peak_mb"] != timed["peak_mb"] and sampled["peak_mb"] >= 0  # NaN: not measured
+
+
+def test_peak_memory_sees_a_short_allocation_on_the_cpu():
+    """`PeakMemory` on the CPU catches a 64 MB buffer that is written and freed inside the block (a peak no
+    RSS read after the block would see), and only what was allocated inside it."""
+    from benchmarks.measure import PeakMemory
+
+    with PeakMemory("cpu") as idle:
+        pass
+    with PeakMemory("cpu") as peak:
+        buffer = torch.ones(64 * 2**20 // 4)
+        del buffer
+    assert peak.method in ("VmHWM", "sampled")
+    assert 60 <= peak.above_mb < 200 and idle.above_mb < 16
+
+
+def test_alternating_warms_up_then_reverses_the_order_every_other_repeat():
+    from benchmarks.measure import alternating
+
+    calls = []
+    cases = {name: (lambda name=name: calls.append(name) or len(calls)) for name in "abc"}
+    values = alternating(cases, repeats=3, warmup=1)
+    assert calls == list("abc") + list("abc") + list("cba") + list("abc")
+    assert values == {"a": [4, 9, 10], "b": [5, 8, 11], "c": [6, 7, 12]}
+
+
+def test_entry_point_lists_every_benchmark_and_refuses_an_unknown_one_in_one_line(capsys):
+    from benchmarks.__main__ import main
+    from benchmarks.registry import BENCHMARKS
+
+    assert main(["--help"]) == 0
+    listing = capsys.readouterr().out
+    for benchmark in BENCHMARKS:
+        assert f"  {benchmark.name}  " in listing, benchmark.name
+    assert main(["compiled_decod"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'compiled_decod'" in err and "did you mean compiled_decode?" in err
+
+
+@pytest.mark.parametrize("name", [b.name for b in __import__("benchmarks.registry").registry.BENCHMARKS])
+def test_every_benchmark_takes_the_shared_flags(name, capsys):
+    """Each registered module runs from `python -m benchmarks NAME` and spells the shared flags the same way."""
+    import importlib
+
+    from benchmarks.registry import BY_NAME
+
+    benchmark = BY_NAME[name]
+    module = importlib.import_module(f"benchmarks.{benchmark.module}")
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith(f"usage: python -m benchmarks {name}"), usage[:200]
+    for flag in ("--out", "--smoke", "--threads"):
+        assert flag in usage, (name, flag)
+    if not name.startswith("reshape"):  # the reshape ones time no repeated call
+        assert "--repeats" in usage, name
+    from benchmarks.pages import SECTIONS
+
+    optional = {name for section in SECTIONS if section.optional for name in section.sources}
+    if benchmark.writes and benchmark.writes not in optional:  # the JSON it names is committed (a GPU run may not be)
+        assert (Path(__file__).parents[1] / "benchmarks" / benchmark.writes).exists()
+
+
+def test_result_json_records_commit_versions_machine_and_command(tmp_path):
+    from benchmarks import harness
+
+    args = harness.parser("example", "What it measures.\n\nHow.").parse_args(["--repeats", "2", "--out",
+                                                                                str(tmp_path / "r.json")])
+    run = harness.begin("example", ["--repeats", "2", "--out", str(tmp_path / "r.json")], args)
+    harness.write_result(args.out, {"figure": 1.5}, run)
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["figure"] == 1.5
+    provenance = record["provenance"]
+    assert provenance["command"] == f"python -m benchmarks example --repeats 2 --out {tmp_path / 'r.json'}"
+    assert len(provenance["commit"]) == 40 and isinstance(provenance["changed_files"], list)
+    # whole paths (a status line's leading space is no part of the first): their folders exist, deleted or not
+    assert all((harness.ROOT / path.split(" -> ")[-1]).parent.is_dir() for path in provenance["changed_files"])
+    assert provenance["versions"]["torch"] == torch.__version__.split("+")[0] or \
+        provenance["versions"]["torch"] == torch.__version__
+    assert {"transformers", "modular-decoder", "python"} <= set(provenance["versions"])
+    assert provenance["machine"]["cpu"] and provenance["machine"]["torch_threads"] == torch.get_num_threads()
+    assert len(provenance["load_average_start"]) == len(provenance["load_average_end"]) == 3
+    assert provenance["arguments"]["repeats"] == 2
 
 
 def test_largest_batch_bisects_to_the_last_fitting_batch():
@@ -248,7 +336,7 @@ def test_compiled_decode_quick_prints_both_modes(capsys, tmp_path):
 
     torch._dynamo.reset()
     out = tmp_path / "compiled.json"
-    assert compiled_decode.main(["--quick", "--repeats", "1", "--new-tokens", "4", "--json", str(out)]) == 0
+    assert compiled_decode.main(["--smoke", "--repeats", "1", "--new-tokens", "4", "--out", str(out)]) == 0
     torch._dynamo.reset()
     page = pages.compiled_section(json.loads(out.read_text()), pages.load("results.json"))
     printed = capsys.readouterr().out
@@ -267,12 +355,14 @@ def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
     reaches the JSON with a result or a stated skip reason (sync counting, flash kernels: CUDA only), none errors,
     the pairs generate the same greedy tokens, the training losses agree, the diagnostics (profiled generate, MLA
     step crossover) record their figures, and the README table is printed."""
-    from benchmarks import gpu, gpu_profile
+    from benchmarks import gpu
+    from benchmarks.gpu import diagnostics, profiler
 
     out = tmp_path / "gpu.json"
     assert gpu.main(["--smoke", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert {"date_utc", "hardware", "torch", "transformers"} <= set(results["meta"])
+    assert {"device", "plan", "dtype"} <= set(results["meta"])
+    assert {"commit", "versions", "machine", "command", "date_utc"} <= set(results["provenance"])
     assert list(results["parts"]) == list(gpu.PARTS)
     for name, part in results["parts"].items():
         assert "error" not in part, (name, part.get("traceback"))
@@ -281,7 +371,8 @@ def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
     from benchmarks.pages import gpu_section
 
     first = results["parts"]["llama_prefill"]["rows"][0]
-    partial = {"meta": results["meta"], "parts": {"llama_prefill": results["parts"]["llama_prefill"]}}
+    partial = {"provenance": results["provenance"], "meta": results["meta"],
+               "parts": {"llama_prefill": results["parts"]["llama_prefill"]}}
     assert f"| {' | '.join(first)} |" in gpu_section(partial)
     parts = results["parts"]
     assert "CUDA" in parts["host_syncs"]["skipped"] and "CUDA" in parts["flash_backends"]["skipped"]
@@ -289,16 +380,19 @@ def test_gpu_matrix_smoke_has_every_part(tmp_path, capsys):
         assert all(v["greedy_agreement"]["equal"] for k, v in parts[name].items() if k.startswith("b")), name
     profile = parts["generate_profile"]
     assert "no CUDA" in profile["note"]
-    for side, _, _ in gpu.PROFILE_SIDES:  # per decode step: the CPU ops of every layer's attention, no CUDA
+    for side, _, _ in diagnostics.PROFILE_SIDES:  # per decode step: the CPU ops of every layer's attention, no CUDA
         step = profile[side]["per_decode_step"]
-        assert step["sdpa"] and step["top_aten_self_cpu"] and step["self_cpu_ms"] > 0, side
-        assert list(step["runtime_calls"]) == list(gpu_profile.RUNTIME_CALLS) and step["kernels"] == 0, side
+        # a difference of two profiled calls: its CPU time is noise on a busy 2-core machine (it can come out
+        # negative), so only the whole call's is held positive
+        assert step["sdpa"] and step["top_aten_self_cpu"] and math.isfinite(step["self_cpu_ms"]), side
+        assert profile[side]["call"]["self_cpu_ms"] > 0, side
+        assert list(step["runtime_calls"]) == list(profiler.RUNTIME_CALLS) and step["kernels"] == 0, side
         assert profile[side]["wall_s"] > 0 and profile[side]["profiled_wall_s"] > 0, side
     crossover = parts["mla_step_crossover"]["points"]
     assert len(crossover) == len(gpu.SMOKE.crossover_points)
     for point in crossover.values():
         for new in gpu.SMOKE.crossover_new_tokens:
-            assert all(point[f"new{new}"][side]["ms"] > 0 for side, _, _ in gpu.CROSSOVER_SIDES)
+            assert all(point[f"new{new}"][side]["ms"] > 0 for side, _, _ in diagnostics.CROSSOVER_SIDES)
         assert point["fused_probe"]["max_abs_diff"] < 1e-4 and point["fused_probe"]["sdpa_ops"]
     assert parts["llama_prefill"]["logits_max_abs_diff"] < 1e-4
     assert len(parts["mla_decode_grid"]["points"]) == 3
@@ -321,11 +415,12 @@ def test_gpu_matrix_flash_part_runs_both_sides_through_the_flash_path(tmp_path, 
     from backend_cases import install_reference_kernels
 
     from benchmarks import gpu
+    from benchmarks.gpu import llama_parts
 
     calls = install_reference_kernels(monkeypatch)
-    monkeypatch.setattr(gpu, "flash_available", lambda: {"flash_attention_2": True, "flash_attention_3": False,
+    monkeypatch.setattr(llama_parts, "flash_available", lambda: {"flash_attention_2": True, "flash_attention_3": False,
                                                          "flash_attention_4": False})
-    monkeypatch.setattr(gpu, "use_backend", lambda model, name: setattr(model.config, "_attn_implementation", name))
+    monkeypatch.setattr(llama_parts, "use_backend", lambda model, name: setattr(model.config, "_attn_implementation", name))
     out = tmp_path / "gpu.json"
     assert gpu.main(["--smoke", "--parts", "flash_backends", "--out", str(out)]) == 0
     part = json.loads(out.read_text())["parts"]["flash_backends"]
@@ -342,9 +437,10 @@ def test_gpu_matrix_generate_stops_at_the_batch_its_guard_fired_in(monkeypatch):
     keeping the batches measured before it."""
     import time
 
-    from benchmarks import gpu
-    from benchmarks.gpu_plan import SMOKE
-    from benchmarks.gpu_timing import part_guard
+    from benchmarks.gpu import llama_parts
+    from benchmarks.gpu.bench import Bench
+    from benchmarks.gpu.plan import SMOKE
+    from benchmarks.gpu.timing import part_guard
 
     batches = []
 
@@ -353,9 +449,24 @@ def test_gpu_matrix_generate_stops_at_the_batch_its_guard_fired_in(monkeypatch):
         time.sleep(0.5)  # past the guard below, in the first batch
         return {}, (label, "", "", "")
 
-    monkeypatch.setattr(gpu, "_generate_pair", generate_pair)
-    bench = gpu.Bench(SMOKE, Path("."), "cpu")
+    monkeypatch.setattr(llama_parts, "_generate_pair", generate_pair)
+    bench = Bench(SMOKE, Path("."), "cpu")
     with part_guard(0.1):
-        result = gpu._generate_batches(bench, "eager `generate`")
+        result = llama_parts._generate_batches(bench, "eager `generate`")
     assert batches == [1]
     assert "timeout" in result["b1"] and f"b{SMOKE.big_batch}" not in result
+
+
+def test_mla_crossover_smoke_records_crossover_query_blocks_static_prefill(tmp_path):
+    """`python -m benchmarks mla_crossover --smoke`: the rows behind `tuning`'s MLA settings, each present: the
+    crossover, the query blocks with the absorbed scoring's own peak (`measure.TensorBytes`) and the prefill into
+    an empty static cache."""
+    from benchmarks import mla_crossover
+
+    out = tmp_path / "crossover.json"
+    assert mla_crossover.main(["--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["crossover"] and record["static_prefill"]
+    assert all(row["absorbed"] > 0 and row["expanded"] > 0 for row in record["crossover"] + record["static_prefill"])
+    assert all(row["scoring_peak"]["score_blocks"] >= 2 for row in record["query_blocks"])
+    assert record["provenance"]["command"].startswith("python -m benchmarks mla_crossover --smoke")

@@ -234,10 +234,10 @@ def test_convert_and_export_bugs_keep_their_traceback(capsys, llama_dir, tmp_pat
     from modular_decoder.conversion import api
 
     with monkeypatch.context() as patch:
-        patch.setattr(api, "_load_assigned", _raise_a_bug)  # after the source is read and checked
+        patch.setattr(api, "_write_weights", _raise_a_bug)  # after the source is read and checked
         bug(capsys, ["convert", str(llama_dir), str(tmp_path / "md")])
     assert main(["convert", str(llama_dir), str(tmp_path / "md")]) == 0
-    monkeypatch.setattr(api, "apply_rules", _raise_a_bug)  # export's inverse map runs after its checks
+    monkeypatch.setattr(api, "plan_shapes", _raise_a_bug)  # export's inverse map runs after its checks
     bug(capsys, ["export", str(tmp_path / "md"), str(tmp_path / "back"), "--family", "llama"])
 
 

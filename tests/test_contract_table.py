@@ -72,8 +72,8 @@ def test_fields_left_out_do_not_change_the_model(name):
     ("smollm2", {"norm_eps", "head_dim", "num_key_value_heads", "rope_parameters"}, {"norm_bias", "parallel_norms"}),
     ("gpt2", {"norm_bias", "mlp_bias", "learned_position_offset"}, {"rope_parameters", "parallel_norms"}),
     ("gptj", {"parallel_norms", "partial_rotary_factor"}, set()),
-    ("deepseek_v3", {"kv_lora_rank", "router_type", "intermediate_size"}, {"head_dim", "num_key_value_heads", "mlp_bias"}),
-    ("mixtral", {"num_experts"}, {"intermediate_size", "mlp_bias", "kv_lora_rank"}),
+    ("deepseek_v3", {"kv_lora_rank", "router_type", "intermediate_size", "mlp_bias"}, {"head_dim", "num_key_value_heads"}),
+    ("mixtral", {"num_experts", "mlp_bias"}, {"intermediate_size", "kv_lora_rank"}),
 ])
 def test_fields_the_kinds_read_are_shown(name, shown, left_out):
     table = _shown(contract_table(preset_config(name, tiny=True)))

@@ -9,25 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conversion_cases import perturbed
+from conversion_cases import COMMON, saved_source
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, OPTConfig
 
 import modular_decoder  # noqa: F401
-from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.commands import main
 from modular_decoder.conversion import convert, export
+from modular_decoder.conversion.tensor_files import ShardedWriter
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=64)
-
-
-def save(config, path: Path) -> Path:
-    """A tiny random source checkpoint, every parameter perturbed (`--verify` and exports compare it)."""
-    config.architectures = None
-    torch.manual_seed(0)
-    perturbed(AutoModelForCausalLM.from_config(config)).save_pretrained(path)
-    return path
+TINY = COMMON
+save = saved_source
 
 
 @pytest.fixture
@@ -40,13 +32,13 @@ def leftovers(parent: Path) -> list[str]:
 
 
 def test_interrupted_conversion_leaves_no_output(llama_dir, tmp_path, monkeypatch):
-    original = ModularDecoderForCausalLM.save_pretrained
+    original = ShardedWriter.close
 
-    def half_then_interrupt(self, path, *args, **kwargs):
-        original(self, path, *args, **kwargs)  # the weights are written ...
+    def half_then_interrupt(self):
+        original(self)  # the weights are written ...
         raise KeyboardInterrupt  # ... and then the process is interrupted
 
-    monkeypatch.setattr(ModularDecoderForCausalLM, "save_pretrained", half_then_interrupt)
+    monkeypatch.setattr(ShardedWriter, "close", half_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         convert(llama_dir, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
@@ -280,14 +272,14 @@ def test_output_folder_follows_the_umask_like_save_pretrained(llama_dir, tmp_pat
 SLOW_CONVERT = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.commands import main
-original = ModularDecoderForCausalLM.save_pretrained
-def slow(self, path, *args, **kwargs):
-    original(self, path, *args, **kwargs)
-    print("WRITING", path, flush=True)
+from modular_decoder.conversion.tensor_files import ShardedWriter
+original = ShardedWriter.close
+def slow(self):
+    original(self)
+    print("WRITING", self.folder, flush=True)
     time.sleep(120)
-ModularDecoderForCausalLM.save_pretrained = slow
+ShardedWriter.close = slow
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -350,17 +342,17 @@ def test_partial_of_a_live_or_foreign_run_is_named_not_removed(tmp_path, caplog)
 def test_previous_signal_handlers_are_restored_and_receive_the_signal(llama_dir, tmp_path, monkeypatch):
     received = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
-    original = ModularDecoderForCausalLM.save_pretrained
+    original = ShardedWriter.close
 
-    def terminated_mid_write(self, path, *args, **kwargs):
-        original(self, path, *args, **kwargs)
+    def terminated_mid_write(self):
+        original(self)
         assert signal.getsignal(signal.SIGTERM) is not handler  # ours, for the write
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler interrupts this
 
     try:
         handler = signal.getsignal(signal.SIGTERM)
-        monkeypatch.setattr(ModularDecoderForCausalLM, "save_pretrained", terminated_mid_write)
+        monkeypatch.setattr(ShardedWriter, "close", terminated_mid_write)
         started = time.perf_counter()
         with pytest.raises(KeyboardInterrupt):  # the previous handler returned: the write still stopped
             convert(llama_dir, tmp_path / "out", progress=False)

@@ -34,6 +34,7 @@ KINDS = {
     "gqa_experts": lambda: preset_config("mixtral", tiny=True),  # 4 / 2 heads, every layer sparse
     "mla_q_lora_experts": lambda: preset_config("deepseek_v3", tiny=True),  # q_lora_rank=48, dense + sparse
     "mla_experts": lambda: preset_config("deepseek_v2_lite", tiny=True),  # no q_lora_rank, dense + sparse
+    "dsa_experts": lambda: preset_config("deepseek_v32", tiny=True),  # the indexer's projections too; 4 keys kept
 }
 EXPERT_PARAMETERS = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 

@@ -1,5 +1,6 @@
-"""What `tests/gpu/run_gpu_checks.py` relies on, checked on the CPU: its routing-flip verdict, and that one
-model's `generate` with FlexAttention compiles a bounded number of times."""
+"""What `tests/gpu/run_gpu_checks.py` relies on, checked on the CPU: its routing-flip verdict (which must not pass
+a broken router or a share of flips no rounding explains), and that one model's `generate` with FlexAttention
+compiles a bounded number of times."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def test_routing_flip_is_told_apart_from_a_real_difference(checks):
     assert not flipped_without_fix["good"] and flipped_without_fix["verdict"] == "FAIL"
     flipped = checks.compare(other, inputs, want, fp32=True, reference_routing=routing)
     assert flipped["good"] and flipped["verdict"].startswith("ok: routing flip"), flipped
-    assert 0 < flipped["flipped"] < 1 and flipped["fixed_diff"] <= 1e-3
+    assert 0 < flipped["flipped"] <= checks.MAX_FLIPPED_SHARE and flipped["fixed_diff"] <= 1e-3
+    assert flipped["router_rel"] == 0  # with the routing fixed, the routers see the reference's hidden states
     handle.remove()
 
     layer = other.model.layers[1].self_attn
@@ -80,6 +82,28 @@ def test_routing_flip_is_told_apart_from_a_real_difference(checks):
         layer.o_proj.weight.add_(0.2 * torch.randn_like(layer.o_proj.weight))
     real = checks.compare(other, inputs, want, fp32=True, reference_routing=routing)
     assert not real["good"] and real["verdict"].startswith("FAIL: real difference"), real
+
+
+@torch.no_grad()
+def test_routing_flip_verdict_fails_a_broken_router_and_too_many_flips(checks):
+    """Fixing the routing hides the routers: a router whose weights are wrong, or flips on far more tokens than
+    bf16 near-ties explain, passed as a "routing flip" before; both are real differences."""
+    reference, other, inputs = _moe_pair()
+    with checks.recorded_routing(reference) as routing:
+        want = reference(**inputs, use_cache=False).logits.float()
+
+    router = next(m for m in other.modules() if isinstance(m, TopKRouter))
+    saved = router.weight.clone()
+    router.weight.add_(torch.randn_like(router.weight))
+    broken = checks.compare(other, inputs, want, fp32=True, reference_routing=routing)
+    assert not broken["good"] and broken["verdict"].startswith("FAIL: real difference"), broken
+    assert broken["router_rel"] > 0.05 and broken["fixed_diff"] <= 1e-3  # the fixed run alone looked right
+    router.weight.copy_(saved)
+
+    handle = _flip_first_router(other, tokens=inputs["input_ids"].numel())  # every token of the first router
+    many = checks.compare(other, inputs, want, fp32=True, reference_routing=routing)
+    handle.remove()
+    assert not many["good"] and many["flipped"] > checks.MAX_FLIPPED_SHARE and many["router_rel"] == 0, many
 
 
 def test_fixed_routing_refuses_a_routing_of_other_inputs(checks):

@@ -5,6 +5,7 @@ transformers' DeepSeek-V2 / V3 through the conversion package."""
 
 import pytest
 import torch
+from decoding import steps_against_full
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
@@ -403,11 +404,6 @@ def test_output_attentions_from_both_paths():
 
 # --- multi-token steps against a cache: absorbed for a few new tokens, expanded beyond -----------
 
-def _steps(chunks: list[int]) -> list[tuple[int, int]]:
-    ends = [sum(chunks[: i + 1]) for i in range(len(chunks))]
-    return list(zip([0] + ends[:-1], ends))
-
-
 # A prefill, a long step (chunked prefill, a second turn), an absorbed step of several query blocks (the last
 # one partial), a few-token step, a decode step, a long step
 MULTI_TOKEN_CHUNKS = [ABSORBED_MAX_NEW_TOKENS // 2, ABSORBED_MAX_NEW_TOKENS + 5, 2 * ABSORBED_QUERY_BLOCK + 3, 3, 1,
@@ -436,14 +432,7 @@ def test_multi_token_steps_against_a_cache_match_the_full_forward(backend, lora,
     mask = torch.ones_like(ids)
     if padded:
         mask[1, :3] = 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        cache, steps = ModularDecoderCache(model.config), []
-        for start, end in _steps(MULTI_TOKEN_CHUNKS):
-            steps.append(model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], cache=cache,
-                               position_ids=positions[:, start:end]).logits)
-    cached = torch.cat(steps, dim=1)
+    cached, full = steps_against_full(model, ids, mask, MULTI_TOKEN_CHUNKS)
     torch.testing.assert_close(cached[0], full[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(cached[1, 3:], full[1, 3:], rtol=0, atol=1e-5)
     assert set(paths) == ({"expanded"} if lora else {"absorbed", "expanded"})
@@ -506,8 +495,11 @@ def test_absorbed_step_returns_weights_on_eager_only():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_fused_upcast_softmax_equals_the_explicit_one(dtype):
     """The absorbed path's softmax (`attention_probs(fused_upcast=True)`: in the scores' dtype, which torch
-    accumulates in fp32) gives the values of the explicit fp32 softmax cast back, bit for bit, with boolean and
-    additive masks and a query that sees no key."""
+    accumulates in fp32) against the softmax written out in float64 and rounded to `dtype` (exp of the shifted
+    scores over their sum): within two roundings of `dtype`, with boolean and additive masks and a query that sees
+    no key. In half precision it also equals the
+    explicit fp32 softmax cast back, bit for bit (in fp32 and fp64 both branches are one call, so only the
+    written-out reference can tell them from a wrong softmax)."""
     torch.manual_seed(0)
     module = nn.Module().eval()
     scores = (torch.randn(2, 4, 3, 300) * 8).to(dtype)
@@ -516,9 +508,58 @@ def test_fused_upcast_softmax_equals_the_explicit_one(dtype):
     additive = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min / 2)
     for mask in (keep, additive):
         fused = attention_probs(module, scores.clone(), mask, fused_upcast=True)
-        explicit = attention_probs(module, scores.clone(), mask)
         assert fused.dtype == dtype and not fused.isnan().any()
-        assert torch.equal(fused, explicit)
+        # the mask applied as `attention_probs` applies it, in `dtype`; then the softmax written out in float64
+        if mask.dtype == torch.bool:
+            masked = scores.masked_fill(~mask, torch.finfo(dtype).min).double()
+        else:
+            masked = (scores + mask).double()
+        shifted = (masked - masked.amax(-1, keepdim=True)).exp()
+        reference = (shifted / shifted.sum(-1, keepdim=True)).to(dtype)
+        torch.testing.assert_close(fused, reference, rtol=0, atol=2 * torch.finfo(dtype).eps)
+        if dtype in (torch.float16, torch.bfloat16):
+            assert torch.equal(fused, attention_probs(module, scores.clone(), mask))
+
+
+def test_the_absorbed_step_holds_two_score_blocks_at_its_peak():
+    """Per pass the absorbed scoring holds one block's scores and probabilities: 2 blocks of (B, H, block, S)
+    fp32 values at its peak, plus tensors the size of the new tokens. Measured by `benchmarks.measure.TensorBytes`
+    (the bytes of the tensors the call allocates, alive at once). The previous block's probabilities stayed alive
+    while the next block was scored: 3.1 to 3.4 blocks at 16 to 64 new tokens."""
+    from benchmarks.measure import TensorBytes
+
+    config = _config(max_position_embeddings=4096, kv_lora_rank=64, qk_nope_head_dim=16, v_head_dim=16)
+    layer = _model(config, "sdpa").model.layers[0].self_attn
+    context, heads = 2048, config.num_attention_heads
+    latents, k_rot = torch.randn(1, 1, context, 64), torch.randn(1, 1, context, config.qk_rope_head_dim)
+    for new_tokens in (ABSORBED_QUERY_BLOCK * 2, ABSORBED_QUERY_BLOCK * 8):
+        q_nope, q_rot = torch.randn(1, heads, new_tokens, 16), torch.randn(1, heads, new_tokens, 4)
+        with torch.no_grad(), TensorBytes() as probe:
+            layer.absorbed_attention(q_nope, q_rot, latents, k_rot, None)
+        block = heads * ABSORBED_QUERY_BLOCK * context * 4
+        # besides the scores: the (T, S) causal mask, the queries and outputs in latent space (d_c wide)
+        per_step = new_tokens * context + 3 * heads * new_tokens * 64 * 4
+        assert 2 * block <= probe.peak_bytes <= 2 * block + per_step, (new_tokens, probe.peak_bytes / block)
+
+
+def test_a_short_prefill_into_a_static_cache_runs_absorbed_and_into_a_dynamic_one_expanded(monkeypatch):
+    """`scoring_path` compares the new tokens with the keys the cache returns: a static cache returns its every
+    slot, which both forms compute over, so a short prefill into it runs absorbed (faster there: `python -m
+    benchmarks mla_crossover`, its static_prefill rows); a dynamic cache returns only the new tokens, expanded
+    (the two forms cost the same). Both give the uncached forward's logits."""
+    model = _model(_config())
+    paths = []
+    scoring_path = MultiHeadLatentAttention.scoring_path
+    monkeypatch.setattr(MultiHeadLatentAttention, "scoring_path",
+                        lambda self, *args: paths.append(scoring_path(self, *args)) or paths[-1])
+    ids = torch.randint(0, MLA["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(ids, use_cache=False).logits
+        for cache, path in ((ModularDecoderCache(model.config, "static", max_cache_len=32), "absorbed"),
+                            (ModularDecoderCache(model.config), "expanded")):
+            paths.clear()
+            torch.testing.assert_close(model(ids, cache=cache).logits, reference, rtol=0, atol=1e-5)
+            assert paths == [path] * MLA["num_hidden_layers"]
 
 
 def test_scoring_path_rule():

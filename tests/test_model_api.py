@@ -82,6 +82,30 @@ def test_gradient_checkpointing_gives_same_gradients():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-5, atol=1e-6)
 
 
+def test_the_forward_steps_are_named_helpers_with_their_policies():
+    """`ModularDecoderModel.forward` reads as transformers' Llama: each policy is a helper of its own (so a
+    change to one, e.g. a state reset for linear attention, is made in one place and tested there)."""
+    from transformers import DynamicCache
+
+    from modular_decoder.cache import ModularDecoderCache
+
+    model = _model("llama").model
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    empty, static = DynamicCache(config=model.config), ModularDecoderCache(model.config, "static", max_cache_len=8)
+    # packed documents are looked for only in positions given without a cache
+    assert model._packed_document_positions(positions, None) is positions
+    assert model._packed_document_positions(positions, empty) is None
+    # a static cache always sizes the masks; an empty dynamic one does not (it sizes them as no cache would)
+    assert model._mask_cache(static, torch.tensor(0)) is static
+    assert model._mask_cache(empty, 0) is None and model._mask_cache(empty, 3) is empty
+    # no cache while training with gradient checkpointing, else the caller's choice, else the config's
+    assert model._use_cache(None) is model.config.use_cache and model._use_cache(False) is False
+    model.train().gradient_checkpointing = True
+    assert model._use_cache(True) is False
+    with pytest.raises(ValueError, match="exactly one of `input_ids` or `inputs_embeds`"):
+        model._check_inputs(None, None, None, None)
+
+
 def _greedy_without_cache(model, ids, steps):
     for _ in range(steps):
         nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)

@@ -18,6 +18,7 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
 from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
@@ -92,6 +93,15 @@ FAMILIES = {
              router_type="sigmoid_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
         {},
     ),
+    # biased router, softmax over the kept logits; experts with biases and the clamped SwiGLU (a limit low
+    # enough to clamp these weights' activations, and another gain than gpt-oss's), stored interleaved and transposed
+    "gpt_oss": (
+        transformers.GptOssConfig, GptOssMLP,
+        dict(intermediate_size=12, num_local_experts=6, num_experts_per_tok=2, swiglu_limit=0.4, swiglu_alpha=1.3),
+        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=12, router_type="topk_softmax",
+             router_bias=True, mlp_bias=True, swiglu_limit=0.4, swiglu_alpha=1.3),
+        lambda state: gpt_oss_experts_to_ours(state),
+    ),
     "deepseek_v3_unnormalised": (
         transformers.DeepseekV3Config, DeepseekV3MoE,
         dict(moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
@@ -101,6 +111,19 @@ FAMILIES = {
         {},
     ),
 }
+
+
+def gpt_oss_experts_to_ours(state: dict) -> dict:
+    """gpt-oss's block state in our names and layout: the router is `gate`; gate/up columns interleaved
+    (gate 2i, up 2i + 1) in (E, d, 2f) become [gate; up] rows in (E, 2f, d), down (E, f, d) becomes (E, d, f)."""
+    def halves(x):  # interleaved gate / up along the last axis -> [gate; up]
+        return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+    out = {name.replace("router.", "gate."): tensor for name, tensor in state.items()}
+    out["experts.gate_up_proj"] = halves(out["experts.gate_up_proj"]).transpose(1, 2).contiguous()
+    out["experts.gate_up_proj_bias"] = halves(out["experts.gate_up_proj_bias"])
+    out["experts.down_proj"] = out["experts.down_proj"].transpose(1, 2).contiguous()
+    return out
 
 
 def our_config(implementation: str = "eager", **moe_fields) -> ModularDecoderConfig:
@@ -129,9 +152,11 @@ def family_pair(family: str, implementation: str = "eager") -> tuple[torch.nn.Mo
     ours = SparseMoeBlock(our_config(implementation, **our_fields))
     state = {}
     for name, tensor in theirs.state_dict().items():
-        for old, new in renames.items():
+        for old, new in ({} if callable(renames) else renames).items():
             name = name.replace(old, new)
         state[name] = tensor
+    if callable(renames):  # a layout of its own
+        state = renames(state)
     ours.load_state_dict(state, strict=True)
     return theirs, ours
 
@@ -209,7 +234,7 @@ def _router_logits(layers: int = 3, batch: int = 2, seq: int = 5):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("module", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("module", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"])
 def test_load_balancing_loss_matches_transformers(module, padded):
     reference = getattr(transformers.models, module).__dict__[f"modeling_{module}"].load_balancing_loss_func
     logits = _router_logits()
@@ -388,6 +413,20 @@ def test_gradients_reach_router_experts_and_shared_experts(implementation):
     assert ours.experts.down_proj.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_gpt_oss_gradients_equal_transformers(implementation):
+    """gpt-oss's block trained: the gradients of its router (weight and bias) and experts (weights and biases) on
+    every experts implementation equal those of transformers' block on the same weights, in its layout."""
+    theirs, ours = family_pair("gpt_oss", implementation)
+    x = torch.randn(2, 5, D)
+    theirs(x)[0].square().mean().backward()
+    ours(x).square().mean().backward()
+    grads = gpt_oss_experts_to_ours({name: p.grad for name, p in theirs.named_parameters()})
+    for name, param in ours.named_parameters():
+        assert param.grad.abs().sum() > 0, name
+        torch.testing.assert_close(param.grad, grads[name], atol=1e-6, rtol=1e-5)
+
+
 def test_routing_weights_get_gradient_through_the_experts():
     """The block's output depends on the router through the kept weights (no straight-through trick needed)."""
     _, ours = family_pair("mixtral")
@@ -396,9 +435,10 @@ def test_routing_weights_get_gradient_through_the_experts():
     assert ours.gate.weight.grad.abs().sum() > 0
 
 
-def test_lora_on_router_and_experts_trains_and_merges():
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_lora_on_router_and_experts_trains_and_merges(family):
     import peft
-    _, ours = family_pair("deepseek_v3")
+    _, ours = family_pair(family)
     model = torch.nn.Sequential(ours)
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False,
                              target_parameters=["0.gate.weight", "0.experts.gate_up_proj", "0.experts.down_proj"])
@@ -458,7 +498,15 @@ def test_family_fields_are_valid(family):
         (dict(router_aux_loss_coef=-0.1), "router_aux_loss_coef"),
         (dict(router_z_loss_coef="1e-3"), "router_z_loss_coef"),
         (dict(output_router_logits=None), "output_router_logits"),
-        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(mlp_bias="yes"), "mlp_bias"),
+        (dict(router_bias=1), "router_bias"),
+        (dict(swiglu_limit=0.0), "swiglu_limit"),
+        (dict(swiglu_limit=float("inf")), "swiglu_limit"),
+        (dict(swiglu_limit=7.0, swiglu_alpha=-1.0), "swiglu_alpha"),
+        (dict(swiglu_alpha=1.702), "swiglu_alpha"),  # a gain without the clamped SwiGLU it belongs to
+        (dict(swiglu_limit=7.0, hidden_act="gelu"), "swiglu_limit"),
+        (dict(router_type="topk_softmax", norm_topk_prob=False), "norm_topk_prob"),
+        (dict(router_type="topk_softmax", n_group=2), "n_group"),
     ],
 )
 def test_bad_moe_config_names_the_field(fields, named):
@@ -468,7 +516,8 @@ def test_bad_moe_config_names_the_field(fields, named):
 
 @pytest.mark.parametrize("field, value", [("num_experts", 8), ("n_shared_experts", 1), ("router_type", "sigmoid_topk"),
                                           ("mlp_layer_types", ["dense", "sparse"]), ("output_router_logits", True),
-                                          ("router_aux_loss_coef", 0.01)])
+                                          ("router_aux_loss_coef", 0.01), ("router_bias", True),
+                                          ("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)])
 def test_moe_fields_are_refused_under_other_mlp_types(field, value):
     with pytest.raises(ValueError, match=rf"`{field}`.*only applies to `mlp_type='moe'`"):
         ModularDecoderConfig(hidden_size=D, num_hidden_layers=2, num_attention_heads=2, mlp_type="gated",

@@ -57,7 +57,7 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
     base.save_pretrained(tmp_path / "base")
     peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=use_dora))
     wrapped = {name.rsplit(".", 1)[-1] for name, module in peft_model.named_modules() if hasattr(module, "lora_A")}
-    if config.attention_type == "mla":  # DeepSeek's own projection names, of which TARGETS holds these
+    if config.attention_type in ("mla", "dsa"):  # DeepSeek's own projection names, of which TARGETS holds these
         expected = {"o_proj"} | ({"q_proj"} if config.q_lora_rank is None else set())
     else:
         expected = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -206,17 +206,86 @@ def test_prefix_tuning_matches_llama():
             assert (got - model(ids).logits).abs().max() > 1e-2  # the prefix is attended to
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PEFT 0.21 injects the prefix into generate() as `past_key_values`, but transformers 5 generate() "
-    "already passes its own `cache`, which wins; Llama behaves the same. Strict: flags the upstream fix."))
-def test_prefix_tuning_generate_uses_prefix():
-    model = ModularDecoderForCausalLM(preset_config("llama", tiny=True)).eval()
+def test_prefix_tuning_generate_is_refused_where_llama_ignores_the_prefix():
+    """PEFT 0.21's prefix tuning passes its prefix to `generate` as `past_key_values`; from transformers 5.24
+    `generate` passes its own cache as `cache`, and transformers' Llama keeps that one: its first-step scores are
+    the base model's, the prefix ignored in silence. Ours refuses the two caches in one line saying so. (When
+    PEFT or transformers changes this, the Llama half fails: then let ours generate with the prefix.)"""
     ids = _counting_batch(1, 6)
-    plain = model.generate(ids, max_new_tokens=8, do_sample=False)
-    peft_model = get_peft_model(model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    prefix = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    model = ModularDecoderForCausalLM(preset_config("llama", tiny=True)).eval()
+    llama = _llama_twin(model)
     with torch.no_grad():
-        for param in peft_model.prompt_encoder.parameters():
-            param.mul_(50)  # a prefix strong enough to change greedy tokens
-        first = peft_model(input_ids=ids).logits[:, -1].argmax(-1)
-    assert first.item() != plain[0, 6].item(), "prefix too weak to observe"
-    assert not torch.equal(peft_model.generate(input_ids=ids, max_new_tokens=8, do_sample=False), plain)
+        plain = llama.generate(ids, max_new_tokens=1, do_sample=False, output_scores=True,
+                               return_dict_in_generate=True).scores[0]
+        theirs, ours = get_peft_model(llama, prefix), get_peft_model(model, prefix)
+        for param in theirs.prompt_encoder.parameters():
+            param.mul_(50)  # a prefix strong enough to change the scores
+        assert (theirs(input_ids=ids).logits[:, -1] - plain).abs().max() > 1e-2  # the forward attends to it
+        first = theirs.generate(input_ids=ids, max_new_tokens=1, do_sample=False, output_scores=True,
+                                return_dict_in_generate=True).scores[0]
+        torch.testing.assert_close(first, plain)  # generate does not
+        with pytest.raises(ValueError) as error:
+            ours.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("`past_key_values` (a prefix of 4 tokens")
+    assert "would be ignored" in message
+
+
+def test_prefix_tuning_on_mla_is_refused_at_the_first_forward():
+    """PEFT's prefix is per-head keys and values; MLA's cache holds one latent per token. transformers' DeepseekV3
+    and ours both failed inside `cache.update` with a tensor-size error; ours refuses in one line naming MLA and
+    what to use instead."""
+    model = ModularDecoderForCausalLM(preset_config("deepseek_v3", tiny=True)).eval()
+    adapted = get_peft_model(model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with torch.no_grad(), pytest.raises(ValueError) as error:
+        adapted(input_ids=_counting_batch(1, 6))
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("MLA (`attention_type='mla'`) cannot attend to a prefix")
+    assert "`PromptTuningConfig`" in message and "LoRA" in message
+
+
+def _greedy_without_cache(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(input_ids=ids, use_cache=False).logits[:, -1]
+            ids = torch.cat((ids, logits.argmax(-1, keepdim=True)), dim=1)
+    return ids
+
+
+def test_activated_lora_on_mla_generates_as_its_uncached_forward():
+    """aLoRA (LoRA active from an invocation token on) on MLA's per-token projections, `kv_a_proj_with_mqa`
+    whose output the latent cache holds among them: greedy tokens through the cache equal a loop over the
+    uncached forward of the same adapted model, on a batch (whose cached latents are a strided slice of the
+    growing cache: `expand_kv` hands `kv_b_proj` a contiguous input, which a wrapped layer may `view`)."""
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(preset_config("deepseek_v3", tiny=True)).eval()
+    config = LoraConfig(task_type="CAUSAL_LM", r=4, alora_invocation_tokens=[7], init_lora_weights=False,
+                        target_modules=["q_b_proj", "kv_a_proj_with_mqa", "o_proj"])
+    adapted = get_peft_model(model, config).eval()
+    ids = torch.tensor([[3, 7, 5, 9, 2], [4, 4, 7, 8, 6]])
+    with torch.no_grad():
+        generated = adapted.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                     do_sample=False)
+        assert not torch.equal(adapted(input_ids=ids).logits, model(ids).logits)  # the adapter is active
+    assert torch.equal(generated, _greedy_without_cache(adapted, ids, 4))
+
+
+def test_activated_lora_on_kv_b_proj_trains_and_refuses_a_cache_in_one_line():
+    """aLoRA on `kv_b_proj` (MLA's default LoRA targets include it) adapts the last tokens of each call; the latent
+    cache re-expands every cached token through it at each step, so a cached step would answer otherwise than the
+    uncached forward (measured: greedy tokens diverged at the second new token). Without a cache it trains; a step
+    against cached tokens is refused, naming the alternatives."""
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(preset_config("deepseek_v3", tiny=True)).eval()
+    adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4, alora_invocation_tokens=[7],
+                                               init_lora_weights=False))
+    ids = torch.tensor([[3, 7, 5, 9, 2], [4, 4, 7, 8, 6]])
+    adapted.train()
+    adapted(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in adapted.named_parameters() if "kv_b_proj.lora" in n)
+    adapted.eval()
+    with torch.no_grad(), pytest.raises(ValueError) as error:
+        adapted.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    message = str(error.value)
+    assert "\n" not in message and "`kv_b_proj`" in message and "`kv_a_proj_with_mqa`" in message

@@ -241,14 +241,20 @@ def test_invalid_config_raises_value_error_naming_the_field(case):
     assert field in str(error.value), f"{field!r} not named in: {error.value}"
 
 
+class SubclassedConfig(ModularDecoderConfig):
+    """A user's subclass declaring nothing: it inherits the fields, and must inherit their checks."""
+
+
+@pytest.mark.parametrize("config_class", [ModularDecoderConfig, SubclassedConfig], ids=["class", "subclass"])
 @pytest.mark.parametrize("value", ["16", 4.5, True])
 @pytest.mark.parametrize("field", ModularDecoderConfig.integer_fields())
-def test_a_non_integer_size_is_refused_under_its_own_name(field, value):
+def test_a_non_integer_size_is_refused_under_its_own_name(field, value, config_class):
     """Types are checked before any rule derives one field from another: MLA's `head_dim` is computed
     from `kv_lora_rank`, which once turned `kv_lora_rank="16"` into a TypeError and 4.5 into an error
-    naming `head_dim`."""
+    naming `head_dim`; a subclass read only its own (empty) annotations and lost every check."""
+    assert config_class.integer_fields() == ModularDecoderConfig.integer_fields()
     with pytest.raises(ValueError, match=f"^`{field}` must be an integer, got {value!r}"):
-        ModularDecoderConfig(**{**MLA_MOE, field: value})
+        config_class(**{**MLA_MOE, field: value})
 
 
 # MLA and routed experts: the kinds that derive sizes from the most fields

@@ -219,6 +219,36 @@ def test_drop_layers_shortens_the_experts_layer_list():
     assert result.config.mlp_layer_types == ["sparse"] * 3
 
 
+def test_sinks_and_nope_layers_go_through_kv_heads_and_drop_layers():
+    """gpt-oss's sinks and SmolLM3's NoPE layers: more K/V heads repeat them exactly (the sinks are per query
+    head, kept), dropping a layer drops its `no_rope_layers` entry and its sinks."""
+    source = tiny_model(attention_sinks=True, no_rope_layers=[1, 1, 1, 0], sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention"] * 2)
+    calibration = ids()
+    repeated = reshape(source, kv_heads=6, progress=False)
+    assert max_diff(source, repeated.eval(), calibration) <= 1e-5
+    dropped = reshape(source, calibration, drop_layers=1, progress=False)
+    config = dropped.config
+
+    def without(values, i):
+        return [v for j, v in enumerate(values) if j != i]
+
+    removed = [i for i in range(4) if config.layer_types == without(source.config.layer_types, i)
+               and config.no_rope_layers == without(source.config.no_rope_layers, i)
+               and all(torch.equal(layer.self_attn.sinks, kept.self_attn.sinks)
+                       for layer, kept in zip(dropped.model.layers, without(list(source.model.layers), i)))]
+    assert config.num_hidden_layers == 3 and removed
+
+
+@pytest.mark.parametrize("overrides", [dict(attention_sinks=True), dict(no_rope_layers=[1, 0, 1, 1])],
+                         ids=["sinks", "nope"])
+def test_to_mla_refuses_sinks_and_nope_layers_by_name(overrides):
+    name = next(iter(overrides))
+    with pytest.raises(ValueError, match=f"`{name}"):
+        transform(tiny_model(num_key_value_heads=6, **overrides), attention="mla", kv_lora_rank=8, progress=False,
+                  calibration_ids=ids())
+
+
 # --- what a run measures -----------------------------------------------------------------------------------
 
 
@@ -375,6 +405,50 @@ def test_cli_refuses_bad_options_with_one_line_and_writes_nothing(tiny_folder, t
     assert "calibration" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["too-short", "no-tokenizer", "ids-outside-vocabulary"])
+def test_bad_calibration_input_is_refused_in_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, bad):
+    """A calibration text the model cannot use was read after the checks, once the model had loaded: a
+    traceback (exit 1). It is a user error now, found before `from_pretrained` runs."""
+    import transformers
+
+    src, text = saved_folder(tmp_path / "src"), calibration_file(tmp_path)
+    if bad == "too-short":
+        text.write_text("the quick brown fox")
+    elif bad == "no-tokenizer":
+        for path in src.iterdir():
+            if "token" in path.name:
+                path.unlink()
+    else:  # a checkpoint whose vocabulary is smaller than its tokenizer's
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "vocab_size": 8}))
+    loaded = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["reshape", str(src), str(out), "--kv-heads", "2", "--calibration", str(text)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: `--calibration` {text}") and "\n" not in err, err
+    assert {"too-short": "at least 64 are needed", "no-tokenizer": "has none",
+            "ids-outside-vocabulary": "(vocab_size=8)"}[bad] in err
+    assert not loaded and not out.exists()
+
+
+def test_a_short_calibration_text_holds_out_its_last_quarter(tmp_path):
+    """The README's promise, for a short text too (it held out half of one under 512 tokens)."""
+    from transformers import AutoTokenizer
+
+    from modular_decoder.tools.reshape.calibration import calibration_from_file
+
+    src, text = saved_folder(tmp_path / "src"), calibration_file(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    for words in (30, 200):  # a short text and a longer one
+        text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * words))
+        total = len(tokenizer(text.read_text(), add_special_tokens=False).input_ids)
+        calibration = calibration_from_file(text, tokenizer)
+        kept, held = len(calibration.ids), len(calibration.held_out)  # sequences of equal length
+        assert held == (kept + held) // 4 >= 1 and calibration.ids.numel() + calibration.held_out.numel() > 0.9 * total
+
+
 def test_sampled_calibration_is_unpadded_text_and_warns_nothing(tmp_path):
     """Without `--calibration`, text is sampled from the source's first token. When that token is also the pad
     id (SmolLM2: 0), generate took it for padding: it warned "right-padding was detected" and masked it."""
@@ -439,6 +513,34 @@ def test_cli_writes_a_first_class_checkpoint_with_its_report(tiny_folder, tmp_pa
     loss.backward()
     assert all(p.grad is not None for n, p in lora.named_parameters() if p.requires_grad)
     assert main(["validate", str(out), "--checks", "shapes", "causality", "cached_decoding", "cache_bytes"]) == 0
+
+
+def test_healing_after_an_exact_step_reports_no_gap_not_a_share_of_rounding_noise(tiny_folder, tmp_path):
+    """Upcycling is measured exact, so its perplexity "gap" is rounding noise: dividing by it printed
+    "closed -516987% of the perplexity gap". The report says there is no gap, and why."""
+    out = tmp_path / "out"
+    args = ["reshape", str(tiny_folder), str(out), "--experts", "4", "--top-k", "2", "--heal-steps", "2",
+            "--calibration", str(calibration_file(tmp_path))]
+    assert main(args) == 0
+    heal = json.loads((out / REPORT_FILE).read_text())["heal"]
+    assert heal["gap_closed"] is None and heal["no_gap"] == "every transformation was measured exact"
+    [line] = [line for line in (out / "README.md").read_text().splitlines() if line.startswith("Healing:")]
+    assert "no perplexity gap to close (every transformation was measured exact)" in line and "%" not in line
+
+
+@pytest.mark.parametrize(("after", "healed", "closed", "no_gap"), [
+    (12.0, 11.0, 0.5, None),  # a real gap of 2, healed by 1
+    (10.0 + 1e-5, 9.0, None, "within rounding"),
+    (9.0, 8.5, None, "lowered perplexity"),
+], ids=["gap", "rounding", "lowered"])
+def test_the_perplexity_gap_is_divided_only_when_there_is_one(after, healed, closed, no_gap):
+    from modular_decoder.tools.reshape.measures import perplexity_gap
+
+    lossy = [{"measured": {"exact": False}}]
+    gap = perplexity_gap(10.0, after, healed, lossy)
+    assert gap["closed"] == (pytest.approx(closed) if closed is not None else None)
+    assert (no_gap is None) == ("no_gap" not in gap)
+    assert no_gap is None or no_gap in gap["no_gap"]
 
 
 def test_plot_reshape_draws_perplexity_against_cache_bytes(tmp_path):

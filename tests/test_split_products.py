@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from decoding import prompt, recording_backend, tiny_model
 from modular_decoder import compiled_decoding, split_products
 from modular_decoder.split_products import linear, project, set_split_products, takes_split_branch
+from modular_decoder.tuning import Tuning, set_tuning, tuned
 from modular_decoder.tools.presets import PRESETS
 
 MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -26,14 +27,15 @@ MLA = dict(attention_type="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_d
 VARIANTS = {name: (name, {}) for name in PRESETS} | {"mla": ("llama", MLA), "mixtral_eager_experts": ("mixtral", {})}
 
 
-SHIPPED_MIN_SPLIT_WEIGHT = split_products.MIN_SPLIT_WEIGHT
+SHIPPED_MIN_SPLIT_WEIGHT = Tuning.min_split_weight
 
 
 @pytest.fixture(autouse=True)
-def split_every_size(monkeypatch):
-    """The tiny weights here split too (`MIN_SPLIT_WEIGHT` keeps small products on `F.linear` by default:
-    `test_small_weights_stay_on_f_linear`)."""
-    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", 0)
+def split_every_size():
+    """The tiny weights here split too (`tuning().min_split_weight` keeps small products on `F.linear` by
+    default: `test_small_weights_stay_on_f_linear`)."""
+    with tuned(min_split_weight=0):
+        yield
 
 
 @contextlib.contextmanager
@@ -360,10 +362,10 @@ def test_a_global_hook_sees_every_linear():
     assert len(calls) == sum(isinstance(m, nn.Linear) for m in model.modules())
 
 
-def test_small_weights_stay_on_f_linear(monkeypatch):
-    """Below `MIN_SPLIT_WEIGHT` elements the product is `F.linear` itself (dispatching the batched product costs
-    more there than one core's pass: measured in `split_products.py`); from it on, the product splits."""
-    monkeypatch.setattr(split_products, "MIN_SPLIT_WEIGHT", SHIPPED_MIN_SPLIT_WEIGHT)  # the autouse fixture's 0 undone
+def test_small_weights_stay_on_f_linear():
+    """Below `tuning().min_split_weight` elements the product is `F.linear` itself (dispatching the batched product
+    costs more there than one core's pass: measured, `tuning.py`); from it on, the product splits."""
+    set_tuning(min_split_weight=SHIPPED_MIN_SPLIT_WEIGHT)  # the autouse fixture's 0 undone (it restores its own)
     width = math.isqrt(SHIPPED_MIN_SPLIT_WEIGHT)  # 256 for 2^16
     x = torch.randn(1, 1, width)
     for out_features, splits in ((width - 2, False), (width, True)):  # (width - 2) x width < width²; both even

@@ -35,7 +35,8 @@ from mtp_cases import save_trained_deepseek_v3_with_mtp
 ROOT = Path(__file__).parent.parent
 # Installed releases are kept between runs (a release never changes)
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "modular-decoder-tests"
-PRESETS = ("gemma3", "deepseek_v3")  # sliding/global layers with QK-norm; MLA with routed experts
+# sliding/global layers with QK-norm; MLA with routed experts; DeepSeek Sparse Attention (4 keys kept per query)
+PRESETS = ("gemma3", "deepseek_v3", "deepseek_v32")
 IDS = [[3, 1, 4, 1, 5, 9, 2, 6]]
 
 CHILD = textwrap.dedent(
@@ -328,6 +329,69 @@ def test_saved_folders_run_on_every_supported_transformers(tmp_path):
         assert drafts["ModularDecoderMTPCandidateGenerator"] == drafts["MTPCandidateGenerator"], version
         # the counting prompt's drafts were accepted: fewer forwards than tokens
         assert len(drafts["MTPCandidateGenerator"]) < 2 * 11, version  # 11 drafting steps each without
+
+
+# transformers' own DeepSeek-V3.2 on a release, converted by this package on that release, against ours: logits, a
+# left-padded batch, greedy tokens through each side's own cache, and the export back (bit for bit, loading in the
+# release's class with the same logits). The release names DSA's layer type itself ("deepseek_sparse_attention"
+# on 5.16, "indexed_attention" on 5.25): the export leaves it to the release. transformers' side runs eager: on 5.16
+# its SDPA path adds the boolean mask to the indexer's scores and fills it with a float (so with padding it chooses
+# and attends to masked keys), fixed by 5.25; ours runs SDPA.
+DSA_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    target, root, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    import torch, transformers
+    from safetensors.torch import load_file
+    from transformers import DeepseekV32ForCausalLM
+    from conversion_cases import CASES, perturbed
+    from modular_decoder import ModularDecoderForCausalLM
+    from modular_decoder.conversion import convert, export
+    assert transformers.__file__.startswith(target), transformers.__file__
+    torch.manual_seed(0)
+    ref = perturbed(DeepseekV32ForCausalLM._from_config(CASES["deepseek_v32-moe"][1](), attn_implementation="eager"))
+    ref.eval()
+    ref.save_pretrained(work / "src")
+    convert(work / "src", work / "ours", progress=False)
+    ours = ModularDecoderForCausalLM.from_pretrained(work / "ours").eval()
+    export(work / "ours", work / "back", family="deepseek_v32", progress=False)
+    back = DeepseekV32ForCausalLM.from_pretrained(work / "back", attn_implementation="eager").eval()
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    prompt, prompt_mask = ids[:, 6:14].clone(), mask[:, 6:14].clone()
+    prompt_mask[1, :3] = 0
+    greedy = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, attention_mask=prompt_mask)
+    before, after = load_file(work / "src" / "model.safetensors"), load_file(work / "back" / "model.safetensors")
+    with torch.no_grad():
+        out = {"version": transformers.__version__, "layer_types": sorted(set(back.config.layer_types)),
+               "logits": (ours(ids).logits - ref(ids).logits).abs().max().item(),
+               "padded": (ours(ids, attention_mask=mask).logits - ref(ids, attention_mask=mask).logits)[:, 4:]
+                         .abs().max().item(),
+               "greedy": torch.equal(ours.generate(prompt, **greedy), ref.generate(prompt, **greedy)),
+               "export": sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before),
+               "exported_logits": (back(ids).logits - ref(ids).logits).abs().max().item()}
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_deepseek_v32_matches_transformers_class_on_the_oldest_and_newest_release(tmp_path):
+    for version in _oldest_and_newest():
+        target, work = _installed(version), tmp_path / version
+        work.mkdir()
+        env = {**_child_env(target, work / "modules"),
+               "PYTHONPATH": os.pathsep.join(map(str, (target, ROOT, ROOT / "tests")))}
+        result = subprocess.run([sys.executable, "-c", DSA_CHILD, str(target), str(ROOT), str(work)],
+                                capture_output=True, text=True, timeout=300, cwd=work, env=env)
+        assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
+        child = json.loads(result.stdout.strip().splitlines()[-1])
+        assert child["version"] == version
+        assert child["logits"] <= 1e-4 and child["padded"] <= 1e-4, child
+        assert child["greedy"] and child["export"] and child["exported_logits"] == 0.0, child
+        assert len(child["layer_types"]) == 1, child  # the release's own name for a DSA layer
 
 
 def _oldest_and_newest() -> list[str]:

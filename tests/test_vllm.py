@@ -7,8 +7,8 @@ transformers' `LlamaForCausalLM` served by vLLM's native class; tiny random Gemm
 layers, QK-norm, sandwich norms), GPT-NeoX (parallel block, partial rotary, LayerNorm with bias, GELU),
 GPT-2 (learned positions, biases), Mixtral (vLLM's fused experts) and DeepSeek-V3 (MLA from vLLM's latent
 cache, sigmoid-routed grouped experts, shared expert), and the same without the latent's norm (TransMLA's exact
-result, served as full attention); tensor parallelism; an ALiBi folder that must be
-refused; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
+result, served as full attention); tensor parallelism; an ALiBi folder and a DeepSeek Sparse Attention folder
+that must be refused; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
 (attention heads of 32; MLA's latent of 512 + 64) and weights drawn wide enough (std 0.2) that greedy
 decoding does not repeat one token.
 """
@@ -125,6 +125,10 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
     torch.manual_seed(0)
     ModularDecoderForCausalLM(preset_config("bloom", tiny=True, **TINY)).save_pretrained(root / "alibi")
     engines.append(dict(name="alibi", folder=str(root / "alibi"), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
+    torch.manual_seed(0)  # DeepSeek Sparse Attention: vLLM's latent attention has no indexer
+    dsa = preset_config("deepseek_v32", tiny=True, **TINY, **MLA_576, index_head_dim=64)
+    ModularDecoderForCausalLM(dsa).save_pretrained(root / "dsa")
+    engines.append(dict(name="dsa", folder=str(root / "dsa"), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
 
     smol, llama = root / "smollm2", root / "smollm2_llama"
     convert(bundled_smollm2(), smol, gguf_file=GGUF_NAME, progress=False)
@@ -229,11 +233,13 @@ def test_tensor_parallel_gives_the_same_tokens(served, name, ranks):
     assert result["tokens"] == ours[name]
 
 
-def test_alibi_is_refused_at_load_naming_the_field(served):
+@pytest.mark.parametrize("name, field", [("alibi", "position_embedding_type='alibi'"),
+                                         ("dsa", "attention_type='dsa' (index_topk")])
+def test_what_vllm_cannot_serve_is_refused_at_load_naming_the_field(served, name, field):
     _, results = served
-    error = results["engines"]["alibi"].get("error", "")
+    error = results["engines"][name].get("error", "")
     assert "vLLM's Transformers modeling backend cannot serve" in error
-    assert "position_embedding_type='alibi'" in error
+    assert field in error
 
 
 def test_vllm_serve_chat_completion_and_stream(served):
@@ -255,6 +261,7 @@ def test_the_vllm_row_refuses_what_vllm_would_serve_wrong():
         "attn_logit_softcapping with attention_type='mla'": preset_config("deepseek_v3", tiny=True,
                                                                          attn_logit_softcapping=30.0),
         "head_dim other than": preset_config("deepseek_v3", tiny=True, head_dim=16),
+        "attention_type='dsa'": preset_config("deepseek_v32", tiny=True),
     }
     for field, config in refused.items():
         with pytest.raises(ValueError, match=f"vLLM's Transformers modeling backend cannot serve .*{field}"):

@@ -36,6 +36,10 @@ AXES: dict[str, dict[str, dict]] = {
         "moe_shared_gate_dense": dict(mlp_type="moe", hidden_act="gelu_pytorch_tanh", mlp_layer_types=["dense", "sparse"],
                                       num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                                       shared_expert_gate=True, norm_topk_prob=False),
+        # gpt-oss: a biased router with softmax over the kept logits, experts with biases and the clamped SwiGLU
+        "moe_gpt_oss": dict(mlp_type="moe", hidden_act="silu", num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=16, router_type="topk_softmax", router_bias=True, mlp_bias=True,
+                            swiglu_limit=1.0),
         "moe_sigmoid_grouped": dict(mlp_type="moe", mlp_layer_types=["sparse", "dense"], num_experts=8,
                                     num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2,
                                     router_type="sigmoid_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5),
@@ -48,6 +52,7 @@ AXES: dict[str, dict[str, dict]] = {
         "alibi": dict(position_embedding_type="alibi"),
         "rope": dict(position_embedding_type="rope", rope_parameters=dict(_ROPE)),
         "rope_partial": dict(position_embedding_type="rope", partial_rotary_factor=0.5, rope_parameters=dict(_ROPE)),
+        "rope_nope": dict(position_embedding_type="rope", no_rope_layers=[1, 0], rope_parameters=dict(_ROPE)),  # SmolLM3
         "rope_interleaved": dict(position_embedding_type="rope", partial_rotary_factor=0.5, rope_interleaved=True,
                                  rope_parameters=dict(_ROPE)),
         "rope_linear": dict(position_embedding_type="rope",
@@ -83,6 +88,7 @@ AXES: dict[str, dict[str, dict]] = {
         "attn": dict(attn_logit_softcapping=5.0),
         "final": dict(final_logit_softcapping=3.0),
         "both_scaled": dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=12),
+        "sinks": dict(attention_sinks=True),  # a learned logit per head in every softmax's denominator (gpt-oss)
     },
     "window": {
         "full": {},
@@ -107,8 +113,6 @@ BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_laye
 
 def valid(choice: dict[str, str]) -> bool:
     positions = choice.get("positions", "rope")
-    if choice.get("ffn", "").startswith("moe") and choice.get("bias") == "all":
-        return False  # experts carry no biases (`mlp_bias` is refused with MoE)
     if choice.get("window") == "mixed_local_base" and not positions.startswith("rope"):
         return False
     # dynamic/longrope rescale with the longest position seen, so per-layer-type tables are not

@@ -54,7 +54,7 @@ def moe_contract(src, family: str) -> dict:
         num_experts=src.n_routed_experts, num_experts_per_tok=src.num_experts_per_tok,
         moe_intermediate_size=src.moe_intermediate_size, n_shared_experts=src.n_shared_experts,
         routed_scaling_factor=src.routed_scaling_factor, router_aux_loss_coef=0.0,
-        output_router_logits=bool(src.output_router_logits),
+        output_router_logits=bool(getattr(src, "output_router_logits", False)),  # not a field of every release
     )
 
 
@@ -84,10 +84,11 @@ def mla_contract(src, rope_interleaved: bool) -> dict:
     )
 
 
-def mla_source_fields(cfg) -> dict:
-    """The inverse of `mla_contract` and `moe_source_fields`."""
-    if cfg.attention_type != "mla":
-        raise ValueError("Only `attention_type='mla'` exports to a DeepSeek family.")
+def mla_source_fields(cfg, attention_type: str = "mla") -> dict:
+    """The inverse of `mla_contract` and `moe_source_fields`, for a family whose layers are `attention_type`."""
+    if cfg.attention_type != attention_type:
+        raise ValueError(f"Only `attention_type={attention_type!r}` exports to this DeepSeek family (DeepSeek-V3.2's "
+                         "`deepseek_v32` takes `'dsa'`, the others `'mla'`).")
     if not cfg.kv_latent_norm:
         raise ValueError("DeepSeek always norms the KV latent (`kv_a_layernorm`): it cannot express "
                          "`kv_latent_norm=False`.")

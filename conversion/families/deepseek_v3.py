@@ -23,10 +23,21 @@ MTP_LAYER = "model.layers.{mtp_layer}."
 
 
 def to_contract(src) -> dict:
-    refuse_unsupported(src, "deepseek_v3")
-    refuse({"an MLP bias": bool(getattr(src, "mlp_bias", False))}, "deepseek_v3")
     # V3 lays the rotary pairs out interleaved (x0, x1), (x2, x3), ... unless `rope_interleave=False`.
-    fields = dict(mla_contract(src, rope_interleaved=bool(src.rope_interleave)), **moe_contract(src, "deepseek_v3"))
+    fields = v3_contract(src, "deepseek_v3", rope_interleaved=bool(src.rope_interleave))
+    return dict(fields, **mtp_contract(src))
+
+
+def mtp_contract(src) -> dict:
+    """The MTP modules config.json declares; `convert` keeps those the files hold (none: 0)."""
+    return {"num_mtp_layers": getattr(src, "num_mtp_layers", 0) or 0}
+
+
+def v3_contract(src, family: str, rope_interleaved: bool) -> dict:
+    """DeepSeek-V3's contract fields (and DeepSeek-V3.2's, which adds the indexer to them)."""
+    refuse_unsupported(src, family)
+    refuse({"an MLP bias": bool(getattr(src, "mlp_bias", False))}, family)
+    fields = dict(mla_contract(src, rope_interleaved=rope_interleaved), **moe_contract(src, family))
     if fields["mlp_type"] == "moe":
         n_group = src.n_group or 1
         fields.update(router_type="sigmoid_topk", norm_topk_prob=bool(src.norm_topk_prob), n_group=n_group,
@@ -40,14 +51,19 @@ def to_contract(src) -> dict:
 
 
 def from_contract(cfg) -> DeepseekV3Config:
+    return DeepseekV3Config(**v3_source_fields(cfg), rope_interleave=cfg.rope_interleaved,
+                            num_mtp_layers=cfg.num_mtp_layers)
+
+
+def v3_source_fields(cfg, attention_type: str = "mla", family: str = "DeepSeek-V3") -> dict:
+    """The inverse of `v3_contract` (the rotary layout aside)."""
     if cfg.mlp_bias:
-        raise ValueError("DeepSeek-V3 cannot express `mlp_bias=True`.")
+        raise ValueError(f"{family} cannot express `mlp_bias=True`.")
     router = {}
     if cfg.mlp_type == "moe":
         router = dict(norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
                       aux_loss_alpha=cfg.router_aux_loss_coef)
-    return DeepseekV3Config(**mla_source_fields(cfg), rope_interleave=cfg.rope_interleaved,
-                            num_mtp_layers=cfg.num_mtp_layers, **router)
+    return dict(mla_source_fields(cfg, attention_type), **router)
 
 
 def mtp_rules(layer_rules: list[Rule], tied: bool) -> list[Rule]:

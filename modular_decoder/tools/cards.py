@@ -60,6 +60,13 @@ EXPERT_ADAPTERS = """
 The routed experts are 3-D parameters and the router a plain weight: PEFT adapts them through
 `target_parameters` (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, `mlp.gate.weight`), which
 merge back into the same tensors."""
+# DeepSeek Sparse Attention: the indexer's projections are Linear modules like any other, but run without autograd
+INDEXER_ADAPTERS = """
+
+The lightning indexer (`attention_type="dsa"`: `index_n_heads` heads of width `index_head_dim` choosing each
+query's `index_topk` keys) is `self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`. An adapter on its projections
+changes which keys are chosen, but it is not trained by the language-model loss: the choice carries no gradient,
+as in transformers' `DeepseekV32`."""
 
 
 def variant_tags(config: ModularDecoderConfig) -> list[str]:
@@ -127,6 +134,7 @@ def render_model_card(
                        "modular_decoder family." if base_model else "A modular_decoder checkpoint.")
     metadata = yaml.safe_dump(card_metadata(config, base_model, license, tags), sort_keys=False)
     adapters = ADAPTERS + (EXPERT_ADAPTERS if config.mlp_kind.routed else "")
+    adapters += INDEXER_ADAPTERS if config.attention_type == "dsa" else ""
     return CARD_TEMPLATE.substitute(metadata=metadata, title=title, description=description, repo_id=repo_id,
                                     adapters=adapters, contract=contract_table(config))
 

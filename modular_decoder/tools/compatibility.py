@@ -19,10 +19,15 @@ INPUT_LAYOUTS = {
 # Caveats that are not contract features but that a user of the backend should know.
 BACKEND_NOTES: dict[str, str] = {
     "sdpa": "GQA without repeating K/V only when there is no mask (torch's `enable_gqa`); "
-    "ALiBi as an additive bias",
+    "ALiBi as an additive bias; sinks as one more key whose score is the sink (K and V copied 8 features wider "
+    "per call)",
     "flex_attention": "no attention dropout while training (transformers raises); on CPU torch compiles it "
-    "(about a minute the first time); ALiBi as a `score_mod` from the slopes",
+    "(about a minute the first time); ALiBi as a `score_mod` from the slopes; sinks by the kernel's "
+    "log-sum-exp, which torch's compiled CPU kernel does not return (a ValueError names them there)",
     "flash_attention_2": "ALiBi through the kernel's `alibi_slopes`; V padded to the q/k width for MLA",
+    "flash_attention_3": "sinks only with a kernel that takes them (vLLM's FA3 build, `s_aux`); another raises "
+    "a ValueError naming them when called",
+    "flash_attention_4": "sinks through the kernel's `learnable_sink`",
     "vllm": "set by vLLM's Transformers modeling backend, which serves a saved folder with its own attention "
     "(paged cache; MLA from its latent cache), lm_head and fused experts",
 }

@@ -144,11 +144,20 @@ PRESETS: dict[str, dict] = {
         routed_scaling_factor=2.5, norm_topk_prob=True, router_aux_loss_coef=0.001),
 }
 
+# deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3's, with DeepSeek Sparse Attention, a lightning indexer of
+# 64 heads of width 128 in every layer choosing each query's 2,048 keys (its multi-token-prediction layer, as V3's,
+# is not part of the model)
+PRESETS["deepseek_v32"] = dict(PRESETS["deepseek_v3"], attention_type="dsa", index_n_heads=64, index_head_dim=128,
+                               index_topk=2048)
+
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128)
 # Tiny latent attention (every width a quarter of a 64-wide model's) and tiny experts: 8 of width 32, top-2,
 # grouped routing kept as 4 groups of 2 with the best 2 groups eligible.
 TINY_MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+# A tiny lightning indexer that keeps 4 keys per query, so prompts of a few tokens already attend sparsely (8 heads:
+# a tie at the k-th place, a key every head's ReLU zeroes beside another, stays rare)
+TINY_INDEXER = dict(index_n_heads=8, index_head_dim=16, index_topk=4)
 
 
 def _layer_types(num_layers: int, pattern: int | None, sliding_window: int | None) -> list[str] | None:
@@ -167,7 +176,8 @@ def _mlp_layer_types(num_layers: int, first_dense: int | None) -> list[str] | No
 
 def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderConfig:
     """The contract of preset `name`; `tiny=True` keeps every switch and shrinks the sizes
-    (2 layers, d=64, 4 heads keeping MHA / GQA / MQA, vocabulary 128; MLA widths of a 64-wide model;
+    (2 layers, d=64, 4 heads keeping MHA / GQA / MQA, vocabulary 128; MLA widths of a 64-wide model and a DSA
+    indexer of 8 heads of 16 keeping 4 keys per query;
     8 experts of width 32, top-2, one dense layer first where the preset has dense layers)."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
@@ -186,8 +196,10 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["query_pre_attn_scalar"] = 16
         if pattern is not None:
             pattern = 2
-        if fields.get("attention_type") == "mla":
+        if fields.get("attention_type") in ("mla", "dsa"):
             fields.update(TINY_MLA, q_lora_rank=None if fields["q_lora_rank"] is None else 48)
+            if fields["attention_type"] == "dsa":
+                fields.update(TINY_INDEXER)
             if fields["rope_parameters"].get("original_max_position_embeddings"):  # scaled range still reached
                 fields["rope_parameters"] = dict(fields["rope_parameters"], original_max_position_embeddings=32,
                                                  factor=TINY["max_position_embeddings"] / 32)

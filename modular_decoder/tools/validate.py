@@ -414,7 +414,7 @@ def _backend_unavailable(backend: str, device: torch.device, requested: bool) ->
         if not is_torch_flex_attn_available():
             return "torch lacks flex_attention"
         if device.type == "cpu" and not requested:
-            return "compiles for ~40 s on CPU; request it with --backends flex_attention"
+            return "compiling it is slow on a CPU; request it with --backends flex_attention"
     return None
 
 

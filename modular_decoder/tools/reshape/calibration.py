@@ -1,7 +1,7 @@
 """The text reshape calibrates, heals and measures on: calibration sequences and separate held-out ones.
 
-Calibration comes from the user's plain text (tokenised with the source's tokenizer, cut into sequences,
-the last quarter held out for perplexity) or, without a file, from the source model itself: sequences
+Calibration comes from the user's plain text (tokenised with the source's tokenizer, cut into at least four
+sequences, the last quarter held out for perplexity) or, without a file, from the source model itself: sequences
 sampled from its beginning-of-text token with a fixed seed (data-free, as in LLM-QAT, Liu et al. 2023), and
 separately sampled held-out sequences, so no corpus ships with the package.
 """
@@ -15,6 +15,7 @@ import torch
 
 SEQ_LEN = 256  # tokens per calibration sequence cut from a file
 MIN_SEQ_LEN = 16
+HELD_OUT_EVERY = 4  # one sequence in four (the last quarter) is held out for perplexity
 MAX_CALIBRATION = 32  # sequences (8,192 tokens at most): enough for the statistics, fast on a CPU
 MAX_HELD_OUT = 16
 SAMPLED = {"calibration": 8, "held_out": 4, "length": 128}
@@ -33,20 +34,25 @@ class Calibration:
                 "sequence_length": self.ids.shape[1]}
 
 
-def calibration_from_file(path, tokenizer) -> Calibration:
-    """The user's plain text, tokenised and cut into sequences of up to `SEQ_LEN` tokens; the last quarter
-    (at least one sequence) is held out for perplexity and never calibrated or healed on."""
+def calibration_from_file(path, tokenizer, vocab_size: int | None = None) -> Calibration:
+    """The user's plain text, tokenised and cut into at least `HELD_OUT_EVERY` sequences of up to `SEQ_LEN`
+    tokens; the last quarter of them (rounded down, at least one) is held out for perplexity and never
+    calibrated or healed on. A `ValueError` naming `calibration` where the text cannot serve: no tokenizer, too
+    few tokens, or ids outside the model's `vocab_size` (a tokenizer that is not the checkpoint's)."""
     path = Path(path)
     if tokenizer is None:
         raise ValueError(f"`calibration` {path} needs the source's tokenizer, and the source folder has none.")
     text = path.read_text(encoding="utf-8", errors="replace")
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-    seq_len = min(SEQ_LEN, len(ids) // 2)
+    seq_len = min(SEQ_LEN, len(ids) // HELD_OUT_EVERY)
     if seq_len < MIN_SEQ_LEN:
-        raise ValueError(f"`calibration` {path} has {len(ids)} tokens; at least {2 * MIN_SEQ_LEN} are needed "
-                         "(part of it is held out for perplexity).")
+        raise ValueError(f"`calibration` {path} has {len(ids)} tokens; at least {HELD_OUT_EVERY * MIN_SEQ_LEN} are "
+                         "needed (a quarter of it is held out for perplexity).")
+    if vocab_size is not None and int(ids.max()) >= vocab_size:
+        raise ValueError(f"`calibration` {path}: the source folder's tokenizer gives id {int(ids.max())}, outside the "
+                         f"model's vocabulary (vocab_size={vocab_size}); the tokenizer is not this checkpoint's.")
     chunks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)
-    held = max(1, chunks.shape[0] // 4)
+    held = chunks.shape[0] // HELD_OUT_EVERY
     return Calibration(chunks[:-held][:MAX_CALIBRATION], chunks[-held:][:MAX_HELD_OUT],
                        f"file {path.name} ({len(ids)} tokens)")
 

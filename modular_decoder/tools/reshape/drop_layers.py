@@ -8,7 +8,7 @@ layer l and the one leaving layer l+N-1,
 
 averaged over every calibration token (the paper uses the last token of each sequence; with the few
 sequences a calibration here has, every token gives a steadier estimate). The block with the smallest
-distance is removed; `layer_types` and `mlp_layer_types` lose the same entries.
+distance is removed; `layer_types`, `mlp_layer_types` and `no_rope_layers` lose the same entries.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def drop_block(model, calibration_ids: torch.LongTensor, drop_layers: int, progr
     changes = {"num_hidden_layers": len(kept), "layer_types": [config.layer_types[i] for i in kept]}
     if config.mlp_type == "moe":
         changes["mlp_layer_types"] = [config.mlp_layer_types[i] for i in kept]
+    if config.no_rope_layers is not None:
+        changes["no_rope_layers"] = [config.no_rope_layers[i] for i in kept]
     new = model_from_state(derived_config(config, **changes), state, model, copy=copy)
     # the layers on either side of the cut see a residual stream they were not trained next to
     seams = sorted({i for i in (start - 1, start) if 0 <= i < len(kept)})

@@ -14,7 +14,7 @@ import torch
 from .add_mtp import add_mtp_modules, agreement, decoding_acceptance, train_mtp
 from .calibration import Calibration, calibration_from_file, sampled_calibration
 from .healing import LEARNING_RATE, heal
-from .measures import logit_change, measured_cache_bytes_per_token, perplexity
+from .measures import logit_change, measured_cache_bytes_per_token, perplexity, perplexity_gap
 from .moments import attention_moments
 from .pipeline import changed_modules, check_options, to_latent_attention, transform
 
@@ -65,11 +65,13 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
         check_options(config, sweep_ranks=sweep_ranks, heal_steps=heal_steps, heal_lr=heal_lr,
                       needs_calibration_ids=False, **options)
 
+        tokenizer = _tokenizer(src)
+        # the calibration text is read (and refused) before the model loads
+        calib = calibration_from_file(calibration, tokenizer, config.vocab_size) if calibration else None
         saved_dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
-        tokenizer = _tokenizer(src)
     timing = {"load": time.perf_counter() - start}
-    calib = calibration_from_file(calibration, tokenizer) if calibration else sampled_calibration(model, seed)
+    calib = calib or sampled_calibration(model, seed)
     timing["calibration"] = time.perf_counter() - start - sum(timing.values())
     before = measure(model, calib.held_out)
     structural = {**options, "attention": None, "kv_lora_rank": None, "rope_dim": None, "add_mtp": None}
@@ -94,10 +96,10 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
     if heal_steps and changed_modules(changes):
         losses = heal(new, model, calib.ids, heal_steps, changed_modules(changes), heal_lr, progress)
         healed = perplexity(new, calib.held_out)
-        gap = after["perplexity"] - before["perplexity"]
+        gap = perplexity_gap(before["perplexity"], after["perplexity"], healed, report["transformations"])
         report["heal"] = {"steps": heal_steps, "learning_rate": heal_lr, "trainable": changed_modules(changes),
                           "kl_first": losses[0], "kl_last": losses[-1], "perplexity": healed,
-                          "gap_closed": (after["perplexity"] - healed) / gap if gap else None}
+                          "gap_closed": gap.pop("closed"), **gap}
         timing["heal"] = time.perf_counter() - start - sum(timing.values())
     if options.get("add_mtp"):
         losses = train_mtp(new, calib.ids, heal_steps, heal_lr, progress)

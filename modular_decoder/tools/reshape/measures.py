@@ -14,6 +14,7 @@ from .calibration import start_token
 BATCH = 1  # sequences per forward: the (T, vocab) logits of one sequence at a time stay small
 ROUNDING = 1e-5  # float32: a logit change within this share of the largest logit is rounding, not a change
 LOGIT_SEQUENCES = 4  # calibration sequences the logit change is measured on
+PERPLEXITY_ROUNDING = 1e-4  # a relative change of float32 perplexity within this is rounding, not a gap
 
 
 @torch.no_grad()
@@ -29,6 +30,23 @@ def logit_change(before, after, ids: torch.LongTensor) -> dict:
         scale = max(scale, reference.abs().max().item())
     return {"max_logit_change": change, "exact": change <= ROUNDING * scale,
             "tokens": ids[:LOGIT_SEQUENCES].numel()}
+
+
+def perplexity_gap(before: float, after: float, healed: float, changes: list[dict]) -> dict:
+    """The perplexity gap a transformation opened and the share of it healing closed (`closed`), or, where there
+    is no gap to close, why (`no_gap`): every transformation was measured exact, the gap is within float32
+    rounding of the perplexity (`PERPLEXITY_ROUNDING`), or the transformation lowered perplexity: a share of
+    rounding noise is no figure."""
+    gap = after - before
+    if changes and all((change.get("measured") or {}).get("exact") for change in changes):
+        reason = "every transformation was measured exact"
+    elif abs(gap) <= PERPLEXITY_ROUNDING * before:
+        reason = f"the change of perplexity, {gap:+.2g}, is within rounding"
+    elif gap < 0:
+        reason = f"the transformation lowered perplexity ({gap:+.3g})"
+    else:
+        return {"gap": gap, "closed": (after - healed) / gap}
+    return {"gap": gap, "closed": None, "no_gap": reason}
 
 
 @torch.no_grad()

@@ -185,7 +185,7 @@ def to_mla(model, kv_lora_rank: int, rope_dim: int | None, calibration_ids: torc
     config = mla_config(model.config, kv_lora_rank, rope_dim, latent_norm)
     if moments is None:
         moments = attention_moments(model, calibration_ids, progress=progress)
-    with one_thread():  # hundreds of small matrices: threads add only synchronisation (9x slower on two)
+    with one_thread():  # hundreds of small matrices: threads add only synchronisation (`moments.one_thread`)
         bases = layer_bases(model, moments, rope_dim)
         state = {name: t for name, t in model.state_dict().items() if ".self_attn." not in name}
         layers = model.model.layers

@@ -56,7 +56,7 @@ def attention_moments(model, calibration_ids: torch.LongTensor, batch_size: int 
 @contextlib.contextmanager
 def one_thread():
     """LAPACK's threaded eigh / svd of a few hundred rows is slower than one thread, and far slower on a
-    busy machine (measured: 0.05 s on one thread, 0.9 s on two, for 320 rows on a loaded 2-core host)."""
+    busy machine."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -34,9 +34,12 @@ def report_markdown(report: dict) -> str:
               + (" and heal" if heal else "") + f", {calib['held_out_tokens']:,} other tokens measure perplexity."]
     if heal:
         share = heal["gap_closed"]
-        closed = f"{share:.0%} of the perplexity gap" if share is not None else "no gap to close"
+        if share is not None:
+            closed = f"closed {share:.0%} of the perplexity gap on the held-out text."
+        else:  # older reports have no `no_gap`
+            closed = f"had no perplexity gap to close ({heal.get('no_gap', 'none was measured')})."
         lines.append(f"Healing: {heal['steps']} steps of KL distillation from the source (lr {heal['learning_rate']}) "
-                     f"into {len(heal['trainable'])} changed module(s) closed {closed} on the held-out text.")
+                     f"into {len(heal['trainable'])} changed module(s) {closed}")
     if report.get("mtp"):
         lines.append(mtp_summary(report["mtp"]))
     for change in report["transformations"]:

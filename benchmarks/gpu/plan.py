@@ -1,4 +1,4 @@
-"""The shapes and sizes of `benchmarks.gpu`: the GPU plan and the tiny CPU smoke plan that runs the same code."""
+"""The shapes and sizes of the GPU matrix: the GPU plan and the tiny CPU smoke plan that runs the same code."""
 
 from __future__ import annotations
 
@@ -45,9 +45,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "l
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
                     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE)
-# deepseek-ai/DeepSeek-V3 config.json's attention dims at d 2048, 8 dense layers (a small FFN and vocabulary so
-# that the decode step is mostly attention)
-DEEPSEEK_V3_ATTENTION = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+# deepseek-ai/DeepSeek-V2-Lite config.json's attention (16 heads at d 2048, kv_lora 512, nope 128, rope 64, v 128)
+# with a q_lora_rank of 1536 as DeepSeek-V2 and V3 have (V2-Lite has none; V3 has 128 heads at d 7168), 8 dense
+# layers, a small FFN and vocabulary so that the decode step is mostly attention; transformers' DeepseekV3 class
+MLA_ATTENTION = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                              num_attention_heads=16, num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512,
                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                              max_position_embeddings=40960)
@@ -58,7 +59,7 @@ TINY_DEEPSEEK_V3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, n
                         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=512)
 
-FULL = Plan(name="gpu", dtype=torch.bfloat16, llama=LLAMA_3_2_1B, deepseek_v3=DEEPSEEK_V3_ATTENTION,
+FULL = Plan(name="gpu", dtype=torch.bfloat16, llama=LLAMA_3_2_1B, deepseek_v3=MLA_ATTENTION,
             logits_tokens=512, prefill_tokens=4096, prompt_b1=128, prompt_big=512, big_batch=32, new_tokens=128,
             sync_new_tokens=16, profile_new_tokens=16, grid_batches=(1, 8, 32), grid_contexts=(1024, 8192, 32768),
             grid_extra=((16, 32768),), crossover_points=((1, 8192), (16, 8192), (16, 32768)),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd import DeviceType
 
-from .gpu_timing import wall
+from ..measure import wall
 
 # CUDA runtime calls counted (by substring of the profiler's names: `cudaMalloc` also counts `cudaMallocAsync`):
 # allocator traffic, host-device syncs, copies and launches.

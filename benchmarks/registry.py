@@ -1,0 +1,50 @@
+"""Every benchmark `python -m benchmarks NAME` runs: its module, what it measures, and the JSON it commits.
+
+A new benchmark is one module under `benchmarks/` with a `main(argv) -> int` built on `benchmarks.harness`, and one
+`Benchmark(...)` line below (benchmarks/README.md says how). `python -m benchmarks --help` lists this table, and
+`python -m benchmarks.pages` renders it into benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # python -m benchmarks NAME
+    module: str  # benchmarks.MODULE, whose main(argv) runs it
+    measures: str  # one sentence: what it measures against what
+    writes: str | None = None  # the committed result JSON under benchmarks/ (None: nothing committed)
+
+
+BENCHMARKS = (
+    Benchmark("run", "run", "seven families against transformers' own class (CPU, fp32): prefill, decode, "
+              "training throughput, memory in fresh processes, the largest decode batch in a budget", "results.json"),
+    Benchmark("compiled_decode", "compiled_decode", "batch-1 decode of SmolLM2-135M, eager and compiled (static "
+              "cache), ours against transformers' Llama", "results_compiled_decode.json"),
+    Benchmark("serving", "serving", "SmolLM2-135M served by vLLM through its Transformers backend against vLLM's "
+              "native Llama; the MLA KV-cache capacity in vLLM", "results_serving.json"),
+    Benchmark("mla_prefill", "mla_prefill", "MLA chunked prefill against a growing cache: time and peak memory, "
+              "ours against transformers' DeepseekV3", "results_mla_prefill.json"),
+    Benchmark("mla_decode", "mla_decode", "one MLA decode step at long cached contexts: ours absorbed and expanded, "
+              "transformers' DeepseekV3, a GQA model of the same width"),
+    Benchmark("mla_crossover", "mla_crossover", "one MLA step of T new tokens against S cached: absorbed against "
+              "expanded, and the absorbed step's query block (time, peak memory): where `ABSORBED_MAX_NEW_TOKENS` "
+              "and `ABSORBED_QUERY_BLOCK` come from"),
+    Benchmark("split_threshold", "split_threshold", "decode steps of Llama layouts at several widths with the split "
+              "products off, everywhere, and from each weight size: where `MIN_SPLIT_WEIGHT` comes from"),
+    Benchmark("decode_profile", "decode_profile", "where a decode step's time goes (products vs the rest), and the "
+              "host's time per generate step"),
+    Benchmark("cache", "cache", "static cache + compile against the dynamic cache; the int8 K/V cache's "
+              "error on SmolLM2-135M"),
+    Benchmark("reshape_smollm2", "reshape_smollm2", "each reshape transformation of SmolLM2-135M: parameters, KV "
+              "bytes per token, held-out perplexity"),
+    Benchmark("reshape_mla", "reshape_mla", "SmolLM2-135M converted to MLA (TransMLA's steps) at several ranks: KV "
+              "bytes, held-out perplexity, conversion time and memory"),
+    Benchmark("gpu", "gpu", "the GPU matrix (bf16, one accelerator): prefill, eager and compiled generate, MLA "
+              "decode and chunked prefill, training steps, diagnostics; `--smoke` runs its code paths on the CPU",
+              "results_gpu.json"),
+)
+
+BY_NAME = {benchmark.name: benchmark for benchmark in BENCHMARKS}

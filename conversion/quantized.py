@@ -1,0 +1,79 @@
+"""Weights published quantized, dequantized on reading: FP8 with block scales and MXFP4 experts.
+
+Each function computes what transformers computes when it loads the same checkpoint with
+`FineGrainedFP8Config(dequantize=True)` or `Mxfp4Config(dequantize=True)` (the same float32
+arithmetic, one rounding to the output dtype), a block of rows at a time so that the float32
+temporaries stay small whatever the tensor's size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# The float32 temporaries of one step hold at most about this many elements (64 MiB).
+_CHUNK_ELEMENTS = 16 * 2**20
+# E2M1 values of the 16 FP4 codes (transformers' `FP4_VALUES`, the OCP Microscaling spec)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def fp8_scale_name(weight: str) -> str:
+    """The name of a weight's inverse scale, as FP8 checkpoints and transformers' `Fp8Quantize` write it:
+    `x.weight` -> `x.weight_scale_inv`, a fused experts tensor `x.gate_up_proj` -> `x.gate_up_proj_scale_inv`."""
+    return weight + "_scale_inv"
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
+                   name: str = "weight") -> torch.Tensor:
+    """`weight` (float8, (..., rows, cols)) times its per-block `scale_inv` (..., ceil(rows/bm), ceil(cols/bn)),
+    each block (bm, bn) = `block` scaled by its entry; the product in float32, rounded once to `dtype`.
+
+    Scales stored as bytes (E8M0 exponents, `uint8`) stand for 2**(byte - 127), as in transformers. A last
+    block that the weight's shape cuts short is scaled by its entry like the others (DeepSeek's own
+    `weight_dequant`). Raises a `ValueError` naming `name` if the scale grid does not fit the weight.
+    """
+    rows, cols = weight.shape[-2:]
+    bm, bn = block
+    grid = (math.ceil(rows / bm), math.ceil(cols / bn))
+    if tuple(scale_inv.shape) != (*weight.shape[:-2], *grid):
+        raise ValueError(f"{name}: its scales have shape {tuple(scale_inv.shape)}, but a weight of shape "
+                         f"{tuple(weight.shape)} in blocks of {bm}x{bn} needs {(*weight.shape[:-2], *grid)}.")
+    scales = (scale_inv.to(torch.float32) - 127.0).exp2() if scale_inv.dtype == torch.uint8 else scale_inv.to(torch.float32)
+    weight, scales = weight.reshape(-1, rows, cols), scales.reshape(-1, *grid)
+    out = torch.empty(weight.shape, dtype=dtype)
+    step = max(1, _CHUNK_ELEMENTS // (bm * cols)) * bm  # whole row blocks per step
+    for i in range(weight.shape[0]):
+        for r0 in range(0, rows, step):
+            r1 = min(r0 + step, rows)
+            q = weight[i, r0:r1].to(torch.float32)
+            s = scales[i, r0 // bm:math.ceil(r1 / bm)]
+            if (r1 - r0) % bm == 0 and cols % bn == 0:  # the reshape transformers does: no expanded scales
+                product = q.reshape(-1, bm, grid[1], bn) * s[:, None, :, None]
+            else:
+                product = q * s.repeat_interleave(bm, 0)[: r1 - r0].repeat_interleave(bn, 1)[:, :cols]
+            out[i, r0:r1] = product.reshape(r1 - r0, cols).to(dtype)
+    return out.reshape(*scale_inv.shape[:-2], rows, cols)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
+    """MXFP4 experts as gpt-oss publishes them: `blocks` (E, R, G, 16) bytes, two E2M1 codes each (low nibble
+    first), `scales` (E, R, G) E8M0 exponents (2**(byte - 127)) for each group of 32 values. Returns the
+    (E, G * 32, R) tensor transformers' `GptOssExperts` holds (the dequantized (E, R, G * 32) transposed),
+    each value E2M1 * 2**exponent in float32, rounded once to `dtype`."""
+    if blocks.dim() != 4 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
+                         "match ((E, R, G, B) and (E, R, G) expected).")
+    experts, rows, groups, width = blocks.shape
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    out = torch.empty(experts, groups * width * 2, rows, dtype=dtype)
+    step = max(1, _CHUNK_ELEMENTS // (groups * width * 2))
+    for e in range(experts):
+        for r0 in range(0, rows, step):
+            r1 = min(r0 + step, rows)
+            packed = blocks[e, r0:r1].to(torch.uint8)
+            values = torch.stack((lut[(packed & 0x0F).long()], lut[(packed >> 4).long()]), dim=-1)  # (r, G, B, 2)
+            exponents = scales[e, r0:r1].to(torch.int32) - 127
+            values = torch.ldexp(values.reshape(r1 - r0, groups, width * 2), exponents[..., None])
+            out[e, :, r0:r1] = values.reshape(r1 - r0, groups * width * 2).t().to(dtype)
+    return out

@@ -1,0 +1,82 @@
+"""Running a family's map over a source catalog tensor by tensor, into planned output shards.
+
+Two passes. The first runs every rule instance on tensors that hold no data (the meta device), so
+the produced names and shapes are known, and checked against the target model, before a byte is
+read. The second reads what each instance needs, applies its transform, and writes the results at
+their planned places (`tensor_files.ShardedWriter`). A `copy` of a large tensor that can be read a
+block of rows at a time (a stacked experts tensor, a plain stored tensor) goes through in blocks, so
+no step holds more than a block, whatever the tensor's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .core import RuleInstance
+from .sources import SourceTensor
+from .tensor_files import ShardedWriter
+
+# A `copy` larger than this goes through in blocks of rows of about this size.
+BLOCK_BYTES = 256 * 2**20
+
+
+def plan_shapes(plan: list[RuleInstance], tensors: dict[str, SourceTensor], cfg) -> dict[str, torch.Tensor]:
+    """{output name: a meta tensor of its shape and dtype}: the transforms run on tensors without data
+    (transforms must therefore be shape operations, as every one in `TRANSFORMS` is)."""
+    produced: dict[str, torch.Tensor] = {}
+    for instance in plan:
+        produced.update(instance.apply([tensors[name].meta() for name in instance.inputs], cfg))
+    return produced
+
+
+def produce(instance: RuleInstance, tensors: dict[str, SourceTensor], cfg) -> dict[str, torch.Tensor]:
+    """The instance's outputs, its inputs read from the source."""
+    return instance.apply([tensors[name].read() for name in instance.inputs], cfg)
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where (part of) a produced tensor is written: the whole of it under `file`, or, for an experts tensor
+    saved one tensor per expert, expert `expert`'s rows `rows` (of dim 1)."""
+
+    file: str
+    expert: int | None = None
+    rows: slice | None = None
+
+
+def write_plan(plan: list[RuleInstance], tensors: dict[str, SourceTensor], cfg, writer: ShardedWriter,
+               sinks: dict[str, list[Sink]], dtype: torch.dtype | None = None,
+               progress: Callable[[int], None] | None = None) -> None:
+    """Produce every instance's outputs and write them to their `sinks`; floating-point tensors are cast to
+    `dtype` when given. `progress` is called with the bytes read after each step."""
+    for instance in plan:
+        source = tensors[instance.inputs[0]]
+        row_bytes = source.nbytes // source.shape[0] if source.shape and source.shape[0] else 0
+        if (instance.rule.transform == "copy" and len(instance.inputs) == 1 and source.read_rows is not None
+                and row_bytes and source.nbytes > BLOCK_BYTES):
+            step = max(1, BLOCK_BYTES // row_bytes)
+            for first in range(0, source.shape[0], step):
+                block = source.read_rows(first, min(first + step, source.shape[0]))
+                _write(writer, sinks[instance.outputs[0]], block, dtype, first)
+                if progress is not None:
+                    progress(block.shape[0] * row_bytes)
+            continue
+        for name, tensor in produce(instance, tensors, cfg).items():
+            _write(writer, sinks[name], tensor, dtype)
+        if progress is not None:
+            progress(sum(tensors[name].nbytes for name in instance.inputs))
+
+
+def _write(writer: ShardedWriter, sinks: list[Sink], tensor: torch.Tensor, dtype, first_row: int | None = None):
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    for sink in sinks:
+        if sink.expert is None:
+            writer.write(sink.file, tensor, first_row)
+            continue
+        index = sink.expert - (first_row or 0)
+        if 0 <= index < tensor.shape[0]:
+            writer.write(sink.file, tensor[index, sink.rows].contiguous())

@@ -1,0 +1,198 @@
+"""Checkpoints published quantized convert to what transformers computes when it loads them dequantized.
+
+FP8 (DeepSeek-V3, Qwen3 -FP8): tiny transformers models whose linear weights are quantized the way the
+published checkpoints store them (`float8_e4m3fn`, one `weight_scale_inv` per 128 x 128 block, per-expert
+files, a `quantization_config` with `quant_method: fp8`), loaded by transformers with
+`FineGrainedFP8Config(dequantize=True)` as the reference: every converted tensor equals the reference's,
+bit for bit, in bf16 (the default) and in float32. MXFP4 (gpt-oss's experts): the reading layer against
+transformers' own dequantization function.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from conversion_cases import perturbed
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
+
+import modular_decoder  # noqa: F401
+from modular_decoder import ModularDecoderConfig
+from modular_decoder.conversion import convert, get_family
+from modular_decoder.conversion.core import apply_rules
+from modular_decoder.conversion.quantized import dequantize_fp8, dequantize_mxfp4
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+BLOCK = 128
+QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK]}
+# widths in multiples of the block, so that transformers' dequantization (which derives the block from the scale
+# grid) reads the blocks the checkpoint was written with
+FP8_CASES = {
+    "deepseek_v3": lambda: tf.DeepseekV3Config(
+        vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=64,
+        v_head_dim=64, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, max_position_embeddings=64),
+    # DeepSeek-V3.2: V3 with an indexer in every layer (its wq_b and wk in FP8, its head weights not)
+    "deepseek_v32": lambda: tf.DeepseekV32Config(
+        vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=64,
+        qk_nope_head_dim=64, v_head_dim=64, index_n_heads=2, index_head_dim=128, index_topk=4, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+        max_position_embeddings=64),
+    "qwen3": lambda: tf.Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                    max_position_embeddings=64),
+}
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 inverse scale per block) as DeepSeek's FP8 checkpoints store them: each 128 x 128
+    block divided by its max |w| / 448 (the last blocks cut short by the shape)."""
+    rows, cols = weight.shape[-2:]
+    grid = (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+    scale_inv = torch.empty(*weight.shape[:-2], *grid)
+    out = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    w = weight.float()
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            block = w[..., i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
+            s = block.abs().amax(dim=(-2, -1)).clamp(min=1e-12) / FP8_MAX
+            scale_inv[..., i, j] = s
+            out[..., i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / s[..., None, None]).to(out.dtype)
+    return out, scale_inv
+
+
+def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
+    """The linear weights DeepSeek-V3 (V3.2) and Qwen3 -FP8 publish in FP8 (not the embedding, the head, norms, the
+    router or V3.2's indexer head weights)."""
+    return (tensor.dim() >= 2 and name.endswith((".weight", "_proj")) and "embed_tokens" not in name
+            and not name.startswith("lm_head") and not name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")))
+
+
+def fp8_folder(case: str, path: Path, fused: bool = False) -> Path:
+    """A tiny FP8 checkpoint of `case`: per-expert files as published, or (`fused`) the experts stacked as
+    transformers' own FP8 experts hold them (`gate_up_proj` with `gate_up_proj_scale_inv`)."""
+    config = FP8_CASES[case]()
+    config.architectures = None
+    torch.manual_seed(0)
+    model = perturbed(AutoModelForCausalLM.from_config(config)).to(torch.bfloat16)
+    model.save_pretrained(path)
+    state = model.state_dict() if fused else load_file(path / "model.safetensors")
+    weights = {}
+    for name, tensor in state.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if is_quantized_linear(name, tensor):
+            weights[name], weights[name + "_scale_inv"] = quantize_fp8(tensor)
+        else:
+            weights[name] = tensor.contiguous()
+    (path / "model.safetensors").unlink()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    saved = json.loads((path / "config.json").read_text())
+    saved.update(quantization_config=QUANTIZATION, dtype="bfloat16")
+    (path / "config.json").write_text(json.dumps(saved, indent=2))
+    return path
+
+
+def reference_state(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """transformers' dequantized load of the folder, in the model's names."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                 quantization_config=FineGrainedFP8Config(dequantize=True))
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
+
+
+def expected_contract(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reference's tensors through the family's own map (the map itself is tested in test_conversion)."""
+    src_cfg = AutoConfig.from_pretrained(path)
+    family = get_family(src_cfg.model_type)
+    cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
+    out = apply_rules(family.rules(src_cfg), state, cfg)
+    return {k: v for k, v in out.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+
+
+@pytest.mark.parametrize("case", sorted(FP8_CASES))
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_fp8_checkpoint_converts_to_transformers_dequantized_weights(case, dtype, tmp_path):
+    src = fp8_folder(case, tmp_path / "src")
+    assert any(t.dtype == torch.float8_e4m3fn for t in load_file(src / "model.safetensors").values())
+    out = convert(src, tmp_path / "md", dtype=dtype, progress=False)
+    torch_dtype = torch.float32 if dtype else torch.bfloat16  # the default: the checkpoint's compute dtype
+    expected = expected_contract(src, reference_state(src, torch_dtype))
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch_dtype and torch.equal(got[name], tensor), name
+    card = (out / "README.md").read_text()
+    assert "FP8 (`float8_e4m3fn`) with one scale per 128x128 block" in card
+    assert json.loads((out / "config.json").read_text())["dtype"] == str(torch_dtype).split(".")[1]
+
+
+def test_fp8_fused_experts_read_as_the_published_per_expert_layout(tmp_path):
+    """transformers' fused layout (`mlp.experts.gate_up_proj` with its `_scale_inv`, blocks within each expert)
+    converts to the same tensors as the per-expert files."""
+    per_expert = convert(fp8_folder("deepseek_v3", tmp_path / "a"), tmp_path / "a-md", progress=False)
+    src = fp8_folder("deepseek_v3", tmp_path / "b", fused=True)
+    assert "model.layers.1.mlp.experts.gate_up_proj_scale_inv" in load_file(src / "model.safetensors")
+    fused = convert(src, tmp_path / "b-md", progress=False)
+    a, b = load_file(per_expert / "model.safetensors"), load_file(fused / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fp8_blocks_cut_short_by_the_shape_take_their_own_scale():
+    """DeepSeek-V3's `kv_a_proj_with_mqa` is (576, 7168): its last row block holds 64 rows. Each block is scaled by
+    its own entry, as DeepSeek's `weight_dequant` does (transformers 5.25 derives the block from the scale grid and
+    refuses this shape). Reference: a loop over the blocks."""
+    torch.manual_seed(0)
+    weight = (torch.randn(3, 192, 200) * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(3, 2, 2)
+    got = dequantize_fp8(weight, scale_inv, (128, 128), torch.float32)
+    for e in range(3):
+        for i in range(2):
+            for j in range(2):
+                block = weight[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float() * scale_inv[e, i, j]
+                assert torch.equal(got[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128], block)
+    with pytest.raises(ValueError, match=r"kv_a: its scales have shape \(3, 2, 1\), but .* needs \(3, 2, 2\)"):
+        dequantize_fp8(weight, scale_inv[..., :1], (128, 128), torch.float32, "kv_a")
+
+
+def test_fp8_byte_scales_are_powers_of_two():
+    """E8M0 scales stored as bytes stand for 2**(byte - 127), as transformers reads them."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(0)
+    weight = (torch.randn(256, 128) * 10).to(torch.float8_e4m3fn)
+    scales = torch.randint(100, 150, (2, 1), dtype=torch.uint8)
+    reference = Fp8Dequantize(None)._dequantize_one(weight, scales, output_dtype=torch.bfloat16)
+    assert torch.equal(dequantize_fp8(weight, scales, (128, 128), torch.bfloat16), reference)
+
+
+def test_other_quantization_methods_are_refused_by_name(tmp_path):
+    src = fp8_folder("qwen3", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized with `quant_method`='awq', which convert cannot read"):
+        convert(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mxfp4_experts_equal_transformers_dequantization(dtype):
+    """Every byte value of blocks and scales (NaN and infinity where the exponent overflows included): the same
+    bits as transformers' `convert_moe_packed_tensors` (what `Mxfp4Config(dequantize=True)` loads)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 64, 4, 16), dtype=torch.uint8)
+    scales = torch.arange(3 * 64 * 4).reshape(3, 64, 4).remainder(256).to(torch.uint8)
+    reference = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+    got = dequantize_mxfp4(blocks, scales, dtype)
+    assert got.shape == reference.shape == (3, 128, 64)
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    assert torch.equal(got.view(bits), reference.view(bits))

@@ -1,0 +1,114 @@
+"""Every PEFT method that has default targets for Llama has them for this family (`peft_targets.py`): its config
+with no `target_modules` (`IA3Config()`, `VeraConfig()`, `OFTConfig()`, ...) on a tiny model of each attention
+kind, beside transformers' `LlamaForCausalLM` with the same config. Where the method works on Llama it works on
+ours: the translated modules adapted, the same output as the base model at init where Llama's is, a backward
+pass reaching the adapter. (PEFT's own `tests/test_decoder_models.py` is the full check; it runs outside this
+suite, docs/using.md.)"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from modular_decoder import ModularDecoderForCausalLM, preset_config
+from modular_decoder.peft_targets import LLAMA_TO_OURS, MODEL_TYPE, peft_target_tables, translated
+from modular_decoder.registries import ATTENTIONS
+
+peft = pytest.importorskip("peft")
+from peft import get_peft_model  # noqa: E402
+from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Tiny models: sizes some methods' defaults do not fit (they fail on Llama just the same), set per method
+SMALL = {"C3A": dict(block_size=8), "MISS": dict(r=8), "SHIRA": dict(r=4), "PSOFT": dict(r=4),
+         "ROAD": dict(group_size=8), "VBLORA": dict(vector_length=8), "FOURIERFT": dict(n_frequency=16),
+         "WAVEFT": dict(n_frequency=16), "ADALORA": dict(total_step=10)}
+# a tiny preset of each attention kind (a kind that has none needs one here)
+KIND_PRESETS = {"standard": "llama", "mla": "deepseek_v3"}
+
+
+def methods_with_llama_defaults() -> list[str]:
+    """PEFT methods (their `PeftType` names) whose default targets PEFT looks up in a table with a Llama entry."""
+    tables = {id(table) for table in peft_target_tables().values()}
+    names = []
+    for peft_type, tuner in PEFT_TYPE_TO_TUNER_MAPPING.items():
+        mapping = getattr(tuner, "target_module_mapping", None)
+        if id(mapping) in tables or peft_type.value == "IA3":  # IA3 reads its two tables by name
+            names.append(peft_type.value)
+    return sorted(names)
+
+
+def _llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def _ours(kind: str) -> ModularDecoderForCausalLM:
+    torch.manual_seed(0)
+    return ModularDecoderForCausalLM(preset_config(KIND_PRESETS[kind], tiny=True)).eval()
+
+
+def _adapted(peft_model) -> set[str]:
+    """The leaf names of the modules PEFT wrapped (its layers hold the original as `base_layer`)."""
+    return {name.rsplit(".", 2)[-2] for name, _ in peft_model.named_modules() if name.endswith(".base_layer")}
+
+
+def _run(model, method: str):
+    """(PEFT model, base logits, adapted logits at init), after one backward pass; or the exception."""
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(ids).logits
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config_class = PEFT_TYPE_TO_CONFIG_MAPPING[peft.PeftType(method)]
+            adapted = get_peft_model(model, config_class(task_type="CAUSAL_LM", **SMALL.get(method, {})))
+            with torch.no_grad():
+                at_init = adapted(input_ids=ids).logits
+            adapted.train()
+            adapted(input_ids=ids, labels=ids).loss.backward()
+    except Exception as error:  # noqa: BLE001 -- compared with what Llama raises
+        return error
+    assert any(p.grad is not None for p in adapted.parameters() if p.requires_grad), method
+    return adapted, base, at_init
+
+
+def test_every_attention_kind_has_a_tiny_preset_here():
+    assert set(KIND_PRESETS) == set(ATTENTIONS), "add a tiny preset of the new attention kind to KIND_PRESETS"
+
+
+def test_every_llama_table_has_our_entry_in_our_names():
+    model = _ours("standard")
+    model.config.to_dict()  # what PEFT reads before its look-up: registers the entries
+    tables = peft_target_tables()
+    assert len(tables) >= 20 and "TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING" in tables
+    for name, table in tables.items():
+        assert table[MODEL_TYPE] == translated(table["llama"]), name
+        assert set(table["llama"]) <= set(LLAMA_TO_OURS), f"{name}: a Llama target this family does not translate"
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_PRESETS))
+@pytest.mark.parametrize("method", methods_with_llama_defaults())
+def test_each_method_s_default_config_works_where_it_works_on_llama(method, kind):
+    reference = _run(_llama(), method)
+    if isinstance(reference, Exception):
+        pytest.skip(f"{method}'s default config fails on transformers' Llama too: {reference}")
+    result = _run(_ours(kind), method)
+    assert not isinstance(result, Exception), f"{method} works on Llama, not on ours ({kind}): {result!r}"
+    (llama_model, llama_base, llama_init), (ours_model, ours_base, ours_init) = reference, result
+    config = ours_model.peft_config["default"]
+    expected = set(config.target_modules) & _module_names(ours_model)
+    assert _adapted(ours_model) == expected and _adapted(llama_model)
+    if torch.allclose(llama_init, llama_base, atol=1e-6):  # an identity at init on Llama is one here too
+        torch.testing.assert_close(ours_init, ours_base, rtol=0, atol=1e-5)
+
+
+def _module_names(peft_model) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, module in peft_model.named_modules()
+            if not name.endswith(".base_layer") and name.rsplit(".", 1)[-1] in set().union(*LLAMA_TO_OURS.values())}
