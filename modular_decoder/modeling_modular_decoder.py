@@ -209,7 +209,9 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         rotary = self._rotary_tables(hidden, position_ids)
         alibi = self._alibi_kwargs(hidden, cache)
 
-        for layer_idx, block in enumerate(self.layers):
+        # the first `num_hidden_layers` as transformers' models run them: its assistant early exit drafts with
+        # the model itself after lowering that number
+        for layer_idx, block in enumerate(self.layers[: self.config.num_hidden_layers]):
             layer_type = self.config.layer_types[layer_idx]
             hidden = block(
                 hidden,

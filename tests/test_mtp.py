@@ -224,3 +224,16 @@ def test_every_draft_equals_the_modules_without_a_cache_and_tokens_stay_greedy(c
     for input_ids, logits in steps:
         expected = _reference_drafts(model, input_ids, logits.shape[1])
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("drafting", [{"prompt_lookup_num_tokens": 3}, {"assistant_early_exit": 1}],
+                         ids=["prompt-lookup", "early-exit"])
+def test_transformers_other_drafters_give_plain_greedy_tokens(drafting):
+    """Prompt lookup and assistant early exit (transformers lowers `num_hidden_layers` while the model drafts with
+    its first layers) beside MTP: the tokens of plain greedy decoding."""
+    model = model_of(tiny(0, num_hidden_layers=3))
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    kwargs = dict(max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0)
+    drafted = model.generate(prompt, **drafting, **kwargs)
+    assert torch.equal(drafted, model.generate(prompt, **kwargs))
+    assert model.config.num_hidden_layers == 3  # restored after drafting
