@@ -132,9 +132,9 @@ def families_section(results: dict) -> str:
         f"- Batch-1 decode: ours {span(ratios(results, 'decode_1').values())}x transformers (SmolLM2-135M "
         f"{llama['decode_1']['ratio']['ours']:.2f}x, {d1['ours']['median']:.1f} vs {d1['transformers']['median']:.1f} "
         f"tokens/s; its repeats {span(d1['ours']['all'], '{:.1f}')} against {span(d1['transformers']['all'], '{:.1f}')}). "
-        f"Without the split products it is parity ({span(nosplit)}x): the gain is the few-row products split across "
-        "the cores, which wait for their slower half when the host takes a core, so ours varies more. "
-        "`python -m benchmarks.decode_profile` splits a step into its products and the rest.",
+        f"Without the split products (the same model, the ablation column): {span(nosplit)}x. The split products "
+        "share a few-row product across the cores and wait for the slower half, which a busy machine delays. "
+        "`python -m benchmarks decode_profile` splits a step into its products and the rest.",
         f"- Batch-8 decode: {span(ratios(results, 'decode_B').values())}x.",
         f"- Prefill: {span(ratios(results, 'prefill_1').values())}x at 1x512, "
         f"{span(ratios(results, 'prefill_4').values())}x at 4x512: both sides spend a prefill in the same MKL products "
@@ -256,8 +256,8 @@ def serving_section(serving: dict) -> str:
         "",
         f"Ours through vLLM runs at **{statistics.median(ratios_):.2f}x** vLLM's native Llama (median of the rounds; "
         f"{span(ratios_)}). vLLM builds one q/k/v product and one gate/up product per layer for both "
-        "(`tests/test_vllm.py` compares the linear modules it built); the rest of the difference is mostly the "
-        "rotary embedding, which vLLM fuses into one kernel for its native Llama.",
+        "(`tests/test_vllm.py` compares the linear modules it built); its native Llama also runs the rotary "
+        "embedding as one fused kernel.",
     ]
     if "ours_generate" in results:
         lines.append(f"Our own batched `generate()` (no vLLM, the same prompts): "
@@ -306,7 +306,7 @@ def mla_prefill_section(run: dict) -> str:
         f"{run['peak_mb']['transformers']:.0f} | {run['peak_mb']['ours']:.0f} | {memory_ratio:.2f}x |",
         "",
         f"Last-token logits agree to {run['max_last_token_logit_diff']:.1e}. A step of more than "
-        "`ABSORBED_MAX_NEW_TOKENS` new tokens runs the expanded form through the backend's fused kernel (no "
+        "`absorbed_max_new_tokens` (`modular_decoder.tuning`) new tokens runs the expanded form through the backend's fused kernel (no "
         "score matrix); on this CPU transformers' sdpa takes its math path for MLA's narrower values, ours pads "
         "them to the key width and takes the flash kernel.",
     ])
@@ -453,6 +453,29 @@ def mtp_section(run: dict | None) -> str:
     return "\n".join(lines)
 
 
+# --- benchmarks/results_conversion_memory.json: `python -m benchmarks conversion_memory --out ...` -----------
+
+def conversion_memory_section(run: dict) -> str:
+    lines = ["## Converting and exporting checkpoints of several GB (CPU)", "", "```bash",
+             f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+             "Synthetic bf16 checkpoints in the files `save_pretrained` writes for their family (5 GB shards; Mixtral: "
+             "one tensor per expert), converted by `modular_decoder.conversion.convert` and exported back by `export`, "
+             "each in a fresh process: the peak resident memory above the process's level after its imports and a "
+             "warm-up conversion of a tiny checkpoint (`VmHWM`, reset there), and the wall seconds of reading and "
+             "writing the whole checkpoint (disk-bound, on a shared machine).", "",
+             "| layout | checkpoint | largest tensor | step | peak above the baseline | share of the checkpoint | "
+             "seconds |", "|---|---:|---:|---|---:|---:|---:|"]
+    for result in run["results"]:
+        checkpoint = result["checkpoint"]
+        for what in ("convert", "export"):
+            row = result[what]
+            lines.append(f"| {result['layout']} ({checkpoint['layers']} layers) | {checkpoint['bytes'] / 1e9:.2f} GB in "
+                         f"{checkpoint['files']} files | {checkpoint['largest_tensor_bytes'] / 2**20:.0f} MiB | {what} | "
+                         f"{row['peak_above_mb']:.0f} MB | {100 * row['peak_fraction_of_checkpoint']:.1f}% | "
+                         f"{row['seconds_median']:.0f} |")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Section:
     """One page section: the JSON files it reads (under benchmarks/) and how it renders them; an optional
@@ -467,6 +490,7 @@ SECTIONS = (
     Section(("results_compiled_decode.json", "results.json"), compiled_section),
     Section(("results_serving.json",), serving_section),
     Section(("results_mla_prefill.json",), mla_prefill_section),
+    Section(("results_conversion_memory.json",), conversion_memory_section),
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),

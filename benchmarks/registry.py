@@ -45,6 +45,9 @@ BENCHMARKS = (
               "bytes per token, held-out perplexity"),
     Benchmark("reshape_mla", "reshape_mla", "SmolLM2-135M converted to MLA (TransMLA's steps) at several ranks: KV "
               "bytes, held-out perplexity, conversion time and memory"),
+    Benchmark("conversion_memory", "conversion_memory", "converting and exporting synthetic checkpoints of 8.5 GB "
+              "(Llama and Mixtral layouts, bf16, 5 GB shards) in fresh processes: the peak resident memory above the "
+              "baseline, and the time", "results_conversion_memory.json"),
     Benchmark("gpu", "gpu", "the GPU matrix (bf16, one accelerator): prefill, eager and compiled generate, MLA "
               "decode and chunked prefill, training steps, diagnostics; `--smoke` runs its code paths on the CPU",
               "results_gpu.json"),

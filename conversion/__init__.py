@@ -42,6 +42,10 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": "modular_decoder.conversion.families.qwen3_moe",
     "olmoe": "modular_decoder.conversion.families.olmoe",
     "granitemoe": "modular_decoder.conversion.families.granitemoe",
+    "qwen3_next": "modular_decoder.conversion.families.qwen3_next",
+    "qwen3_5_text": "modular_decoder.conversion.families.qwen3_5",
+    "gpt_oss": "modular_decoder.conversion.families.gpt_oss",
+    "smollm3": "modular_decoder.conversion.families.smollm3",
 }
 
 

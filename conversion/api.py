@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import Family, RuleInstance, check_duplicate, check_shapes, count_mtp_layers, duplicates, plan_rules, rename
+from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mtp_layers, duplicates, is_mtp_rule,
+                   plan_rules, refuse_tensors, rename)
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
@@ -68,13 +69,22 @@ def _save_model_files(model, folder: Path, dtype: torch.dtype) -> None:
 
 def _write_weights(folder: Path, plan, tensors, cfg, planned: dict, sinks: dict, total_parameters: int,
                    dtype: torch.dtype | None, desc: str, progress: bool) -> None:
-    """Stream the plan's outputs into `folder`'s shards, with a progress bar over the bytes read."""
+    """Stream the plan's outputs into `folder`'s shards, with a progress bar over the bytes read and the count of
+    source tensors done."""
     from tqdm.auto import tqdm
 
-    total = sum(tensors[name].nbytes for instance in plan for name in instance.inputs)
+    sources = [tensors[name] for instance in plan for name in instance.inputs]
+    total, count, done = sum(t.nbytes for t in sources), sum(len(t.files) for t in sources), 0
     with ShardedWriter(folder, planned, total_parameters) as writer, tqdm(
             total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress) as bar:
-        write_plan(plan, tensors, cfg, writer, sinks, dtype, bar.update)
+
+        def advance(nbytes: int, finished: int) -> None:
+            nonlocal done
+            done += finished
+            bar.set_postfix_str(f"{done}/{count} tensors", refresh=False)
+            bar.update(nbytes)
+
+        write_plan(plan, tensors, cfg, writer, sinks, dtype, advance)
 
 
 def _compute_dtype(src_cfg) -> torch.dtype:
@@ -156,6 +166,7 @@ def convert(
         src_cfg, files, tokenizer, generation_config = _open_source(src, gguf_file, allow_bin)
         family = get_family(src_cfg.model_type)
         fields = family.to_contract(src_cfg)
+        refuse_tensors(files, family)  # by the file's names, before any is read
         quantization = quantization_of(src_cfg) if gguf_file is None else None  # GGUF: dequantized on reading
         if quantization is not None:  # dequantized straight into the dtype written
             torch_dtype = torch_dtype or _compute_dtype(src_cfg)
@@ -234,10 +245,10 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     their_embed_key = _param_name(model, model.get_input_embeddings().weight)
     their_head_key = _param_name(model, model.get_output_embeddings().weight, exclude=their_embed_key)
     expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == their_head_key)}
-    expected.update(_mtp_tensors(produced, fam, cfg))  # written beside the model's, which does not hold them
+    expected.update(_mtp_tensors(plan, produced))  # written beside the model's, which does not hold them
     check_shapes(produced, expected, f"exporting to {fam.name}")
     dtype = produced[their_embed_key].dtype
-    planned, sinks = _file_tensors(expected, produced, fam)
+    planned, sinks = file_tensors(expected, produced, fam)
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
         _save_model_files(model, tmp, dtype)
         _write_weights(tmp, plan, tensors, cfg, planned, sinks, model.num_parameters(), None,
@@ -254,22 +265,19 @@ def _with_mtp_layers(fields: dict, family: Family, src_cfg, names, src: Path) ->
     held = count_mtp_layers(names, family.mtp_layers, src_cfg.num_hidden_layers)
     declared = fields.get("num_mtp_layers", 0)
     if held and held != declared:
-        raise ValueError(f"{src}: config.json declares {declared} multi-token-prediction module(s) "
-                         f"(`num_mtp_layers` / `num_nextn_predict_layers`) and the files hold {held} (from layer "
-                         f"{src_cfg.num_hidden_layers} on): fix config.json.")
+        raise ValueError(f"{src}: config.json declares {declared} multi-token-prediction module(s) and the files hold "
+                         f"{held} (`{family.mtp_layers}`): fix config.json.")
     return {**fields, "num_mtp_layers": held}
 
 
-def _mtp_tensors(produced: dict, family: Family, cfg) -> dict:
-    """{name: shape} of the exported MTP modules' tensors (the family's transformers model does not hold them: its
-    `MtpModel` reads them from the files), in module order after the model's."""
-    if family.mtp_layers is None or not cfg.num_mtp_layers:
-        return {}
-    prefixes = tuple(family.mtp_layers.format(mtp_layer=cfg.num_hidden_layers + k) for k in range(cfg.num_mtp_layers))
-    return {k: v.shape for k, v in produced.items() if k.startswith(prefixes)}
+def _mtp_tensors(plan: list[RuleInstance], produced: dict) -> dict:
+    """{name: shape} of the exported MTP modules' tensors, what the plan's `{mtp}` rules make (the family's
+    transformers model does not hold them: its `MtpModel` reads them from the files), after the model's."""
+    made = [name for instance in plan if is_mtp_rule(instance.rule) for name in instance.outputs]
+    return {name: produced[name].shape for name in made}
 
 
-def _file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
+def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
     """The tensors `save_pretrained` writes for the family's model tensors `names` (in this order): renamed
     back to the file's prefixes, stacked experts split into one tensor per expert. Returns ({file name:
     (dtype, shape)}, {model name: [Sink]})."""

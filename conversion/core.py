@@ -26,6 +26,7 @@ every one in `TRANSFORMS` is.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,6 +106,65 @@ def _split_gate_up(tensors: Tensors, cfg) -> Tensors:
     return [t.contiguous() for t in tensors[0].chunk(2, dim=0)]
 
 
+def _key_groups(cfg) -> tuple[int, int, int, int]:
+    """(H_k, d_k, H_v / H_k, d_v) of the contract's linear-attention layers."""
+    heads = cfg.linear_num_key_heads
+    return heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads // heads, cfg.linear_value_head_dim
+
+
+def _split_grouped_qkvz(tensors: Tensors, cfg) -> Tensors:
+    """Qwen3-Next's `in_proj_qkvz`, rows grouped per key head as [q_h, k_h, v_h·r, z_h·r] (r = H_v / H_k), into
+    the contract's `in_proj_qkv` ([all q, all k, all v]) and `in_proj_z`: the same rows, reordered."""
+    heads, d_k, r, d_v = _key_groups(cfg)
+    grouped = tensors[0].reshape(heads, 2 * d_k + 2 * r * d_v, -1)
+    q, k, v, z = grouped.split((d_k, d_k, r * d_v, r * d_v), dim=1)
+    flat = [part.reshape(-1, grouped.shape[-1]) for part in (q, k, v, z)]
+    return [torch.cat(flat[:3], dim=0).contiguous(), flat[3].contiguous()]
+
+
+def _fuse_grouped_qkvz(tensors: Tensors, cfg) -> Tensors:
+    heads, d_k, r, d_v = _key_groups(cfg)
+    qkv, z = tensors
+    q, k, v = qkv.split((heads * d_k, heads * d_k, heads * r * d_v), dim=0)
+    parts = [t.reshape(heads, -1, qkv.shape[-1]) for t in (q, k, v, z)]
+    return [torch.cat(parts, dim=1).reshape(-1, qkv.shape[-1]).contiguous()]
+
+
+def _split_grouped_ba(tensors: Tensors, cfg) -> Tensors:
+    """Qwen3-Next's `in_proj_ba`, rows grouped per key head as [b_h·r, a_h·r], into `in_proj_b` and `in_proj_a`."""
+    heads, _, r, _ = _key_groups(cfg)
+    b, a = tensors[0].reshape(heads, 2 * r, -1).split((r, r), dim=1)
+    return [b.reshape(-1, b.shape[-1]).contiguous(), a.reshape(-1, a.shape[-1]).contiguous()]
+
+
+def _fuse_grouped_ba(tensors: Tensors, cfg) -> Tensors:
+    heads = cfg.linear_num_key_heads
+    b, a = (t.reshape(heads, -1, t.shape[-1]) for t in tensors)
+    return [torch.cat((b, a), dim=1).reshape(-1, b.shape[-1]).contiguous()]
+def _deinterleave_gate_up(tensors: Tensors, cfg) -> Tensors:
+    """gpt-oss's experts: gate and up columns interleaved (gate 2i, up 2i + 1) along the last axis of its
+    (E, d, 2f) products and (E, 2f) biases -> [gate; up] as the contract's (E, 2f, d) and (E, 2f) hold them."""
+    out = []
+    for t in tensors:
+        halves = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+        out.append((halves.transpose(1, 2) if t.dim() == 3 else halves).contiguous())
+    return out
+
+
+def _interleave_gate_up(tensors: Tensors, cfg) -> Tensors:
+    out = []
+    for t in tensors:
+        halves = t.transpose(1, 2) if t.dim() == 3 else t  # (E, d, 2f) / (E, 2f): [gate; up] along the last axis
+        gate, up = halves.chunk(2, dim=-1)
+        out.append(torch.stack((gate, up), dim=-1).flatten(-2).contiguous())
+    return out
+
+
+def _transpose_experts(tensors: Tensors, cfg) -> Tensors:
+    """(E, in, out) products, as gpt-oss stores them, <-> (E, out, in), as the contract's experts do."""
+    return [t.transpose(1, 2).contiguous() for t in tensors]
+
+
 TRANSFORMS: dict[str, Transform] = {
     "copy": Transform(_copy, _copy),
     # forward: [copy, original] -> nothing (`duplicates` checks them equal); inverse: original -> copy
@@ -114,7 +174,14 @@ TRANSFORMS: dict[str, Transform] = {
     "split_conv1d_qkv": Transform(_split_conv1d_qkv, _fuse_conv1d_qkv),
     "split_grouped_qkv": Transform(_split_grouped_qkv, _fuse_grouped_qkv),
     "split_gate_up": Transform(_split_gate_up, lambda tensors, cfg: [torch.cat(tensors, dim=0)]),
+    "split_grouped_qkvz": Transform(_split_grouped_qkvz, _fuse_grouped_qkvz),
+    "split_grouped_ba": Transform(_split_grouped_ba, _fuse_grouped_ba),
+    "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up),
+    "transpose_experts": Transform(_transpose_experts, _transpose_experts),
 }
+
+# Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`)
+MIXERS = {"attention": ("full_attention", "sliding_attention"), "linear_attention": ("linear_attention",)}
 
 
 @dataclass(frozen=True)
@@ -124,7 +191,8 @@ class Rule:
     Names may contain `{layer}`. An `optional` rule is skipped when none of its source tensors exist
     (biases, tied heads); a partial match is always an error. `layers` ("sparse" or "dense") limits a
     `{layer}` rule to the layers the contract's `mlp_layer_types` marks so (a config without it has
-    dense layers only).
+    dense layers only); `mixer` ("attention" or "linear_attention", `MIXERS`) to the layers whose
+    `layer_types` entry mixes tokens that way.
     """
 
     src: tuple[str, ...]
@@ -132,6 +200,7 @@ class Rule:
     transform: str = "copy"
     optional: bool = False
     layers: str | None = None
+    mixer: str | None = None
 
     def __post_init__(self):
         if isinstance(self.src, str):
@@ -142,10 +211,17 @@ class Rule:
             raise ValueError(f"Unknown transform {self.transform!r}; known: {sorted(TRANSFORMS)}.")
         if self.layers not in (None, "sparse", "dense"):
             raise ValueError(f"`layers`={self.layers!r} is not one of None, 'sparse', 'dense'.")
+        if self.mixer is not None and self.mixer not in MIXERS:
+            raise ValueError(f"`mixer`={self.mixer!r} is not one of None, {', '.join(map(repr, MIXERS))}.")
 
 
 def rule(src, dst, transform: str = "copy", optional: bool = False, layers: str | None = None) -> Rule:
     return Rule(src, dst, transform, optional, layers)
+
+
+def in_layers(rules: list[Rule], mixer: str) -> list[Rule]:
+    """`rules` limited to the layers whose token mixer is `mixer` (see `Rule`)."""
+    return [dataclasses.replace(r, mixer=mixer) for r in rules]
 
 
 @dataclass(frozen=True)
@@ -240,9 +316,12 @@ class Family:
             checkpoint conversion mapping renames on load and back on save); `{layer}` matches any layer.
             Rules use model names.
         experts: Per-expert file tensors the model holds stacked (see `ExpertStack`), read after `renames`.
-        mtp_layers: Where the files keep multi-token-prediction module k, a name prefix with `{mtp_layer}` (the
-            source's layer index of module k, `num_hidden_layers` + k); `None`: the family has no MTP modules.
-            The modules the files hold are what converts (`count_mtp_layers`); their tensors go by `{mtp}` rules.
+        refused: Name prefixes of source tensors the contract cannot hold yet -> what they are: a source with
+            any of them is refused naming them (`refuse_tensors`), never converted without them.
+        mtp_layers: Where the files keep multi-token-prediction module k, a name prefix with `{mtp}` (k) or
+            `{mtp_layer}` (the source's layer index of module k, `num_hidden_layers` + k); `None`: the family has
+            no MTP modules. The modules the files hold are what converts (`count_mtp_layers`); their tensors go
+            by `{mtp}` rules.
     """
 
     name: str
@@ -255,7 +334,17 @@ class Family:
     head: tuple[str, ...] = ("lm_head.",)
     renames: dict[str, str] = field(default_factory=dict)
     experts: tuple[ExpertStack, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
     mtp_layers: str | None = None
+
+
+def refuse_tensors(names, family: Family) -> None:
+    """Raise one `ValueError` when source tensors `names` include any of `family.refused`'s prefixes."""
+    found = {prefix: what for prefix, what in family.refused.items() if any(n.startswith(prefix) for n in names)}
+    if found:
+        parts = [f"{what} (tensors `{prefix}*`)" for prefix, what in found.items()]
+        raise ValueError(f"This {family.name} checkpoint holds {'; '.join(parts)}, which modular_decoder cannot hold "
+                         "yet; it is not converted without them.")
 
 
 def refuse(features: dict[str, bool], family: str) -> None:
@@ -276,7 +365,8 @@ def _is_layered(r: Rule) -> bool:
     return any("{layer}" in name for name in r.src + r.dst)
 
 
-def _is_mtp(r: Rule) -> bool:
+def is_mtp_rule(r: Rule) -> bool:
+    """Whether `r` maps the MTP modules' tensors (its names have `{mtp}` or `{mtp_layer}`)."""
     return any("{mtp}" in name or "{mtp_layer}" in name for name in r.src + r.dst)
 
 
@@ -284,20 +374,23 @@ def _layers(r: Rule, cfg) -> list[int | None]:
     if not _is_layered(r):
         return [None]
     kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"] * cfg.num_hidden_layers
-    return [layer for layer in range(cfg.num_hidden_layers) if r.layers in (None, kinds[layer])]
+    mixers = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return [layer for layer in range(cfg.num_hidden_layers) if r.layers in (None, kinds[layer])
+            and (r.mixer is None or mixers[layer] in MIXERS[r.mixer])]
 
 
 def _mtp_modules(r: Rule, cfg) -> list[int]:
-    """The MTP modules a `{mtp}` rule applies to: all of them, or none when `layers` names another feed-forward
-    kind than theirs (the last layer's)."""
+    """The MTP modules a `{mtp}` rule applies to: all of them, or none when `layers` or `mixer` names another kind
+    than theirs (the last layer's)."""
     kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"]
-    count = getattr(cfg, "num_mtp_layers", 0) if r.layers in (None, kinds[-1]) else 0
-    return list(range(count))
+    mixers = getattr(cfg, "layer_types", None) or ["full_attention"]
+    applies = r.layers in (None, kinds[-1]) and (r.mixer is None or mixers[-1] in MIXERS[r.mixer])
+    return list(range(getattr(cfg, "num_mtp_layers", 0) if applies else 0))
 
 
 def _instances(rules: list[Rule], cfg):
     for r in rules:
-        if _is_mtp(r):
+        if is_mtp_rule(r):
             for k in _mtp_modules(r, cfg):
                 names = {"mtp": k, "mtp_layer": cfg.num_hidden_layers + k}
                 yield r, [n.format(**names) for n in r.src], [n.format(**names) for n in r.dst]
@@ -315,16 +408,16 @@ def mtp_block_rules(rules: list[Rule], src_layer: str, src_module: str, dst_laye
         return tuple(new + name[len(old):] for name in names)
 
     return [Rule(moved(r.src, src_layer, src_module), moved(r.dst, dst_layer, dst_module), r.transform, r.optional,
-                 r.layers)
+                 r.layers, r.mixer)
             for r in rules
             if all(n.startswith(src_layer) for n in r.src) and all(n.startswith(dst_layer) for n in r.dst)]
 
 
 def count_mtp_layers(names, prefix: str, num_hidden_layers: int) -> int:
-    """How many MTP modules a source's files hold: consecutive `prefix` (with `{mtp_layer}`) from
-    `num_hidden_layers` on that start some tensor's name."""
+    """How many MTP modules a source's files hold: consecutive k from 0 whose `prefix` (with `{mtp}` = k or
+    `{mtp_layer}` = `num_hidden_layers` + k) starts some tensor's name."""
     count = 0
-    while any(name.startswith(prefix.format(mtp_layer=num_hidden_layers + count)) for name in names):
+    while any(name.startswith(prefix.format(mtp=count, mtp_layer=num_hidden_layers + count)) for name in names):
         count += 1
     return count
 

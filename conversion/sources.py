@@ -124,6 +124,7 @@ def dequantized(tensors: dict[str, SourceTensor], quantization: dict | None, dty
     dequantized to `dtype`. Supported: `quant_method` "fp8" with `weight_block_size` (DeepSeek-V3, Kimi K2,
     Qwen3 -FP8) and "mxfp4" (gpt-oss); any other is refused by name."""
     if quantization is None:
+        _refuse_float8(tensors.values(), where, "the config has no `quantization_config` to scale them by")
         return tensors
     method = quantization.get("quant_method")
     if method == "fp8":
@@ -131,7 +132,7 @@ def dequantized(tensors: dict[str, SourceTensor], quantization: dict | None, dty
         if not block or len(block) != 2:
             raise ValueError(f"{where}: an FP8 checkpoint without a 2-D `weight_block_size` (got {block!r}) "
                              "cannot be converted: only block-scaled FP8 is read.")
-        return _fp8_entries(tensors, (int(block[0]), int(block[1])), dtype)
+        return _fp8_entries(tensors, (int(block[0]), int(block[1])), dtype, where)
     if method == "mxfp4":
         return _mxfp4_entries(tensors, dtype)
     raise ValueError(f"{where} is quantized with `quant_method`={method!r}, which convert cannot read; it reads "
@@ -143,7 +144,14 @@ def _combined(name: str, parts: list[SourceTensor], shape, dtype, read, read_row
                         sum(p.nbytes for p in parts), read, read_rows)
 
 
-def _fp8_entries(tensors: dict[str, SourceTensor], block: tuple[int, int], dtype) -> dict[str, SourceTensor]:
+def _refuse_float8(tensors, where: str, why: str) -> None:
+    """A float8 tensor cast without its scales would be wrong in silence: refuse it by name."""
+    bare = [t.name for t in tensors if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    if bare:
+        raise ValueError(f"{where}: float8 tensor(s) {bare[:5]} cannot be dequantized: {why}.")
+
+
+def _fp8_entries(tensors: dict[str, SourceTensor], block: tuple[int, int], dtype, where: str) -> dict[str, SourceTensor]:
     out = {}
     scales = {name for name in tensors if name.endswith("_scale_inv")}
     for name, tensor in tensors.items():
@@ -151,6 +159,7 @@ def _fp8_entries(tensors: dict[str, SourceTensor], block: tuple[int, int], dtype
             continue  # read with its weight; activation scales are what transformers' dequantized load drops
         scale = tensors.get(fp8_scale_name(name))
         if scale is None:
+            _refuse_float8([tensor], where, f"`{fp8_scale_name(name)}` is missing")
             out[name] = tensor
             continue
         scales.discard(scale.name)

@@ -19,8 +19,8 @@ from .core import RuleInstance
 from .sources import SourceTensor
 from .tensor_files import ShardedWriter
 
-# A `copy` larger than this goes through in blocks of rows of about this size.
-BLOCK_BYTES = 256 * 2**20
+# A `copy` larger than this goes through in blocks of rows of about this size (at least one row).
+BLOCK_BYTES = 64 * 2**20
 
 
 def plan_shapes(plan: list[RuleInstance], tensors: dict[str, SourceTensor], cfg) -> dict[str, torch.Tensor]:
@@ -49,9 +49,10 @@ class Sink:
 
 def write_plan(plan: list[RuleInstance], tensors: dict[str, SourceTensor], cfg, writer: ShardedWriter,
                sinks: dict[str, list[Sink]], dtype: torch.dtype | None = None,
-               progress: Callable[[int], None] | None = None) -> None:
+               progress: Callable[[int, int], None] | None = None) -> None:
     """Produce every instance's outputs and write them to their `sinks`; floating-point tensors are cast to
-    `dtype` when given. `progress` is called with the bytes read after each step."""
+    `dtype` when given. `progress(bytes, tensors)` is called after each step with the bytes read and the source
+    tensors finished."""
     for instance in plan:
         source = tensors[instance.inputs[0]]
         row_bytes = source.nbytes // source.shape[0] if source.shape and source.shape[0] else 0
@@ -62,12 +63,16 @@ def write_plan(plan: list[RuleInstance], tensors: dict[str, SourceTensor], cfg, 
                 block = source.read_rows(first, min(first + step, source.shape[0]))
                 _write(writer, sinks[instance.outputs[0]], block, dtype, first)
                 if progress is not None:
-                    progress(block.shape[0] * row_bytes)
+                    progress(block.shape[0] * row_bytes, 0)
+                del block  # before the next block is read: one block alive at a time
+            if progress is not None:
+                progress(0, len(source.files))
             continue
         for name, tensor in produce(instance, tensors, cfg).items():
             _write(writer, sinks[name], tensor, dtype)
         if progress is not None:
-            progress(sum(tensors[name].nbytes for name in instance.inputs))
+            progress(sum(tensors[name].nbytes for name in instance.inputs),
+                     sum(len(tensors[name].files) for name in instance.inputs))
 
 
 def _write(writer: ShardedWriter, sinks: list[Sink], tensor: torch.Tensor, dtype, first_row: int | None = None):

@@ -53,7 +53,9 @@ class StandardAttention(AttentionLayer):
     q = x·W_qᵀ (H heads), k = x·W_kᵀ and v = x·W_vᵀ (H_kv heads, each shared by H / H_kv query heads), with
     optional biases; q and k QK-normed, then rotated (RoPE) where configured; k and v appended to the cache.
     scaling = `query_pre_attn_scalar`^-1/2 (default d_h^-1/2). The scores go through transformers' attention
-    interface, so `attn_implementation` picks the kernel.
+    interface, so `attn_implementation` picks the kernel. With `attn_output_gate`, `q_proj` also yields a gate
+    per head and channel (each head's [query | gate], transformers' Qwen3-Next layout) and the heads' output is
+    multiplied by its sigmoid before `o_proj`.
     """
 
     def __init__(self, config, layer_idx: int):
@@ -63,7 +65,8 @@ class StandardAttention(AttentionLayer):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         d, hd = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=config.attention_bias)
+        self.gated = config.attn_output_gate
+        self.q_proj = nn.Linear(d, self.num_heads * hd * (2 if self.gated else 1), bias=config.attention_bias)
         self.k_proj = nn.Linear(d, self.num_key_value_heads * hd, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, self.num_key_value_heads * hd, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.attention_output_bias)
@@ -72,6 +75,15 @@ class StandardAttention(AttentionLayer):
     def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # a method of its own: `forward` then calls each projection once (vLLM note in `forward`)
         return tuple(project(layer, hidden_states) for layer in (self.q_proj, self.k_proj, self.v_proj))
+
+    def _query_and_gate(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_proj's output as the queries and, with `attn_output_gate`, the gate (each head's [query | gate]),
+        both (B, T, H·D)."""
+        if not self.gated:
+            return q, None
+        batch, seq = q.shape[:2]
+        q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        return q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
 
     def _heads(self, q, k, v, position_embeddings) -> tuple[torch.Tensor, ...]:
         """q (B, H, T, D), k and v (B, H_kv, T, D) from the projections, normed and rotated as configured."""
@@ -103,6 +115,7 @@ class StandardAttention(AttentionLayer):
             # plain module calls bound to names no other statement binds (hence not `q`, bound above)
             query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
             q, k, v = query, key, value
+        q, gate = self._query_and_gate(q)
         q, k, v = self._heads(q, k, v, position_embeddings)  # (B, H, T, D), (B, H_kv, T, D) twice
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, H_kv, cached + T, D)
@@ -115,6 +128,8 @@ class StandardAttention(AttentionLayer):
             self, q, k, v, attention_mask, scaling=self.scaling, s_aux=self.sinks, **self.score_kwargs(kwargs)
         )
         out = out.reshape(batch, seq, -1).contiguous()  # (B, T, H·D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return project(self.o_proj, out), weights
 
 
@@ -123,7 +138,7 @@ class StandardKind(AttentionKind):
 
     name = "standard"
     module = StandardAttention
-    fields = ("qk_norm",)
+    fields = ("qk_norm", "attn_output_gate")
     cache_implementations = ("dynamic", "static", "int8")
 
     def validate(self, config) -> None:
@@ -145,9 +160,9 @@ class StandardKind(AttentionKind):
         return Int8SlidingWindowLayer(sliding_window=window) if sliding else Int8Layer()
 
     def parameters(self, config) -> int:
-        """2·d·H·d_h + 2·d·H_kv·d_h (+ biases, + QK-norms, + H sinks)."""
+        """2·d·H·d_h + 2·d·H_kv·d_h (+ biases, + QK-norms, + H sinks; + d·H·d_h for the output gate)."""
         d, h, kv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        total = linear_parameters(d, h * hd, config.attention_bias)
+        total = linear_parameters(d, h * hd * (2 if config.attn_output_gate else 1), config.attention_bias)
         total += 2 * linear_parameters(d, kv * hd, config.attention_bias)
         total += linear_parameters(h * hd, d, config.attention_output_bias)
         if config.qk_norm == "head":

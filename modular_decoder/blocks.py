@@ -1,6 +1,7 @@
 """Decoder blocks: one small class per norm placement, chosen through `BLOCKS`.
 
-Every block owns `self_attn`, `mlp` and the norms its placement needs, named by where they sit
+Every block owns its token mixer (`self_attn`, or `linear_attn` in a `"linear_attention"` layer), `mlp` and the
+norms its placement needs, named by where they sit
 (`pre_attn_norm`, `post_attn_norm`, `pre_mlp_norm`, `post_mlp_norm`); its `forward` is the
 diagram in its docstring. Every `(+)` adds its branch times `residual_multiplier` (Granite's μP
 scaling; 1 elsewhere, where it is a plain sum).
@@ -14,9 +15,9 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .kinds import require_bool, require_choice
+from .kinds import LINEAR_ATTENTION, require_bool, require_choice
 from .norms import build_norm
-from .registries import ATTENTIONS, MLPS
+from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS
 
 
 class DecoderBlock(GradientCheckpointingLayer):
@@ -32,8 +33,14 @@ class DecoderBlock(GradientCheckpointingLayer):
         super().__init__()
         # This package's registries rather than `config.attention_kind`: vLLM ships a remote-code config to
         # its workers by value (cloudpickle), and classes reached through it lose their source, which vLLM
-        # reads to find each layer's attention.
-        self.self_attn = ATTENTIONS.of(config).build(config, layer_idx)
+        # reads to find each layer's attention. A linear-attention layer holds its kind's module instead
+        # (`linear_attn`, transformers' name).
+        if config.layer_types[layer_idx] == LINEAR_ATTENTION:
+            mixer = LINEAR_ATTENTIONS.of(config)
+        else:
+            mixer = ATTENTIONS.of(config)
+        self.mixer_name = mixer.module_name
+        setattr(self, mixer.module_name, mixer.build(config, layer_idx))
         self.mlp = MLPS.of(config).build(config, layer_idx)
         for name in self.NORMS:
             setattr(self, name, build_norm(config))
@@ -42,7 +49,7 @@ class DecoderBlock(GradientCheckpointingLayer):
         self.residual = _add if m == 1.0 else partial(_add_scaled, m)
 
     def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        out, _ = self.self_attn(x, **kwargs)
+        out, _ = getattr(self, self.mixer_name)(x, **kwargs)
         return self.dropout(out) if self.training else out  # (eval dropout is the identity: skip the call)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:

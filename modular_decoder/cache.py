@@ -10,7 +10,11 @@ config's attention kind builds (`AttentionKind.cache_layer`):
   sliding layers), for `torch.compile`;
 - `"int8"`: dynamic, with K/V stored as int8 plus one scale per token and head (`int8_cache.py`
   states the granularity and the error bound);
-- with `attention_type="mla"`, `"dynamic"` / `"static"` store the latent (`latent_cache.py`).
+- with `attention_type="mla"`, `"dynamic"` / `"static"` store the latent (`latent_cache.py`);
+- a `"linear_attention"` layer stores its fixed-size state per sequence in every implementation
+  (`recurrent_cache.py`: the short convolution's window and the recurrent state, transformers'
+  `LinearAttentionLayer`). Such a state cannot be rolled back, so a cache holding one refuses `crop`
+  (assisted decoding) with a `ValueError`.
 
 They reuse transformers' layer classes, so every `generate()` strategy (beam reorder, crop for
 assisted decoding, batch repeat / select, reset) works unchanged.
@@ -24,6 +28,9 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLayer
+
+from .kinds import LINEAR_ATTENTION
+from .recurrent_cache import ROLLBACK_ERROR, RecurrentLayer
 
 IMPLEMENTATIONS = ("dynamic", "static", "int8")
 
@@ -75,8 +82,47 @@ class ModularDecoderCache(Cache):
             # distances computed from slot indices would be wrong.
             raise ValueError("ALiBi with a static sliding-window cache is not supported; use the dynamic cache.")
         self.config = config
-        layers = [kind.cache_layer(config, layer_type, implementation, max_cache_len) for layer_type in config.layer_types]
+        layers = [config.linear_attention_kind.cache_layer(config, implementation, max_cache_len)
+                  if layer_type == LINEAR_ATTENTION else kind.cache_layer(config, layer_type, implementation, max_cache_len)
+                  for layer_type in config.layer_types]
         Cache.__init__(self, layers=layers, **kwargs)  # the layers are ours, not the ones DynamicCache / StaticCache pick
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' `crop`; refused before any layer changes where a layer holds a recurrent state."""
+        self._refuse_rollback()
+        super().crop(tokens_to_remove)
+
+    def activate_past_recording(self, *args, **kwargs) -> None:
+        """What assisted decoding asks before it crops; refused where a layer holds a recurrent state."""
+        self._refuse_rollback()
+        super().activate_past_recording(*args, **kwargs)
+
+    def _refuse_rollback(self) -> None:
+        if any(isinstance(layer, RecurrentLayer) for layer in self.layers):
+            raise ValueError(ROLLBACK_ERROR)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached, as transformers counts them: asked of a linear-attention layer (which holds a state, not
+        tokens), the first attention layer answers, and a cache of linear layers only counts what they have seen."""
+        return self.layers[self._attention_layer(layer_idx, prefer_full=False)].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """The (kv_length, kv_offset) of the masks of layer `layer_idx`'s type; asked of a linear-attention layer
+        (transformers' mask builders look for the first non-sliding layer), those of the first full-attention
+        layer. The releases differ in what they answer there (5.16 refuses any index but 0), so this one answers."""
+        index = self._attention_layer(layer_idx, prefer_full=True)
+        if isinstance(self.layers[index], RecurrentLayer):
+            return query_length, 0
+        return self.layers[index].get_mask_sizes(query_length)
+
+    def _attention_layer(self, layer_idx: int, prefer_full: bool) -> int:
+        """`layer_idx`, or where it is a linear-attention layer, the first full-attention layer (with
+        `prefer_full`), else the first attention layer, else `layer_idx` itself."""
+        if not isinstance(self.layers[layer_idx], RecurrentLayer):
+            return layer_idx
+        attending = [i for i, layer in enumerate(self.layers) if not isinstance(layer, RecurrentLayer)]
+        full = [i for i in attending if not getattr(self.layers[i], "is_sliding", False)]
+        return next(iter((full if prefer_full else []) + attending), layer_idx)
 
     def payload_bytes(self) -> int:
         """Bytes stored for the tokens the next step can attend to (what `contract.cache_bytes` predicts).
@@ -88,6 +134,9 @@ class ModularDecoderCache(Cache):
         total = 0
         for layer in self.layers:
             if not getattr(layer, "is_initialized", False):
+                continue
+            if isinstance(layer, RecurrentLayer):  # a fixed-size state per sequence
+                total += layer.payload_bytes()
                 continue
             tensors = _layer_tensors(layer)
             if isinstance(layer, StaticLayer):
@@ -103,6 +152,7 @@ class ModularDecoderCache(Cache):
     def allocated_bytes(self) -> int:
         """Bytes reserved by the cache tensors, used or not."""
         return sum(
+            layer.payload_bytes() if isinstance(layer, RecurrentLayer) else
             sum(_tensor_bytes(t) for t in (layer.allocated_tensors() if hasattr(layer, "allocated_tensors")
                                            else _layer_tensors(layer)))
             for layer in self.layers

@@ -8,9 +8,10 @@ and the private parts of transformers it uses. In the order of this file:
    parameters on 5.16-5.17, the expert-parallel styles (5.19 on / before), `slice_logits_to_keep` (5.21 on).
 3. transformers' private helpers, looked up when first used, never at import: the flash- and
    flex-attention helpers that only `alibi_kernels.py` calls (an upstream rename then breaks that one
-   backend with a clear error, not every load), the Hub flash kernels, and the experts-kernel decorator
-   (whose absence only removes transformers' alternative kernels), and the multi-token-prediction drafter
-   `generate(use_mtp=True)` runs (`mtp_candidate_generator`).
+   backend with a clear error, not every load), the Hub flash kernels, the experts-kernel decorator
+   (whose absence only removes transformers' alternative kernels), the linear-attention kernels of
+   `flash-linear-attention` and `causal-conv1d` where transformers' own availability checks pass, and the
+   multi-token-prediction drafter `generate(use_mtp=True)` runs (`mtp_candidate_generator`).
 4. transformers' private state that has no public accessor, read or written through one named function
    each: the selected attention and experts kernels, the static-cache length `generate` keeps, the flag
    that lets `generate` compile on a CPU, and the validators `config.validate()` runs.
@@ -243,6 +244,28 @@ def internals(backend: str) -> SimpleNamespace:
                 )
             found[name] = getattr(module, name)
     return SimpleNamespace(**found)
+
+
+def flash_linear_attention_kernels():
+    """fla's `(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)` where transformers' own check finds fla
+    usable (`is_flash_linear_attention_available`: an accelerator and fla >= 0.2.2), else `None`."""
+    from transformers.utils import is_flash_linear_attention_available
+
+    if not is_flash_linear_attention_available():
+        return None
+    module = importlib.import_module("fla.ops.gated_delta_rule")
+    return module.chunk_gated_delta_rule, module.fused_recurrent_gated_delta_rule
+
+
+def causal_conv1d_kernels():
+    """causal-conv1d's `(causal_conv1d_fn, causal_conv1d_update)` where transformers' own check finds it usable
+    (`is_causal_conv1d_available`: CUDA and the package), else `None`."""
+    from transformers.utils import is_causal_conv1d_available
+
+    if not is_causal_conv1d_available():
+        return None
+    module = importlib.import_module("causal_conv1d")
+    return module.causal_conv1d_fn, module.causal_conv1d_update
 
 
 def flash_kernel_fallbacks() -> dict[str, str]:

@@ -14,13 +14,15 @@ from .compat import convert_nested_rope_params, plan_additions, run_config_valid
 from transformers import PretrainedConfig  # noqa: E402
 
 from .blocks import validate_block  # noqa: E402
-from .kinds import require_bool, require_choice, require_int, require_number  # noqa: E402
+from .kinds import LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
 from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
-from .registries import ATTENTIONS, MLPS, POSITIONS  # noqa: E402
+from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: E402
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "linear_attention")
 # Config fields that hold one entry per layer: a multi-token-prediction module is built from a config whose
 # lists hold the last layer's entry once per module (`mtp.mtp_block_config`). A new per-layer field goes here.
 PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers")
@@ -65,6 +67,7 @@ FIELD_RULES = {
     "final_norm": _flag,
     "attention_bias": _flag,
     "attention_output_bias": _flag,
+    "attn_output_gate": _flag,  # its type under any attention kind (only standard attention may set it)
     "sliding_window": _int(MIN_SLIDING_WINDOW, optional=True),
     "attn_logit_softcapping": _number(optional=True, above=0),
     "attention_sinks": _flag,
@@ -207,9 +210,26 @@ class ModularDecoderConfig(PretrainedConfig):
             `attention_bias` (Qwen 2 sets q/k/v biases but none on the output).
         qk_norm (`str`): `"none"`, `"head"` (a norm over each head's d_h, Qwen 3 / Gemma 3) or `"full"`
             (over the whole projected q and k, OLMo 2).
+        attn_output_gate (`bool`): Gate the attention output per head and channel, o·σ(x W_g), before `o_proj`
+            (Qwen3-Next / Qwen3.5's full layers). `q_proj` then projects to 2·H·d_h: each head's query, then its
+            gate (transformers' layout). Standard attention only.
         sliding_window (`int`, *optional*): Window of the `"sliding_attention"` layers.
-        layer_types (`list[str]`, *optional*): One of `"full_attention"` / `"sliding_attention"` per
-            layer. Defaults to all sliding when `sliding_window` is set, else all full.
+        layer_types (`list[str]`, *optional*): One of `"full_attention"` / `"sliding_attention"` /
+            `"linear_attention"` per layer. Defaults to all sliding when `sliding_window` is set, else all full.
+            A `"linear_attention"` layer mixes tokens through a recurrent state instead of attention (the kind
+            `linear_attention_type` names; Qwen3-Next and Qwen3.5 have three for every full layer): it reads no
+            positions, and its cache holds a fixed-size state per sequence.
+        linear_attention_type (`str`): The linear-attention layers' kind: `"gated_deltanet"` (Gated DeltaNet,
+            Qwen3-Next / Qwen3.5). The fields below up to `linear_conv_kernel_dim` apply only when `layer_types`
+            has linear layers (left unset otherwise).
+        linear_num_key_heads (`int`, *optional*): Query/key heads H_k of the linear layers. Defaults to H.
+        linear_num_value_heads (`int`, *optional*): Value heads H_v, a multiple of H_k (each key head serves
+            H_v / H_k of them). Defaults to H.
+        linear_key_head_dim (`int`, *optional*): Query/key head width d_k. Defaults to d_h.
+        linear_value_head_dim (`int`, *optional*): Value head width d_v (the state is d_k x d_v per value head).
+            Defaults to d_h.
+        linear_conv_kernel_dim (`int`, *optional*): Taps K of the short causal convolution over q, k and v.
+            Defaults to 4.
         attn_logit_softcapping (`float`, *optional*): Scores become c·tanh(s/c) (Gemma 2).
         attention_sinks (`bool`): A learned logit per query head (`self_attn.sinks`) joins every softmax's
             denominator: probability mass that attends to nothing, so a head may attend to no key (gpt-oss).
@@ -246,7 +266,7 @@ class ModularDecoderConfig(PretrainedConfig):
     # The keys of a `rope_parameters` dict nested by layer type. transformers takes them from
     # `layer_types` otherwise, and then neither fills in nor checks a table for a layer type no layer
     # has (a sliding table in an all-full config), which the config would still carry.
-    _rope_type_labels = LAYER_TYPES
+    _rope_type_labels = ATTENTION_LAYER_TYPES
 
     # sizes
     vocab_size: int = 32000
@@ -311,8 +331,16 @@ class ModularDecoderConfig(PretrainedConfig):
     attention_bias: bool = False
     attention_output_bias: bool | None = None
     qk_norm: str = "none"
+    attn_output_gate: bool = False
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    # linear attention (the `"linear_attention"` layers of `layer_types` only)
+    linear_attention_type: str = "gated_deltanet"
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int | None = None
     attn_logit_softcapping: float | None = None
     attention_sinks: bool = False
     final_logit_softcapping: float | None = None
@@ -364,7 +392,7 @@ class ModularDecoderConfig(PretrainedConfig):
             self.layer_types = list(self.layer_types)
         else:
             raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
-        for registry in (ATTENTIONS, MLPS):  # each chosen kind fills its own derived defaults
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS):  # each chosen kind fills its own derived defaults
             registry.complete(self)
         if self.mtp_loss_scaling_factor is None:
             self.mtp_loss_scaling_factor = MTP_LOSS_SCALING_FACTOR if self.num_mtp_layers else 0.0
@@ -391,7 +419,7 @@ class ModularDecoderConfig(PretrainedConfig):
             kwargs.pop("rope_theta", None)
             self.rope_parameters = None
             return kwargs
-        require_rope_dicts(kwargs.get("rope_scaling") or self.rope_parameters, LAYER_TYPES)
+        require_rope_dicts(kwargs.get("rope_scaling") or self.rope_parameters, ATTENTION_LAYER_TYPES)
         converted = convert_nested_rope_params(self, kwargs)
         return converted if converted is not None else super().convert_rope_params_to_dict(**kwargs)
 
@@ -406,7 +434,7 @@ class ModularDecoderConfig(PretrainedConfig):
         """transformers' `from_dict`, after dropping values earlier versions wrote into every config.json for
         fields the chosen kinds do not read (`Registry.forget_formerly_written`)."""
         config_dict = dict(config_dict)
-        for registry in (ATTENTIONS, MLPS):
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS):
             registry.forget_formerly_written(cls, config_dict)
         return super().from_dict(config_dict, **kwargs)
 
@@ -443,6 +471,21 @@ class ModularDecoderConfig(PretrainedConfig):
         """The registry entry of `mlp_type` (`registries.MLPS`)."""
         return MLPS.of(self)
 
+    @property
+    def linear_attention_kind(self):
+        """The registry entry of `linear_attention_type` (`registries.LINEAR_ATTENTIONS`)."""
+        return LINEAR_ATTENTIONS.of(self)
+
+    def mixer_kind(self, layer_type: str):
+        """The kind whose module mixes tokens in a layer of `layer_type`: the linear-attention kind for
+        `"linear_attention"` layers, the attention kind for the others."""
+        return self.linear_attention_kind if layer_type == LINEAR_ATTENTION else self.attention_kind
+
+    @property
+    def attention_layer_count(self) -> int:
+        """Layers that attend (full or sliding), as opposed to linear-attention layers."""
+        return sum(layer_type != LINEAR_ATTENTION for layer_type in self.layer_types)
+
     # transformers reads its parallelism plans from the config instance; these are built from the kinds the
     # config chose, so every key names a module or parameter of the model it builds (a dense MLP has no
     # `gate_proj`, MLA no `k_proj`, only MoE layers have `experts`, a post-norm model may have no final norm).
@@ -450,7 +493,10 @@ class ModularDecoderConfig(PretrainedConfig):
     def base_model_tp_plan(self) -> dict[str, str]:
         """Tensor-parallel styles by module name (relative to the base model): the attention and
         feed-forward kinds' own entries for every layer."""
-        per_layer = {**self.attention_kind.tp_plan(self), **self.mlp_kind.tp_plan(self)}
+        per_layer = dict(self.attention_kind.tp_plan(self)) if self.attention_layer_count else {}
+        if self.linear_attention_kind.in_use(self):
+            per_layer.update(self.linear_attention_kind.tp_plan(self))
+        per_layer.update(self.mlp_kind.tp_plan(self))
         plan = {f"layers.*.{name}": style for name, style in per_layer.items()}
         return {**plan, **self.__dict__.get("base_model_tp_plan", {})}
 
@@ -501,7 +547,7 @@ class ModularDecoderConfig(PretrainedConfig):
 
     @property
     def rope_is_nested(self) -> bool:
-        return bool(self.rope_parameters) and all(key in LAYER_TYPES for key in self.rope_parameters)
+        return bool(self.rope_parameters) and all(key in ATTENTION_LAYER_TYPES for key in self.rope_parameters)
 
     def validate_contract(self) -> None:
         """Check every contract field and their combinations; raises `ValueError` naming the field.
@@ -525,7 +571,7 @@ class ModularDecoderConfig(PretrainedConfig):
         if not self.num_mtp_layers and self.mtp_loss_scaling_factor:
             raise ValueError(f"`mtp_loss_scaling_factor`={self.mtp_loss_scaling_factor} weighs the loss of MTP modules, "
                              "and `num_mtp_layers`=0: set `num_mtp_layers` or leave the factor at 0.")
-        for registry in (ATTENTIONS, POSITIONS, MLPS):
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS):
             registry.check(self)
 
     def _validate_layer_types(self) -> None:
@@ -536,6 +582,12 @@ class ModularDecoderConfig(PretrainedConfig):
             require_choice("layer_types[...]", layer_type, LAYER_TYPES)
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("`layer_types` has sliding layers but `sliding_window` is None.")
+        if not self.attention_layer_count and self.position_embedding_type in ("rope", "alibi"):
+            raise ValueError(
+                f"`position_embedding_type`={self.position_embedding_type!r} acts on attention scores, and every "
+                "layer of `layer_types` is 'linear_attention' (which reads no positions): use 'none', 'learned' or "
+                "'sinusoidal'."
+            )
 
 
 __all__ = ["ModularDecoderConfig", "PEFT_LORA_TARGET_MODULES", "PER_LAYER_FIELDS", "register_peft_defaults"]

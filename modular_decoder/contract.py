@@ -1,5 +1,9 @@
 """The contract's arithmetic: parameter counts and KV-cache bytes from the config alone.
 
+A `"linear_attention"` layer caches no tokens: its state has a fixed size per sequence
+(`state_bytes_per_sequence`), so `cache_bytes_per_token` counts the attention layers only and
+`cache_bytes` adds the states once per sequence.
+
 These follow the seed's formulas, written independently of the modules (each attention and
 feed-forward kind states its own formula next to its module, without building it), so tests can
 compare them with `model.num_parameters()` and with what a filled cache actually stores.
@@ -14,7 +18,8 @@ import torch
 from .blocks import BLOCKS, block_class
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
-from .registries import ATTENTIONS, MLPS, POSITIONS
+from .kinds import LINEAR_ATTENTION
+from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
 
@@ -22,6 +27,16 @@ BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
 def attention_parameters(config: ModularDecoderConfig) -> int:
     """One layer's attention (the attention kind's formula: standard 2·d·H·d_h + 2·d·H_kv·d_h + ...)."""
     return config.attention_kind.parameters(config)
+
+
+def linear_attention_parameters(config: ModularDecoderConfig) -> int:
+    """One linear-attention layer (the kind's formula; 0 where no layer is one)."""
+    kind = config.linear_attention_kind
+    return kind.parameters(config) if kind.in_use(config) else 0
+
+
+def linear_layer_count(config: ModularDecoderConfig) -> int:
+    return config.num_hidden_layers - config.attention_layer_count
 
 
 def mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> int:
@@ -53,7 +68,10 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
     if config.embedding_norm:
         parts["embedding_norm"] = norm_parameters(config, d)
     layers = config.num_hidden_layers
-    parts["attention"] = layers * attention_parameters(config)
+    if config.attention_layer_count:
+        parts["attention"] = config.attention_layer_count * attention_parameters(config)
+    if linear_layer_count(config):
+        parts["linear_attention"] = linear_layer_count(config) * linear_attention_parameters(config)
     parts["mlp"] = sum(mlp_parameters(config, i) for i in range(layers))
     parts["block_norms"] = layers * block_norm_count(config) * norm_parameters(config, d)
     if config.final_norm:
@@ -96,27 +114,41 @@ def layer_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int
 
 def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,
                           quantization: str | None = None) -> int:
-    """The seed's formula summed over layers: 2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for MLA.
+    """The seed's formula summed over the attention layers: 2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for
+    MLA. Linear-attention layers add nothing per token (`state_bytes_per_sequence`).
 
     Sliding-window layers count per token only until they hold their window; `cache_bytes` gives
     the exact total at a given context length.
     """
-    return config.num_hidden_layers * layer_bytes_per_token(config, dtype, quantization)
+    return config.attention_layer_count * layer_bytes_per_token(config, dtype, quantization)
+
+
+def state_bytes_per_sequence(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16) -> int:
+    """What the linear-attention layers cache per sequence, whatever its length: per layer the convolution's
+    window K·(2·H_k·d_k + H_v·d_v)·b and the fp32 recurrent state 4·H_v·d_k·d_v (Gated DeltaNet); 0 without them."""
+    if not linear_layer_count(config):
+        return 0
+    return linear_layer_count(config) * config.linear_attention_kind.state_bytes(config, _dtype_bytes(dtype))
 
 
 def cached_tokens(config: ModularDecoderConfig, layer_type: str, context: int) -> int:
-    """Tokens a layer keeps between decode steps: all of them, or the last `sliding_window - 1`
-    for a sliding layer (the next query brings it back to a full window)."""
+    """Tokens a layer keeps between decode steps: all of them, the last `sliding_window - 1`
+    for a sliding layer (the next query brings it back to a full window), none for a linear-attention
+    layer (it keeps a state instead)."""
     if layer_type == "sliding_attention":
         return min(context, config.sliding_window - 1)
+    if layer_type == LINEAR_ATTENTION:
+        return 0
     return context
 
 
 def cache_bytes(config: ModularDecoderConfig, context: int, batch_size: int = 1,
                 dtype: torch.dtype | int = torch.bfloat16, quantization: str | None = None) -> int:
-    """Exact payload of a cache holding `context` tokens for `batch_size` sequences."""
+    """Exact payload of a cache holding `context` tokens for `batch_size` sequences (linear-attention states
+    included, once per sequence)."""
     per_token = layer_bytes_per_token(config, dtype, quantization)
-    return batch_size * per_token * sum(cached_tokens(config, t, context) for t in config.layer_types)
+    tokens = sum(cached_tokens(config, t, context) for t in config.layer_types)
+    return batch_size * (per_token * tokens + state_bytes_per_sequence(config, dtype))
 
 
 def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: torch.dtype | int = torch.bfloat16) -> float:
@@ -135,12 +167,14 @@ def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bflo
     rows += [f"| {_PARAMETER_ROWS.get(name, name)} | {count:,} |" for name, count in params.items()]
     rows += ["", f"| KV cache ({dtype}) | bytes |", "| --- | ---: |",
              f"| per token (all layers) | {cache_bytes_per_token(config, dtype):,} |"]
+    if linear_layer_count(config):
+        rows.append(f"| linear-attention state per sequence (any length) | {state_bytes_per_sequence(config, dtype):,} |")
     for context in (4096, 32768, 131072):
         rows.append(f"| at {context // 1024}k context | {cache_bytes(config, context, 1, dtype):,} |")
     return "\n".join(rows)
 
 
-_PARAMETER_ROWS = {"active": "active per token", "mtp": "MTP modules"}
+_PARAMETER_ROWS = {"active": "active per token", "linear_attention": "linear attention", "mtp": "MTP modules"}
 
 
 def _applies(config: ModularDecoderConfig, name: str) -> bool:
@@ -150,10 +184,13 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
     attention, ...) only when the chosen entry reads it. The MTP loss weight applies with MTP modules."""
     if name == "mtp_loss_scaling_factor":
         return bool(config.num_mtp_layers)
-    for registry in (ATTENTIONS, MLPS, POSITIONS):
+    if name == LINEAR_ATTENTIONS.field:
+        return config.linear_attention_kind.in_use(config)
+    for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS):
         owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]
         if owners:
-            return registry.of(config) in owners
+            chosen = registry.of(config)
+            return chosen in owners and getattr(chosen, "in_use", lambda _: True)(config)
     return name not in _unread(config)
 
 
@@ -172,7 +209,7 @@ def _unread(config: ModularDecoderConfig) -> set[str]:
 
 # per-layer lists shown as counts and a one-letter pattern
 _PATTERNS = {
-    "layer_types": {"sliding_attention": "S", "full_attention": "F"},
+    "layer_types": {"sliding_attention": "S", "full_attention": "F", LINEAR_ATTENTION: "L"},
     "mlp_layer_types": {"sparse": "S", "dense": "D"},
     "no_rope_layers": {1: "R", 0: "N"},
 }
@@ -186,7 +223,7 @@ def _render(name: str, value) -> str:
         if len(set(value)) == 1:
             return f"{len(value)} × `{value[0]}`"
         pattern = "".join(letters[t] for t in value)
-        legend = ", ".join(f"{letter}: {kind}" for kind, letter in letters.items())
+        legend = ", ".join(f"{letter}: {kind}" for kind, letter in letters.items() if kind in value)
         return f"`{pattern}` ({legend})"
     return f"`{value!r}`"
 

@@ -132,6 +132,7 @@ class AttentionKind(Kind):
     """A value of `attention_type`: the module every layer builds and what the model needs of it."""
 
     module: type[nn.Module]
+    module_name = "self_attn"  # the block attribute that holds it
     reads = ("head_dim", "num_key_value_heads")  # per-head queries, keys and values
     # `ModularDecoderCache` implementations this kind stores (see `cache_layer`)
     cache_implementations: tuple[str, ...] = ("dynamic", "static")
@@ -188,6 +189,52 @@ class AttentionKind(Kind):
     def tp_plan(self, config) -> dict[str, str]:
         """transformers tensor-parallel styles of the attention's modules, keyed by their names in a block
         (`"self_attn.q_proj"`); the config prefixes them with `layers.*.`."""
+        return {}
+
+
+LINEAR_ATTENTION = "linear_attention"  # the `layer_types` value of a linear-attention layer (transformers' own)
+
+
+class LinearAttentionKind(Kind):
+    """A value of `linear_attention_type`: the module the `"linear_attention"` layers of `layer_types` build (as
+    `linear_attn`, transformers' name), their cache layer and arithmetic. Its fields apply only where some layer
+    is a linear-attention layer; elsewhere they keep their defaults (`validate` refuses a setting nothing reads)."""
+
+    module: type[nn.Module]
+    module_name = "linear_attn"
+
+    def in_use(self, config) -> bool:
+        """Whether any layer of `config` is a linear-attention layer."""
+        return isinstance(config.layer_types, list) and LINEAR_ATTENTION in config.layer_types
+
+    def build(self, config, layer_idx: int) -> nn.Module:
+        return self.module(config, layer_idx)
+
+    def validate(self, config) -> None:
+        if self.in_use(config):
+            return
+        for name in self.fields:
+            if getattr(config, name) != field_default(config, name):
+                raise ValueError(f"`{name}`={getattr(config, name)!r} only applies to layers of type "
+                                 f"'{LINEAR_ATTENTION}', and `layer_types` has none; leave it unset.")
+
+    def cache_layer(self, config, implementation: str, max_cache_len: int | None):
+        """The cache layer (a transformers `LinearAttentionCacheLayerMixin`) of one linear-attention layer."""
+        raise NotImplementedError
+
+    def parameters(self, config) -> int:
+        """Parameters of one linear-attention layer, from the config alone."""
+        raise NotImplementedError
+
+    def state_bytes(self, config, element_bytes: int) -> int:
+        """Bytes one layer caches per sequence, whatever the context length."""
+        raise NotImplementedError
+
+    def describe(self, config) -> str:
+        return self.name
+
+    def tp_plan(self, config) -> dict[str, str]:
+        """Tensor-parallel styles keyed by module names in a block (`"linear_attn.out_proj"`)."""
         return {}
 
 
@@ -274,4 +321,5 @@ def require_choice(name: str, value, allowed) -> None:
         raise ValueError(f"`{name}`={value!r} is not one of the allowed values {sorted(allowed)}.")
 
 
-__all__ = ["require_int", "require_number", "require_bool", "require_choice", "Registry", "Kind", "AttentionKind", "FeedForwardKind", "field_default"]
+__all__ = ["require_int", "require_number", "require_bool", "require_choice", "Registry", "Kind", "AttentionKind",
+           "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "field_default"]

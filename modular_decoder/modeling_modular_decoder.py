@@ -31,16 +31,34 @@ from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint
 from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
+from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
+from .kinds import LINEAR_ATTENTION
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor
 from .mtp_generation import check_use_mtp, mtp_candidate_generator_for
 from .norms import LayerNorm, RMSNorm, build_norm
-from .positions import ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, rotary_layers
+from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
+                        rotary_layers)
+from .recurrent_cache import ROLLBACK_ERROR, refuse_rollback_decoding
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
-MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+def linear_attention_mask(config, inputs_embeds, attention_mask, position_ids=None, **cache_kwarg) -> torch.Tensor | None:
+    """The mask of a `"linear_attention"` layer: the columns of a 2-D `attention_mask` that hold the new tokens
+    (which the layer multiplies its input by, so padding writes nothing into its state), or `None` where there is
+    no padding to remove: no 2-D mask, or a one-token step (a generated token is never padding). Unlike
+    transformers' `create_recurrent_attention_mask`, it reads no values (no host sync) and finds the new tokens'
+    columns by the cache's count, so a mask padded to a static cache's length works too."""
+    seq = inputs_embeds.shape[1]
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or seq == 1:
+        return None
+    cache = next(iter(cache_kwarg.values()), None)
+    return new_token_columns(attention_mask, _tokens_before(cache), seq).to(inputs_embeds.dtype)
+
+
+MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
+                 LINEAR_ATTENTION: linear_attention_mask}
 
 
 class ModularDecoderPreTrainedModel(PreTrainedModel):
@@ -137,7 +155,12 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
             init.copy_(module.slopes, AlibiBias(self.config).slopes)
         elif isinstance(module, AttentionLayer) and module.sinks is not None:
             init.normal_(module.sinks, mean=0.0, std=std)  # as transformers' gpt-oss
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
+        elif isinstance(module, GatedDeltaNet):  # as transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)
+            init.ones_(module.dt_bias)
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
+        elif isinstance(module, GatedRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
             init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
@@ -194,6 +217,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         puts its own kernel and paged cache (docs/serving.md).
         """
         self._check_inputs(input_ids, attention_mask, inputs_embeds, cache)
+        self._check_linear_documents(position_ids, attention_mask, cache)
         packed_positions = self._packed_document_positions(position_ids, cache)
         use_cache = self._use_cache(use_cache)
         if inputs_embeds is None:
@@ -239,6 +263,19 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         positions a caller gave without a cache, as transformers' models look for them; generate always
         passes a cache."""
         return position_ids if cache is None else None
+
+    def _check_linear_documents(self, position_ids, attention_mask, cache) -> None:
+        """Linear-attention layers would carry their recurrent state from one packed document into the next: where
+        the packed-document policy would look for documents (positions given, no mask, no cache), positions that
+        do not count up by one are refused (one more host read, in that case only)."""
+        if cache is not None or attention_mask is not None or position_ids is None:
+            return
+        if self.config.linear_attention_kind.in_use(self.config) and bool((position_ids.diff(dim=-1) != 1).any()):
+            raise ValueError(
+                "`position_ids` restart or jump (documents packed in one row), but the 'linear_attention' layers of "
+                "`layer_types` would carry their recurrent state across documents: pass one document per row with an "
+                "`attention_mask` instead."
+            )
 
     def _use_cache(self, use_cache: bool | None) -> bool:
         """The caller's `use_cache`, else the config's; never while training with gradient checkpointing."""
@@ -336,7 +373,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if self.rotary_emb is None:
             return [None] * self.config.num_hidden_layers
         tables = self.rotary_emb.tables(hidden, position_ids, self.config.layer_types)
-        return [tables[layer_type] if rotates else None
+        return [tables.get(layer_type) if rotates else None  # none for a linear-attention layer (reads no positions)
                 for layer_type, rotates in zip(self.config.layer_types, rotary_layers(self.config))]
 
     def _alibi_kwargs(self, hidden: torch.Tensor, cache) -> dict:
@@ -344,11 +381,12 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         (1, H, T_q, T_k) `position_bias` over the keys each layer will see (eager, sdpa); none without ALiBi."""
         if self.alibi is None:
             return {}
+        attending = attending_layer_types(self.config.layer_types)
         if takes_alibi_slopes(attn_implementation(self.config)):
-            return {layer_type: {"alibi_slopes": self.alibi.slopes} for layer_type in set(self.config.layer_types)}
+            return {layer_type: {"alibi_slopes": self.alibi.slopes} for layer_type in attending}
         seq = hidden.shape[1]
         kwargs = {}
-        for layer_type in set(self.config.layer_types):
+        for layer_type in attending:
             layer_idx = self.config.layer_types.index(layer_type)
             kv_length = cache.get_mask_sizes(seq, layer_idx)[0] if cache is not None else seq
             kwargs[layer_type] = {"position_bias": self.alibi(seq, kv_length, hidden.dtype)}
@@ -528,15 +566,16 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         rotary table (or ALiBi bias), over its layer of the modules' own `cache` while drafting, none while
         training."""
         config, layer_type = self.mtp.block_config, self.mtp.layer_type
+        attends = layer_type != LINEAR_ATTENTION
         mask_cache = cache if cache is not None and cache.get_seq_length(depth) else None  # empty: as none
         mask = MASK_BUILDERS[layer_type](config=config, inputs_embeds=token_embeds, attention_mask=attention_mask,
-                                         position_ids=position_ids if packed else None, layer_idx=depth,
-                                         **with_cache(mask_cache))
+                                         position_ids=position_ids if packed else None,
+                                         **({"layer_idx": depth} if attends else {}), **with_cache(mask_cache))
         kwargs = {"attention_mask": mask, "position_ids": position_ids, "cache": cache}
         if self.model.rotary_emb is not None and rotary_layers(config)[depth]:  # (not on a NoPE layer)
             tables = self.model.rotary_emb.tables(token_embeds, position_ids, [layer_type])
-            kwargs["position_embeddings"] = tables[layer_type]
-        if self.model.alibi is not None:
+            kwargs["position_embeddings"] = tables.get(layer_type)  # none for a linear-attention layer
+        if self.model.alibi is not None and attends:
             if takes_alibi_slopes(attn_implementation(self.config)):
                 kwargs["alibi_slopes"] = self.model.alibi.slopes
             else:
@@ -560,10 +599,16 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         checked first: an empty or 1-D prompt or a mask that does not fit it raises a `ValueError`.
         The steps then skip re-reading the mask's values (generate only appends ones to it). A cache
         passed as `cache=` is used on every transformers release (before 5.24 generate calls it
-        `past_key_values`). `use_mtp=True` drafts with the model's MTP modules (`mtp_generation.py`); a model
-        without them raises a `ValueError`."""
+        `past_key_values`). With linear-attention layers, decoding that drafts and crops the cache (`assistant_model`,
+        `prompt_lookup_num_tokens`, `use_mtp`) is refused: a recurrent state cannot be rolled back. `use_mtp=True`
+        drafts with the model's MTP modules (`mtp_generation.py`); a model without them raises a `ValueError`."""
         kwargs = generate_cache_kwarg(kwargs)
-        check_use_mtp(self.config, kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None))
+        use_mtp = kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None)
+        check_use_mtp(self.config, use_mtp)
+        if self.config.linear_attention_kind.in_use(self.config):  # a recurrent state cannot be cropped
+            refuse_rollback_decoding(kwargs, self.generation_config)
+            if use_mtp:
+                raise ValueError(f"`use_mtp` is set: {ROLLBACK_ERROR}")
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
-from .kinds import Kind, Registry, require_bool, require_int, require_number
+from .kinds import LINEAR_ATTENTION, Kind, Registry, require_bool, require_int, require_number
 from .split_products import is_fx_proxy
 
 
@@ -69,7 +69,7 @@ class RotaryEmbedding(nn.Module):
         self.nested = config.rope_is_nested
         if self.nested:
             self.rope_type = {}
-            for layer_type in sorted(set(config.layer_types)):
+            for layer_type in sorted(attending_layer_types(config.layer_types)):
                 params = config.rope_parameters[layer_type]
                 self.rope_type[layer_type] = params["rope_type"]
                 inv_freq, scaling = self._init_fn(params["rope_type"])(rope_config, None, layer_type=layer_type)
@@ -102,10 +102,16 @@ class RotaryEmbedding(nn.Module):
         def for_heads(cos_sin):
             return tuple(table.unsqueeze(1) for table in cos_sin)
 
+        attending = attending_layer_types(layer_types)
         if not self.nested:
             shared = for_heads(self(x, position_ids))
-            return {layer_type: shared for layer_type in set(layer_types)}
-        return {layer_type: for_heads(self(x, position_ids, layer_type)) for layer_type in set(layer_types)}
+            return {layer_type: shared for layer_type in attending}
+        return {layer_type: for_heads(self(x, position_ids, layer_type)) for layer_type in attending}
+
+
+def attending_layer_types(layer_types) -> set[str]:
+    """The layer types present that attend, and so read positions (not `"linear_attention"`)."""
+    return set(layer_types) - {LINEAR_ATTENTION}
 
 
 def default_rope_parameters(config, device=None, layer_type: str | None = None, **kwargs):
@@ -201,7 +207,7 @@ def _validate_rope(config) -> None:
     if not isinstance(params, dict) or not params:
         raise ValueError(f"`rope_parameters` must be a dict with a `rope_type`, got {params!r}.")
     if config.rope_is_nested:
-        missing = sorted(set(config.layer_types) - set(params))
+        missing = sorted(attending_layer_types(config.layer_types) - set(params))
         if missing:
             raise ValueError(f"`rope_parameters` is nested per layer type but lacks {missing}.")
         per_type = {f"rope_parameters[{key!r}]": value for key, value in params.items()}
@@ -234,8 +240,8 @@ def _validate_no_rope_layers(config) -> None:
     for flag in flags:
         if isinstance(flag, bool) or flag not in (0, 1):
             raise ValueError(f"`no_rope_layers` holds 1 (the layer rotates) or 0 (NoPE) per layer, got {flag!r}.")
-    if not any(flags):
-        raise ValueError("`no_rope_layers` marks every layer NoPE (0): no layer rotates, which is "
+    if not any(flag for flag, layer_type in zip(flags, config.layer_types) if layer_type != LINEAR_ATTENTION):
+        raise ValueError("`no_rope_layers` marks every attention layer NoPE (0): no layer rotates, which is "
                          "`position_embedding_type='none'`.")
 
 

@@ -1,6 +1,7 @@
 """Every axis of the design space and its entries, in one place.
 
     ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla, dsa (MLA + lightning indexer)
+    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet (the `"linear_attention"` layers of `layer_types`)
     MLPS        `mlp_type`                 dense, gated, moe
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
     NORMS       `norm_type`                rmsnorm, layernorm
@@ -14,7 +15,8 @@ new attention or feed-forward kind is one `register_attention(kind)` / `register
 from __future__ import annotations
 
 from .attention import STANDARD_ATTENTION
-from .kinds import AttentionKind, FeedForwardKind, Registry
+from .gated_deltanet import GATED_DELTANET
+from .kinds import AttentionKind, FeedForwardKind, LinearAttentionKind, Registry
 from .mla import LATENT_ATTENTION
 from .mlp import DENSE_MLP, GATED_MLP
 from .moe import MIXTURE_OF_EXPERTS
@@ -25,6 +27,7 @@ from .sparse_attention import SPARSE_LATENT_ATTENTION
 ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION,
                                                                          SPARSE_LATENT_ATTENTION])
 MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
+LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET])
 
 
 def register_attention(kind: AttentionKind, replace: bool = False) -> AttentionKind:
@@ -37,4 +40,10 @@ def register_mlp(kind: FeedForwardKind, replace: bool = False) -> FeedForwardKin
     return MLPS.register(kind, replace=replace)
 
 
-__all__ = ["ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention", "register_mlp"]
+def register_linear_attention(kind: LinearAttentionKind, replace: bool = False) -> LinearAttentionKind:
+    """Add a linear-attention kind: configs may then use `linear_attention_type=kind.name`."""
+    return LINEAR_ATTENTIONS.register(kind, replace=replace)
+
+
+__all__ = ["ATTENTIONS", "LINEAR_ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention",
+           "register_linear_attention", "register_mlp"]

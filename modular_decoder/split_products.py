@@ -138,12 +138,12 @@ def _split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
-def is_bare_linear(layer: nn.Module) -> bool:
-    """Whether calling `layer` runs nothing but `nn.Linear.forward`: a plain `nn.Linear` (a parametrization
-    changes its type) with no forward or backward hooks, its own or global, and no instance-level `forward`
-    (accelerate's wrappers)."""
+def is_bare_linear(layer: nn.Module, module_type: type[nn.Module] = nn.Linear) -> bool:
+    """Whether calling `layer` runs nothing but `nn.Linear.forward` (or `module_type`'s): a plain `nn.Linear` (a
+    parametrization changes its type) with no forward or backward hooks, its own or global, and no
+    instance-level `forward` (accelerate's wrappers)."""
     return (
-        type(layer) is nn.Linear
+        type(layer) is module_type
         and not layer._forward_hooks
         and not layer._forward_pre_hooks
         and not layer._backward_hooks
@@ -156,12 +156,13 @@ def is_bare_linear(layer: nn.Module) -> bool:
     )
 
 
-def weight_is_readable(layer: nn.Module) -> bool:
+def weight_is_readable(layer: nn.Module, module_type: type[nn.Module] = nn.Linear) -> bool:
     """Whether a path may compute from `layer.weight` (and `layer.bias`) in place of calling `layer`, as
-    absorbed MLA does: a bare linear whose weight and bias are plain tensors (not a DTensor, a quantized or
-    other tensor subclass), so that any product of them is what `layer(x)` computes."""
+    absorbed MLA does: a bare linear (or bare `module_type`, e.g. a convolution a fused kernel reads) whose weight
+    and bias are plain tensors (not a DTensor, a quantized or other tensor subclass), so that any product of them
+    is what `layer(x)` computes."""
     return (
-        is_bare_linear(layer)
+        is_bare_linear(layer, module_type)
         and type(layer.weight) in _PLAIN
         and (layer.bias is None or type(layer.bias) in _PLAIN)
     )

@@ -10,6 +10,7 @@ COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layer
               max_position_embeddings=P)
 GPT = dict(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=P)
 MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+SMOLLM3 = dict(num_key_value_heads=2, pad_token_id=None, bos_token_id=1, eos_token_id=2)  # its ids lie past V
 
 # name -> (family model_type, config builder); several cases may exercise one family's variants
 CASES: dict[str, tuple[str, callable]] = {
@@ -72,11 +73,42 @@ CASES: dict[str, tuple[str, callable]] = {
         **COMMON, **MLA, num_key_value_heads=H, q_lora_rank=12, index_n_heads=8, index_head_dim=8, index_topk=5,
         first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
         moe_intermediate_size=12, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    # gpt-oss: sinks, alternating windows, YaRN; a biased router, experts with biases and the clamped SwiGLU
+    # stored interleaved and transposed (a limit low enough to clamp these perturbed weights)
+    "gpt_oss": ("gpt_oss", lambda: tf.GptOssConfig(
+        **{**COMMON, "intermediate_size": 24}, num_key_value_heads=2, head_dim=8, num_local_experts=6,
+        num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
+    # SmolLM3: NoPE every fourth layer (here layer 3 of 4), and NoPE sliding layers where windows are on
+    "smollm3": ("smollm3", lambda: tf.SmolLM3Config(**{**COMMON, "num_hidden_layers": 4}, **SMOLLM3)),
+    "smollm3-sliding": ("smollm3", lambda: tf.SmolLM3Config(
+        **{**COMMON, "num_hidden_layers": 4}, **SMOLLM3, no_rope_layers=[1, 0, 1, 0],
+        use_sliding_window=True, sliding_window=8, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
 }
+
+# Hybrid linear attention: Gated DeltaNet layers (2 key heads, 4 value heads: each key head serves two) beside
+# gated full attention; Qwen3-Next with experts in every other layer and a dense one
+HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+              linear_conv_kernel_dim=4, num_key_value_heads=2, head_dim=16,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+HYBRID_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+CASES.update({
+    "qwen3_next": ("qwen3_next", lambda: tf.Qwen3NextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40, mlp_only_layers=[2],
+        decoder_sparse_step=1, norm_topk_prob=True)),
+    "qwen3_next-dense": ("qwen3_next", lambda: tf.Qwen3NextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS[::-1], num_experts=0,
+        tie_word_embeddings=True)),
+    "qwen3_5_text": ("qwen3_5_text", lambda: tf.Qwen3_5TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS)),
+})
 
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe") or name.endswith(("-moe", "-moe-grouped"))]
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"
+             or name.endswith(("-moe", "-moe-grouped"))]
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:

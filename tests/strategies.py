@@ -27,7 +27,7 @@ from modular_decoder.attention import QK_NORMS
 from modular_decoder.blocks import NORM_POSITIONS, PARALLEL_NORMS
 from modular_decoder.norms import NORMS
 from modular_decoder.positions import ROPE_TYPES
-from modular_decoder.registries import ATTENTIONS, MLPS, POSITIONS
+from modular_decoder.registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS
 
 # The longest sequence (padding included) any property feeds a drawn model: every drawn
 # `max_position_embeddings` (learned tables, dynamic RoPE's rescaling point) and every longrope
@@ -36,18 +36,23 @@ from modular_decoder.registries import ATTENTIONS, MLPS, POSITIONS
 MAX_SEQ = 10
 MAX_HIDDEN = 48
 MAX_VOCAB = 64
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the attending layers (a rope table each)
+LINEAR = "linear_attention"
 
 # What the strategy knows how to draw for each registry; `test_strategies_cover_every_registry_entry`
 # fails when an entry is added to a registry and not here.
 ATTENTION_TYPES = ("standard", "mla", "dsa")
 MLP_TYPES = ("dense", "gated", "moe")
+LINEAR_ATTENTION_TYPES = ("gated_deltanet",)
+LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
 POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's lightning indexer
 LATENT_TYPES = ("mla", "dsa")
 REGISTRIES = {"attention_type": (ATTENTIONS, ATTENTION_TYPES), "mlp_type": (MLPS, MLP_TYPES),
-              "position_embedding_type": (POSITIONS, POSITION_TYPES), "norm_type": (NORMS, tuple(NORMS))}
+              "position_embedding_type": (POSITIONS, POSITION_TYPES), "norm_type": (NORMS, tuple(NORMS)),
+              "linear_attention_type": (LINEAR_ATTENTIONS, LINEAR_ATTENTION_TYPES)}
 
 _THETAS = st.sampled_from([10.0, 100.0, 10_000.0, 500_000.0]) | st.floats(2.0, 1e6)
 _FACTORS = st.floats(1.0, 16.0)
@@ -164,6 +169,15 @@ def config_kwargs(draw) -> dict:
     elif draw(st.booleans()):
         kw["layer_types"] = ["full_attention"] * layers
     layer_types = kw.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
+    # a hybrid: some layers (all, without MLA / DSA, whose rotary key needs an attention layer) linear attention
+    if draw(st.integers(0, 2)) == 0 and (attention_type not in LATENT_TYPES or layers > 1):
+        linear = draw(st.lists(st.booleans(), min_size=layers, max_size=layers))
+        linear[draw(st.integers(0, layers - 1))] = True
+        if attention_type in LATENT_TYPES and all(linear):
+            linear[linear.index(True)] = False
+        layer_types = kw["layer_types"] = [LINEAR if lin else t for lin, t in zip(linear, layer_types)]
+        kw.update(draw(linear_fields()))
+    attending = sorted(set(layer_types) - {LINEAR})
 
     # attention kind
     if attention_type in LATENT_TYPES:
@@ -182,7 +196,10 @@ def config_kwargs(draw) -> dict:
         rope_width, rotary = kw["qk_rope_head_dim"], kw["qk_rope_head_dim"]
     else:
         kw["qk_norm"] = draw(st.sampled_from(QK_NORMS))
-        position = draw(st.sampled_from(POSITION_TYPES))
+        if draw(st.booleans()):
+            kw["attn_output_gate"] = draw(st.booleans())
+        # rotary or ALiBi positions act on attention scores: with linear layers only, none is read
+        position = draw(st.sampled_from(POSITION_TYPES if attending else ("learned", "sinusoidal", "none")))
         rope_width = _head_dim(kw)
         rotary = None
     kw["position_embedding_type"] = position
@@ -205,10 +222,10 @@ def config_kwargs(draw) -> dict:
         kw["rope_interleaved"] = draw(st.booleans())
         if attention_type == "standard" and draw(st.booleans()):  # SmolLM3's NoPE layers: at least one rotates
             flags = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
-            flags[draw(st.integers(0, layers - 1))] = 1
+            flags[draw(st.sampled_from([i for i, t in enumerate(layer_types) if t != LINEAR]))] = 1
             kw["no_rope_layers"] = flags
         if draw(st.booleans()):  # nested per layer type, each with its own type and base
-            kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in sorted(set(layer_types))}
+            kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in attending}
             if draw(st.booleans()):  # a table for a layer type no layer uses is allowed too
                 kw["rope_parameters"].update({t: draw(rope_dict(rotary, max_positions)) for t in LAYER_TYPES})
         elif draw(st.booleans()):
@@ -274,6 +291,21 @@ def moe_fields(draw, layers: int) -> dict:
     return kw
 
 
+@st.composite
+def linear_fields(draw) -> dict:
+    """The linear-attention layers' sizes (each unset one takes its default from the attention's)."""
+    kw = {}
+    key_heads = draw(st.integers(1, 2))
+    if draw(st.booleans()):
+        kw["linear_num_key_heads"] = key_heads
+        kw["linear_num_value_heads"] = key_heads * draw(st.integers(1, 2))
+    for name, values in (("linear_key_head_dim", st.integers(1, 8)), ("linear_value_head_dim", st.integers(1, 8)),
+                         ("linear_conv_kernel_dim", st.integers(1, 4))):
+        if draw(st.booleans()):
+            kw[name] = draw(values)
+    return kw
+
+
 def configs() -> st.SearchStrategy[ModularDecoderConfig]:
     return config_kwargs().map(make_config)
 
@@ -289,7 +321,7 @@ _NOT_CHOICE = ["bogus", "", 3, None, True]
 
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
-BOOL_FIELDS = ("norm_bias", "norm_unit_offset", "parallel_block", "mlp_bias", "attention_bias",
+BOOL_FIELDS = ("norm_bias", "norm_unit_offset", "parallel_block", "mlp_bias", "attention_bias", "attn_output_gate",
                "tie_word_embeddings", "embedding_norm", "lm_head_bias", "use_cache", "attention_sinks")
 OPTIONAL_BOOL_FIELDS = ("final_norm", "attention_output_bias")
 # name -> (values out of range, whether None is allowed)
@@ -370,6 +402,7 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         kinds += ["dsa_field", "dsa_field", "dsa_window"]
     if kw.get("norm_position", "pre") != "pre":
         kinds += ["parallel"]
+    kinds += ["linear_field"]
     kind = draw(st.sampled_from(kinds))
     broken = dict(kw)
     if kind == "size":
@@ -415,9 +448,11 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         broken[field] = draw(st.sampled_from(non_divisors))
     elif kind == "other_kind":  # a field that only another attention kind reads
         attention_type = kw.get("attention_type", "standard")
-        field = draw(st.sampled_from({"mla": ("qk_norm",) + INDEX_FIELDS, "dsa": ("qk_norm",)}.get(
+        field = draw(st.sampled_from({"mla": ("qk_norm", "attn_output_gate") + INDEX_FIELDS,
+                                      "dsa": ("qk_norm", "attn_output_gate")}.get(
             attention_type, MLA_FIELDS + INDEX_FIELDS)))
-        broken[field] = draw(st.sampled_from(["head", "full"] if field == "qk_norm" else [8, 1, 0, -1]))
+        broken[field] = draw(st.sampled_from(["head", "full"] if field == "qk_norm" else
+                                             [True] if field == "attn_output_gate" else [8, 1, 0, -1]))
     elif kind == "integer_type":  # any integer field, read by this config's kinds or not
         field = draw(st.sampled_from(ModularDecoderConfig.integer_fields()))
         broken[field] = draw(st.sampled_from(["16", 4.5, 16.0, True]))
@@ -484,6 +519,15 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
             broken[field] = draw(st.sampled_from(_NOT_FINITE + [-0.1, "0.3", True, [0.3]]))
         else:  # a weight for modules there are none of
             broken[field] = draw(st.sampled_from([0.3, 1.0]))
+    elif kind == "linear_field":
+        field = draw(st.sampled_from(LINEAR_FIELDS))
+        if LINEAR in (kw.get("layer_types") or ()):
+            broken[field] = draw(st.sampled_from([0, -1, "4", 2.5, True]))
+            if field == "linear_num_value_heads":  # not a multiple of the key heads
+                key_heads = broken.setdefault("linear_num_key_heads", 2)
+                broken[field] = draw(st.sampled_from([0, -1, "4", key_heads + 1] if key_heads > 1 else [0, -1, "4"]))
+        else:  # only linear-attention layers read it
+            broken[field] = draw(st.sampled_from([1, 4, 16]))
     else:  # pragma: no cover
         raise AssertionError(kind)
     return broken, field

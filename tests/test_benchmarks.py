@@ -486,3 +486,17 @@ def test_mtp_decode_smoke_renders(capsys, tmp_path):
     printed = capsys.readouterr().out
     page = pages.mtp_section(run)
     assert next(line for line in printed.splitlines() if line.startswith("| ours_mtp |")) in page
+
+
+def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_path):
+    from benchmarks import conversion_memory
+
+    out = tmp_path / "conversion_memory.json"
+    assert conversion_memory.main(["--smoke", "--scratch", str(tmp_path), "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["provenance"]["command"].startswith("python -m benchmarks conversion_memory --smoke")
+    assert [result["layout"] for result in record["results"]] == ["llama", "mixtral"]
+    for result in record["results"]:
+        for what in ("convert", "export"):
+            assert len(result[what]["runs"]) == 1 and result[what]["runs"][0]["method"] in ("VmHWM", "sampled")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conversion_memory.json"]  # the checkpoints are gone

@@ -66,6 +66,23 @@ def test_tags_name_the_variant_choices():
     assert "attention-mha" in variant_tags(preset_config("gpt2"))
     assert {"mlp-moe", "mixture-of-experts", "router-sigmoid-topk", "attention-mla"} <= set(
         variant_tags(preset_config("deepseek_v3")))
+    assert {"attention-sinks", "sliding-window", "router-topk-softmax", "clamped-swiglu"} <= set(
+        variant_tags(preset_config("gpt_oss")))
+    assert "nope-layers" in variant_tags(preset_config("smollm3"))
+    assert not {"attention-sinks", "nope-layers", "clamped-swiglu"} & set(variant_tags(preset_config("llama")))
+
+
+@pytest.mark.parametrize("name, fields", [
+    ("gpt_oss", ("attention_sinks", "router_type", "router_bias", "mlp_bias", "swiglu_limit", "swiglu_alpha")),
+])
+def test_cards_name_the_new_fields(name, fields):
+    card = preset_card(name)
+    for field in fields:
+        assert f"| `{field}` | `{getattr(preset_config(name), field)!r}` |" in card, field
+
+
+def test_card_shows_the_nope_layers_as_a_pattern():
+    assert "| `no_rope_layers` | `" + "RRRN" * 9 + "` (R: 1, N: 0) |" in preset_card("smollm3")
 
 
 def test_converted_card_names_base_model():

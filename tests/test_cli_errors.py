@@ -396,3 +396,22 @@ def test_gradnorm_prints_its_numbers_once(capsys, tmp_path):
     table = (tmp_path / "gradnorm.md").read_text().strip()
     assert captured.out.count(table.splitlines()[2]) == 1 and table.splitlines()[2] not in captured.err
     assert captured.err.count("[1/") == 1  # progress: which condition runs, without its numbers
+
+
+@pytest.mark.parametrize(("argv", "usage", "meant"), [
+    (["generate", "FOLDER", "a prompt", "--max-tokens", "8"], "usage: modular-decoder generate", "`--max-new-tokens`"),
+    (["plot", "cache", "--max-contxt", "64"], "usage: modular-decoder plot cache", "`--max-context`"),
+    (["reshape", "SRC", "OUT", "--bogus"], "usage: modular-decoder reshape", None),
+])
+def test_an_unknown_option_gets_the_command_s_usage_and_the_option_meant(capsys, argv, usage, meant):
+    """An option the command does not have is refused by the command's own parser (its usage, not the program's),
+    with the closest option it does have, exit 2, before anything runs."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    last = err.strip().splitlines()[-1]
+    unknown = next(arg for arg in argv if arg.startswith("--"))
+    assert last.startswith(f"{usage.removeprefix('usage: ')}: error: unrecognized arguments: {unknown}")
+    assert (meant in last) if meant else "did you mean" not in last

@@ -1,11 +1,12 @@
 """Checkpoints published quantized convert to what transformers computes when it loads them dequantized.
 
-FP8 (DeepSeek-V3, Qwen3 -FP8): tiny transformers models whose linear weights are quantized the way the
+FP8 (DeepSeek-V3, V3.2, Qwen3 -FP8): tiny transformers models whose linear weights are quantized the way the
 published checkpoints store them (`float8_e4m3fn`, one `weight_scale_inv` per 128 x 128 block, per-expert
 files, a `quantization_config` with `quant_method: fp8`), loaded by transformers with
 `FineGrainedFP8Config(dequantize=True)` as the reference: every converted tensor equals the reference's,
 bit for bit, in bf16 (the default) and in float32. MXFP4 (gpt-oss's experts): the reading layer against
-transformers' own dequantization function.
+transformers' own dequantization function and its `Mxfp4Config(dequantize=True)` load, and a tiny gpt-oss folder
+quantized as published converted end to end.
 """
 
 from __future__ import annotations
@@ -182,6 +183,23 @@ def test_other_quantization_methods_are_refused_by_name(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_float8_weights_without_their_scales_are_refused_by_name(tmp_path):
+    """Cast to bf16 without its scale, a float8 weight would load wrong in silence."""
+    src = fp8_folder("qwen3", tmp_path / "src")
+    weights = load_file(src / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight'\] cannot be dequantized: "
+                                         r"`model.layers.1.mlp.down_proj.weight_scale_inv` is missing"):
+        convert(src, tmp_path / "a", progress=False)
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="the config has no `quantization_config` to scale them by"):
+        convert(src, tmp_path / "b", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_mxfp4_experts_equal_transformers_dequantization(dtype):
     """Every byte value of blocks and scales (NaN and infinity where the exponent overflows included): the same
@@ -196,3 +214,90 @@ def test_mxfp4_experts_equal_transformers_dequantization(dtype):
     assert got.shape == reference.shape == (3, 128, 64)
     bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
     assert torch.equal(got.view(bits), reference.view(bits))
+
+
+FP4_CODES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, scales) as gpt-oss publishes its experts: `weight` (E, in, out) as transformers' `GptOssExperts`
+    holds it is stored transposed, (E, out, in / 32, 16) bytes of two E2M1 codes (low nibble first) and (E, out,
+    in / 32) E8M0 exponents, each group of 32 scaled so that its largest |value| fits E2M1's 6."""
+    rows = weight.transpose(1, 2).float()  # (E, out, in)
+    groups = rows.reshape(*rows.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-126) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled.abs()[..., None] - FP4_CODES).abs().argmin(-1) | ((scaled < 0).long() << 3)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # (E, out, G, 16)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def mxfp4_folder(path: Path) -> Path:
+    """A tiny gpt-oss checkpoint with its experts in MXFP4, as the published ones (`quant_method: mxfp4`)."""
+    config = tf.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                             num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64)
+    config.architectures = None
+    torch.manual_seed(0)
+    perturbed(AutoModelForCausalLM.from_config(config)).to(torch.bfloat16).save_pretrained(path)
+    weights = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            weights[name + "_blocks"], weights[name + "_scales"] = quantize_mxfp4(tensor)
+        else:
+            weights[name] = tensor
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    saved = json.loads((path / "config.json").read_text())
+    saved.update(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+        dtype="bfloat16")
+    (path / "config.json").write_text(json.dumps(saved, indent=2))
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_folder_reads_as_transformers_loads_it_dequantized(tmp_path, dtype):
+    """The reading layer over a gpt-oss folder as published: every tensor it yields equals what transformers'
+    `Mxfp4Config(dequantize=True)` load holds, bit for bit (the experts dequantized and transposed)."""
+    from transformers import Mxfp4Config
+
+    from modular_decoder.conversion.sources import dequantized, folder_tensors, quantization_of
+
+    src = mxfp4_folder(tmp_path / "gpt-oss")
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in load_file(src / "model.safetensors")
+    reference = AutoModelForCausalLM.from_pretrained(src, dtype=dtype,
+                                                     quantization_config=Mxfp4Config(dequantize=True)).state_dict()
+    reference = {k: v for k, v in reference.items() if not k.endswith("inv_freq")}
+    read = dequantized(folder_tensors(src), quantization_of(AutoConfig.from_pretrained(src)), dtype, str(src))
+    assert sorted(read) == sorted(reference)
+    for name, tensor in reference.items():
+        got = read[name].read()
+        if "experts" in name and not name.endswith("bias"):
+            assert got.dtype == dtype and tuple(read[name].shape) == tuple(tensor.shape), name
+        assert torch.equal(got.to(tensor.dtype), tensor), name
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_mxfp4_gpt_oss_converts_to_transformers_dequantized_model(tmp_path, dtype):
+    """A gpt-oss folder as published (experts in MXFP4) converts to the tensors of transformers' dequantized load
+    through the family's map, bit for bit, and to its logits."""
+    from transformers import Mxfp4Config
+
+    from modular_decoder import ModularDecoderForCausalLM
+
+    src = mxfp4_folder(tmp_path / "gpt-oss")
+    out = convert(src, tmp_path / "md", dtype=dtype, progress=False)
+    torch_dtype = torch.float32 if dtype else torch.bfloat16  # the default: the checkpoint's compute dtype
+    reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype,
+                                                     quantization_config=Mxfp4Config(dequantize=True)).eval()
+    expected = expected_contract(src, {k: v for k, v in reference.state_dict().items() if not k.endswith("inv_freq")})
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch_dtype and torch.equal(got[name], tensor), name
+    assert "MXFP4 experts" in (out / "README.md").read_text()
+    if dtype == "float32":
+        ids = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90]])
+        ours = ModularDecoderForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-4, rtol=0)

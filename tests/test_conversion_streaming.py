@@ -205,3 +205,25 @@ def test_peak_memory_of_a_1gb_conversion_stays_within_a_shard(scratch, tmp_path)
     assert above < SHARD, f"peak {above / 2**20:.0f} MiB above the baseline"
     converted = tensor_files.folder_layout(scratch / "out" / "big")
     assert len(converted) == 3 + 30 * 9 and sum(t.nbytes for t in converted.values()) == size
+
+
+def test_verify_says_what_memory_it_needs_before_converting(tmp_path, monkeypatch, capsys):
+    """`--verify` holds the source and the converted model in float32 side by side: where the machine's available
+    memory cannot, it is refused before the conversion, with the memory it needs (not after it, out of memory)."""
+    import types
+
+    import psutil
+
+    from modular_decoder.commands import main
+
+    src = save(LlamaConfig(**TINY, num_key_value_heads=2), tmp_path / "llama")
+    parameters = AutoModelForCausalLM.from_pretrained(src).num_parameters()
+    capsys.readouterr()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8 * parameters - 1))
+    assert main(["convert", str(src), str(tmp_path / "out"), "--verify"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: `--verify` loads the source and the converted model side by side in float32")
+    assert f"for {parameters:,} parameters" in error and len(error.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8 * parameters))
+    assert main(["convert", str(src), str(tmp_path / "out"), "--verify"]) == 0

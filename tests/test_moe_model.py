@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # preset -> (transformers family, published total). The totals are those of the family's class on the
 # meta device (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 without its multi-token-prediction layer).
 FAMILY_OF = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe", "deepseek_v2_lite": "deepseek_v2",
-             "deepseek_v3": "deepseek_v3"}
+             "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
 PUBLISHED_TOTALS = {"mixtral": 46_702_792_704, "qwen3_moe": 30_532_122_624, "deepseek_v3": 671_026_404_352}
 # the rounded "active" figures their model cards publish
 PUBLISHED_ACTIVE = {"mixtral": 12.9e9, "qwen3_moe": 3.3e9, "deepseek_v3": 37e9}

@@ -90,6 +90,45 @@ def test_headline_ratios_are_the_json_ratios():
     assert f"| {speed:.2f}x / {memory:.2f}x |" in pages.headline()
 
 
+def _dead_stores(code: str) -> list[str]:
+    """Names a block assigns at its top level and assigns again before reading them: a value a reader is shown
+    and that is thrown away (as `config = preset_config(...)` was, overwritten on the next line)."""
+    import ast
+
+    unread, dead = set(), []
+    for statement in ast.parse(code).body:
+        names = [node for node in ast.walk(statement) if isinstance(node, ast.Name)]
+        unread -= {node.id for node in names if isinstance(node.ctx, ast.Load)}
+        if isinstance(statement, ast.Assign):
+            for target in statement.targets:
+                if isinstance(target, ast.Name):
+                    dead += [target.id] if target.id in unread else []
+                    unread.add(target.id)
+    return dead
+
+
+def test_no_python_block_overwrites_a_value_it_never_read():
+    for block in readme_blocks(README.read_text()):
+        if block.language == "python":
+            assert not _dead_stores(block.code), f"README.md line {block.line}: {_dead_stores(block.code)}"
+
+
+WRITES = [re.compile(r"modular-decoder (?:convert|export|reshape) \S+ (\S+)"), re.compile(r" > (\S+)"),
+          re.compile(r"--out (\S+)"), re.compile(r"save_pretrained\(\"([^\"]+)\"\)"),
+          re.compile(r"\A# run with: .* (\S+\.py)$", re.M)]
+
+
+def test_what_the_readme_writes_in_the_checkout_is_git_ignored():
+    """A new user runs the README in the repository root: the folders and files its commands write do not show up
+    as changes (`git status`)."""
+    written = {match for block in readme_blocks(README.read_text()) if block.skip is None
+               for pattern in WRITES for match in pattern.findall(block.code)}
+    assert {"smollm2", "my-variant", "my-variant-mqa", "calibration.txt"} <= written, written
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *sorted(written)], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    assert set(ignored) == written, f"not git-ignored: {sorted(written - set(ignored))}"
+
+
 def _workdir(tmp_path: Path) -> dict:
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     if not VLLM_PYTHON.exists():  # as tests/test_vllm.py: a missing engine is a broken install, not a pass
@@ -127,6 +166,8 @@ def test_every_readme_block_runs_as_written(tmp_path):
         assert result.returncode == 0, (f"README.md line {block.line} ({block.language}) exited "
                                         f"{result.returncode}:\n{block.code}\n--- stdout\n{result.stdout[-3000:]}"
                                         f"\n--- stderr\n{result.stderr[-5000:]}")
+        if block.language == "python":  # a Python block shows what it made (the compiled snippet printed nothing)
+            assert result.stdout.strip(), f"README.md line {block.line} printed nothing"
         ran.append((block.line, round(time.perf_counter() - start, 1)))
     print("README blocks run (line, seconds):", ran)
     # what the blocks promise to leave behind

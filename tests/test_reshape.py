@@ -312,6 +312,22 @@ BAD = [
 ]
 
 
+def test_reshape_in_python_returns_the_report_when_asked():
+    """`reshape(...)` returns the model as it always did; `with_report=True` returns `(model, report)`, whose
+    records carry the measurement behind "exact" (the CLI's report, without the folder's perplexity): here against
+    the logits of both models on the calibration ids."""
+    source, calibration = tiny_model(num_key_value_heads=2), ids()
+    assert isinstance(reshape(source, calibration, kv_heads=6, progress=False), ModularDecoderForCausalLM)
+    exact, report = reshape(source, calibration, kv_heads=6, progress=False, with_report=True)
+    [record] = report["transformations"]
+    assert record["transformation"] == "kv_heads" and record["measured"]["exact"] is True
+    assert record["measured"]["max_logit_change"] == pytest.approx(max_diff(source, exact.eval(), calibration[:4]),
+                                                                   abs=1e-6)
+    lossy, report = reshape(source, calibration, kv_heads=1, heal_steps=2, progress=False, with_report=True)
+    assert report["transformations"][0]["measured"]["exact"] is False
+    assert report["heal"]["steps"] == 2 and report["heal"]["kl_last"] >= 0
+
+
 @pytest.mark.parametrize(("options", "named"), BAD, ids=[str(o) for o, _ in BAD])
 def test_bad_options_raise_naming_the_option(options, named):
     with pytest.raises(ValueError, match=named):

@@ -35,8 +35,10 @@ from mtp_cases import save_trained_deepseek_v3_with_mtp
 ROOT = Path(__file__).parent.parent
 # Installed releases are kept between runs (a release never changes)
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "modular-decoder-tests"
-# sliding/global layers with QK-norm; MLA with routed experts; DeepSeek Sparse Attention (4 keys kept per query)
-PRESETS = ("gemma3", "deepseek_v3", "deepseek_v32")
+# sliding/global layers with QK-norm; MLA with routed experts; DeepSeek Sparse Attention (4 keys kept per query);
+# attention sinks with windows and gpt-oss's experts; NoPE layers; Gated DeltaNet beside gated full attention with
+# experts
+PRESETS = ("gemma3", "deepseek_v3", "deepseek_v32", "gpt_oss", "smollm3", "qwen3_next")
 IDS = [[3, 1, 4, 1, 5, 9, 2, 6]]
 
 CHILD = textwrap.dedent(
@@ -169,6 +171,34 @@ COMMANDS_CHILD = textwrap.dedent(
         reply = llama.generate(**turn, max_new_tokens=6, do_sample=False)[0, turn["input_ids"].shape[1]:]
     out["reference_completion"] = prompt + tokenizer.decode(completion, skip_special_tokens=True)
     out["reference_reply"] = tokenizer.decode(reply, skip_special_tokens=True)
+    print(json.dumps(out))
+    """
+)
+
+
+# transformers' own hybrid classes on a release beside our converted folder loaded as remote code: logits, greedy
+# tokens (each through its own cache) and a left-padded batch
+HYBRID_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["modular_decoder"] = None
+    target, pairs = sys.argv[1], sys.argv[2:]
+    import torch, transformers
+    from transformers import AutoModelForCausalLM
+    assert transformers.__file__.startswith(target), transformers.__file__
+    ids = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90], [0, 0, 0, 64, 12, 40, 5, 77, 18, 26]])
+    mask = torch.tensor([[1] * 10, [0] * 3 + [1] * 7])
+    greedy = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    out = {"version": transformers.__version__}
+    for source_folder, ours_folder in zip(pairs[::2], pairs[1::2]):
+        source = AutoModelForCausalLM.from_pretrained(source_folder).eval()
+        ours = AutoModelForCausalLM.from_pretrained(ours_folder, trust_remote_code=True).eval()
+        assert "transformers_modules" in type(ours).__module__
+        with torch.no_grad():
+            diff = (source(ids[:1]).logits - ours(ids[:1]).logits).abs().max().item()
+        out[ours_folder] = {"class": type(source).__name__, "max_logit_diff": diff,
+                            "tokens": [m.generate(ids[:1], **greedy)[0].tolist() for m in (source, ours)],
+                            "padded": [m.generate(ids, attention_mask=mask, **greedy).tolist() for m in (source, ours)]}
     print(json.dumps(out))
     """
 )
@@ -331,71 +361,135 @@ def test_saved_folders_run_on_every_supported_transformers(tmp_path):
         assert len(drafts["MTPCandidateGenerator"]) < 2 * 11, version  # 11 drafting steps each without
 
 
-# transformers' own DeepSeek-V3.2 on a release, converted by this package on that release, against ours: logits, a
-# left-padded batch, greedy tokens through each side's own cache, and the export back (bit for bit, loading in the
-# release's class with the same logits). The release names DSA's layer type itself ("deepseek_sparse_attention"
-# on 5.16, "indexed_attention" on 5.25): the export leaves it to the release. transformers' side runs eager: on 5.16
-# its SDPA path adds the boolean mask to the indexer's scores and fills it with a float (so with padding it chooses
-# and attends to masked keys), fixed by 5.25; ours runs SDPA.
-DSA_CHILD = textwrap.dedent(
+# A family's transformers class on a release (a conversion case, weights perturbed), converted by this package on
+# that release, against ours: logits, a left-padded batch, greedy tokens through each side's own cache, and the
+# export back (bit for bit, loading in the release's class with the same logits). transformers' side runs eager;
+# ours its default backend (SDPA). For gpt-oss on a release whose class fixes its SwiGLU (5.16-5.19), the case's
+# own limit is refused by name first, then the fixed one converts.
+FAMILY_CHILD = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    target, root, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    target, root, work, case = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
     import torch, transformers
     from safetensors.torch import load_file
-    from transformers import DeepseekV32ForCausalLM
+    from transformers import AutoModelForCausalLM
     from conversion_cases import CASES, perturbed
     from modular_decoder import ModularDecoderForCausalLM
     from modular_decoder.conversion import convert, export
     assert transformers.__file__.startswith(target), transformers.__file__
+    family, build = CASES[case]
+    config = build()
+    out = {"version": transformers.__version__}
+    if family == "gpt_oss" and "swiglu_limit" not in type(config).__dataclass_fields__:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(work / "fixed")
+        try:
+            convert(work / "fixed", work / "refused", progress=False)
+        except ValueError as error:
+            out["refused"] = str(error)
+        config.swiglu_limit = 7.0
     torch.manual_seed(0)
-    ref = perturbed(DeepseekV32ForCausalLM._from_config(CASES["deepseek_v32-moe"][1](), attn_implementation="eager"))
-    ref.eval()
+    ref = perturbed(AutoModelForCausalLM.from_config(config, attn_implementation="eager")).eval()
     ref.save_pretrained(work / "src")
     convert(work / "src", work / "ours", progress=False)
     ours = ModularDecoderForCausalLM.from_pretrained(work / "ours").eval()
-    export(work / "ours", work / "back", family="deepseek_v32", progress=False)
-    back = DeepseekV32ForCausalLM.from_pretrained(work / "back", attn_implementation="eager").eval()
+    export(work / "ours", work / "back", family=family, progress=False)
+    back = AutoModelForCausalLM.from_pretrained(work / "back", attn_implementation="eager").eval()
     ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
     prompt, prompt_mask = ids[:, 6:14].clone(), mask[:, 6:14].clone()
     prompt_mask[1, :3] = 0
-    greedy = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, attention_mask=prompt_mask)
+    greedy = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, attention_mask=prompt_mask, pad_token_id=0)
     before, after = load_file(work / "src" / "model.safetensors"), load_file(work / "back" / "model.safetensors")
     with torch.no_grad():
-        out = {"version": transformers.__version__, "layer_types": sorted(set(back.config.layer_types)),
-               "logits": (ours(ids).logits - ref(ids).logits).abs().max().item(),
-               "padded": (ours(ids, attention_mask=mask).logits - ref(ids, attention_mask=mask).logits)[:, 4:]
-                         .abs().max().item(),
-               "greedy": torch.equal(ours.generate(prompt, **greedy), ref.generate(prompt, **greedy)),
-               "export": sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before),
-               "exported_logits": (back(ids).logits - ref(ids).logits).abs().max().item()}
+        out.update({"layer_types": sorted(set(back.config.layer_types)),
+                    "logits": (ours(ids).logits - ref(ids).logits).abs().max().item(),
+                    "padded": (ours(ids, attention_mask=mask).logits - ref(ids, attention_mask=mask).logits)[:, 4:]
+                              .abs().max().item(),
+                    "greedy": torch.equal(ours.generate(prompt, **greedy), ref.generate(prompt, **greedy)),
+                    "static": torch.equal(ours.generate(prompt, cache_implementation="static", **greedy),
+                                          ref.generate(prompt, **greedy)),
+                    "export": sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before),
+                    "exported_logits": (back(ids).logits - ref(ids).logits).abs().max().item()})
     print(json.dumps(out))
     """
 )
 
 
-@pytest.mark.slow
-def test_deepseek_v32_matches_transformers_class_on_the_oldest_and_newest_release(tmp_path):
+def _family_on_oldest_and_newest(case: str, tmp_path: Path) -> dict[str, dict]:
+    """{release: what FAMILY_CHILD measured for conversion case `case`} on the oldest and newest release."""
+    results = {}
     for version in _oldest_and_newest():
         target, work = _installed(version), tmp_path / version
         work.mkdir()
         env = {**_child_env(target, work / "modules"),
                "PYTHONPATH": os.pathsep.join(map(str, (target, ROOT, ROOT / "tests")))}
-        result = subprocess.run([sys.executable, "-c", DSA_CHILD, str(target), str(ROOT), str(work)],
+        result = subprocess.run([sys.executable, "-c", FAMILY_CHILD, str(target), str(ROOT), str(work), case],
                                 capture_output=True, text=True, timeout=300, cwd=work, env=env)
         assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
-        child = json.loads(result.stdout.strip().splitlines()[-1])
+        child = results[version] = json.loads(result.stdout.strip().splitlines()[-1])
         assert child["version"] == version
         assert child["logits"] <= 1e-4 and child["padded"] <= 1e-4, child
-        assert child["greedy"] and child["export"] and child["exported_logits"] == 0.0, child
+        assert child["greedy"] and child["static"] and child["export"] and child["exported_logits"] == 0.0, child
+    return results
+
+
+@pytest.mark.slow
+def test_deepseek_v32_matches_transformers_class_on_the_oldest_and_newest_release(tmp_path):
+    """The release names DSA's layer type itself ("deepseek_sparse_attention" on 5.16, "indexed_attention" on
+    5.25): the export leaves it to the release. (On 5.16 transformers' SDPA path adds the boolean mask to the
+    indexer's scores and fills it with a float, so with padding it chooses and attends to masked keys: fixed by
+    5.25, hence its eager side.)"""
+    for child in _family_on_oldest_and_newest("deepseek_v32-moe", tmp_path).values():
         assert len(child["layer_types"]) == 1, child  # the release's own name for a DSA layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gpt_oss", "smollm3-sliding"])
+def test_gpt_oss_and_smollm3_match_their_classes_on_the_oldest_and_newest_release(case, tmp_path):
+    """gpt-oss's sinks, windows, router and clamped SwiGLU experts; SmolLM3's NoPE (and sliding NoPE) layers."""
+    oldest, newest = _family_on_oldest_and_newest(case, tmp_path).values()
+    assert "refused" not in newest, newest  # the newest reads `swiglu_limit` from the config
+    if case == "gpt_oss":  # 5.16.1's class fixes it at 7.0: the case's 0.5 is refused by name
+        assert "swiglu_limit" in oldest["refused"], oldest
 
 
 def _oldest_and_newest() -> list[str]:
     return [MIN_TRANSFORMERS, str(max(_releases()))]
+
+
+@pytest.mark.slow
+def test_hybrid_folders_match_transformers_classes_on_the_oldest_and_newest(tmp_path):
+    """Qwen3-Next and Qwen3.5 checkpoints made by transformers' own classes, converted here, loaded with
+    `trust_remote_code` on the oldest and the newest release beside that release's `Qwen3NextForCausalLM` /
+    `Qwen3_5ForCausalLM`: the same logits, greedy tokens and left-padded batch on each."""
+    from conversion_cases import CASES, perturbed
+    from transformers import AutoModelForCausalLM
+
+    from modular_decoder.conversion import convert
+
+    folders = []
+    for case in ("qwen3_next", "qwen3_5_text"):
+        config = CASES[case][1]()
+        config.architectures = None
+        torch.manual_seed(0)
+        perturbed(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path / case)
+        convert(tmp_path / case, tmp_path / f"{case}-ours", progress=False)
+        folders += [str(tmp_path / case), str(tmp_path / f"{case}-ours")]
+    for version in _oldest_and_newest():
+        target = _installed(version)
+        result = subprocess.run([sys.executable, "-c", HYBRID_CHILD, str(target), *folders], capture_output=True,
+                                text=True, timeout=300, cwd=tmp_path, env=_child_env(target, tmp_path / f"m-{version}"))
+        assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
+        child = json.loads(result.stdout.strip().splitlines()[-1])
+        assert child["version"] == version
+        for ours in folders[1::2]:
+            got = child[ours]
+            assert got["class"] in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"), got["class"]
+            assert got["max_logit_diff"] <= 1e-5, (version, ours, got["max_logit_diff"])
+            assert got["tokens"][0] == got["tokens"][1] and got["padded"][0] == got["padded"][1], (version, ours)
 
 
 @pytest.mark.slow

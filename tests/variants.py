@@ -97,6 +97,16 @@ AXES: dict[str, dict[str, dict]] = {
         "mixed_local_base": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                  local_rope_theta=100.0),
     },
+    # the token mixer of the second layer: attention, attention with the output gate, or Gated DeltaNet (its
+    # sizes derived, or explicit with grouped value heads and a 3-tap convolution) after an attention layer
+    "mixer": {
+        "attention": {},
+        "gated_attention": dict(attn_output_gate=True),
+        "linear": dict(second_layer="linear_attention"),
+        "linear_gva_gated": dict(second_layer="linear_attention", attn_output_gate=True, linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                                 linear_conv_kernel_dim=3),
+    },
     "ends": {
         "tied": dict(tie_word_embeddings=True),
         "untied": dict(tie_word_embeddings=False),
@@ -126,6 +136,10 @@ def build(choice: dict[str, str]) -> ModularDecoderConfig:
     fields = dict(BASE)
     for axis, value in choice.items():
         fields.update(AXES[axis][value])
+    second = fields.pop("second_layer", None)
+    if second is not None:
+        window = "sliding_attention" if fields.get("sliding_window") else "full_attention"
+        fields["layer_types"] = [(fields.get("layer_types") or [window] * 2)[0], second]
     theta = fields.pop("local_rope_theta", None)
     if theta is not None:
         global_params = fields["rope_parameters"]

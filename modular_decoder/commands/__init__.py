@@ -84,6 +84,27 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` chose (`plot cache`'s, not `plot`'s or the program's)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return chosen_parser(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
+def suggestion(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """` (did you mean `--max-new-tokens`?)` for the first unknown option close to one of `parser`'s, else ''."""
+    import difflib
+
+    options = [flag for action in parser._actions for flag in action.option_strings]
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean `{close[0]}`?)"
+    return ""
+
+
 def option_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Each option's destination -> its action, through nested subcommands (`plot cache`, ...)."""
     flags = {}
@@ -118,7 +139,11 @@ def in_flags(message: str, flags: dict[str, argparse.Action]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status (2 for a user error, 130 when interrupted)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the command's own parser: its usage, and the option meant where one is close
+        command = chosen_parser(parser, args)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{suggestion(unknown, command)}")
     verbose = args.traceback or os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no")
     try:
         return int(importlib.import_module(args._module).run(args) or 0)

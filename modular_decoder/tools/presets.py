@@ -142,6 +142,46 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=False, mlp_type="moe", first_dense_layers=3, num_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=2048, n_shared_experts=1, router_type="sigmoid_topk", n_group=8, topk_group=4,
         routed_scaling_factor=2.5, norm_topk_prob=True, router_aux_loss_coef=0.001),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (48 layers, three Gated DeltaNet for each full-attention layer;
+    # zero-centred norms; full layers with per-head QK-norm, the output gate and a quarter of each head rotated; 512
+    # experts, top-10, plus one gated shared expert; the multi-token-prediction module is not part of the model)
+    "qwen3_next": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, max_position_embeddings=262144, norm_eps=1e-6, norm_unit_offset=True,
+        qk_norm="head", attn_output_gate=True, partial_rotary_factor=0.25,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0}, tie_word_embeddings=False,
+        full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, mlp_type="moe", num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, n_shared_experts=1, shared_expert_intermediate_size=512, shared_expert_gate=True,
+        norm_topk_prob=True, router_aux_loss_coef=0.001),
+    # Qwen/Qwen3.5-27B config.json, its `text_config` (64 layers, three Gated DeltaNet for each full-attention layer,
+    # 48 value heads on 16 key heads; dense SwiGLU; the vision tower and the multi-token-prediction module are not
+    # part of the model)
+    "qwen3_5": dict(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=262144, norm_eps=1e-6, norm_unit_offset=True,
+        qk_norm="head", attn_output_gate=True, partial_rotary_factor=0.25,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0}, tie_word_embeddings=False,
+        full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    # openai/gpt-oss-20b config.json (24 layers, sliding (128) and full alternating from a sliding one; 64 query heads
+    # of 64 over 8 K/V heads with biases and a sink per head; YaRN x32 from 4,096; 32 experts of width 2,880 in every
+    # layer, a biased router keeping the top 4 logits and softmaxing over them, experts with biases and the SwiGLU
+    # clamped at 7.0; `router_aux_loss_coef` 0.9; its experts are published in MXFP4)
+    "gpt_oss": dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, norm_eps=1e-5, attention_bias=True,
+        attention_sinks=True, sliding_window=128, sliding_window_pattern=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        tie_word_embeddings=False, mlp_type="moe", num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+        router_type="topk_softmax", router_bias=True, mlp_bias=True, swiglu_limit=7.0, router_aux_loss_coef=0.9),
+    # HuggingFaceTB/SmolLM3-3B config.json (Llama's layout, GQA 16 / 4, NoPE every fourth layer: `no_rope_layers`
+    # 1, 1, 1, 0, ...; no sliding window)
+    "smollm3": dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536, norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}, tie_word_embeddings=True,
+                    no_rope_interval=4),
 }
 
 # deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3's, with DeepSeek Sparse Attention, a lightning indexer of
@@ -167,6 +207,16 @@ def _layer_types(num_layers: int, pattern: int | None, sliding_window: int | Non
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
 
 
+def _hybrid_layer_types(num_layers: int, interval: int) -> list[str]:
+    """Qwen3-Next's `full_attention_interval`: every `interval`-th layer full attention, the others linear."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+def _no_rope_layers(num_layers: int, interval: int | None) -> list[int] | None:
+    """SmolLM3's `no_rope_layer_interval`: every `interval`-th layer NoPE (0), the rest RoPE (1)."""
+    if interval is None:
+        return None
+    return [int((i + 1) % interval != 0) for i in range(num_layers)]
+
+
 def _mlp_layer_types(num_layers: int, first_dense: int | None) -> list[str] | None:
     """DeepSeek's `first_k_dense_replace`: the first layers dense, the rest sparse."""
     if first_dense is None:
@@ -177,13 +227,16 @@ def _mlp_layer_types(num_layers: int, first_dense: int | None) -> list[str] | No
 def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderConfig:
     """The contract of preset `name`; `tiny=True` keeps every switch and shrinks the sizes
     (2 layers, d=64, 4 heads keeping MHA / GQA / MQA, vocabulary 128; MLA widths of a 64-wide model and a DSA
-    indexer of 8 heads of 16 keeping 4 keys per query;
-    8 experts of width 32, top-2, one dense layer first where the preset has dense layers)."""
+    indexer of 8 heads of 16 keeping 4 keys per query; 8 experts of width 32, top-2, one dense layer first where
+    the preset has dense layers; NoPE on the second layer where the preset has NoPE layers; a hybrid's
+    linear-attention layer then its full layer, with 2 key heads of 16)."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
     fields = dict(PRESETS[name])
     pattern = fields.pop("sliding_window_pattern", None)
     first_dense = fields.pop("first_dense_layers", None)
+    interval = fields.pop("full_attention_interval", None)
+    no_rope_interval = fields.pop("no_rope_interval", None)
     if tiny:
         heads, kv = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
         fields.update(TINY, num_attention_heads=4, num_key_value_heads=4 if kv == heads else (1 if kv == 1 else 2))
@@ -200,18 +253,31 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields.update(TINY_MLA, q_lora_rank=None if fields["q_lora_rank"] is None else 48)
             if fields["attention_type"] == "dsa":
                 fields.update(TINY_INDEXER)
-            if fields["rope_parameters"].get("original_max_position_embeddings"):  # scaled range still reached
-                fields["rope_parameters"] = dict(fields["rope_parameters"], original_max_position_embeddings=32,
-                                                 factor=TINY["max_position_embeddings"] / 32)
+        if (fields.get("rope_parameters") or {}).get("original_max_position_embeddings"):  # scaled range still reached
+            fields["rope_parameters"] = dict(fields["rope_parameters"], original_max_position_embeddings=32,
+                                             factor=TINY["max_position_embeddings"] / 32)
         if fields.get("mlp_type") == "moe":
             fields.update(TINY_MOE)
             if fields.get("n_group", 1) > 1:
                 fields.update(n_group=4, topk_group=2)
         if first_dense:
             first_dense = 1
+        if interval is not None:  # one linear and one full layer; 2 key heads, value heads in the preset's ratio
+            interval = 2
+            ratio = fields["linear_num_value_heads"] // fields["linear_num_key_heads"]
+            fields.update(linear_num_key_heads=2, linear_num_value_heads=2 * ratio, linear_key_head_dim=16,
+                          linear_value_head_dim=16)
+        if fields.get("shared_expert_intermediate_size"):
+            fields["shared_expert_intermediate_size"] = TINY_MOE["moe_intermediate_size"]
+        if no_rope_interval is not None:
+            no_rope_interval = 2
     fields.update(overrides)
     if "layer_types" not in overrides:
         fields["layer_types"] = _layer_types(fields["num_hidden_layers"], pattern, fields.get("sliding_window"))
+        if interval is not None:
+            fields["layer_types"] = _hybrid_layer_types(fields["num_hidden_layers"], interval)
     if "mlp_layer_types" not in overrides:
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
+    if "no_rope_layers" not in overrides:
+        fields["no_rope_layers"] = _no_rope_layers(fields["num_hidden_layers"], no_rope_interval)
     return ModularDecoderConfig(**fields)

@@ -206,6 +206,8 @@ def _component(name: str) -> str:
         return "final_norm"
     if ".self_attn." in name:
         return "attention"
+    if ".linear_attn." in name:
+        return "linear_attention"
     if ".mlp." in name:
         return "mlp"
     return "block_norms"
@@ -324,21 +326,36 @@ def _check_causality(ctx: _Context) -> str:
         raise CheckFailed(", ".join(measured), "with left padding, pad or future tokens reached earlier positions")
 
     # packed documents: positions restart, no mask; a document sees nothing of the one before it
+    measured.append(_packed_documents(ctx, ids, measured))
+    if "sliding_attention" in config.layer_types:
+        measured.append(_sliding_windows(ctx))
+    return ", ".join(measured)
+
+
+def _packed_documents(ctx: _Context, ids: torch.Tensor, measured: list[str]) -> str:
+    """Two documents packed in one row (positions restarting, no mask): the second sees nothing of the first. With
+    linear-attention layers, whose state would cross documents, the model must refuse them instead."""
+    seq, config = ctx.seq_len, ctx.config
     first = seq // 2
     position_ids = torch.cat([torch.arange(first), torch.arange(seq - first)]).unsqueeze(0).to(ctx.device)
+    if config.linear_attention_kind.in_use(config):
+        try:
+            ctx.logits(ids[:1], position_ids=position_ids, use_cache=False)
+        except ValueError as error:
+            if "position_ids" not in str(error):
+                raise
+            return "packed documents refused (linear attention)"
+        raise CheckFailed(", ".join(measured), "packed documents ran through linear-attention layers")
     packed = ctx.logits(ids[:1], position_ids=position_ids, use_cache=False)
     alone = ctx.logits(ids[:1, first:], use_cache=False)
     other = ctx.logits(ctx.perturbed(ids[:1], 0, first), position_ids=position_ids, use_cache=False)
     leak = _max_diff(packed[:, first:], other[:, first:])
     match = _max_diff(packed[:, first:], alone)
     tolerance, _ = ctx.rounding_tolerance(ids[:1, first:], alone)
-    measured.append(f"packed leak {leak:.1e}, vs alone {match:.1e} (tol {tolerance:.1e})")
+    result = f"packed leak {leak:.1e}, vs alone {match:.1e} (tol {tolerance:.1e})"
     if leak > 0 or match > tolerance:
-        raise CheckFailed(", ".join(measured), "a packed document saw the document before it")
-
-    if "sliding_attention" in config.layer_types:
-        measured.append(_sliding_windows(ctx))
-    return ", ".join(measured)
+        raise CheckFailed(", ".join([*measured, result]), "a packed document saw the document before it")
+    return result
 
 
 def _repad(ctx: _Context, ids: torch.Tensor, pad: int, seq: int) -> torch.Tensor:

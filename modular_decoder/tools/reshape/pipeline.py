@@ -24,6 +24,8 @@ def check_options(config, *, kv_heads=None, kv_pool="mean", attention=None, kv_l
                   needs_calibration_ids=True) -> None:
     """Refuse bad options before any work: a `ValueError` naming the option. Checks each transformation's
     options against `config` as it will be when that transformation runs."""
+    if config.linear_attention_kind.in_use(config):  # every transformation reads each layer's `self_attn`
+        raise ValueError("reshape does not transform models with 'linear_attention' layers (`layer_types`) yet.")
     _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks)
     if not any(value is not None for value in (kv_heads, attention, experts, drop_layers, add_mtp)):
         raise ValueError("Nothing to do: pass at least one of `kv_heads`, `attention`, `experts`, `drop_layers`, "
@@ -137,8 +139,9 @@ def to_latent_attention(model, kv_lora_rank: int, rope_dim: int | None, calibrat
 
 
 def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_steps: int = 0,
-            heal_lr: float = LEARNING_RATE, progress: bool = True, **options) -> torch.nn.Module:
-    """A new model at another point of the design space, from a trained `ModularDecoderForCausalLM`.
+            heal_lr: float = LEARNING_RATE, progress: bool = True, with_report: bool = False, **options):
+    """A new model at another point of the design space, from a trained `ModularDecoderForCausalLM`; with
+    `with_report=True`, `(model, report)`.
 
     Args:
         model: The source; left unchanged (the result shares no tensor with it).
@@ -152,16 +155,24 @@ def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_step
             self-distillation from the result's own predictions (the result's other parameters untouched by it).
         heal_steps: AdamW steps distilling `model` into the changed modules on `calibration_ids`.
         seed: Seeds the router rows and `kv_pool="random"`.
+        with_report: Also return the report: `{"transformations": [...]}` as `reshape_folder` writes them (what
+            each keeps and approximates and, given `calibration_ids`, `measured`: how far it moved the logits on
+            them and whether that is rounding, `"exact"`), and with `heal_steps` `{"heal": {"steps", "kl_first",
+            "kl_last"}}`. Perplexity and cache bytes are `reshape_folder`'s (or `measure(model, ids)`).
 
     Raises `ValueError` naming the option for what a transformation cannot do.
     """
     check_options(model.config, heal_steps=heal_steps, heal_lr=heal_lr, calibration_ids=calibration_ids, **options)
-    new, changes = transform(model, calibration_ids, progress=progress, **options)
+    measure_ids = calibration_ids if with_report else None
+    new, changes = transform(model, calibration_ids, progress=progress, measure_ids=measure_ids, **options)
+    report = {"transformations": [change.as_dict() for change in changes]}
     if heal_steps and changed_modules(changes):
-        heal(new, model, calibration_ids, heal_steps, changed_modules(changes), heal_lr, progress)
+        losses = heal(new, model, calibration_ids, heal_steps, changed_modules(changes), heal_lr, progress)
+        report["heal"] = {"steps": heal_steps, "learning_rate": heal_lr, "kl_first": losses[0], "kl_last": losses[-1]}
     if options.get("add_mtp"):
-        train_mtp(new, calibration_ids, heal_steps, heal_lr, progress)
-    return new
+        losses = train_mtp(new, calibration_ids, heal_steps, heal_lr, progress)
+        report["mtp"] = {"steps": heal_steps, "learning_rate": heal_lr, "kl_first": losses[0], "kl_last": losses[-1]}
+    return (new, report) if with_report else new
 
 
 def changed_modules(changes: list[Change]) -> list[str]:

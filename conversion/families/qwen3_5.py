@@ -1,0 +1,35 @@
+"""Qwen3.5's text model (`Qwen3_5ForCausalLM`, `model_type="qwen3_5_text"`): Qwen3-Next's layout (Gated DeltaNet
+layers beside gated full attention, zero-centred RMSNorms) with dense gated MLPs and the linear layers' projections
+stored separately (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`: the contract's own names).
+
+Its rotary embedding is multimodal (sections of the rotated width follow time, height and width positions); for
+text the three positions are equal, which makes it plain partial RoPE, so the section keys
+(`mrope_section`, `mrope_interleaved`) are dropped on the way in and left to Qwen3.5's defaults on the way out.
+"""
+
+from __future__ import annotations
+
+from transformers import Qwen3_5TextConfig
+
+from ..core import Family
+from .common import rope, source_rope, source_sizes
+from .qwen3_next import REFUSED, hybrid_fields, hybrid_rules, source_linear_fields
+
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def to_contract(src) -> dict:
+    fields = hybrid_fields(src)
+    fields["rope_parameters"] = {k: v for k, v in rope(src)["rope_parameters"].items() if k not in MROPE_KEYS}
+    return dict(fields, mlp_type="gated")
+
+
+def from_contract(cfg) -> Qwen3_5TextConfig:
+    return Qwen3_5TextConfig(
+        **source_sizes(cfg), rms_norm_eps=cfg.norm_eps, hidden_act=cfg.hidden_act, attention_bias=cfg.attention_bias,
+        layer_types=cfg.layer_types, rope_parameters=source_rope(cfg), **source_linear_fields(cfg),
+    )
+
+
+FAMILY = Family("qwen3_5_text", to_contract, from_contract, lambda src: hybrid_rules(fused=False), "model.",
+                Qwen3_5TextConfig, refused=dict(REFUSED))

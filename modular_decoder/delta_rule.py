@@ -1,0 +1,180 @@
+"""The gated delta rule (Gated DeltaNet, https://arxiv.org/abs/2412.06464) and its short causal convolution:
+PyTorch reference kernels and the dispatch to the GPU kernel libraries.
+
+Per value head, with an L2-normalised key k_t and query q_t (scaled by d_k^-1/2), a decay α_t = exp(g_t) in
+(0, 1] and a write strength β_t in (0, 1), the state S (d_k x d_v) evolves as
+
+    S_t = α_t · S_{t-1} + β_t · k_t ⊗ (v_t - α_t · S_{t-1}ᵀ k_t)        o_t = S_tᵀ q_t
+
+Two ways to compute it, equal within fp32 rounding (both in fp32, as transformers' reference does):
+
+* `recurrent_gated_delta_rule`: token by token (a decode step, one token against the cached state);
+* `chunked_gated_delta_rule`: chunks of `CHUNK_SIZE` tokens; inside a chunk the updates are condensed by the
+  WY / UT transform into (C x C) triangular systems, across chunks the state is carried. Memory and work are
+  O(T·C) per head: no (query x key) matrix over the whole sequence is ever built.
+
+Where `flash-linear-attention` (`fla`) and `causal-conv1d` import and the tensors sit on a device they support,
+`kernels_for` returns their fused kernels instead (the GPU path; transformers' own availability checks decide);
+otherwise the PyTorch functions here run. The GPU kernels were not run on this project's CPU-only machines: their
+dispatch is tested there with stand-ins.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# Tokens per chunk of the chunked rule (transformers' and fla's default)
+CHUNK_SIZE = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σx² + eps) over the last dim (fla's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _heads_first_fp32(query, key, value, g, beta):
+    """(B, T, H, D) -> (B, H, T, D) in fp32, q/k repeated to the value heads (each q/k head serves
+    H_v / H_k consecutive value heads), q and k L2-normalised and q scaled by d_k^-1/2."""
+    groups = value.shape[2] // key.shape[2]
+    if groups > 1:
+        query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
+    query, key, value, g, beta = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                                  for x in (query, key, value, g, beta))
+    query, key = l2norm(query), l2norm(key)
+    return query * query.shape[-1] ** -0.5, key, value, g, beta
+
+
+def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None):
+    """The rule token by token. query/key (B, T, H_k, d_k), value (B, T, H_v, d_v), g/beta (B, T, H_v),
+    initial_state (B, H_v, d_k, d_v) or None. Returns the output (B, T, H_v, d_v) in value's dtype and the
+    final state (B, H_v, d_k, d_v) in fp32."""
+    dtype = value.dtype
+    q, k, v, g, beta = _heads_first_fp32(query, key, value, g, beta)
+    batch, heads, length, _ = v.shape
+    state = (torch.zeros(batch, heads, k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
+             if initial_state is None else initial_state.to(torch.float32))
+    out = torch.empty_like(v)
+    for t in range(length):
+        state = state * g[:, :, t].exp()[..., None, None]
+        remembered = (state * k[:, :, t, :, None]).sum(dim=-2)  # (B, H, d_v): what the state recalls for k_t
+        delta = (v[:, :, t] - remembered) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        out[:, :, t] = (state * q[:, :, t, :, None]).sum(dim=-2)
+    return out.transpose(1, 2).contiguous().to(dtype), state
+
+
+def chunked_gated_delta_rule(query, key, value, g, beta, initial_state=None, chunk_size: int = CHUNK_SIZE):
+    """The rule by chunks of `chunk_size` tokens (arguments and results as `recurrent_gated_delta_rule`).
+
+    Within a chunk, with cumulative log-decays γ, the pairwise decays D_ij = exp(γ_i - γ_j) (i >= j) turn the
+    chunk's sequential updates into one unit lower-triangular system (I + tril(β k kᵀ ∘ D, -1)) [U W] =
+    [β v, β k ∘ exp(γ)], solved once for both right-hand sides; the chunk's output is its read of the carried
+    state plus the causal (q kᵀ ∘ D) product with the corrected values, and the state moves on by one product.
+    """
+    dtype = value.dtype
+    q, k, v, g, beta = _heads_first_fp32(query, key, value, g, beta)
+    batch, heads, length, d_v = v.shape
+    d_k = k.shape[-1]
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    if pad:  # zero tokens at the end: no write (β = 0), no decay (g = 0); their outputs are dropped
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    chunks = (length + pad) // chunk_size
+    q, k, v = (x.reshape(batch, heads, chunks, chunk_size, x.shape[-1]) for x in (q, k, v))
+    g, beta = (x.reshape(batch, heads, chunks, chunk_size) for x in (g, beta))
+
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).triu(1)
+    gamma = g.cumsum(dim=-1)  # (B, H, N, C): log-decay from the chunk's start
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(upper, float("-inf")).exp()  # (B, H, N, C, C)
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its strict lower triangle; the diagonal is taken as 1
+    rhs = torch.cat((v * beta[..., None], k_beta * gamma.exp()[..., None]), dim=-1)  # (B, H, N, C, d_v + d_k)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    new_values, decayed_keys = solved.split((d_v, d_k), dim=-1)
+    inner = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C), causal within the chunk
+    q = q * gamma.exp()[..., None]
+    k = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
+
+    state = (torch.zeros(batch, heads, d_k, d_v, dtype=torch.float32, device=v.device)
+             if initial_state is None else initial_state.to(torch.float32))
+    out = torch.empty_like(new_values)
+    for n in range(chunks):
+        corrected = new_values[:, :, n] - decayed_keys[:, :, n] @ state  # (B, H, C, d_v)
+        out[:, :, n] = q[:, :, n] @ state + inner[:, :, n] @ corrected
+        state = state * chunk_decay[:, :, n] + k[:, :, n].transpose(-1, -2) @ corrected
+    out = out.reshape(batch, heads, -1, d_v)[:, :, :length]
+    return out.transpose(1, 2).contiguous().to(dtype), state
+
+
+def causal_conv1d(x: torch.Tensor, conv: torch.nn.Conv1d, activation: Callable) -> torch.Tensor:
+    """activation(depthwise causal conv) of x (B, C, T) through the module `conv` (padding K - 1 on both sides:
+    the first T outputs are the causal ones), so hooks and adapters on it run."""
+    return activation(conv(x)[..., : x.shape[-1]])
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The functions a Gated DeltaNet layer computes with on one device (see `kernels_for`)."""
+
+    chunked: Callable = chunked_gated_delta_rule
+    recurrent: Callable = recurrent_gated_delta_rule
+    conv: Callable | None = None  # causal-conv1d's `causal_conv1d_fn`: (x, weight, bias, activation) -> out
+    conv_update: Callable | None = None  # its `causal_conv1d_update`: (x, state, weight, bias, activation)
+    name: str = "torch"
+
+
+TORCH_KERNELS = Kernels()
+# The devices the GPU libraries run on (transformers' `_PACKAGE_SUPPORTED_DEVICES` names the same)
+_FLA_DEVICES = ("cuda", "xpu")
+_CAUSAL_CONV1D_DEVICES = ("cuda",)
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """The kernels for tensors on `device`: fla's chunked and fused recurrent gated delta rule and causal-conv1d's
+    convolutions where transformers says they are available (`is_flash_linear_attention_available`,
+    `is_causal_conv1d_available`) and `device` is one they run on; the PyTorch functions otherwise."""
+    return _kernels_for(device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_for(device_type: str) -> Kernels:
+    from .compat import causal_conv1d_kernels, flash_linear_attention_kernels
+
+    chunked = recurrent = conv = conv_update = None
+    names = []
+    if device_type in _FLA_DEVICES and (fla := flash_linear_attention_kernels()) is not None:
+        chunked, recurrent = _fla_rule(fla[0]), _fla_rule(fla[1])
+        names.append("fla")
+    if device_type in _CAUSAL_CONV1D_DEVICES and (conv1d := causal_conv1d_kernels()) is not None:
+        conv, conv_update = conv1d
+        names.append("causal-conv1d")
+    return Kernels(chunked or chunked_gated_delta_rule, recurrent or recurrent_gated_delta_rule, conv, conv_update,
+                   "+".join(names) or "torch")
+
+
+def _fla_rule(kernel: Callable) -> Callable:
+    """An fla gated-delta-rule kernel behind this module's signature: q/k repeated to the value heads first (every
+    fla release since transformers' minimum takes equal head counts), L2 norm inside the kernel, the state in
+    fp32 and the output in value's dtype."""
+
+    def rule(query, key, value, g, beta, initial_state=None):
+        groups = value.shape[2] // key.shape[2]
+        if groups > 1:
+            query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
+        query, key, value, g, beta = (x.contiguous() for x in (query, key, value, g, beta))  # views of one projection
+        out, state = kernel(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+        return out.to(value.dtype), state.to(torch.float32)
+
+    rule.__name__ = kernel.__name__
+    return rule
+
+
+__all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "chunked_gated_delta_rule", "causal_conv1d", "kernels_for",
+           "l2norm", "recurrent_gated_delta_rule"]
