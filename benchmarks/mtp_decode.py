@@ -21,6 +21,7 @@ acceptance follow. `--smoke`: tiny random shapes, a few training steps.
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -37,6 +38,7 @@ PROMPTS = {
     "story": "Once upon a time, in a small village at the edge of a forest, there lived a",
     "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
 }
+TRAINING_RECORD = "mtp_training.json"
 PROMPT_LOOKUP_TOKENS = 3
 EARLY_EXIT_LAYER = 12
 
@@ -55,16 +57,24 @@ def mtp_model(base, args):
         for name, tensor in model.state_dict().items():
             if not name.startswith("mtp.") and not torch.equal(tensor, theirs[name]):
                 raise ValueError(f"--mtp {args.mtp}: `{name}` is not SmolLM2's (the MTP model must keep the base).")
-        return model, {"folder": str(args.mtp), "num_mtp_layers": model.config.num_mtp_layers}
+        record = Path(args.mtp) / TRAINING_RECORD  # written by --save-mtp; a reshape folder has its report
+        if not record.exists():
+            record = Path(args.mtp) / "reshape_report.json"
+        made = json.loads(record.read_text()) if record.exists() else {}
+        return model, {**made, "folder": str(args.mtp), "num_mtp_layers": model.config.num_mtp_layers}
     start = time.process_time()
-    calibration = sampled_calibration(base, seed=0, sequences=args.train_sequences, held_out=2,
+    calibration = sampled_calibration(base, seed=0, sequences=args.train_sequences, held_out=4,
                                       length=16 if args.smoke else 128)
     model, _ = add_mtp_modules(base, args.modules)
     losses = train_mtp(model, calibration.ids, args.train_steps, args.train_lr)
-    return model, {"trained_here": True, "num_mtp_layers": args.modules, "steps": args.train_steps,
-                   "learning_rate": args.train_lr, "sequences": args.train_sequences,
-                   "kl_first": losses[0], "kl_last": losses[-1], "cpu_seconds": time.process_time() - start,
-                   "top1_agreement": agreement(model, calibration.held_out)}
+    made = {"trained_here": True, "num_mtp_layers": args.modules, "steps": args.train_steps,
+            "learning_rate": args.train_lr, "sequences": args.train_sequences, "kl_first": losses[0],
+            "kl_last": losses[-1], "kl_every_50": losses[::50], "cpu_seconds": time.process_time() - start,
+            "top1_agreement": agreement(model, calibration.held_out)}
+    if args.save_mtp is not None:  # for later runs (--mtp): the model and how it was made
+        model.save_pretrained(args.save_mtp)
+        (Path(args.save_mtp) / TRAINING_RECORD).write_text(json.dumps(made, indent=1) + "\n")
+    return model, made
 
 
 def cases(reference, ours, with_mtp) -> dict:
@@ -164,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, default=200)
     parser.add_argument("--train-lr", type=float, default=1e-3)
     parser.add_argument("--train-sequences", type=int, default=16)
+    parser.add_argument("--save-mtp", type=Path, help="without --mtp: save the model trained here to this folder")
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     if args.smoke:

@@ -514,8 +514,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
             if self.mtp is not None:
-                mtp_loss = self._mtp_loss(outputs.last_hidden_state, input_ids, inputs_embeds, attention_mask,
-                                          position_ids, labels, **kwargs)
+                mtp_loss = self.mtp.training_loss(self, outputs.last_hidden_state, input_ids, inputs_embeds,
+                                                  attention_mask, position_ids, labels, **kwargs)
                 loss = loss + self.config.mtp_loss_scaling_factor * mtp_loss.to(loss.device)
         if output_router_logits and outputs.router_logits:  # a model without routers records none
             router_loss, aux_loss, z_loss = self._router_losses(outputs, attention_mask, past_seen)
@@ -542,24 +542,6 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         return logits
-
-    def _mtp_loss(self, hidden, input_ids, inputs_embeds, attention_mask, position_ids, labels, **kwargs):
-        """The MTP modules' loss over this forward's tokens (no cache): their inputs are the token embeddings and
-        the positions the base model read (positions given without a mask may mark packed documents)."""
-        token_embeds = self._mtp_token_embeds(input_ids) if inputs_embeds is None else inputs_embeds
-        packed = position_ids is not None
-        if position_ids is None:
-            position_ids = self.model._default_position_ids(token_embeds, attention_mask, 0)
-        loss_kwargs = {k: v for k, v in kwargs.items() if k == "num_items_in_batch"}
-        return self.mtp.loss(self, hidden, token_embeds, labels, attention_mask, position_ids, packed, **loss_kwargs)
-
-    def _mtp_token_embeds(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The MTP modules' token input: the model's embedding table (times `embedding_multiplier`), without
-        positions or an embedding norm, as transformers' `MtpModel` reads the input embeddings."""
-        embeds = self.model._embed_tokens(input_ids)
-        if self.config.embedding_multiplier != 1.0:
-            embeds = embeds * torch.tensor(self.config.embedding_multiplier, dtype=embeds.dtype)
-        return embeds
 
     def _mtp_block_kwargs(self, depth: int, token_embeds, position_ids, attention_mask, cache, packed: bool) -> dict:
         """What MTP block `depth` takes beside its input (all are of the last layer's type): that type's mask and

@@ -73,6 +73,16 @@ class MultiTokenPredictor(nn.Module):
         self.layer_type = self.block_config.layer_types[-1]
         self.layers = nn.ModuleList(MtpLayer(config, self.block_config, k) for k in range(config.num_mtp_layers))
 
+    def training_loss(self, model, hidden, input_ids, inputs_embeds, attention_mask, position_ids, labels, **kwargs):
+        """`loss` over the tokens of a forward of `model` (no cache): the modules read the token embeddings and the
+        positions the base model read (positions given without a mask may mark packed documents)."""
+        token_embeds = token_embeddings(model, input_ids) if inputs_embeds is None else inputs_embeds
+        packed = position_ids is not None
+        if position_ids is None:
+            position_ids = model.model._default_position_ids(token_embeds, attention_mask, 0)
+        loss_kwargs = {k: v for k, v in kwargs.items() if k == "num_items_in_batch"}
+        return self.loss(model, hidden, token_embeds, labels, attention_mask, position_ids, packed, **loss_kwargs)
+
     def depths(self, model, hidden: torch.Tensor, token_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
                position_ids: torch.Tensor, packed: bool):
         """Each module's output over the whole sequence (no cache), in order: module k reads the previous one's
@@ -107,6 +117,15 @@ class MultiTokenPredictor(nn.Module):
         return torch.stack(losses).mean()
 
 
+def token_embeddings(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The modules' token input: the model's embedding table (times `embedding_multiplier`), without positions or an
+    embedding norm, as transformers' `MtpModel` reads the input embeddings."""
+    embeds = model.model._embed_tokens(input_ids)
+    if model.config.embedding_multiplier != 1.0:
+        embeds = embeds * torch.tensor(model.config.embedding_multiplier, dtype=embeds.dtype)
+    return embeds
+
+
 def _shifted(tensor: torch.Tensor, places: int, fill=0) -> torch.Tensor:
     """`tensor` moved `places` positions back along dim 1 (position i holds what was at i + places), the end filled."""
     pad = tensor.new_full((tensor.shape[0], min(places, tensor.shape[1]), *tensor.shape[2:]), fill)
@@ -134,7 +153,7 @@ class MtpDrafter:
         hidden = last_hidden_states
         tokens, token_logits = [], []
         for depth, layer in enumerate(self.mtp.layers):
-            embeds = model._mtp_token_embeds(input_ids)
+            embeds = token_embeddings(model, input_ids)
             # batch 1 without padding (assisted decoding refuses more), as transformers builds these masks
             block_kwargs = model._mtp_block_kwargs(depth, embeds, position_ids, None, mtp_cache, False)
             hidden = layer(embeds, hidden, **block_kwargs)

@@ -111,3 +111,71 @@ def save_trained_deepseek_v3_with_mtp(root, num_mtp_layers: int = 1, steps: int 
     model.config.mtp_loss_scaling_factor = 0.1
     model.eval().save_pretrained(root / "trained")
     return export(root / "trained", root / "src", family="deepseek_v3", progress=False)
+
+
+QWEN_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]  # as released: 3:1
+
+
+def save_qwen3_next_with_mtp(path, seed: int = 0) -> tuple[Path, "tf.Qwen3NextForCausalLM"]:
+    """A tiny random Qwen3-Next with its MTP module in the Hub's layout (`mtp.fc`, `mtp.pre_fc_norm_embedding`,
+    `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`; config.json's `mtp_num_hidden_layers`), made with
+    transformers' classes: its `MtpModel` for the model (transformers' Qwen3-Next config has no `num_mtp_layers`;
+    `qwen3_next_mtp_reference` sets it). Returns the folder."""
+    from transformers.modeling_layers import MtpModel
+
+    from conversion_cases import CASES
+
+    path, scratch = Path(path), Path(path).parent / (Path(path).name + "-scratch")
+    torch.manual_seed(seed)
+    config = CASES["qwen3_next"][1]()
+    config.layer_types = list(QWEN_LAYERS)
+    longer = perturbed(tf.Qwen3NextForCausalLM(_qwen_config(config, QWEN_LAYERS + ["full_attention"])))
+    longer.save_pretrained(scratch)
+    files = load_file(str(scratch / "model.safetensors"))
+    main = tf.Qwen3NextForCausalLM(_qwen_config(config, QWEN_LAYERS))
+    n = len(QWEN_LAYERS)
+    main.load_state_dict({k: v for k, v in longer.state_dict().items()
+                          if not (m := re.match(r"model\.layers\.(\d+)\.", k)) or int(m.group(1)) < n})
+    _allow_mtp(main.config)
+    layer = MtpModel(main, 1).layers[0]
+    with torch.no_grad():
+        for norm in (layer.enorm, layer.hnorm, layer.post_norm):  # zero-centred: the scale is 1 + w
+            norm.weight.copy_(0.1 * torch.randn_like(norm.weight))
+        layer.eh_proj.weight.normal_(0, 0.1)
+    main.config.mtp_num_hidden_layers = 1  # what the Hub's config.json says
+    for name in ("num_mtp_layers", "mtp_layer_types"):
+        delattr(main.config, name)
+    main.save_pretrained(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors.update({f"mtp.layers.0.{name[len(f'model.layers.{n}.'):]}": t for name, t in files.items()
+                    if name.startswith(f"model.layers.{n}.")})
+    for file_name, module in (("fc", layer.eh_proj), ("pre_fc_norm_embedding", layer.enorm),
+                              ("pre_fc_norm_hidden", layer.hnorm), ("norm", layer.post_norm)):
+        tensors[f"mtp.{file_name}.weight"] = module.weight.detach().clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _qwen_config(config, layer_types):
+    fields = config.to_dict()
+    fields.update(layer_types=list(layer_types), num_hidden_layers=len(layer_types))
+    for key in ("architectures", "transformers_version", "model_type"):
+        fields.pop(key, None)
+    return tf.Qwen3NextConfig(**fields)
+
+
+def _allow_mtp(config) -> None:
+    """What transformers' `MtpModel` reads from a config and Qwen3-Next's lacks: one full-attention MTP layer."""
+    config.num_mtp_layers = 1
+    config.mtp_layer_types = ["full_attention"]
+
+
+def qwen3_next_mtp_reference(path):
+    """(transformers' Qwen3-Next of `path`, its `MtpModel` loaded from the same files by transformers' own
+    conversion mapping: `mtp.fc` -> `eh_proj`, `mtp.pre_fc_norm_*` -> `enorm` / `hnorm`, `mtp.norm` ->
+    `post_norm`)."""
+    from transformers.modeling_layers import MtpModel
+
+    model = tf.Qwen3NextForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    _allow_mtp(model.config)
+    return model, MtpModel.from_pretrained(model, device_map={"": "cpu"}).eval()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from modular_decoder.mtp import token_embeddings
+
 from .healing import BATCH, distillation_loss
 from .rebuild import Change, derived_config, model_from_state, require_positive_int
 
@@ -107,7 +109,7 @@ def _teacher_inputs(model, batch: torch.LongTensor):
     """(ids, the model's last hidden state, token embeddings, positions) for one calibration batch."""
     hidden = model.model(input_ids=batch, use_cache=False).last_hidden_state
     positions = torch.arange(batch.shape[1], device=batch.device).unsqueeze(0).expand(batch.shape[0], -1)
-    return batch, hidden, model._mtp_token_embeds(batch), positions
+    return batch, hidden, token_embeddings(model, batch), positions
 
 
 def _module_logits(model, hidden, embeds, positions):
