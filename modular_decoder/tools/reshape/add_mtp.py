@@ -16,7 +16,7 @@ import torch
 
 from modular_decoder.mtp import token_embeddings
 
-from .healing import BATCH, distillation_loss
+from .healing import BATCH, distillation_loss, train_only
 from .rebuild import Change, derived_config, model_from_state, require_positive_int
 
 DECODE_PROMPT_TOKENS = 32  # of each held-out sequence, the prompt acceptance is measured from
@@ -81,27 +81,11 @@ def train_mtp(model, calibration_ids: torch.LongTensor, steps: int, learning_rat
     """`steps` AdamW steps of self-distillation into the MTP modules only (see the module docstring); returns the
     loss of every step (the mean over modules of their KL). Afterwards every parameter is trainable again and the
     model is in eval mode; the model's own parameters are never changed (they get no gradient)."""
-    from tqdm.auto import tqdm
-
-    modules = set(model.mtp.parameters())
-    for param in model.parameters():
-        param.requires_grad_(param in modules)
-    optimizer = torch.optim.AdamW(list(modules), lr=learning_rate, weight_decay=0.0)
     batches = [_teacher_inputs(model, batch) for batch in calibration_ids.split(BATCH)]
-    losses = []
-    model.eval()  # the frozen model's dropout stays off; the modules train without dropout too
-    try:
-        for step in tqdm(range(steps), desc="training MTP modules", unit="step", disable=not progress):
-            loss = _distillation_step(model, *batches[step % len(batches)])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    finally:
-        for param in model.parameters():
-            param.requires_grad_(True)
-        model.eval()
-    return losses
+    # the frozen model's dropout stays off; the modules train without dropout too
+    return train_only(model, list(model.mtp.parameters()), steps,
+                      lambda step: _distillation_step(model, *batches[step % len(batches)]), learning_rate,
+                      "training MTP modules", progress, train_mode=False)
 
 
 @torch.no_grad()
