@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: first compiled generate (compiles the decode step) {compile_seconds[name]:.0f} s",
                   flush=True)
         values = measure.alternating({f"{name}/{mode}": case(name, mode) for name in models for mode in MODES},
-                                     args.repeats)
+                                     args.repeats, label="compiled_decode")
     runs = {key: measure.summary(rates) for key, rates in values.items()}
     print("\n" + table(runs))
     harness.write_result(args.out, {"label": label, "new_tokens": args.new_tokens, "repeats": args.repeats,

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -46,11 +47,12 @@ def seconds(run: Callable) -> Callable[[], float]:
     return lambda: wall(run)
 
 
-def alternating(cases: dict[str, Callable], repeats: int, warmup: int = 1) -> dict[str, list]:
+def alternating(cases: dict[str, Callable], repeats: int, warmup: int = 1, label: str | None = None) -> dict[str, list]:
     """{case: [its value per repeat]}. Every case runs `warmup` untimed rounds first (first-call allocations,
     lazy inits, compiles), then once per repeat, in the given order in even repeats and reversed in odd ones, so
     that machine noise hits all alike and no case always runs first. A case returns its measurement: the seconds
-    of a call (`seconds(fn)`), a rate, or a dict of figures."""
+    of a call (`seconds(fn)`), a rate, or a dict of figures. With `label`, a line per repeat says how far it got
+    (a long run on a busy machine shows its progress)."""
     for _ in range(warmup):
         for case in cases.values():
             case()
@@ -59,6 +61,8 @@ def alternating(cases: dict[str, Callable], repeats: int, warmup: int = 1) -> di
     for repeat in range(repeats):
         for name in order if repeat % 2 == 0 else reversed(order):
             values[name].append(cases[name]())
+        if label:
+            print(f"{label}: repeat {repeat + 1} of {repeats} done, load average {os.getloadavg()[0]:.1f}", flush=True)
     return values
 
 

@@ -557,6 +557,11 @@ def headline() -> str:
     ]
     lines = ["| measured on a 2-core CPU, fp32 | against | ours / it |", "|---|---|---:|"]
     lines += [f"| [{what}](docs/benchmarks.md{anchor}) | {against} | {ratio} |" for what, against, ratio, anchor in rows]
+    loads = [load for data in (results, compiled, serving, mla_prefill) if "provenance" in data
+             for load in (data["provenance"]["load_average_start"][0], data["provenance"]["load_average_end"][0])]
+    if loads:
+        lines += ["", f"The machine is shared: its 1-minute load average was {min(loads):.1f} to {max(loads):.1f} while "
+                  "these were measured (each source's commit, versions and load: docs/benchmarks.md)."]
     return "\n".join(lines)
 
 

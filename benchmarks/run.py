@@ -163,8 +163,9 @@ def measure_family(reference, ours, args, experts: dict | None = None) -> dict:
             prefill(model, long[:1, :32])
             decode(model, short[:1], 4)
         samples = alternating({name: partial(prefill_round, name) for name in MODELS},
-                              args.repeats * args.prefill_samples, warmup=0)
-        decodes = alternating({name: partial(decode_round, name) for name in MODELS}, args.repeats, warmup=0)
+                              args.repeats * args.prefill_samples, warmup=0, label="prefill")
+        decodes = alternating({name: partial(decode_round, name) for name in MODELS}, args.repeats, warmup=0,
+                              label="decode")
         values = {key: {name: [] for name in MODELS} for key in ROWS}
         for name in MODELS:
             for repeat in range(args.repeats):
@@ -212,7 +213,7 @@ def measure_training(reference, ours, family: str, args, experts: dict | None = 
 
         for name in PAIR:  # warm-up: one step each (allocates the optimizer state)
             train_step(models[name], batch, optimizers[name])
-        values[key] = alternating({name: partial(steps, name) for name in PAIR}, args.repeats, warmup=0)
+        values[key] = alternating({name: partial(steps, name) for name in PAIR}, args.repeats, warmup=0, label=key)
 
     models = {"transformers": reference.train(), "ours": ours.train()}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}

@@ -185,12 +185,14 @@ class StandardKind(AttentionKind):
     def tp_plan(self, config) -> dict[str, str]:
         """Heads split across ranks: q/k/v column-parallel, o row-parallel. A norm over the whole q / k
         projection (`qk_norm="full"`) needs all heads, so q/k/v then gather and o splits its input, as
-        transformers plans OLMo 2 and OLMoE."""
+        transformers plans OLMo 2 and OLMoE. With attention sinks, none: every rank holds the whole attention."""
         if config.qk_norm == "full":
             styles = {"q_proj": "colwise_gather_output", "k_proj": "colwise_gather_output",
                       "v_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}
         else:
             styles = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+        if config.attention_sinks:  # the per-head sinks are no module a style splits: attention stays whole, as
+            return {}               # transformers plans gpt-oss's (vLLM splits them itself)
         return {f"self_attn.{name}": style for name, style in styles.items()}
 
 

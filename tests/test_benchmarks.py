@@ -500,3 +500,16 @@ def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_p
         for what in ("convert", "export"):
             assert len(result[what]["runs"]) == 1 and result[what]["runs"][0]["method"] in ("VmHWM", "sampled")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conversion_memory.json"]  # the checkpoints are gone
+
+
+def test_sinks_smoke_times_every_case_at_every_size(tmp_path):
+    """`python -m benchmarks sinks --smoke`: SDPA with sinks against SDPA without and eager with, prefill and decode."""
+    from benchmarks import sinks
+
+    out = tmp_path / "sinks.json"
+    assert sinks.main(["--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    for phase in ("prefill", "decode"):
+        (row,) = record[phase].values()
+        assert set(row["ratios"]) == {"sdpa_sinks", "eager_sinks"}
+        assert all(row[case]["seconds"] > 0 for case in sinks.CASES)

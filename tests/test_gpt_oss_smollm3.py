@@ -1,7 +1,8 @@
 """gpt-oss (sinks, alternating windows, the biased top-k-then-softmax router, experts with biases and the clamped
 SwiGLU) and SmolLM3 (NoPE layers, sliding NoPE layers) against transformers' `GptOssForCausalLM` and
 `SmolLM3ForCausalLM`, with the weights carried by the conversion package: logits on our eager and SDPA backends
-against theirs, a left-padded batch, greedy tokens through each side's own cache (ours dynamic and static).
+against theirs, a left-padded batch, greedy tokens through each side's own cache (ours dynamic and static), and
+`Trainer` steps with padded and packed batches.
 test_conversion.py proves the export round trip bit for bit, test_moe_model.py gpt-oss's router logits and losses,
 test_transformers_versions.py all of this on the oldest and newest declared transformers."""
 
@@ -12,7 +13,7 @@ import copy
 import pytest
 import torch
 from conversion_cases import CASES, perturbed
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, GptOssConfig, Trainer, TrainingArguments
 
 from modular_decoder.conversion import convert
 
@@ -83,3 +84,40 @@ def test_the_sinks_and_the_nope_layers_change_the_function(pair):
             if getattr(module, "sinks", None) is not None:
                 module.sinks.fill_(-1e4)  # no mass to the sinks
         assert (ours(IDS).logits - without(IDS).logits).abs().max() > 1e-2
+
+
+def _padded(features: list[dict]) -> dict:
+    """Right-padded rows, padding masked out and left out of the loss (what a tokenizer's padding collator makes)."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in features])
+    mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features])
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _trainer_losses(model, collator, folder) -> list[float]:
+    """Three SGD steps of `Trainer` on a copy of `model` (so the updates are the gradients): the loss at each."""
+    args = TrainingArguments(output_dir=str(folder), max_steps=3, per_device_train_batch_size=4, learning_rate=0.05,
+                             optim="sgd", use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
+                             remove_unused_columns=False, seed=0, data_seed=0)
+    data = [{"input_ids": [(7 * i + 3 * j) % 96 for j in range(6 + 3 * (i % 4))]} for i in range(12)]
+    trainer = Trainer(model=copy.deepcopy(model).train(), args=args, train_dataset=data, data_collator=collator)
+    trainer.train()
+    moved = [not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), model.parameters())]
+    assert sum(moved) > len(moved) // 2  # the steps trained (the sinks and expert biases too)
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_steps_equal_transformers_classes_padded_and_packed(pair, tmp_path):
+    """`Trainer` on ours and on transformers' class from the same weights, with right-padded batches and with the
+    same documents packed into one row (`DataCollatorWithFlattening`): the same loss at every step. Packed documents
+    must each see only themselves, which gives the padded batches' losses; transformers' SmolLM3 finds the documents
+    from `position_ids` as ours does, its gpt-oss does not (its mask ignores `position_ids`: it attends across the
+    documents of a row), so there the padded run is the reference."""
+    source, ours = pair
+    packed = DataCollatorWithFlattening(return_position_ids=True)
+    theirs_padded = _trainer_losses(source, _padded, tmp_path / "theirs_padded")
+    assert len(theirs_padded) == 3
+    assert _trainer_losses(ours, _padded, tmp_path / "ours_padded") == pytest.approx(theirs_padded, rel=1e-5)
+    assert _trainer_losses(ours, packed, tmp_path / "ours_packed") == pytest.approx(theirs_padded, rel=1e-5)
+    if not isinstance(source.config, GptOssConfig):
+        assert _trainer_losses(source, packed, tmp_path / "theirs_packed") == pytest.approx(theirs_padded, rel=1e-5)

@@ -347,3 +347,12 @@ def test_reshape_refuses_hybrids_by_name():
 
     with pytest.raises(ValueError, match="'linear_attention' layers"):
         check_options(preset_config("qwen3_5", tiny=True), kv_heads=1)
+
+
+def test_a_cache_that_cannot_hold_the_state_is_refused_by_name():
+    from transformers import DynamicCache
+
+    model = ModularDecoderForCausalLM(preset_config("qwen3_5", tiny=True)).eval()
+    for cache in (DynamicCache(), DynamicCache(config=model.config)):
+        with pytest.raises(ValueError, match="`cache` is a DynamicCache .*ModularDecoderCache"):
+            model(IDS[:1, :4], cache=cache)

