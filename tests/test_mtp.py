@@ -13,6 +13,7 @@ from transformers import Trainer, TrainingArguments
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
 from modular_decoder.contract import parameter_count
 from modular_decoder.mtp import MultiTokenPredictor, token_embeddings
+from strategies import MAX_SEQ
 from test_properties import _budget, model_cases
 from test_properties import _model as _scrambled
 
@@ -202,12 +203,16 @@ def test_every_draft_equals_the_modules_without_a_cache_and_tokens_stay_greedy(c
 
     config, seed, ids = case
     assume(not config.linear_attention_kind.in_use(config))  # drafting is refused there (no roll-back of a state)
-    if not config.num_mtp_layers:
-        config = ModularDecoderConfig(**{**config.to_dict(), "num_mtp_layers": 1})
+    # no EOS: every step drafts (a drawn EOS may end decoding at its first token)
+    config = ModularDecoderConfig(**{**config.to_dict(), "num_mtp_layers": config.num_mtp_layers or 1,
+                                     "eos_token_id": None})
     model = _scrambled(config, seed)
-    prompt = ids[:1]
+    new_tokens = 4
+    # within MAX_SEQ with the last step's drafts: past it a drawn length-dependent RoPE (dynamic, longrope) changes
+    # its tables with the length of the call, which no cache follows (see strategies.MAX_SEQ)
+    prompt = ids[:1, : MAX_SEQ - new_tokens - config.num_mtp_layers]
     # every prompt token is text (generate would take a token equal to the pad id for padding)
-    kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt),
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(prompt),
                   pad_token_id=0)
     steps = []
     original = candidate_generator.MTPCandidateGenerator.get_candidates
