@@ -29,6 +29,9 @@ BENCHMARKS = (
               "ours against transformers' DeepseekV3", "results_mla_prefill.json"),
     Benchmark("mla_decode", "mla_decode", "one MLA decode step at long cached contexts: ours absorbed and expanded, "
               "transformers' DeepseekV3, a GQA model of the same width"),
+    Benchmark("dsa_decode", "dsa_decode", "one DeepSeek Sparse Attention decode step at 8k and 32k cached tokens "
+              "(DeepSeek-V3.2 width, top-k 2,048): ours against dense MLA and transformers' DeepseekV32, time and "
+              "peak memory", "results_dsa_decode.json"),
     Benchmark("mla_crossover", "mla_crossover", "one MLA step of T new tokens against S cached: absorbed against "
               "expanded, and the absorbed step's query block (time, peak memory): where `ABSORBED_MAX_NEW_TOKENS` "
               "and `ABSORBED_QUERY_BLOCK` come from"),

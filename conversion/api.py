@@ -230,7 +230,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
         cfg = AutoConfig.from_pretrained(str(src))
         if not isinstance(cfg, ModularDecoderConfig):
             raise ValueError(f"{src} is not a modular_decoder checkpoint (model_type={cfg.model_type!r}).")
-        src_cfg = fam.from_contract(cfg)
+        src_cfg = _family_config(fam, cfg)
         _check_round_trip(cfg, ModularDecoderConfig(**fam.to_contract(src_cfg)), fam.name)
         tensors = folder_tensors(src)
         tied = cfg.tie_word_embeddings
@@ -317,6 +317,18 @@ def check_verify_memory(parameters: int) -> None:
 
 def _param_name(model, param, exclude: str | None = None) -> str:
     return next(name for name, p in model.named_parameters(remove_duplicate=False) if p is param and name != exclude)
+
+
+def _family_config(family: Family, cfg):
+    """The family's transformers config for contract `cfg`; where its config class refuses the values (a dense
+    checkpoint has no experts for Mixtral's or gpt-oss's `num_local_experts`: a strict dataclass error, no
+    `ValueError`), a `ValueError` naming the family and the field."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return family.from_contract(cfg)
+    except (StrictDataclassError, TypeError) as error:  # the class's own field checks (v5 configs are strict)
+        raise ValueError(f"The {family.name} format cannot express this checkpoint: {error}") from error
 
 
 def _check_round_trip(cfg, back, family: str) -> None:

@@ -115,7 +115,8 @@ def layer_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int
 def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,
                           quantization: str | None = None) -> int:
     """The seed's formula summed over the attention layers: 2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for
-    MLA. Linear-attention layers add nothing per token (`state_bytes_per_sequence`).
+    MLA, L·(d_c + d_R + D_I)·b for DSA (its indexer's keys). Linear-attention layers add nothing per token
+    (`state_bytes_per_sequence`).
 
     Sliding-window layers count per token only until they hold their window; `cache_bytes` gives
     the exact total at a given context length.

@@ -252,7 +252,8 @@ class MultiHeadLatentAttention(AttentionLayer):
 
 def check_latent_cache(cache, layer_idx: int, latent_dim: int) -> None:
     """Refuse a cache whose layer already holds per-head keys rather than latents: a prefix of per-head K/V, as
-    PEFT's prefix tuning builds it (`PrefixTuningConfig`), which MLA cannot attend to (its cache holds one latent
+    PEFT's prefix tuning builds it (`PrefixTuningConfig`), or a static cache pre-allocated with per-head shapes (as
+    ExecuTorch's recipe sizes it from the config), which MLA cannot attend to (its cache holds one latent
     per token, `kv_lora_rank` wide; the keys are made from it). Only another cache class than this package's
     latent layers is looked at (transformers' `DynamicCache` holds latents too once MLA has filled it)."""
     layers = getattr(cache, "layers", None)
@@ -261,9 +262,11 @@ def check_latent_cache(cache, layer_idx: int, latent_dim: int) -> None:
     keys = getattr(layers[layer_idx], "keys", None)
     if torch.is_tensor(keys) and keys.dim() == 4 and keys.numel() and (keys.shape[1], keys.shape[-1]) != (1, latent_dim):
         raise ValueError(
-            f"MLA (`attention_type='mla'`) cannot attend to a prefix of per-head keys and values (this cache's layer "
-            f"{layer_idx} holds keys of shape {tuple(keys.shape)}; MLA caches one {latent_dim}-wide latent per "
-            "token), as PEFT's prefix tuning passes: use prompt tuning (`PromptTuningConfig`), P-tuning or LoRA."
+            f"MLA (`attention_type='mla'`) cannot attend to per-head keys and values (this cache's layer {layer_idx} "
+            f"holds keys of shape {tuple(keys.shape)}; MLA caches one {latent_dim}-wide latent per token): PEFT's "
+            "prefix tuning passes such a prefix (use prompt tuning (`PromptTuningConfig`), P-tuning or LoRA), and a "
+            "cache pre-allocated from `num_key_value_heads` and `head_dim` (ExecuTorch's recipe) holds such keys "
+            "before its first write (size its layers as a latent cache)."
         )
 
 

@@ -488,6 +488,25 @@ def test_mtp_decode_smoke_renders(capsys, tmp_path):
     assert next(line for line in printed.splitlines() if line.startswith("| ours_mtp |")) in page
 
 
+def test_dsa_decode_smoke_compares_the_three_sides_on_one_cache(tmp_path):
+    """`python -m benchmarks dsa_decode --smoke`: every side steps from the same cache contents (ours equals
+    transformers' DeepseekV32 there, and differs from dense MLA: the selection is in play), with a time, a peak and
+    the bytes per token each cache holds (DSA's count the indexer's keys)."""
+    from benchmarks import dsa_decode
+
+    out = tmp_path / "dsa.json"
+    assert dsa_decode.main(["--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [row["context"] for row in record["rows"]] == [16, 64]
+    for row in record["rows"]:
+        assert row["max_logit_diff_vs_transformers"] < 1e-5 and row["max_logit_diff_dense_vs_dsa"] > 1e-3
+        assert set(row["seconds"]) == set(row["peak_mb"]) == {dsa_decode.OURS, dsa_decode.DENSE, dsa_decode.REFERENCE}
+        per_token = row["bytes_per_token"]
+        assert per_token[dsa_decode.OURS] == per_token[dsa_decode.DENSE] + 4 * record["shape"]["index_head_dim"]
+        assert row["indexer_seconds"] > 0
+    assert record["provenance"]["command"].startswith("python -m benchmarks dsa_decode --smoke")
+
+
 def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_path):
     from benchmarks import conversion_memory
 

@@ -116,6 +116,10 @@ def test_export_refuses_what_the_family_cannot_express(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="Unknown source family 'nope'"):
         export(tmp_path / "md", tmp_path / "x", family="nope", progress=False)
     assert not (tmp_path / "gpt2").exists()
+    for family in ("gpt_oss", "mixtral"):  # experts a dense checkpoint lacks: the config class's own field check
+        with pytest.raises(ValueError, match=f"{family} format cannot express this checkpoint"):
+            export(tmp_path / "md", tmp_path / family, family=family, progress=False)
+        assert not (tmp_path / family).exists()
 
 
 def test_cli_convert_verify_and_export(llama_dir, tmp_path, capsys):

@@ -241,7 +241,7 @@ def test_prefix_tuning_on_mla_is_refused_at_the_first_forward():
     with torch.no_grad(), pytest.raises(ValueError) as error:
         adapted(input_ids=_counting_batch(1, 6))
     message = str(error.value)
-    assert "\n" not in message and message.startswith("MLA (`attention_type='mla'`) cannot attend to a prefix")
+    assert "\n" not in message and message.startswith("MLA (`attention_type='mla'`) cannot attend to per-head keys")
     assert "`PromptTuningConfig`" in message and "LoRA" in message
 
 

@@ -622,7 +622,10 @@ def load_target(target, dtype: torch.dtype = torch.float32, attn_implementation:
         return model.eval(), None, "config (random weights)"
     folder = Path(target)
     if not folder.exists():
-        raise FileNotFoundError(f"{folder} does not exist.")
+        from modular_decoder.tools.presets import PRESETS
+
+        hint = f" (a preset is validated with --preset {target} --tiny)" if str(target) in PRESETS else ""
+        raise FileNotFoundError(f"{folder} does not exist{hint}.")
     if not (folder / "config.json").exists():
         raise ValueError(f"{folder} has no config.json: pass a modular_decoder checkpoint folder, a config or a model.")
     raw = read_json_file(folder / "config.json")
