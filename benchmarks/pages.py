@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from modular_decoder.tools import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
@@ -48,19 +50,7 @@ def provenance_line(data: dict) -> str:
         known = ", ".join(f"{key} {data[key]}" for key in ("torch", "transformers") if key in data)
         return (f"Recorded before result files named their commit and machine{': ' + known if known else ''}; "
                 "re-run to trace it.")
-    versions, host = record["versions"], record["machine"]
-    where = host.get("gpu") or f"{host['cpu']} ({host['cpu_count']} cores, {host['torch_threads']} torch threads)"
-    changed = (f" with {len(record['changed_files'])} changed file(s) ({', '.join(record['changed_files'][:3])})"
-               if record["changed_files"] else "")
-    return (f"Measured {record['date_utc'][:10]} at commit `{record['commit'][:10]}`{changed}: torch "
-            f"{versions['torch']}, transformers {versions['transformers']}, modular-decoder "
-            f"{versions['modular-decoder']}, Python {versions['python']}; {where}; 1-minute load average "
-            f"{record['load_average_start'][0]:.1f} at the start, {record['load_average_end'][0]:.1f} at the end; "
-            f"{_duration(record['seconds'])}.")
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+    return provenance.line(record)
 
 
 def span(values, fmt: str = "{:.2f}") -> str:
