@@ -150,6 +150,8 @@ def test_ablation_hybrid_axis(tmp_path):
     base, row = json.loads((out / "ablation.json").read_text())["results"]
     config = ablation.config_for(hybrid)
     assert config.layer_types == transformers.Qwen3NextConfig(num_hidden_layers=ablation.LAYERS).layer_types
+    control = ablation.config_for("Gated DeltaNet 3:1 hybrid, 1-tap conv")  # the same but the convolution
+    assert control.layer_types == config.layer_types and (control.linear_conv_kernel_dim, config.linear_conv_kernel_dim) == (1, 4)
     assert row["params"] == ablation.parameter_count(config)["total"]  # the built model vs the contract's count
     assert 0 < row["params"] - base["params"] < 0.01 * base["params"]
     assert f"| {hybrid} | {row['params']:,} |" in table

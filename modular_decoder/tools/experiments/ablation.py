@@ -16,7 +16,8 @@ width, top-1; 8 experts of half the width, top-2. Their routers train with the l
 Hybrid vs full attention at matched tokens: Gated DeltaNet linear-attention layers with full attention every 4th
 (3:1, Qwen3-Next's and Qwen3.5's pattern) or every 2nd layer (1:1), against the base's full attention in every
 layer. The linear layers have 2 key and 4 value heads of the base's head width (Qwen3-Next's grouped value
-heads), which nearly matches an attention layer's parameters (`hybrid_arithmetic` gives the difference). Their
+heads), which nearly matches an attention layer's parameters (`hybrid_arithmetic` gives the difference); a
+control keeps the 3:1 pattern with a one-tap convolution (no token mixing before the delta rule). Their
 rows are compared with the base seed by seed (`hybrid_comparison`): the runs of one seed share data,
 initialisation seed and batch order, so the paired difference is the measure, not the overlap of ranges.
 
@@ -78,6 +79,9 @@ VARIANTS: dict[str, dict] = {
                                             moe_intermediate_size=GATED // 2, norm_topk_prob=True),
     "Gated DeltaNet 3:1 hybrid": hybrid(4),
     "Gated DeltaNet 1:1 hybrid": hybrid(2),
+    # the 3:1 hybrid without the short convolution's token mixing (one tap: a per-channel scale): what the
+    # delta rule brings alone
+    "Gated DeltaNet 3:1 hybrid, 1-tap conv": dict(hybrid(4), linear_conv_kernel_dim=1),
 }
 # the dense variant the MoE rows are matched to (active parameters, tokens)
 MOE_BASELINE = "SwiGLU (8d/3)"
@@ -248,15 +252,15 @@ def hybrid_arithmetic(names: list[str]) -> str:
         counts, linear = parameter_count(config), config.layer_types.count("linear_attention")
         per_layer = counts["linear_attention"] // linear
         parts.append(f"{name}: layers {', '.join(t.split('_')[0] for t in config.layer_types)}; {linear} Gated "
-                     f"DeltaNet layer{'s' if linear > 1 else ''} of {per_layer:,} parameters in place of attention's "
+                     f"DeltaNet layer{'s' if linear > 1 else ''} ({config.linear_conv_kernel_dim}-tap convolution) of "
+                     f"{per_layer:,} parameters in place of attention's "
                      f"{attention:,} ({counts['total'] - base_total:+,} in all, "
                      f"{100 * (counts['total'] - base_total) / base_total:+.2f}%); cache "
                      f"{cache_bytes_per_token(config):,} bytes/token against {cache_bytes_per_token(base):,}, plus "
                      f"{state_bytes_per_sequence(config):,} bytes per sequence whatever its length")
     return (f"Hybrids against {HYBRID_BASELINE} (every layer full attention; linear layers: "
             f"{LINEAR['linear_num_key_heads']} key and {LINEAR['linear_num_value_heads']} value heads of "
-            f"{LINEAR['linear_key_head_dim']}, convolution of {config_for(hybrids[0]).linear_conv_kernel_dim} taps): " + "; ".join(parts)
-            + ".")
+            f"{LINEAR['linear_key_head_dim']}): " + "; ".join(parts) + ".")
 
 
 def hybrid_comparison(results: list[dict]) -> str:
