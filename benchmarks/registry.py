@@ -53,6 +53,9 @@ BENCHMARKS = (
               "baseline, and the time", "results_conversion_memory.json"),
     Benchmark("sinks", "sinks", "one attention layer of gpt-oss's widths, prefill and a decode step: SDPA with "
               "attention sinks against SDPA without them and eager with them (time, peak memory)"),
+    Benchmark("hybrid", "hybrid", "hybrid linear attention: prefill and decode against transformers' "
+              "Qwen3NextForCausalLM, and one decode step of a Gated DeltaNet layer beside a full-attention layer at "
+              "1k and 16k cached tokens (time, cache bytes)", "results_hybrid.json"),
     Benchmark("gpu", "gpu", "the GPU matrix (bf16, one accelerator): prefill, eager and compiled generate, MLA "
               "decode and chunked prefill, training steps, diagnostics; `--smoke` runs its code paths on the CPU",
               "results_gpu.json"),

@@ -507,6 +507,21 @@ def test_dsa_decode_smoke_compares_the_three_sides_on_one_cache(tmp_path):
     assert record["provenance"]["command"].startswith("python -m benchmarks dsa_decode --smoke")
 
 
+def test_hybrid_smoke_measures_both_sides_and_both_layer_kinds(tmp_path):
+    """`python -m benchmarks hybrid --smoke`: ours and transformers' Qwen3Next with the same logits, and the decode
+    step of each layer kind at each context, the linear layer's cache the same size at both."""
+    from benchmarks import hybrid
+
+    out = tmp_path / "hybrid.json"
+    assert hybrid.main(["--smoke", "--repeats", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    side = record["side_by_side"]
+    assert side["max_logit_diff"] < 1e-4 and side["prefill"]["median_ratio"] > 0 and side["decode"]["median_ratio"] > 0
+    first, last = record["flat_in_context"]
+    assert first["cache_bytes"]["linear_attention"] == last["cache_bytes"]["linear_attention"]
+    assert last["cache_bytes"]["full_attention"] == 4 * first["cache_bytes"]["full_attention"]  # 256 / 64 tokens
+
+
 def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_path):
     from benchmarks import conversion_memory
 

@@ -1,0 +1,169 @@
+"""Hybrid linear attention (Gated DeltaNet layers beside gated full attention): ours against transformers'
+`Qwen3NextForCausalLM` with the same weights, and one decode step of a linear-attention layer beside a
+full-attention layer as the cached context grows (CPU, fp32).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks hybrid [--repeats 3] [--prompt 512] [--new-tokens 32]
+                                                           [--contexts 1024 16384] [--threads N] [--out FILE]
+
+Side by side: Qwen3-Next's layout shrunk to hidden 1024 (4 layers, three Gated DeltaNet layers of 8 key heads and
+16 value heads of 128 for each full-attention layer of 8 heads of 128 over 2 K/V heads with its output gate, QK-norm
+and a quarter of each head rotating; a dense SwiGLU FFN of 2816, vocabulary 8192), made by transformers' class and
+converted (`families.save_pair`), both loaded with `from_pretrained`: prefill of 1 x PROMPT tokens (no cache, the
+last position's logits) and greedy decode of NEW_TOKENS after a 16-token prompt (batch 1, each side through its own
+cache), tokens/s, the sides alternating (`measure.alternating`), their ratio per repeat, and the largest logit
+difference of the prefill.
+
+Flat in context: two one-layer models of ours at that width (the linear-attention layer; the gated full-attention
+layer), a small FFN and vocabulary so that the step is mostly the layer. The linear layer's cache is filled by a real
+prefill of C tokens (its state after them), the full layer's with C random keys and values (a C-token prefill through
+attention is quadratic and would not change what a step reads). Each row: the median time of one decode step at C
+cached tokens (the full layer's cache cropped back after each step; the linear layer's state has no length to crop)
+and the bytes its cache holds. `--smoke`: tiny widths, a 32-token prompt, 4 new tokens, contexts 64 and 256.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import Qwen3NextConfig
+
+from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM
+from modular_decoder.cache import ModularDecoderCache
+
+from . import harness, measure
+from .families import load_pair, save_pair
+
+# Qwen/Qwen3-Next-80B-A3B-Instruct's proportions (config.json: hidden 2048, 16 heads of 256 over 2 K/V heads, linear
+# 16 key / 32 value heads of 128, 3 linear layers per full one) at hidden 1024, dense FFN
+WIDTHS = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=8,
+              linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+SMOKE_WIDTHS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+REFERENCE = "transformers Qwen3Next"
+OURS = "ours"
+
+
+def reference_config(widths: dict) -> Qwen3NextConfig:
+    return Qwen3NextConfig(**widths, vocab_size=8192 if widths is WIDTHS else 256,
+                           intermediate_size=2816 if widths is WIDTHS else 128, num_hidden_layers=len(LAYERS),
+                           layer_types=LAYERS, num_experts=0, max_position_embeddings=32768,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                            "partial_rotary_factor": 0.25})
+
+
+@torch.inference_mode()
+def side_by_side(folder: Path, widths: dict, prompt: int, new_tokens: int, repeats: int) -> dict:
+    """Prefill and decode tokens/s of transformers' Qwen3Next and ours with the same weights, alternating."""
+    save_pair(reference_config(widths), folder)
+    models = dict(zip((REFERENCE, OURS), load_pair(folder)))
+    generator = torch.Generator().manual_seed(0)
+    vocab = models[OURS].config.vocab_size
+    long, short = (torch.randint(0, vocab, (1, n), generator=generator) for n in (prompt, 16))
+    logits = {name: model(long, use_cache=False).logits for name, model in models.items()}  # also the warm-up
+    for model in models.values():
+        measure.decode(model, short, 4)
+
+    def round_of(name: str):
+        def run() -> dict:
+            return {"prefill": measure.prefill(models[name], long)["tokens_per_s"],
+                    "decode": measure.decode(models[name], short, new_tokens)["tokens_per_s"]}
+        return run
+
+    rounds = measure.alternating({name: round_of(name) for name in models}, repeats, warmup=0)
+    result = {"prompt": prompt, "new_tokens": new_tokens,
+              "max_logit_diff": (logits[OURS] - logits[REFERENCE]).abs().max().item()}
+    for key in ("prefill", "decode"):
+        values = {name: [r[key] for r in rounds[name]] for name in models}
+        ratios = [ours / theirs for ours, theirs in zip(values[OURS], values[REFERENCE])]
+        result[key] = {"tokens_per_s": values, "median_tokens_per_s": {n: statistics.median(v) for n, v in values.items()},
+                       "ratios": ratios, "median_ratio": statistics.median(ratios)}
+    return result
+
+
+def one_layer_models(widths: dict) -> dict:
+    """Our one-layer models: the linear-attention layer (no positions: it reads none) and the gated full-attention
+    layer (QK-norm, partial rotary), a small FFN and vocabulary."""
+    common = dict(widths, vocab_size=256, intermediate_size=256, num_hidden_layers=1, norm_type="rmsnorm",
+                  mlp_type="gated", hidden_act="silu", max_position_embeddings=65536)
+    linear = ModularDecoderConfig(**common, layer_types=["linear_attention"], position_embedding_type="none")
+    full_widths = {k: v for k, v in common.items() if not k.startswith("linear_")}
+    full = ModularDecoderConfig(**full_widths, layer_types=["full_attention"], qk_norm="head", attn_output_gate=True,
+                                partial_rotary_factor=0.25)
+    torch.manual_seed(0)
+    return {"linear_attention": ModularDecoderForCausalLM(linear).eval(),
+            "full_attention": ModularDecoderForCausalLM(full).eval()}
+
+
+def filled_cache(kind: str, model, context: int) -> ModularDecoderCache:
+    """A cache holding `context` tokens: the linear layer's by a real prefill, the full layer's random K/V."""
+    config = model.config
+    cache = ModularDecoderCache(config)
+    if kind == "linear_attention":
+        model(torch.randint(0, config.vocab_size, (1, context)), cache=cache, logits_to_keep=1)
+    else:
+        keys = torch.randn(1, config.num_key_value_heads, context, config.head_dim)
+        cache.update(keys, torch.randn_like(keys), 0)
+    return cache
+
+
+@torch.inference_mode()
+def flat_in_context(widths: dict, contexts: list[int], repeats: int) -> list[dict]:
+    """Per layer kind and context: the median decode step time and the cache's bytes."""
+    models = one_layer_models(widths)
+    token = torch.tensor([[7]])
+    rows = []
+    for context in contexts:
+        caches = {kind: filled_cache(kind, model, context) for kind, model in models.items()}
+        held = {kind: cache.payload_bytes() for kind, cache in caches.items()}
+
+        def case(kind: str):
+            def step():
+                models[kind](token, cache=caches[kind], position_ids=torch.tensor([[context]]), use_cache=True)
+                if kind == "full_attention":
+                    caches[kind].crop(-1)  # back to `context` tokens
+            return measure.seconds(step)
+
+        times = measure.alternating({kind: case(kind) for kind in models}, repeats)
+        rows.append({"context": context, "step_ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
+                     "all_step_ms": {k: [1e3 * s for s in t] for k, t in times.items()}, "cache_bytes": held})
+    return rows
+
+
+def report(result: dict) -> str:
+    side = result["side_by_side"]
+    lines = [f"side by side (1 x {side['prompt']} prefill, batch-1 decode of {side['new_tokens']}; max logit diff "
+             f"{side['max_logit_diff']:.1e})", f"| | {REFERENCE} tok/s | ours tok/s | ours / it |", "|---|---:|---:|---:|"]
+    for key in ("prefill", "decode"):
+        medians = side[key]["median_tokens_per_s"]
+        lines.append(f"| {key} | {medians[REFERENCE]:.1f} | {medians[OURS]:.1f} | {side[key]['median_ratio']:.2f}x |")
+    lines += ["", "| cached tokens | layer | decode step (ms) | cache bytes |", "|---:|---|---:|---:|"]
+    for row in result["flat_in_context"]:
+        for kind, ms in row["step_ms"].items():
+            lines.append(f"| {row['context']} | {kind} | {ms:.2f} | {row['cache_bytes'][kind]:,} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser("hybrid", __doc__)
+    parser.add_argument("--prompt", type=int, default=512, help="prefill length (default 512)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens (default 32)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384], help="cached tokens per row")
+    args = parser.parse_args(argv)
+    run = harness.begin("hybrid", argv, args)
+    widths = SMOKE_WIDTHS if args.smoke else WIDTHS
+    prompt, new_tokens = (32, 4) if args.smoke else (args.prompt, args.new_tokens)
+    contexts = [64, 256] if args.smoke else args.contexts
+    with tempfile.TemporaryDirectory() as tmp:
+        result = {"widths": widths, "side_by_side": side_by_side(Path(tmp), widths, prompt, new_tokens, args.repeats)}
+    result["flat_in_context"] = flat_in_context(widths, contexts, args.repeats)
+    print(report(result))
+    harness.write_result(args.out, result, run)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
