@@ -388,6 +388,37 @@ def dsa_decode_section(run: dict) -> str:
     return "\n".join(lines)
 
 
+# --- benchmarks/results_hybrid.json: `python -m benchmarks hybrid --out ...` ------------------------------------
+
+def hybrid_section(run: dict) -> str:
+    from .hybrid import report  # the tables, as the benchmark prints them
+
+    widths, side = run["widths"], run["side_by_side"]
+    rows = run["flat_in_context"]
+    first, last = rows[0], rows[-1]
+    growth = {kind: last["step_ms"][kind] / first["step_ms"][kind] for kind in first["step_ms"]}
+    return "\n".join([
+        "## Hybrid linear attention (CPU, fp32)", "",
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"Qwen3-Next's layout at hidden {widths['hidden_size']:,} (4 layers: three Gated DeltaNet layers of "
+        f"{widths['linear_num_key_heads']} key / {widths['linear_num_value_heads']} value heads of "
+        f"{widths['linear_key_head_dim']} for one gated full-attention layer of {widths['num_attention_heads']} heads "
+        f"of {widths['head_dim']} over {widths['num_key_value_heads']} K/V heads; a dense SwiGLU FFN), made by "
+        "transformers' `Qwen3NextForCausalLM` and converted, both sides loaded with `from_pretrained` and run on the "
+        "PyTorch paths (no `flash-linear-attention` or `causal-conv1d` on a CPU: transformers falls back to its "
+        "reference kernels, ours to `delta_rule.py`). Sides alternating in one process, "
+        f"{len(side['prefill']['ratios'])} repeats, {run['provenance']['machine']['torch_threads']} torch thread(s); "
+        f"the largest logit difference of the prefill is {side['max_logit_diff']:.1e}. Below, one decode step of a "
+        "one-layer model of each kind at that width (the linear layer's state filled by a real prefill, the full "
+        "layer's cache by random keys and values) and the bytes its cache holds.", "",
+        report(run), "",
+        f"From {first['context']:,} to {last['context']:,} cached tokens the linear layer's step changes "
+        f"{growth['linear_attention']:.2f}x and its cache not at all (a state per sequence); the full-attention "
+        f"layer's step {growth['full_attention']:.2f}x and its cache "
+        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x.",
+    ])
+
+
 # --- benchmarks/results_split_threshold.json: `python -m benchmarks split_threshold --out ...` ---------------
 
 def split_threshold_section(run: dict | None) -> str:
@@ -520,6 +551,7 @@ SECTIONS = (
     Section(("results_conversion_memory.json",), conversion_memory_section),
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
     Section(("results_dsa_decode.json",), dsa_decode_section),
+    Section(("results_hybrid.json",), hybrid_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),
