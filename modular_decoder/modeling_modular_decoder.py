@@ -38,6 +38,7 @@ from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor
 from .mtp_generation import check_use_mtp, mtp_candidate_generator_for
 from .norms import LayerNorm, RMSNorm, build_norm
+from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
                         rotary_layers)
 from .recurrent_cache import ROLLBACK_ERROR, refuse_rollback_decoding
@@ -210,14 +211,14 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
 
         `position_ids` default to counting the real tokens of a 2-D `attention_mask` (so left
         padding does not shift positions), else to the cache length onwards. Packed documents
-        are expressed by `position_ids` restarting at 0 with no `attention_mask`.
+        are expressed by `position_ids` restarting at 0 with no `attention_mask`: attention layers
+        mask across them, linear-attention layers restart their state at each (`packed_documents.py`).
 
         Serving: vLLM's Transformers backend calls this forward with its requests packed in one row,
         positions in `position_ids` and no cache; `**kwargs` reach every attention call, where it
         puts its own kernel and paged cache (docs/serving.md).
         """
         self._check_inputs(input_ids, attention_mask, inputs_embeds, cache)
-        self._check_linear_documents(position_ids, attention_mask, cache)
         packed_positions = self._packed_document_positions(position_ids, cache)
         use_cache = self._use_cache(use_cache)
         if inputs_embeds is None:
@@ -231,7 +232,9 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         hidden = self._embed(inputs_embeds, position_ids)
         masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self._rotary_tables(hidden, position_ids)
-        alibi = self._alibi_kwargs(hidden, cache)
+        layer_kwargs = self._alibi_kwargs(hidden, cache)
+        if (documents := self._linear_documents(packed_positions, attention_mask, inputs_embeds)) is not None:
+            layer_kwargs[LINEAR_ATTENTION] = {"documents": documents}
 
         # the first `num_hidden_layers` as transformers' models run them: its assistant early exit drafts with
         # the model itself after lowering that number
@@ -243,7 +246,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
                 cache=cache,
-                **alibi.get(layer_type, {}),
+                **layer_kwargs.get(layer_type, {}),
                 **kwargs,
             )
         if self.final_norm is not None:
@@ -264,18 +267,15 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         passes a cache."""
         return position_ids if cache is None else None
 
-    def _check_linear_documents(self, position_ids, attention_mask, cache) -> None:
-        """Linear-attention layers would carry their recurrent state from one packed document into the next: where
-        the packed-document policy would look for documents (positions given, no mask, no cache), positions that
-        do not count up by one are refused (one more host read, in that case only)."""
-        if cache is not None or attention_mask is not None or position_ids is None:
-            return
-        if self.config.linear_attention_kind.in_use(self.config) and bool((position_ids.diff(dim=-1) != 1).any()):
-            raise ValueError(
-                "`position_ids` restart or jump (documents packed in one row), but the 'linear_attention' layers of "
-                "`layer_types` would carry their recurrent state across documents: pass one document per row with an "
-                "`attention_mask` instead."
-            )
+    def _linear_documents(self, packed_positions, attention_mask, inputs_embeds) -> PackedDocuments | None:
+        """The packed documents a linear-attention layer restarts its state at, where the packed-document policy
+        looks for documents (positions given, no mask, no cache) and there are linear layers: one more host read,
+        in that case only (`packed_documents.packed_documents`)."""
+        if packed_positions is None or attention_mask is not None:
+            return None
+        if not self.config.linear_attention_kind.in_use(self.config):
+            return None
+        return packed_documents(packed_positions, inputs_embeds.shape[0])
 
     def _use_cache(self, use_cache: bool | None) -> bool:
         """The caller's `use_cache`, else the config's; never while training with gradient checkpointing."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoding import steps_against_full
+from decoding import right_padded, steps_against_full
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
@@ -468,17 +468,6 @@ def _documents(n=12, seed=0):
     return [{"input_ids": _ids(1, length, seed=seed + i)[0].tolist()} for i, length in enumerate(lengths)]
 
 
-def _padded(features):
-    """Right-padded rows (as Trainer's collators pad), padding out of the loss."""
-    width = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, feature in enumerate(features):
-        ids[row, : len(feature["input_ids"])] = torch.tensor(feature["input_ids"])
-        mask[row, : len(feature["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 @pytest.mark.parametrize("batches", ["padded", "packed"])
 def test_trainer_trains_on_padded_and_packed_batches(batches, tmp_path):
     """Both batch layouts train (documents longer than `index_topk`: the selection is in play); the indexer
@@ -488,7 +477,7 @@ def test_trainer_trains_on_padded_and_packed_batches(batches, tmp_path):
     model = _model()
     model.train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    collator = _padded if batches == "padded" else DataCollatorWithFlattening(return_position_ids=True)
+    collator = right_padded if batches == "padded" else DataCollatorWithFlattening(return_position_ids=True)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
                              use_cpu=True, report_to=[], save_strategy="no", remove_unused_columns=False)
     result = Trainer(model=model, args=args, train_dataset=_documents(), data_collator=collator).train()
