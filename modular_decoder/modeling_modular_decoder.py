@@ -554,6 +554,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
                                          position_ids=position_ids if packed else None,
                                          **({"layer_idx": depth} if attends else {}), **with_cache(mask_cache))
         kwargs = {"attention_mask": mask, "position_ids": position_ids, "cache": cache}
+        if not attends and packed and attention_mask is None:  # a recurrent state restarts at each packed document
+            kwargs["documents"] = packed_documents(position_ids, token_embeds.shape[0])
         if self.model.rotary_emb is not None and rotary_layers(config)[depth]:  # (not on a NoPE layer)
             tables = self.model.rotary_emb.tables(token_embeds, position_ids, [layer_type])
             kwargs["position_embeddings"] = tables.get(layer_type)  # none for a linear-attention layer

@@ -116,23 +116,27 @@ def save_trained_deepseek_v3_with_mtp(root, num_mtp_layers: int = 1, steps: int 
 QWEN_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]  # as released: 3:1
 
 
-def save_qwen3_next_with_mtp(path, seed: int = 0) -> tuple[Path, "tf.Qwen3NextForCausalLM"]:
-    """A tiny random Qwen3-Next with its MTP module in the Hub's layout (`mtp.fc`, `mtp.pre_fc_norm_embedding`,
-    `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`; config.json's `mtp_num_hidden_layers`), made with
-    transformers' classes: its `MtpModel` for the model (transformers' Qwen3-Next config has no `num_mtp_layers`;
-    `qwen3_next_mtp_reference` sets it). Returns the folder."""
+# The families whose files keep an MTP module in Qwen3-Next's layout, and transformers' model class of each
+QWEN_MTP_CLASSES = {"qwen3_next": tf.Qwen3NextForCausalLM, "qwen3_5_text": tf.Qwen3_5ForCausalLM}
+
+
+def save_qwen3_next_with_mtp(path, seed: int = 0, family: str = "qwen3_next") -> Path:
+    """A tiny random Qwen3-Next (or Qwen3.5: `family`) with its MTP module in the Hub's layout (`mtp.fc`,
+    `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`; config.json's
+    `mtp_num_hidden_layers`), made with transformers' classes: its `MtpModel` for the model (transformers' config has
+    no `num_mtp_layers`; `qwen3_next_mtp_reference` sets it). Returns the folder."""
     from transformers.modeling_layers import MtpModel
 
     from conversion_cases import CASES
 
     path, scratch = Path(path), Path(path).parent / (Path(path).name + "-scratch")
     torch.manual_seed(seed)
-    config = CASES["qwen3_next"][1]()
-    config.layer_types = list(QWEN_LAYERS)
-    longer = perturbed(tf.Qwen3NextForCausalLM(_qwen_config(config, QWEN_LAYERS + ["full_attention"])))
+    model_class = QWEN_MTP_CLASSES[family]
+    config = CASES[family][1]()
+    longer = perturbed(model_class(_qwen_config(config, QWEN_LAYERS + ["full_attention"])))
     longer.save_pretrained(scratch)
     files = load_file(str(scratch / "model.safetensors"))
-    main = tf.Qwen3NextForCausalLM(_qwen_config(config, QWEN_LAYERS))
+    main = model_class(_qwen_config(config, QWEN_LAYERS))
     n = len(QWEN_LAYERS)
     main.load_state_dict({k: v for k, v in longer.state_dict().items()
                           if not (m := re.match(r"model\.layers\.(\d+)\.", k)) or int(m.group(1)) < n})
@@ -161,7 +165,7 @@ def _qwen_config(config, layer_types):
     fields.update(layer_types=list(layer_types), num_hidden_layers=len(layer_types))
     for key in ("architectures", "transformers_version", "model_type"):
         fields.pop(key, None)
-    return tf.Qwen3NextConfig(**fields)
+    return type(config)(**fields)
 
 
 def _allow_mtp(config) -> None:
@@ -170,12 +174,12 @@ def _allow_mtp(config) -> None:
     config.mtp_layer_types = ["full_attention"]
 
 
-def qwen3_next_mtp_reference(path):
-    """(transformers' Qwen3-Next of `path`, its `MtpModel` loaded from the same files by transformers' own
-    conversion mapping: `mtp.fc` -> `eh_proj`, `mtp.pre_fc_norm_*` -> `enorm` / `hnorm`, `mtp.norm` ->
+def qwen3_next_mtp_reference(path, family: str = "qwen3_next"):
+    """(transformers' Qwen3-Next (or Qwen3.5) of `path`, its `MtpModel` loaded from the same files by transformers'
+    own conversion mapping: `mtp.fc` -> `eh_proj`, `mtp.pre_fc_norm_*` -> `enorm` / `hnorm`, `mtp.norm` ->
     `post_norm`)."""
     from transformers.modeling_layers import MtpModel
 
-    model = tf.Qwen3NextForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = QWEN_MTP_CLASSES[family].from_pretrained(str(path), dtype=torch.float32).eval()
     _allow_mtp(model.config)
     return model, MtpModel.from_pretrained(model, device_map={"": "cpu"}).eval()

@@ -550,9 +550,10 @@ def test_reshape_refuses_by_name_what_it_cannot_transform_and_drops_dsa_layers()
     torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
 
 
-def test_a_multi_token_prediction_layer_is_refused_by_name(pair, tmp_path):
-    """The published checkpoints hold their MTP module as layer `num_hidden_layers`; transformers' class does not
-    build it, and neither does this conversion (yet): the tensors are named, nothing is written."""
+def test_a_multi_token_prediction_layer_config_json_does_not_declare_is_refused(pair, tmp_path):
+    """The published checkpoints hold their MTP module as layer `num_hidden_layers` and declare it in config.json
+    (`num_nextn_predict_layers`; it converts: tests/test_mtp_dsa.py); files holding one config.json does not declare
+    are refused naming both, and nothing is written."""
     from safetensors.torch import save_file
 
     ref, path = pair
@@ -562,7 +563,7 @@ def test_a_multi_token_prediction_layer_is_refused_by_name(pair, tmp_path):
     (tmp_path / "src").mkdir()
     save_file(state, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "src" / "config.json").write_text((path / "src" / "config.json").read_text())
-    with pytest.raises(ValueError, match=f"{mtp}.e"):
+    with pytest.raises(ValueError, match=r"declares 0 multi-token-prediction module\(s\) and the files hold 1"):
         convert(tmp_path / "src", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 

@@ -98,10 +98,13 @@ def test_training_loss_through_inputs_embeds_and_padding():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_packed_documents_train_each_module_within_its_document():
+@pytest.mark.parametrize("layer_types", [None, ["full_attention", "linear_attention"]], ids=["attention", "linear"])
+def test_packed_documents_train_each_module_within_its_document(layer_types):
     """Documents packed in one row (positions restarting, no mask): the modules' loss is the token-weighted mean of
-    each document's own, nothing scored across a boundary."""
-    model = model_of(tiny(2))
+    each document's own, nothing scored across a boundary (nor carried across one: a linear-attention block's state
+    restarts at each document, as the model's layers' do)."""
+    # scrambled: weights large enough that a state carried across the boundary shows in the loss
+    model = _scrambled(tiny(2, **({"layer_types": layer_types} if layer_types else {})), 0)
     docs = [torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 9)]
     packed = torch.cat(docs, dim=1)
     positions = torch.cat([torch.arange(d.shape[1]) for d in docs]).unsqueeze(0)

@@ -1,4 +1,4 @@
-"""Qwen3-Next's multi-token-prediction module (`mtp.*` in the Hub's files): it converts to the contract's
+"""Qwen3-Next's and Qwen3.5's multi-token-prediction module (`mtp.*` in the Hub's files): it converts to the contract's
 `mtp.layers.0` and exports back bit for bit, and the module drafts what transformers' `MtpModel` drafts when it loads
 the same files through transformers' own conversion mapping (its layout: `fc`, `pre_fc_norm_*`, `layers.0`, `norm`).
 transformers' Qwen3-Next config has no `num_mtp_layers`, so its `generate(use_mtp=True)` cannot run there; and
@@ -22,11 +22,11 @@ from mtp_cases import qwen3_next_mtp_reference, save_qwen3_next_with_mtp
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_next_mtp")
-    src = save_qwen3_next_with_mtp(root / "src")
-    return src, convert(src, root / "ours", progress=False)
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
+def folders(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    src = save_qwen3_next_with_mtp(root / "src", family=request.param)
+    return src, convert(src, root / "ours", progress=False), request.param
 
 
 def _files(folder) -> dict:
@@ -36,11 +36,11 @@ def _files(folder) -> dict:
 
 
 def test_converts_with_the_module_and_exports_back_bit_for_bit(folders, tmp_path):
-    src, ours = folders
+    src, ours, family = folders
     model = ModularDecoderForCausalLM.from_pretrained(ours)
     assert model.config.num_mtp_layers == 1 and model.mtp.layer_type == "full_attention"
     assert model.mtp.layers[0].mtp_block.self_attn.qk_norm is not None  # the gated full attention, with QK-norm
-    export(ours, tmp_path / "back", family="qwen3_next", progress=False)
+    export(ours, tmp_path / "back", family=family, progress=False)
     before = {k: v for k, v in _files(src).items() if k.startswith("mtp.")}
     after = {k: v for k, v in _files(tmp_path / "back").items() if k.startswith("mtp.")}
     assert sorted(before) == sorted(after) and "mtp.fc.weight" in before
@@ -49,8 +49,8 @@ def test_converts_with_the_module_and_exports_back_bit_for_bit(folders, tmp_path
 
 
 def test_the_module_drafts_as_transformers_mtp_model(folders):
-    src, ours = folders
-    reference, reference_mtp = qwen3_next_mtp_reference(src)
+    src, ours, family = folders
+    reference, reference_mtp = qwen3_next_mtp_reference(src, family)
     model = ModularDecoderForCausalLM.from_pretrained(ours).eval()
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     positions = torch.arange(ids.shape[1]).unsqueeze(0)

@@ -24,13 +24,14 @@ MTP_LAYER = "model.layers.{mtp_layer}."
 
 def to_contract(src) -> dict:
     # V3 lays the rotary pairs out interleaved (x0, x1), (x2, x3), ... unless `rope_interleave=False`.
-    fields = v3_contract(src, "deepseek_v3", rope_interleaved=bool(src.rope_interleave))
-    return dict(fields, **mtp_contract(src))
+    return v3_contract(src, "deepseek_v3", rope_interleaved=bool(src.rope_interleave))
 
 
-def mtp_contract(src) -> dict:
-    """The MTP modules config.json declares; `convert` keeps those the files hold (none: 0)."""
-    return {"num_mtp_layers": getattr(src, "num_mtp_layers", 0) or 0}
+def declared_mtp_layers(src) -> int:
+    """The MTP modules config.json declares (transformers' `num_mtp_layers`, or DeepSeek's `num_nextn_predict_layers`
+    where the config class has no field for it: DeepSeek-V3.2's keeps it as an extra); `convert` keeps those the
+    files hold (none: 0)."""
+    return getattr(src, "num_mtp_layers", None) or getattr(src, "num_nextn_predict_layers", None) or 0
 
 
 def v3_contract(src, family: str, rope_interleaved: bool) -> dict:
@@ -45,8 +46,7 @@ def v3_contract(src, family: str, rope_interleaved: bool) -> dict:
                       # the α of its sequence-wise balance loss: the Hub config.json's `aux_loss_alpha` where the
                       # source config kept it (transformers' class drops it), else the paper's 0.0001
                       router_aux_loss_coef=getattr(src, "aux_loss_alpha", None))
-    # what config.json declares; `convert` keeps the modules the files hold (none: 0)
-    fields["num_mtp_layers"] = getattr(src, "num_mtp_layers", 0) or 0
+    fields["num_mtp_layers"] = declared_mtp_layers(src)
     return fields
 
 
