@@ -31,9 +31,10 @@ BENCHMARKS = (
               "transformers' DeepseekV3, a GQA model of the same width"),
     Benchmark("mla_crossover", "mla_crossover", "one MLA step of T new tokens against S cached: absorbed against "
               "expanded, and the absorbed step's query block (time, peak memory): where `ABSORBED_MAX_NEW_TOKENS` "
-              "and `ABSORBED_QUERY_BLOCK` come from"),
+              "and `ABSORBED_QUERY_BLOCK` come from", "results_mla_crossover.json"),
     Benchmark("split_threshold", "split_threshold", "decode steps of Llama layouts at several widths with the split "
-              "products off, everywhere, and from each weight size: where `MIN_SPLIT_WEIGHT` comes from"),
+              "products off, everywhere, and from each weight size: where `MIN_SPLIT_WEIGHT` comes from",
+              "results_split_threshold.json"),
     Benchmark("decode_profile", "decode_profile", "where a decode step's time goes (products vs the rest), and the "
               "host's time per generate step"),
     Benchmark("cache", "cache", "static cache + compile against the dynamic cache; the int8 K/V cache's "
@@ -46,7 +47,7 @@ BENCHMARKS = (
               "(Llama and Mixtral layouts, bf16, 5 GB shards) in fresh processes: the peak resident memory above the "
               "baseline, and the time", "results_conversion_memory.json"),
     Benchmark("sinks", "sinks", "one attention layer of gpt-oss's widths, prefill and a decode step: SDPA with "
-              "attention sinks against SDPA without them and eager with them (time, peak memory)"),
+              "attention sinks against SDPA without them and eager with them (time, peak memory)", "results_sinks.json"),
     Benchmark("gpu", "gpu", "the GPU matrix (bf16, one accelerator): prefill, eager and compiled generate, MLA "
               "decode and chunked prefill, training steps, diagnostics; `--smoke` runs its code paths on the CPU",
               "results_gpu.json"),
