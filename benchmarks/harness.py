@@ -9,21 +9,16 @@ machine, the load average at the start and at the end, and the exact command (`p
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import shlex
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modular_decoder.tools import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
-# Environment variables that change what a benchmark measures: recorded with it
-RECORDED_ENV = ("MODULAR_DECODER_", "OMP_", "MKL_", "VLLM_", "CUDA_VISIBLE_DEVICES", "PYTORCH_", "TORCHINDUCTOR_")
-VERSIONS = ("torch", "transformers", "modular-decoder", "peft", "accelerate", "safetensors")
 
 
 def parser(name: str, doc: str | None, *, repeats: int | None = 3, smoke: str = "tiny shapes, short runs: a smoke "
@@ -44,57 +39,10 @@ def parser(name: str, doc: str | None, *, repeats: int | None = 3, smoke: str = 
     return result
 
 
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.rstrip() if done.returncode == 0 else None  # (a status line starts with a space)
-
-
 def commit() -> dict:
     """The checkout's commit and the tracked files changed since it (a result JSON rewritten by the run
     itself is not a change of the code measured)."""
-    head = _git("rev-parse", "HEAD")
-    if head is None:
-        return {"commit": os.environ.get("MODULAR_DECODER_COMMIT", "unknown (no git checkout)"), "changed_files": []}
-    changed = [line[3:] for line in (_git("status", "--porcelain", "--untracked-files=no") or "").splitlines()]
-    return {"commit": head, "changed_files": [p for p in changed if not (p.startswith("benchmarks/") and
-                                                                          p.endswith(".json"))]}
-
-
-def versions() -> dict:
-    found = {"python": platform.python_version()}
-    for package in VERSIONS:
-        try:
-            found[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = None
-    return found
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def machine() -> dict:
-    """The CPU (model, cores, torch threads, memory) and the GPU, if one is visible."""
-    import torch
-
-    result = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-              "platform": platform.platform()}
-    try:
-        result["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        pass
-    if torch.cuda.is_available():
-        result["gpu"] = torch.cuda.get_device_name()
-        result["cuda"] = torch.version.cuda
-    return result
+    return provenance.commit(ROOT, ignore=lambda path: path.startswith("benchmarks/") and path.endswith(".json"))
 
 
 def canonical_command(name: str, argv: list[str]) -> str:
@@ -117,19 +65,7 @@ class Run:
         return canonical_command(self.name, self.argv)
 
     def provenance(self) -> dict:
-        return {
-            "command": self.command,
-            **self.code,
-            "date_utc": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(
-                timespec="seconds"),
-            "seconds": round(time.time() - self.started, 1),
-            "versions": versions(),
-            "machine": machine(),
-            "load_average_start": list(self.load_average_start),
-            "load_average_end": list(os.getloadavg()),
-            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)},
-            "arguments": self.arguments,
-        }
+        return provenance.record(self.command, self.code, self.started, self.load_average_start, self.arguments)
 
 
 def begin(name: str, argv: list[str] | None, args: argparse.Namespace | None = None) -> Run:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from modular_decoder.tools import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
@@ -48,19 +50,7 @@ def provenance_line(data: dict) -> str:
         known = ", ".join(f"{key} {data[key]}" for key in ("torch", "transformers") if key in data)
         return (f"Recorded before result files named their commit and machine{': ' + known if known else ''}; "
                 "re-run to trace it.")
-    versions, host = record["versions"], record["machine"]
-    where = host.get("gpu") or f"{host['cpu']} ({host['cpu_count']} cores, {host['torch_threads']} torch threads)"
-    changed = (f" with {len(record['changed_files'])} changed file(s) ({', '.join(record['changed_files'][:3])})"
-               if record["changed_files"] else "")
-    return (f"Measured {record['date_utc'][:10]} at commit `{record['commit'][:10]}`{changed}: torch "
-            f"{versions['torch']}, transformers {versions['transformers']}, modular-decoder "
-            f"{versions['modular-decoder']}, Python {versions['python']}; {where}; 1-minute load average "
-            f"{record['load_average_start'][0]:.1f} at the start, {record['load_average_end'][0]:.1f} at the end; "
-            f"{_duration(record['seconds'])}.")
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+    return provenance.line(record)
 
 
 def span(values, fmt: str = "{:.2f}") -> str:
@@ -376,6 +366,43 @@ def mla_crossover_section(run: dict | None) -> str:
     return "\n".join(lines + ["", spread_note(timed, run)])
 
 
+# --- benchmarks/results_dsa_decode.json: `python -m benchmarks dsa_decode --out ...` ----------------------
+
+def dsa_decode_section(run: dict) -> str:
+    from .dsa_decode import side_cells  # the sides' figures, as the benchmark's report prints them
+
+    shape, rows = run["shape"], run["rows"]
+    repeats = len(next(iter(rows[0]["all_seconds"].values())))
+    lines = [
+        "## DeepSeek Sparse Attention: one decode step against dense MLA (CPU, fp32)", "",
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"{run['layers']} layer of DeepSeek-V3.2's attention at full width (hidden {shape['hidden_size']:,}, "
+        f"{shape['num_attention_heads']} heads, q_lora {shape['q_lora_rank']:,}, kv_lora {shape['kv_lora_rank']}, "
+        f"nope {shape['qk_nope_head_dim']}, rope {shape['qk_rope_head_dim']}, v {shape['v_head_dim']}; indexer "
+        f"{shape['index_n_heads']} heads of {shape['index_head_dim']}, top-k {shape['index_topk']:,}), a dense MLP of width "
+        f"{shape['intermediate_size']} and a vocabulary of {shape['vocab_size']:,}, batch {run['batch']}: one token "
+        "against a cache filled with the same random contents for every side. Ours with `attention_type=\"dsa\"` "
+        "gathers each query's chosen keys; dense MLA is ours with the same weights less the indexer (absorbed over "
+        f"every key); transformers' `DeepseekV32ForCausalLM` up-projects its whole latent cache every step. Median of "
+        f"{repeats} alternating repeats, {run['provenance']['machine']['torch_threads']} torch thread(s); the peak of one "
+        "more step: the tensors it allocates, alive at once (exact), and the process's resident high-water mark above "
+        "the level before it (the allocator's view: a step that reuses memory the process already holds adds 0).",
+        "", "| cached tokens | model | ms / step | dense MLA / it | peak tensors MB | peak RSS MB | cache bytes / token |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for name, cells in side_cells(row):
+            lines.append(f"| {row['context']:,} | {name} | " + " | ".join(cells + [""] * (5 - len(cells))) + " |")
+    diffs = [row["max_logit_diff_vs_transformers"] for row in rows if row["max_logit_diff_vs_transformers"] is not None]
+    lines += ["", "Of ours' step, the lightning indexer (its scores over every cached key and the top-k): "
+              + ", ".join(f"{row['indexer_seconds'] * 1e3:.1f} ms at {row['context']:,}" for row in rows) + ". "
+              + (f"On the same cache ours and transformers' logits agree to {max(diffs):.1e}; " if diffs else "")
+              + "DSA's differ from dense MLA's by up to "
+              + f"{max(row['max_logit_diff_dense_vs_dsa'] for row in rows):.1f} (the selection is in play). The "
+              "indexer's keys are cached beside the latent: the cache grows per token, it is not cut by the selection."]
+    return "\n".join(lines)
+
+
 # --- benchmarks/results_split_threshold.json: `python -m benchmarks split_threshold --out ...` ---------------
 
 def split_threshold_section(run: dict | None) -> str:
@@ -467,6 +494,41 @@ def gpu_section(gpu: dict | None) -> str:
     return "\n".join(lines + [gpu_table(gpu)])  # dated, with the hardware and versions
 
 
+# --- benchmarks/results_mtp_decode.json: `python -m benchmarks mtp_decode --out ...` --------------------------
+
+def mtp_section(run: dict | None) -> str:
+    lines = ["## Multi-token prediction (SmolLM2-135M, batch 1, CPU fp32)", ""]
+    if run is None:
+        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks mtp_decode --out "
+                                   "benchmarks/results_mtp_decode.json`."])
+    from .mtp_decode import table as mtp_table
+
+    made, parts, cap = run["mtp"], run["step_ms"], run["ceiling"]
+    count = made["num_mtp_layers"]
+    trained = (f"from `{made['folder']}`" if "folder" in made else
+               f"added and trained in the run ({made['steps']} steps, lr {made['learning_rate']}, "
+               f"{made['sequences']} sequences sampled from the model)")
+    acceptance = {name: prompt["acceptance"] for name, prompt in run["cases"]["ours_mtp"]["prompts"].items()}
+    forwards = ", ".join(f"{k} token(s) {parts[f'forward_{k}_tokens']:.1f}" for k in range(1, count + 2))
+    lines += [
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"{run['label']}, fp32, {_threads(run)} threads, greedy, {run['new_tokens']} new tokens per prompt "
+        f"({len(acceptance)} prompts: {', '.join(acceptance)}); each case's decode tokens/s is its median over the "
+        "prompts of the median over repeats, the cases alternating in one process. `ours_mtp` drafts with "
+        f"{count} MTP module(s) {trained} (`generate(use_mtp=True)`); prompt lookup drafts "
+        "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain.", "",
+        mtp_table(run), "",
+        "Acceptance per prompt: " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items()) + ".",
+        "",
+        f"One speculative step, timed apart (ms): the model's forward over {forwards}; the modules' drafts "
+        f"{parts['draft_all_modules']:.1f} (of which the head over one position {parts['head_one_position']:.1f}); "
+        f"`generate` adds {run['generate_overhead_ms']:.1f} per step beside the forward. With these parts the "
+        f"speed-up over plain decoding is at most {cap['all_accepted']:.2f}x (every draft accepted) and "
+        f"{cap['at_measured_acceptance']:.2f}x at the measured acceptance.",
+    ]
+    return "\n".join(lines)
+
+
 # --- benchmarks/results_conversion_memory.json: `python -m benchmarks conversion_memory --out ...` -----------
 
 def conversion_memory_section(run: dict) -> str:
@@ -506,7 +568,9 @@ SECTIONS = (
     Section(("results_mla_prefill.json",), mla_prefill_section),
     Section(("results_conversion_memory.json",), conversion_memory_section),
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
+    Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
+    Section(("results_mtp_decode.json",), mtp_section, optional=True),
     Section(("results_sinks.json",), sinks_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),
 )
@@ -544,7 +608,7 @@ def page() -> str:
 def headline() -> str:
     """The README's short table: one ratio per thing people ask about, each linked to its section."""
     results, compiled, serving = load("results.json"), load("results_compiled_decode.json"), load("results_serving.json")
-    mla_prefill = load("results_mla_prefill.json")
+    mla_prefill, dsa_decode = load("results_mla_prefill.json"), load("results_dsa_decode.json")
     mla_time, mla_memory = mla_prefill_ratios(mla_prefill)
     mla_shape = mla_prefill["shape"]
     fams = results["families"]
@@ -568,15 +632,33 @@ def headline() -> str:
         (f"MLA chunked prefill, {mla_shape['tokens'] / 1024:g}k tokens in {mla_shape['chunk'] / 1024:g}k chunks: "
          "speed / peak memory", "transformers' `DeepseekV3ForCausalLM`", f"{1 / mla_time:.2f}x / {mla_memory:.2f}x",
          "#mla-chunked-prefill-cpu-fp32"),
+        *dsa_decode_headline(dsa_decode),
     ]
     lines = ["| measured on a 2-core CPU, fp32 | against | ours / it |", "|---|---|---:|"]
     lines += [f"| [{what}](docs/benchmarks.md{anchor}) | {against} | {ratio} |" for what, against, ratio, anchor in rows]
-    loads = [load for data in (results, compiled, serving, mla_prefill) if "provenance" in data
+    loads = [load for data in (results, compiled, serving, mla_prefill, dsa_decode) if "provenance" in data
              for load in (data["provenance"]["load_average_start"][0], data["provenance"]["load_average_end"][0])]
     if loads:
         lines += ["", f"The machine is shared: its 1-minute load average was {min(loads):.1f} to {max(loads):.1f} while "
                   "these were measured (each source's commit, versions and load: docs/benchmarks.md)."]
     return "\n".join(lines)
+
+
+def dsa_decode_headline(run: dict) -> list[tuple[str, str, str, str]]:
+    """The README's rows for the longest context measured: ours' DSA step against dense MLA and against
+    transformers' class (where its step ran)."""
+    from .dsa_decode import DENSE, OURS, REFERENCE
+
+    row = max(run["rows"], key=lambda r: r["context"])
+    anchor = "#deepseek-sparse-attention-one-decode-step-against-dense-mla-cpu-fp32"
+    threads = run["provenance"]["machine"]["torch_threads"]
+    what = (f"DeepSeek Sparse Attention decode step, {row['context'] / 1024:g}k cached, top-k "
+            f"{run['shape']['index_topk']:,} (one layer, {threads} torch thread{'s' * (threads != 1)})")
+    seconds = row["seconds"]
+    rows = [(what, "dense MLA (ours, same weights)", f"{seconds[DENSE] / seconds[OURS]:.2f}x", anchor)]
+    if REFERENCE in seconds:
+        rows.append((what, "transformers' `DeepseekV32ForCausalLM`", f"{seconds[REFERENCE] / seconds[OURS]:,.0f}x", anchor))
+    return rows
 
 
 def _between(text: str, start: str, end: str, body: str, name: str) -> str:

@@ -29,6 +29,9 @@ BENCHMARKS = (
               "ours against transformers' DeepseekV3", "results_mla_prefill.json"),
     Benchmark("mla_decode", "mla_decode", "one MLA decode step at long cached contexts: ours absorbed and expanded, "
               "transformers' DeepseekV3, a GQA model of the same width"),
+    Benchmark("dsa_decode", "dsa_decode", "one DeepSeek Sparse Attention decode step at 8k and 32k cached tokens "
+              "(DeepSeek-V3.2 width, top-k 2,048): ours against dense MLA and transformers' DeepseekV32, time and "
+              "peak memory", "results_dsa_decode.json"),
     Benchmark("mla_crossover", "mla_crossover", "one MLA step of T new tokens against S cached: absorbed against "
               "expanded, and the absorbed step's query block (time, peak memory): where `ABSORBED_MAX_NEW_TOKENS` "
               "and `ABSORBED_QUERY_BLOCK` come from", "results_mla_crossover.json"),
@@ -39,6 +42,9 @@ BENCHMARKS = (
               "host's time per generate step"),
     Benchmark("cache", "cache", "static cache + compile against the dynamic cache; the int8 K/V cache's "
               "error on SmolLM2-135M"),
+    Benchmark("mtp_decode", "mtp_decode", "batch-1 greedy decode of SmolLM2-135M with added MTP modules "
+              "(generate(use_mtp=True)) against plain generate, transformers' Llama, prompt lookup and early exit: "
+              "tokens/s, acceptance, the same tokens, the parts of a step", "results_mtp_decode.json"),
     Benchmark("reshape_smollm2", "reshape_smollm2", "each reshape transformation of SmolLM2-135M: parameters, KV "
               "bytes per token, held-out perplexity"),
     Benchmark("reshape_mla", "reshape_mla", "SmolLM2-135M converted to MLA (TransMLA's steps) at several ranks: KV "

@@ -91,9 +91,10 @@ class Registry(dict, Generic[Entry]):
             expected = field_default(config, name) if unused is _DEFAULT else unused
             value = getattr(config, name)
             if value != expected:
-                owner = next(e.name for e in self.values() if e is not chosen and name in getattr(e, "fields", ()))
+                owners = " or ".join(f"`{self.field}={e.name!r}`" for e in self.values()
+                                     if e is not chosen and name in getattr(e, "fields", ()))  # (MLA's: mla or dsa)
                 raise ValueError(
-                    f"`{name}`={value!r} only applies to `{self.field}={owner!r}`; with "
+                    f"`{name}`={value!r} only applies to {owners}; with "
                     f"`{self.field}={chosen.name!r}` leave it at {expected!r}."
                 )
         chosen.validate(config)

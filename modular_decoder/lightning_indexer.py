@@ -8,9 +8,9 @@ Per query t and key s, with H_I small heads of width D_I:
 where q_I = wq_b(c_q) comes from the query latent c_q = q_a_layernorm(q_a_proj(x)) the main attention makes, and
 k_I = LayerNorm(wk(x)) is one D_I-wide key per token, cached beside the latent. The first `qk_rope_head_dim`
 features of q_I and k_I are rotated, in the halves layout. A query keeps the `index_topk` keys of highest I among
-those its mask lets it see (`select`), equal scores earliest key first (`top_k_earliest`). The formula and names are transformers' `DeepseekV32Indexer` (which computes
-in fp32 what DeepSeek's kernels compute in FP8 after a Hadamard rotation: an orthogonal rotation leaves every
-q_I·k_I unchanged).
+those its mask lets it see (`select`), equal scores earliest key first (`top_k_earliest`). The formula and names
+are transformers' `DeepseekV32Indexer` (which computes in fp32 what DeepSeek's kernels compute in FP8 after a
+Hadamard rotation: an orthogonal rotation leaves every q_I·k_I unchanged).
 
 The indexer runs without autograd, as transformers' does: the indices it returns carry no gradient, so the language
 model loss never reaches its projections (DeepSeek trains it with its own distillation loss, not implemented here).

@@ -10,11 +10,13 @@ The same function on every path, chosen as MLA's `scoring_path` chooses (a decod
 against a plain `kv_b_proj` is absorbed, everything else expanded):
 
 * gathered (absorbed steps, every backend but eager): each query's chosen latents and rotary keys are gathered,
-  (t, k, d_c + d_R) per block of `tuning().absorbed_query_block` queries, and scored in latent space. The main attention
-  reads k keys per query, not the S cached ones: this is what DSA saves at decode time. (A fused kernel that reads
-  the chosen keys in place, as DeepSeek's FlashMLA sparse kernels do on Hopper GPUs, would not copy them; none is
-  used here.)
-* masked (the expanded path, and eager's absorbed one): the selection becomes a boolean mask, the model's mask
+  (t, k, d_c + d_R) per block of `tuning().absorbed_query_block` queries, and scored in latent space. The main
+  attention reads k keys per query, not the S cached ones: this is what DSA saves at decode time. (A fused kernel
+  that reads the chosen keys in place, as DeepSeek's FlashMLA sparse kernels do on Hopper GPUs, would not copy
+  them; none is used here.)
+* gathered and expanded (a decode step that must call `kv_b_proj`: an adapter or hook on it; or on flex): the
+  chosen latents go through `kv_b_proj` (T·k rows, not S) and the backend scores each query against its own keys.
+* masked (longer expanded steps, and eager's every step): the selection becomes a boolean mask, the model's mask
   AND the chosen keys, which eager and SDPA take as a tensor and FlexAttention as a `BlockMask`. Long steps run
   in query blocks whose (B, 1, t, S) selection stays within `SELECTION_MASK_BYTES`; the backend's fused kernel
   scores each block, so no (query x key) score matrix is built (eager, the reference, scores all queries at once).
@@ -55,6 +57,19 @@ def restrict(mask: torch.Tensor | None, selected: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask & selected
     return mask.masked_fill(~selected, torch.finfo(mask.dtype).min)
+
+
+def gather_rows(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """cache (B, S, D), indices (B, T, k) -> (B, T, k, D), each query's chosen rows: one `index_select` over the rows
+    of the cache's storage (a copy per row, not an index computed per element as advanced indexing does) where its
+    rows are laid out one after another, as every cache layer here stores them."""
+    batch, length, width = cache.shape
+    if cache.stride(2) != 1 or cache.stride(1) != width or cache.stride(0) % width:
+        return cache[torch.arange(batch, device=indices.device)[:, None, None], indices]
+    rows_per_batch = cache.stride(0) // width  # a growing layer's capacity, a static layer's length
+    rows = cache.as_strided(((batch - 1) * rows_per_batch + length, width), (width, 1))
+    offsets = torch.arange(batch, device=indices.device).mul_(rows_per_batch).view(batch, 1, 1)
+    return rows.index_select(0, (indices + offsets).flatten()).view(*indices.shape, width)
 
 
 def selection_mask(indices: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -141,63 +156,85 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         return self.gathered_attention(q_nope, q_rot, latents, k_rot, indices, mask), None
 
     def sparse_expanded(self, q_nope, q_rot, latents, k_rot, attention_mask, select, kwargs):
-        """Per-head keys and values for every cached token (as MLA's expanded path), scored by the backend with
-        the selection as a mask, `SELECTION_MASK_BYTES` of it per block of queries."""
+        """Per-head keys and values through `kv_b_proj` (which this path calls: adapters and hooks apply), scored by
+        the backend. A step whose queries choose fewer keys in all than the cache holds (a decode step under an
+        adapter, or on flex) expands only the chosen ones (`gathered_expanded`); otherwise every cached key is
+        expanded, as on MLA's expanded path, and the selection is a mask, `SELECTION_MASK_BYTES` of it per block
+        of queries (eager, the reference, in one block)."""
         batch, _, q_len, _ = q_nope.shape
         kv_len = latents.shape[-2]
         queries = torch.cat((q_nope, q_rot), dim=-1)  # (B, H, T, d_qk)
-        keys, values = self.expand_kv(latents, k_rot)
-        # CPU SDPA with V narrower than q/k: zero-padded V takes its flash kernel (as in MLA's forward)
-        pad = self.config._attn_implementation == "sdpa" and self.v_dim < self.qk_dim and values.device.type == "cpu"
-        if pad:
-            values = torch.nn.functional.pad(values, [0, self.qk_dim - self.v_dim])
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
-        attention_interface = self.scores_through(attention_interface, kwargs)  # sinks
+        eager = self.config._attn_implementation == "eager"
         if select is None:
-            blocks, mask = [slice(None)], attention_mask
-        else:
-            eager = self.config._attn_implementation == "eager"
-            block = q_len if eager else max(1, SELECTION_MASK_BYTES // (batch * kv_len))
-            blocks = [slice(start, min(start + block, q_len)) for start in range(0, q_len, block)]
-            mask = self.visible_keys(attention_mask, q_len, kv_len, batch)
+            return self.scored(queries, *self.expanded(latents, k_rot), attention_mask, kwargs)
+        mask = self.visible_keys(attention_mask, q_len, kv_len, batch)
+        if not eager and q_len * self.indexer.top_k < kv_len:
+            return self.gathered_expanded(queries, latents, k_rot, select(slice(None), mask), mask, kwargs), None
+        keys, values = self.expanded(latents, k_rot)
+        block = q_len if eager else max(1, SELECTION_MASK_BYTES // (batch * kv_len))
         outs, weights = [], []
-        for rows in blocks:
-            block_mask = mask
-            if select is not None:
-                rows_mask = None if mask is None else mask[:, :, rows]
-                block_mask = self.backend_mask(restrict(rows_mask, selection_mask(select(rows, rows_mask), kv_len)))
-            out, probs = attention_interface(self, queries[:, :, rows], keys, values, block_mask,
-                                             scaling=self.scaling, s_aux=self.sinks, **self.score_kwargs(kwargs))
+        for start in range(0, q_len, block):
+            rows = slice(start, min(start + block, q_len))
+            rows_mask = None if mask is None else mask[:, :, rows]
+            keep = self.backend_mask(restrict(rows_mask, selection_mask(select(rows, rows_mask), kv_len)))
+            out, probs = self.scored(queries[:, :, rows], keys, values, keep, kwargs)
             outs.append(out)
             weights.append(probs)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # (B, T, H, d)
-        if pad:
-            out = out[..., : self.v_dim]
-        probs = weights[0] if len(weights) == 1 or weights[0] is None else torch.cat(weights, dim=2)
-        return out, probs
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # (B, T, H, d_v)
+        return out, weights[0] if len(weights) == 1 or weights[0] is None else torch.cat(weights, dim=2)
+
+    def gathered_expanded(self, queries, latents, k_rot, indices, mask, kwargs) -> torch.Tensor:
+        """Each query's chosen keys gathered, up-projected through `kv_b_proj` and scored by the backend, each query
+        its own batch row: queries (B, H, T, d_qk), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R), indices (B, T, k),
+        mask (B, 1, T, S) or None -> (B, T, H, d_v). Expands T·k latents instead of the S cached ones."""
+        batch, heads, q_len, _ = queries.shape
+        chosen_latents = gather_rows(latents[:, 0], indices).flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_c)
+        chosen_rot = gather_rows(k_rot[:, 0], indices).flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_R)
+        keys, values = self.expanded(chosen_latents, chosen_rot)  # (B·T, H, k, d_qk), (B·T, H, k, d_v)
+        chosen_mask = None if mask is None else mask[:, 0].gather(-1, indices).flatten(0, 1)[:, None, None]
+        if chosen_mask is not None:
+            chosen_mask = self.backend_mask(chosen_mask)
+        rows = queries.transpose(1, 2).flatten(0, 1).unsqueeze(2)  # (B·T, H, 1, d_qk)
+        out, _ = self.scored(rows, keys, values, chosen_mask, kwargs)  # (B·T, 1, H, d_v)
+        return out.view(batch, q_len, heads, -1)
+
+    def expanded(self, latents, k_rot) -> tuple[torch.Tensor, torch.Tensor]:
+        """`expand_kv`'s per-head keys and values, V zero-padded to the q/k width for CPU SDPA (its flash kernel
+        then applies, as in MLA's forward; `scored` crops the output)."""
+        keys, values = self.expand_kv(latents, k_rot)
+        if self.config._attn_implementation == "sdpa" and self.v_dim < self.qk_dim and values.device.type == "cpu":
+            values = torch.nn.functional.pad(values, [0, self.qk_dim - self.v_dim])
+        return keys, values
+
+    def scored(self, queries, keys, values, mask, kwargs):
+        """The model's attention backend on per-head q/k/v (B, H, ·, ·) -> ((B, T, H, d_v), weights or None)."""
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        attention_interface = self.scores_through(attention_interface, kwargs)  # sinks
+        out, probs = attention_interface(self, queries, keys, values, mask, scaling=self.scaling, s_aux=self.sinks,
+                                         **self.score_kwargs(kwargs))
+        return out[..., : self.v_dim], probs
 
     def gathered_attention(self, q_nope, q_rot, latents, k_rot, indices, mask):
         """Absorbed scores against each query's chosen keys only.
 
         q_nope (B, H, T, d_n), q_rot (B, H, T, d_R), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R), indices (B, T, k),
-        mask (B, 1, T, S) or None -> (B, T, H, d_v). Per block of `tuning().absorbed_query_block` queries, the chosen latents
-        and rotary keys, (B·t, k, d_c + d_R), are gathered and each query scores its own k: the work and the
-        explicit scores, (B·t, H, k), grow with k, not with the cache. Reads `kv_b_proj.weight` as MLA's absorbed
-        path does (`scoring_path` engages it only for a plain module).
+        mask (B, 1, T, S) or None -> (B, T, H, d_v). Per block of `tuning().absorbed_query_block` queries, the
+        chosen latents and rotary keys, (B·t, k, d_c + d_R), are gathered and each query scores its own k: the work
+        and the explicit scores, (B·t, H, k), grow with k, not with the cache. Reads `kv_b_proj.weight` as MLA's
+        absorbed path does (`scoring_path` engages it only for a plain module).
         """
         batch, heads, q_len, _ = q_nope.shape
         w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, self.latent_dim).split([self.nope_dim, self.v_dim], dim=1)
         q_latent = torch.einsum("bhtn,hnc->bthc", q_nope, w_uk)  # (B, T, H, d_c)
         q_rot = q_rot.transpose(1, 2)  # (B, T, H, d_R)
         cache_latents, cache_rot = latents[:, 0], k_rot[:, 0]  # (B, S, d_c), (B, S, d_R)
-        batch_rows = torch.arange(batch, device=indices.device)[:, None, None]
         outs, block = [], tuning().absorbed_query_block
         for start in range(0, q_len, block):
             rows = slice(start, min(start + block, q_len))
             chosen_latents = chosen_rot = probs = None  # the previous block's, freed before this block's exist
             chosen = indices[:, rows]  # (B, t, k)
-            chosen_latents = cache_latents[batch_rows, chosen].flatten(0, 1)  # (B·t, k, d_c)
-            chosen_rot = cache_rot[batch_rows, chosen].flatten(0, 1)  # (B·t, k, d_R)
+            chosen_latents = gather_rows(cache_latents, chosen).flatten(0, 1)  # (B·t, k, d_c)
+            chosen_rot = gather_rows(cache_rot, chosen).flatten(0, 1)  # (B·t, k, d_R)
             chosen_mask = None if mask is None else mask[:, 0, rows].gather(-1, chosen).flatten(0, 1)[:, None, None]
             probs = self._latent_probs(q_latent[:, rows].flatten(0, 1).unsqueeze(2),
                                        q_rot[:, rows].flatten(0, 1).unsqueeze(2), chosen_latents, chosen_rot,
@@ -254,4 +291,5 @@ class SparseLatentKind(LatentKind):
 
 SPARSE_LATENT_ATTENTION = SparseLatentKind()
 
-__all__ = ["SparseLatentAttention", "SPARSE_LATENT_ATTENTION", "SELECTION_MASK_BYTES", "restrict", "selection_mask"]
+__all__ = ["SparseLatentAttention", "SPARSE_LATENT_ATTENTION", "SELECTION_MASK_BYTES", "restrict", "selection_mask",
+           "gather_rows"]

@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -7,6 +10,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(__file__))
+# Inductor's on-disk kernel cache is one folder per user (/tmp/torchinductor_$USER) that every process on the
+# machine reads: a kernel another run left there is loaded as is, and one left linked without libstdc++ failed
+# the README's compiled snippet ("undefined symbol ... basic_ostringstream"). The session compiles into its own
+# folder, which xdist workers and subprocesses inherit, unless the caller names one.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="modular-decoder-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 # Under pytest-xdist (`-n 2`, the README's command) each worker gets one core: tiny models gain
 # nothing from a second thread, and two workers with two threads each thrash two cores.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -3,6 +3,7 @@ their traceback; `--traceback` / MODULAR_DECODER_TRACEBACK=1 show it for user er
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -137,6 +138,10 @@ def test_export_into_its_source(capsys, llama_dir, tmp_path):
 
 def test_validate_broken_folders(capsys, tmp_path, llama_dir):
     assert user_error(capsys, ["validate", str(tmp_path / "nope")]) == f"{tmp_path / 'nope'} does not exist."
+    # a preset's name typed where a folder goes (from a folder without one of that name)
+    with contextlib.chdir(tmp_path):
+        assert user_error(capsys, ["validate", "deepseek_v32"]) == (
+            "deepseek_v32 does not exist (a preset is validated with --preset deepseek_v32 --tiny).")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "has no config.json" in user_error(capsys, ["validate", str(empty)])

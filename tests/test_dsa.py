@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoding import steps_against_full
+from decoding import right_padded, steps_against_full
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
@@ -224,7 +224,8 @@ STEP_CASES = [("eager", None, True), ("eager", "lora_kv_b", False), ("sdpa", Non
 def test_steps_against_a_cache_match_the_full_forward(backend, adapter, padded, monkeypatch):
     """Steps of every length against a growing cache give the no-cache forward's logits. A plain `kv_b_proj`
     takes the gathered decode path (eager: the masked one), a LoRA or a hook on it only the expanded path, which
-    calls it; a LoRA on the indexer's projections changes the choice on both sides alike."""
+    calls it (a decode step then up-projects only the chosen keys); a LoRA on the indexer's projections changes
+    the choice on both sides alike."""
     length = sum(CHUNKS)
     model = _model(backend, max_position_embeddings=length)
     if adapter in ("lora_kv_b", "lora_indexer"):
@@ -236,7 +237,7 @@ def test_steps_against_a_cache_match_the_full_forward(backend, adapter, padded, 
                 module.kv_b_proj.register_forward_hook(lambda mod, args, out: out * 1.5)
     paths = []
     for name, label in (("gathered_attention", "gathered"), ("absorbed_attention", "masked_absorbed"),
-                        ("sparse_expanded", "expanded")):
+                        ("sparse_expanded", "expanded"), ("gathered_expanded", "gathered_expanded")):
         method = getattr(SparseLatentAttention, name)
         monkeypatch.setattr(SparseLatentAttention, name,
                             lambda self, *a, _m=method, _l=label: paths.append(_l) or _m(self, *a))
@@ -247,10 +248,12 @@ def test_steps_against_a_cache_match_the_full_forward(backend, adapter, padded, 
     cached, full = steps_against_full(model, ids, mask, CHUNKS)
     torch.testing.assert_close(cached[0], full[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(cached[1, 3:], full[1, 3:], rtol=0, atol=1e-5)
-    if adapter in ("lora_kv_b", "hook") or backend == "flex_attention":  # flex's BlockMask: always expanded
-        assert set(paths) == {"expanded"}
+    if backend == "eager":  # the reference masks on every path
+        assert set(paths) == ({"expanded"} if adapter in ("lora_kv_b", "hook") else {"expanded", "masked_absorbed"})
+    elif adapter in ("lora_kv_b", "hook") or backend == "flex_attention":  # called kv_b_proj / flex's BlockMask:
+        assert set(paths) == {"expanded", "gathered_expanded"}  # expanded, the chosen keys only at decode steps
     else:
-        assert set(paths) == {"expanded", "masked_absorbed" if backend == "eager" else "gathered"}
+        assert set(paths) == {"expanded", "gathered"}
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex_attention"])
@@ -297,8 +300,8 @@ def test_bounded_blocks_give_the_same_logits(monkeypatch):
                         lambda a, b: shapes.append(tuple(b.shape)) or matmul(a, b))
     blocks = []
     interface = sparse_attention.ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
-    monkeypatch.setattr(sparse_attention.ALL_ATTENTION_FUNCTIONS, "get_interface",
-                        lambda name, default: lambda m, q, *a, **k: blocks.append(q.shape[2]) or interface(m, q, *a, **k))
+    monkeypatch.setattr(sparse_attention.ALL_ATTENTION_FUNCTIONS, "get_interface", lambda name, default:
+                        lambda m, q, *a, **k: blocks.append(q.shape[2]) or interface(m, q, *a, **k))
     with torch.no_grad():
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
@@ -323,6 +326,23 @@ def test_decode_step_scores_only_the_chosen_keys(monkeypatch):
         step = model(ids[:, 39:], cache=cache).logits
         assert keys == [(1, TOP_K, OURS["kv_lora_rank"])] * 2 and not kv_b & set(calls)
         torch.testing.assert_close(step[:, -1], model(ids).logits[:, -1], rtol=0, atol=1e-5)
+
+
+def test_decode_under_an_adapter_up_projects_only_the_chosen_keys():
+    """With a LoRA on `kv_b_proj` (which must be called, not read), a decode step calls it on each query's k
+    chosen latents, not on the whole cache, and gives the no-cache forward's logits."""
+    model = get_peft_model(_model(), LoraConfig(target_modules=["kv_b_proj"], init_lora_weights=False)).eval()
+    rows = []
+    for module in model.modules():
+        if isinstance(module, SparseLatentAttention):
+            module.kv_b_proj.register_forward_pre_hook(lambda mod, args: rows.append(tuple(args[0].shape)))
+    ids = _ids(1, 40)
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :39]).cache
+        rows.clear()
+        step = model(input_ids=ids[:, 39:], cache=cache).logits
+        assert rows == [(1, TOP_K, OURS["kv_lora_rank"])] * OURS["num_hidden_layers"]
+        torch.testing.assert_close(step[:, -1], model(input_ids=ids).logits[:, -1], rtol=0, atol=1e-5)
 
 
 def test_a_short_context_is_dense_mla(monkeypatch):
@@ -448,17 +468,6 @@ def _documents(n=12, seed=0):
     return [{"input_ids": _ids(1, length, seed=seed + i)[0].tolist()} for i, length in enumerate(lengths)]
 
 
-def _padded(features):
-    """Right-padded rows (as Trainer's collators pad), padding out of the loss."""
-    width = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, feature in enumerate(features):
-        ids[row, : len(feature["input_ids"])] = torch.tensor(feature["input_ids"])
-        mask[row, : len(feature["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 @pytest.mark.parametrize("batches", ["padded", "packed"])
 def test_trainer_trains_on_padded_and_packed_batches(batches, tmp_path):
     """Both batch layouts train (documents longer than `index_topk`: the selection is in play); the indexer
@@ -468,7 +477,7 @@ def test_trainer_trains_on_padded_and_packed_batches(batches, tmp_path):
     model = _model()
     model.train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    collator = _padded if batches == "padded" else DataCollatorWithFlattening(return_position_ids=True)
+    collator = right_padded if batches == "padded" else DataCollatorWithFlattening(return_position_ids=True)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
                              use_cpu=True, report_to=[], save_strategy="no", remove_unused_columns=False)
     result = Trainer(model=model, args=args, train_dataset=_documents(), data_collator=collator).train()
@@ -525,7 +534,8 @@ def test_reshape_refuses_by_name_what_it_cannot_transform_and_drops_dsa_layers()
     block works as for any kind: the indexer and its cache go with the layer."""
     from modular_decoder.tools.reshape import check_options, reshape
 
-    config = preset_config("deepseek_v32", tiny=True, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])
+    config = preset_config("deepseek_v32", tiny=True, num_hidden_layers=3,
+                           mlp_layer_types=["dense", "sparse", "sparse"])
     for options in (dict(kv_heads=1), dict(attention="mla", kv_lora_rank=8)):
         with pytest.raises(ValueError, match="attention_type='dsa'"):
             check_options(config, **options)
@@ -540,9 +550,10 @@ def test_reshape_refuses_by_name_what_it_cannot_transform_and_drops_dsa_layers()
     torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
 
 
-def test_a_multi_token_prediction_layer_is_refused_by_name(pair, tmp_path):
-    """The published checkpoints hold their MTP module as layer `num_hidden_layers`; transformers' class does not
-    build it, and neither does this conversion (yet): the tensors are named, nothing is written."""
+def test_a_multi_token_prediction_layer_config_json_does_not_declare_is_refused(pair, tmp_path):
+    """The published checkpoints hold their MTP module as layer `num_hidden_layers` and declare it in config.json
+    (`num_nextn_predict_layers`; it converts: tests/test_mtp_dsa.py); files holding one config.json does not declare
+    are refused naming both, and nothing is written."""
     from safetensors.torch import save_file
 
     ref, path = pair
@@ -552,6 +563,53 @@ def test_a_multi_token_prediction_layer_is_refused_by_name(pair, tmp_path):
     (tmp_path / "src").mkdir()
     save_file(state, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "src" / "config.json").write_text((path / "src" / "config.json").read_text())
-    with pytest.raises(ValueError, match=f"{mtp}.e"):
+    with pytest.raises(ValueError, match=r"declares 0 multi-token-prediction module\(s\) and the files hold 1"):
         convert(tmp_path / "src", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_convert_verify_and_export(pair, tmp_path, capsys):
+    """What a user types: `convert --verify` prints the largest logit difference against transformers' class, and
+    `export --family deepseek_v32` writes the source's tensors back."""
+    from modular_decoder.commands import main
+
+    ref, path = pair
+    assert main(["convert", str(path / "src"), str(tmp_path / "md"), "--verify"]) == 0
+    printed = capsys.readouterr().out
+    assert float(printed.split("largest logit difference (source vs converted, fp32):")[1].split()[0]) <= 1e-4
+    assert main(["export", str(tmp_path / "md"), str(tmp_path / "back"), "--family", "deepseek_v32"]) == 0
+    before, after = load_file(path / "src" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert "index_topk" in (tmp_path / "md" / "README.md").read_text()  # the card names the fields
+
+
+def test_compiled_static_decode_equals_dynamic_cache():
+    """generate()'s compiled decode step (static cache, `fullgraph=True`; traced only, backend "eager", to keep it
+    short) runs the indexer and the gathered path in one graph and gives the dynamic cache's tokens."""
+    from decoding import greedy_no_cache, prompt, tiny_model
+
+    from modular_decoder import compiled_decoding
+
+    torch._dynamo.reset()
+    model = tiny_model("deepseek_v32")
+    ids = prompt(2, 6)
+    dynamic = model.generate(ids, max_new_tokens=8, do_sample=False)
+    config = compiled_decoding(mode="default", backend="eager", dynamic=False)["compile_config"]
+    compiled = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                              compile_config=config)
+    assert hasattr(model, "_compiled_call")  # generate() did take the compiled path
+    assert torch.equal(compiled, dynamic) and torch.equal(dynamic, greedy_no_cache(model, ids, 8))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "prefix_of_storage", "transposed"])
+def test_gather_rows_equals_advanced_indexing(layout):
+    """The row gather reads the cache's storage directly where its rows lie one after another (a growing layer's
+    prefix view, a static layer), and falls back to advanced indexing elsewhere: the same rows either way."""
+    from modular_decoder.sparse_attention import gather_rows
+
+    store = torch.randn(3, 20, 6)
+    cache = {"contiguous": store, "prefix_of_storage": store[:, :13],
+             "transposed": torch.randn(3, 6, 13).transpose(1, 2)}[layout]
+    indices = torch.randint(0, cache.shape[1], (3, 4, 5))
+    expected = cache[torch.arange(3)[:, None, None], indices]
+    assert torch.equal(gather_rows(cache, indices), expected)

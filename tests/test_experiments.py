@@ -88,8 +88,12 @@ def test_ablation_smoke(tmp_path, capsys):
     assert "| MQA (1 kv head) |" in table and "| MoE 8 experts top-2, half width | 2,413,696 | 828,544 |" in table
     assert "2 seeds (0, 1)" in table and "min–max" in table
     assert (out / "ablation.png").read_bytes()[:4] == b"\x89PNG"
-    results = json.loads((out / "ablation.json").read_text())
+    written = json.loads((out / "ablation.json").read_text())
+    results = written["results"]
     assert [r["name"] for r in results] == variants
+    record = written["provenance"]
+    assert record["command"] in table and record["versions"]["torch"] == torch.__version__
+    assert f"at commit `{record['commit'][:10]}`" in table and record["machine"]["cpu_count"] >= 1
     for row in results:
         assert row["seeds"] == [0, 1] and len(row["runs"]) == 2
         for key in ("train_loss", "held_out_loss", "tokens_per_s"):
@@ -121,7 +125,7 @@ def test_ablation_moe_rows_match_the_dense_active_parameters():
 
 def test_ablation_summary_and_plot_of_given_runs(tmp_path):
     runs = [{"name": "MQA (1 kv head)", "seed": s, "params": 1, "active_params": 1, "cache_bytes_per_token": 512,
-             "steps": 3, "train_loss": loss, "held_out_loss": loss + 0.1, "tokens_per_s": 100.0 * (s + 1),
+             "state_bytes_per_sequence": 0, "steps": 3, "train_loss": loss, "held_out_loss": loss + 0.1, "tokens_per_s": 100.0 * (s + 1),
              "losses": [3.0, 2.5, loss]} for s, loss in ((0, 2.0), (1, 2.4), (2, 2.2))]
     row = ablation.summarise(runs)
     assert row["train_loss"]["mean"] == pytest.approx(2.2) and row["train_loss"]["min"] == 2.0
@@ -131,6 +135,44 @@ def test_ablation_summary_and_plot_of_given_runs(tmp_path):
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="seeds"):
         ablation.seed_list(0)
+
+
+def test_ablation_hybrid_axis(tmp_path):
+    """A Gated DeltaNet 3:1 hybrid against the all-attention base: Qwen3-Next's layer pattern, nearly the base's
+    parameters, the cache and state columns, and the seed-by-seed held-out difference computed from the runs."""
+    import json
+
+    hybrid = "Gated DeltaNet 3:1 hybrid"
+    out = tmp_path / "out"
+    assert main(["experiment", "ablation", "--tokens", "1024", "--seeds", "2", "--out", str(out),
+                 "--variants", ablation.HYBRID_BASELINE, hybrid]) == 0
+    table = (out / "ablation.md").read_text()
+    base, row = json.loads((out / "ablation.json").read_text())["results"]
+    config = ablation.config_for(hybrid)
+    assert config.layer_types == transformers.Qwen3NextConfig(num_hidden_layers=ablation.LAYERS).layer_types
+    control = ablation.config_for("Gated DeltaNet 3:1 hybrid, 1-tap conv")  # the same but the convolution
+    assert control.layer_types == config.layer_types and (control.linear_conv_kernel_dim, config.linear_conv_kernel_dim) == (1, 4)
+    assert row["params"] == ablation.parameter_count(config)["total"]  # the built model vs the contract's count
+    assert 0 < row["params"] - base["params"] < 0.01 * base["params"]
+    assert f"| {hybrid} | {row['params']:,} |" in table
+    assert f"| {ablation.cache_bytes_per_token(config):,} | {ablation.state_bytes_per_sequence(config):,} |" in table
+    assert 4 * ablation.cache_bytes_per_token(config) == base["cache_bytes_per_token"]  # one attention layer of four
+    assert f"| {base['cache_bytes_per_token']:,} | 0 |" in table
+    diffs = [h["held_out_loss"] - b["held_out_loss"] for h, b in zip(row["runs"], base["runs"])]
+    assert f"per seed {', '.join(f'{d:+.3f}' for d in diffs)}" in table
+    assert "+0.76%" in table and f"train on {ablation.SEQ}-token sequences" in table
+
+
+def test_hybrid_comparison_calls_a_changing_sign_noise():
+    def rows(name, losses):
+        return {"name": name, "runs": [{"seed": s, "held_out_loss": loss} for s, loss in enumerate(losses)]}
+
+    base = rows(ablation.HYBRID_BASELINE, [2.0, 2.0, 2.0])
+    text = ablation.hybrid_comparison([base, rows("Gated DeltaNet 1:1 hybrid", [1.9, 2.1, 1.95])])
+    assert "-0.017 (per seed -0.100, +0.100, -0.050" in text and "lower in 2 of 3 seeds" in text and "noise" in text
+    text = ablation.hybrid_comparison([base, rows("Gated DeltaNet 3:1 hybrid", [1.9, 1.8, 1.95])])
+    assert "lower in every one of 3 seeds" in text
+    assert ablation.hybrid_comparison([rows("Gated DeltaNet 3:1 hybrid", [1.9])]) == ""  # no base: nothing claimed
 
 
 def test_swiglu_variant_is_parameter_matched():

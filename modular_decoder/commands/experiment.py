@@ -63,15 +63,24 @@ def run(args) -> int:
     with user_input():
         for name in args.variants or ():
             ablation.config_for(name)  # an unknown name fails before any training
-    results = ablation.run(args.tokens, names=args.variants, seed=args.seed, seeds=args.seeds)
+    import os
+    import time
+
+    from modular_decoder.tools import provenance
+
+    started, load, code = time.time(), os.getloadavg(), provenance.commit()
+    results = ablation.run(args.tokens, names=args.variants, seed=args.seed, seeds=args.seeds,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     options = ["--tokens", str(args.tokens), "--seeds", str(args.seeds)]
     options += ["--seed", str(args.seed)] if args.seed else []
     options += ["--variants", *args.variants] if args.variants else []
     options += ["--out", args.out]
     command = ".venv/bin/modular-decoder experiment ablation " + " ".join(shlex.quote(a) for a in options)
-    (out / "ablation.md").write_text(ablation.page(results, args.tokens, command, "ablation.png") + "\n")
+    record = provenance.record(command, code, started, load, {"tokens": args.tokens, "seeds": args.seeds,
+                                                             "seed": args.seed, "variants": args.variants})
+    (out / "ablation.md").write_text(ablation.page(results, args.tokens, command, "ablation.png", record) + "\n")
     ablation.plot(results, out / "ablation.png")
-    ablation.write_json(results, out / "ablation.json")
+    ablation.write_json(results, out / "ablation.json", record)
     print(ablation.markdown(results, args.tokens))
     print(f"wrote {out / 'ablation.md'}, {out / 'ablation.png'} and {out / 'ablation.json'}")
     return 0

@@ -13,9 +13,18 @@ equal the dense SwiGLU (8d/3) variant's up to the router (E·d per layer): 4 exp
 width, top-1; 8 experts of half the width, top-2. Their routers train with the load-balancing loss
 (coefficient 0.01); the losses reported are the language-model cross-entropy alone.
 
+Hybrid vs full attention at matched tokens: Gated DeltaNet linear-attention layers with full attention every 4th
+(3:1, Qwen3-Next's and Qwen3.5's pattern) or every 2nd layer (1:1), against the base's full attention in every
+layer. The linear layers have 2 key and 4 value heads of the base's head width (Qwen3-Next's grouped value
+heads), which nearly matches an attention layer's parameters (`hybrid_arithmetic` gives the difference); a
+control keeps the 3:1 pattern with a one-tap convolution (no token mixing before the delta rule). Their
+rows are compared with the base seed by seed (`hybrid_comparison`): the runs of one seed share data,
+initialisation seed and batch order, so the paired difference is the measure, not the overlap of ranges.
+
 Reported per variant: parameters (total and active), final training loss (mean of the last tenth of
-the steps), held-out loss, tokens/s, each as the mean over seeds with its min-max range, and cache
-bytes per token (`contract.cache_bytes_per_token`, bf16).
+the steps), held-out loss, tokens/s, each as the mean over seeds with its min-max range, cache bytes per
+token (`contract.cache_bytes_per_token`, bf16) and the linear layers' constant state per sequence
+(`contract.state_bytes_per_sequence`, bf16 window + fp32 state).
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
-from modular_decoder.contract import cache_bytes_per_token, parameter_count
+from modular_decoder.contract import cache_bytes_per_token, parameter_count, state_bytes_per_sequence
+from modular_decoder.tools import provenance
 from . import corpus
 from .ffn_budget import gated_width
 
@@ -39,6 +49,17 @@ BASE = dict(vocab_size=corpus.VOCAB_SIZE, hidden_size=D, intermediate_size=4 * D
 
 GATED = gated_width(D, multiple_of=8)  # 344: the SwiGLU width of the same parameters as 4d GELU
 MOE = dict(mlp_type="moe", hidden_act="silu", output_router_logits=True, router_aux_loss_coef=0.01)
+# Gated DeltaNet layers of 2 key / 4 value heads of the base's head width: 67,624 parameters against attention's 65,536
+LINEAR = dict(linear_attention_type="gated_deltanet", linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=D // HEADS, linear_value_head_dim=D // HEADS)
+
+
+def hybrid(full_attention_interval: int) -> dict:
+    """Linear-attention layers with full attention every `full_attention_interval`-th layer (Qwen3-Next's rule)."""
+    return dict(LINEAR, layer_types=["full_attention" if (i + 1) % full_attention_interval == 0 else
+                                     "linear_attention" for i in range(LAYERS)])
+
+
 # name -> overrides of BASE (one axis each)
 VARIANTS: dict[str, dict] = {
     "pre-norm (base)": {},
@@ -56,9 +77,16 @@ VARIANTS: dict[str, dict] = {
                                 norm_topk_prob=False),
     "MoE 8 experts top-2, half width": dict(MOE, num_experts=8, num_experts_per_tok=2,
                                             moe_intermediate_size=GATED // 2, norm_topk_prob=True),
+    "Gated DeltaNet 3:1 hybrid": hybrid(4),
+    "Gated DeltaNet 1:1 hybrid": hybrid(2),
+    # the 3:1 hybrid without the short convolution's token mixing (one tap: a per-channel scale): what the
+    # delta rule brings alone
+    "Gated DeltaNet 3:1 hybrid, 1-tap conv": dict(hybrid(4), linear_conv_kernel_dim=1),
 }
 # the dense variant the MoE rows are matched to (active parameters, tokens)
 MOE_BASELINE = "SwiGLU (8d/3)"
+# the all-full-attention variant the hybrid rows are compared with (the same block otherwise)
+HYBRID_BASELINE = "pre-norm (base)"
 DEFAULT_SEEDS = 3
 
 
@@ -101,7 +129,8 @@ def train(name: str, tokens: int, seed: int = 0, lr: float = 3e-3, data: torch.T
     counts = parameter_count(config)
     return {"name": name, "seed": seed, "params": model.num_parameters(), "active_params": counts["active"],
             "train_loss": sum(tail) / len(tail), "held_out_loss": held, "tokens_per_s": steps * BATCH * SEQ / elapsed,
-            "cache_bytes_per_token": cache_bytes_per_token(config, torch.bfloat16), "losses": losses,
+            "cache_bytes_per_token": cache_bytes_per_token(config, torch.bfloat16),
+            "state_bytes_per_sequence": state_bytes_per_sequence(config, torch.bfloat16), "losses": losses,
             "steps": steps}
 
 
@@ -153,7 +182,8 @@ def summarise(rows: list[dict]) -> dict:
     """One variant's per-seed rows as mean / min / max / sample std of each measured value."""
     first = rows[0]
     return {"name": first["name"], "params": first["params"], "active_params": first["active_params"],
-            "cache_bytes_per_token": first["cache_bytes_per_token"], "steps": first["steps"],
+            "cache_bytes_per_token": first["cache_bytes_per_token"],
+            "state_bytes_per_sequence": first["state_bytes_per_sequence"], "steps": first["steps"],
             "seeds": [r["seed"] for r in rows],
             **{key: _spread([r[key] for r in rows]) for key in ("train_loss", "held_out_loss", "tokens_per_s")},
             "runs": rows}
@@ -172,15 +202,16 @@ def markdown(results: list[dict], tokens: int) -> str:
              f"{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))}), each variant seeing the same data, "
              f"initialisation seed and batch order per seed. Losses: mean over the seeds (min–max in brackets).", "",
              "| variant | parameters | active / token | final train loss | held-out loss | tokens/s | "
-             "cache bytes/token (bf16) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "cache bytes/token (bf16) | state bytes/sequence |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         lines.append(f"| {r['name']} | {r['params']:,} | {r['active_params']:,} | {_range(r['train_loss'])} | "
                      f"{_range(r['held_out_loss'])} | {r['tokens_per_s']['mean']:,.0f} | "
-                     f"{r['cache_bytes_per_token']:,} |")
-    matched = moe_arithmetic([r["name"] for r in results])
-    if matched:
-        lines += ["", matched]
+                     f"{r['cache_bytes_per_token']:,} | {r['state_bytes_per_sequence']:,} |")
+    for paragraph in (moe_arithmetic([r["name"] for r in results]), hybrid_arithmetic([r["name"] for r in results]),
+                      hybrid_comparison(results)):
+        if paragraph:
+            lines += ["", paragraph]
     return "\n".join(lines)
 
 
@@ -203,10 +234,69 @@ def moe_arithmetic(names: list[str]) -> str:
             f"(3·{D}·{GATED} per layer); " + "; ".join(parts) + ".")
 
 
-def write_json(results: list[dict], path) -> None:
+def _is_hybrid(name: str) -> bool:
+    return "linear_attention" in VARIANTS[name].get("layer_types", ())
+
+
+def hybrid_arithmetic(names: list[str]) -> str:
+    """What each hybrid row present changes against the all-attention base: parameters (`parameter_count`), cache
+    bytes per token and the constant state per sequence (`contract`)."""
+    hybrids = [n for n in names if _is_hybrid(n)]
+    if not hybrids:
+        return ""
+    base = config_for(HYBRID_BASELINE)
+    base_total, attention = parameter_count(base)["total"], parameter_count(base)["attention"] // LAYERS
+    parts = []
+    for name in hybrids:
+        config = config_for(name)
+        counts, linear = parameter_count(config), config.layer_types.count("linear_attention")
+        per_layer = counts["linear_attention"] // linear
+        parts.append(f"{name}: layers {', '.join(t.split('_')[0] for t in config.layer_types)}; {linear} Gated "
+                     f"DeltaNet layer{'s' if linear > 1 else ''} ({config.linear_conv_kernel_dim}-tap convolution) of "
+                     f"{per_layer:,} parameters in place of attention's "
+                     f"{attention:,} ({counts['total'] - base_total:+,} in all, "
+                     f"{100 * (counts['total'] - base_total) / base_total:+.2f}%); cache "
+                     f"{cache_bytes_per_token(config):,} bytes/token against {cache_bytes_per_token(base):,}, plus "
+                     f"{state_bytes_per_sequence(config):,} bytes per sequence whatever its length")
+    return (f"Hybrids against {HYBRID_BASELINE} (every layer full attention; linear layers: "
+            f"{LINEAR['linear_num_key_heads']} key and {LINEAR['linear_num_value_heads']} value heads of "
+            f"{LINEAR['linear_key_head_dim']}): " + "; ".join(parts) + ".")
+
+
+def hybrid_comparison(results: list[dict]) -> str:
+    """Each hybrid row against the base, seed by seed: the held-out loss difference (hybrid - base) per seed, its
+    mean and range, and in how many seeds the sign agrees; a sign that changes across seeds is called noise."""
+    by_name = {r["name"]: r for r in results}
+    base = by_name.get(HYBRID_BASELINE)
+    if base is None:
+        return ""
+    parts = []
+    for r in results:
+        if not _is_hybrid(r["name"]):
+            continue
+        base_of = {run["seed"]: run["held_out_loss"] for run in base["runs"]}
+        diffs = [run["held_out_loss"] - base_of[run["seed"]] for run in r["runs"] if run["seed"] in base_of]
+        if not diffs:
+            continue
+        lower = sum(d < 0 for d in diffs)
+        verdict = (f"lower in every one of {len(diffs)} seeds" if lower == len(diffs) else
+                   f"higher in every one of {len(diffs)} seeds" if lower == 0 else
+                   f"lower in {lower} of {len(diffs)} seeds: the sign changes with the seed, within noise")
+        spread = _spread(diffs)
+        parts.append(f"{r['name']}: {spread['mean']:+.3f} (per seed {', '.join(f'{d:+.3f}' for d in diffs)}; "
+                     f"std {spread['std']:.3f}), {verdict}")
+    if not parts:
+        return ""
+    return (f"Held-out loss, hybrid minus {HYBRID_BASELINE}, paired by seed (same data, initialisation seed and "
+            "batch order): " + "; ".join(parts) + ".")
+
+
+def write_json(results: list[dict], path, record: dict | None = None) -> None:
+    """The summary rows (every seed's losses under "runs") with the run's provenance
+    (`modular_decoder.tools.provenance.record`)."""
     from pathlib import Path
 
-    Path(path).write_text(json.dumps(results, indent=1))
+    Path(path).write_text(json.dumps({"provenance": record, "results": results}, indent=1) + "\n")
 
 
 def _smooth(values: list[float]) -> list[float]:
@@ -231,7 +321,8 @@ def plot(results: list[dict], path) -> None:
         tokens = [(step + 1) * BATCH * SEQ for step in range(len(per_seed[0]))]
         columns = list(zip(*per_seed))
         mean = [sum(c) / len(c) for c in columns]
-        style = "--" if VARIANTS.get(r["name"], {}).get("mlp_type") == "moe" else "-"
+        variant = VARIANTS.get(r["name"], {})
+        style = "--" if variant.get("mlp_type") == "moe" else ":" if "layer_types" in variant else "-"
         curves.plot(tokens, mean, style, color=colour, label=r["name"], linewidth=1.3)
         if len(per_seed) > 1:
             curves.fill_between(tokens, [min(c) for c in columns], [max(c) for c in columns], color=colour,
@@ -253,11 +344,14 @@ def plot(results: list[dict], path) -> None:
     plt.close(fig)
 
 
-def page(results: list[dict], tokens: int, command: str, image: str) -> str:
-    """The ablation page (`docs/ablation/ablation.md`): command, table, plot, and how to read them."""
+def page(results: list[dict], tokens: int, command: str, image: str, record: dict | None = None) -> str:
+    """The ablation page (`docs/ablation/ablation.md`): command, where it ran (`record`, the run's provenance),
+    table, plot, and how to read them."""
     seeds = len(results[0]["runs"])
+    hybrids = any(_is_hybrid(r["name"]) for r in results if r["name"] in VARIANTS)
     return "\n".join([
         "# Ablation (matched token budget, CPU)", "", "```bash", command, "```", "",
+        *([provenance.line(record), ""] if record else []),
         markdown(results, tokens), "",
         f"![Training loss against tokens, one line per variant (mean over seeds) with its min–max band; "
         f"held-out loss against cache bytes]({image})", "",
@@ -267,4 +361,9 @@ def page(results: list[dict], tokens: int, command: str, image: str) -> str:
         "parameter-matched (gated width 8d/3); GQA/MQA/MLA have fewer attention weights; the MoE rows match the "
         f"{MOE_BASELINE} row's active parameters and tokens (and hold about 3x its total parameters). "
         "`modular-decoder experiment gradnorm` and `experiment ffn-budget` reproduce the other seed measurements.",
+        *(["", f"The hybrid rows train on {SEQ}-token sequences: they measure what replacing attention layers costs "
+            "or gains in quality at short context, not the long-context memory and speed a constant state buys "
+            "(the cache columns give that arithmetic). Their linear layers run the PyTorch chunked delta rule on "
+            "the CPU; flash-linear-attention's kernels, which a GPU would run, are not timed here."] if hybrids
+           else []),
     ])
