@@ -445,6 +445,41 @@ def gpu_section(gpu: dict | None) -> str:
     return "\n".join(lines + [gpu_table(gpu)])  # dated, with the hardware and versions
 
 
+# --- benchmarks/results_mtp_decode.json: `python -m benchmarks mtp_decode --out ...` --------------------------
+
+def mtp_section(run: dict | None) -> str:
+    lines = ["## Multi-token prediction (SmolLM2-135M, batch 1, CPU fp32)", ""]
+    if run is None:
+        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks mtp_decode --out "
+                                   "benchmarks/results_mtp_decode.json`."])
+    from .mtp_decode import table as mtp_table
+
+    made, parts, cap = run["mtp"], run["step_ms"], run["ceiling"]
+    count = made["num_mtp_layers"]
+    trained = (f"from `{made['folder']}`" if "folder" in made else
+               f"added and trained in the run ({made['steps']} steps, lr {made['learning_rate']}, "
+               f"{made['sequences']} sequences sampled from the model)")
+    acceptance = {name: prompt["acceptance"] for name, prompt in run["cases"]["ours_mtp"]["prompts"].items()}
+    forwards = ", ".join(f"{k} token(s) {parts[f'forward_{k}_tokens']:.1f}" for k in range(1, count + 2))
+    lines += [
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"{run['label']}, fp32, {_threads(run)} threads, greedy, {run['new_tokens']} new tokens per prompt "
+        f"({len(acceptance)} prompts: {', '.join(acceptance)}); each case's decode tokens/s is its median over the "
+        "prompts of the median over repeats, the cases alternating in one process. `ours_mtp` drafts with "
+        f"{count} MTP module(s) {trained} (`generate(use_mtp=True)`); prompt lookup drafts "
+        "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain.", "",
+        mtp_table(run), "",
+        "Acceptance per prompt: " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items()) + ".",
+        "",
+        f"One speculative step, timed apart (ms): the model's forward over {forwards}; the modules' drafts "
+        f"{parts['draft_all_modules']:.1f} (of which the head over one position {parts['head_one_position']:.1f}); "
+        f"`generate` adds {run['generate_overhead_ms']:.1f} per step beside the forward. With these parts the "
+        f"speed-up over plain decoding is at most {cap['all_accepted']:.2f}x (every draft accepted) and "
+        f"{cap['at_measured_acceptance']:.2f}x at the measured acceptance.",
+    ]
+    return "\n".join(lines)
+
+
 # --- benchmarks/results_conversion_memory.json: `python -m benchmarks conversion_memory --out ...` -----------
 
 def conversion_memory_section(run: dict) -> str:
@@ -486,6 +521,7 @@ SECTIONS = (
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
     Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
+    Section(("results_mtp_decode.json",), mtp_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),
 )
 

@@ -41,6 +41,9 @@ BENCHMARKS = (
               "host's time per generate step"),
     Benchmark("cache", "cache", "static cache + compile against the dynamic cache; the int8 K/V cache's "
               "error on SmolLM2-135M"),
+    Benchmark("mtp_decode", "mtp_decode", "batch-1 greedy decode of SmolLM2-135M with added MTP modules "
+              "(generate(use_mtp=True)) against plain generate, transformers' Llama, prompt lookup and early exit: "
+              "tokens/s, acceptance, the same tokens, the parts of a step", "results_mtp_decode.json"),
     Benchmark("reshape_smollm2", "reshape_smollm2", "each reshape transformation of SmolLM2-135M: parameters, KV "
               "bytes per token, held-out perplexity"),
     Benchmark("reshape_mla", "reshape_mla", "SmolLM2-135M converted to MLA (TransMLA's steps) at several ranks: KV "

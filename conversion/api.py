@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import Family, RuleInstance, check_shapes, plan_rules, refuse_tensors, rename
+from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mtp_layers, duplicates, is_mtp_rule,
+                   plan_rules, refuse_tensors, rename)
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
@@ -19,7 +20,7 @@ from .tensor_files import WEIGHTS_NAME, ShardedWriter
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Contract fields that do not change the function a checkpoint computes (compared on export).
 _NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "pad_token_id",
-             "bos_token_id", "eos_token_id", "max_position_embeddings"}
+             "bos_token_id", "eos_token_id", "max_position_embeddings", "mtp_loss_scaling_factor"}
 VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
@@ -164,13 +165,16 @@ def convert(
         torch_dtype = _dtype(dtype)
         src_cfg, files, tokenizer, generation_config = _open_source(src, gguf_file, allow_bin)
         family = get_family(src_cfg.model_type)
-        cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
+        fields = family.to_contract(src_cfg)
         refuse_tensors(files, family)  # by the file's names, before any is read
         quantization = quantization_of(src_cfg) if gguf_file is None else None  # GGUF: dequantized on reading
         if quantization is not None:  # dequantized straight into the dtype written
             torch_dtype = torch_dtype or _compute_dtype(src_cfg)
         tensors = model_tensors(dequantized(files, quantization, torch_dtype, str(src)), family)
-        plan = plan_rules(family.rules(src_cfg), tensors, cfg)
+        cfg = ModularDecoderConfig(**_with_mtp_layers(fields, family, src_cfg, tensors, src))
+        plan, copies = duplicates(plan_rules(family.rules(src_cfg), tensors, cfg))
+        for instance in copies:  # each read twice (its original is converted too), checked, not written
+            check_duplicate(instance, *(tensors[name].read() for name in instance.inputs))
         produced = plan_shapes(plan, tensors, cfg)
         torch_dtype = torch_dtype or produced[embed].dtype
         cfg.architectures = ["ModularDecoderForCausalLM"]
@@ -241,6 +245,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     their_embed_key = _param_name(model, model.get_input_embeddings().weight)
     their_head_key = _param_name(model, model.get_output_embeddings().weight, exclude=their_embed_key)
     expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == their_head_key)}
+    expected.update(_mtp_tensors(plan, produced))  # written beside the model's, which does not hold them
     check_shapes(produced, expected, f"exporting to {fam.name}")
     dtype = produced[their_embed_key].dtype
     planned, sinks = file_tensors(expected, produced, fam)
@@ -250,6 +255,26 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
                        f"exporting {fam.name}", progress)
         copy_side_files(src, tmp)
     return out
+
+
+def _with_mtp_layers(fields: dict, family: Family, src_cfg, names, src: Path) -> dict:
+    """The contract's `num_mtp_layers`: the MTP modules the source's files hold (a folder without them converts
+    without them, whatever config.json declares); files holding another number than it declares are refused."""
+    if family.mtp_layers is None:
+        return fields
+    held = count_mtp_layers(names, family.mtp_layers, src_cfg.num_hidden_layers)
+    declared = fields.get("num_mtp_layers", 0)
+    if held and held != declared:
+        raise ValueError(f"{src}: config.json declares {declared} multi-token-prediction module(s) and the files hold "
+                         f"{held} (`{family.mtp_layers}`): fix config.json.")
+    return {**fields, "num_mtp_layers": held}
+
+
+def _mtp_tensors(plan: list[RuleInstance], produced: dict) -> dict:
+    """{name: shape} of the exported MTP modules' tensors, what the plan's `{mtp}` rules make (the family's
+    transformers model does not hold them: its `MtpModel` reads them from the files), after the model's."""
+    made = [name for instance in plan if is_mtp_rule(instance.rule) for name in instance.outputs]
+    return {name: produced[name].shape for name in made}
 
 
 def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):

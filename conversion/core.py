@@ -11,6 +11,12 @@ model's names first: `renames` for moved prefixes, `ExpertStack`s for mixture-of
 saved one 2-D tensor per expert (`{expert}`) that the model holds as one 3-D tensor (transformers
 stacks them on load and splits them again in `save_pretrained`, so export writes per-expert files).
 
+Multi-token-prediction modules are rules too: names with `{mtp}` (module k of the contract's `mtp.layers.{k}`) and
+`{mtp_layer}` (the layer index the source's files give module k, `num_hidden_layers` + k) expand once per module
+(`mtp_block_rules` re-aims a family's layer rules at a module's block), and a `"duplicate"` rule names a source
+tensor that is a copy of one the model holds once (DeepSeek's MTP layer stores the embedding and the head again):
+conversion reads both, checks them equal and writes nothing (`duplicates`), export writes the copy from the original.
+
 Conversion streams (`stream.py`): `plan_rules` names, for each rule instance, the tensors it needs
 (`RuleInstance.inputs`) before anything is read; the instances run once on meta-device tensors to plan
 the output's names and shapes, then once per instance on the tensors read for it. A transform must
@@ -161,6 +167,8 @@ def _transpose_experts(tensors: Tensors, cfg) -> Tensors:
 
 TRANSFORMS: dict[str, Transform] = {
     "copy": Transform(_copy, _copy),
+    # forward: [copy, original] -> nothing (`duplicates` checks them equal); inverse: original -> copy
+    "duplicate": Transform(lambda tensors, cfg: [], _copy),
     "transpose": Transform(_transpose, _transpose),
     "split_qkv": Transform(_split_qkv, _fuse_qkv),
     "split_conv1d_qkv": Transform(_split_conv1d_qkv, _fuse_conv1d_qkv),
@@ -310,6 +318,10 @@ class Family:
         experts: Per-expert file tensors the model holds stacked (see `ExpertStack`), read after `renames`.
         refused: Name prefixes of source tensors the contract cannot hold yet -> what they are: a source with
             any of them is refused naming them (`refuse_tensors`), never converted without them.
+        mtp_layers: Where the files keep multi-token-prediction module k, a name prefix with `{mtp}` (k) or
+            `{mtp_layer}` (the source's layer index of module k, `num_hidden_layers` + k); `None`: the family has
+            no MTP modules. The modules the files hold are what converts (`count_mtp_layers`); their tensors go
+            by `{mtp}` rules.
     """
 
     name: str
@@ -323,6 +335,7 @@ class Family:
     renames: dict[str, str] = field(default_factory=dict)
     experts: tuple[ExpertStack, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
+    mtp_layers: str | None = None
 
 
 def refuse_tensors(names, family: Family) -> None:
@@ -352,6 +365,11 @@ def _is_layered(r: Rule) -> bool:
     return any("{layer}" in name for name in r.src + r.dst)
 
 
+def is_mtp_rule(r: Rule) -> bool:
+    """Whether `r` maps the MTP modules' tensors (its names have `{mtp}` or `{mtp_layer}`)."""
+    return any("{mtp}" in name or "{mtp_layer}" in name for name in r.src + r.dst)
+
+
 def _layers(r: Rule, cfg) -> list[int | None]:
     if not _is_layered(r):
         return [None]
@@ -361,10 +379,63 @@ def _layers(r: Rule, cfg) -> list[int | None]:
             and (r.mixer is None or mixers[layer] in MIXERS[r.mixer])]
 
 
+def _mtp_modules(r: Rule, cfg) -> list[int]:
+    """The MTP modules a `{mtp}` rule applies to: all of them, or none when `layers` or `mixer` names another kind
+    than theirs (the last layer's)."""
+    kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"]
+    mixers = getattr(cfg, "layer_types", None) or ["full_attention"]
+    applies = r.layers in (None, kinds[-1]) and (r.mixer is None or mixers[-1] in MIXERS[r.mixer])
+    return list(range(getattr(cfg, "num_mtp_layers", 0) if applies else 0))
+
+
 def _instances(rules: list[Rule], cfg):
     for r in rules:
+        if is_mtp_rule(r):
+            for k in _mtp_modules(r, cfg):
+                names = {"mtp": k, "mtp_layer": cfg.num_hidden_layers + k}
+                yield r, [n.format(**names) for n in r.src], [n.format(**names) for n in r.dst]
+            continue
         for layer in _layers(r, cfg):
             yield r, _expand(r.src, layer), _expand(r.dst, layer)
+
+
+def mtp_block_rules(rules: list[Rule], src_layer: str, src_module: str, dst_layer: str = "model.layers.{layer}.",
+                    dst_module: str = "mtp.layers.{mtp}.mtp_block.") -> list[Rule]:
+    """A family's layer rules re-aimed at the MTP modules' blocks: each rule whose source names all start with
+    `src_layer` and target names with `dst_layer` (both with `{layer}`), those prefixes replaced by `src_module`
+    (with `{mtp_layer}`, e.g. "model.layers.{mtp_layer}.") and `dst_module`."""
+    def moved(names, old, new):
+        return tuple(new + name[len(old):] for name in names)
+
+    return [Rule(moved(r.src, src_layer, src_module), moved(r.dst, dst_layer, dst_module), r.transform, r.optional,
+                 r.layers, r.mixer)
+            for r in rules
+            if all(n.startswith(src_layer) for n in r.src) and all(n.startswith(dst_layer) for n in r.dst)]
+
+
+def count_mtp_layers(names, prefix: str, num_hidden_layers: int) -> int:
+    """How many MTP modules a source's files hold: consecutive k from 0 whose `prefix` (with `{mtp}` = k or
+    `{mtp_layer}` = `num_hidden_layers` + k) starts some tensor's name."""
+    count = 0
+    while any(name.startswith(prefix.format(mtp=count, mtp_layer=num_hidden_layers + count)) for name in names):
+        count += 1
+    return count
+
+
+def duplicates(plan: list["RuleInstance"]) -> tuple[list["RuleInstance"], list["RuleInstance"]]:
+    """(the plan without the instances of forward `"duplicate"` rules, those instances: inputs (copy, original),
+    which the caller reads and gives to `check_duplicate`)."""
+    checks = [i for i in plan if i.rule.transform == "duplicate" and not i.inverse]
+    return [i for i in plan if i not in checks], checks
+
+
+def check_duplicate(instance: "RuleInstance", copy: torch.Tensor, original: torch.Tensor) -> None:
+    """A source tensor that should be a copy of one the model holds once: refused, naming both, where it differs
+    (converting would lose it)."""
+    if copy.shape != original.shape or not torch.equal(copy, original):
+        name, of = instance.inputs
+        raise ValueError(f"`{name}` should be a copy of `{of}`, which the model holds once, and it differs from it: "
+                         "converting would lose it.")
 
 
 @dataclass(frozen=True)
@@ -392,7 +463,11 @@ def plan_rules(rules: list[Rule], names, cfg, direction: str = "forward") -> lis
     inverse = direction == "inverse"
     remaining = set(names)
     plan = []
+    names = set(names)
     for r, src, dst in _instances(rules, cfg):
+        if r.transform == "duplicate":
+            plan += _duplicate_instance(r, src[0], dst[0], names, remaining, inverse)
+            continue
         ins, outs = (dst, src) if inverse else (src, dst)
         present = [name for name in ins if name in remaining]
         if not present and r.optional:
@@ -407,6 +482,21 @@ def plan_rules(rules: list[Rule], names, cfg, direction: str = "forward") -> lis
     return plan
 
 
+def _duplicate_instance(r: Rule, copy: str, original: str, names: set, remaining: set, inverse: bool) -> list:
+    """A `"duplicate"` rule's instance: forward it consumes the copy (read with the original, which its own rule
+    consumes too), inverse it writes the copy from the original."""
+    if inverse:
+        return [RuleInstance(r, (original,), (copy,), True)] if original in names or not r.optional else []
+    if copy not in remaining:
+        if r.optional:
+            return []
+        raise ValueError(f"Missing tensors {[copy]} (rule {r.src} -> {r.dst}).")
+    if original not in names:
+        raise ValueError(f"Missing tensors {[original]} (rule {r.src} -> {r.dst}).")
+    remaining.discard(copy)
+    return [RuleInstance(r, (copy, original), ())]
+
+
 def apply_rules(
     rules: list[Rule],
     tensors: dict[str, torch.Tensor],
@@ -419,7 +509,10 @@ def apply_rules(
     """
     out: dict[str, torch.Tensor] = {}
     for instance in plan_rules(rules, tensors, cfg, direction):
-        out.update(instance.apply([tensors[name] for name in instance.inputs], cfg))
+        inputs = [tensors[name] for name in instance.inputs]
+        if instance.rule.transform == "duplicate" and not instance.inverse:
+            check_duplicate(instance, *inputs)
+        out.update(instance.apply(inputs, cfg))
         if progress is not None:
             progress(len(instance.inputs))
     return out

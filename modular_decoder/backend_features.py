@@ -10,6 +10,7 @@ by `modular_decoder.tools.compatibility` (not shipped).
 from __future__ import annotations
 
 from .compat import flash_kernel_fallbacks
+from .kinds import LINEAR_ATTENTION
 
 # Contract features a config may need, and the field that asks for each.
 FEATURE_FIELDS = {
@@ -34,6 +35,8 @@ FEATURE_FIELDS = {
     "experts_clamped_swiglu": "swiglu_limit (gpt-oss's clamped SwiGLU experts)",
     "experts_bias": "mlp_bias with mlp_type='moe' (experts with biases)",
     "router_bias": "router_bias",
+    # A recurrent state per sequence (Gated DeltaNet): vLLM's Transformers backend replaces attention layers only
+    "linear_attention": "layer_types with 'linear_attention'",
 }
 
 ALL_FEATURES = frozenset(FEATURE_FIELDS)
@@ -57,10 +60,11 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # `logit_scale` rather than dividing by `logits_scaling`, and its fused experts apply SiLU whatever `hidden_act`
     # says, with no bias (its gpt-oss forms apply to gpt-oss's own architecture only). (Its per-head attention
     # takes the sinks it finds passed as `s_aux=self.sinks`.) Its latent attention attends to every key: no
-    # indexer, no indexer cache.
+    # indexer, no indexer cache. It pages only attention's K/V: a linear-attention layer's recurrent state has no
+    # place in it (its own Qwen3-Next / Qwen3.5 classes hold one: serve an exported folder).
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
                             "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
-                            "router_bias", "key_selection"},
+                            "router_bias", "key_selection", "linear_attention"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -94,6 +98,8 @@ def required_features(config) -> set[str]:
         needed.add("logits_scaling")
     if config.attention_sinks:
         needed.add("sinks")
+    if LINEAR_ATTENTION in config.layer_types:
+        needed.add("linear_attention")
     return needed | config.attention_kind.backend_features(config) | config.mlp_kind.backend_features(config)
 
 
@@ -120,9 +126,11 @@ def check_backend(config, backend: str) -> None:
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
         if canonical_backend(backend) == "vllm":
+            hybrid = ("; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
+                      "qwen3_next` (or `qwen3_5_text`)" if "linear_attention" in missing else "")
             raise ValueError(
                 f"vLLM's Transformers modeling backend cannot serve {fields} of this config (it would compute "
-                "different results); generate with transformers instead."
+                f"different results); generate with transformers instead{hybrid}."
             )
         usable = [name for name in BACKEND_FEATURES if not required_features(config) - BACKEND_FEATURES[name]]
         raise ValueError(

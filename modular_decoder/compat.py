@@ -9,8 +9,9 @@ and the private parts of transformers it uses. In the order of this file:
 3. transformers' private helpers, looked up when first used, never at import: the flash- and
    flex-attention helpers that only `alibi_kernels.py` calls (an upstream rename then breaks that one
    backend with a clear error, not every load), the Hub flash kernels, the experts-kernel decorator
-   (whose absence only removes transformers' alternative kernels), and the linear-attention kernels of
-   `flash-linear-attention` and `causal-conv1d` where transformers' own availability checks pass.
+   (whose absence only removes transformers' alternative kernels), the linear-attention kernels of
+   `flash-linear-attention` and `causal-conv1d` where transformers' own availability checks pass, and the
+   multi-token-prediction drafter `generate(use_mtp=True)` runs (`mtp_candidate_generator`).
 4. transformers' private state that has no public accessor, read or written through one named function
    each: the selected attention and experts kernels, the static-cache length `generate` keeps, the flag
    that lets `generate` compile on a CPU, and the validators `config.validate()` runs.
@@ -286,6 +287,22 @@ def experts_kernels():
     except ImportError:
         return None
     return getattr(module, "use_experts_implementation", None)
+
+
+def mtp_candidate_generator():
+    """transformers' `MTPCandidateGenerator` (generation/candidate_generator.py, on 5.16.1 to 5.25), which
+    `generate(use_mtp=True)` drafts with; `mtp_generation.py` subclasses it with this family's own modules.
+
+    What differs between the releases stays in transformers' own `get_candidates` and decoding loop: before
+    5.25 the generator crops its drafts after an end-of-sequence token (reading `eos_token_id` off itself) and
+    reads `model_kwargs["attention_mask"]` unconditionally; from 5.25 the loop crops them and passes
+    `recurrent_states_to_keep` when it activates the cache's past recording.
+    """
+    module = importlib.import_module("transformers.generation.candidate_generator")
+    if not hasattr(module, "MTPCandidateGenerator"):
+        raise ImportError("This transformers version has no `MTPCandidateGenerator`: `generate(use_mtp=True)` needs "
+                          "the transformers version pyproject.toml names.")
+    return module.MTPCandidateGenerator
 
 
 # --- 4. transformers' private state, through one named function each ---------------------------------

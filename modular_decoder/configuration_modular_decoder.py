@@ -23,6 +23,12 @@ from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: 
 # The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "linear_attention")
+# Config fields that hold one entry per layer: a multi-token-prediction module is built from a config whose
+# lists hold the last layer's entry once per module (`mtp.mtp_block_config`). A new per-layer field goes here.
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers")
+# `mtp_loss_scaling_factor` where unset and `num_mtp_layers` > 0: DeepSeek-V3's λ for the last 4.8T of its
+# 14.8T training tokens (0.3 before; arXiv 2412.19437, §4.2)
+MTP_LOSS_SCALING_FACTOR = 0.1
 # The smallest window the sliding cache layers keep correctly: they hold the last `window - 1`
 # tokens between steps, so a window of 1 would leave nothing to slice by.
 MIN_SLIDING_WINDOW = 2
@@ -77,6 +83,8 @@ FIELD_RULES = {
     "lm_head_bias": _flag,
     "initializer_range": _number(at_least=0),
     "use_cache": _flag,
+    "num_mtp_layers": _int(0),
+    "mtp_loss_scaling_factor": _number(at_least=0),
     "pad_token_id": _int(0, optional=True),
     "bos_token_id": _token_ids,
     "eos_token_id": _token_ids,
@@ -241,6 +249,15 @@ class ModularDecoderConfig(PretrainedConfig):
         lm_head_bias (`bool`): Bias on the output projection (GPT-J, Phi).
         initializer_range (`float`): Standard deviation of the normal weight init.
         use_cache (`bool`): Whether forward returns a cache by default.
+        num_mtp_layers (`int`): Multi-token-prediction modules (DeepSeek-V3's MTP, transformers' name; DeepSeek's
+            `num_nextn_predict_layers`). Module k joins the RMS-normed last hidden state of depth k-1 (the model's
+            own for k = 0) with the normed embedding of the token k+1 places ahead, projects them back to d
+            (`eh_proj`), runs one block of the last layer's kinds and a norm, and predicts through the shared head
+            the token k+2 places ahead. They add a training loss (`mtp_loss_scaling_factor`) and draft tokens for
+            `generate(use_mtp=True)`; the main forward never runs them. 0: none.
+        mtp_loss_scaling_factor (`float`, *optional*): Weight λ of the MTP loss, the mean over modules of their
+            cross-entropies, added to the LM loss when `labels` are given (transformers' name). Defaults to 0.1
+            (DeepSeek-V3's final λ) with MTP modules, 0.0 without (then it must stay 0).
     """
 
     model_type = "modular_decoder"
@@ -339,6 +356,9 @@ class ModularDecoderConfig(PretrainedConfig):
     lm_head_bias: bool = False
     initializer_range: float = 0.02
     use_cache: bool = True
+    # multi-token prediction
+    num_mtp_layers: int = 0
+    mtp_loss_scaling_factor: float | None = None
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -374,6 +394,8 @@ class ModularDecoderConfig(PretrainedConfig):
             raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
         for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS):  # each chosen kind fills its own derived defaults
             registry.complete(self)
+        if self.mtp_loss_scaling_factor is None:
+            self.mtp_loss_scaling_factor = MTP_LOSS_SCALING_FACTOR if self.num_mtp_layers else 0.0
         super().__post_init__(**kwargs)
         self.validate_contract()
 
@@ -546,6 +568,9 @@ class ModularDecoderConfig(PretrainedConfig):
         require_choice("norm_type", self.norm_type, NORMS)
         validate_block(self)
         self._validate_layer_types()
+        if not self.num_mtp_layers and self.mtp_loss_scaling_factor:
+            raise ValueError(f"`mtp_loss_scaling_factor`={self.mtp_loss_scaling_factor} weighs the loss of MTP modules, "
+                             "and `num_mtp_layers`=0: set `num_mtp_layers` or leave the factor at 0.")
         for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS):
             registry.check(self)
 
@@ -565,4 +590,4 @@ class ModularDecoderConfig(PretrainedConfig):
             )
 
 
-__all__ = ["ModularDecoderConfig", "PEFT_LORA_TARGET_MODULES", "register_peft_defaults"]
+__all__ = ["ModularDecoderConfig", "PEFT_LORA_TARGET_MODULES", "PER_LAYER_FIELDS", "register_peft_defaults"]

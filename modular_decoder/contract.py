@@ -58,8 +58,9 @@ def block_norm_count(config: ModularDecoderConfig) -> int:
 
 def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
     """Parameters by component, tied weights counted once; `total` is their sum, `active` the parameters
-    one token's forward uses (the total less the routed experts it is not sent to; the embedding table
-    and head count whole, as published "active" counts do)."""
+    one token's forward uses (the total less the routed experts it is not sent to and the multi-token-prediction
+    modules, which the forward does not run; the embedding table and head count whole, as published "active"
+    counts do)."""
     d, v = config.hidden_size, config.vocab_size
     parts = {"embedding": v * d}
     if config.position_embedding_type == "learned":
@@ -78,10 +79,21 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
     lm_head = (0 if config.tie_word_embeddings else v * d) + (v if config.lm_head_bias else 0)
     if lm_head:
         parts["lm_head"] = lm_head
+    if config.num_mtp_layers:
+        parts["mtp"] = config.num_mtp_layers * mtp_module_parameters(config)
     parts["total"] = sum(parts.values())
     inactive = sum(mlp_parameters(config, i) - active_mlp_parameters(config, i) for i in range(layers))
-    parts["active"] = parts["total"] - inactive
+    parts["active"] = parts["total"] - inactive - parts.get("mtp", 0)
     return parts
+
+
+def mtp_module_parameters(config: ModularDecoderConfig) -> int:
+    """One multi-token-prediction module: three norms (`enorm`, `hnorm`, `post_norm`), the 2d -> d projection and a
+    block of the last layer's kinds (its embedding and head are the model's)."""
+    d = config.hidden_size
+    block = (attention_parameters(config) + mlp_parameters(config, config.num_hidden_layers - 1)
+             + block_norm_count(config) * norm_parameters(config, d))
+    return 3 * norm_parameters(config, d) + 2 * d * d + block
 
 
 def _dtype_bytes(dtype: torch.dtype | int) -> int:
@@ -163,14 +175,16 @@ def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bflo
     return "\n".join(rows)
 
 
-_PARAMETER_ROWS = {"active": "active per token", "linear_attention": "linear attention"}
+_PARAMETER_ROWS = {"active": "active per token", "linear_attention": "linear attention", "mtp": "MTP modules"}
 
 
 def _applies(config: ModularDecoderConfig, name: str) -> bool:
     """Whether field `name` is read by this config: a field that belongs to variants of one axis
     (MLA's ranks, the MoE fields, ...) applies only when one of them is chosen, and a field some
     entries of an axis say they read (`reads`: `norm_bias` for LayerNorm, `head_dim` for per-head
-    attention, ...) only when the chosen entry reads it."""
+    attention, ...) only when the chosen entry reads it. The MTP loss weight applies with MTP modules."""
+    if name == "mtp_loss_scaling_factor":
+        return bool(config.num_mtp_layers)
     if name == LINEAR_ATTENTIONS.field:
         return config.linear_attention_kind.in_use(config)
     for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS):

@@ -112,6 +112,18 @@ def chunked_gated_delta_rule(query, key, value, g, beta, initial_state=None, chu
     return out.transpose(1, 2).contiguous().to(dtype), state
 
 
+def chunked_gated_delta_rule_by_document(query, key, value, g, beta, documents):
+    """The chunked rule over one row (batch 1) of packed documents, each from a zero state (`documents`: a
+    `packed_documents.PackedDocuments`). Returns the output (1, T, H_v, d_v) and each document's final state
+    (N, H_v, d_k, d_v), as fla's kernels with `cu_seqlens` do."""
+    outputs, states = [], []
+    for start, end in zip(documents.bounds[:-1], documents.bounds[1:]):
+        out, state = chunked_gated_delta_rule(*(x[:, start:end] for x in (query, key, value, g, beta)))
+        outputs.append(out)
+        states.append(state)
+    return torch.cat(outputs, dim=1), torch.cat(states)
+
+
 def causal_conv1d(x: torch.Tensor, conv: torch.nn.Conv1d, activation: Callable) -> torch.Tensor:
     """activation(depthwise causal conv) of x (B, C, T) through the module `conv` (padding K - 1 on both sides:
     the first T outputs are the causal ones), so hooks and adapters on it run."""
@@ -127,6 +139,8 @@ class Kernels:
     conv: Callable | None = None  # causal-conv1d's `causal_conv1d_fn`: (x, weight, bias, activation) -> out
     conv_update: Callable | None = None  # its `causal_conv1d_update`: (x, state, weight, bias, activation)
     name: str = "torch"
+    # packed documents (one row, each document from a zero state): (q, k, v, g, beta, documents) -> (out, states)
+    chunked_documents: Callable = chunked_gated_delta_rule_by_document
 
 
 TORCH_KERNELS = Kernels()
@@ -146,16 +160,16 @@ def kernels_for(device: torch.device) -> Kernels:
 def _kernels_for(device_type: str) -> Kernels:
     from .compat import causal_conv1d_kernels, flash_linear_attention_kernels
 
-    chunked = recurrent = conv = conv_update = None
+    chunked = recurrent = conv = conv_update = documents = None
     names = []
     if device_type in _FLA_DEVICES and (fla := flash_linear_attention_kernels()) is not None:
-        chunked, recurrent = _fla_rule(fla[0]), _fla_rule(fla[1])
+        chunked, recurrent, documents = _fla_rule(fla[0]), _fla_rule(fla[1]), _fla_documents_rule(fla[0])
         names.append("fla")
     if device_type in _CAUSAL_CONV1D_DEVICES and (conv1d := causal_conv1d_kernels()) is not None:
         conv, conv_update = conv1d
         names.append("causal-conv1d")
     return Kernels(chunked or chunked_gated_delta_rule, recurrent or recurrent_gated_delta_rule, conv, conv_update,
-                   "+".join(names) or "torch")
+                   "+".join(names) or "torch", documents or chunked_gated_delta_rule_by_document)
 
 
 def _fla_rule(kernel: Callable) -> Callable:
@@ -163,18 +177,30 @@ def _fla_rule(kernel: Callable) -> Callable:
     fla release since transformers' minimum takes equal head counts), L2 norm inside the kernel, the state in
     fp32 and the output in value's dtype."""
 
-    def rule(query, key, value, g, beta, initial_state=None):
+    def rule(query, key, value, g, beta, initial_state=None, **kwargs):
         groups = value.shape[2] // key.shape[2]
         if groups > 1:
             query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
         query, key, value, g, beta = (x.contiguous() for x in (query, key, value, g, beta))  # views of one projection
         out, state = kernel(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
-                            use_qk_l2norm_in_kernel=True)
+                            use_qk_l2norm_in_kernel=True, **kwargs)
         return out.to(value.dtype), state.to(torch.float32)
 
     rule.__name__ = kernel.__name__
     return rule
 
 
+def _fla_documents_rule(kernel: Callable) -> Callable:
+    """fla's chunked kernel over packed documents: the same call with `cu_seqlens` (batch 1; the state restarts at
+    each document, one final state per document)."""
+    rule = _fla_rule(kernel)
+
+    def by_document(query, key, value, g, beta, documents):
+        return rule(query, key, value, g, beta, cu_seqlens=documents.cu_seqlens)
+
+    by_document.__name__ = f"{kernel.__name__}_by_document"
+    return by_document
+
+
 __all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "chunked_gated_delta_rule", "causal_conv1d", "kernels_for",
-           "l2norm", "recurrent_gated_delta_rule"]
+           "chunked_gated_delta_rule_by_document", "l2norm", "recurrent_gated_delta_rule"]

@@ -33,6 +33,7 @@ from transformers.activations import ACT2FN
 
 from .delta_rule import causal_conv1d, kernels_for
 from .kinds import LinearAttentionKind, require_int
+from .packed_documents import PackedDocuments, convolve_documents, last_document_only
 from .recurrent_cache import RecurrentLayer
 from .split_products import weight_is_readable
 
@@ -85,13 +86,19 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
-                **kwargs) -> tuple[torch.Tensor, None]:
+                documents: PackedDocuments | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """`documents`: packed documents in the rows (`packed_documents.packed_documents`), each computed from an
+        empty state; the cache then keeps the state each row's last document leaves."""
         if attention_mask is not None:  # the 2-D padding mask of the new tokens (`linear_attention_mask`)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         batch, seq = hidden_states.shape[:2]
         layer = self._state(cache)
         kernels = kernels_for(hidden_states.device)
-        qkv = self._convolve(self.in_proj_qkv(hidden_states).transpose(1, 2), layer, kernels).transpose(1, 2)
+        mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # (B, C, T)
+        if documents is None:
+            qkv = self._convolve(mixed, layer, kernels).transpose(1, 2)
+        else:
+            qkv = self._convolve_documents(mixed, layer, kernels, documents).transpose(1, 2)
         query, key, value = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         query = query.reshape(batch, seq, -1, self.head_k_dim)  # (B, T, H_k, d_k)
         key = key.reshape(batch, seq, -1, self.head_k_dim)  # (B, T, H_k, d_k)
@@ -101,14 +108,34 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
         if attention_mask is not None:  # a padded position neither writes (β = 0) nor decays (g = 0) the state
             beta, g = beta * attention_mask[:, :, None], g * attention_mask[:, :, None]
-        state = layer.recurrent_state if layer is not None else None
-        rule = kernels.recurrent if state is not None and seq == 1 else kernels.chunked
-        out, state = rule(query, key, value, g, beta, state)  # (B, T, H_v, d_v), (B, H_v, d_k, d_v)
-        if layer is not None:
-            layer.update_recurrent_state(state)
+        out = self._delta_rule((query, key, value, g, beta), layer, kernels, documents)  # (B, T, H_v, d_v)
         z = self.in_proj_z(hidden_states).reshape(batch, seq, -1, self.head_v_dim)
         out = self.norm(out, z).reshape(batch, seq, -1)  # (B, T, H_v·d_v)
         return self.out_proj(out), None
+
+    def _delta_rule(self, inputs: tuple, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
+        """The gated delta rule over (query, key, value, g, beta): recurrent for a one-token step on a cached state,
+        chunked otherwise, or document by document; the cache keeps the new state."""
+        batch, seq = inputs[0].shape[:2]
+        if documents is None:
+            state = layer.recurrent_state if layer is not None else None
+            rule = kernels.recurrent if state is not None and seq == 1 else kernels.chunked
+            out, state = rule(*inputs, state)  # (B, T, H_v, d_v), (B, H_v, d_k, d_v)
+        else:  # the rows end to end as one row of documents; each row's last document's state is its state
+            flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
+            out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
+            out, state = out.reshape(batch, seq, *out.shape[2:]), states[documents.last]
+        if layer is not None:
+            layer.update_recurrent_state(state)
+        return out
+
+    def _convolve_documents(self, x: torch.Tensor, layer, kernels, documents: PackedDocuments) -> torch.Tensor:
+        """The short causal convolution of x (B, C, T) over packed documents, each from zeros
+        (`packed_documents.convolve_documents`); the cache keeps each row's last document's window."""
+        if layer is not None:
+            layer.update_conv_state(last_document_only(x, documents), conv_kernel_size=self.conv_kernel_size)
+        fused = self._fused_conv(kernels)
+        return convolve_documents(x, documents, self.conv_kernel_size, lambda row: self._convolution(row, kernels, fused))
 
     def _state(self, cache) -> RecurrentLayer | None:
         """This layer's entry of `cache` (the family's `ModularDecoderCache`), or a `ValueError` naming the cache
@@ -131,18 +158,26 @@ class GatedDeltaNet(nn.Module):
         A decode step on causal-conv1d updates the window in place; everything else prepends the cached
         window (`RecurrentLayer.update_conv_state`) and convolves, through causal-conv1d's kernel where it runs
         and the module is plain, else by calling the module."""
-        fused = kernels.conv is not None and self.activation_name in ("silu", "swish") and weight_is_readable(self.conv1d, nn.Conv1d)
+        fused = self._fused_conv(kernels)
         seq = x.shape[-1]
         if fused and layer is not None and layer.conv_state is not None and seq == 1:
             layer.count_step()
             return kernels.conv_update(x, layer.conv_state, self.conv1d.weight.squeeze(1), None, self.activation_name)
         if layer is not None:
             x = layer.update_conv_state(x, conv_kernel_size=self.conv_kernel_size)
+        return self._convolution(x, kernels, fused)[..., -seq:]
+
+    def _fused_conv(self, kernels) -> bool:
+        """Whether causal-conv1d's kernels compute the convolution: where they run, for its activations, on a plain
+        module (otherwise the module is called, so hooks and adapters on it run)."""
+        return (kernels.conv is not None and self.activation_name in ("silu", "swish")
+                and weight_is_readable(self.conv1d, nn.Conv1d))
+
+    def _convolution(self, x: torch.Tensor, kernels, fused: bool) -> torch.Tensor:
+        """activation(causal convolution of x (B, C, L)), zero-padded on the left, no cache."""
         if fused:
-            out = kernels.conv(x, self.conv1d.weight.squeeze(1), None, activation=self.activation_name)
-        else:
-            out = causal_conv1d(x, self.conv1d, self.activation)
-        return out[..., -seq:]
+            return kernels.conv(x, self.conv1d.weight.squeeze(1), None, activation=self.activation_name)
+        return causal_conv1d(x, self.conv1d, self.activation)
 
 
 class GatedDeltaNetKind(LinearAttentionKind):

@@ -196,8 +196,10 @@ def _check_mask_length(attention_mask: torch.Tensor, seq: int, cache) -> None:
 def _static_capacity(cache) -> int | None:
     """The longest 2-D mask a static cache takes: the length of its full-attention layers. A sliding layer is
     a ring of `sliding_window` slots that reads the mask by token position, so it bounds nothing: a cache
-    whose layers all slide (Mistral's) takes a mask of any length, as transformers' models take it."""
-    full = [layer.get_max_length() for layer in cache.layers if not getattr(layer, "is_sliding", False)]
+    whose layers all slide (Mistral's) takes a mask of any length, as transformers' models take it. A
+    linear-attention layer holds a fixed-size state of no length (-1) and bounds nothing either."""
+    full = [length for layer in cache.layers
+            if not getattr(layer, "is_sliding", False) and (length := layer.get_max_length()) >= 0]
     return min(full) if full else None
 
 

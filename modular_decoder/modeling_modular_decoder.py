@@ -35,10 +35,13 @@ from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .kinds import LINEAR_ATTENTION
 from .moe import init_moe_weights
+from .mtp import MultiTokenPredictor
+from .mtp_generation import check_use_mtp, mtp_candidate_generator_for
 from .norms import LayerNorm, RMSNorm, build_norm
+from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
                         rotary_layers)
-from .recurrent_cache import refuse_rollback_decoding
+from .recurrent_cache import ROLLBACK_ERROR, refuse_rollback_decoding
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
@@ -208,14 +211,14 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
 
         `position_ids` default to counting the real tokens of a 2-D `attention_mask` (so left
         padding does not shift positions), else to the cache length onwards. Packed documents
-        are expressed by `position_ids` restarting at 0 with no `attention_mask`.
+        are expressed by `position_ids` restarting at 0 with no `attention_mask`: attention layers
+        mask across them, linear-attention layers restart their state at each (`packed_documents.py`).
 
         Serving: vLLM's Transformers backend calls this forward with its requests packed in one row,
         positions in `position_ids` and no cache; `**kwargs` reach every attention call, where it
         puts its own kernel and paged cache (docs/serving.md).
         """
         self._check_inputs(input_ids, attention_mask, inputs_embeds, cache)
-        self._check_linear_documents(position_ids, attention_mask, cache)
         packed_positions = self._packed_document_positions(position_ids, cache)
         use_cache = self._use_cache(use_cache)
         if inputs_embeds is None:
@@ -229,9 +232,13 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         hidden = self._embed(inputs_embeds, position_ids)
         masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self._rotary_tables(hidden, position_ids)
-        alibi = self._alibi_kwargs(hidden, cache)
+        layer_kwargs = self._alibi_kwargs(hidden, cache)
+        if (documents := self._linear_documents(packed_positions, attention_mask, inputs_embeds)) is not None:
+            layer_kwargs[LINEAR_ATTENTION] = {"documents": documents}
 
-        for layer_idx, block in enumerate(self.layers):
+        # the first `num_hidden_layers` as transformers' models run them: its assistant early exit drafts with
+        # the model itself after lowering that number
+        for layer_idx, block in enumerate(self.layers[: self.config.num_hidden_layers]):
             layer_type = self.config.layer_types[layer_idx]
             hidden = block(
                 hidden,
@@ -239,7 +246,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
                 cache=cache,
-                **alibi.get(layer_type, {}),
+                **layer_kwargs.get(layer_type, {}),
                 **kwargs,
             )
         if self.final_norm is not None:
@@ -260,18 +267,15 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         passes a cache."""
         return position_ids if cache is None else None
 
-    def _check_linear_documents(self, position_ids, attention_mask, cache) -> None:
-        """Linear-attention layers would carry their recurrent state from one packed document into the next: where
-        the packed-document policy would look for documents (positions given, no mask, no cache), positions that
-        do not count up by one are refused (one more host read, in that case only)."""
-        if cache is not None or attention_mask is not None or position_ids is None:
-            return
-        if self.config.linear_attention_kind.in_use(self.config) and bool((position_ids.diff(dim=-1) != 1).any()):
-            raise ValueError(
-                "`position_ids` restart or jump (documents packed in one row), but the 'linear_attention' layers of "
-                "`layer_types` would carry their recurrent state across documents: pass one document per row with an "
-                "`attention_mask` instead."
-            )
+    def _linear_documents(self, packed_positions, attention_mask, inputs_embeds) -> PackedDocuments | None:
+        """The packed documents a linear-attention layer restarts its state at, where the packed-document policy
+        looks for documents (positions given, no mask, no cache) and there are linear layers: one more host read,
+        in that case only (`packed_documents.packed_documents`)."""
+        if packed_positions is None or attention_mask is not None:
+            return None
+        if not self.config.linear_attention_kind.in_use(self.config):
+            return None
+        return packed_documents(packed_positions, inputs_embeds.shape[0])
 
     def _use_cache(self, use_cache: bool | None) -> bool:
         """The caller's `use_cache`, else the config's; never while training with gradient checkpointing."""
@@ -423,14 +427,17 @@ def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor
 @dataclass
 class ModularDecoderCausalLMOutput(MoeCausalLMOutputWithPast):
     """transformers' MoE causal-LM output (`aux_loss`, `router_logits` beside the usual fields), plus
-    `z_loss`: the router z-loss, returned with the router logits.
+    `z_loss`: the router z-loss, returned with the router logits, and `mtp_loss`: the multi-token-prediction
+    modules' loss, returned with `labels`.
 
     `aux_loss` (the router kind's balance loss: Switch's for softmax routers, DeepSeek-V3's sequence-wise
-    one for sigmoid routers) and `z_loss` (softmax routers only) are the unweighted losses; `loss` (with
-    `labels`) already holds `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss`.
+    one for sigmoid routers), `z_loss` (softmax routers only) and `mtp_loss` (the mean of the MTP modules'
+    cross-entropies) are the unweighted losses; `loss` (with `labels`) already holds
+    `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss + mtp_loss_scaling_factor · mtp_loss`.
     """
 
     z_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
 
 
 class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
@@ -445,6 +452,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = ModularDecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        # beside the base model: they read its output and the head, and only the loss and drafting run them
+        self.mtp = MultiTokenPredictor(config) if config.num_mtp_layers else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -482,6 +491,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         `attention_mask`; with `labels`, their coefficient-weighted sum is added to `loss`, as
         transformers' MoE families add theirs. A model without routers records none (an empty
         `router_logits`, no router losses), as the outputs the class declares recordable allow.
+
+        With `labels` and MTP modules (`num_mtp_layers`), their loss `mtp_loss` over this forward's tokens is
+        returned and added to `loss` with its weight `mtp_loss_scaling_factor` (`mtp.MultiTokenPredictor.loss`).
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
@@ -498,9 +510,13 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         logits = self._logits(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = aux_loss = z_loss = None
+        loss = aux_loss = z_loss = mtp_loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            if self.mtp is not None:
+                mtp_loss = self.mtp.training_loss(self, outputs.last_hidden_state, input_ids, inputs_embeds,
+                                                  attention_mask, position_ids, labels, **kwargs)
+                loss = loss + self.config.mtp_loss_scaling_factor * mtp_loss.to(loss.device)
         if output_router_logits and outputs.router_logits:  # a model without routers records none
             router_loss, aux_loss, z_loss = self._router_losses(outputs, attention_mask, past_seen)
             if loss is not None:
@@ -514,6 +530,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
             z_loss=z_loss,
+            mtp_loss=mtp_loss,
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -525,6 +542,31 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         return logits
+
+    def _mtp_block_kwargs(self, depth: int, token_embeds, position_ids, attention_mask, cache, packed: bool) -> dict:
+        """What MTP block `depth` takes beside its input (all are of the last layer's type): that type's mask and
+        rotary table (or ALiBi bias), over its layer of the modules' own `cache` while drafting, none while
+        training."""
+        config, layer_type = self.mtp.block_config, self.mtp.layer_type
+        attends = layer_type != LINEAR_ATTENTION
+        mask_cache = cache if cache is not None and cache.get_seq_length(depth) else None  # empty: as none
+        mask = MASK_BUILDERS[layer_type](config=config, inputs_embeds=token_embeds, attention_mask=attention_mask,
+                                         position_ids=position_ids if packed else None,
+                                         **({"layer_idx": depth} if attends else {}), **with_cache(mask_cache))
+        kwargs = {"attention_mask": mask, "position_ids": position_ids, "cache": cache}
+        if not attends and packed and attention_mask is None:  # a recurrent state restarts at each packed document
+            kwargs["documents"] = packed_documents(position_ids, token_embeds.shape[0])
+        if self.model.rotary_emb is not None and rotary_layers(config)[depth]:  # (not on a NoPE layer)
+            tables = self.model.rotary_emb.tables(token_embeds, position_ids, [layer_type])
+            kwargs["position_embeddings"] = tables.get(layer_type)  # none for a linear-attention layer
+        if self.model.alibi is not None and attends:
+            if takes_alibi_slopes(attn_implementation(self.config)):
+                kwargs["alibi_slopes"] = self.model.alibi.slopes
+            else:
+                seq = token_embeds.shape[1]
+                kv_length = cache.get_mask_sizes(seq, depth)[0] if cache is not None else seq
+                kwargs["position_bias"] = self.model.alibi(seq, kv_length, token_embeds.dtype)
+        return kwargs
 
     def _router_losses(self, outputs, attention_mask, past_seen: int | torch.Tensor):
         """(weighted sum, aux_loss, z_loss) of the router logits, over the new tokens' real positions: padding
@@ -542,10 +584,15 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         The steps then skip re-reading the mask's values (generate only appends ones to it). A cache
         passed as `cache=` is used on every transformers release (before 5.24 generate calls it
         `past_key_values`). With linear-attention layers, decoding that drafts and crops the cache (`assistant_model`,
-        `prompt_lookup_num_tokens`) is refused: a recurrent state cannot be rolled back."""
+        `prompt_lookup_num_tokens`, `use_mtp`) is refused: a recurrent state cannot be rolled back. `use_mtp=True`
+        drafts with the model's MTP modules (`mtp_generation.py`); a model without them raises a `ValueError`."""
         kwargs = generate_cache_kwarg(kwargs)
+        use_mtp = kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None)
+        check_use_mtp(self.config, use_mtp)
         if self.config.linear_attention_kind.in_use(self.config):  # a recurrent state cannot be cropped
             refuse_rollback_decoding(kwargs, self.generation_config)
+            if use_mtp:
+                raise ValueError(f"`use_mtp` is set: {ROLLBACK_ERROR}")
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),
@@ -554,6 +601,16 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         )
         with generating():
             return super().generate(inputs, *args, **kwargs)
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 *args, **kwargs):
+        """With `use_mtp`, the candidate generator that drafts with this model's own MTP modules; otherwise
+        transformers' choice (a hook of transformers' `GenerationMixin`: see compat.py)."""
+        if generation_config.use_mtp and generation_config.assistant_early_exit is None \
+                and generation_config.prompt_lookup_num_tokens is None:
+            return mtp_candidate_generator_for(self, generation_config, model_kwargs, logits_processor)
+        return super()._get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor,
+                                                model_kwargs, *args, **kwargs)
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int

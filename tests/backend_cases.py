@@ -47,6 +47,10 @@ VARIANTS: dict[str, dict] = {
         attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, head_dim=8,
         attn_logit_softcapping=5.0, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
         logits_scaling=2.0, mlp_type="moe", hidden_act="gelu", num_experts=4, num_experts_per_tok=2),
+    # Qwen3-Next's hybrid: a Gated DeltaNet layer (a recurrent state vLLM's backend has no place for) beside a
+    # gated full-attention layer; packed documents restart the linear layer's state
+    "hybrid": dict(num_key_value_heads=2, layer_types=["linear_attention", "full_attention"], attn_output_gate=True,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
 }
 
 

@@ -1,4 +1,5 @@
-"""Shared helpers for the cache and generate tests: tiny models and the no-cache reference loop."""
+"""Shared helpers for the cache, generate and training tests: tiny models, the no-cache reference loop, padded
+batches."""
 
 from __future__ import annotations
 
@@ -84,3 +85,15 @@ def converted_twin(family: str, folder, **config):
     for model in (reference, ours):
         model.generation_config.pad_token_id = 0
     return reference, ours
+
+
+def right_padded(features: list[dict]) -> dict:
+    """Right-padded rows with an attention mask and padding out of the loss (labels -100), as Trainer's padding
+    collators give them."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, feature in enumerate(features):
+        ids[row, : len(feature["input_ids"])] = torch.tensor(feature["input_ids"])
+        mask[row, : len(feature["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}

@@ -4,8 +4,8 @@
 (`modular_decoder/registries.py`), MHA / GQA / MQA, explicit head widths, partial rotary widths,
 every rope type with the keys it needs (flat or nested per layer type), NoPE layers, sliding windows and
 local/global mixes, QK-norm, soft-caps, attention sinks, the score scale, the embedding ends, biases, learned
-offsets and MLA's widths. Sizes stay tiny (hidden <= 48, 1-3 layers, vocabulary <= 64) so a model
-builds and runs in milliseconds.
+offsets, MLA's widths and multi-token-prediction modules. Sizes stay tiny (hidden <= 48, 1-3 layers, vocabulary
+<= 64) so a model builds and runs in milliseconds.
 
 `broken_config_kwargs()` takes such a draw and breaks exactly one field; it returns the broken
 kwargs and the name the `ValueError` must carry.
@@ -252,6 +252,11 @@ def config_kwargs(draw) -> dict:
     kw["bos_token_id"] = draw(st.none() | st.integers(0, vocab - 1))
     kw["eos_token_id"] = draw(st.none() | st.integers(0, vocab - 1)
                               | st.lists(st.integers(0, vocab - 1), min_size=1, max_size=2))
+
+    # multi-token prediction (the modules are built from the last layer's kinds)
+    kw["num_mtp_layers"] = draw(st.sampled_from([0, 0, 1, 2]))
+    if kw["num_mtp_layers"] and draw(st.booleans()):
+        kw["mtp_loss_scaling_factor"] = draw(st.floats(0.0, 1.0))
     return kw
 
 
@@ -386,7 +391,7 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     """(kwargs with exactly one field made invalid, the field name the `ValueError` must carry)."""
     kw = draw(config_kwargs())
     kinds = ["size", "bool", "optional_bool", "number", "choice", "window", "pad", "token_ids", "layer_types",
-             "heads", "other_kind", "offset", "integer_type"]
+             "heads", "other_kind", "offset", "integer_type", "mtp"]
     if kw.get("position_embedding_type") == "rope":
         kinds += ["rope", "rope", "rotary_factor", "interleaved", "no_rope_layers"]
     else:
@@ -506,6 +511,14 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
     elif kind == "parallel":
         field = "parallel_block"
         broken[field] = True
+    elif kind == "mtp":
+        field = draw(st.sampled_from(["num_mtp_layers", "mtp_loss_scaling_factor"]))
+        if field == "num_mtp_layers":
+            broken[field] = draw(st.sampled_from(_NOT_INT + [-1]))
+        elif kw["num_mtp_layers"]:
+            broken[field] = draw(st.sampled_from(_NOT_FINITE + [-0.1, "0.3", True, [0.3]]))
+        else:  # a weight for modules there are none of
+            broken[field] = draw(st.sampled_from([0.3, 1.0]))
     elif kind == "linear_field":
         field = draw(st.sampled_from(LINEAR_FIELDS))
         if LINEAR in (kw.get("layer_types") or ()):

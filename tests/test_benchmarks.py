@@ -472,6 +472,22 @@ def test_mla_crossover_smoke_records_crossover_query_blocks_static_prefill(tmp_p
     assert record["provenance"]["command"].startswith("python -m benchmarks mla_crossover --smoke")
 
 
+def test_mtp_decode_smoke_renders(capsys, tmp_path):
+    """`benchmarks.mtp_decode` runs end to end on tiny shapes (every case, the same tokens, the parts of a step),
+    and its JSON is what `benchmarks.pages` renders (the printed table reappears on the page)."""
+    from benchmarks import mtp_decode, pages
+
+    out = tmp_path / "mtp.json"
+    assert mtp_decode.main(["--smoke", "--repeats", "1", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert set(run["cases"]) == {"transformers", "ours", "ours_mtp", "ours_prompt_lookup", "ours_early_exit"}
+    assert all(case["same_tokens"] for case in run["cases"].values())
+    assert run["cases"]["ours_mtp"]["acceptance"] is not None
+    printed = capsys.readouterr().out
+    page = pages.mtp_section(run)
+    assert next(line for line in printed.splitlines() if line.startswith("| ours_mtp |")) in page
+
+
 def test_dsa_decode_smoke_compares_the_three_sides_on_one_cache(tmp_path):
     """`python -m benchmarks dsa_decode --smoke`: every side steps from the same cache contents (ours equals
     transformers' DeepseekV32 there, and differs from dense MLA: the selection is in play), with a time, a peak and

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoding import steps_against_full
+from decoding import right_padded, steps_against_full
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
@@ -468,17 +468,6 @@ def _documents(n=12, seed=0):
     return [{"input_ids": _ids(1, length, seed=seed + i)[0].tolist()} for i, length in enumerate(lengths)]
 
 
-def _padded(features):
-    """Right-padded rows (as Trainer's collators pad), padding out of the loss."""
-    width = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, feature in enumerate(features):
-        ids[row, : len(feature["input_ids"])] = torch.tensor(feature["input_ids"])
-        mask[row, : len(feature["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 @pytest.mark.parametrize("batches", ["padded", "packed"])
 def test_trainer_trains_on_padded_and_packed_batches(batches, tmp_path):
     """Both batch layouts train (documents longer than `index_topk`: the selection is in play); the indexer
@@ -488,7 +477,7 @@ def test_trainer_trains_on_padded_and_packed_batches(batches, tmp_path):
     model = _model()
     model.train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    collator = _padded if batches == "padded" else DataCollatorWithFlattening(return_position_ids=True)
+    collator = right_padded if batches == "padded" else DataCollatorWithFlattening(return_position_ids=True)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
                              use_cpu=True, report_to=[], save_strategy="no", remove_unused_columns=False)
     result = Trainer(model=model, args=args, train_dataset=_documents(), data_collator=collator).train()
@@ -561,9 +550,10 @@ def test_reshape_refuses_by_name_what_it_cannot_transform_and_drops_dsa_layers()
     torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
 
 
-def test_a_multi_token_prediction_layer_is_refused_by_name(pair, tmp_path):
-    """The published checkpoints hold their MTP module as layer `num_hidden_layers`; transformers' class does not
-    build it, and neither does this conversion (yet): the tensors are named, nothing is written."""
+def test_a_multi_token_prediction_layer_config_json_does_not_declare_is_refused(pair, tmp_path):
+    """The published checkpoints hold their MTP module as layer `num_hidden_layers` and declare it in config.json
+    (`num_nextn_predict_layers`; it converts: tests/test_mtp_dsa.py); files holding one config.json does not declare
+    are refused naming both, and nothing is written."""
     from safetensors.torch import save_file
 
     ref, path = pair
@@ -573,7 +563,7 @@ def test_a_multi_token_prediction_layer_is_refused_by_name(pair, tmp_path):
     (tmp_path / "src").mkdir()
     save_file(state, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "src" / "config.json").write_text((path / "src" / "config.json").read_text())
-    with pytest.raises(ValueError, match=f"{mtp}.e"):
+    with pytest.raises(ValueError, match=r"declares 0 multi-token-prediction module\(s\) and the files hold 1"):
         convert(tmp_path / "src", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from modular_decoder import PRESETS, ModularDecoderForCausalLM, preset_config
 from modular_decoder.peft_targets import LLAMA_TO_OURS, MODEL_TYPE, peft_target_tables, translated
-from modular_decoder.registries import ATTENTIONS
+from modular_decoder.registries import ATTENTIONS, LINEAR_ATTENTIONS
 
 peft = pytest.importorskip("peft")
 from peft import get_peft_model  # noqa: E402
@@ -37,7 +37,14 @@ def kind_preset(kind: str) -> str | None:
     return next((name for name in sorted(PRESETS) if preset_config(name, tiny=True).attention_type == kind), None)
 
 
+def linear_kind_preset(kind: str) -> str | None:
+    """The first preset whose `layer_types` hold linear-attention layers of this kind (beside full attention)."""
+    return next((name for name in sorted(PRESETS) if (config := preset_config(name, tiny=True)).linear_attention_type
+                 == kind and "linear_attention" in config.layer_types), None)
+
+
 KIND_PRESETS = {kind: kind_preset(kind) for kind in sorted(ATTENTIONS)}
+KIND_PRESETS.update({f"linear_attention:{kind}": linear_kind_preset(kind) for kind in sorted(LINEAR_ATTENTIONS)})
 
 
 def methods() -> list[str]:
@@ -86,7 +93,7 @@ def _run(model, method: str):
     return adapted, base, at_init
 
 
-def test_every_attention_kind_has_a_tiny_preset():
+def test_every_attention_kind_has_a_tiny_preset():  # linear-attention kinds too, in a hybrid preset
     assert all(KIND_PRESETS.values()), f"an attention kind without a preset to test PEFT on: {KIND_PRESETS}"
 
 

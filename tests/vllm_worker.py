@@ -4,7 +4,7 @@ our model code reaches vLLM as the folders' remote code.
 
     python tests/vllm_worker.py SPEC.json OUT.json
 
-SPEC: {"engines": [{"name", "folder", "prompts" (token ids), "max_tokens", optional "model_impl",
+SPEC: {"engines": [{"name", "folder", "prompts" (token ids), "max_tokens", optional "model_impl", "dtype",
 "tensor_parallel_size", "pipeline_parallel_size", "tokenizer" (bool), "env" (variables set for this engine only)}], "server": {"folder", "messages",
 "max_tokens", "port"} or null}. Per engine OUT holds the greedy tokens, the architecture vLLM resolved, the
 class of the model it built and the class inside it, the KV-cache bytes per token its layers declare and
@@ -92,7 +92,7 @@ def _run_engine(job: dict) -> dict:
         job["folder"],
         model_impl=job.get("model_impl", "transformers"),
         trust_remote_code=True,
-        dtype="float32",
+        dtype=job.get("dtype", "float32"),
         enforce_eager=True,
         max_model_len=job.get("max_model_len", 256),
         max_num_seqs=len(job["prompts"]),

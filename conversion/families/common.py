@@ -101,9 +101,11 @@ def source_rope(cfg) -> dict:
 # the contract's own names. Files store one tensor per expert.
 
 
-def expert_stacks(gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> tuple[ExpertStack, ...]:
-    """Per-expert files `model.layers.{layer}.mlp.experts.{expert}.<gate|up|down>.weight` -> the fused tensors."""
-    experts = "model.layers.{layer}.mlp.experts"
+def expert_stacks(gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
+                  layers: str = "model.layers") -> tuple[ExpertStack, ...]:
+    """Per-expert files `model.layers.{layer}.mlp.experts.{expert}.<gate|up|down>.weight` -> the fused tensors
+    (`layers`: where the files keep the layers, e.g. "mtp.layers" for Qwen3-Next's MTP layer)."""
+    experts = layers + ".{layer}.mlp.experts"
     return (
         ExpertStack((f"{experts}.{{expert}}.{gate}.weight", f"{experts}.{{expert}}.{up}.weight"),
                     f"{experts}.gate_up_proj"),

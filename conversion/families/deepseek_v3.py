@@ -2,22 +2,36 @@
 by sigmoid scores plus a load-balancing correction bias, within the best `topk_group` of `n_group`
 groups, renormalised and scaled by `routed_scaling_factor`.
 
-The multi-token-prediction module (layer `num_hidden_layers` of the Hub files) is not part of the
-model transformers builds, nor of the contract.
+Its multi-token-prediction modules (`num_nextn_predict_layers`, transformers' `num_mtp_layers`) follow the model's
+layers in the Hub files (DeepSeek-V3's layer 61): `enorm`, `hnorm`, `eh_proj`, a decoder layer's tensors,
+`shared_head.norm`, and copies of the embedding and the head (`embed_tokens`, `shared_head.head`). transformers'
+model class skips them and its `MtpModel` loads them for `generate(use_mtp=True)`; they convert to the contract's
+`mtp.layers.{k}` (`mtp_rules`, which deepseek_v32 reuses) when the files hold them, and a folder without them
+converts with `num_mtp_layers=0`.
 """
 
 from __future__ import annotations
 
 from transformers import DeepseekV3Config
 
-from ..core import Family, refuse
-from .common import expert_stacks
+from ..core import Family, Rule, mtp_block_rules, refuse, rule
+from .common import expert_stacks, norm
 from .deepseek_v2 import mla_contract, mla_rules, mla_source_fields, moe_contract, refuse_unsupported
+
+# Where DeepSeek's files keep MTP module k: the layer after the model's last (`{mtp_layer}` = num_hidden_layers + k)
+MTP_LAYER = "model.layers.{mtp_layer}."
 
 
 def to_contract(src) -> dict:
     # V3 lays the rotary pairs out interleaved (x0, x1), (x2, x3), ... unless `rope_interleave=False`.
     return v3_contract(src, "deepseek_v3", rope_interleaved=bool(src.rope_interleave))
+
+
+def declared_mtp_layers(src) -> int:
+    """The MTP modules config.json declares (transformers' `num_mtp_layers`, or DeepSeek's `num_nextn_predict_layers`
+    where the config class has no field for it: DeepSeek-V3.2's keeps it as an extra); `convert` keeps those the
+    files hold (none: 0)."""
+    return getattr(src, "num_mtp_layers", None) or getattr(src, "num_nextn_predict_layers", None) or 0
 
 
 def v3_contract(src, family: str, rope_interleaved: bool) -> dict:
@@ -32,11 +46,13 @@ def v3_contract(src, family: str, rope_interleaved: bool) -> dict:
                       # the α of its sequence-wise balance loss: the Hub config.json's `aux_loss_alpha` where the
                       # source config kept it (transformers' class drops it), else the paper's 0.0001
                       router_aux_loss_coef=getattr(src, "aux_loss_alpha", None))
+    fields["num_mtp_layers"] = declared_mtp_layers(src)
     return fields
 
 
 def from_contract(cfg) -> DeepseekV3Config:
-    return DeepseekV3Config(**v3_source_fields(cfg), rope_interleave=cfg.rope_interleaved)
+    return DeepseekV3Config(**v3_source_fields(cfg), rope_interleave=cfg.rope_interleaved,
+                            num_mtp_layers=cfg.num_mtp_layers)
 
 
 def v3_source_fields(cfg, attention_type: str = "mla", family: str = "DeepSeek-V3") -> dict:
@@ -50,5 +66,27 @@ def v3_source_fields(cfg, attention_type: str = "mla", family: str = "DeepSeek-V
     return dict(mla_source_fields(cfg, attention_type), **router)
 
 
-FAMILY = Family("deepseek_v3", to_contract, from_contract, lambda src: mla_rules(src, correction_bias=True),
-                config_class=DeepseekV3Config, experts=expert_stacks())
+def mtp_rules(layer_rules: list[Rule], tied: bool) -> list[Rule]:
+    """DeepSeek's MTP module k (`model.layers.{num_hidden_layers + k}`) -> `mtp.layers.{k}`: its block by the
+    family's own layer rules, the parts transformers' `MtpLayer` names alike, `shared_head.norm` as `post_norm`,
+    and the copies of the embedding and the head checked and dropped (written back on export)."""
+    src, dst = MTP_LAYER.rstrip("."), "mtp.layers.{mtp}"
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    return [
+        *mtp_block_rules(layer_rules, "model.layers.{layer}.", MTP_LAYER),
+        *norm(f"{src}.enorm", f"{dst}.enorm"),
+        *norm(f"{src}.hnorm", f"{dst}.hnorm"),
+        rule(f"{src}.eh_proj.weight", f"{dst}.eh_proj.weight"),
+        *norm(f"{src}.shared_head.norm", f"{dst}.post_norm"),
+        rule(f"{src}.embed_tokens.weight", "model.embed_tokens.weight", "duplicate"),
+        rule(f"{src}.shared_head.head.weight", head, "duplicate"),
+    ]
+
+
+def rules(src) -> list[Rule]:
+    layer_rules = mla_rules(src, correction_bias=True)
+    return layer_rules + mtp_rules(layer_rules, bool(getattr(src, "tie_word_embeddings", False)))
+
+
+FAMILY = Family("deepseek_v3", to_contract, from_contract, rules, config_class=DeepseekV3Config,
+                experts=expert_stacks(), mtp_layers=MTP_LAYER)

@@ -5,8 +5,9 @@ chooses the `index_topk` keys each query attends to: `attention_type="dsa"`.
 Its MLA always rotates interleaved pairs and its indexer halves (the config has no `rope_interleave`). Every
 layer's type is transformers' sparse-attention type, whose name differs between releases; the export leaves
 `layer_types` for the installed release to fill in. The published checkpoints' multi-token-prediction layer
-(`model.layers.{num_hidden_layers}`) is not part of the model transformers builds; a file that holds it is
-refused by name, as for DeepSeek-V3.
+(`model.layers.{num_hidden_layers}`, config.json's `num_nextn_predict_layers`, which transformers' config class keeps
+as an extra field and its model skips) converts as DeepSeek-V3's does (`deepseek_v3.mtp_rules`; its block a DSA
+layer with its indexer, as the model's last).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from transformers import DeepseekV32Config
 from ..core import Family, refuse
 from .common import expert_stacks, linear, norm
 from .deepseek_v2 import mla_rules
-from .deepseek_v3 import v3_contract, v3_source_fields
+from .deepseek_v3 import MTP_LAYER, mtp_rules, v3_contract, v3_source_fields
 
 INDEXER = "model.layers.{layer}.self_attn.indexer"
 
@@ -38,15 +39,18 @@ def to_contract(src) -> dict:
 def from_contract(cfg) -> DeepseekV32Config:
     if not cfg.rope_interleaved:
         raise ValueError("DeepSeek-V3.2 rotates adjacent pairs only: it cannot express `rope_interleaved=False`.")
+    # the MTP modules' count under the Hub config.json's name (the config class has no field for it)
+    mtp = {"num_nextn_predict_layers": cfg.num_mtp_layers} if cfg.num_mtp_layers else {}
     return DeepseekV32Config(**v3_source_fields(cfg, "dsa", "DeepSeek-V3.2"), index_n_heads=cfg.index_n_heads,
-                             index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk)
+                             index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, **mtp)
 
 
 def rules(src):
-    """DeepSeek-V3's map, plus each layer's indexer."""
+    """DeepSeek-V3's map, plus each layer's indexer; the MTP modules' blocks by the same layer rules."""
     indexer = [r for proj in ("wq_b", "wk", "weights_proj") for r in linear(f"{INDEXER}.{proj}", f"{INDEXER}.{proj}")]
-    return mla_rules(src, correction_bias=True) + indexer + norm(f"{INDEXER}.k_norm", f"{INDEXER}.k_norm")
+    layer_rules = mla_rules(src, correction_bias=True) + indexer + norm(f"{INDEXER}.k_norm", f"{INDEXER}.k_norm")
+    return layer_rules + mtp_rules(layer_rules, bool(getattr(src, "tie_word_embeddings", False)))
 
 
 FAMILY = Family("deepseek_v32", to_contract, from_contract, rules, config_class=DeepseekV32Config,
-                experts=expert_stacks())
+                experts=expert_stacks(), mtp_layers=MTP_LAYER)

@@ -4,23 +4,26 @@ Qwen2-MoE's experts (routed top-k plus one gated shared expert) in the layers `d
 
 The linear layers' fused projections (`in_proj_qkvz`, `in_proj_ba`, rows grouped per key head) become the
 contract's separate `in_proj_qkv` / `in_proj_z` and `in_proj_b` / `in_proj_a` by named transforms (the same rows
-reordered, exact both ways). The multi-token-prediction module the released checkpoints ship (`mtp.*`) is refused
-by name until the contract has one.
+reordered, exact both ways). The multi-token-prediction module the released checkpoints ship (`mtp.*`, config.json's
+`mtp_num_hidden_layers`, which transformers' class keeps as an extra field and skips on load) converts to the
+contract's `mtp.layers.0` (`mtp_rules`): `fc` is DeepSeek's `eh_proj`, `pre_fc_norm_embedding` / `pre_fc_norm_hidden`
+its `enorm` / `hnorm`, `norm` its `post_norm`, `layers.0` a full-attention layer; a folder without it converts with
+`num_mtp_layers=0`. Its `fc` and norms are shared by every module, so a checkpoint with more than one is refused.
 """
 
 from __future__ import annotations
 
 from transformers import Qwen3NextConfig
 
-from ..core import Family, in_layers, rule
+from ..core import Family, in_layers, mtp_block_rules, refuse, rule
 from .common import (PRE_NORMS, expert_stacks, linear, llama_rules, moe_rules, norm, rope, source_rope, source_sizes,
                      sizes)
 from .qwen3_moe import qwen_moe_fields, qwen_moe_source_fields
 
 LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_conv_kernel_dim")
-# What released Qwen3-Next / Qwen3.5 checkpoints hold that the contract cannot hold yet
-REFUSED = {"mtp.": "a multi-token-prediction module"}
+# Where Qwen3-Next's and Qwen3.5's files keep the MTP module's layer (`{mtp}` = k)
+MTP_LAYER = "mtp.layers.{mtp}."
 
 
 def linear_fields(src) -> dict:
@@ -65,12 +68,38 @@ def hybrid_rules(mlp: dict[str, list] | None = None, fused: bool = True) -> list
     return llama_rules(PRE_NORMS, attention=in_layers(attention, "attention") + linear_attention, moe=mlp)
 
 
+def mtp_contract(src, family: str) -> dict:
+    """The MTP modules config.json declares (`mtp_num_hidden_layers`); `convert` keeps those the files hold."""
+    count = getattr(src, "mtp_num_hidden_layers", 0) or 0
+    refuse({f"{count} MTP layers sharing one `mtp.fc` and `mtp.norm`": count > 1,
+            "MTP embeddings of its own (`mtp_use_dedicated_embeddings`)":
+                bool(getattr(src, "mtp_use_dedicated_embeddings", False)),
+            # its MTP layer attends fully; the contract builds MTP blocks of the last layer's kinds
+            "an MTP layer after a last layer that is not full attention":
+                bool(count) and list(src.layer_types)[-1] != "full_attention"}, family)
+    return {"num_mtp_layers": count}
+
+
+def mtp_rules(layer_rules: list) -> list:
+    """The MTP module in the files (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.layers.0`, `mtp.norm`) -> `mtp.layers.0`."""
+    dst = "mtp.layers.{mtp}"
+    return [*mtp_block_rules(layer_rules, "model.layers.{layer}.", MTP_LAYER),
+            rule("mtp.fc.weight", f"{dst}.eh_proj.weight"),
+            *norm("mtp.pre_fc_norm_embedding", f"{dst}.enorm"),
+            *norm("mtp.pre_fc_norm_hidden", f"{dst}.hnorm"),
+            *norm("mtp.norm", f"{dst}.post_norm")]
+
+
+def with_mtp(layer_rules: list) -> list:
+    return layer_rules + mtp_rules(layer_rules)
+
+
 def to_contract(src) -> dict:
     fields = qwen_moe_fields(src)
     if fields["mlp_type"] == "moe":
         fields.update(n_shared_experts=1, shared_expert_intermediate_size=src.shared_expert_intermediate_size,
                       shared_expert_gate=True)
-    return dict(hybrid_fields(src), **fields)
+    return dict(hybrid_fields(src), **fields, **mtp_contract(src, "qwen3_next"))
 
 
 def from_contract(cfg) -> Qwen3NextConfig:
@@ -81,9 +110,16 @@ def from_contract(cfg) -> Qwen3NextConfig:
     return Qwen3NextConfig(
         **source_sizes(cfg), rms_norm_eps=cfg.norm_eps, hidden_act=cfg.hidden_act, attention_bias=cfg.attention_bias,
         layer_types=cfg.layer_types, rope_parameters=source_rope(cfg), **source_linear_fields(cfg), **experts,
+        **source_mtp_fields(cfg),
     )
 
 
+def source_mtp_fields(cfg) -> dict:
+    """The inverse of `mtp_contract` (an extra field of transformers' config, written to config.json)."""
+    return {"mtp_num_hidden_layers": cfg.num_mtp_layers} if cfg.num_mtp_layers else {}
+
+
 FAMILY = Family("qwen3_next", to_contract, from_contract,
-                lambda src: hybrid_rules(moe_rules(shared="shared_expert", shared_gate=True)),
-                "model.", Qwen3NextConfig, experts=expert_stacks(), refused=dict(REFUSED))
+                lambda src: with_mtp(hybrid_rules(moe_rules(shared="shared_expert", shared_gate=True))),
+                "model.", Qwen3NextConfig, head=("lm_head.", "mtp."),
+                experts=expert_stacks() + expert_stacks(layers="mtp.layers"), mtp_layers=MTP_LAYER)

@@ -26,6 +26,9 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="compile the decode step (torch.compile through generate, static cache): a one-time "
                              "compile (about a minute for SmolLM2 on 2 cores), then about twice the tokens/s on a CPU")
+    parser.add_argument("--mtp", action="store_true",
+                        help="draft tokens with the checkpoint's multi-token-prediction modules and verify them "
+                             "(generate(use_mtp=True)): the same tokens, faster where drafts are accepted")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +44,9 @@ def check_generation_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"`--temperature`={args.temperature} must be 0 (greedy) or more.")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"`--top-p`={args.top_p} must lie in (0, 1].")
+    if getattr(args, "mtp", False) and args.compile:
+        raise ValueError("`--mtp` drafts into a cache it crops back, `--compile` decodes with a static one: "
+                         "choose one.")
 
 
 def load_checkpoint(folder: Path, args: argparse.Namespace | None = None, chat: bool = False):
@@ -61,7 +67,12 @@ def load_checkpoint(folder: Path, args: argparse.Namespace | None = None, chat: 
         tokenizer = load_tokenizer(folder, getattr(args, "tokenizer", None))
         if chat and tokenizer.chat_template is None:
             raise ValueError(f"the tokenizer in {folder} has no chat template; use `modular-decoder generate`.")
-        return AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        if getattr(args, "mtp", False) and not getattr(model.config, "num_mtp_layers", 0):
+            raise ValueError(f"`--mtp` drafts with multi-token-prediction modules, and {folder} has none "
+                             "(`num_mtp_layers`=0): add some with `modular-decoder reshape SRC OUT --add-mtp 1 "
+                             "--heal-steps S`.")
+        return model, tokenizer
 
 
 def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None,
@@ -85,6 +96,8 @@ def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None,
 
 def generation_kwargs(args: argparse.Namespace, prompt_length: int) -> dict:
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0}
+    if getattr(args, "mtp", False):
+        kwargs["use_mtp"] = True
     if args.temperature > 0:
         kwargs |= {"temperature": args.temperature, "top_p": args.top_p}
     if args.compile:

@@ -1,6 +1,6 @@
 """`modular-decoder reshape SRC OUT [--kv-heads N] [--attention mla --kv-lora-rank R [--rope-dim D]
 [--sweep-ranks R1,R2,...]] [--experts E --top-k K [--shared-experts S] [--fine-grained G]] [--drop-layers N]
-[--calibration FILE] [--heal-steps S]`: move a trained checkpoint to another point of the design space
+[--add-mtp K] [--calibration FILE] [--heal-steps S]`: move a trained checkpoint to another point of the design space
 (`modular_decoder.tools.reshape`), with a report of what it bought and cost."""
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-experts", type=int, default=0, help="always-on experts (slices of the FFN)")
     parser.add_argument("--fine-grained", type=int, default=1, help="cut the FFN into G slices (expert width f/G)")
     parser.add_argument("--drop-layers", type=int, help="remove the most redundant block of N consecutive layers")
+    parser.add_argument("--add-mtp", type=int, metavar="K",
+                        help="add K multi-token-prediction modules, trained for --heal-steps steps by self-distillation "
+                             "(the model itself unchanged); for generate(use_mtp=True)")
     parser.add_argument("--calibration", help="a plain-text file (default: text sampled from the source model)")
-    parser.add_argument("--heal-steps", type=int, default=0, help="distillation steps into the changed modules")
+    parser.add_argument("--heal-steps", type=int, default=0, help="distillation steps into the changed modules (and the added MTP modules)")
     parser.add_argument("--heal-lr", type=float, default=None, help="healing learning rate (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seeds sampling, router rows, random K/V")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         heal_lr=LEARNING_RATE if args.heal_lr is None else args.heal_lr, force=args.force, seed=args.seed,
         kv_heads=args.kv_heads, kv_pool=args.kv_pool, attention=args.attention, kv_lora_rank=args.kv_lora_rank,
         rope_dim=args.rope_dim, experts=args.experts, top_k=args.top_k, shared_experts=args.shared_experts,
-        fine_grained=args.fine_grained, drop_layers=args.drop_layers, input_checks=user_input,
+        fine_grained=args.fine_grained, drop_layers=args.drop_layers, add_mtp=args.add_mtp, input_checks=user_input,
     )
     print(f"wrote {args.out}")
     return 0

@@ -333,19 +333,11 @@ def _check_causality(ctx: _Context) -> str:
 
 
 def _packed_documents(ctx: _Context, ids: torch.Tensor, measured: list[str]) -> str:
-    """Two documents packed in one row (positions restarting, no mask): the second sees nothing of the first. With
-    linear-attention layers, whose state would cross documents, the model must refuse them instead."""
-    seq, config = ctx.seq_len, ctx.config
+    """Two documents packed in one row (positions restarting, no mask): the second sees nothing of the first
+    (attention layers mask it, linear-attention layers restart their state)."""
+    seq = ctx.seq_len
     first = seq // 2
     position_ids = torch.cat([torch.arange(first), torch.arange(seq - first)]).unsqueeze(0).to(ctx.device)
-    if config.linear_attention_kind.in_use(config):
-        try:
-            ctx.logits(ids[:1], position_ids=position_ids, use_cache=False)
-        except ValueError as error:
-            if "position_ids" not in str(error):
-                raise
-            return "packed documents refused (linear attention)"
-        raise CheckFailed(", ".join(measured), "packed documents ran through linear-attention layers")
     packed = ctx.logits(ids[:1], position_ids=position_ids, use_cache=False)
     alone = ctx.logits(ids[:1, first:], use_cache=False)
     other = ctx.logits(ctx.perturbed(ids[:1], 0, first), position_ids=position_ids, use_cache=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .add_mtp import add_mtp_modules, agreement, decoding_acceptance, train_mtp
 from .calibration import Calibration, calibration_from_file, sampled_calibration
 from .healing import LEARNING_RATE, heal
 from .measures import logit_change, measured_cache_bytes_per_token, perplexity, perplexity_gap
@@ -73,7 +74,7 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
     calib = calib or sampled_calibration(model, seed)
     timing["calibration"] = time.perf_counter() - start - sum(timing.values())
     before = measure(model, calib.held_out)
-    structural = {**options, "attention": None, "kv_lora_rank": None, "rope_dim": None}
+    structural = {**options, "attention": None, "kv_lora_rank": None, "rope_dim": None, "add_mtp": None}
     base, changes = transform(model, calib.ids, seed=seed, progress=progress, measure_ids=calib.ids, **structural)
     new = base
     if options.get("attention") == "mla":  # apart, so that the sweep starts from `base`
@@ -82,12 +83,17 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
                                           moments)
         change.measured = logit_change(base, new, calib.ids)
         changes.append(change)
+    if options.get("add_mtp"):  # last: the modules copy the last block as the other transformations leave it
+        with_mtp, change = add_mtp_modules(new, options["add_mtp"], seed, copy=new is model)
+        change.measured = logit_change(new, with_mtp, calib.ids)
+        new = with_mtp
+        changes.append(change)
     timing["transform"] = time.perf_counter() - start - sum(timing.values())
     after = measure(new, calib.held_out)
     report = {"source": str(src), "options": _given(options, calibration, heal_steps, seed),
               "calibration": calib.describe(), "transformations": [change.as_dict() for change in changes],
               "measured_in": "float32", "before": before, "after": after}
-    if heal_steps:
+    if heal_steps and changed_modules(changes):
         losses = heal(new, model, calib.ids, heal_steps, changed_modules(changes), heal_lr, progress)
         healed = perplexity(new, calib.held_out)
         gap = perplexity_gap(before["perplexity"], after["perplexity"], healed, report["transformations"])
@@ -95,6 +101,13 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
                           "kl_first": losses[0], "kl_last": losses[-1], "perplexity": healed,
                           "gap_closed": gap.pop("closed"), **gap}
         timing["heal"] = time.perf_counter() - start - sum(timing.values())
+    if options.get("add_mtp"):
+        losses = train_mtp(new, calib.ids, heal_steps, heal_lr, progress)
+        report["mtp"] = {"modules": options["add_mtp"], "steps": heal_steps, "learning_rate": heal_lr,
+                         "kl_first": losses[0], "kl_last": losses[-1],
+                         "top1_agreement": agreement(new, calib.held_out),
+                         "decoding": decoding_acceptance(new, calib.held_out)}
+        timing["mtp"] = time.perf_counter() - start - sum(timing.values())
     if sweep_ranks:
         report["sweep"] = _sweep(base, calib, sweep_ranks, options.get("rope_dim"), moments, progress)
         timing["sweep"] = time.perf_counter() - start - sum(timing.values())

@@ -39,26 +39,41 @@ def heal(student, teacher, calibration_ids: torch.LongTensor, steps: int, prefix
     params = trainable_parameters(student, prefixes)
     if not params:
         raise ValueError("`heal_steps`: the transformations changed no parameter to train.")
-    names = {name for name, _ in params}
-    for name, param in student.named_parameters():
-        param.requires_grad_(name in names)
-    optimizer = torch.optim.AdamW([param for _, param in params], lr=learning_rate, weight_decay=0.0)
     batches = calibration_ids.split(BATCH)
     teacher.eval()
-    student.train()
+
+    def step_loss(step: int) -> torch.Tensor:
+        batch = batches[step % len(batches)]
+        with torch.no_grad():
+            target = teacher(input_ids=batch, use_cache=False).logits
+        return distillation_loss(student(input_ids=batch, use_cache=False).logits, target)
+
+    return train_only(student, [param for _, param in params], steps, step_loss, learning_rate, "healing",
+                      progress, train_mode=True)
+
+
+def train_only(model, params: list, steps: int, step_loss, learning_rate: float, desc: str, progress: bool = True,
+               train_mode: bool = True) -> list[float]:
+    """`steps` AdamW steps on `params` only, every other parameter of `model` frozen meanwhile; `step_loss(step)`
+    gives step `step`'s loss (`model` in train mode, or eval mode with `train_mode=False`). Returns every step's
+    loss; afterwards every parameter is trainable again and `model` is in eval mode."""
+    from tqdm.auto import tqdm
+
+    chosen = {id(param) for param in params}
+    for param in model.parameters():
+        param.requires_grad_(id(param) in chosen)
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    model.train(train_mode)
     losses = []
     try:
-        for step in tqdm(range(steps), desc="healing", unit="step", disable=not progress):
-            batch = batches[step % len(batches)]
-            with torch.no_grad():
-                target = teacher(input_ids=batch, use_cache=False).logits
-            loss = distillation_loss(student(input_ids=batch, use_cache=False).logits, target)
+        for step in tqdm(range(steps), desc=desc, unit="step", disable=not progress):
+            loss = step_loss(step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
     finally:
-        for param in student.parameters():
+        for param in model.parameters():
             param.requires_grad_(True)
-        student.eval()
+        model.eval()
     return losses

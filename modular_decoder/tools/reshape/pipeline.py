@@ -1,5 +1,5 @@
 """The transformations chained: options checked against the config first, then applied in order (drop
-layers, K/V heads, experts, MLA), then optionally healed. `reshape(model, ...)` is the in-memory entry point."""
+layers, K/V heads, experts, MLA, MTP modules), then optionally healed (and the MTP modules trained). `reshape(model, ...)` is the in-memory entry point."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from torch import nn
 
 from ...split_products import weight_is_readable
 from .drop_layers import check_drop_layers, drop_block
+from .add_mtp import add_mtp_modules, check_add_mtp, train_mtp
 from .healing import LEARNING_RATE, heal
 from .kv_heads import POOLS, check_kv_heads, reshape_kv_heads
 from .measures import logit_change
@@ -19,14 +20,16 @@ ATTENTIONS = ("mla",)
 
 def check_options(config, *, kv_heads=None, kv_pool="mean", attention=None, kv_lora_rank=None, rope_dim=None,
                   sweep_ranks=None, experts=None, top_k=None, shared_experts=0, fine_grained=1, drop_layers=None,
-                  heal_steps=0, heal_lr=LEARNING_RATE, calibration_ids=None, needs_calibration_ids=True) -> None:
+                  add_mtp=None, heal_steps=0, heal_lr=LEARNING_RATE, calibration_ids=None,
+                  needs_calibration_ids=True) -> None:
     """Refuse bad options before any work: a `ValueError` naming the option. Checks each transformation's
     options against `config` as it will be when that transformation runs."""
     if config.linear_attention_kind.in_use(config):  # every transformation reads each layer's `self_attn`
         raise ValueError("reshape does not transform models with 'linear_attention' layers (`layer_types`) yet.")
     _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks)
-    if not any(value is not None for value in (kv_heads, attention, experts, drop_layers)):
-        raise ValueError("Nothing to do: pass at least one of `kv_heads`, `attention`, `experts`, `drop_layers`.")
+    if not any(value is not None for value in (kv_heads, attention, experts, drop_layers, add_mtp)):
+        raise ValueError("Nothing to do: pass at least one of `kv_heads`, `attention`, `experts`, `drop_layers`, "
+                         "`add_mtp`.")
     if kv_pool not in POOLS:
         raise ValueError(f"`kv_pool`={kv_pool!r} is not one of {list(POOLS)}.")
     if drop_layers is not None:
@@ -42,6 +45,8 @@ def check_options(config, *, kv_heads=None, kv_pool="mean", attention=None, kv_l
     if experts is not None:
         check_experts(config, experts, top_k, shared_experts, fine_grained)
     require_positive_int("heal_steps", heal_steps, minimum=0)
+    if add_mtp is not None:
+        check_add_mtp(config, add_mtp, heal_steps)
     if not (isinstance(heal_lr, (int, float)) and heal_lr > 0):
         raise ValueError(f"`heal_lr` must be a positive number, got {heal_lr!r}.")
     needs = drop_layers is not None or attention is not None or heal_steps
@@ -73,8 +78,10 @@ def _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks) -> 
 
 def transform(model, calibration_ids=None, *, kv_heads=None, kv_pool="mean", attention=None, kv_lora_rank=None,
               rope_dim=None, experts=None, top_k=None, shared_experts=0, fine_grained=1, drop_layers=None,
-              seed: int = 0, progress: bool = True, measure_ids=None) -> tuple[torch.nn.Module, list[Change]]:
-    """Apply the chosen transformations in order (drop layers, K/V heads, experts, MLA); returns the new
+              add_mtp=None, seed: int = 0, progress: bool = True,
+              measure_ids=None) -> tuple[torch.nn.Module, list[Change]]:
+    """Apply the chosen transformations in order (drop layers, K/V heads, experts, MLA, MTP modules, built from the
+    last block as the others leave it; untrained: see `train_mtp`); returns the new
     model (sharing no tensor with `model`, which is left unchanged) and each transformation's record.
     With `measure_ids`, each record carries how far that step moved the logits (`measures.logit_change`)."""
     check_weights_readable(model)
@@ -87,6 +94,8 @@ def transform(model, calibration_ids=None, *, kv_heads=None, kv_pool="mean", att
         steps.append(lambda m, copy: upcycle(m, experts, top_k, shared_experts, fine_grained, seed, copy=copy))
     if attention == "mla":  # always builds new tensors
         steps.append(lambda m, copy: to_latent_attention(m, kv_lora_rank, rope_dim, calibration_ids, progress))
+    if add_mtp is not None:
+        steps.append(lambda m, copy: add_mtp_modules(m, add_mtp, seed, copy=copy))
     changes: list[Change] = []
     current = model
     for step in steps:
@@ -142,6 +151,8 @@ def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_step
         attention: "mla" with `kv_lora_rank` (and `rope_dim`): TransMLA's conversion to latent attention.
         experts, top_k, shared_experts, fine_grained: sparse upcycling of the FFN (the same function at step 0).
         drop_layers: remove the most redundant block of this many consecutive layers.
+        add_mtp: add this many multi-token-prediction modules (`add_mtp.py`), trained for `heal_steps` steps by
+            self-distillation from the result's own predictions (the result's other parameters untouched by it).
         heal_steps: AdamW steps distilling `model` into the changed modules on `calibration_ids`.
         seed: Seeds the router rows and `kv_pool="random"`.
         with_report: Also return the report: `{"transformations": [...]}` as `reshape_folder` writes them (what
@@ -155,9 +166,12 @@ def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_step
     measure_ids = calibration_ids if with_report else None
     new, changes = transform(model, calibration_ids, progress=progress, measure_ids=measure_ids, **options)
     report = {"transformations": [change.as_dict() for change in changes]}
-    if heal_steps:
+    if heal_steps and changed_modules(changes):
         losses = heal(new, model, calibration_ids, heal_steps, changed_modules(changes), heal_lr, progress)
         report["heal"] = {"steps": heal_steps, "learning_rate": heal_lr, "kl_first": losses[0], "kl_last": losses[-1]}
+    if options.get("add_mtp"):
+        losses = train_mtp(new, calibration_ids, heal_steps, heal_lr, progress)
+        report["mtp"] = {"steps": heal_steps, "learning_rate": heal_lr, "kl_first": losses[0], "kl_last": losses[-1]}
     return (new, report) if with_report else new
 
 

@@ -40,6 +40,8 @@ def report_markdown(report: dict) -> str:
             closed = f"had no perplexity gap to close ({heal.get('no_gap', 'none was measured')})."
         lines.append(f"Healing: {heal['steps']} steps of KL distillation from the source (lr {heal['learning_rate']}) "
                      f"into {len(heal['trainable'])} changed module(s) {closed}")
+    if report.get("mtp"):
+        lines.append(mtp_summary(report["mtp"]))
     for change in report["transformations"]:
         approx = change["approximates"] or "nothing by design"
         lines.append(f"- `{change['transformation']}`: keeps {change['keeps']}; approximates {approx}. "
@@ -52,6 +54,19 @@ def report_markdown(report: dict) -> str:
         lines += [f"| {row['kv_lora_rank']} | {row['kv_cache_bytes_per_token']:,} | {row['perplexity']:.3f} |"
                   for row in report["sweep"]]
     return "\n".join(lines)
+
+
+def mtp_summary(mtp: dict) -> str:
+    """What the added MTP modules bought, measured on the held-out text."""
+    decoding = mtp["decoding"]
+    agreement = ", ".join(f"{share:.1%}" for share in mtp["top1_agreement"])
+    same = "the same tokens as" if decoding["same_tokens_as_plain_greedy"] else "OTHER TOKENS THAN"
+    return (f"MTP: {mtp['modules']} module(s) trained by self-distillation for {mtp['steps']} steps (lr "
+            f"{mtp['learning_rate']}, KL {mtp['kl_first']:.3f} -> {mtp['kl_last']:.3f}); top-1 agreement with the "
+            f"model on held-out text {agreement} (per module); greedy `generate(use_mtp=True)` from "
+            f"{decoding['prompts']} held-out prompts ({decoding['prompt_tokens']} + {decoding['new_tokens']} tokens) "
+            f"accepted {decoding['acceptance']:.1%} of drafts, {decoding['tokens_per_forward']:.2f} tokens per "
+            f"forward, {same} plain greedy decoding.")
 
 
 def summary(report: dict) -> str:

@@ -1,0 +1,247 @@
+"""Batch-1 greedy decoding of SmolLM2-135M (fp32) with multi-token prediction: `generate(use_mtp=True)` with MTP
+modules added to it, against plain `generate` of the same model, transformers' `LlamaForCausalLM` with the same base
+weights, prompt lookup and assistant early exit; the same tokens in every case, in one process.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks mtp_decode [--mtp FOLDER] [--new-tokens 64] [--repeats 3]
+        [--out benchmarks/results_mtp_decode.json]
+
+The MTP model is `--mtp FOLDER` (a folder `modular-decoder reshape SMOLLM2 FOLDER --add-mtp K --heal-steps S`
+wrote; its base weights must be SmolLM2's, checked bit for bit), or, without it, modules added here and trained by
+the same self-distillation (`--modules`, `--train-steps`, on `--train-sequences` sequences sampled from the model).
+Each prompt (a few kinds of text) is decoded greedily for `--new-tokens` tokens by every case; a case's decode
+tokens/s is (new tokens - 1) / (time of the whole generate - time of a generate of one token), both timed in each
+repeat, the cases alternating (`measure.alternating`). The tokens of every case are compared with ours plain
+(`same_tokens`); the acceptance of each prompt is the share of drafted tokens the model kept.
+
+The parts of one speculative step are timed apart on the first prompt's context: the model's forward over 1, 2,
+... K+1 new tokens against its cache, one module's draft (block and head) and the head alone, and what `generate`
+adds around them. With them, the ceiling of the speed-up (every draft accepted) and the speed-up at the measured
+acceptance follow. `--smoke`: tiny random shapes, a few training steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import harness, measure
+from .families import build_pair
+
+PROMPTS = {
+    "chat": "<|im_start|>user\nWhat are three good ways to stay healthy?<|im_end|>\n<|im_start|>assistant\n",
+    "facts": "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+    "story": "Once upon a time, in a small village at the edge of a forest, there lived a",
+    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+}
+TRAINING_RECORD = "mtp_training.json"
+PROMPT_LOOKUP_TOKENS = 3
+EARLY_EXIT_LAYER = 12
+
+
+def mtp_model(base, args):
+    """The model with MTP modules: `--mtp FOLDER`, or modules added to `base` and trained here. Returns (model,
+    how it was made)."""
+    from transformers import AutoModelForCausalLM
+
+    from modular_decoder.tools.reshape.add_mtp import add_mtp_modules, agreement, train_mtp
+    from modular_decoder.tools.reshape.calibration import sampled_calibration
+
+    if args.mtp is not None:
+        model = AutoModelForCausalLM.from_pretrained(args.mtp, dtype=torch.float32).eval()
+        theirs = base.state_dict()
+        for name, tensor in model.state_dict().items():
+            if not name.startswith("mtp.") and not torch.equal(tensor, theirs[name]):
+                raise ValueError(f"--mtp {args.mtp}: `{name}` is not SmolLM2's (the MTP model must keep the base).")
+        record = Path(args.mtp) / TRAINING_RECORD  # written by --save-mtp; a reshape folder has its report
+        if not record.exists():
+            record = Path(args.mtp) / "reshape_report.json"
+        made = json.loads(record.read_text()) if record.exists() else {}
+        return model, {**made, "folder": str(args.mtp), "num_mtp_layers": model.config.num_mtp_layers}
+    start = time.process_time()
+    calibration = sampled_calibration(base, seed=0, sequences=args.train_sequences, held_out=4,
+                                      length=16 if args.smoke else 128)
+    model, _ = add_mtp_modules(base, args.modules)
+    losses = train_mtp(model, calibration.ids, args.train_steps, args.train_lr)
+    made = {"trained_here": True, "num_mtp_layers": args.modules, "steps": args.train_steps,
+            "learning_rate": args.train_lr, "sequences": args.train_sequences, "kl_first": losses[0],
+            "kl_last": losses[-1], "kl_every_50": losses[::50], "cpu_seconds": time.process_time() - start,
+            "top1_agreement": agreement(model, calibration.held_out)}
+    if args.save_mtp is not None:  # for later runs (--mtp): the model and how it was made
+        model.save_pretrained(args.save_mtp)
+        (Path(args.save_mtp) / TRAINING_RECORD).write_text(json.dumps(made, indent=1) + "\n")
+    return model, made
+
+
+def cases(reference, ours, with_mtp) -> dict:
+    """{case: (model, generate keyword arguments)}."""
+    layers = ours.config.num_hidden_layers
+    return {
+        "transformers": (reference, {}),
+        "ours": (ours, {}),
+        "ours_mtp": (with_mtp, {"use_mtp": True}),
+        "ours_prompt_lookup": (ours, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
+        "ours_early_exit": (ours, {"assistant_early_exit": min(EARLY_EXIT_LAYER, layers - 1)}),
+    }
+
+
+def generate(model, prompt, new_tokens: int, **kwargs) -> torch.Tensor:
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def decode_case(model, prompt, new_tokens: int, kwargs: dict):
+    """A case for `measure.alternating`: (decode tokens/s, the tokens, drafts recorded)."""
+    from modular_decoder.mtp_generation import recorded_drafts
+
+    def run():
+        first = measure.wall(lambda: generate(model, prompt, 1, **kwargs))
+        with recorded_drafts() as drafts:
+            start = time.perf_counter()
+            tokens = generate(model, prompt, new_tokens, **kwargs)
+            seconds = time.perf_counter() - start
+        return {"tokens_per_s": (new_tokens - 1) / max(seconds - first, 1e-9), "tokens": tokens[0].tolist(),
+                "forwards": drafts.forwards, "drafted": drafts.drafted}
+    return run
+
+
+def step_parts(model, prompt, new_tokens: int, repeats: int) -> dict:
+    """Milliseconds of the parts of a speculative step, on `prompt` followed by `new_tokens` greedy tokens: the
+    model's forward over 1 .. K+1 new tokens against its cache (cropped back after each), one module's draft (its
+    block and the head over one position) and the head alone over one position."""
+    from modular_decoder.cache import ModularDecoderCache
+    from modular_decoder.mtp_generation import _generator_class
+
+    count = model.config.num_mtp_layers
+    text = generate(model, prompt, new_tokens)
+    cache = ModularDecoderCache(model.config)
+    out = model(text[:, :-count - 1], cache=cache, output_hidden_states=True)
+    hidden = out.hidden_states[-1][:, -1:]
+    forwards = {}
+    for k in range(1, count + 2):
+        def forward(k=k):
+            model(text[:, -count - 1:][:, :k], cache=cache)
+            cache.crop(-k)
+        forwards[k] = forward
+    generator = _generator_class()(model, model.generation_config, {"cache": cache}, None)
+    drafter, mtp_cache = generator.mtp_model, generator.mtp_cache
+    prefix = text[:, 1:-count - 1]
+    drafter(prefix, out.hidden_states[-1][:, :-1], None,
+            torch.arange(1, prefix.shape[1] + 1).unsqueeze(0), mtp_cache)  # fills the modules' cache
+
+    def draft():
+        drafter(text[:, -count - 1:-count], hidden, None, torch.tensor([[text.shape[1] - count - 1]]), mtp_cache)
+        mtp_cache.crop(-count)
+
+    parts = {f"forward_{k}_tokens": fn for k, fn in forwards.items()}
+    parts |= {"draft_all_modules": draft, "head_one_position": lambda: model._logits(hidden)}
+    with torch.inference_mode():
+        timed = measure.alternating({name: measure.seconds(fn) for name, fn in parts.items()}, repeats * 5)
+    return {name: 1e3 * statistics.median(values) for name, values in timed.items()}
+
+
+def ceiling(parts: dict, count: int, acceptance: float, overhead_ms: float) -> dict:
+    """The speed-up over plain decoding a step of these parts gives: every draft accepted, and at `acceptance` (each
+    module's draft accepted with that probability, given the ones before it)."""
+    plain = parts["forward_1_tokens"] + overhead_ms
+    step = parts[f"forward_{count + 1}_tokens"] + parts["draft_all_modules"] + overhead_ms
+    expected = sum(acceptance ** k for k in range(count + 1))
+    return {"all_accepted": (count + 1) * plain / step, "at_measured_acceptance": expected * plain / step}
+
+
+def table(results: dict) -> str:
+    """The printed (and rendered) table: per case the median decode tokens/s over prompts, the ratio to ours plain
+    and to transformers, the acceptance and whether every token matched."""
+    rows = results["cases"]
+    lines = ["| case | decode tok/s (median over prompts) | vs ours plain | vs transformers | acceptance | same tokens |",
+             "|---|---:|---:|---:|---:|:---:|"]
+    base, theirs = rows["ours"]["tokens_per_s"], rows["transformers"]["tokens_per_s"]
+    for name, row in rows.items():
+        acceptance = f"{row['acceptance']:.0%}" if row.get("acceptance") is not None else ""
+        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f} | "
+                     f"{row['tokens_per_s'] / theirs:.2f} | {acceptance} | {'yes' if row['same_tokens'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser("mtp_decode", __doc__)
+    parser.add_argument("--mtp", type=Path, help="a folder with SmolLM2 and MTP modules (reshape --add-mtp)")
+    parser.add_argument("--modules", type=int, default=1, help="without --mtp: MTP modules to add and train here")
+    parser.add_argument("--train-steps", type=int, default=200)
+    parser.add_argument("--train-lr", type=float, default=1e-3)
+    parser.add_argument("--train-sequences", type=int, default=16)
+    parser.add_argument("--save-mtp", type=Path, help="without --mtp: save the model trained here to this folder")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.train_steps, args.train_sequences, args.new_tokens = 2, 2, 8
+    run = harness.begin("mtp_decode", argv, args)
+    with tempfile.TemporaryDirectory() as folder:
+        reference, ours, label = build_pair("llama", Path(folder), quick=args.smoke)
+        with_mtp, made = mtp_model(ours, args)
+        tokenizer = None if args.smoke else _tokenizer(Path(folder) / "ours")
+    prompts = {name: (tokenizer(text, return_tensors="pt").input_ids if tokenizer is not None
+                      else torch.randint(0, ours.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(i)))
+               for i, (name, text) in enumerate(PROMPTS.items())}
+    print(f"{label}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, MTP modules: {made}", flush=True)
+    runs = {}
+    with torch.inference_mode():
+        for prompt_name, prompt in prompts.items():
+            runs[prompt_name] = measure.alternating(
+                {case: decode_case(model, prompt, args.new_tokens, kwargs)
+                 for case, (model, kwargs) in cases(reference, ours, with_mtp).items()}, args.repeats)
+            print(prompt_name, {case: round(statistics.median(r["tokens_per_s"] for r in values), 1)
+                                for case, values in runs[prompt_name].items()}, flush=True)
+    results = summarize(runs, args.new_tokens)
+    parts = step_parts(with_mtp, prompts[next(iter(prompts))], args.new_tokens, args.repeats)
+    overhead = _generate_overhead(results, parts, with_mtp.config.num_mtp_layers)
+    results.update(label=label, new_tokens=args.new_tokens, repeats=args.repeats, mtp=made, step_ms=parts,
+                   generate_overhead_ms=overhead,
+                   ceiling=ceiling(parts, with_mtp.config.num_mtp_layers, results["cases"]["ours_mtp"]["acceptance"],
+                                   overhead))
+    print("\n" + table(results) + f"\n\nstep parts (ms): {parts}\nceiling: {results['ceiling']}", flush=True)
+    harness.write_result(args.out, results, run)
+    return 0
+
+
+def summarize(runs: dict, new_tokens: int) -> dict:
+    """Per case: the median tokens/s over prompts (each prompt's median over repeats), per-prompt figures, the
+    acceptance over every prompt's drafts, and whether every prompt's tokens equal ours plain."""
+    per_case = {}
+    for case in next(iter(runs.values())):
+        prompts = {}
+        for prompt, values in runs.items():
+            rows = values[case]
+            drafted = rows[0]["drafted"]
+            prompts[prompt] = {"tokens_per_s": measure.summary([r["tokens_per_s"] for r in rows]),
+                               "same_tokens": rows[0]["tokens"] == values["ours"][0]["tokens"],
+                               "acceptance": (new_tokens - rows[0]["forwards"]) / drafted if drafted else None}
+        drafted = [(p["acceptance"], runs[name][case][0]["drafted"]) for name, p in prompts.items()
+                   if p["acceptance"] is not None]
+        per_case[case] = {
+            "tokens_per_s": statistics.median(p["tokens_per_s"]["median"] for p in prompts.values()),
+            "same_tokens": all(p["same_tokens"] for p in prompts.values()),
+            "acceptance": (sum(a * d for a, d in drafted) / sum(d for _, d in drafted)) if drafted else None,
+            "prompts": prompts,
+        }
+    return {"cases": per_case}
+
+
+def _generate_overhead(results: dict, parts: dict, count: int) -> float:
+    """What plain `generate` adds to the model's forward per token (ms): its measured step less the forward."""
+    step_ms = 1e3 / results["cases"]["ours"]["tokens_per_s"]
+    return max(0.0, step_ms - parts["forward_1_tokens"])
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

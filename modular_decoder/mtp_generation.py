@@ -1,0 +1,101 @@
+"""`generate(use_mtp=True)`: speculative decoding with the model's own MTP modules (`mtp.py`), checked losslessly.
+
+transformers' `MTPCandidateGenerator` does the bookkeeping on every supported release (which of the model's last
+hidden states and tokens each draft reads, the MTP cache's roll-back when several modules drafted, where a draft
+stops at an end-of-sequence token) and its assisted-decoding loop verifies the drafts with the model: greedy keeps
+a draft while it equals the model's argmax, sampling accepts it by speculative sampling, so the tokens are those of
+decoding without drafts. Only what its `__init__` builds is replaced: transformers loads a separate `MtpModel` from
+the checkpoint files, while this family's modules are part of the model (trained, adapted and saved with it);
+they draft through `MtpDrafter` into a cache of this family (MLA latents for an MLA model, int8 beside an int8
+cache, sliding windows), which keeps what a crop removes as the model's own cache does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+from .cache import ModularDecoderCache
+from .compat import cache_of, mtp_candidate_generator
+from .mtp import MtpDrafter
+
+# the caches whose implementation the MTP modules' cache copies; others (static) get a dynamic one
+_CACHE_IMPLEMENTATIONS = ("dynamic", "int8")
+
+
+@dataclass
+class DraftStatistics:
+    """What `generate(use_mtp=True)` did inside `recorded_drafts()`: the model's forwards (prefill included) and
+    the tokens the modules drafted. Each forward keeps its accepted drafts plus one token of its own, so of
+    `new_tokens` generated, `new_tokens - forwards` were accepted drafts."""
+
+    forwards: int = 0
+    drafted: int = 0
+
+    def acceptance(self, new_tokens: int) -> float:
+        """The share of drafted tokens the model accepted."""
+        return (new_tokens - self.forwards) / self.drafted if self.drafted else 0.0
+
+
+_RECORDING: list[DraftStatistics] = []
+
+
+@contextlib.contextmanager
+def recorded_drafts():
+    """Count the forwards and drafts of every `generate(use_mtp=True)` inside the block (`DraftStatistics`)."""
+    statistics = DraftStatistics()
+    _RECORDING.append(statistics)
+    try:
+        yield statistics
+    finally:
+        _RECORDING.remove(statistics)
+
+
+def check_use_mtp(config, use_mtp) -> None:
+    """`use_mtp=True` needs MTP modules: a `ValueError` naming both otherwise."""
+    if use_mtp and not config.num_mtp_layers:
+        raise ValueError("`use_mtp=True` drafts with the model's multi-token-prediction modules, and this model has "
+                         "none (`num_mtp_layers`=0): convert a checkpoint that ships them, add some with "
+                         "`modular-decoder reshape SRC OUT --add-mtp 1`, or generate without `use_mtp`.")
+
+
+@functools.cache
+def _generator_class() -> type:
+    base = mtp_candidate_generator()
+
+    class ModularDecoderMTPCandidateGenerator(base):
+        """transformers' `MTPCandidateGenerator` drafting with the model's own modules (see the module docstring)."""
+
+        def __init__(self, main_model, generation_config, model_kwargs: dict, logits_processor=None):
+            # transformers' __init__ would load its own `MtpModel` from the checkpoint files: these are the
+            # attributes its `get_candidates` reads, set from the model instead
+            check_use_mtp(main_model.config, True)
+            self.num_mtp_layers = main_model.config.num_mtp_layers
+            self.model_kwargs_overrides = {"output_hidden_states": True}  # the last one is what the modules read
+            self.device = next(main_model.mtp.parameters()).device
+            self.mtp_model = MtpDrafter(main_model)
+            main_cache = cache_of(model_kwargs)
+            implementation = getattr(main_cache, "implementation", "dynamic")
+            if implementation not in _CACHE_IMPLEMENTATIONS:
+                implementation = "dynamic"
+            self.mtp_cache = ModularDecoderCache(main_model.mtp.block_config, implementation)
+            self.mtp_cache.activate_past_recording()
+            self.do_sample = generation_config.do_sample
+            self.logits_processor = logits_processor
+            self.eos_token_id = getattr(generation_config, "_eos_token_tensor", None)  # read before 5.25
+            self.is_main_model_prefill = True
+
+        def get_candidates(self, input_ids, *args, **kwargs):
+            candidates, logits = super().get_candidates(input_ids, *args, **kwargs)
+            for statistics in _RECORDING:  # called once before each of the model's forwards
+                statistics.forwards += 1
+                statistics.drafted += candidates.shape[1] - input_ids.shape[1]
+            return candidates, logits
+
+    return ModularDecoderMTPCandidateGenerator
+
+
+def mtp_candidate_generator_for(model, generation_config, model_kwargs: dict, logits_processor=None):
+    """The candidate generator `generate(use_mtp=True)` drafts with, for `model`."""
+    return _generator_class()(model, generation_config, model_kwargs, logits_processor)
