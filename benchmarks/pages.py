@@ -302,6 +302,19 @@ def mla_prefill_section(run: dict) -> str:
     ])
 
 
+def spread_note(runs: list[list[float]], run: dict) -> str:
+    """How far the repeats of the timed cells spread around their median (half the range over the median), with
+    the load they ran under: the reader's measure of how much a ratio in the table can be trusted."""
+    spreads = sorted((max(v) - min(v)) / 2 / statistics.median(v) for v in runs if len(v) > 1)
+    if not spreads:
+        return "One repeat per cell: no spread recorded."
+    record = run["provenance"]
+    load = max(record["load_average_start"][0], record["load_average_end"][0])
+    return (f"Half the spread of a cell's {len(runs[0])} repeats is {100 * statistics.median(spreads):.0f}% of its "
+            f"median at the median cell, {100 * spreads[-1]:.0f}% at the worst (1-minute load average up to "
+            f"{load:.1f} on {record['machine']['cpu_count']} cores): a ratio closer to 1 than that spread is noise.")
+
+
 # --- benchmarks/results_mla_crossover.json: `python -m benchmarks mla_crossover --out ...` -------------------
 
 def mla_crossover_section(run: dict | None) -> str:
@@ -348,7 +361,9 @@ def mla_crossover_section(run: dict | None) -> str:
                   "|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['capacity']:,} | {r['new_tokens']} | {1e3 * r['absorbed']:.2f} | {1e3 * r['expanded']:.2f} | "
                   f"{r['expanded'] / r['absorbed']:.2f} |" for r in prefills]
-    return "\n".join(lines)
+    timed = [values for r in run["crossover"] + (prefills or []) for values in r["all_seconds"].values()]
+    timed += [b["all_seconds"] for b in blocks]
+    return "\n".join(lines + ["", spread_note(timed, run)])
 
 
 # --- benchmarks/results_dsa_decode.json: `python -m benchmarks dsa_decode --out ...` ----------------------
@@ -440,7 +455,41 @@ def split_threshold_section(run: dict | None) -> str:
         cells = [f"{row['step_ms'][v]['median']:.2f} ±{row['step_ms'][v]['half_spread']:.2f}" for v in variants]
         lines.append(f"| {row['hidden']} | {row['weights_mb']:.1f} | {row['largest_weight']:,} | " + " | ".join(cells)
                      + " |")
-    return "\n".join(lines)
+    timed = [row["step_ms"][v]["all"] for row in run["rows"] for v in variants]
+    return "\n".join(lines + ["", spread_note(timed, run)])
+
+
+# --- benchmarks/results_sinks.json: `python -m benchmarks sinks --out ...` -------------------------------------
+
+SINK_CASES = (("sdpa", "SDPA without sinks"), ("sdpa_sinks", "SDPA with sinks"), ("eager_sinks", "eager with sinks"))
+
+
+def sinks_section(run: dict | None) -> str:
+    lines = ["## Attention sinks: what they cost on each CPU backend (fp32)", ""]
+    if run is None:
+        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks sinks --out benchmarks/results_sinks.json`."])
+    shape = run["shape"]
+    lines += [
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"One attention layer of gpt-oss's widths (hidden {shape['hidden_size']}, {shape['num_attention_heads']} query "
+        f"heads of {shape['head_dim']} over {shape['num_key_value_heads']} K/V heads), random weights, called directly: "
+        "a prefill of T tokens (no mask: SDPA's own causal path) and one decode step against S cached tokens. SDPA "
+        "with sinks takes them as one more key (K and V copied 8 features wider per call); the eager reference with "
+        "them materializes the scores. Median ms of alternating rounds (ratio: against SDPA without sinks) and, in "
+        "one untimed call of each, the peak memory above the start (MB).", "",
+        "| step | " + " | ".join(f"{label} ms" for _, label in SINK_CASES) + " | SDPA sinks / SDPA | eager sinks / SDPA | "
+        + " | ".join(f"{label} peak MB" for _, label in SINK_CASES) + " |",
+        "|---|" + "---:|" * (2 * len(SINK_CASES) + 2),
+    ]
+    for kind, label in (("prefill", "prefill {} tokens"), ("decode", "decode step, {} cached")):
+        for size, row in run[kind].items():
+            lines.append(f"| {label.format(f'{int(size):,}')} | "
+                         + " | ".join(f"{1e3 * row[case]['seconds']:.2f}" for case, _ in SINK_CASES)
+                         + f" | {row['ratios']['sdpa_sinks']:.2f}x | {row['ratios']['eager_sinks']:.2f}x | "
+                         + " | ".join(f"{row[case]['peak_mb']:.1f}" for case, _ in SINK_CASES) + " |")
+    timed = [row[case]["all_seconds"] for kind in ("prefill", "decode") for row in run[kind].values()
+             for case, _ in SINK_CASES]
+    return "\n".join(lines + ["", spread_note(timed, run)])
 
 
 # --- benchmarks/results_gpu.json: `python3 -m benchmarks.gpu --out ...` on a GPU machine ----------------
@@ -554,6 +603,7 @@ SECTIONS = (
     Section(("results_hybrid.json",), hybrid_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),
+    Section(("results_sinks.json",), sinks_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),
 )
 

@@ -34,9 +34,10 @@ BENCHMARKS = (
               "peak memory", "results_dsa_decode.json"),
     Benchmark("mla_crossover", "mla_crossover", "one MLA step of T new tokens against S cached: absorbed against "
               "expanded, and the absorbed step's query block (time, peak memory): where `ABSORBED_MAX_NEW_TOKENS` "
-              "and `ABSORBED_QUERY_BLOCK` come from"),
+              "and `ABSORBED_QUERY_BLOCK` come from", "results_mla_crossover.json"),
     Benchmark("split_threshold", "split_threshold", "decode steps of Llama layouts at several widths with the split "
-              "products off, everywhere, and from each weight size: where `MIN_SPLIT_WEIGHT` comes from"),
+              "products off, everywhere, and from each weight size: where `MIN_SPLIT_WEIGHT` comes from",
+              "results_split_threshold.json"),
     Benchmark("decode_profile", "decode_profile", "where a decode step's time goes (products vs the rest), and the "
               "host's time per generate step"),
     Benchmark("cache", "cache", "static cache + compile against the dynamic cache; the int8 K/V cache's "
@@ -52,7 +53,7 @@ BENCHMARKS = (
               "(Llama and Mixtral layouts, bf16, 5 GB shards) in fresh processes: the peak resident memory above the "
               "baseline, and the time", "results_conversion_memory.json"),
     Benchmark("sinks", "sinks", "one attention layer of gpt-oss's widths, prefill and a decode step: SDPA with "
-              "attention sinks against SDPA without them and eager with them (time, peak memory)"),
+              "attention sinks against SDPA without them and eager with them (time, peak memory)", "results_sinks.json"),
     Benchmark("hybrid", "hybrid", "hybrid linear attention: prefill and decode against transformers' "
               "Qwen3NextForCausalLM, and one decode step of a Gated DeltaNet layer beside a full-attention layer at "
               "1k and 16k cached tokens (time, cache bytes)", "results_hybrid.json"),

@@ -537,8 +537,9 @@ def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_p
 
 
 def test_sinks_smoke_times_every_case_at_every_size(tmp_path):
-    """`python -m benchmarks sinks --smoke`: SDPA with sinks against SDPA without and eager with, prefill and decode."""
-    from benchmarks import sinks
+    """`python -m benchmarks sinks --smoke`: SDPA with sinks against SDPA without and eager with, prefill and decode;
+    `benchmarks.pages` renders what it wrote."""
+    from benchmarks import pages, sinks
 
     out = tmp_path / "sinks.json"
     assert sinks.main(["--smoke", "--out", str(out)]) == 0
@@ -547,3 +548,6 @@ def test_sinks_smoke_times_every_case_at_every_size(tmp_path):
         (row,) = record[phase].values()
         assert set(row["ratios"]) == {"sdpa_sinks", "eager_sinks"}
         assert all(row[case]["seconds"] > 0 for case in sinks.CASES)
+    page = pages.sinks_section(record)  # docs/benchmarks.md's section: one row per step, the recorded ratios
+    assert "| prefill 16 tokens |" in page and "| decode step, 32 cached |" in page
+    assert f"{record['decode']['32']['ratios']['eager_sinks']:.2f}x" in page

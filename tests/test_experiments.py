@@ -125,7 +125,8 @@ def test_ablation_moe_rows_match_the_dense_active_parameters():
 
 def test_ablation_summary_and_plot_of_given_runs(tmp_path):
     runs = [{"name": "MQA (1 kv head)", "seed": s, "params": 1, "active_params": 1, "cache_bytes_per_token": 512,
-             "state_bytes_per_sequence": 0, "steps": 3, "train_loss": loss, "held_out_loss": loss + 0.1, "tokens_per_s": 100.0 * (s + 1),
+             "state_bytes_per_sequence": 0, "steps": 3, "train_loss": loss, "held_out_loss": loss + 0.1,
+             "tokens_per_s": 100.0 * (s + 1),
              "losses": [3.0, 2.5, loss]} for s, loss in ((0, 2.0), (1, 2.4), (2, 2.2))]
     row = ablation.summarise(runs)
     assert row["train_loss"]["mean"] == pytest.approx(2.2) and row["train_loss"]["min"] == 2.0
@@ -151,7 +152,8 @@ def test_ablation_hybrid_axis(tmp_path):
     config = ablation.config_for(hybrid)
     assert config.layer_types == transformers.Qwen3NextConfig(num_hidden_layers=ablation.LAYERS).layer_types
     control = ablation.config_for("Gated DeltaNet 3:1 hybrid, 1-tap conv")  # the same but the convolution
-    assert control.layer_types == config.layer_types and (control.linear_conv_kernel_dim, config.linear_conv_kernel_dim) == (1, 4)
+    assert control.layer_types == config.layer_types
+    assert (control.linear_conv_kernel_dim, config.linear_conv_kernel_dim) == (1, 4)
     assert row["params"] == ablation.parameter_count(config)["total"]  # the built model vs the contract's count
     assert 0 < row["params"] - base["params"] < 0.01 * base["params"]
     assert f"| {hybrid} | {row['params']:,} |" in table
