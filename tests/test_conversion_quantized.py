@@ -112,7 +112,10 @@ def expected_contract(path: Path, state: dict[str, torch.Tensor]) -> dict[str, t
     """The reference's tensors through the family's own map (the map itself is tested in test_conversion)."""
     src_cfg = AutoConfig.from_pretrained(path)
     family = get_family(src_cfg.model_type)
-    cfg = ModularDecoderConfig(**family.to_contract(src_cfg))
+    # transformers' class loads no multi-token-prediction module (nor do these folders hold one), whatever
+    # config.json's `num_nextn_predict_layers` declares; convert counts the modules the files hold
+    fields = family.to_contract(src_cfg) | {"num_mtp_layers": 0}
+    cfg = ModularDecoderConfig(**fields)
     out = apply_rules(family.rules(src_cfg), state, cfg)
     return {k: v for k, v in out.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
 
