@@ -49,8 +49,17 @@ FAMILIES: dict[str, str] = {
 }
 
 
+# Multimodal checkpoints whose language model is a registered family: named in the refusal, so a user sees the
+# text family converts and that this folder's vision tower is why it does not (nothing is dropped silently).
+MULTIMODAL_WRAPPERS: dict[str, str] = {"qwen3_5": "qwen3_5_text"}
+
+
 def get_family(name: str) -> Family:
     """The family registered for transformers `model_type` `name`; `ValueError` if there is none."""
+    if name in MULTIMODAL_WRAPPERS:
+        raise ValueError(f"Source family {name!r} is a multimodal checkpoint (a vision tower beside the language "
+                         f"model); its language model's family {MULTIMODAL_WRAPPERS[name]!r} converts, from a folder "
+                         "holding that model alone, but not from this one.")
     if name not in FAMILIES:
         raise ValueError(f"Unknown source family {name!r}; convertible families: {sorted(FAMILIES)}.")
     return importlib.import_module(FAMILIES[name]).FAMILY
