@@ -1,8 +1,5 @@
-import atexit
 import os
-import shutil
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -10,13 +7,6 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(__file__))
-# Inductor's on-disk kernel cache is one folder per user (/tmp/torchinductor_$USER) that every process on the
-# machine reads: a kernel another run left there is loaded as is, and one left linked without libstdc++ failed
-# the README's compiled snippet ("undefined symbol ... basic_ostringstream"). The session compiles into its own
-# folder, which xdist workers and subprocesses inherit, unless the caller names one.
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="modular-decoder-inductor-")
-    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 # Under pytest-xdist (`-n 2`, the README's command) each worker gets one core: tiny models gain
 # nothing from a second thread, and two workers with two threads each thrash two cores.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -40,6 +30,19 @@ else:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves the process environment as it found it, whatever a client does to it: PEFT's BOFT
+    (`get_fbd_cuda`, peft 0.21.2) sets CC=CXX=gcc and, when its CUDA extension fails to build (no CUDA), never
+    restores them; every later subprocess of that worker then compiled inductor's C++ kernels with gcc, which
+    links no libstdc++ (the README's compiled snippet failed: "undefined symbol ... basic_ostringstream")."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture

@@ -137,10 +137,7 @@ def _workdir(tmp_path: Path) -> dict:
     (tmp_path / ".venv-vllm").symlink_to(VLLM_PYTHON.parent.parent)
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    # a new user's compiled snippet starts from an empty kernel cache: kernels other tests compiled into the
-    # session's folder are not the README's to load (one such .so, without libstdc++, failed it under -n 2)
-    inductor = tmp_path.parent / f"{tmp_path.name}-inductor"
-    return dict(os.environ, PATH=path, PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", TORCHINDUCTOR_CACHE_DIR=str(inductor))
+    return dict(os.environ, PATH=path, PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1")
 
 
 def _command(block: Block, folder: Path) -> list[str]:
