@@ -201,7 +201,10 @@ def compiled_section(compiled: dict, results: dict) -> str:
         "The first compiled call took " + ", ".join(f"{s:.0f} s ({name})" for name, s in compiled["compile_seconds"].items())
         + f". Compiled, ours decodes a step in {step_ms:.1f} ms: {100 * median['ours/compiled'] / roofline:.0f}% of the "
         f"family table's batch-1 roofline for this model ({roofline:.1f} tokens/s, {step_mb:.0f} MB of weights a step at "
-        "the copy bandwidth of that run). Inductor fuses the norms, rotary, residuals and cache writes between the "
+        "the copy bandwidth of that run)"
+        + (": above 100%, so that run's copy bandwidth (another run, under other load) understates this one's"
+           if median["ours/compiled"] > roofline else "")
+        + ". Inductor fuses the norms, rotary, residuals and cache writes between the "
         "products, and the products, split across the cores inside the graph, read the weights on both; transformers' "
         "graph runs each product as a matrix-vector product on one core.",
     ]
