@@ -228,6 +228,16 @@ def _child_env(target: Path, modules: Path) -> dict[str, str]:
             "TRANSFORMERS_VERBOSITY": "error", "USE_HUB_KERNELS": "0"}
 
 
+def _child_on(version: str, script: str, *args: str, cwd: Path, env: dict[str, str]) -> dict:
+    """What `script` printed as its last line (JSON) when run on transformers `version`; its stderr on failure."""
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                            cwd=cwd, env=env)
+    assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
+    child = json.loads(result.stdout.strip().splitlines()[-1])
+    assert child["version"] == version
+    return child
+
+
 def test_remote_code_refuses_an_older_transformers(tmp_path):
     """The saved code runs the check first: one ImportError naming the version, no deeper failure."""
     torch.manual_seed(0)
@@ -335,12 +345,8 @@ def test_saved_folders_run_on_every_supported_transformers(tmp_path):
         }
     for version in versions:
         target = _installed(version)
-        result = subprocess.run([sys.executable, "-c", CHILD, str(target), *folders, "--mtp", str(mtp_source),
-                                 str(mtp_ours)], capture_output=True, text=True,
-                                timeout=300, cwd=tmp_path, env=_child_env(target, tmp_path / f"modules-{version}"))
-        assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
-        child = json.loads(result.stdout.strip().splitlines()[-1])
-        assert child["version"] == version
+        child = _child_on(version, CHILD, str(target), *folders, "--mtp", str(mtp_source), str(mtp_ours),
+                          cwd=tmp_path, env=_child_env(target, tmp_path / f"modules-{version}"))
         for name, folder in zip(PRESETS, folders):
             want, got = expected[folder], child[folder]
             # the tensor- and expert-parallel plans name this release's styles and real modules
@@ -426,11 +432,8 @@ def _family_on_oldest_and_newest(case: str, tmp_path: Path) -> dict[str, dict]:
         work.mkdir()
         env = {**_child_env(target, work / "modules"),
                "PYTHONPATH": os.pathsep.join(map(str, (target, ROOT, ROOT / "tests")))}
-        result = subprocess.run([sys.executable, "-c", FAMILY_CHILD, str(target), str(ROOT), str(work), case],
-                                capture_output=True, text=True, timeout=300, cwd=work, env=env)
-        assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
-        child = results[version] = json.loads(result.stdout.strip().splitlines()[-1])
-        assert child["version"] == version
+        child = results[version] = _child_on(version, FAMILY_CHILD, str(target), str(ROOT), str(work), case,
+                                             cwd=work, env=env)
         assert child["logits"] <= 1e-4 and child["padded"] <= 1e-4, child
         assert child["greedy"] and child["static"] and child["export"] and child["exported_logits"] == 0.0, child
     return results
@@ -480,11 +483,8 @@ def test_hybrid_folders_match_transformers_classes_on_the_oldest_and_newest(tmp_
         folders += [str(tmp_path / case), str(tmp_path / f"{case}-ours")]
     for version in _oldest_and_newest():
         target = _installed(version)
-        result = subprocess.run([sys.executable, "-c", HYBRID_CHILD, str(target), *folders], capture_output=True,
-                                text=True, timeout=300, cwd=tmp_path, env=_child_env(target, tmp_path / f"m-{version}"))
-        assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
-        child = json.loads(result.stdout.strip().splitlines()[-1])
-        assert child["version"] == version
+        child = _child_on(version, HYBRID_CHILD, str(target), *folders, cwd=tmp_path,
+                          env=_child_env(target, tmp_path / f"m-{version}"))
         for ours in folders[1::2]:
             got = child[ours]
             assert got["class"] in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"), got["class"]
@@ -502,11 +502,8 @@ def test_every_command_runs_on_the_oldest_and_newest_transformers(tmp_path):
         work.mkdir()
         env = {**_child_env(target, work / "modules"),
                "PYTHONPATH": os.pathsep.join(map(str, (target, ROOT, ROOT / "tests")))}
-        result = subprocess.run([sys.executable, "-c", COMMANDS_CHILD, str(target), str(ROOT), str(work)],
-                                capture_output=True, text=True, timeout=300, cwd=work, env=env)
-        assert result.returncode == 0, f"transformers {version}:\n{result.stderr[-3000:]}"
-        child = results[version] = json.loads(result.stdout.strip().splitlines()[-1])
-        assert child["version"] == version
+        child = results[version] = _child_on(version, COMMANDS_CHILD, str(target), str(ROOT), str(work),
+                                             cwd=work, env=env)
         for command in ("convert", "export", "generate", "chat", "validate", "reshape", "push"):
             run = child[command]
             assert run["code"] == 0, (version, command, run["stderr"])
