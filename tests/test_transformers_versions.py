@@ -424,14 +424,21 @@ FAMILY_CHILD = textwrap.dedent(
 )
 
 
+def _checkout_child_on(version: str, tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """(release `version`'s install, a work folder for it, an environment importing that release, this checkout
+    and tests/) for a child that runs the project's own code on the release."""
+    target, work = _installed(version), tmp_path / version
+    work.mkdir()
+    env = {**_child_env(target, work / "modules"),
+           "PYTHONPATH": os.pathsep.join(map(str, (target, ROOT, ROOT / "tests")))}
+    return target, work, env
+
+
 def _family_on_oldest_and_newest(case: str, tmp_path: Path) -> dict[str, dict]:
     """{release: what FAMILY_CHILD measured for conversion case `case`} on the oldest and newest release."""
     results = {}
     for version in _oldest_and_newest():
-        target, work = _installed(version), tmp_path / version
-        work.mkdir()
-        env = {**_child_env(target, work / "modules"),
-               "PYTHONPATH": os.pathsep.join(map(str, (target, ROOT, ROOT / "tests")))}
+        target, work, env = _checkout_child_on(version, tmp_path)
         child = results[version] = _child_on(version, FAMILY_CHILD, str(target), str(ROOT), str(work), case,
                                              cwd=work, env=env)
         assert child["logits"] <= 1e-4 and child["padded"] <= 1e-4, child
@@ -498,10 +505,7 @@ def test_every_command_runs_on_the_oldest_and_newest_transformers(tmp_path):
     through the CLI on each release, each checked against transformers' own Llama on that release."""
     results = {}
     for version in _oldest_and_newest():
-        target, work = _installed(version), tmp_path / version
-        work.mkdir()
-        env = {**_child_env(target, work / "modules"),
-               "PYTHONPATH": os.pathsep.join(map(str, (target, ROOT, ROOT / "tests")))}
+        target, work, env = _checkout_child_on(version, tmp_path)
         child = results[version] = _child_on(version, COMMANDS_CHILD, str(target), str(ROOT), str(work),
                                              cwd=work, env=env)
         for command in ("convert", "export", "generate", "chat", "validate", "reshape", "push"):
