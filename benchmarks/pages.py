@@ -462,6 +462,39 @@ def split_threshold_section(run: dict | None) -> str:
     return "\n".join(lines + ["", spread_note(timed, run)])
 
 
+# --- benchmarks/results_split_slices.json: `python -m benchmarks split_slices --out ...` -------------------------
+
+def split_slices_section(run: dict | None) -> str:
+    lines = ["## Split products: slices for several rows (CPU, fp32)", ""]
+    if run is None:
+        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks split_slices --out "
+                                   "benchmarks/results_split_slices.json`."])
+    variants = list(run["variants"])
+    lines += [
+        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        f"Cached forwards of T new tokens on SmolLM2-135M's shapes ({run['layers']} layers, a {run['vocab_size']:,}-token "
+        f"vocabulary, {run['weights_mb']:.0f} MB of fp32 weights, random values), each cropped back afterwards (a "
+        f"speculative verify step of T tokens, or a batch of T sequences' decode step): the median of {run['steps']} "
+        "forwards, median ± half the spread over the repeats, the variants alternating in one process. A product of 2 "
+        "or more rows is cut into as many slices as threads (\"threads only\"), or into more slices of at least N "
+        f"bytes each (`split_slice_bytes`, shipped {run['split_slice_bytes']:,}); one row is never cut further.",
+        "", "| new tokens | " + " | ".join(f"{v} ms" for v in variants) + " |", "|---:|" + "---:|" * len(variants),
+    ]
+    for row in run["rows"]:
+        cells = [f"{row['forward_ms'][v]['median']:.2f} ±{row['forward_ms'][v]['half_spread']:.2f}" for v in variants]
+        lines.append(f"| {row['tokens']} | " + " | ".join(cells) + " |")
+    one = next((row for row in run["rows"] if row["tokens"] == 1), None)
+    shipped = next(v for v, size in run["variants"].items() if size == run["split_slice_bytes"])
+    if one is not None:
+        reference = one["forward_ms"][shipped]["median"]
+        costs = ", ".join(f"{row['tokens']} tokens {row['forward_ms']['threads only']['median'] / reference:.2f}x -> "
+                          f"{row['forward_ms'][shipped]['median'] / reference:.2f}x" for row in run["rows"]
+                          if row["tokens"] > 1)
+        lines += ["", f"Against a 1-token forward, threads only -> shipped: {costs}."]
+    timed = [row["forward_ms"][v]["all"] for row in run["rows"] for v in variants]
+    return "\n".join(lines + ["", spread_note(timed, run)])
+
+
 # --- benchmarks/results_sinks.json: `python -m benchmarks sinks --out ...` -------------------------------------
 
 SINK_CASES = (("sdpa", "SDPA without sinks"), ("sdpa_sinks", "SDPA with sinks"), ("eager_sinks", "eager with sinks"))
@@ -605,6 +638,7 @@ SECTIONS = (
     Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_hybrid.json",), hybrid_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
+    Section(("results_split_slices.json",), split_slices_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),
     Section(("results_sinks.json",), sinks_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),

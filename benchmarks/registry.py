@@ -38,6 +38,9 @@ BENCHMARKS = (
     Benchmark("split_threshold", "split_threshold", "decode steps of Llama layouts at several widths with the split "
               "products off, everywhere, and from each weight size: where `MIN_SPLIT_WEIGHT` comes from",
               "results_split_threshold.json"),
+    Benchmark("split_slices", "split_slices", "forwards of 1 to 16 new tokens (a speculative verify step, a small "
+              "batch) on SmolLM2-135M's shapes with the split products' slices of each size: where `tuning`'s "
+              "`split_slice_bytes` comes from", "results_split_slices.json"),
     Benchmark("decode_profile", "decode_profile", "where a decode step's time goes (products vs the rest), and the "
               "host's time per generate step"),
     Benchmark("cache", "cache", "static cache + compile against the dynamic cache; the int8 K/V cache's "

@@ -4,7 +4,8 @@ A batch-1 decode step multiplies one token's activations by every weight matrix.
 matrix-vector product on one core, so its speed is one core's share of the memory bandwidth.
 `linear` issues a product of at most `FEW_ROWS` rows as one batched product whose batch is the
 thread count, each element a contiguous slice of the weight's output rows: torch runs the batch on
-all cores, each streaming its own part of the matrix.
+all cores, each streaming its own part of the matrix. A product of 2 or more rows (a speculative verify
+step, a small batch) is cut into more slices, each small enough for a core's cache (`_cache_sized`).
 
 The result is `F.linear`'s up to fp32 rounding order: the same shape and dtype, each output the same
 sum of products, which the batched product may add in another order than `F.linear`'s kernel (bit-equal
@@ -106,6 +107,20 @@ def _splits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     parts = _threads()
     if parts < 2 or not weight.is_contiguous() or weight.shape[0] % parts:
         return 1
+    return parts if rows == 1 else _cache_sized(parts, weight)
+
+
+def _cache_sized(parts: int, weight: torch.Tensor) -> int:
+    """For a product of 2 or more rows: `parts` (the thread count) doubled while the slices keep at least
+    `tuning().split_slice_bytes` and divide the output rows evenly. MKL's batched product of 2 or 3 rows passes over
+    a slice once per row: from memory for a slice of a large weight, from the core's cache for a small
+    one (measured: `tuning.py`). The batched product hands the slices to the cores in turn."""
+    smallest = tuning().split_slice_bytes
+    if not smallest:
+        return parts
+    out_features, row_bytes = weight.shape[0], weight.shape[1] * weight.element_size()
+    while out_features % (2 * parts) == 0 and out_features // (2 * parts) * row_bytes >= smallest:
+        parts *= 2
     return parts
 
 

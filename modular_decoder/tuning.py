@@ -14,6 +14,11 @@ environment variable read at import (a saved folder's remote code reads them too
         The fewest weight elements over which a few-row product is split across the CPU cores
         (`split_products`); 0: every product that may split does. Measured: `benchmarks/results_split_threshold.json`
         (`python -m benchmarks split_threshold`: decode steps with the split off, everywhere, from each threshold).
+    split_slice_bytes        MODULAR_DECODER_SPLIT_SLICE_BYTES        (default 262144)
+        The smallest slice (bytes of weight) a split product of 2 or more rows is cut into: more slices than threads
+        while each keeps this size, so that the rows re-read a slice from the cache (`split_products._cache_sized`);
+        0: as many slices as threads. Measured: `benchmarks/results_split_slices.json` (`python -m benchmarks
+        split_slices`: forwards of 1 to 16 new tokens, a speculative verify step or a small batch, at each size).
 
 Each is an integer, validated where it is set (a `ValueError` naming the setting or the variable). On a GPU
 the measurements of `benchmarks/` decide them for that GPU: docs/benchmarks.md.
@@ -35,9 +40,10 @@ class Tuning:
     absorbed_max_new_tokens: int = 64
     absorbed_query_block: int = 8
     min_split_weight: int = 1 << 16
+    split_slice_bytes: int = 1 << 18
 
 
-MINIMUM = {"absorbed_max_new_tokens": 0, "absorbed_query_block": 1, "min_split_weight": 0}
+MINIMUM = {"absorbed_max_new_tokens": 0, "absorbed_query_block": 1, "min_split_weight": 0, "split_slice_bytes": 0}
 ENVIRONMENT = {name: f"MODULAR_DECODER_{name.upper()}" for name in MINIMUM}
 
 

@@ -488,6 +488,22 @@ def test_mtp_decode_smoke_renders(capsys, tmp_path):
     assert next(line for line in printed.splitlines() if line.startswith("| ours_mtp |")) in page
 
 
+def test_split_slices_smoke_records_every_variant_and_renders(tmp_path):
+    """`python -m benchmarks split_slices --smoke`: a row per token count with every slice size (threads only and the
+    shipped `split_slice_bytes` among them), rendered with the cost of each count against a 1-token forward."""
+    from benchmarks import pages, split_slices
+    from modular_decoder.tuning import Tuning
+
+    out = tmp_path / "slices.json"
+    assert split_slices.main(["--smoke", "--tokens", "1", "2", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert 0 in run["variants"].values() and Tuning.split_slice_bytes in run["variants"].values()
+    assert [row["tokens"] for row in run["rows"]] == [1, 2]
+    assert all(set(row["forward_ms"]) == set(run["variants"]) for row in run["rows"])
+    page = pages.split_slices_section(run)
+    assert "| 2 | " in page and "Against a 1-token forward, threads only -> shipped: 2 tokens" in page
+
+
 def test_dsa_decode_smoke_compares_the_three_sides_on_one_cache(tmp_path):
     """`python -m benchmarks dsa_decode --smoke`: every side steps from the same cache contents (ours equals
     transformers' DeepseekV32 there, and differs from dense MLA: the selection is in play), with a time, a peak and

@@ -380,3 +380,29 @@ def test_small_weights_stay_on_f_linear():
             torch.testing.assert_close(z, expected, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(y, expected) and torch.equal(z, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+def test_several_rows_cut_each_weight_into_cache_sized_slices(rows):
+    """A product of 2 or more rows is cut into more slices than threads, doubling while each slice keeps at least
+    `tuning().split_slice_bytes` and the slices divide the output rows (one row: as many slices as threads; 0: never
+    more), and still computes `F.linear`'s result."""
+    weight, bias = torch.randn(96, 64), torch.randn(96)  # 256 bytes a row; 96 = 2 * 3 * 16 rows
+    x = torch.randn(1, rows, 64)
+    shapes = []
+    original = torch.bmm
+
+    def bmm(a, b):
+        shapes.append(b.shape[0])
+        return original(a, b)
+
+    for slice_bytes, parts in ((0, 2), (48 * 256, 2), (24 * 256, 4), (12 * 256, 8), (3 * 256, 32), (256, 32)):
+        shapes.clear()
+        with threads(2), tuned(split_slice_bytes=slice_bytes), torch.no_grad():
+            torch.bmm = bmm
+            try:
+                y = linear(x, weight, bias)
+            finally:
+                torch.bmm = original
+        assert shapes == [2 if rows == 1 else parts], slice_bytes
+        torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
