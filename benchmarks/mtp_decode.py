@@ -43,9 +43,9 @@ PROMPT_LOOKUP_TOKENS = 3
 EARLY_EXIT_LAYER = 12
 
 
-def mtp_model(base, args):
-    """The model with MTP modules: `--mtp FOLDER`, or modules added to `base` and trained here. Returns (model,
-    how it was made)."""
+def mtp_model(base, args, command: str):
+    """The model with MTP modules: `--mtp FOLDER`, or modules added to `base` and trained here by `command` (this
+    run's, recorded with `--save-mtp` for the runs that load the folder). Returns (model, how it was made)."""
     from transformers import AutoModelForCausalLM
 
     from modular_decoder.tools.reshape.add_mtp import add_mtp_modules, agreement, train_mtp
@@ -70,7 +70,7 @@ def mtp_model(base, args):
     made = {"trained_here": True, "num_mtp_layers": args.modules, "steps": args.train_steps,
             "learning_rate": args.train_lr, "sequences": args.train_sequences, "kl_first": losses[0],
             "kl_last": losses[-1], "kl_every_50": losses[::50], "cpu_seconds": time.process_time() - start,
-            "top1_agreement": agreement(model, calibration.held_out)}
+            "top1_agreement": agreement(model, calibration.held_out), "command": command}
     if args.save_mtp is not None:  # for later runs (--mtp): the model and how it was made
         model.save_pretrained(args.save_mtp)
         (Path(args.save_mtp) / TRAINING_RECORD).write_text(json.dumps(made, indent=1) + "\n")
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     run = harness.begin("mtp_decode", argv, args)
     with tempfile.TemporaryDirectory() as folder:
         reference, ours, label = build_pair("llama", Path(folder), quick=args.smoke)
-        with_mtp, made = mtp_model(ours, args)
+        with_mtp, made = mtp_model(ours, args, run.command)
         tokenizer = None if args.smoke else _tokenizer(Path(folder) / "ours")
     prompts = {name: (tokenizer(text, return_tensors="pt").input_ids if tokenizer is not None
                       else torch.randint(0, ours.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(i)))

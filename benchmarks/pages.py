@@ -572,7 +572,8 @@ def mtp_section(run: dict | None) -> str:
 
     made, parts, cap = run["mtp"], run["step_ms"], run["ceiling"]
     count = made["num_mtp_layers"]
-    trained = (f"from `{made['folder']}`" if "folder" in made else
+    made_by = f", trained by `{made['command']}`" if made.get("command") else ""
+    trained = (f"from `{made['folder']}`{made_by}" if "folder" in made else
                f"added and trained in the run ({made['steps']} steps, lr {made['learning_rate']}, "
                f"{made['sequences']} sequences sampled from the model)")
     acceptance = {name: prompt["acceptance"] for name, prompt in run["cases"]["ours_mtp"]["prompts"].items()}
