@@ -7,7 +7,8 @@ weights, prompt lookup and assistant early exit; the same tokens in every case, 
 
 The MTP model is `--mtp FOLDER` (a folder `modular-decoder reshape SMOLLM2 FOLDER --add-mtp K --heal-steps S`
 wrote; its base weights must be SmolLM2's, checked bit for bit), or, without it, modules added here and trained by
-the same self-distillation (`--modules`, `--train-steps`, on `--train-sequences` sequences sampled from the model).
+the same self-distillation (`--modules`, `--train-steps`, on `--train-sequences` sequences sampled from the model,
+every other one continued greedily as `reshape --add-mtp` does).
 Each prompt (a few kinds of text) is decoded greedily for `--new-tokens` tokens by every case; a case's decode
 tokens/s is (new tokens - 1) / (time of the whole generate - time of a generate of one token), both timed in each
 repeat, the cases alternating (`measure.alternating`). The tokens of every case are compared with ours plain
@@ -48,7 +49,7 @@ def mtp_model(base, args, command: str):
     run's, recorded with `--save-mtp` for the runs that load the folder). Returns (model, how it was made)."""
     from transformers import AutoModelForCausalLM
 
-    from modular_decoder.tools.reshape.add_mtp import add_mtp_modules, agreement, train_mtp
+    from modular_decoder.tools.reshape.add_mtp import GREEDY_AFTER, add_mtp_modules, agreement, train_mtp
     from modular_decoder.tools.reshape.calibration import sampled_calibration
 
     if args.mtp is not None:
@@ -64,12 +65,12 @@ def mtp_model(base, args, command: str):
         return model, {**made, "folder": str(args.mtp), "num_mtp_layers": model.config.num_mtp_layers}
     start = time.process_time()
     calibration = sampled_calibration(base, seed=0, sequences=args.train_sequences, held_out=4,
-                                      length=16 if args.smoke else 128)
+                                      length=16 if args.smoke else 128, greedy_after=GREEDY_AFTER)
     model, _ = add_mtp_modules(base, args.modules)
     losses = train_mtp(model, calibration.ids, args.train_steps, args.train_lr)
     made = {"trained_here": True, "num_mtp_layers": args.modules, "steps": args.train_steps,
-            "learning_rate": args.train_lr, "sequences": args.train_sequences, "kl_first": losses[0],
-            "kl_last": losses[-1], "kl_every_50": losses[::50], "cpu_seconds": time.process_time() - start,
+            "learning_rate": args.train_lr, "sequences": args.train_sequences, "text": calibration.source,
+            "kl_first": losses[0], "kl_last": losses[-1], "kl_every_50": losses[::50], "cpu_seconds": time.process_time() - start,
             "top1_agreement": agreement(model, calibration.held_out), "command": command}
     if args.save_mtp is not None:  # for later runs (--mtp): the model and how it was made
         model.save_pretrained(args.save_mtp)

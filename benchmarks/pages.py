@@ -575,7 +575,7 @@ def mtp_section(run: dict | None) -> str:
     made_by = f", trained by `{made['command']}`" if made.get("command") else ""
     trained = (f"from `{made['folder']}`{made_by}" if "folder" in made else
                f"added and trained in the run ({made['steps']} steps, lr {made['learning_rate']}, "
-               f"{made['sequences']} sequences sampled from the model)")
+               f"{made['sequences']} sequences: {made.get('text', 'sampled from the model')})")
     acceptance = {name: prompt["acceptance"] for name, prompt in run["cases"]["ours_mtp"]["prompts"].items()}
     forwards = ", ".join(f"{k} token(s) {parts[f'forward_{k}_tokens']:.1f}" for k in range(1, count + 2))
     lines += [

@@ -495,6 +495,26 @@ def test_sampled_calibration_is_unpadded_text_and_warns_nothing(tmp_path):
     assert torch.equal(torch.cat((calibration.ids, calibration.held_out)), tokens)
 
 
+def test_sampled_calibration_greedy_after_continues_every_other_row_greedily():
+    """`greedy_after=N`: rows 0, 2, ... (over calibration and held-out text together) keep their first N sampled
+    tokens and continue as a greedy loop over the no-cache forward does; the other rows are the sampled text."""
+    from modular_decoder.tools.reshape.calibration import sampled_calibration
+
+    model = tiny_model(bos_token_id=0, pad_token_id=0, eos_token_id=3)
+    sampled = sampled_calibration(model, sequences=3, held_out=2, length=12)
+    mixed = sampled_calibration(model, sequences=3, held_out=2, length=12, greedy_after=4)
+    before, after = (torch.cat((c.ids, c.held_out)) for c in (sampled, mixed))
+    assert torch.equal(after[1::2], before[1::2]) and torch.equal(after[::2, :4], before[::2, :4])
+    tokens = before[::2, :4]
+    with torch.no_grad():
+        while tokens.shape[1] < 12:
+            logits = model(tokens, use_cache=False).logits[:, -1]
+            logits[:, 3] = -math.inf  # no end of text before the asked length
+            tokens = torch.cat((tokens, logits.argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(after[::2], tokens) and not torch.equal(after, before)
+    assert "greedy after its first 4 tokens" in mixed.source
+
+
 def test_cli_writes_a_first_class_checkpoint_with_its_report(tiny_folder, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
 

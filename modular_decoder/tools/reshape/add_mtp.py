@@ -19,6 +19,9 @@ from modular_decoder.mtp import token_embeddings
 from .healing import BATCH, distillation_loss, train_only
 from .rebuild import Change, derived_config, model_from_state, require_positive_int
 
+# Without a calibration file the modules learn from text sampled from the model, every other row continued greedily
+# after its first GREEDY_AFTER tokens (`sampled_calibration`): greedy decoding checks drafts on such text
+GREEDY_AFTER = 16
 DECODE_PROMPT_TOKENS = 32  # of each held-out sequence, the prompt acceptance is measured from
 DECODE_NEW_TOKENS = 64
 

@@ -59,10 +59,13 @@ def calibration_from_file(path, tokenizer, vocab_size: int | None = None) -> Cal
 
 @torch.no_grad()
 def sampled_calibration(model, seed: int = 0, sequences: int = SAMPLED["calibration"],
-                        held_out: int = SAMPLED["held_out"], length: int = SAMPLED["length"]) -> Calibration:
+                        held_out: int = SAMPLED["held_out"], length: int = SAMPLED["length"],
+                        greedy_after: int | None = None) -> Calibration:
     """Text sampled from `model` itself (temperature 1, no truncation) from its beginning-of-text token:
     `sequences` to calibrate on and `held_out` other sequences for perplexity (one batch, so the decode
-    steps are shared; the rows are independent samples)."""
+    steps are shared; the rows are independent samples). With `greedy_after=N`, every other row (of both) keeps
+    its first N sampled tokens and continues by greedy decoding: the text that greedy decoding's drafts are
+    checked on, which sampled text seldom is (a small model's greedy text repeats itself)."""
     start = torch.full((sequences + held_out, 1), start_token(model.config), dtype=torch.long)
     was_training = model.training
     model.eval()
@@ -73,8 +76,15 @@ def sampled_calibration(model, seed: int = 0, sequences: int = SAMPLED["calibrat
         out = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, temperature=1.0, top_k=0,
                              top_p=1.0, max_new_tokens=length - 1, min_new_tokens=length - 1,
                              pad_token_id=0)[:, :length]
+        source = f"sampled from the source model (seed {seed})"
+        if greedy_after is not None and greedy_after < length:
+            prefix = out[::2, :greedy_after]
+            out[::2] = model.generate(prefix, attention_mask=torch.ones_like(prefix), do_sample=False,
+                                      max_new_tokens=length - greedy_after, min_new_tokens=length - greedy_after,
+                                      pad_token_id=0)[:, :length]
+            source += f"; every other row greedy after its first {greedy_after} tokens"
     model.train(was_training)
-    return Calibration(out[:sequences], out[sequences:], f"sampled from the source model (seed {seed})")
+    return Calibration(out[:sequences], out[sequences:], source)
 
 
 def start_token(config) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .add_mtp import add_mtp_modules, agreement, decoding_acceptance, train_mtp
+from .add_mtp import GREEDY_AFTER, add_mtp_modules, agreement, decoding_acceptance, train_mtp
 from .calibration import Calibration, calibration_from_file, sampled_calibration
 from .healing import LEARNING_RATE, heal
 from .measures import logit_change, measured_cache_bytes_per_token, perplexity, perplexity_gap
@@ -71,7 +71,7 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
         saved_dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     timing = {"load": time.perf_counter() - start}
-    calib = calib or sampled_calibration(model, seed)
+    calib = calib or sampled_calibration(model, seed, greedy_after=GREEDY_AFTER if options.get("add_mtp") else None)
     timing["calibration"] = time.perf_counter() - start - sum(timing.values())
     before = measure(model, calib.held_out)
     structural = {**options, "attention": None, "kv_lora_rank": None, "rope_dim": None, "add_mtp": None}
