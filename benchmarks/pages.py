@@ -1,7 +1,8 @@
-"""Render the benchmarks' JSON output into `docs/benchmarks.md` and the README's headline table, and the list of
-benchmarks (`registry.BENCHMARKS`) into `benchmarks/README.md`.
+"""Render the benchmarks' JSON output into `docs/benchmarks.md`, the README's headline table and docs/reshape.md's
+recorded runs (`benchmarks.reshape_page`), and the list of benchmarks (`registry.BENCHMARKS`) into
+`benchmarks/README.md`.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages          # rewrite all three from the committed JSON
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages          # rewrite all four from the committed JSON
     HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.pages --check  # exit 1 if one is stale
 
 Every number on the page and in the headline table is computed here from a JSON file a benchmark wrote
@@ -662,9 +663,10 @@ side by side in one process and read as ratios.
 """
 
 
-def page() -> str:
-    parts = [PAGE_HEADER]
-    for section in SECTIONS:
+def rendered(sections) -> list[str]:
+    """Each section rendered from its JSON files, followed by each file's name and provenance line."""
+    parts = []
+    for section in sections:
         present = all((ROOT / "benchmarks" / name).exists() for name in section.sources)
         if not present and section.optional:
             parts.append(section.render(None) + "\n")
@@ -672,7 +674,18 @@ def page() -> str:
         data = [load(name) for name in section.sources]
         sources = [f"Source: `benchmarks/{name}`. {provenance_line(d)}" for name, d in zip(section.sources, data)]
         parts.append(section.render(*data) + "\n\n" + "\n".join(f"{line}\n" for line in sources))
-    return "\n".join(parts)
+    return parts
+
+
+def page() -> str:
+    return "\n".join([PAGE_HEADER, *rendered(SECTIONS)])
+
+
+def every_section() -> tuple[Section, ...]:
+    """The sections of every generated page: docs/benchmarks.md's and docs/reshape.md's recorded runs."""
+    from .reshape_page import SECTIONS as RESHAPE_SECTIONS  # it builds on this module
+
+    return SECTIONS + RESHAPE_SECTIONS
 
 
 def headline() -> str:
@@ -760,8 +773,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is stale")
     args = parser.parse_args(argv)
+    from . import reshape_page  # it builds on this module
+
     wanted = {PAGE: page(), README: readme_with_headline(README.read_text()),
-              BENCHMARKS_README: benchmarks_readme_with_list(BENCHMARKS_README.read_text())}
+              BENCHMARKS_README: benchmarks_readme_with_list(BENCHMARKS_README.read_text()),
+              reshape_page.PAGE: reshape_page.page_with_runs(reshape_page.PAGE.read_text())}
     stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:

@@ -49,9 +49,9 @@ BENCHMARKS = (
               "(generate(use_mtp=True)) against plain generate, transformers' Llama, prompt lookup and early exit: "
               "tokens/s, acceptance, the same tokens, the parts of a step", "results_mtp_decode.json"),
     Benchmark("reshape_smollm2", "reshape_smollm2", "each reshape transformation of SmolLM2-135M: parameters, KV "
-              "bytes per token, held-out perplexity"),
+              "bytes per token, held-out perplexity", "results_reshape_smollm2.json"),
     Benchmark("reshape_mla", "reshape_mla", "SmolLM2-135M converted to MLA (TransMLA's steps) at several ranks: KV "
-              "bytes, held-out perplexity, conversion time and memory"),
+              "bytes, held-out perplexity, conversion time and memory", "results_reshape_mla.json"),
     Benchmark("conversion_memory", "conversion_memory", "converting and exporting synthetic checkpoints of 8.5 GB "
               "(Llama and Mixtral layouts, bf16, 5 GB shards) in fresh processes: the peak resident memory above the "
               "baseline, and the time", "results_conversion_memory.json"),

