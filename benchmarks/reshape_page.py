@@ -40,7 +40,8 @@ def smollm2_label(row: dict) -> str:
     if "removed" in row:
         note = f"removes layers {min(row['removed'])}-{max(row['removed'])}"
     if "gap_closed" in row:
-        note = f"lr {row['learning_rate']:.0e}; closes {row['gap_closed']:.0%} of the perplexity gap"
+        lr = f"{row['learning_rate']:.0e}".replace("e-0", "e-")
+        note = f"lr {lr}; closes {row['gap_closed']:.0%} of the perplexity gap"
     return f"`{label}`" + (f" ({note})" if note else "")
 
 
@@ -105,8 +106,8 @@ def mla_section(run: dict) -> str:
         f"`DeepseekV3ForCausalLM`), rank {rank} gives {perplexity_cell(run[f'mla_{rank}_latent_norm_ppl'])} before "
         f"healing. Sampling the calibration took {sampling['wall_s']:.0f} s ({sampling['cpu_s']:.0f} s of CPU); "
         f"`to_mla` at rank {rank}, its calibration pass included, {timed['wall_s']:.0f} s ({timed['cpu_s']:.0f} s of "
-        f"CPU); the process's peak resident memory by then {timed['peak_rss_mib']:,.0f} MiB ({loaded:,.0f} MiB after "
-        f"loading the model, whose weights are {run['model_mib']:.0f} MiB).",
+        f"CPU). The process's resident high-water mark: {loaded:,.0f} MiB once the model was loaded (its weights "
+        f"{run['model_mib']:.0f} MiB), {timed['peak_rss_mib']:,.0f} MiB after `to_mla`.",
     ]
     return "\n".join(lines)
 
