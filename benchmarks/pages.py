@@ -586,7 +586,9 @@ def mtp_section(run: dict | None) -> str:
         f"{count} MTP module(s) {trained} (`generate(use_mtp=True)`); prompt lookup drafts "
         "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain.", "",
         mtp_table(run), "",
-        "Acceptance per prompt: " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items()) + ".",
+        "Acceptance per prompt: " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items()) + "."
+        + ("" if not made.get("top1_agreement") else " The module's top-1 agreement with the model on held-out "
+           "text, teacher-forced: " + ", ".join(f"{share:.0%}" for share in made["top1_agreement"]) + "."),
         "",
         f"One speculative step, timed apart (ms): the model's forward over {forwards}; the modules' drafts "
         f"{parts['draft_all_modules']:.1f} (of which the head over one position {parts['head_one_position']:.1f}); "
