@@ -43,6 +43,16 @@ def command_of(data: dict) -> str:
     return data["provenance"]["command"] if "provenance" in data else data["command"]
 
 
+def command_block(run: dict) -> list[str]:
+    """The lines that show the command a run was made with, as a shell block."""
+    return ["```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", ""]
+
+
+def not_recorded(lines: list[str], name: str, file: str) -> str:
+    """An optional section whose benchmark has not written its JSON yet: how to record it."""
+    return "\n".join(lines + [f"Not recorded yet: `python -m benchmarks {name} --out benchmarks/{file}`."])
+
+
 def provenance_line(data: dict) -> str:
     """Where a result came from: the commit, versions, machine and load, as `harness.write_result` recorded them
     (a file written before it did says what it lacks)."""
@@ -324,11 +334,10 @@ def spread_note(runs: list[list[float]], run: dict) -> str:
 def mla_crossover_section(run: dict | None) -> str:
     lines = ["## MLA: absorbed against expanded steps, and the absorbed query block (CPU, fp32)", ""]
     if run is None:
-        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks mla_crossover --out "
-                                   "benchmarks/results_mla_crossover.json`."])
+        return not_recorded(lines, "mla_crossover", "results_mla_crossover.json")
     shape = run["shape"]
     lines += [
-        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        *command_block(run),
         f"One MLA layer (hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads, q_lora "
         f"{shape['q_lora_rank']}, kv_lora {shape['kv_lora_rank']}, rope {shape['qk_rope_head_dim']}, nope "
         f"{shape['qk_nope_head_dim']}, v {shape['v_head_dim']}: DeepSeek-V2-Lite's attention with a low-rank query), "
@@ -379,7 +388,7 @@ def dsa_decode_section(run: dict) -> str:
     repeats = len(next(iter(rows[0]["all_seconds"].values())))
     lines = [
         "## DeepSeek Sparse Attention: one decode step against dense MLA (CPU, fp32)", "",
-        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        *command_block(run),
         f"{run['layers']} layer of DeepSeek-V3.2's attention at full width (hidden {shape['hidden_size']:,}, "
         f"{shape['num_attention_heads']} heads, q_lora {shape['q_lora_rank']:,}, kv_lora {shape['kv_lora_rank']}, "
         f"nope {shape['qk_nope_head_dim']}, rope {shape['qk_rope_head_dim']}, v {shape['v_head_dim']}; indexer "
@@ -418,7 +427,7 @@ def hybrid_section(run: dict) -> str:
     growth = {kind: last["step_ms"][kind] / first["step_ms"][kind] for kind in first["step_ms"]}
     return "\n".join([
         "## Hybrid linear attention (CPU, fp32)", "",
-        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        *command_block(run),
         f"Qwen3-Next's layout at hidden {widths['hidden_size']:,} (4 layers: three Gated DeltaNet layers of "
         f"{widths['linear_num_key_heads']} key / {widths['linear_num_value_heads']} value heads of "
         f"{widths['linear_key_head_dim']} for one gated full-attention layer of {widths['num_attention_heads']} heads "
@@ -438,16 +447,20 @@ def hybrid_section(run: dict) -> str:
     ])
 
 
+def variant_cells(values: dict, variants: list[str]) -> str:
+    """A row's cells, one per variant: its median ± half the spread over the repeats."""
+    return " | ".join(f"{values[v]['median']:.2f} ±{values[v]['half_spread']:.2f}" for v in variants)
+
+
 # --- benchmarks/results_split_threshold.json: `python -m benchmarks split_threshold --out ...` ---------------
 
 def split_threshold_section(run: dict | None) -> str:
     lines = ["## Split products: from what weight size (CPU, fp32)", ""]
     if run is None:
-        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks split_threshold --out "
-                                   "benchmarks/results_split_threshold.json`."])
+        return not_recorded(lines, "split_threshold", "results_split_threshold.json")
     variants = list(run["variants"])
     lines += [
-        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        *command_block(run),
         f"Decode steps of ours (Llama layouts, hidden h, FFN 3h, {run['layers']} layers, random weights): the median "
         f"of {run['steps']} cached one-token forwards, median ± half the spread over the repeats, the variants "
         "alternating in one process: the split products off, and on for every weight of at least N elements "
@@ -456,9 +469,8 @@ def split_threshold_section(run: dict | None) -> str:
         "|---:|---:|---:|" + "---:|" * len(variants),
     ]
     for row in run["rows"]:
-        cells = [f"{row['step_ms'][v]['median']:.2f} ±{row['step_ms'][v]['half_spread']:.2f}" for v in variants]
-        lines.append(f"| {row['hidden']} | {row['weights_mb']:.1f} | {row['largest_weight']:,} | " + " | ".join(cells)
-                     + " |")
+        lines.append(f"| {row['hidden']} | {row['weights_mb']:.1f} | {row['largest_weight']:,} | "
+                     f"{variant_cells(row['step_ms'], variants)} |")
     timed = [row["step_ms"][v]["all"] for row in run["rows"] for v in variants]
     return "\n".join(lines + ["", spread_note(timed, run)])
 
@@ -468,11 +480,10 @@ def split_threshold_section(run: dict | None) -> str:
 def split_slices_section(run: dict | None) -> str:
     lines = ["## Split products: slices for several rows (CPU, fp32)", ""]
     if run is None:
-        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks split_slices --out "
-                                   "benchmarks/results_split_slices.json`."])
+        return not_recorded(lines, "split_slices", "results_split_slices.json")
     variants = list(run["variants"])
     lines += [
-        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        *command_block(run),
         f"Cached forwards of T new tokens on SmolLM2-135M's shapes ({run['layers']} layers, a {run['vocab_size']:,}-token "
         f"vocabulary, {run['weights_mb']:.0f} MB of fp32 weights, random values), each cropped back afterwards (a "
         f"speculative verify step of T tokens, or a batch of T sequences' decode step): the median of {run['steps']} "
@@ -482,8 +493,7 @@ def split_slices_section(run: dict | None) -> str:
         "", "| new tokens | " + " | ".join(f"{v} ms" for v in variants) + " |", "|---:|" + "---:|" * len(variants),
     ]
     for row in run["rows"]:
-        cells = [f"{row['forward_ms'][v]['median']:.2f} ±{row['forward_ms'][v]['half_spread']:.2f}" for v in variants]
-        lines.append(f"| {row['tokens']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row['tokens']} | {variant_cells(row['forward_ms'], variants)} |")
     one = next((row for row in run["rows"] if row["tokens"] == 1), None)
     shipped = next(v for v, size in run["variants"].items() if size == run["split_slice_bytes"])
     if one is not None:
@@ -504,10 +514,10 @@ SINK_CASES = (("sdpa", "SDPA without sinks"), ("sdpa_sinks", "SDPA with sinks"),
 def sinks_section(run: dict | None) -> str:
     lines = ["## Attention sinks: what they cost on each CPU backend (fp32)", ""]
     if run is None:
-        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks sinks --out benchmarks/results_sinks.json`."])
+        return not_recorded(lines, "sinks", "results_sinks.json")
     shape = run["shape"]
     lines += [
-        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        *command_block(run),
         f"One attention layer of gpt-oss's widths (hidden {shape['hidden_size']}, {shape['num_attention_heads']} query "
         f"heads of {shape['head_dim']} over {shape['num_key_value_heads']} K/V heads), random weights, called directly: "
         "a prefill of T tokens (no mask: SDPA's own causal path) and one decode step against S cached tokens. SDPA "
@@ -567,8 +577,7 @@ def gpu_section(gpu: dict | None) -> str:
 def mtp_section(run: dict | None) -> str:
     lines = ["## Multi-token prediction (SmolLM2-135M, batch 1, CPU fp32)", ""]
     if run is None:
-        return "\n".join(lines + ["Not recorded yet: `python -m benchmarks mtp_decode --out "
-                                   "benchmarks/results_mtp_decode.json`."])
+        return not_recorded(lines, "mtp_decode", "results_mtp_decode.json")
     from .mtp_decode import table as mtp_table
 
     made, parts, cap = run["mtp"], run["step_ms"], run["ceiling"]
@@ -580,14 +589,16 @@ def mtp_section(run: dict | None) -> str:
     acceptance = {name: prompt["acceptance"] for name, prompt in run["cases"]["ours_mtp"]["prompts"].items()}
     forwards = ", ".join(f"{k} token(s) {parts[f'forward_{k}_tokens']:.1f}" for k in range(1, count + 2))
     lines += [
-        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        *command_block(run),
         f"{run['label']}, fp32, {_threads(run)} threads, greedy, {run['new_tokens']} new tokens per prompt "
         f"({len(acceptance)} prompts: {', '.join(acceptance)}); each case's decode tokens/s is its median over the "
         "prompts of the median over repeats, the cases alternating in one process. `ours_mtp` drafts with "
         f"{count} MTP module(s) {trained} (`generate(use_mtp=True)`); prompt lookup drafts "
         "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain.", "",
         mtp_table(run), "",
-        "Acceptance per prompt: " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items()) + ".",
+        "Acceptance per prompt: " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items()) + "."
+        + ("" if not made.get("top1_agreement") else " The module's top-1 agreement with the model on held-out "
+           "text, teacher-forced: " + ", ".join(f"{share:.0%}" for share in made["top1_agreement"]) + "."),
         "",
         f"One speculative step, timed apart (ms): the model's forward over {forwards}; the modules' drafts "
         f"{parts['draft_all_modules']:.1f} (of which the head over one position {parts['head_one_position']:.1f}); "
