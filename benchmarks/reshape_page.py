@@ -6,7 +6,7 @@ own. `tests/test_readme.py` checks that the committed page equals what this modu
 
 from __future__ import annotations
 
-from .pages import ROOT, Section, _between, command_of, rendered
+from .pages import ROOT, Section, _between, command_block, rendered
 
 PAGE = ROOT / "docs" / "reshape.md"
 RUNS_START, RUNS_END = "<!-- reshape-runs:start -->", "<!-- reshape-runs:end -->"
@@ -50,7 +50,7 @@ def smollm2_section(run: dict) -> str:
     source = rows[0]
     lines = [
         "### Each reshape of SmolLM2-135M-Instruct", "",
-        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        *command_block(run),
         f"fp32; held-out perplexity on a {run['held_out_tokens']}-token English paragraph the reshape never saw, "
         f"calibration and healing on another {run['calibration_tokens']} tokens (`tests/test_reshape.py`: "
         "`HELD_OUT_TEXT`, `CALIBRATION_TEXT`); KV bytes per token measured from the cache tensors after a forward, "
@@ -82,7 +82,7 @@ def mla_section(run: dict) -> str:
     heldout = run["heldout"]
     lines = [
         "### SmolLM2-135M-Instruct -> MLA", "",
-        "```bash", f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
+        *command_block(run),
         f"GQA -> MLA (`--attention mla`, TransMLA's steps), fp32, {run['threads']} torch thread(s): calibration "
         f"{calibration}, held-out perplexity on {heldout['tokens']:,} tokens of `{heldout['text']}` (so not "
         "comparable with the table above); KV bytes per token measured from the latent cache after a forward, "
