@@ -70,8 +70,8 @@ def mtp_model(base, args, command: str):
     losses = train_mtp(model, calibration.ids, args.train_steps, args.train_lr)
     made = {"trained_here": True, "num_mtp_layers": args.modules, "steps": args.train_steps,
             "learning_rate": args.train_lr, "sequences": args.train_sequences, "text": calibration.source,
-            "kl_first": losses[0], "kl_last": losses[-1], "kl_every_50": losses[::50], "cpu_seconds": time.process_time() - start,
-            "top1_agreement": agreement(model, calibration.held_out), "command": command}
+            "kl_first": losses[0], "kl_last": losses[-1], "kl_every_50": losses[::50],
+            "cpu_seconds": time.process_time() - start, "top1_agreement": agreement(model, calibration.held_out), "command": command}
     if args.save_mtp is not None:  # for later runs (--mtp): the model and how it was made
         model.save_pretrained(args.save_mtp)
         (Path(args.save_mtp) / TRAINING_RECORD).write_text(json.dumps(made, indent=1) + "\n")

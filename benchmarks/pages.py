@@ -447,9 +447,15 @@ def hybrid_section(run: dict) -> str:
     ])
 
 
-def variant_cells(values: dict, variants: list[str]) -> str:
-    """A row's cells, one per variant: its median ± half the spread over the repeats."""
-    return " | ".join(f"{values[v]['median']:.2f} ±{values[v]['half_spread']:.2f}" for v in variants)
+def variant_table(heads: list[str], rows: list[tuple[list[str], dict]], variants: list[str]) -> list[str]:
+    """A table of ms per variant: the `heads` columns, then one column per variant; each row its own cells and
+    {variant: summary}, shown as the median ± half the spread over the repeats."""
+    lines = ["| " + " | ".join(heads + [f"{v} ms" for v in variants]) + " |",
+             "|" + "---:|" * (len(heads) + len(variants))]
+    for cells, values in rows:
+        timed = [f"{values[v]['median']:.2f} ±{values[v]['half_spread']:.2f}" for v in variants]
+        lines.append("| " + " | ".join(cells + timed) + " |")
+    return lines
 
 
 # --- benchmarks/results_split_threshold.json: `python -m benchmarks split_threshold --out ...` ---------------
@@ -464,13 +470,11 @@ def split_threshold_section(run: dict | None) -> str:
         f"Decode steps of ours (Llama layouts, hidden h, FFN 3h, {run['layers']} layers, random weights): the median "
         f"of {run['steps']} cached one-token forwards, median ± half the spread over the repeats, the variants "
         "alternating in one process: the split products off, and on for every weight of at least N elements "
-        f"(`MIN_SPLIT_WEIGHT`, shipped {run['min_split_weight']:,}; N = 0 splits every few-row product).",
-        "", "| hidden | weights MB | largest weight | " + " | ".join(f"{v} ms" for v in variants) + " |",
-        "|---:|---:|---:|" + "---:|" * len(variants),
+        f"(`MIN_SPLIT_WEIGHT`, shipped {run['min_split_weight']:,}; N = 0 splits every few-row product).", "",
     ]
-    for row in run["rows"]:
-        lines.append(f"| {row['hidden']} | {row['weights_mb']:.1f} | {row['largest_weight']:,} | "
-                     f"{variant_cells(row['step_ms'], variants)} |")
+    lines += variant_table(["hidden", "weights MB", "largest weight"],
+                           [([str(row["hidden"]), f"{row['weights_mb']:.1f}", f"{row['largest_weight']:,}"],
+                             row["step_ms"]) for row in run["rows"]], variants)
     timed = [row["step_ms"][v]["all"] for row in run["rows"] for v in variants]
     return "\n".join(lines + ["", spread_note(timed, run)])
 
@@ -484,16 +488,14 @@ def split_slices_section(run: dict | None) -> str:
     variants = list(run["variants"])
     lines += [
         *command_block(run),
-        f"Cached forwards of T new tokens on SmolLM2-135M's shapes ({run['layers']} layers, a {run['vocab_size']:,}-token "
-        f"vocabulary, {run['weights_mb']:.0f} MB of fp32 weights, random values), each cropped back afterwards (a "
+        f"Cached forwards of T new tokens on SmolLM2-135M's shapes ({run['layers']} layers, a "
+        f"{run['vocab_size']:,}-token vocabulary, {run['weights_mb']:.0f} MB of fp32 weights, random values), each cropped back afterwards (a "
         f"speculative verify step of T tokens, or a batch of T sequences' decode step): the median of {run['steps']} "
         "forwards, median ± half the spread over the repeats, the variants alternating in one process. A product of 2 "
         "or more rows is cut into as many slices as threads (\"threads only\"), or into more slices of at least N "
-        f"bytes each (`split_slice_bytes`, shipped {run['split_slice_bytes']:,}); one row is never cut further.",
-        "", "| new tokens | " + " | ".join(f"{v} ms" for v in variants) + " |", "|---:|" + "---:|" * len(variants),
+        f"bytes each (`split_slice_bytes`, shipped {run['split_slice_bytes']:,}); one row is never cut further.", "",
     ]
-    for row in run["rows"]:
-        lines.append(f"| {row['tokens']} | {variant_cells(row['forward_ms'], variants)} |")
+    lines += variant_table(["new tokens"], [([str(row["tokens"])], row["forward_ms"]) for row in run["rows"]], variants)
     one = next((row for row in run["rows"] if row["tokens"] == 1), None)
     shipped = next(v for v, size in run["variants"].items() if size == run["split_slice_bytes"])
     if one is not None:

@@ -56,11 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.repeats = 2, 1
     run = harness.begin("split_slices", argv, args)
     shipped = Tuning.split_slice_bytes
-    variants = {f"{size // 1024} KiB" if size else "threads only": size for size in sorted(set(args.slices) | {0, shipped})}
+    variants = {f"{size // 1024} KiB" if size else "threads only": size
+                for size in sorted(set(args.slices) | {0, shipped})}
     model = smollm2_shapes(args.smoke)
     with torch.inference_mode():
         cache = ModularDecoderCache(model.config)
-        ids = torch.randint(0, model.config.vocab_size, (1, 64 + max(args.tokens)), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, model.config.vocab_size, (1, 64 + max(args.tokens)),
+                            generator=torch.Generator().manual_seed(1))
         model(ids[:, :64], cache=cache)
     print(f"forward ms (median of {args.steps}, median of {args.repeats} repeats), {torch.get_num_threads()} threads; "
           f"shipped split_slice_bytes = {shipped}")

@@ -51,11 +51,12 @@ def threads(count: int):
 
 @contextlib.contextmanager
 def counting(target, name: str):
+    """`target.name` replaced by a spy for the block; yields the list of its calls' positional arguments."""
     calls = []
     original = getattr(target, name)
 
     def spy(*args, **kwargs):
-        calls.append(1)
+        calls.append(args)
         return original(*args, **kwargs)
 
     setattr(target, name, spy)
@@ -389,20 +390,8 @@ def test_several_rows_cut_each_weight_into_cache_sized_slices(rows):
     more), and still computes `F.linear`'s result."""
     weight, bias = torch.randn(96, 64), torch.randn(96)  # 256 bytes a row; 96 = 2 * 3 * 16 rows
     x = torch.randn(1, rows, 64)
-    shapes = []
-    original = torch.bmm
-
-    def bmm(a, b):
-        shapes.append(b.shape[0])
-        return original(a, b)
-
     for slice_bytes, parts in ((0, 2), (48 * 256, 2), (24 * 256, 4), (12 * 256, 8), (3 * 256, 32), (256, 32)):
-        shapes.clear()
-        with threads(2), tuned(split_slice_bytes=slice_bytes), torch.no_grad():
-            torch.bmm = bmm
-            try:
-                y = linear(x, weight, bias)
-            finally:
-                torch.bmm = original
-        assert shapes == [2 if rows == 1 else parts], slice_bytes
+        with threads(2), tuned(split_slice_bytes=slice_bytes), torch.no_grad(), counting(torch, "bmm") as bmm_calls:
+            y = linear(x, weight, bias)
+        assert [slices.shape[0] for _, slices in bmm_calls] == [2 if rows == 1 else parts], slice_bytes
         torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
