@@ -3,12 +3,14 @@ modules added to it, against plain `generate` of the same model, transformers' `
 weights, prompt lookup and assistant early exit; the same tokens in every case, in one process.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks mtp_decode [--mtp FOLDER] [--new-tokens 64] [--repeats 3]
-        [--out benchmarks/results_mtp_decode.json]
+        [--draft-vocab N] [--out benchmarks/results_mtp_decode.json]
 
 The MTP model is `--mtp FOLDER` (a folder `modular-decoder reshape SMOLLM2 FOLDER --add-mtp K --heal-steps S`
 wrote; its base weights must be SmolLM2's, checked bit for bit), or, without it, modules added here and trained by
 the same self-distillation (`--modules`, `--train-steps`, on `--train-sequences` sequences sampled from the model,
-every other one continued greedily as `reshape --add-mtp` does).
+every other one continued greedily as `reshape --add-mtp` does). `--draft-vocab N`: the modules draft among the N
+token ids the model predicts most often on that text (`reshape --draft-vocab`, FR-Spec), and the same modules
+drafting over the whole vocabulary are timed beside them (`ours_mtp_whole_vocab`).
 Each prompt (a few kinds of text) is decoded greedily for `--new-tokens` tokens by every case; a case's decode
 tokens/s is (new tokens - 1) / (time of the whole generate - time of a generate of one token), both timed in each
 repeat, the cases alternating (`measure.alternating`). The tokens of every case are compared with ours plain
@@ -22,6 +24,7 @@ acceptance follow. `--smoke`: tiny random shapes, a few training steps.
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import tempfile
@@ -49,8 +52,8 @@ def mtp_model(base, args, command: str):
     run's, recorded with `--save-mtp` for the runs that load the folder). Returns (model, how it was made)."""
     from transformers import AutoModelForCausalLM
 
-    from modular_decoder.tools.reshape.add_mtp import GREEDY_AFTER, add_mtp_modules, agreement, train_mtp
-    from modular_decoder.tools.reshape.calibration import sampled_calibration
+    from modular_decoder.tools.reshape.add_mtp import add_mtp_modules, agreement, train_mtp
+    from modular_decoder.tools.reshape.draft_vocab import with_draft_vocab
 
     if args.mtp is not None:
         model = AutoModelForCausalLM.from_pretrained(args.mtp, dtype=torch.float32).eval()
@@ -62,32 +65,57 @@ def mtp_model(base, args, command: str):
         if not record.exists():
             record = Path(args.mtp) / "reshape_report.json"
         made = json.loads(record.read_text()) if record.exists() else {}
-        return model, {**made, "folder": str(args.mtp), "num_mtp_layers": model.config.num_mtp_layers}
+        made = {**made, "folder": str(args.mtp), "num_mtp_layers": model.config.num_mtp_layers}
+        if args.draft_vocab:  # ranked on text sampled as the training text was (the same seed and sizes)
+            text = _training_text(base, args)
+            made["draft_vocab"] = with_draft_vocab(model, args.draft_vocab, text.ids, text.held_out)
+        return model, made
     start = time.process_time()
-    calibration = sampled_calibration(base, seed=0, sequences=args.train_sequences, held_out=4,
-                                      length=16 if args.smoke else 128, greedy_after=GREEDY_AFTER)
+    calibration = _training_text(base, args)
     model, _ = add_mtp_modules(base, args.modules)
     losses = train_mtp(model, calibration.ids, args.train_steps, args.train_lr)
+    if args.draft_vocab:  # ranked on the training text; coverage on its held-out sequences
+        draft = with_draft_vocab(model, args.draft_vocab, calibration.ids, calibration.held_out)
     made = {"trained_here": True, "num_mtp_layers": args.modules, "steps": args.train_steps,
             "learning_rate": args.train_lr, "sequences": args.train_sequences, "text": calibration.source,
             "kl_first": losses[0], "kl_last": losses[-1], "kl_every_50": losses[::50],
             "cpu_seconds": time.process_time() - start, "top1_agreement": agreement(model, calibration.held_out), "command": command}
+    if args.draft_vocab:
+        made["draft_vocab"] = draft
     if args.save_mtp is not None:  # for later runs (--mtp): the model and how it was made
         model.save_pretrained(args.save_mtp)
         (Path(args.save_mtp) / TRAINING_RECORD).write_text(json.dumps(made, indent=1) + "\n")
     return model, made
 
 
+def _training_text(base, args):
+    """The text the modules train on (and the draft vocabulary is ranked on): sequences sampled from the model,
+    every other one continued greedily, as `reshape --add-mtp` calibrates (a `Calibration`: ids, held-out ids)."""
+    from modular_decoder.tools.reshape.add_mtp import GREEDY_AFTER
+    from modular_decoder.tools.reshape.calibration import sampled_calibration
+
+    return sampled_calibration(base, seed=0, sequences=args.train_sequences, held_out=4,
+                               length=16 if args.smoke else 128, greedy_after=GREEDY_AFTER)
+
+
 def cases(reference, ours, with_mtp) -> dict:
-    """{case: (model, generate keyword arguments)}."""
+    """{case: (model, generate keyword arguments)}; with a draft vocabulary, also the same modules drafting over the
+    whole vocabulary (`ours_mtp_whole_vocab`, a copy of the model without it)."""
+    from modular_decoder.draft_vocab import set_draft_vocab
+
     layers = ours.config.num_hidden_layers
-    return {
+    listed = {
         "transformers": (reference, {}),
         "ours": (ours, {}),
         "ours_mtp": (with_mtp, {"use_mtp": True}),
         "ours_prompt_lookup": (ours, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
         "ours_early_exit": (ours, {"assistant_early_exit": min(EARLY_EXIT_LAYER, layers - 1)}),
     }
+    if with_mtp.mtp.draft_vocab is not None:
+        whole = copy.deepcopy(with_mtp)
+        set_draft_vocab(whole, None)
+        listed["ours_mtp_whole_vocab"] = (whole, {"use_mtp": True})
+    return listed
 
 
 def generate(model, prompt, new_tokens: int, **kwargs) -> torch.Tensor:
@@ -115,7 +143,7 @@ def step_parts(model, prompt, new_tokens: int, repeats: int) -> dict:
     model's forward over 1 .. K+1 new tokens against its cache (cropped back after each), one module's draft (its
     block and the head over one position) and the head alone over one position."""
     from modular_decoder.cache import ModularDecoderCache
-    from modular_decoder.mtp_generation import _generator_class
+    from modular_decoder.draft_vocab import subset_logits
 
     count = model.config.num_mtp_layers
     text = generate(model, prompt, new_tokens)
@@ -128,21 +156,33 @@ def step_parts(model, prompt, new_tokens: int, repeats: int) -> dict:
             model(text[:, -count - 1:][:, :k], cache=cache)
             cache.crop(-k)
         forwards[k] = forward
-    generator = _generator_class()(model, model.generation_config, {"cache": cache}, None)
-    drafter, mtp_cache = generator.mtp_model, generator.mtp_cache
-    prefix = text[:, 1:-count - 1]
-    drafter(prefix, out.hidden_states[-1][:, :-1], None,
-            torch.arange(1, prefix.shape[1] + 1).unsqueeze(0), mtp_cache)  # fills the modules' cache
-
-    def draft():
-        drafter(text[:, -count - 1:-count], hidden, None, torch.tensor([[text.shape[1] - count - 1]]), mtp_cache)
-        mtp_cache.crop(-count)
-
     parts = {f"forward_{k}_tokens": fn for k, fn in forwards.items()}
-    parts |= {"draft_all_modules": draft, "head_one_position": lambda: model._logits(hidden)}
+    parts |= {"draft_all_modules": drafting(model, text, out.hidden_states[-1], cache),
+              "head_one_position": lambda: model._logits(hidden)}
+    if model.mtp.draft_vocab is not None:
+        parts["draft_head_one_position"] = lambda: subset_logits(model, hidden[:, -1], model.mtp.draft_vocab)
     with torch.inference_mode():
         timed = measure.alternating({name: measure.seconds(fn) for name, fn in parts.items()}, repeats * 5)
     return {name: 1e3 * statistics.median(values) for name, values in timed.items()}
+
+
+def drafting(model, text, hidden, cache):
+    """One speculative step's drafts as a call (the modules' cache cropped back after it): the modules drafting after
+    `text` (1, T) but its last K+1 tokens, from the model's last hidden states `hidden` over `text[:, :-K-1]` (its
+    forward into `cache`), their own cache filled with what comes before."""
+    from modular_decoder.mtp_generation import _generator_class
+
+    count = model.config.num_mtp_layers
+    generator = _generator_class()(model, model.generation_config, {"cache": cache}, None)
+    drafter, mtp_cache = generator.mtp_model, generator.mtp_cache
+    prefix = text[:, 1:-count - 1]
+    drafter(prefix, hidden[:, :-1], None, torch.arange(1, prefix.shape[1] + 1).unsqueeze(0), mtp_cache)
+    last = hidden[:, -1:]
+
+    def draft():
+        drafter(text[:, -count - 1:-count], last, None, torch.tensor([[text.shape[1] - count - 1]]), mtp_cache)
+        mtp_cache.crop(-count)
+    return draft
 
 
 def ceiling(parts: dict, count: int, acceptance: float, overhead_ms: float) -> dict:
@@ -177,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-sequences", type=int, default=16)
     parser.add_argument("--save-mtp", type=Path, help="without --mtp: save the model trained here to this folder")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--draft-vocab", type=int, metavar="N",
+                        help="the modules draft among the N ids the model predicts most often on their training text "
+                             "(FR-Spec); adds the case ours_mtp_whole_vocab (the same modules, the whole head)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.train_steps, args.train_sequences, args.new_tokens = 2, 2, 8
@@ -201,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = step_parts(with_mtp, prompts[next(iter(prompts))], args.new_tokens, args.repeats)
     overhead = _generate_overhead(results, parts, with_mtp.config.num_mtp_layers)
     results.update(label=label, new_tokens=args.new_tokens, repeats=args.repeats, mtp=made, step_ms=parts,
+                   draft_vocab=with_mtp.config.mtp_draft_vocab_size,
                    generate_overhead_ms=overhead,
                    ceiling=ceiling(parts, with_mtp.config.num_mtp_layers, results["cases"]["ours_mtp"]["acceptance"],
                                    overhead))

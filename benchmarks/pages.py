@@ -596,17 +596,53 @@ def mtp_section(run: dict | None) -> str:
         f"({len(acceptance)} prompts: {', '.join(acceptance)}); each case's decode tokens/s is its median over the "
         "prompts of the median over repeats, the cases alternating in one process. `ours_mtp` drafts with "
         f"{count} MTP module(s) {trained} (`generate(use_mtp=True)`); prompt lookup drafts "
-        "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain.", "",
+        "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain."
+        + _draft_vocab_sentence(run), "",
         mtp_table(run), "",
         "Acceptance per prompt: " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items()) + "."
         + ("" if not made.get("top1_agreement") else " The module's top-1 agreement with the model on held-out "
            "text, teacher-forced: " + ", ".join(f"{share:.0%}" for share in made["top1_agreement"]) + "."),
         "",
         f"One speculative step, timed apart (ms): the model's forward over {forwards}; the modules' drafts "
-        f"{parts['draft_all_modules']:.1f} (of which the head over one position {parts['head_one_position']:.1f}); "
+        f"{parts['draft_all_modules']:.1f} (of which the head over one position {parts['head_one_position']:.1f}"
+        + (f", over the draft vocabulary {parts['draft_head_one_position']:.1f}" if "draft_head_one_position" in parts
+           else "") + "); "
         f"`generate` adds {run['generate_overhead_ms']:.1f} per step beside the forward. With these parts the "
         f"speed-up over plain decoding is at most {cap['all_accepted']:.2f}x (every draft accepted) and "
         f"{cap['at_measured_acceptance']:.2f}x at the measured acceptance.",
+    ]
+    return "\n".join(lines)
+
+
+def _draft_vocab_sentence(run: dict) -> str:
+    draft = run["mtp"].get("draft_vocab")
+    if not run.get("draft_vocab") or not draft:
+        return ""
+    return (f" The modules draft among the {draft['size']:,} of {draft['vocab_size']:,} token ids the model predicts "
+            f"most often on their training text (FR-Spec; they cover {draft['coverage']:.1%} of its argmax predictions "
+            "on held-out text); `ours_mtp_whole_vocab` is the same modules drafting over the whole vocabulary.")
+
+
+# --- benchmarks/results_draft_vocab.json: `python -m benchmarks draft_vocab --out ...` --------------------------
+
+def draft_vocab_section(run: dict | None) -> str:
+    lines = ["## MTP drafts over a frequency-ranked vocabulary (SmolLM2-135M, CPU fp32)", ""]
+    if run is None:
+        return not_recorded(lines, "draft_vocab", "results_draft_vocab.json")
+    from .draft_vocab import table as draft_table
+
+    loads = ", ".join(f"{count} thread(s) {row['load_before']:.1f} -> {row['load_after']:.1f}"
+                      for count, row in run["threads"].items())
+    lines += [
+        *command_block(run),
+        f"{run['label']} with one MTP module added (`reshape --add-mtp`'s initialisation; its time does not depend on "
+        "its values): one draft (the module's block and the head over one position, as `generate(use_mtp=True)` "
+        "calls them) and the head alone, over the whole vocabulary and over the top N token ids by the model's own "
+        f"argmax predictions on {run['ranked_on_tokens']:,} sampled tokens (`reshape --draft-vocab N`), the cases "
+        "alternating in one process, medians. Coverage: the share of the tokens the model emits decoding greedily "
+        f"({run['greedy_tokens']:,} tokens after `mtp_decode`'s prompts) that lie in the top N; no draft outside "
+        f"them is proposed. 1-minute load average before -> after: {loads}.", "",
+        draft_table(run),
     ]
     return "\n".join(lines)
 
@@ -655,6 +691,7 @@ SECTIONS = (
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_split_slices.json",), split_slices_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),
+    Section(("results_draft_vocab.json",), draft_vocab_section, optional=True),
     Section(("results_sinks.json",), sinks_section, optional=True),
     Section(("results_gpu.json",), gpu_section, optional=True),
 )

@@ -48,6 +48,9 @@ BENCHMARKS = (
     Benchmark("mtp_decode", "mtp_decode", "batch-1 greedy decode of SmolLM2-135M with added MTP modules "
               "(generate(use_mtp=True)) against plain generate, transformers' Llama, prompt lookup and early exit: "
               "tokens/s, acceptance, the same tokens, the parts of a step", "results_mtp_decode.json"),
+    Benchmark("draft_vocab", "draft_vocab", "one MTP module's draft on SmolLM2-135M with the whole head against a "
+              "head over the top 4k/8k/16k token ids (FR-Spec), at 1 and 2 threads, and what those ids cover of the "
+              "model's greedy text", "results_draft_vocab.json"),
     Benchmark("reshape_smollm2", "reshape_smollm2", "each reshape transformation of SmolLM2-135M: parameters, KV "
               "bytes per token, held-out perplexity", "results_reshape_smollm2.json"),
     Benchmark("reshape_mla", "reshape_mla", "SmolLM2-135M converted to MLA (TransMLA's steps) at several ranks: KV "

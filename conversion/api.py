@@ -20,7 +20,11 @@ from .tensor_files import WEIGHTS_NAME, ShardedWriter
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Contract fields that do not change the function a checkpoint computes (compared on export).
 _NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "pad_token_id",
-             "bos_token_id", "eos_token_id", "max_position_embeddings", "mtp_loss_scaling_factor"}
+             "bos_token_id", "eos_token_id", "max_position_embeddings", "mtp_loss_scaling_factor",
+             "mtp_draft_vocab_size"}
+# Tensors of the contract that hold no weights of the function: drafting's token ranking (`draft_vocab.py`), which no
+# family's format holds; export leaves them out (the family's model drafts over its whole vocabulary).
+_NOT_EXPORTED = ("mtp.draft_vocab",)
 VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
@@ -232,7 +236,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
             raise ValueError(f"{src} is not a modular_decoder checkpoint (model_type={cfg.model_type!r}).")
         src_cfg = _family_config(fam, cfg)
         _check_round_trip(cfg, ModularDecoderConfig(**fam.to_contract(src_cfg)), fam.name)
-        tensors = folder_tensors(src)
+        tensors = {k: v for k, v in folder_tensors(src).items() if k not in _NOT_EXPORTED}
         tied = cfg.tie_word_embeddings
         if tied and head in tensors:  # a tied contract's head is the embedding: checked, then not read again
             if not torch.equal(tensors[head].read(), tensors[embed].read()):

@@ -85,6 +85,7 @@ FIELD_RULES = {
     "use_cache": _flag,
     "num_mtp_layers": _int(0),
     "mtp_loss_scaling_factor": _number(at_least=0),
+    "mtp_draft_vocab_size": _int(0),
     "pad_token_id": _int(0, optional=True),
     "bos_token_id": _token_ids,
     "eos_token_id": _token_ids,
@@ -258,6 +259,12 @@ class ModularDecoderConfig(PretrainedConfig):
         mtp_loss_scaling_factor (`float`, *optional*): Weight λ of the MTP loss, the mean over modules of their
             cross-entropies, added to the LM loss when `labels` are given (transformers' name). Defaults to 0.1
             (DeepSeek-V3's final λ) with MTP modules, 0.0 without (then it must stay 0).
+        mtp_draft_vocab_size (`int`): Drafting only (FR-Spec, arXiv 2502.14856): the MTP modules draft among this
+            many token ids, the first of the buffer `mtp.draft_vocab` (ranked most frequent first; set it with
+            `modular_decoder.draft_vocab.set_draft_vocab` or `reshape --add-mtp K --draft-vocab N`), computing the
+            shared head over those rows only. The model still verifies every draft, so `generate` returns the same
+            tokens; training and the main forward use the whole vocabulary. 0: the whole vocabulary. Needs
+            `num_mtp_layers`; at most `vocab_size`.
     """
 
     model_type = "modular_decoder"
@@ -359,6 +366,7 @@ class ModularDecoderConfig(PretrainedConfig):
     # multi-token prediction
     num_mtp_layers: int = 0
     mtp_loss_scaling_factor: float | None = None
+    mtp_draft_vocab_size: int = 0
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -571,6 +579,12 @@ class ModularDecoderConfig(PretrainedConfig):
         if not self.num_mtp_layers and self.mtp_loss_scaling_factor:
             raise ValueError(f"`mtp_loss_scaling_factor`={self.mtp_loss_scaling_factor} weighs the loss of MTP modules, "
                              "and `num_mtp_layers`=0: set `num_mtp_layers` or leave the factor at 0.")
+        if self.mtp_draft_vocab_size and not self.num_mtp_layers:
+            raise ValueError(f"`mtp_draft_vocab_size`={self.mtp_draft_vocab_size} restricts the drafts of MTP modules, "
+                             "and `num_mtp_layers`=0: set `num_mtp_layers` or leave it at 0.")
+        if self.mtp_draft_vocab_size > self.vocab_size:
+            raise ValueError(f"`mtp_draft_vocab_size`={self.mtp_draft_vocab_size} must be at most "
+                             f"`vocab_size`={self.vocab_size} (0: the whole vocabulary).")
         for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS):
             registry.check(self)
 

@@ -35,7 +35,7 @@ from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .kinds import LINEAR_ATTENTION
 from .moe import init_moe_weights
-from .mtp import MultiTokenPredictor
+from .mtp import MultiTokenPredictor, default_draft_vocab
 from .mtp_generation import check_use_mtp, mtp_candidate_generator_for
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
@@ -165,6 +165,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
+        elif isinstance(module, MultiTokenPredictor) and module.draft_vocab is not None:  # no ranking saved
+            init.copy_(module.draft_vocab, default_draft_vocab(module.draft_vocab.numel()))
         elif hasattr(module, "inv_freq"):  # sinusoidal table
             fresh = ABSOLUTE_POSITIONS["sinusoidal"](self.config)
             init.copy_(module.inv_freq, fresh.inv_freq)
@@ -535,7 +537,10 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head: `lm_head(hidden) / logits_scaling`, soft-capped to (-cap, cap) by `cap * tanh(x / cap)`."""
-        logits = project(self.lm_head, hidden)
+        return self._finish_logits(project(self.lm_head, hidden))
+
+    def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What `_logits` does after `lm_head`: `logits_scaling`, then `final_logit_softcapping`."""
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping

@@ -26,6 +26,7 @@ from torch import nn
 
 from .blocks import block_class
 from .configuration_modular_decoder import PER_LAYER_FIELDS
+from .draft_vocab import draft_logits
 from .norms import build_norm
 
 
@@ -72,6 +73,8 @@ class MultiTokenPredictor(nn.Module):
         self.block_config = mtp_block_config(config)
         self.layer_type = self.block_config.layer_types[-1]
         self.layers = nn.ModuleList(MtpLayer(config, self.block_config, k) for k in range(config.num_mtp_layers))
+        # drafting only (`draft_vocab.py`): the ids the modules draft among, most frequent first; None: all
+        self.register_buffer("draft_vocab", default_draft_vocab(config.mtp_draft_vocab_size))
 
     def training_loss(self, model, hidden, input_ids, inputs_embeds, attention_mask, position_ids, labels, **kwargs):
         """`loss` over the tokens of a forward of `model` (no cache): the modules read the token embeddings and the
@@ -117,6 +120,11 @@ class MultiTokenPredictor(nn.Module):
         return torch.stack(losses).mean()
 
 
+def default_draft_vocab(size: int) -> torch.LongTensor | None:
+    """The draft vocabulary before a ranking is set: the first `size` ids (None for 0, the whole vocabulary)."""
+    return torch.arange(size, dtype=torch.int64) if size else None
+
+
 def token_embeddings(model, input_ids: torch.Tensor) -> torch.Tensor:
     """The modules' token input: the model's embedding table (times `embedding_multiplier`), without positions or an
     embedding norm, as transformers' `MtpModel` reads the input embeddings."""
@@ -138,7 +146,8 @@ class MtpDrafter:
     Called with the tokens one place ahead of those the model just verified (`input_ids`, `position_ids`) and the
     model's last hidden states for them: module k runs on the window moved k places further (the token module k-1
     drafted appended), over its own layer of `mtp_cache`, and drafts from its last position; with `do_sample`, by
-    sampling the logits after `logits_processor`, else their argmax. Returns (drafted ids (B, K), their logits
+    sampling the logits after `logits_processor`, else their argmax (over `mtp.draft_vocab` where one is set:
+    `draft_vocab.draft_logits`). Returns (drafted ids (B, K), their logits
     (B, K, V), None); the third is transformers' loss slot.
     """
 
@@ -157,9 +166,11 @@ class MtpDrafter:
             # batch 1 without padding (assisted decoding refuses more), as transformers builds these masks
             block_kwargs = model._mtp_block_kwargs(depth, embeds, position_ids, None, mtp_cache, False)
             hidden = layer(embeds, hidden, **block_kwargs)
-            logits = model._logits(hidden[:, -1:])[:, -1, :].to(input_ids.device)
-            if logits_processor is not None and full_input_ids is not None:
-                logits = logits_processor(full_input_ids, logits.to(dtype=torch.float32))
+            logits = self._processed(draft_logits(model, hidden[:, -1]), logits_processor, full_input_ids, input_ids)
+            if do_sample and self.mtp.draft_vocab is not None and not torch.isfinite(logits).any(-1).all():
+                # the processors left no token of the draft vocabulary (an allow-list): draft from the whole head
+                logits = self._processed(model._logits(hidden[:, -1:])[:, -1], logits_processor, full_input_ids,
+                                         input_ids)
             token_logits.append(logits[:, None, :])
             if do_sample:
                 token = torch.multinomial(nn.functional.softmax(logits, dim=-1, dtype=torch.float32), num_samples=1)
@@ -171,3 +182,10 @@ class MtpDrafter:
             if full_input_ids is not None:
                 full_input_ids = torch.cat([full_input_ids, token], dim=-1)
         return torch.cat(tokens, dim=1), torch.cat(token_logits, dim=1), None
+
+    @staticmethod
+    def _processed(logits, logits_processor, full_input_ids, input_ids):
+        logits = logits.to(input_ids.device)
+        if logits_processor is not None and full_input_ids is not None:
+            logits = logits_processor(full_input_ids, logits.to(dtype=torch.float32))
+        return logits

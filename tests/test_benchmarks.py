@@ -488,6 +488,25 @@ def test_mtp_decode_smoke_renders(capsys, tmp_path):
     assert next(line for line in printed.splitlines() if line.startswith("| ours_mtp |")) in page
 
 
+def test_draft_vocab_smoke_records_and_renders(capsys, tmp_path):
+    """`benchmarks.draft_vocab` and `mtp_decode --draft-vocab N` run on tiny shapes: every size timed at every thread
+    count with its coverage, the drafts over the subset giving ours plain's tokens, each rendered on the page."""
+    from benchmarks import draft_vocab, mtp_decode, pages
+
+    out = tmp_path / "draft.json"
+    assert draft_vocab.main(["--smoke", "--thread-counts", "1", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert set(run["threads"]["1"]["ms"]) == {"whole", "16", "32"} and set(run["coverage"]) == {"16", "32"}
+    assert all(0 <= cover["greedy_text"] <= 1 for cover in run["coverage"].values())
+    assert draft_vocab.table(run) in pages.draft_vocab_section(run)
+    out = tmp_path / "mtp.json"
+    assert mtp_decode.main(["--smoke", "--repeats", "1", "--draft-vocab", "32", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["draft_vocab"] == 32 and run["mtp"]["draft_vocab"]["size"] == 32
+    assert all(case["same_tokens"] for case in run["cases"].values()) and "ours_mtp_whole_vocab" in run["cases"]
+    assert "draft_head_one_position" in run["step_ms"] and "draft vocabulary" in pages.mtp_section(run)
+
+
 def test_split_slices_smoke_records_every_variant_and_renders(tmp_path):
     """`python -m benchmarks split_slices --smoke`: a row per token count with every slice size (threads only and the
     shipped `split_slice_bytes` among them), rendered with the cost of each count against a 1-token forward."""

@@ -1,6 +1,6 @@
 """`modular-decoder reshape SRC OUT [--kv-heads N] [--attention mla --kv-lora-rank R [--rope-dim D]
 [--sweep-ranks R1,R2,...]] [--experts E --top-k K [--shared-experts S] [--fine-grained G]] [--drop-layers N]
-[--add-mtp K] [--calibration FILE] [--heal-steps S]`: move a trained checkpoint to another point of the design space
+[--add-mtp K] [--draft-vocab N] [--calibration FILE] [--heal-steps S]`: move a trained checkpoint to another point of the design space
 (`modular_decoder.tools.reshape`), with a report of what it bought and cost."""
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--add-mtp", type=int, metavar="K",
                         help="add K multi-token-prediction modules, trained for --heal-steps steps by self-distillation "
                              "(the model itself unchanged); for generate(use_mtp=True)")
+    parser.add_argument("--draft-vocab", type=int, metavar="N",
+                        help="the MTP modules draft among the N token ids the model predicts most often on the "
+                             "calibration text (FR-Spec: a cheaper draft head; the tokens stay plain decoding's)")
     parser.add_argument("--calibration", help="a plain-text file (default: text sampled from the source model)")
     parser.add_argument("--heal-steps", type=int, default=0, help="distillation steps into the changed modules (and the added MTP modules)")
     parser.add_argument("--heal-lr", type=float, default=None, help="healing learning rate (default 1e-3)")
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         heal_lr=LEARNING_RATE if args.heal_lr is None else args.heal_lr, force=args.force, seed=args.seed,
         kv_heads=args.kv_heads, kv_pool=args.kv_pool, attention=args.attention, kv_lora_rank=args.kv_lora_rank,
         rope_dim=args.rope_dim, experts=args.experts, top_k=args.top_k, shared_experts=args.shared_experts,
-        fine_grained=args.fine_grained, drop_layers=args.drop_layers, add_mtp=args.add_mtp, input_checks=user_input,
+        fine_grained=args.fine_grained, drop_layers=args.drop_layers, add_mtp=args.add_mtp, draft_vocab=args.draft_vocab,
+        input_checks=user_input,
     )
     print(f"wrote {args.out}")
     return 0

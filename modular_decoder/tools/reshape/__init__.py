@@ -11,6 +11,7 @@ the change bought and cost. The transformations, applied in this order when comb
 | `experts=E, top_k=K, shared_experts=S, fine_grained=G` | `upcycling` | always, at step 0 | nothing |
 | `attention="mla", kv_lora_rank=R, rope_dim=D` | `rorope`, `mla_conversion` | full rank, full RoPE width | partial RoPE, rank R |
 | `add_mtp=K` (with `heal_steps`) | `add_mtp` | always (the model is untouched; modules added beside it) | nothing (they only draft) |
+| `draft_vocab=N` | `draft_vocab` | always (drafting only: the model verifies every draft) | nothing |
 
 "Exact" in a report is a measurement, never a claim: `reshape_folder` compares the logits before and
 after on the calibration text (`measures.logit_change`). `heal_steps=S` then distils the source into the

@@ -13,6 +13,7 @@ import torch
 
 from .add_mtp import GREEDY_AFTER, add_mtp_modules, agreement, decoding_acceptance, train_mtp
 from .calibration import Calibration, calibration_from_file, sampled_calibration
+from .draft_vocab import with_draft_vocab
 from .healing import LEARNING_RATE, heal
 from .measures import logit_change, measured_cache_bytes_per_token, perplexity, perplexity_gap
 from .moments import attention_moments
@@ -71,10 +72,12 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
         saved_dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     timing = {"load": time.perf_counter() - start}
-    calib = calib or sampled_calibration(model, seed, greedy_after=GREEDY_AFTER if options.get("add_mtp") else None)
+    drafting = options.get("add_mtp") or options.get("draft_vocab")  # greedy text: what drafts are checked on
+    calib = calib or sampled_calibration(model, seed, greedy_after=GREEDY_AFTER if drafting else None)
     timing["calibration"] = time.perf_counter() - start - sum(timing.values())
     before = measure(model, calib.held_out)
-    structural = {**options, "attention": None, "kv_lora_rank": None, "rope_dim": None, "add_mtp": None}
+    structural = {**{k: v for k, v in options.items() if k != "draft_vocab"}, "attention": None, "kv_lora_rank": None,
+                  "rope_dim": None, "add_mtp": None}
     base, changes = transform(model, calib.ids, seed=seed, progress=progress, measure_ids=calib.ids, **structural)
     new = base
     if options.get("attention") == "mla":  # apart, so that the sweep starts from `base`
@@ -103,6 +106,10 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
         timing["heal"] = time.perf_counter() - start - sum(timing.values())
     if options.get("add_mtp"):
         losses = train_mtp(new, calib.ids, heal_steps, heal_lr, progress)
+    if options.get("draft_vocab"):  # after the modules' training, before their drafts are measured
+        report["draft_vocab"] = with_draft_vocab(new, options["draft_vocab"], calib.ids, calib.held_out)
+        timing["draft_vocab"] = time.perf_counter() - start - sum(timing.values())
+    if options.get("add_mtp"):
         report["mtp"] = {"modules": options["add_mtp"], "steps": heal_steps, "learning_rate": heal_lr,
                          "kl_first": losses[0], "kl_last": losses[-1],
                          "top1_agreement": agreement(new, calib.held_out),

@@ -3,12 +3,15 @@ layers, K/V heads, experts, MLA, MTP modules), then optionally healed (and the M
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 from ...split_products import weight_is_readable
 from .drop_layers import check_drop_layers, drop_block
 from .add_mtp import add_mtp_modules, check_add_mtp, train_mtp
+from .draft_vocab import check_draft_vocab_option, with_draft_vocab
 from .healing import LEARNING_RATE, heal
 from .kv_heads import POOLS, check_kv_heads, reshape_kv_heads
 from .measures import logit_change
@@ -20,16 +23,16 @@ ATTENTIONS = ("mla",)
 
 def check_options(config, *, kv_heads=None, kv_pool="mean", attention=None, kv_lora_rank=None, rope_dim=None,
                   sweep_ranks=None, experts=None, top_k=None, shared_experts=0, fine_grained=1, drop_layers=None,
-                  add_mtp=None, heal_steps=0, heal_lr=LEARNING_RATE, calibration_ids=None,
+                  add_mtp=None, draft_vocab=None, heal_steps=0, heal_lr=LEARNING_RATE, calibration_ids=None,
                   needs_calibration_ids=True) -> None:
     """Refuse bad options before any work: a `ValueError` naming the option. Checks each transformation's
     options against `config` as it will be when that transformation runs."""
     if config.linear_attention_kind.in_use(config):  # every transformation reads each layer's `self_attn`
         raise ValueError("reshape does not transform models with 'linear_attention' layers (`layer_types`) yet.")
     _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks)
-    if not any(value is not None for value in (kv_heads, attention, experts, drop_layers, add_mtp)):
+    if not any(value is not None for value in (kv_heads, attention, experts, drop_layers, add_mtp, draft_vocab)):
         raise ValueError("Nothing to do: pass at least one of `kv_heads`, `attention`, `experts`, `drop_layers`, "
-                         "`add_mtp`.")
+                         "`add_mtp`, `draft_vocab`.")
     if kv_pool not in POOLS:
         raise ValueError(f"`kv_pool`={kv_pool!r} is not one of {list(POOLS)}.")
     if drop_layers is not None:
@@ -47,11 +50,14 @@ def check_options(config, *, kv_heads=None, kv_pool="mean", attention=None, kv_l
     require_positive_int("heal_steps", heal_steps, minimum=0)
     if add_mtp is not None:
         check_add_mtp(config, add_mtp, heal_steps)
+    if draft_vocab is not None:
+        check_draft_vocab_option(config, draft_vocab, add_mtp)
     if not (isinstance(heal_lr, (int, float)) and heal_lr > 0):
         raise ValueError(f"`heal_lr` must be a positive number, got {heal_lr!r}.")
-    needs = drop_layers is not None or attention is not None or heal_steps
+    needs = drop_layers is not None or attention is not None or heal_steps or draft_vocab is not None
     if needs_calibration_ids and needs and calibration_ids is None:
-        raise ValueError("`calibration_ids` are needed for `drop_layers`, `attention` and `heal_steps`.")
+        raise ValueError("`calibration_ids` are needed for `drop_layers`, `attention`, `heal_steps` and "
+                         "`draft_vocab`.")
 
 
 def _check_attention(config, attention, kv_lora_rank, rope_dim, sweep_ranks) -> None:
@@ -153,6 +159,9 @@ def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_step
         drop_layers: remove the most redundant block of this many consecutive layers.
         add_mtp: add this many multi-token-prediction modules (`add_mtp.py`), trained for `heal_steps` steps by
             self-distillation from the result's own predictions (the result's other parameters untouched by it).
+        draft_vocab: the MTP modules (added, or the model's own) draft among this many token ids, those the result
+            predicts most often on `calibration_ids` (`draft_vocab.py`; the report's `draft_vocab` section gives
+            what they cover of its predictions on the last calibration sequence).
         heal_steps: AdamW steps distilling `model` into the changed modules on `calibration_ids`.
         seed: Seeds the router rows and `kv_pool="random"`.
         with_report: Also return the report: `{"transformations": [...]}` as `reshape_folder` writes them (what
@@ -163,8 +172,11 @@ def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_step
     Raises `ValueError` naming the option for what a transformation cannot do.
     """
     check_options(model.config, heal_steps=heal_steps, heal_lr=heal_lr, calibration_ids=calibration_ids, **options)
+    draft_vocab = options.pop("draft_vocab", None)
     measure_ids = calibration_ids if with_report else None
     new, changes = transform(model, calibration_ids, progress=progress, measure_ids=measure_ids, **options)
+    if new is model:  # nothing but a draft vocabulary: set on a copy, `model` is left unchanged
+        new = copy.deepcopy(model)
     report = {"transformations": [change.as_dict() for change in changes]}
     if heal_steps and changed_modules(changes):
         losses = heal(new, model, calibration_ids, heal_steps, changed_modules(changes), heal_lr, progress)
@@ -172,6 +184,9 @@ def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_step
     if options.get("add_mtp"):
         losses = train_mtp(new, calibration_ids, heal_steps, heal_lr, progress)
         report["mtp"] = {"steps": heal_steps, "learning_rate": heal_lr, "kl_first": losses[0], "kl_last": losses[-1]}
+    if draft_vocab is not None:
+        report["draft_vocab"] = with_draft_vocab(new, draft_vocab, calibration_ids[:-1] if len(calibration_ids) > 1
+                                                 else calibration_ids, calibration_ids[-1:])
     return (new, report) if with_report else new
 
 

@@ -40,6 +40,8 @@ def report_markdown(report: dict) -> str:
             closed = f"had no perplexity gap to close ({heal.get('no_gap', 'none was measured')})."
         lines.append(f"Healing: {heal['steps']} steps of KL distillation from the source (lr {heal['learning_rate']}) "
                      f"into {len(heal['trainable'])} changed module(s) {closed}")
+    if report.get("draft_vocab"):
+        lines.append(draft_vocab_summary(report["draft_vocab"]))
     if report.get("mtp"):
         lines.append(mtp_summary(report["mtp"]))
     for change in report["transformations"]:
@@ -67,6 +69,14 @@ def mtp_summary(mtp: dict) -> str:
             f"{decoding['prompts']} held-out prompts ({decoding['prompt_tokens']} + {decoding['new_tokens']} tokens) "
             f"accepted {decoding['acceptance']:.1%} of drafts, {decoding['tokens_per_forward']:.2f} tokens per "
             f"forward, {same} plain greedy decoding.")
+
+
+def draft_vocab_summary(draft: dict) -> str:
+    """What the draft vocabulary covers, measured on the held-out text."""
+    return (f"Draft vocabulary: the MTP modules draft among the {draft['size']:,} of {draft['vocab_size']:,} token ids "
+            f"the model predicts most often on {draft['ranked_on_tokens']:,} calibration tokens (FR-Spec); they cover "
+            f"{draft['coverage']:.1%} of its argmax predictions on {draft['held_out_tokens']:,} held-out tokens (the "
+            "model still verifies every draft: the tokens are plain decoding's).")
 
 
 def summary(report: dict) -> str:
