@@ -20,7 +20,8 @@ from .tensor_files import WEIGHTS_NAME, ShardedWriter
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Contract fields that do not change the function a checkpoint computes (compared on export).
 _NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "pad_token_id",
-             "bos_token_id", "eos_token_id", "max_position_embeddings", "mtp_loss_scaling_factor"}
+             "bos_token_id", "eos_token_id", "max_position_embeddings", "mtp_loss_scaling_factor",
+             "mtp_draft_tokens"}
 VERIFY_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 

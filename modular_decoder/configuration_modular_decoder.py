@@ -85,6 +85,7 @@ FIELD_RULES = {
     "use_cache": _flag,
     "num_mtp_layers": _int(0),
     "mtp_loss_scaling_factor": _number(at_least=0),
+    "mtp_draft_tokens": _int(1, optional=True),
     "pad_token_id": _int(0, optional=True),
     "bos_token_id": _token_ids,
     "eos_token_id": _token_ids,
@@ -258,6 +259,11 @@ class ModularDecoderConfig(PretrainedConfig):
         mtp_loss_scaling_factor (`float`, *optional*): Weight λ of the MTP loss, the mean over modules of their
             cross-entropies, added to the LM loss when `labels` are given (transformers' name). Defaults to 0.1
             (DeepSeek-V3's final λ) with MTP modules, 0.0 without (then it must stay 0).
+        mtp_draft_tokens (`int`, *optional*): Tokens `generate(use_mtp=True)` drafts per step by default
+            (`generate(mtp_draft_tokens=K)` overrides it). K up to `num_mtp_layers` drafts with the first K modules;
+            more, and the last module drafts the rest again on its own output and drafted token (as vLLM and SGLang
+            do for DeepSeek-V3's single module). The tokens are those of decoding without drafts either way.
+            Defaults to one per module (transformers' drafting); requires MTP modules.
     """
 
     model_type = "modular_decoder"
@@ -359,6 +365,7 @@ class ModularDecoderConfig(PretrainedConfig):
     # multi-token prediction
     num_mtp_layers: int = 0
     mtp_loss_scaling_factor: float | None = None
+    mtp_draft_tokens: int | None = None
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -571,6 +578,9 @@ class ModularDecoderConfig(PretrainedConfig):
         if not self.num_mtp_layers and self.mtp_loss_scaling_factor:
             raise ValueError(f"`mtp_loss_scaling_factor`={self.mtp_loss_scaling_factor} weighs the loss of MTP modules, "
                              "and `num_mtp_layers`=0: set `num_mtp_layers` or leave the factor at 0.")
+        if not self.num_mtp_layers and self.mtp_draft_tokens is not None:
+            raise ValueError(f"`mtp_draft_tokens`={self.mtp_draft_tokens} sets the tokens MTP modules draft per step, "
+                             "and `num_mtp_layers`=0: set `num_mtp_layers` or leave it unset.")
         for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS):
             registry.check(self)
 
