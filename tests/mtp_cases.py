@@ -9,12 +9,15 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
+from transformers.generation import candidate_generator
 
 from conversion_cases import COMMON, MLA, perturbed
 from modular_decoder.mtp import token_embeddings
+from modular_decoder.mtp_generation import recorded_drafts
 
 MTP_PARTS = ("enorm", "hnorm", "eh_proj", "post_norm")
 
@@ -216,3 +219,21 @@ def reference_drafts(model, verified: torch.Tensor, drafted: torch.Tensor) -> to
             out = run(len(layers) - 1, tokens, hidden, positions)
             logits.append(model._logits(out[:, -1:])[:, -1])
     return torch.stack(logits, dim=1)
+
+
+def drafted_steps(model, prompt, **kwargs):
+    """generate(use_mtp=True, ...)'s output, each drafting step's (verified text, drafts, their logits), and its
+    statistics."""
+    steps = []
+    original = candidate_generator.MTPCandidateGenerator.get_candidates
+
+    def recorded(generator, input_ids, *args, **kw):
+        candidates, logits = original(generator, input_ids, *args, **kw)
+        if logits is not None:
+            steps.append((input_ids.clone(), candidates[:, input_ids.shape[1]:].clone(), logits.clone()))
+        return candidates, logits
+
+    with pytest.MonkeyPatch.context() as patch, recorded_drafts() as statistics:
+        patch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", recorded)
+        output = model.generate(prompt, use_mtp=True, **kwargs)
+    return output, steps, statistics

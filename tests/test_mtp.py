@@ -13,7 +13,7 @@ from transformers import Trainer, TrainingArguments
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
 from modular_decoder.contract import parameter_count
 from modular_decoder.mtp import MultiTokenPredictor
-from mtp_cases import reference_drafts
+from mtp_cases import drafted_steps, reference_drafts
 from strategies import MAX_SEQ
 from test_properties import _budget, model_cases
 from test_properties import _model as _scrambled
@@ -186,8 +186,6 @@ def test_every_draft_equals_the_modules_without_a_cache_and_tokens_stay_greedy(c
     """Across drawn configs with MTP modules (windows, MLA, DSA, ALiBi, sinks, NoPE, MoE, every norm placement, ...):
     each step's drafts (one per module, or the drawn `mtp_draft_tokens`, past the modules the last one again) are what
     the modules compute from the verified text without a cache, and the tokens are plain greedy decoding's."""
-    from transformers.generation import candidate_generator
-
     config, seed, ids = case
     assume(not config.linear_attention_kind.in_use(config))  # drafting is refused there (no roll-back of a state)
     # no EOS: every step drafts (a drawn EOS may end decoding at its first token)
@@ -201,24 +199,13 @@ def test_every_draft_equals_the_modules_without_a_cache_and_tokens_stay_greedy(c
     # every prompt token is text (generate would take a token equal to the pad id for padding)
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(prompt),
                   pad_token_id=0)
-    steps = []
-    original = candidate_generator.MTPCandidateGenerator.get_candidates
-
-    def recorded(generator, input_ids, *args, **kwargs):
-        candidates, logits = original(generator, input_ids, *args, **kwargs)
-        if logits is not None:
-            steps.append((input_ids.clone(), candidates[:, input_ids.shape[1]:].clone(), logits.clone()))
-        return candidates, logits
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", recorded)
-        drafted = model.generate(prompt, use_mtp=True, **kwargs)
+    drafted, steps, _ = drafted_steps(model, prompt, **kwargs)
     assert torch.equal(drafted, model.generate(prompt, **kwargs))
     assert steps
-    for input_ids, drafted, logits in steps:
-        expected = reference_drafts(model, input_ids, drafted)
+    for input_ids, draft, logits in steps:
+        expected = reference_drafts(model, input_ids, draft)
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-        assert torch.equal(drafted, expected.argmax(-1))
+        assert torch.equal(draft, expected.argmax(-1))
 
 
 @pytest.mark.parametrize("drafting", [{"prompt_lookup_num_tokens": 3}, {"assistant_early_exit": 1}],
