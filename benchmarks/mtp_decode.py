@@ -2,8 +2,8 @@
 modules added to it, against plain `generate` of the same model, transformers' `LlamaForCausalLM` with the same base
 weights, prompt lookup and assistant early exit; the same tokens in every case, in one process.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks mtp_decode [--mtp FOLDER] [--new-tokens 64] [--repeats 3]
-        [--draft-vocab N] [--out benchmarks/results_mtp_decode.json]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks mtp_decode [--mtp FOLDER] [--draft-tokens K] [--new-tokens 64]
+        [--repeats 3] [--draft-vocab N] [--out benchmarks/results_mtp_decode.json]
 
 The MTP model is `--mtp FOLDER` (a folder `modular-decoder reshape SMOLLM2 FOLDER --add-mtp K --heal-steps S`
 wrote; its base weights must be SmolLM2's, checked bit for bit), or, without it, modules added here and trained by
@@ -14,12 +14,14 @@ drafting over the whole vocabulary are timed beside them (`ours_mtp_whole_vocab`
 Each prompt (a few kinds of text) is decoded greedily for `--new-tokens` tokens by every case; a case's decode
 tokens/s is (new tokens - 1) / (time of the whole generate - time of a generate of one token), both timed in each
 repeat, the cases alternating (`measure.alternating`). The tokens of every case are compared with ours plain
-(`same_tokens`); the acceptance of each prompt is the share of drafted tokens the model kept.
+(`same_tokens`); the acceptance of each prompt is the share of drafted tokens the model kept. `--draft-tokens K`
+drafts K tokens per step (`generate(use_mtp=True, mtp_draft_tokens=K)`; default one per module); the share of steps
+that kept at least j drafts is recorded per position j.
 
 The parts of one speculative step are timed apart on the first prompt's context: the model's forward over 1, 2,
-... K+1 new tokens against its cache, one module's draft (block and head) and the head alone, and what `generate`
-adds around them. With them, the ceiling of the speed-up (every draft accepted) and the speed-up at the measured
-acceptance follow. `--smoke`: tiny random shapes, a few training steps.
+... K+1 new tokens against its cache (K drafts per step), the K drafts (blocks and head) and the head alone, and
+what `generate` adds around them. With them, the ceiling of the speed-up (every draft accepted) and the speed-up at
+the measured acceptance per position follow. `--smoke`: tiny random shapes, a few training steps.
 """
 
 from __future__ import annotations
@@ -98,23 +100,24 @@ def _training_text(base, args):
                                length=16 if args.smoke else 128, greedy_after=GREEDY_AFTER)
 
 
-def cases(reference, ours, with_mtp) -> dict:
+def cases(reference, ours, with_mtp, draft_tokens: int | None = None) -> dict:
     """{case: (model, generate keyword arguments)}; with a draft vocabulary, also the same modules drafting over the
     whole vocabulary (`ours_mtp_whole_vocab`, a copy of the model without it)."""
     from modular_decoder.draft_vocab import set_draft_vocab
 
     layers = ours.config.num_hidden_layers
+    mtp = {"use_mtp": True} | ({"mtp_draft_tokens": draft_tokens} if draft_tokens else {})
     listed = {
         "transformers": (reference, {}),
         "ours": (ours, {}),
-        "ours_mtp": (with_mtp, {"use_mtp": True}),
+        "ours_mtp": (with_mtp, mtp),
         "ours_prompt_lookup": (ours, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
         "ours_early_exit": (ours, {"assistant_early_exit": min(EARLY_EXIT_LAYER, layers - 1)}),
     }
     if with_mtp.mtp.draft_vocab is not None:
         whole = copy.deepcopy(with_mtp)
         set_draft_vocab(whole, None)
-        listed["ours_mtp_whole_vocab"] = (whole, {"use_mtp": True})
+        listed["ours_mtp_whole_vocab"] = (whole, mtp)
     return listed
 
 
@@ -134,18 +137,20 @@ def decode_case(model, prompt, new_tokens: int, kwargs: dict):
             tokens = generate(model, prompt, new_tokens, **kwargs)
             seconds = time.perf_counter() - start
         return {"tokens_per_s": (new_tokens - 1) / max(seconds - first, 1e-9), "tokens": tokens[0].tolist(),
-                "forwards": drafts.forwards, "drafted": drafts.drafted}
+                "forwards": drafts.forwards, "drafted": drafts.drafted, "steps": drafts.steps,
+                "accepted_at_least": drafts.accepted_at_least}
     return run
 
 
-def step_parts(model, prompt, new_tokens: int, repeats: int) -> dict:
-    """Milliseconds of the parts of a speculative step, on `prompt` followed by `new_tokens` greedy tokens: the
-    model's forward over 1 .. K+1 new tokens against its cache (cropped back after each), one module's draft (its
-    block and the head over one position) and the head alone over one position."""
+def step_parts(model, prompt, new_tokens: int, repeats: int, draft_tokens: int | None = None) -> dict:
+    """Milliseconds of the parts of a speculative step of K drafts (`draft_tokens`, default one per module), on
+    `prompt` followed by `new_tokens` greedy tokens: the model's forward over 1 .. K+1 new tokens against its cache
+    (cropped back after each), the K drafts after one verified token (the modules' blocks and the head over one
+    position each) and the head alone over one position."""
     from modular_decoder.cache import ModularDecoderCache
     from modular_decoder.draft_vocab import subset_logits
 
-    count = model.config.num_mtp_layers
+    count = draft_tokens or model.config.num_mtp_layers
     text = generate(model, prompt, new_tokens)
     cache = ModularDecoderCache(model.config)
     out = model(text[:, :-count - 1], cache=cache, output_hidden_states=True)
@@ -157,7 +162,7 @@ def step_parts(model, prompt, new_tokens: int, repeats: int) -> dict:
             cache.crop(-k)
         forwards[k] = forward
     parts = {f"forward_{k}_tokens": fn for k, fn in forwards.items()}
-    parts |= {"draft_all_modules": drafting(model, text, out.hidden_states[-1], cache),
+    parts |= {"draft_all_modules": drafting(model, text, out.hidden_states[-1], cache, count),
               "head_one_position": lambda: model._logits(hidden)}
     if model.mtp.draft_vocab is not None:
         parts["draft_head_one_position"] = lambda: subset_logits(model, hidden[:, -1], model.mtp.draft_vocab)
@@ -166,32 +171,39 @@ def step_parts(model, prompt, new_tokens: int, repeats: int) -> dict:
     return {name: 1e3 * statistics.median(values) for name, values in timed.items()}
 
 
-def drafting(model, text, hidden, cache):
-    """One speculative step's drafts as a call (the modules' cache cropped back after it): the modules drafting after
-    `text` (1, T) but its last K+1 tokens, from the model's last hidden states `hidden` over `text[:, :-K-1]` (its
-    forward into `cache`), their own cache filled with what comes before."""
-    from modular_decoder.mtp_generation import _generator_class
+def drafting(model, text, hidden, cache, count: int):
+    """One speculative step's `count` drafts as a call (the modules' cache cropped back after it): the modules
+    drafting after `text` (1, T) but its last `count`+1 tokens, from the model's last hidden states `hidden` over
+    `text[:, :-count-1]` (its forward into `cache`), their own cache filled with what comes before."""
+    from modular_decoder.mtp_generation import _generator_class, drafting_tokens
 
-    count = model.config.num_mtp_layers
-    generator = _generator_class()(model, model.generation_config, {"cache": cache}, None)
+    with drafting_tokens(count):
+        generator = _generator_class()(model, model.generation_config, {"cache": cache}, None)
     drafter, mtp_cache = generator.mtp_model, generator.mtp_cache
     prefix = text[:, 1:-count - 1]
     drafter(prefix, hidden[:, :-1], None, torch.arange(1, prefix.shape[1] + 1).unsqueeze(0), mtp_cache)
     last = hidden[:, -1:]
 
-    def draft():
+    def draft():  # one verified token: each module drafting writes one entry, cropped back
         drafter(text[:, -count - 1:-count], last, None, torch.tensor([[text.shape[1] - count - 1]]), mtp_cache)
-        mtp_cache.crop(-count)
+        mtp_cache.crop(-1)
     return draft
 
 
-def ceiling(parts: dict, count: int, acceptance: float, overhead_ms: float) -> dict:
-    """The speed-up over plain decoding a step of these parts gives: every draft accepted, and at `acceptance` (each
-    module's draft accepted with that probability, given the ones before it)."""
+def ceiling(parts: dict, count: int, acceptance: float, overhead_ms: float,
+            position_acceptance: list[float] | None = None) -> dict:
+    """The speed-up over plain decoding a step of `count` drafts with these parts gives: every draft accepted, and
+    at the measured acceptance: the expected tokens per step are 1 + p_1 + ... + p_K, p_j the share of steps that
+    kept at least j drafts (`position_acceptance`), or without it 1 + a + a^2 + ... + a^K (each draft accepted with
+    probability `acceptance` given the ones before it)."""
     plain = parts["forward_1_tokens"] + overhead_ms
     step = parts[f"forward_{count + 1}_tokens"] + parts["draft_all_modules"] + overhead_ms
-    expected = sum(acceptance ** k for k in range(count + 1))
-    return {"all_accepted": (count + 1) * plain / step, "at_measured_acceptance": expected * plain / step}
+    if position_acceptance:
+        expected = 1 + sum(position_acceptance[:count])
+    else:
+        expected = sum(acceptance ** k for k in range(count + 1))
+    return {"all_accepted": (count + 1) * plain / step, "at_measured_acceptance": expected * plain / step,
+            "tokens_per_step": expected}
 
 
 def table(results: dict) -> str:
@@ -216,11 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-lr", type=float, default=1e-3)
     parser.add_argument("--train-sequences", type=int, default=16)
     parser.add_argument("--save-mtp", type=Path, help="without --mtp: save the model trained here to this folder")
+    parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                        help="tokens drafted per step (generate(mtp_draft_tokens=K)); default one per module")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--draft-vocab", type=int, metavar="N",
                         help="the modules draft among the N ids the model predicts most often on their training text "
                              "(FR-Spec); adds the case ours_mtp_whole_vocab (the same modules, the whole head)")
     args = parser.parse_args(argv)
+    if args.draft_tokens is not None and args.draft_tokens < 1:
+        parser.error(f"--draft-tokens {args.draft_tokens} must be at least 1")
     if args.smoke:
         args.train_steps, args.train_sequences, args.new_tokens = 2, 2, 8
     run = harness.begin("mtp_decode", argv, args)
@@ -237,17 +253,19 @@ def main(argv: list[str] | None = None) -> int:
         for prompt_name, prompt in prompts.items():
             runs[prompt_name] = measure.alternating(
                 {case: decode_case(model, prompt, args.new_tokens, kwargs)
-                 for case, (model, kwargs) in cases(reference, ours, with_mtp).items()}, args.repeats)
+                 for case, (model, kwargs) in cases(reference, ours, with_mtp, args.draft_tokens).items()},
+                args.repeats)
             print(prompt_name, {case: round(statistics.median(r["tokens_per_s"] for r in values), 1)
                                 for case, values in runs[prompt_name].items()}, flush=True)
     results = summarize(runs, args.new_tokens)
-    parts = step_parts(with_mtp, prompts[next(iter(prompts))], args.new_tokens, args.repeats)
-    overhead = _generate_overhead(results, parts, with_mtp.config.num_mtp_layers)
-    results.update(label=label, new_tokens=args.new_tokens, repeats=args.repeats, mtp=made, step_ms=parts,
+    count = args.draft_tokens or with_mtp.config.num_mtp_layers
+    parts = step_parts(with_mtp, prompts[next(iter(prompts))], args.new_tokens, args.repeats, count)
+    overhead = _generate_overhead(results, parts)
+    mtp_row = results["cases"]["ours_mtp"]
+    results.update(label=label, new_tokens=args.new_tokens, repeats=args.repeats, mtp=made, draft_tokens=count,
                    draft_vocab=with_mtp.config.mtp_draft_vocab_size,
-                   generate_overhead_ms=overhead,
-                   ceiling=ceiling(parts, with_mtp.config.num_mtp_layers, results["cases"]["ours_mtp"]["acceptance"],
-                                   overhead))
+                   step_ms=parts, generate_overhead_ms=overhead,
+                   ceiling=ceiling(parts, count, mtp_row["acceptance"], overhead, mtp_row.get("position_acceptance")))
     print("\n" + table(results) + f"\n\nstep parts (ms): {parts}\nceiling: {results['ceiling']}", flush=True)
     harness.write_result(args.out, results, run)
     return 0
@@ -273,10 +291,15 @@ def summarize(runs: dict, new_tokens: int) -> dict:
             "acceptance": (sum(a * d for a, d in drafted) / sum(d for _, d in drafted)) if drafted else None,
             "prompts": prompts,
         }
+        steps = sum(values[case][0].get("steps", 0) for values in runs.values())
+        if steps:  # the share of every prompt's steps that kept at least j drafts, per position j
+            kept = [values[case][0]["accepted_at_least"] for values in runs.values()]
+            per_case[case]["position_acceptance"] = [
+                sum(row[j] for row in kept if j < len(row)) / steps for j in range(max(len(row) for row in kept))]
     return {"cases": per_case}
 
 
-def _generate_overhead(results: dict, parts: dict, count: int) -> float:
+def _generate_overhead(results: dict, parts: dict) -> float:
     """What plain `generate` adds to the model's forward per token (ms): its measured step less the forward."""
     step_ms = 1e3 / results["cases"]["ours"]["tokens_per_s"]
     return max(0.0, step_ms - parts["forward_1_tokens"])

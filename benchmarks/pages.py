@@ -583,27 +583,32 @@ def mtp_section(run: dict | None) -> str:
     from .mtp_decode import table as mtp_table
 
     made, parts, cap = run["mtp"], run["step_ms"], run["ceiling"]
-    count = made["num_mtp_layers"]
+    modules = made["num_mtp_layers"]
+    count = run.get("draft_tokens", modules)  # drafts per step (runs before `--draft-tokens`: one per module)
     made_by = f", trained by `{made['command']}`" if made.get("command") else ""
     trained = (f"from `{made['folder']}`{made_by}" if "folder" in made else
                f"added and trained in the run ({made['steps']} steps, lr {made['learning_rate']}, "
                f"{made['sequences']} sequences: {made.get('text', 'sampled from the model')})")
     acceptance = {name: prompt["acceptance"] for name, prompt in run["cases"]["ours_mtp"]["prompts"].items()}
     forwards = ", ".join(f"{k} token(s) {parts[f'forward_{k}_tokens']:.1f}" for k in range(1, count + 2))
+    per_position = run["cases"]["ours_mtp"].get("position_acceptance")
     lines += [
         *command_block(run),
         f"{run['label']}, fp32, {_threads(run)} threads, greedy, {run['new_tokens']} new tokens per prompt "
         f"({len(acceptance)} prompts: {', '.join(acceptance)}); each case's decode tokens/s is its median over the "
-        "prompts of the median over repeats, the cases alternating in one process. `ours_mtp` drafts with "
-        f"{count} MTP module(s) {trained} (`generate(use_mtp=True)`); prompt lookup drafts "
+        "prompts of the median over repeats, the cases alternating in one process. `ours_mtp` drafts "
+        f"{count} token(s) per step with {modules} MTP module(s) {trained} (`generate(use_mtp=True"
+        f"{f', mtp_draft_tokens={count}' if count != modules else ''})`); prompt lookup drafts "
         "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain."
         + _draft_vocab_sentence(run), "",
         mtp_table(run), "",
         "Acceptance per prompt: " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items()) + "."
         + ("" if not made.get("top1_agreement") else " The module's top-1 agreement with the model on held-out "
-           "text, teacher-forced: " + ", ".join(f"{share:.0%}" for share in made["top1_agreement"]) + "."),
+           "text, teacher-forced: " + ", ".join(f"{share:.0%}" for share in made["top1_agreement"]) + ".")
+        + ("" if not per_position else f" Steps that kept at least j drafts, j = 1..{count}: "
+           + ", ".join(f"{share:.0%}" for share in per_position) + "."),
         "",
-        f"One speculative step, timed apart (ms): the model's forward over {forwards}; the modules' drafts "
+        f"One speculative step, timed apart (ms): the model's forward over {forwards}; the {count} draft(s) "
         f"{parts['draft_all_modules']:.1f} (of which the head over one position {parts['head_one_position']:.1f}"
         + (f", over the draft vocabulary {parts['draft_head_one_position']:.1f}" if "draft_head_one_position" in parts
            else "") + "); "

@@ -21,7 +21,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # Contract fields that do not change the function a checkpoint computes (compared on export).
 _NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "pad_token_id",
              "bos_token_id", "eos_token_id", "max_position_embeddings", "mtp_loss_scaling_factor",
-             "mtp_draft_vocab_size"}
+             "mtp_draft_vocab_size", "mtp_draft_tokens"}
 # Tensors of the contract that hold no weights of the function: drafting's token ranking (`draft_vocab.py`), which no
 # family's format holds; export leaves them out (the family's model drafts over its whole vocabulary).
 _NOT_EXPORTED = ("mtp.draft_vocab",)

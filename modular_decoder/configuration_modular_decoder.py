@@ -86,6 +86,7 @@ FIELD_RULES = {
     "num_mtp_layers": _int(0),
     "mtp_loss_scaling_factor": _number(at_least=0),
     "mtp_draft_vocab_size": _int(0),
+    "mtp_draft_tokens": _int(1, optional=True),
     "pad_token_id": _int(0, optional=True),
     "bos_token_id": _token_ids,
     "eos_token_id": _token_ids,
@@ -265,6 +266,11 @@ class ModularDecoderConfig(PretrainedConfig):
             shared head over those rows only. The model still verifies every draft, so `generate` returns the same
             tokens; training and the main forward use the whole vocabulary. 0: the whole vocabulary. Needs
             `num_mtp_layers`; at most `vocab_size`.
+        mtp_draft_tokens (`int`, *optional*): Tokens `generate(use_mtp=True)` drafts per step by default
+            (`generate(mtp_draft_tokens=K)` overrides it). K up to `num_mtp_layers` drafts with the first K modules;
+            more, and the last module drafts the rest again on its own output and drafted token (as vLLM and SGLang
+            do for DeepSeek-V3's single module). The tokens are those of decoding without drafts either way.
+            Defaults to one per module (transformers' drafting); requires MTP modules.
     """
 
     model_type = "modular_decoder"
@@ -367,6 +373,7 @@ class ModularDecoderConfig(PretrainedConfig):
     num_mtp_layers: int = 0
     mtp_loss_scaling_factor: float | None = None
     mtp_draft_vocab_size: int = 0
+    mtp_draft_tokens: int | None = None
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -585,6 +592,9 @@ class ModularDecoderConfig(PretrainedConfig):
         if self.mtp_draft_vocab_size > self.vocab_size:
             raise ValueError(f"`mtp_draft_vocab_size`={self.mtp_draft_vocab_size} must be at most "
                              f"`vocab_size`={self.vocab_size} (0: the whole vocabulary).")
+        if not self.num_mtp_layers and self.mtp_draft_tokens is not None:
+            raise ValueError(f"`mtp_draft_tokens`={self.mtp_draft_tokens} sets the tokens MTP modules draft per step, "
+                             "and `num_mtp_layers`=0: set `num_mtp_layers` or leave it unset.")
         for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS):
             registry.check(self)
 

@@ -182,9 +182,9 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
     """Whether field `name` is read by this config: a field that belongs to variants of one axis
     (MLA's ranks, the MoE fields, ...) applies only when one of them is chosen, and a field some
     entries of an axis say they read (`reads`: `norm_bias` for LayerNorm, `head_dim` for per-head
-    attention, ...) only when the chosen entry reads it. The MTP loss weight and draft vocabulary apply with MTP
-    modules."""
-    if name in ("mtp_loss_scaling_factor", "mtp_draft_vocab_size"):
+    attention, ...) only when the chosen entry reads it. The MTP loss weight, draft count and draft vocabulary apply
+    with MTP modules."""
+    if name in ("mtp_loss_scaling_factor", "mtp_draft_tokens", "mtp_draft_vocab_size"):
         return bool(config.num_mtp_layers)
     if name == LINEAR_ATTENTIONS.field:
         return config.linear_attention_kind.in_use(config)

@@ -36,7 +36,7 @@ from .input_checks import check_generate_inputs, check_inputs, check_token_ids, 
 from .kinds import LINEAR_ATTENTION
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
-from .mtp_generation import check_use_mtp, mtp_candidate_generator_for
+from .mtp_generation import check_draft_tokens, check_use_mtp, drafting_tokens, mtp_candidate_generator_for
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
@@ -590,10 +590,13 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         passed as `cache=` is used on every transformers release (before 5.24 generate calls it
         `past_key_values`). With linear-attention layers, decoding that drafts and crops the cache (`assistant_model`,
         `prompt_lookup_num_tokens`, `use_mtp`) is refused: a recurrent state cannot be rolled back. `use_mtp=True`
-        drafts with the model's MTP modules (`mtp_generation.py`); a model without them raises a `ValueError`."""
+        drafts with the model's MTP modules (`mtp_generation.py`), `mtp_draft_tokens=K` tokens per step (default
+        `config.mtp_draft_tokens`, else one per module); a model without them raises a `ValueError`."""
         kwargs = generate_cache_kwarg(kwargs)
         use_mtp = kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None)
+        draft_tokens = kwargs.pop("mtp_draft_tokens", None)
         check_use_mtp(self.config, use_mtp)
+        check_draft_tokens(self.config, use_mtp, draft_tokens)
         if self.config.linear_attention_kind.in_use(self.config):  # a recurrent state cannot be cropped
             refuse_rollback_decoding(kwargs, self.generation_config)
             if use_mtp:
@@ -604,7 +607,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             attention_mask=kwargs.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
         )
-        with generating():
+        with generating(), drafting_tokens(draft_tokens):
             return super().generate(inputs, *args, **kwargs)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

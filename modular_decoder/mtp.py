@@ -14,7 +14,8 @@ names (`q_proj`, ...) reach the modules' blocks as they reach the model's.
 Training (`labels` given): each module runs over the whole sequence, with the token embeddings and the positions
 moved k+1 places ahead, and its cross-entropy against the labels k+2 places ahead; `mtp_loss` is their mean.
 Decoding: `MtpDrafter` drafts one token per module the way transformers' `MtpModel` does, for
-`generate(use_mtp=True)` (`mtp_generation.py`). The main forward never runs the modules.
+`generate(use_mtp=True)` (`mtp_generation.py`), and more with `mtp_draft_tokens` (the last module again). The main
+forward never runs the modules.
 """
 
 from __future__ import annotations
@@ -141,19 +142,28 @@ def _shifted(tensor: torch.Tensor, places: int, fill=0) -> torch.Tensor:
 
 
 class MtpDrafter:
-    """Drafts one token per MTP module, as transformers' `MtpModel.forward` does, for its `MTPCandidateGenerator`.
+    """Drafts `draft_tokens` tokens per step with the MTP modules, for transformers' `MTPCandidateGenerator`.
 
     Called with the tokens one place ahead of those the model just verified (`input_ids`, `position_ids`) and the
     model's last hidden states for them: module k runs on the window moved k places further (the token module k-1
-    drafted appended), over its own layer of `mtp_cache`, and drafts from its last position; with `do_sample`, by
-    sampling the logits after `logits_processor`, else their argmax (over `mtp.draft_vocab` where one is set:
-    `draft_vocab.draft_logits`). Returns (drafted ids (B, K), their logits
-    (B, K, V), None); the third is transformers' loss slot.
+    drafted appended), over its own layer of `mtp_cache`, and drafts from its last position, as transformers'
+    `MtpModel.forward` does; with `do_sample`, by sampling the logits after `logits_processor`, else their argmax (over `mtp.draft_vocab` where
+    one is set: `draft_vocab.draft_logits`).
+    `draft_tokens` K (default: one per module) up to `num_mtp_layers` runs the first K modules; past it, the last
+    module drafts the rest by itself: each further depth reads its own output at the last position and the token it
+    just drafted, at the next position (as vLLM and SGLang run DeepSeek's single MTP layer for several tokens).
+
+    Cache: those further depths write one entry each into the last module's layer of `mtp_cache`, from drafted,
+    unverified inputs; they are removed again before returning (`forget_last`), so the modules' cache holds exactly
+    what one draft per module leaves (the entries transformers' generator checks and recomputes against the verified
+    tokens), and every draft of the next step is computed from verified data only. Returns (drafted ids (B, K),
+    their logits (B, K, V), None); the third is transformers' loss slot.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, draft_tokens: int | None = None):
         self.model = model
         self.mtp = model.mtp
+        self.draft_tokens = draft_tokens or len(model.mtp.layers)
 
     @torch.no_grad()
     def __call__(self, input_ids, last_hidden_states, attention_mask, position_ids, mtp_cache, labels=None,
@@ -161,7 +171,13 @@ class MtpDrafter:
         model = self.model
         hidden = last_hidden_states
         tokens, token_logits = [], []
-        for depth, layer in enumerate(self.mtp.layers):
+        modules = len(self.mtp.layers)
+        last = modules - 1
+        steps = [*enumerate(self.mtp.layers[: self.draft_tokens])]
+        steps += [(last, self.mtp.layers[last])] * (self.draft_tokens - modules)
+        for step, (depth, layer) in enumerate(steps):
+            if step > last:  # the last module again, on its last output and the token it drafted, one place on
+                input_ids, position_ids, hidden = input_ids[:, -1:], position_ids[:, -1:], hidden[:, -1:]
             embeds = token_embeddings(model, input_ids)
             # batch 1 without padding (assisted decoding refuses more), as transformers builds these masks
             block_kwargs = model._mtp_block_kwargs(depth, embeds, position_ids, None, mtp_cache, False)
@@ -181,6 +197,8 @@ class MtpDrafter:
             position_ids = torch.cat([position_ids[:, 1:], position_ids[:, -1:] + 1], dim=-1)
             if full_input_ids is not None:
                 full_input_ids = torch.cat([full_input_ids, token], dim=-1)
+        if mtp_cache is not None and len(steps) > modules:
+            forget_last(mtp_cache.layers[last], len(steps) - modules)
         return torch.cat(tokens, dim=1), torch.cat(token_logits, dim=1), None
 
     @staticmethod
@@ -189,3 +207,16 @@ class MtpDrafter:
         if logits_processor is not None and full_input_ids is not None:
             logits = logits_processor(full_input_ids, logits.to(dtype=torch.float32))
         return logits
+
+def forget_last(layer, count: int) -> None:
+    """Remove the last `count` tokens' entries from a cache layer that records its past, leaving it as it was
+    before they were written. A sliding layer recording its past keeps every entry until a crop, so removing the
+    entries is enough (its own `crop` would also cut it to the window, and transformers' generator may later crop
+    more of it, which then needs the entries before the window); any other layer is cropped as transformers does."""
+    if count <= 0 or not getattr(layer, "is_initialized", False):
+        return
+    if getattr(layer, "is_sliding", False) and getattr(layer, "record_past", False):
+        layer.keys, layer.values = layer.keys[..., :-count, :], layer.values[..., :-count, :]
+        layer.cumulative_length -= count
+    else:
+        layer.crop(-count)

@@ -9,11 +9,15 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
+from transformers.generation import candidate_generator
 
 from conversion_cases import COMMON, MLA, perturbed
+from modular_decoder.mtp import token_embeddings
+from modular_decoder.mtp_generation import recorded_drafts
 
 MTP_PARTS = ("enorm", "hnorm", "eh_proj", "post_norm")
 
@@ -183,3 +187,53 @@ def qwen3_next_mtp_reference(path, family: str = "qwen3_next"):
     model = QWEN_MTP_CLASSES[family].from_pretrained(str(path), dtype=torch.float32).eval()
     _allow_mtp(model.config)
     return model, MtpModel.from_pretrained(model, device_map={"": "cpu"}).eval()
+
+
+def reference_drafts(model, verified: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """The logits of each of `drafted` (B=1, K), recomputed from the `verified` text without any cache: the model's
+    last hidden states over it, module k over the whole text moved k+1 places (the earlier drafts appended), then past
+    the modules the last one over its own inputs so far plus, per further draft, its own output at the last position
+    and the draft before, one position on."""
+    layers = model.mtp.layers
+    count = drafted.shape[1]
+
+    def run(depth, tokens, hidden, positions):
+        embeds = token_embeddings(model, tokens)
+        kwargs = model._mtp_block_kwargs(depth, embeds, positions, None, None, False)
+        return layers[depth](embeds, hidden, **kwargs)
+
+    with torch.no_grad():
+        hidden = model.model(input_ids=verified[:, :-1], use_cache=False).last_hidden_state
+        tokens, positions = verified[:, 1:], torch.arange(1, verified.shape[1]).unsqueeze(0)
+        logits = []
+        for depth in range(min(count, len(layers))):
+            out = run(depth, tokens, hidden, positions)
+            logits.append(model._logits(out[:, -1:])[:, -1])
+            if depth + 1 < min(count, len(layers)):
+                hidden, positions = out, positions + 1
+                tokens = torch.cat([tokens[:, 1:], drafted[:, depth:depth + 1]], dim=1)
+        for depth in range(len(layers), count):  # the last module again, its input one position longer each time
+            hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+            tokens = torch.cat([tokens, drafted[:, depth - 1:depth]], dim=1)
+            positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
+            out = run(len(layers) - 1, tokens, hidden, positions)
+            logits.append(model._logits(out[:, -1:])[:, -1])
+    return torch.stack(logits, dim=1)
+
+
+def drafted_steps(model, prompt, **kwargs):
+    """generate(use_mtp=True, ...)'s output, each drafting step's (verified text, drafts, their logits), and its
+    statistics."""
+    steps = []
+    original = candidate_generator.MTPCandidateGenerator.get_candidates
+
+    def recorded(generator, input_ids, *args, **kw):
+        candidates, logits = original(generator, input_ids, *args, **kw)
+        if logits is not None:
+            steps.append((input_ids.clone(), candidates[:, input_ids.shape[1]:].clone(), logits.clone()))
+        return candidates, logits
+
+    with pytest.MonkeyPatch.context() as patch, recorded_drafts() as statistics:
+        patch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", recorded)
+        output = model.generate(prompt, use_mtp=True, **kwargs)
+    return output, steps, statistics

@@ -257,6 +257,8 @@ def config_kwargs(draw) -> dict:
     kw["num_mtp_layers"] = draw(st.sampled_from([0, 0, 1, 2]))
     if kw["num_mtp_layers"] and draw(st.booleans()):
         kw["mtp_loss_scaling_factor"] = draw(st.floats(0.0, 1.0))
+    if kw["num_mtp_layers"] and draw(st.booleans()):
+        kw["mtp_draft_tokens"] = draw(st.integers(1, 3))
     return kw
 
 
@@ -512,9 +514,11 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         field = "parallel_block"
         broken[field] = True
     elif kind == "mtp":
-        field = draw(st.sampled_from(["num_mtp_layers", "mtp_loss_scaling_factor"]))
+        field = draw(st.sampled_from(["num_mtp_layers", "mtp_loss_scaling_factor", "mtp_draft_tokens"]))
         if field == "num_mtp_layers":
             broken[field] = draw(st.sampled_from(_NOT_INT + [-1]))
+        elif field == "mtp_draft_tokens":  # not a positive int, or drafts with no modules
+            broken[field] = draw(st.sampled_from(_NOT_INT + [0, -1] + ([] if kw["num_mtp_layers"] else [1, 3])))
         elif kw["num_mtp_layers"]:
             broken[field] = draw(st.sampled_from(_NOT_FINITE + [-0.1, "0.3", True, [0.3]]))
         else:  # a weight for modules there are none of

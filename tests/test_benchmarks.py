@@ -478,11 +478,14 @@ def test_mtp_decode_smoke_renders(capsys, tmp_path):
     from benchmarks import mtp_decode, pages
 
     out = tmp_path / "mtp.json"
-    assert mtp_decode.main(["--smoke", "--repeats", "1", "--out", str(out)]) == 0
+    assert mtp_decode.main(["--smoke", "--repeats", "1", "--draft-tokens", "3", "--out", str(out)]) == 0
     run = json.loads(out.read_text())
     assert set(run["cases"]) == {"transformers", "ours", "ours_mtp", "ours_prompt_lookup", "ours_early_exit"}
     assert all(case["same_tokens"] for case in run["cases"].values())
-    assert run["cases"]["ours_mtp"]["acceptance"] is not None
+    mtp = run["cases"]["ours_mtp"]
+    assert mtp["acceptance"] is not None and len(mtp["position_acceptance"]) == 3 == run["draft_tokens"]
+    assert {f"forward_{k}_tokens" for k in range(1, 5)} <= set(run["step_ms"])  # the verification of 3 drafts
+    assert run["ceiling"]["tokens_per_step"] == 1 + sum(mtp["position_acceptance"])
     printed = capsys.readouterr().out
     page = pages.mtp_section(run)
     assert next(line for line in printed.splitlines() if line.startswith("| ours_mtp |")) in page

@@ -140,10 +140,12 @@ class Drafts:
                                         for ids, logits in self.steps)
 
 
-@pytest.mark.parametrize("case", ["dynamic", "two-modules", "int8", "mla"])
+@pytest.mark.parametrize("case", ["dynamic", "two-modules", "three-drafts-one-module", "int8", "mla"])
 def test_greedy_tokens_are_plain_decodings_and_drafts_lie_in_the_subset(case, monkeypatch):
     config = tiny(num_mtp_layers=2 if case == "two-modules" else 1, eos_token_id=None)
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    if case == "three-drafts-one-module":
+        kwargs.update(mtp_draft_tokens=3)
     if case == "int8":
         kwargs.update(cache_implementation="quantized", cache_config={"backend": "int8"})
     if case == "mla":

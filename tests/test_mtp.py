@@ -12,7 +12,8 @@ from transformers import Trainer, TrainingArguments
 
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
 from modular_decoder.contract import parameter_count
-from modular_decoder.mtp import MultiTokenPredictor, token_embeddings
+from modular_decoder.mtp import MultiTokenPredictor
+from mtp_cases import drafted_steps, reference_drafts
 from strategies import MAX_SEQ
 from test_properties import _budget, model_cases
 from test_properties import _model as _scrambled
@@ -179,31 +180,12 @@ def test_mtp_block_config_is_the_last_layers():
 # drafting over the whole config space
 
 
-def _reference_drafts(model, input_ids: torch.Tensor, count: int) -> torch.Tensor:
-    """The modules' drafts after the verified `input_ids` (B=1), computed without any cache: the model's last hidden
-    states over all but the last token, module k over the window of tokens k+1 places ahead (the earlier drafts
-    appended), its logits at the window's last position."""
-    with torch.no_grad():
-        hidden = model.model(input_ids=input_ids[:, :-1], use_cache=False).last_hidden_state
-        tokens, logits = input_ids[:, 1:], []
-        positions = torch.arange(1, input_ids.shape[1]).unsqueeze(0)
-        for depth, layer in enumerate(model.mtp.layers[:count]):
-            embeds = token_embeddings(model, tokens)
-            hidden = layer(embeds, hidden, **model._mtp_block_kwargs(depth, embeds, positions, None, None, False))
-            logits.append(model._logits(hidden[:, -1:])[:, -1])
-            tokens = torch.cat([tokens[:, 1:], logits[-1].argmax(-1, keepdim=True)], dim=1)
-            positions = positions + 1
-    return torch.stack(logits, dim=1)
-
-
 @given(case=model_cases(min_length=3))
 @_budget(0.1)  # two generate calls per example
 def test_every_draft_equals_the_modules_without_a_cache_and_tokens_stay_greedy(case):
     """Across drawn configs with MTP modules (windows, MLA, DSA, ALiBi, sinks, NoPE, MoE, every norm placement, ...):
-    each step's drafts are what the modules compute from the verified text without a cache, and the tokens are plain
-    greedy decoding's."""
-    from transformers.generation import candidate_generator
-
+    each step's drafts (one per module, or the drawn `mtp_draft_tokens`, past the modules the last one again) are what
+    the modules compute from the verified text without a cache, and the tokens are plain greedy decoding's."""
     config, seed, ids = case
     assume(not config.linear_attention_kind.in_use(config))  # drafting is refused there (no roll-back of a state)
     # no EOS: every step drafts (a drawn EOS may end decoding at its first token)
@@ -213,27 +195,17 @@ def test_every_draft_equals_the_modules_without_a_cache_and_tokens_stay_greedy(c
     new_tokens = 4
     # within MAX_SEQ with the last step's drafts: past it a drawn length-dependent RoPE (dynamic, longrope) changes
     # its tables with the length of the call, which no cache follows (see strategies.MAX_SEQ)
-    prompt = ids[:1, : MAX_SEQ - new_tokens - config.num_mtp_layers]
+    prompt = ids[:1, : MAX_SEQ - new_tokens - (config.mtp_draft_tokens or config.num_mtp_layers)]
     # every prompt token is text (generate would take a token equal to the pad id for padding)
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(prompt),
                   pad_token_id=0)
-    steps = []
-    original = candidate_generator.MTPCandidateGenerator.get_candidates
-
-    def recorded(generator, input_ids, *args, **kwargs):
-        candidates, logits = original(generator, input_ids, *args, **kwargs)
-        if logits is not None:
-            steps.append((input_ids.clone(), logits.clone()))
-        return candidates, logits
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", recorded)
-        drafted = model.generate(prompt, use_mtp=True, **kwargs)
+    drafted, steps, _ = drafted_steps(model, prompt, **kwargs)
     assert torch.equal(drafted, model.generate(prompt, **kwargs))
     assert steps
-    for input_ids, logits in steps:
-        expected = _reference_drafts(model, input_ids, logits.shape[1])
+    for input_ids, draft, logits in steps:
+        expected = reference_drafts(model, input_ids, draft)
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(draft, expected.argmax(-1))
 
 
 @pytest.mark.parametrize("drafting", [{"prompt_lookup_num_tokens": 3}, {"assistant_early_exit": 1}],

@@ -45,9 +45,9 @@ def counting_model() -> ModularDecoderForCausalLM:
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """The counting model, and the same with two MTP modules trained for 30 steps on text sampled from it."""
+def counting_model_with_mtp():
+    """The counting model, the same with two MTP modules trained for 30 steps on text sampled from it, and that
+    text (its held-out rows unseen in training)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as `one_thread` does for each test (this fixture is set up before it)
     try:
@@ -57,6 +57,11 @@ def trained():
     finally:
         torch.set_num_threads(threads)
     return model, new, calibration
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return counting_model_with_mtp()
 
 
 def test_the_model_stays_bit_for_bit_and_the_modules_learn(trained):

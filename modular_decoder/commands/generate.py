@@ -29,6 +29,9 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtp", action="store_true",
                         help="draft tokens with the checkpoint's multi-token-prediction modules and verify them "
                              "(generate(use_mtp=True)): the same tokens, faster where drafts are accepted")
+    parser.add_argument("--mtp-draft-tokens", type=int, default=None, metavar="K",
+                        help="with --mtp: tokens drafted per step (generate(mtp_draft_tokens=K)); past the number "
+                             "of modules the last module drafts the rest on its own output (default: one per module)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +47,12 @@ def check_generation_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"`--temperature`={args.temperature} must be 0 (greedy) or more.")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"`--top-p`={args.top_p} must lie in (0, 1].")
+    draft_tokens = getattr(args, "mtp_draft_tokens", None)
+    if draft_tokens is not None and not getattr(args, "mtp", False):
+        raise ValueError(f"`--mtp-draft-tokens`={draft_tokens} sets how many tokens `--mtp` drafts per step: "
+                         "pass `--mtp` with it.")
+    if draft_tokens is not None and draft_tokens < 1:
+        raise ValueError(f"`--mtp-draft-tokens`={draft_tokens} must be at least 1.")
     if getattr(args, "mtp", False) and args.compile:
         raise ValueError("`--mtp` drafts into a cache it crops back, `--compile` decodes with a static one: "
                          "choose one.")
@@ -98,6 +107,8 @@ def generation_kwargs(args: argparse.Namespace, prompt_length: int) -> dict:
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0}
     if getattr(args, "mtp", False):
         kwargs["use_mtp"] = True
+        if getattr(args, "mtp_draft_tokens", None) is not None:
+            kwargs["mtp_draft_tokens"] = args.mtp_draft_tokens
     if args.temperature > 0:
         kwargs |= {"temperature": args.temperature, "top_p": args.top_p}
     if args.compile:
