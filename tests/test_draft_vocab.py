@@ -145,7 +145,7 @@ def test_greedy_tokens_are_plain_decodings_and_drafts_lie_in_the_subset(case, mo
     config = tiny(num_mtp_layers=2 if case == "two-modules" else 1, eos_token_id=None)
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     if case == "three-drafts-one-module":
-        kwargs.update(mtp_draft_tokens=3)
+        kwargs.update(mtp_draft_tokens=3)  # the last module drafting again on its own drafts
     if case == "int8":
         kwargs.update(cache_implementation="quantized", cache_config={"backend": "int8"})
     if case == "mla":
@@ -154,7 +154,8 @@ def test_greedy_tokens_are_plain_decodings_and_drafts_lie_in_the_subset(case, mo
     model = model_of(config, subset)
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     drafts = Drafts(monkeypatch)
-    drafted = model.generate(prompt, use_mtp=True, attention_mask=torch.ones_like(prompt), **kwargs)
+    drafting = {"use_mtp": True, "mtp_draft_tokens": kwargs.pop("mtp_draft_tokens", None)}
+    drafted = model.generate(prompt, attention_mask=torch.ones_like(prompt), **drafting, **kwargs)
     assert torch.equal(drafted, model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs))
     assert drafts.in_subset(subset)
 
