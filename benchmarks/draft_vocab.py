@@ -41,7 +41,7 @@ def timed(model, text, ranking: torch.LongTensor, draft_sizes: list[int], repeat
     count = model.config.num_mtp_layers
     cache = ModularDecoderCache(model.config)
     hidden = model(text[:, :-count - 1], cache=cache, output_hidden_states=True).hidden_states[-1]
-    draft = drafting(model, text, hidden, cache)
+    draft = drafting(model, text, hidden, cache, count)
     states = {}
     for size in [None, *draft_sizes]:
         set_draft_vocab(model, None if size is None else ranking[:size])
