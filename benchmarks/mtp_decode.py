@@ -2,7 +2,7 @@
 modules added to it, against plain `generate` of the same model, transformers' `LlamaForCausalLM` with the same base
 weights, prompt lookup and assistant early exit; the same tokens in every case, in one process.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks mtp_decode [--mtp FOLDER] [--draft-tokens K] [--new-tokens 64]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks mtp_decode [--mtp FOLDER] [--draft-tokens K ...] [--new-tokens 64]
         [--repeats 3] [--draft-vocab N] [--out benchmarks/results_mtp_decode.json]
 
 The MTP model is `--mtp FOLDER` (a folder `modular-decoder reshape SMOLLM2 FOLDER --add-mtp K --heal-steps S`
@@ -14,9 +14,9 @@ drafting over the whole vocabulary are timed beside them (`ours_mtp_whole_vocab`
 Each prompt (a few kinds of text) is decoded greedily for `--new-tokens` tokens by every case; a case's decode
 tokens/s is (new tokens - 1) / (time of the whole generate - time of a generate of one token), both timed in each
 repeat, the cases alternating (`measure.alternating`). The tokens of every case are compared with ours plain
-(`same_tokens`); the acceptance of each prompt is the share of drafted tokens the model kept. `--draft-tokens K`
-drafts K tokens per step (`generate(use_mtp=True, mtp_draft_tokens=K)`; default one per module); the share of steps
-that kept at least j drafts is recorded per position j.
+(`same_tokens`); the acceptance of each prompt is the share of drafted tokens the model kept. `--draft-tokens K
+[K ...]`: `ours_mtp` drafts the first K tokens per step (`generate(use_mtp=True, mtp_draft_tokens=K)`; default one
+per module), `ours_mtp_kK` each further K; the share of steps that kept at least j drafts is recorded per position j.
 
 The parts of one speculative step are timed apart on the first prompt's context: the model's forward over 1, 2,
 ... K+1 new tokens against its cache (K drafts per step), the K drafts (blocks and head) and the head alone, and
@@ -75,9 +75,9 @@ def mtp_model(base, args, command: str):
     start = time.process_time()
     calibration = _training_text(base, args)
     model, _ = add_mtp_modules(base, args.modules)
-    losses = train_mtp(model, calibration.ids, args.train_steps, args.train_lr)
-    if args.draft_vocab:  # ranked on the training text; coverage on its held-out sequences
+    if args.draft_vocab:  # ranked on the training text, which the modules then learn over; coverage on held-out text
         draft = with_draft_vocab(model, args.draft_vocab, calibration.ids, calibration.held_out)
+    losses = train_mtp(model, calibration.ids, args.train_steps, args.train_lr)
     made = {"trained_here": True, "num_mtp_layers": args.modules, "steps": args.train_steps,
             "learning_rate": args.train_lr, "sequences": args.train_sequences, "text": calibration.source,
             "kl_first": losses[0], "kl_last": losses[-1], "kl_every_50": losses[::50],
@@ -100,17 +100,19 @@ def _training_text(base, args):
                                length=16 if args.smoke else 128, greedy_after=GREEDY_AFTER)
 
 
-def cases(reference, ours, with_mtp, draft_tokens: int | None = None) -> dict:
-    """{case: (model, generate keyword arguments)}; with a draft vocabulary, also the same modules drafting over the
-    whole vocabulary (`ours_mtp_whole_vocab`, a copy of the model without it)."""
+def cases(reference, ours, with_mtp, counts: list[int]) -> dict:
+    """{case: (model, generate keyword arguments)}: `ours_mtp` drafts `counts[0]` tokens per step, `ours_mtp_k{K}`
+    each further K of `counts`; with a draft vocabulary, also the same modules drafting `counts[0]` over the whole
+    vocabulary (`ours_mtp_whole_vocab`, a copy of the model without it)."""
     from modular_decoder.draft_vocab import set_draft_vocab
 
     layers = ours.config.num_hidden_layers
-    mtp = {"use_mtp": True} | ({"mtp_draft_tokens": draft_tokens} if draft_tokens else {})
+    mtp = {"use_mtp": True, "mtp_draft_tokens": counts[0]}
     listed = {
         "transformers": (reference, {}),
         "ours": (ours, {}),
         "ours_mtp": (with_mtp, mtp),
+        **{f"ours_mtp_k{count}": (with_mtp, mtp | {"mtp_draft_tokens": count}) for count in counts[1:]},
         "ours_prompt_lookup": (ours, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
         "ours_early_exit": (ours, {"assistant_early_exit": min(EARLY_EXIT_LAYER, layers - 1)}),
     }
@@ -142,15 +144,15 @@ def decode_case(model, prompt, new_tokens: int, kwargs: dict):
     return run
 
 
-def step_parts(model, prompt, new_tokens: int, repeats: int, draft_tokens: int | None = None) -> dict:
-    """Milliseconds of the parts of a speculative step of K drafts (`draft_tokens`, default one per module), on
-    `prompt` followed by `new_tokens` greedy tokens: the model's forward over 1 .. K+1 new tokens against its cache
-    (cropped back after each), the K drafts after one verified token (the modules' blocks and the head over one
+def step_parts(model, prompt, new_tokens: int, repeats: int, counts: list[int]) -> dict:
+    """Milliseconds of the parts of a speculative step of K drafts for each K of `counts`, on `prompt` followed by
+    `new_tokens` greedy tokens: the model's forward over 1 .. max(K)+1 new tokens against its cache (cropped back
+    after each), the K drafts after one verified token (`drafts_{K}`: the modules' blocks and the head over one
     position each) and the head alone over one position."""
     from modular_decoder.cache import ModularDecoderCache
     from modular_decoder.draft_vocab import subset_logits
 
-    count = draft_tokens or model.config.num_mtp_layers
+    count = max(counts)
     text = generate(model, prompt, new_tokens)
     cache = ModularDecoderCache(model.config)
     out = model(text[:, :-count - 1], cache=cache, output_hidden_states=True)
@@ -162,8 +164,8 @@ def step_parts(model, prompt, new_tokens: int, repeats: int, draft_tokens: int |
             cache.crop(-k)
         forwards[k] = forward
     parts = {f"forward_{k}_tokens": fn for k, fn in forwards.items()}
-    parts |= {"draft_all_modules": drafting(model, text, out.hidden_states[-1], cache, count),
-              "head_one_position": lambda: model._logits(hidden)}
+    parts |= {f"drafts_{k}": drafting(model, text, out.hidden_states[-1], cache, count, k) for k in counts}
+    parts["head_one_position"] = lambda: model._logits(hidden)
     if model.mtp.draft_vocab is not None:
         parts["draft_head_one_position"] = lambda: subset_logits(model, hidden[:, -1], model.mtp.draft_vocab)
     with torch.inference_mode():
@@ -171,13 +173,13 @@ def step_parts(model, prompt, new_tokens: int, repeats: int, draft_tokens: int |
     return {name: 1e3 * statistics.median(values) for name, values in timed.items()}
 
 
-def drafting(model, text, hidden, cache, count: int):
-    """One speculative step's `count` drafts as a call (the modules' cache cropped back after it): the modules
-    drafting after `text` (1, T) but its last `count`+1 tokens, from the model's last hidden states `hidden` over
-    `text[:, :-count-1]` (its forward into `cache`), their own cache filled with what comes before."""
+def drafting(model, text, hidden, cache, count: int, drafts: int | None = None):
+    """One speculative step's `drafts` drafts (default `count`) as a call (the modules' cache cropped back after
+    it): the modules drafting after `text` (1, T) but its last `count`+1 tokens, from the model's last hidden states
+    `hidden` over `text[:, :-count-1]` (its forward into `cache`), their own cache filled with what comes before."""
     from modular_decoder.mtp_generation import _generator_class, drafting_tokens
 
-    with drafting_tokens(count):
+    with drafting_tokens(drafts or count):
         generator = _generator_class()(model, model.generation_config, {"cache": cache}, None)
     drafter, mtp_cache = generator.mtp_model, generator.mtp_cache
     prefix = text[:, 1:-count - 1]
@@ -197,7 +199,7 @@ def ceiling(parts: dict, count: int, acceptance: float, overhead_ms: float,
     kept at least j drafts (`position_acceptance`), or without it 1 + a + a^2 + ... + a^K (each draft accepted with
     probability `acceptance` given the ones before it)."""
     plain = parts["forward_1_tokens"] + overhead_ms
-    step = parts[f"forward_{count + 1}_tokens"] + parts["draft_all_modules"] + overhead_ms
+    step = parts[f"forward_{count + 1}_tokens"] + parts[f"drafts_{count}"] + overhead_ms
     if position_acceptance:
         expected = 1 + sum(position_acceptance[:count])
     else:
@@ -228,15 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-lr", type=float, default=1e-3)
     parser.add_argument("--train-sequences", type=int, default=16)
     parser.add_argument("--save-mtp", type=Path, help="without --mtp: save the model trained here to this folder")
-    parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
-                        help="tokens drafted per step (generate(mtp_draft_tokens=K)); default one per module")
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=None, metavar="K",
+                        help="tokens drafted per step (generate(mtp_draft_tokens=K)), one MTP case per K (the first: "
+                             "ours_mtp, the others ours_mtp_kK); default one per module")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--draft-vocab", type=int, metavar="N",
                         help="the modules draft among the N ids the model predicts most often on their training text "
                              "(FR-Spec); adds the case ours_mtp_whole_vocab (the same modules, the whole head)")
     args = parser.parse_args(argv)
-    if args.draft_tokens is not None and args.draft_tokens < 1:
-        parser.error(f"--draft-tokens {args.draft_tokens} must be at least 1")
+    if args.draft_tokens is not None and (min(args.draft_tokens) < 1 or len(set(args.draft_tokens)) < len(args.draft_tokens)):
+        parser.error(f"--draft-tokens {' '.join(map(str, args.draft_tokens))}: each at least 1, each once")
     if args.smoke:
         args.train_steps, args.train_sequences, args.new_tokens = 2, 2, 8
     run = harness.begin("mtp_decode", argv, args)
@@ -248,27 +251,34 @@ def main(argv: list[str] | None = None) -> int:
                       else torch.randint(0, ours.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(i)))
                for i, (name, text) in enumerate(PROMPTS.items())}
     print(f"{label}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, MTP modules: {made}", flush=True)
+    counts = args.draft_tokens or [with_mtp.config.num_mtp_layers]
     runs = {}
     with torch.inference_mode():
         for prompt_name, prompt in prompts.items():
             runs[prompt_name] = measure.alternating(
                 {case: decode_case(model, prompt, args.new_tokens, kwargs)
-                 for case, (model, kwargs) in cases(reference, ours, with_mtp, args.draft_tokens).items()},
+                 for case, (model, kwargs) in cases(reference, ours, with_mtp, counts).items()},
                 args.repeats)
             print(prompt_name, {case: round(statistics.median(r["tokens_per_s"] for r in values), 1)
                                 for case, values in runs[prompt_name].items()}, flush=True)
     results = summarize(runs, args.new_tokens)
-    count = args.draft_tokens or with_mtp.config.num_mtp_layers
-    parts = step_parts(with_mtp, prompts[next(iter(prompts))], args.new_tokens, args.repeats, count)
+    parts = step_parts(with_mtp, prompts[next(iter(prompts))], args.new_tokens, args.repeats, counts)
     overhead = _generate_overhead(results, parts)
-    mtp_row = results["cases"]["ours_mtp"]
-    results.update(label=label, new_tokens=args.new_tokens, repeats=args.repeats, mtp=made, draft_tokens=count,
+    ceilings = {}
+    for count in counts:
+        row = results["cases"][mtp_case(counts, count)]
+        ceilings[str(count)] = ceiling(parts, count, row["acceptance"], overhead, row.get("position_acceptance"))
+    results.update(label=label, new_tokens=args.new_tokens, repeats=args.repeats, mtp=made, draft_tokens=counts,
                    draft_vocab=with_mtp.config.mtp_draft_vocab_size,
-                   step_ms=parts, generate_overhead_ms=overhead,
-                   ceiling=ceiling(parts, count, mtp_row["acceptance"], overhead, mtp_row.get("position_acceptance")))
+                   step_ms=parts, generate_overhead_ms=overhead, ceiling=ceilings)
     print("\n" + table(results) + f"\n\nstep parts (ms): {parts}\nceiling: {results['ceiling']}", flush=True)
     harness.write_result(args.out, results, run)
     return 0
+
+
+def mtp_case(counts: list[int], count: int) -> str:
+    """The case that drafts `count` tokens per step (`cases`)."""
+    return "ours_mtp" if count == counts[0] else f"ours_mtp_k{count}"
 
 
 def summarize(runs: dict, new_tokens: int) -> dict:

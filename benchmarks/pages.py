@@ -580,43 +580,50 @@ def mtp_section(run: dict | None) -> str:
     lines = ["## Multi-token prediction (SmolLM2-135M, batch 1, CPU fp32)", ""]
     if run is None:
         return not_recorded(lines, "mtp_decode", "results_mtp_decode.json")
-    from .mtp_decode import table as mtp_table
+    from .mtp_decode import mtp_case, table as mtp_table
 
-    made, parts, cap = run["mtp"], run["step_ms"], run["ceiling"]
+    made, parts = run["mtp"], run["step_ms"]
     modules = made["num_mtp_layers"]
-    count = run.get("draft_tokens", modules)  # drafts per step (runs before `--draft-tokens`: one per module)
+    counts = run["draft_tokens"]  # drafts per step, one MTP case each
     made_by = f", trained by `{made['command']}`" if made.get("command") else ""
     trained = (f"from `{made['folder']}`{made_by}" if "folder" in made else
                f"added and trained in the run ({made['steps']} steps, lr {made['learning_rate']}, "
                f"{made['sequences']} sequences: {made.get('text', 'sampled from the model')})")
     acceptance = {name: prompt["acceptance"] for name, prompt in run["cases"]["ours_mtp"]["prompts"].items()}
-    forwards = ", ".join(f"{k} token(s) {parts[f'forward_{k}_tokens']:.1f}" for k in range(1, count + 2))
-    per_position = run["cases"]["ours_mtp"].get("position_acceptance")
+    forwards = ", ".join(f"{k} token(s) {parts[f'forward_{k}_tokens']:.1f}" for k in range(1, max(counts) + 2))
+    further = ", ".join(f"`{mtp_case(counts, k)}` {k}" for k in counts[1:])
     lines += [
         *command_block(run),
         f"{run['label']}, fp32, {_threads(run)} threads, greedy, {run['new_tokens']} new tokens per prompt "
         f"({len(acceptance)} prompts: {', '.join(acceptance)}); each case's decode tokens/s is its median over the "
         "prompts of the median over repeats, the cases alternating in one process. `ours_mtp` drafts "
-        f"{count} token(s) per step with {modules} MTP module(s) {trained} (`generate(use_mtp=True"
-        f"{f', mtp_draft_tokens={count}' if count != modules else ''})`); prompt lookup drafts "
+        f"{counts[0]} token(s) per step with {modules} MTP module(s) {trained} (`generate(use_mtp=True, "
+        f"mtp_draft_tokens=K)`{'; ' + further if further else ''}); prompt lookup drafts "
         "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain."
         + _draft_vocab_sentence(run), "",
         mtp_table(run), "",
-        "Acceptance per prompt: " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items()) + "."
-        + ("" if not made.get("top1_agreement") else " The module's top-1 agreement with the model on held-out "
-           "text, teacher-forced: " + ", ".join(f"{share:.0%}" for share in made["top1_agreement"]) + ".")
-        + ("" if not per_position else f" Steps that kept at least j drafts, j = 1..{count}: "
-           + ", ".join(f"{share:.0%}" for share in per_position) + "."),
+        "Acceptance per prompt (`ours_mtp`): " + ", ".join(f"{name} {share:.0%}" for name, share in acceptance.items())
+        + "." + ("" if not made.get("top1_agreement") else " The module's top-1 agreement with the model on held-out "
+                 "text, teacher-forced: " + ", ".join(f"{share:.0%}" for share in made["top1_agreement"]) + "."),
         "",
-        f"One speculative step, timed apart (ms): the model's forward over {forwards}; the {count} draft(s) "
-        f"{parts['draft_all_modules']:.1f} (of which the head over one position {parts['head_one_position']:.1f}"
+        f"One speculative step, timed apart (ms): the model's forward over {forwards}; K drafts "
+        + ", ".join(f"{parts[f'drafts_{k}']:.1f} (K={k})" for k in counts)
+        + f" (the head over one position {parts['head_one_position']:.1f}"
         + (f", over the draft vocabulary {parts['draft_head_one_position']:.1f}" if "draft_head_one_position" in parts
-           else "") + "); "
-        f"`generate` adds {run['generate_overhead_ms']:.1f} per step beside the forward. With these parts the "
-        f"speed-up over plain decoding is at most {cap['all_accepted']:.2f}x (every draft accepted) and "
-        f"{cap['at_measured_acceptance']:.2f}x at the measured acceptance.",
+           else "") + f"); `generate` adds {run['generate_overhead_ms']:.1f} per step beside the forward. "
+        "With these parts, per K: the share of steps that kept at least j drafts (j = 1..K), and the speed-up over "
+        "plain decoding with every draft accepted and at the measured acceptance:", "",
+        "| K | steps that kept at least j drafts | tokens per step | every draft accepted | at the measured acceptance |",
+        "|---:|---|---:|---:|---:|",
+        *(_ceiling_row(k, run["cases"][mtp_case(counts, k)], run["ceiling"][str(k)]) for k in counts),
     ]
     return "\n".join(lines)
+
+
+def _ceiling_row(count: int, case: dict, cap: dict) -> str:
+    kept = ", ".join(f"{share:.0%}" for share in case.get("position_acceptance") or [])
+    return (f"| {count} | {kept} | {cap['tokens_per_step']:.2f} | {cap['all_accepted']:.2f}x | "
+            f"{cap['at_measured_acceptance']:.2f}x |")
 
 
 def _draft_vocab_sentence(run: dict) -> str:
