@@ -430,6 +430,39 @@ FAMILY_CHILD = textwrap.dedent(
 )
 
 
+# The project's own tests of sliding-window MTP modules, run by pytest in a process with a release first on the path
+SLIDING_MTP_CASES = (
+    "test_mtp_draft_tokens.py::test_each_cache_gives_plain_tokens_and_recomputable_drafts[sliding]",
+    "test_reshape_add_mtp.py::test_drafted_decoding_gives_the_tokens_of_plain_decoding[sliding]",
+)
+PYTEST_CHILD = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    import pytest, transformers
+    target, *arguments = sys.argv[1:]
+    assert transformers.__file__.startswith(target), transformers.__file__
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        code = pytest.main(["-q", "-p", "no:cacheprovider", *arguments])
+    print(json.dumps({"version": transformers.__version__, "exit_code": int(code), "report": report.getvalue()}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_sliding_mtp_modules_draft_on_every_supported_transformers(tmp_path):
+    """A sliding-window MTP block's cache records its past across the modules' forwards between two crops; the
+    release's sliding layer then returns every stored key on 5.16 and only the window from 5.19
+    (`compat.DynamicSlidingWindowLayer` returns the window on each). The sliding MTP tests, on each release: greedy
+    tokens with `use_mtp=True` are plain decoding's and every draft is the no-cache forward's, after roll-backs."""
+    for version in _versions_to_check():
+        target, work, env = _checkout_child_on(version, tmp_path)
+        cases = [str(ROOT / "tests" / case) for case in SLIDING_MTP_CASES]
+        child = _child_on(version, PYTEST_CHILD, str(target), "--rootdir", str(ROOT), *cases, cwd=work, env=env)
+        assert child["exit_code"] == 0, (version, child["report"][-3000:])
+        assert f"{len(SLIDING_MTP_CASES)} passed" in child["report"], (version, child["report"][-3000:])
+
+
 def _checkout_child_on(version: str, tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
     """(release `version`'s install, a work folder for it, an environment importing that release, this checkout
     and tests/) for a child that runs the project's own code on the release."""
