@@ -145,3 +145,38 @@ def test_cli_writes_the_modules_and_the_measured_acceptance(tmp_path, capsys):
     assert main(["generate", str(out), "hello world", "--max-new-tokens", "6", "--mtp"]) == 0
     assert main(["generate", str(src), "hello world", "--max-new-tokens", "6", "--mtp"]) == 2
     assert "--mtp" in capsys.readouterr().err
+
+
+def test_with_a_draft_vocabulary_the_modules_learn_the_model_over_it():
+    """With `mtp.draft_vocab` set, a training step's loss is KL(model ‖ module) over those ids only (both the head's
+    logits there, renormalised), computed here from the whole head's columns; the head and the model get no gradient,
+    and the agreement counts a module's top-1 among those ids."""
+    from modular_decoder.draft_vocab import set_draft_vocab
+    from modular_decoder.tools.reshape.add_mtp import _distillation_step, _teacher_inputs
+    from modular_decoder.tools.reshape.healing import distillation_loss
+
+    model, _ = add_mtp_modules(source(small()), 2)
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:20]
+    set_draft_vocab(model, ids)
+    batch = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    ids_, hidden, embeds, positions = _teacher_inputs(model, batch)
+    loss = _distillation_step(model, ids_, hidden, embeds, positions)
+    expected = []
+    for depth, out in enumerate(model.mtp.depths(model, hidden, embeds, None, positions, False)):
+        student = model._logits(out[:, : 12 - depth - 1])[..., ids]
+        teacher = model._logits(hidden[:, depth + 1:])[..., ids]
+        expected.append(distillation_loss(student, teacher.detach()))
+    torch.testing.assert_close(loss, torch.stack(expected).mean())
+    loss.backward()
+    assert model.lm_head.weight.grad is None or not model.lm_head.weight.grad.any()
+    assert all(p.grad is None for n, p in model.named_parameters() if n.startswith("model."))
+    assert all(p.grad is not None for p in model.mtp.parameters())
+
+    held_out = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    hits = []
+    with torch.no_grad():
+        for row in held_out.split(1):
+            _, h, e, p = _teacher_inputs(model, row)
+            out = next(model.mtp.depths(model, h, e, None, p, False))[:, :-1]
+            hits.append(ids[model._logits(out)[..., ids].argmax(-1)] == model._logits(h[:, 1:]).argmax(-1))
+    assert agreement(model, held_out)[0] == pytest.approx(torch.cat(hits, 1).float().mean().item())

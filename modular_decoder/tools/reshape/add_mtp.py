@@ -5,7 +5,9 @@ Each module starts as DeepSeek-V3's layout with the model's own parts: its block
 `enorm` / `hnorm` the identity scale, and `eh_proj` passing the hidden half through ([small random | I]). Only the
 modules are then trained, by self-distillation on the model's own predictions (as EAGLE and Medusa-2's
 self-distillation train their heads): module k at position i learns KL(model's next-token distribution at
-i+k+1 ‖ module's) on the calibration text, the model frozen and left bit for bit as it was. What it bought is
+i+k+1 ‖ module's) on the calibration text, the model frozen and left bit for bit as it was. With a draft vocabulary
+(`mtp.draft_vocab`, FR-Spec) set before training, both distributions are the head's over those ids only: what the
+drafts choose among, at a fraction of the head's work. What it bought is
 measured on held-out text: each module's top-1 agreement with the model (teacher-forced), and the share of drafts
 `generate(use_mtp=True)` accepts in greedy decoding from held-out prompts.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from modular_decoder.draft_vocab import subset_logits
 from modular_decoder.mtp import token_embeddings
 
 from .healing import BATCH, distillation_loss, train_only
@@ -100,32 +103,49 @@ def _teacher_inputs(model, batch: torch.LongTensor):
 
 
 def _module_logits(model, hidden, embeds, positions):
-    """Each module's logits over the positions that have a model prediction k+1 places ahead to learn from."""
+    """Each module's draft logits (`_draft_logits`) over the positions that have a model prediction k+1 places
+    ahead to learn from."""
     length = hidden.shape[1]
     for depth, out in enumerate(model.mtp.depths(model, hidden, embeds, None, positions, False)):
-        yield depth, model._logits(out[:, : length - depth - 1])
+        yield depth, _draft_logits(model, out[:, : length - depth - 1])
+
+
+def _draft_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits the modules draft from: the head's over the draft vocabulary where one is set (`mtp.draft_vocab`,
+    in its order), else the whole head's. The modules learn the model's distribution renormalised over the ids they
+    can draft, and the head's work per position shrinks with the vocabulary."""
+    ids = model.mtp.draft_vocab
+    return model._logits(hidden) if ids is None else subset_logits(model, hidden, ids)
+
+
+def _draft_ids(model, logits: torch.Tensor) -> torch.Tensor:
+    """The token ids the argmax of `_draft_logits` stands for."""
+    ids = model.mtp.draft_vocab
+    top = logits.argmax(-1)
+    return top if ids is None else ids.to(top.device)[top]
 
 
 def _distillation_step(model, ids, hidden, embeds, positions) -> torch.Tensor:
     losses = []
     for depth, student in _module_logits(model, hidden, embeds, positions):
         with torch.no_grad():
-            teacher = model._logits(hidden[:, depth + 1:])
+            teacher = _draft_logits(model, hidden[:, depth + 1:])
         losses.append(distillation_loss(student, teacher))
     return torch.stack(losses).mean()
 
 
 @torch.no_grad()
 def agreement(model, held_out: torch.LongTensor) -> list[float]:
-    """Per module, the share of held-out positions where its top-1 token equals the model's top-1 token k+1 places
-    ahead (inputs: the held-out text, teacher-forced)."""
+    """Per module, the share of held-out positions where its top-1 token (among the draft vocabulary where one is
+    set, as its drafts) equals the model's top-1 token k+1 places ahead (inputs: the held-out text,
+    teacher-forced)."""
     hits = [0] * model.config.num_mtp_layers
     counts = [0] * model.config.num_mtp_layers
     for batch in held_out.split(1):
         ids, hidden, embeds, positions = _teacher_inputs(model, batch)
         for depth, student in _module_logits(model, hidden, embeds, positions):
             teacher = model._logits(hidden[:, depth + 1:])
-            hits[depth] += (student.argmax(-1) == teacher.argmax(-1)).sum().item()
+            hits[depth] += (_draft_ids(model, student) == teacher.argmax(-1)).sum().item()
             counts[depth] += student.shape[1]
     return [hit / max(count, 1) for hit, count in zip(hits, counts, strict=True)]
 

@@ -104,12 +104,11 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
                           "kl_first": losses[0], "kl_last": losses[-1], "perplexity": healed,
                           "gap_closed": gap.pop("closed"), **gap}
         timing["heal"] = time.perf_counter() - start - sum(timing.values())
-    if options.get("add_mtp"):
-        losses = train_mtp(new, calib.ids, heal_steps, heal_lr, progress)
-    if options.get("draft_vocab"):  # after the modules' training, before their drafts are measured
+    if options.get("draft_vocab"):  # before the modules' training, which then learns over it (`train_mtp`)
         report["draft_vocab"] = with_draft_vocab(new, options["draft_vocab"], calib.ids, calib.held_out)
         timing["draft_vocab"] = time.perf_counter() - start - sum(timing.values())
     if options.get("add_mtp"):
+        losses = train_mtp(new, calib.ids, heal_steps, heal_lr, progress)
         report["mtp"] = {"modules": options["add_mtp"], "steps": heal_steps, "learning_rate": heal_lr,
                          "kl_first": losses[0], "kl_last": losses[-1],
                          "top1_agreement": agreement(new, calib.held_out),

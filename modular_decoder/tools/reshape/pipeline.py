@@ -181,12 +181,12 @@ def reshape(model, calibration_ids: torch.LongTensor | None = None, *, heal_step
     if heal_steps and changed_modules(changes):
         losses = heal(new, model, calibration_ids, heal_steps, changed_modules(changes), heal_lr, progress)
         report["heal"] = {"steps": heal_steps, "learning_rate": heal_lr, "kl_first": losses[0], "kl_last": losses[-1]}
+    if draft_vocab is not None:  # before the modules' training, which then learns over it (`train_mtp`)
+        report["draft_vocab"] = with_draft_vocab(new, draft_vocab, calibration_ids[:-1] if len(calibration_ids) > 1
+                                                 else calibration_ids, calibration_ids[-1:])
     if options.get("add_mtp"):
         losses = train_mtp(new, calibration_ids, heal_steps, heal_lr, progress)
         report["mtp"] = {"steps": heal_steps, "learning_rate": heal_lr, "kl_first": losses[0], "kl_last": losses[-1]}
-    if draft_vocab is not None:
-        report["draft_vocab"] = with_draft_vocab(new, draft_vocab, calibration_ids[:-1] if len(calibration_ids) > 1
-                                                 else calibration_ids, calibration_ids[-1:])
     return (new, report) if with_report else new
 
 
