@@ -9,7 +9,8 @@ The MTP model is `--mtp FOLDER` (a folder `modular-decoder reshape SMOLLM2 FOLDE
 wrote; its base weights must be SmolLM2's, checked bit for bit), or, without it, modules added here and trained by
 the same self-distillation (`--modules`, `--train-steps`, on `--train-sequences` sequences sampled from the model,
 every other one continued greedily as `reshape --add-mtp` does). `--draft-vocab N`: the modules draft among the N
-token ids the model predicts most often on that text (`reshape --draft-vocab`, FR-Spec), and the same modules
+token ids the model predicts most often on that text (`reshape --draft-vocab`, FR-Spec; set before the training,
+which then learns over them), and the same modules
 drafting over the whole vocabulary are timed beside them (`ours_mtp_whole_vocab`).
 Each prompt (a few kinds of text) is decoded greedily for `--new-tokens` tokens by every case; a case's decode
 tokens/s is (new tokens - 1) / (time of the whole generate - time of a generate of one token), both timed in each
@@ -75,7 +76,8 @@ def mtp_model(base, args, command: str):
     start = time.process_time()
     calibration = _training_text(base, args)
     model, _ = add_mtp_modules(base, args.modules)
-    if args.draft_vocab:  # ranked on the training text, which the modules then learn over; coverage on held-out text
+    if args.draft_vocab:  # ranked on the training text, before training (the modules learn over those ids, as
+        # `reshape --draft-vocab` trains them); coverage on its held-out sequences
         draft = with_draft_vocab(model, args.draft_vocab, calibration.ids, calibration.held_out)
     losses = train_mtp(model, calibration.ids, args.train_steps, args.train_lr)
     made = {"trained_here": True, "num_mtp_layers": args.modules, "steps": args.train_steps,

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_layer import AttentionLayer
+from .compat import DynamicSlidingWindowLayer
 from .eager_attention import eager_attention
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer

@@ -5,7 +5,8 @@ and the private parts of transformers it uses. In the order of this file:
 1. The version floor: `MIN_TRANSFORMERS`, checked when the config and modeling modules load.
 2. What differs between the supported releases, one shim each, with the releases it is for: the cache's
    name (`cache` from 5.24, `past_key_values` before), the plan entries 5.16-5.20 add, nested rotary
-   parameters on 5.16-5.17, the expert-parallel styles (5.19 on / before), `slice_logits_to_keep` (5.21 on).
+   parameters on 5.16-5.17, the expert-parallel styles (5.19 on / before), `slice_logits_to_keep` (5.21 on),
+   what a sliding cache layer recording its past returns (`DynamicSlidingWindowLayer`, the window from 5.19).
 3. transformers' private helpers, looked up when first used, never at import: the flash- and
    flex-attention helpers that only `alibi_kernels.py` calls (an upstream rename then breaks that one
    backend with a clear error, not every load), the Hub flash kernels, the experts-kernel decorator
@@ -59,6 +60,7 @@ def check_transformers_version(version: str | None = None) -> None:
 check_transformers_version()  # before the imports below can fail on an older transformers with a less clear error
 
 import torch  # noqa: E402
+from transformers.cache_utils import DynamicSlidingWindowLayer as _ReleaseSlidingLayer  # noqa: E402
 from transformers.masking_utils import create_causal_mask  # noqa: E402
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 
@@ -208,6 +210,35 @@ except ImportError:  # 5.16-5.20: what their models do inline (an int keeps the 
         """The positions of `hidden_states` whose logits are wanted (`0` keeps all)."""
         indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden_states[:, indices, :]
+
+
+class _WindowedSlidingLayer(_ReleaseSlidingLayer):
+    """transformers' sliding layer returning, while it records its past, only the keys its mask covers."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if not self.record_past:
+            return keys, values
+        visible = self.sliding_window - 1 + key_states.shape[-2]  # `get_mask_sizes`' kv_length once the window is full
+        return keys[..., -visible:, :], values[..., -visible:, :]
+
+
+def _returns_the_window_while_recording() -> bool:
+    """Whether this release's sliding layer, recording its past, returns only the window on a second update."""
+    probe = _ReleaseSlidingLayer(sliding_window=2)
+    probe.activate_past_recording()
+    states = torch.zeros(1, 1, 3, 1)
+    probe.update(states, states)
+    return probe.update(states[..., :1, :], states[..., :1, :])[0].shape[-2] == 2
+
+
+# A sliding cache layer that records its past (assisted decoding; the MTP modules' cache, written by several
+# forwards between two crops) keeps every entry until a crop. From 5.19 `update` then returns only the last
+# `sliding_window - 1` stored tokens plus the new ones, the keys `get_mask_sizes` sizes the mask for; 5.16.1 returns
+# every stored key, and attention over them fails against the mask. The dynamic sliding layers (K/V, int8, latent)
+# derive from this class, which is transformers' own where the release already trims.
+DynamicSlidingWindowLayer = (_ReleaseSlidingLayer if _returns_the_window_while_recording()
+                             else _WindowedSlidingLayer)
 
 
 # --- 3. transformers' private helpers, looked up when first used -------------------------------------

@@ -24,7 +24,9 @@ same logits whether it is fed at once or token by token.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer
+
+from .compat import DynamicSlidingWindowLayer
 
 QMAX = 127
 

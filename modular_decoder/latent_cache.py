@@ -16,9 +16,9 @@ indexer's keys, (B, T, D_I), in transformers' own indexed layers (`DynamicIndexe
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import (DynamicIndexedLayer, DynamicSlidingWindowLayer, StaticIndexedLayer, StaticLayer,
-                                      StaticSlidingWindowLayer)
+from transformers.cache_utils import DynamicIndexedLayer, StaticIndexedLayer, StaticLayer, StaticSlidingWindowLayer
 
+from .compat import DynamicSlidingWindowLayer
 from .growing_cache import GrowingLayer, is_prefix_view
 
 

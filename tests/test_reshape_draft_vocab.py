@@ -55,6 +55,16 @@ def test_a_model_with_modules_takes_a_draft_vocabulary_alone():
     assert model.mtp.draft_vocab is None and model.config.mtp_draft_vocab_size == 0  # the source is left as it was
 
 
+def test_other_transformations_carry_the_ranking():
+    from modular_decoder.draft_vocab import set_draft_vocab
+
+    model = source(small(num_mtp_layers=1))
+    set_draft_vocab(model, torch.tensor([7, 3, 9]))
+    new = reshape(model, text(), kv_heads=1, progress=False)
+    assert new.config.num_key_value_heads == 1 and new.config.mtp_draft_vocab_size == 3
+    assert torch.equal(new.mtp.draft_vocab, torch.tensor([7, 3, 9]))
+
+
 def test_bad_values_are_refused_naming_them(tmp_path, capsys):
     model = source(small())
     for value in (0, -3, 65, 2.0):

