@@ -264,7 +264,8 @@ class ModularDecoderConfig(PretrainedConfig):
             many token ids, the first of the buffer `mtp.draft_vocab` (ranked most frequent first; set it with
             `modular_decoder.draft_vocab.set_draft_vocab` or `reshape --add-mtp K --draft-vocab N`), computing the
             shared head over those rows only. The model still verifies every draft, so `generate` returns the same
-            tokens; training and the main forward use the whole vocabulary. 0: the whole vocabulary. Needs
+            tokens. The main forward and its losses (`labels`) use the whole vocabulary; `reshape --add-mtp`'s
+            self-distillation trains the modules over the draft vocabulary. 0: the whole vocabulary. Needs
             `num_mtp_layers`; at most `vocab_size`.
         mtp_draft_tokens (`int`, *optional*): Tokens `generate(use_mtp=True)` drafts per step by default
             (`generate(mtp_draft_tokens=K)` overrides it). K up to `num_mtp_layers` drafts with the first K modules;
