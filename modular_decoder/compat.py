@@ -6,7 +6,8 @@ and the private parts of transformers it uses. In the order of this file:
 2. What differs between the supported releases, one shim each, with the releases it is for: the cache's
    name (`cache` from 5.24, `past_key_values` before), the plan entries 5.16-5.20 add, nested rotary
    parameters on 5.16-5.17, the expert-parallel styles (5.19 on / before), `slice_logits_to_keep` (5.21 on),
-   what a sliding cache layer recording its past returns (`DynamicSlidingWindowLayer`, the window from 5.19).
+   what a sliding cache layer recording its past returns (`DynamicSlidingWindowLayer`, the window from 5.19),
+   what a dynamic cache layer holds after `reset` (`DynamicLayer`, nothing from 5.19).
 3. transformers' private helpers, looked up when first used, never at import: the flash- and
    flex-attention helpers that only `alibi_kernels.py` calls (an upstream rename then breaks that one
    backend with a clear error, not every load), the Hub flash kernels, the experts-kernel decorator
@@ -27,6 +28,7 @@ cannot honour the config before a kernel is picked), `PreTrainedModel._can_set_e
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -60,6 +62,7 @@ def check_transformers_version(version: str | None = None) -> None:
 check_transformers_version()  # before the imports below can fail on an older transformers with a less clear error
 
 import torch  # noqa: E402
+from transformers.cache_utils import DynamicLayer as _ReleaseDynamicLayer  # noqa: E402
 from transformers.cache_utils import DynamicSlidingWindowLayer as _ReleaseSlidingLayer  # noqa: E402
 from transformers.masking_utils import create_causal_mask  # noqa: E402
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
@@ -153,6 +156,17 @@ def plan_additions(assigned: dict, built: dict) -> dict:
     return {name: style for name, style in assigned.items() if built.get(name) != style}
 
 
+def _nested_rope_before_5_18(config, params) -> list[str]:
+    """The layer types `params` is nested by, on the releases before 5.18 (which take a dict nested by layer
+    type only where it holds a dict for every type the config names, and then read every one of them); `[]`
+    on 5.18 on, or for a flat dict."""
+    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
+
+    if hasattr(RotaryEmbeddingConfigMixin, "nested_rope_parameter_keys"):  # 5.18 on
+        return []
+    return [key for key in params or () if key in config._rope_type_labels]
+
+
 def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
     """`convert_rope_params_to_dict` for a `rope_parameters` nested by layer type on transformers 5.16-5.17,
     which put the `rope_theta` / `partial_rotary_factor` defaults beside the nested dicts (a nested dict then
@@ -160,12 +174,8 @@ def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
     the defaults go into each nested dict. Returns the remaining `kwargs`, or `None` where transformers'
     own conversion is right (5.18 on, or a flat dict).
     """
-    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
-
-    if hasattr(RotaryEmbeddingConfigMixin, "nested_rope_parameter_keys"):  # 5.18 on
-        return None
     params = kwargs.get("rope_scaling") or config.rope_parameters
-    nested = [key for key in params or () if key in config._rope_type_labels]
+    nested = _nested_rope_before_5_18(config, params)
     if not nested:
         return None
     kwargs.pop("rope_scaling", None)
@@ -181,8 +191,38 @@ def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
         config.ignore_keys_at_rope_validation = set(config.ignore_keys_at_rope_validation or ()) | {
             "partial_rotary_factor"
         }
-    config.standardize_rope_params()
+    standardize_nested_rope_params(config)
     return kwargs
+
+
+def standardize_nested_rope_params(config) -> bool:
+    """`standardize_rope_params` for a `rope_parameters` nested by layer type on transformers 5.16-5.17, whose
+    own reads a dict for every type in `_rope_type_labels` (a KeyError where the config nests only the types
+    its layers have, e.g. `full_attention` alone). Fills in what 5.18 fills in for each nested dict; `False`
+    where transformers' own is right (5.18 on, or a flat dict)."""
+    params = config.rope_parameters
+    nested = _nested_rope_before_5_18(config, params)
+    for key in nested:
+        one = params[key]
+        if one is None:  # a type without RoPE
+            continue
+        one.setdefault("rope_type", one.get("type", "default"))
+        one.setdefault("rope_theta", getattr(config, "rope_theta", None) or config.default_theta)
+        if one["rope_type"] in ("llama3", "yarn", "longrope"):
+            one.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return bool(nested)
+
+
+def rope_validation_view(view) -> None:
+    """Makes `view` (a shallow copy of a config) safe for transformers' `validate_rope`, which writes
+    `rope_type` into the dicts it checks: `view` gets its own copy of `rope_parameters`. Before 5.18 the
+    release takes a dict nested by layer type as nested only where its keys are among `layer_types`
+    (otherwise it checks the whole dict as one flat dict, writing a `rope_type` beside the nested ones), so
+    the view's `layer_types` are the nested keys."""
+    view.rope_parameters = copy.deepcopy(view.rope_parameters)
+    nested = _nested_rope_before_5_18(view, view.rope_parameters)
+    if nested:
+        view.layer_types = nested
 
 
 def experts_ep_plan() -> dict[str, str]:
@@ -237,8 +277,34 @@ def _returns_the_window_while_recording() -> bool:
 # `sliding_window - 1` stored tokens plus the new ones, the keys `get_mask_sizes` sizes the mask for; 5.16.1 returns
 # every stored key, and attention over them fails against the mask. The dynamic sliding layers (K/V, int8, latent)
 # derive from this class, which is transformers' own where the release already trims.
-DynamicSlidingWindowLayer = (_ReleaseSlidingLayer if _returns_the_window_while_recording()
-                             else _WindowedSlidingLayer)
+_SlidingLayer = _ReleaseSlidingLayer if _returns_the_window_while_recording() else _WindowedSlidingLayer
+
+
+class _EmptiedOnReset:
+    """`reset` drops the stored states, as transformers' dynamic layers do from 5.19."""
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False  # first: the release's `reset` then zeroes nothing, only resets its counters
+        super().reset()
+
+
+def _emptied_on_reset() -> bool:
+    """Whether this release's dynamic layer is empty after `reset` (5.19 on; 5.16-5.18 zero the stored states
+    and keep their length, so a reset cache went on attending to that many zero keys)."""
+    probe = _ReleaseDynamicLayer()
+    states = torch.zeros(1, 1, 2, 1)
+    probe.update(states, states)
+    probe.reset()
+    return probe.get_seq_length() == 0
+
+
+# The dynamic cache layers every dynamic layer of this family derives from (K/V, int8, latent; sliding ones from
+# the second), emptied by `reset` on every release
+DynamicLayer, DynamicSlidingWindowLayer = (
+    (_ReleaseDynamicLayer, _SlidingLayer) if _emptied_on_reset() else
+    (type("DynamicLayer", (_EmptiedOnReset, _ReleaseDynamicLayer), {"__module__": __name__}),
+     type("DynamicSlidingWindowLayer", (_EmptiedOnReset, _SlidingLayer), {"__module__": __name__})))
 
 
 # --- 3. transformers' private helpers, looked up when first used -------------------------------------

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 
 # first: importing compat checks the transformers version, before anything below can fail on an older one
-from .compat import convert_nested_rope_params, plan_additions, run_config_validators  # isort: skip
+from .compat import (  # isort: skip
+    convert_nested_rope_params, plan_additions, run_config_validators, standardize_nested_rope_params,
+)
 
 from transformers import PretrainedConfig  # noqa: E402
 
@@ -438,6 +440,11 @@ class ModularDecoderConfig(PretrainedConfig):
         require_rope_dicts(kwargs.get("rope_scaling") or self.rope_parameters, ATTENTION_LAYER_TYPES)
         converted = convert_nested_rope_params(self, kwargs)
         return converted if converted is not None else super().convert_rope_params_to_dict(**kwargs)
+
+    def standardize_rope_params(self) -> None:
+        """transformers' own, except for a dict nested by layer type before 5.18 (`compat`)."""
+        if not standardize_nested_rope_params(self):
+            super().standardize_rope_params()
 
     def validate_rope(self) -> None:
         """transformers' RoPE validation, on the head the attention kind rotates

@@ -17,7 +17,8 @@ update, one at a time, as `DynamicLayer`'s concatenation holds them.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
+
+from .compat import DynamicLayer
 
 
 def is_prefix_view(tensor, store) -> bool:

@@ -24,9 +24,8 @@ same logits whether it is fed at once or token by token.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from .compat import DynamicSlidingWindowLayer
+from .compat import DynamicLayer, DynamicSlidingWindowLayer
 
 QMAX = 127
 

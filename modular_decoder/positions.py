@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
+from .compat import rope_validation_view
 from .kinds import LINEAR_ATTENTION, Kind, Registry, require_bool, require_int, require_number
 from .split_products import is_fx_proxy
 
@@ -264,6 +265,7 @@ def transformers_rope_check(config) -> None:
     (MLA rotates `qk_rope_head_dim`; its unused `head_dim` may be odd)."""
     view = copy.copy(config)
     view.head_dim = config.rope_head_dim
+    rope_validation_view(view)
     RotaryEmbeddingConfigMixin.validate_rope(view)
 
 

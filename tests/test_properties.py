@@ -400,6 +400,39 @@ def test_malformed_rope_parameters_raise_value_error(rope_parameters):
                              rope_parameters=rope_parameters)
 
 
+@pytest.mark.parametrize("layer_types, rope_parameters", [
+    (["full_attention"] * 2, {"full_attention": {"rope_type": "default", "rope_theta": 500.0}}),
+    (["sliding_attention"] * 2, {"full_attention": {"rope_type": "default", "rope_theta": 500.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 20.0}}),
+    (["sliding_attention", "full_attention"], {"full_attention": {"rope_type": "default", "rope_theta": 500.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 20.0}}),
+], ids=["full_table_only", "table_no_layer_has", "both_used"])
+def test_rope_tables_nested_by_layer_type_build_save_and_load(tmp_path, layer_types, rope_parameters):
+    """A dict nested by layer type holding only the types the layers have, or a table no layer has: 5.16-5.17
+    read a table for every type (a KeyError for `full_attention` alone) and validated a dict whose keys were
+    not all among `layer_types` as one flat dict, writing a `rope_type` beside the nested ones (then the
+    config failed its own check on a copy, `from_pretrained` among them). The tables are the closed form,
+    and a save / load keeps the dict and the logits."""
+    config = ModularDecoderConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_attention_heads=2,
+                                  num_hidden_layers=2, layer_types=layer_types, sliding_window=2,
+                                  rope_parameters={key: dict(value) for key, value in rope_parameters.items()})
+    assert set(config.rope_parameters) == set(rope_parameters)
+    for key, given in rope_parameters.items():
+        assert config.rope_parameters[key]["rope_theta"] == given["rope_theta"]
+    assert ModularDecoderConfig(**config.to_dict()).rope_parameters == config.rope_parameters
+    model = _model(config, seed=0)
+    for layer_type in set(layer_types):
+        theta, width = rope_parameters[layer_type]["rope_theta"], config.head_dim
+        closed_form = 1.0 / theta ** (torch.arange(0, width, 2, dtype=torch.float64) / width)
+        table = getattr(model.model.rotary_emb, f"{layer_type}_inv_freq")
+        torch.testing.assert_close(table.double(), closed_form, rtol=1e-6, atol=0)
+    model.save_pretrained(tmp_path)
+    loaded = ModularDecoderForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert loaded.config.rope_parameters == config.rope_parameters
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.equal(_logits(loaded, ids), _logits(model, ids))
+
+
 @pytest.mark.parametrize("attention", [{}, {k: MLA[k] for k in ("attention_type", "kv_lora_rank", "qk_nope_head_dim",
                                                                   "qk_rope_head_dim", "v_head_dim")}],
                          ids=["standard", "mla"])

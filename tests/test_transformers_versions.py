@@ -464,11 +464,36 @@ def test_sliding_mtp_modules_draft_on_every_supported_transformers(tmp_path):
     (`compat.DynamicSlidingWindowLayer` returns the window on each). The sliding MTP tests, on each release: greedy
     tokens with `use_mtp=True` are plain decoding's and every draft is the no-cache forward's, after roll-backs."""
     for version in _versions_to_check():
-        target, work, env = _checkout_child_on(version, tmp_path)
-        cases = [str(ROOT / "tests" / case) for case in SLIDING_MTP_CASES]
-        child = _child_on(version, PYTEST_CHILD, str(target), "--rootdir", str(ROOT), *cases, cwd=work, env=env)
-        assert child["exit_code"] == 0, (version, child["report"][-3000:])
-        assert f"{len(SLIDING_MTP_CASES)} passed" in child["report"], (version, child["report"][-3000:])
+        _project_tests_pass_on(version, SLIDING_MTP_CASES, tmp_path)
+
+
+# The project's own tests of what 5.16-5.18 do otherwise: rope dicts nested by layer type (standardised and
+# validated as flat dicts on 5.16-5.17) and a cache `reset` (zeroed, not emptied, on 5.16-5.18)
+OLDER_RELEASE_CASES = {
+    "test_properties.py::test_rope_tables_nested_by_layer_type_build_save_and_load": 3,
+    "test_cache.py::test_reset_gives_an_empty_cache_that_decodes_as_new": 6,
+}
+
+
+@pytest.mark.slow
+def test_nested_rope_tables_and_cache_reset_on_the_oldest_and_newest_release(tmp_path):
+    """On the oldest release as on the newest: a rope dict nested by layer type holding only the types the
+    layers have, or a table no layer has, builds, saves and loads with the closed-form tables
+    (`compat.standardize_nested_rope_params`, `compat.rope_validation_view`), and a reset cache is empty and
+    decodes as a new one (`compat.DynamicLayer`). Every case of those tests passes on each."""
+    for version in _oldest_and_newest():
+        _project_tests_pass_on(version, tuple(OLDER_RELEASE_CASES), tmp_path,
+                               expected=sum(OLDER_RELEASE_CASES.values()))
+
+
+def _project_tests_pass_on(version: str, cases: tuple[str, ...], tmp_path: Path, expected: int | None = None):
+    """Runs the project's own tests `cases` (paths under tests/) by pytest in a process with release `version`
+    first on the path; all `expected` of them (one per case by default) pass."""
+    target, work, env = _checkout_child_on(version, tmp_path)
+    paths = [str(ROOT / "tests" / case) for case in cases]
+    child = _child_on(version, PYTEST_CHILD, str(target), "--rootdir", str(ROOT), *paths, cwd=work, env=env)
+    assert child["exit_code"] == 0, (version, child["report"][-3000:])
+    assert f"{expected or len(cases)} passed" in child["report"], (version, child["report"][-3000:])
 
 
 def _checkout_child_on(version: str, tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
