@@ -538,6 +538,13 @@ def test_gpt_oss_and_smollm3_match_their_classes_on_the_oldest_and_newest_releas
         assert "swiglu_limit" in oldest["refused"], oldest
 
 
+@pytest.mark.slow
+def test_gemma3_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
+    """Gemma 3's rope tables nested by layer type: 5.16.1's config leaves a flat `rope_type` and `rope_theta:
+    None` beside them, which the conversion drops (`families.common.rope`)."""
+    _family_on_oldest_and_newest("gemma3", tmp_path)
+
+
 def _oldest_and_newest() -> list[str]:
     return [MIN_TRANSFORMERS, str(max(_releases()))]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from modular_decoder.configuration_modular_decoder import ATTENTION_LAYER_TYPES
+
 from ..core import ExpertStack, Rule, rule
 
 # Fields that differ in name only between a transformers config and the contract.
@@ -80,7 +82,9 @@ def rope(src) -> dict:
     """RoPE fields: transformers v5 keeps theta, type and scaling in `rope_parameters`."""
     params = dict(src.rope_parameters) if getattr(src, "rope_parameters", None) else {"rope_type": "default"}
     if any(isinstance(value, dict) for value in params.values()):  # nested per layer type
-        return {"position_embedding_type": "rope", "rope_parameters": {k: dict(v) for k, v in params.items()}}
+        # only the per-type tables: transformers 5.16-5.17 leave a flat `rope_type` / `rope_theta: None` beside them
+        nested = {key: dict(value) for key, value in params.items() if key in ATTENTION_LAYER_TYPES}
+        return {"position_embedding_type": "rope", "rope_parameters": nested}
     factor = params.pop("partial_rotary_factor", None) or getattr(src, "partial_rotary_factor", None) or 1.0
     return {"position_embedding_type": "rope", "rope_parameters": params, "partial_rotary_factor": factor}
 
