@@ -7,7 +7,8 @@ and the private parts of transformers it uses. In the order of this file:
    name (`cache` from 5.24, `past_key_values` before), the plan entries 5.16-5.20 add, nested rotary
    parameters on 5.16-5.17, the expert-parallel styles (5.19 on / before), `slice_logits_to_keep` (5.21 on),
    what a sliding cache layer recording its past returns (`DynamicSlidingWindowLayer`, the window from 5.19),
-   what a dynamic cache layer holds after `reset` (`DynamicLayer`, nothing from 5.19).
+   what a dynamic cache layer holds after `reset` (`DynamicLayer`, nothing from 5.19), the cache a draft
+   model is asked to build (`drafting_generation_config`, none from 5.24).
 3. transformers' private helpers, looked up when first used, never at import: the flash- and
    flex-attention helpers that only `alibi_kernels.py` calls (an upstream rename then breaks that one
    backend with a clear error, not every load), the Hub flash kernels, the experts-kernel decorator
@@ -305,6 +306,15 @@ DynamicLayer, DynamicSlidingWindowLayer = (
     (_ReleaseDynamicLayer, _SlidingLayer) if _emptied_on_reset() else
     (type("DynamicLayer", (_EmptiedOnReset, _ReleaseDynamicLayer), {"__module__": __name__}),
      type("DynamicSlidingWindowLayer", (_EmptiedOnReset, _SlidingLayer), {"__module__": __name__})))
+
+
+def drafting_generation_config(generation_config) -> None:
+    """A draft model's `generate` threads its own cache between rounds: from 5.24 transformers' candidate generator
+    clears the main model's `cache_implementation` on the draft's config; 5.16-5.2x left it there, and the draft's
+    second round failed ("Passing both `cache_implementation` ... and `past_key_values`"), so assisted decoding
+    with an int8 (or any named) cache failed. Cleared here on every release, for a draft of this family."""
+    if generation_config.is_assistant:
+        generation_config.cache_implementation = None
 
 
 # --- 3. transformers' private helpers, looked up when first used -------------------------------------

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
 from .compat import (  # isort: skip
-    accepts_past_key_values, attn_implementation, cache_of, generate_cache_kwarg, slice_logits_to_keep,
-    static_cache_length, with_cache,
+    accepts_past_key_values, attn_implementation, cache_of, drafting_generation_config, generate_cache_kwarg,
+    slice_logits_to_keep, static_cache_length, with_cache,
 )
 
 import torch  # noqa: E402
@@ -625,6 +625,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
     ):
         """generate() builds this family's own cache unless the user passed one or asked for another
         (a hook of transformers' `GenerationMixin`: see compat.py)."""
+        drafting_generation_config(generation_config)
         implementation = generation_config.cache_implementation
         if cache_of(model_kwargs) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
