@@ -183,16 +183,11 @@ def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
     config.rope_parameters = params
     theta = kwargs.pop("rope_theta", getattr(config, "rope_theta", config.default_theta))
     factor = kwargs.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    for key in nested:
-        if params[key] is not None:
-            params[key].setdefault("rope_theta", theta)
-            if factor is not None:
-                params[key].setdefault("partial_rotary_factor", factor)
+    _fill_nested_tables(config, nested, theta, factor)
     if factor is not None:
         config.ignore_keys_at_rope_validation = set(config.ignore_keys_at_rope_validation or ()) | {
             "partial_rotary_factor"
         }
-    standardize_nested_rope_params(config)
     return kwargs
 
 
@@ -201,17 +196,24 @@ def standardize_nested_rope_params(config) -> bool:
     own reads a dict for every type in `_rope_type_labels` (a KeyError where the config nests only the types
     its layers have, e.g. `full_attention` alone). Fills in what 5.18 fills in for each nested dict; `False`
     where transformers' own is right (5.18 on, or a flat dict)."""
-    params = config.rope_parameters
-    nested = _nested_rope_before_5_18(config, params)
+    nested = _nested_rope_before_5_18(config, config.rope_parameters)
+    _fill_nested_tables(config, nested, getattr(config, "rope_theta", None) or config.default_theta)
+    return bool(nested)
+
+
+def _fill_nested_tables(config, nested: list[str], theta, factor=None) -> None:
+    """What 5.18 fills into each table `nested` of `config.rope_parameters`: the base `theta`, the rotary `factor`
+    (where given), the rope type, and the pre-training length for the types that scale from it."""
     for key in nested:
-        one = params[key]
+        one = config.rope_parameters[key]
         if one is None:  # a type without RoPE
             continue
+        one.setdefault("rope_theta", theta)
+        if factor is not None:
+            one.setdefault("partial_rotary_factor", factor)
         one.setdefault("rope_type", one.get("type", "default"))
-        one.setdefault("rope_theta", getattr(config, "rope_theta", None) or config.default_theta)
         if one["rope_type"] in ("llama3", "yarn", "longrope"):
             one.setdefault("original_max_position_embeddings", config.max_position_embeddings)
-    return bool(nested)
 
 
 def rope_validation_view(view) -> None:

@@ -147,8 +147,8 @@ class MtpDrafter:
     Called with the tokens one place ahead of those the model just verified (`input_ids`, `position_ids`) and the
     model's last hidden states for them: module k runs on the window moved k places further (the token module k-1
     drafted appended), over its own layer of `mtp_cache`, and drafts from its last position, as transformers'
-    `MtpModel.forward` does; with `do_sample`, by sampling the logits after `logits_processor`, else their argmax (over `mtp.draft_vocab` where
-    one is set: `draft_vocab.draft_logits`).
+    `MtpModel.forward` does; with `do_sample`, by sampling the logits after `logits_processor`, else their argmax
+    (over `mtp.draft_vocab` where one is set: `draft_vocab.draft_logits`).
     `draft_tokens` K (default: one per module) up to `num_mtp_layers` runs the first K modules; past it, the last
     module drafts the rest by itself: each further depth reads its own output at the last position and the token it
     just drafted, at the next position (as vLLM and SGLang run DeepSeek's single MTP layer for several tokens).
@@ -207,6 +207,7 @@ class MtpDrafter:
         if logits_processor is not None and full_input_ids is not None:
             logits = logits_processor(full_input_ids, logits.to(dtype=torch.float32))
         return logits
+
 
 def forget_last(layer, count: int) -> None:
     """Remove the last `count` tokens' entries from a cache layer that records its past, leaving it as it was
