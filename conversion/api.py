@@ -339,7 +339,7 @@ def _check_round_trip(cfg, back, family: str) -> None:
     """Export may not change the math: the family's config must translate back to the same contract."""
     ours, theirs = cfg.to_dict(), back.to_dict()
     unread = _NOT_MATH | _unread_fields(cfg)
-    fields = [name for name in type(cfg).__annotations__ if name not in unread]
+    fields = [name for name in type(cfg).declared_fields() if name not in unread]
     differ = [f"{name}={ours.get(name)!r} (the {family} config gives {theirs.get(name)!r})"
               for name in fields if ours.get(name) != theirs.get(name)]
     if differ:

@@ -418,15 +418,21 @@ class ModularDecoderConfig(PretrainedConfig):
         self.validate_contract()
 
     @classmethod
-    def integer_fields(cls) -> list[str]:
-        """The fields this class and its bases declare as `int` (or `int | None`): kinds read them to derive others
-        (MLA's `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first.
-        The whole MRO is read, so that a subclass keeps the checks."""
+    def declared_fields(cls) -> dict[str, object]:
+        """Field -> annotation, for the fields this class, its subclasses and its field mixins declare (a mechanism's
+        fields live in a `@dataclass(kw_only=True)` mixin in its own module, documented there), not transformers'
+        `PretrainedConfig`'s. The whole MRO is read, so that a subclass keeps the checks."""
         declared = {}
         for klass in reversed(cls.__mro__):
-            if issubclass(klass, ModularDecoderConfig):
+            if klass not in PretrainedConfig.__mro__:
                 declared.update(vars(klass).get("__annotations__", {}))
-        return [name for name, kind in declared.items()  # annotations are strings here, types in a subclass
+        return declared
+
+    @classmethod
+    def integer_fields(cls) -> list[str]:
+        """The declared fields (`declared_fields`) typed `int` (or `int | None`): kinds read them to derive others
+        (MLA's `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first."""
+        return [name for name, kind in cls.declared_fields().items()  # strings here, types in a subclass
                 if kind in ("int", "int | None", int, int | None) and FIELD_RULES.get(name) is not _token_ids]
 
     # RoPE parameters only mean something for rotary positions (and MLA's decoupled rotary key):
