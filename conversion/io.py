@@ -159,9 +159,10 @@ class _GGUFWalk:
         return GGUFLayout(self.architecture, table)
 
 
-def copy_side_files(src: Path, dst: Path) -> None:
+def copy_side_files(src: Path, dst: Path, replace: bool = False) -> None:
+    """`SIDE_FILES` of `src` into `dst`; those `dst` holds already are kept, or replaced with `replace`."""
     for name in SIDE_FILES:
-        if (src / name).exists() and not (dst / name).exists():
+        if (src / name).exists() and (replace or not (dst / name).exists()):
             shutil.copy2(src / name, dst / name)
 
 
