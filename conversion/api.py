@@ -12,11 +12,11 @@ from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mt
                    plan_rules, refuse_tensors, rename)
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
-from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, copy_kept_files, copy_plan,
-                         copy_release_files, effective_tie, get_wrapper, open_kept, open_release, parameters,
-                         parsed_config, release_config, release_names, write_manifest, write_release_config)
+from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, copy_plan, copy_release_files,
+                         effective_tie, get_wrapper, open_kept, open_release, parameters, parsed_config,
+                         release_config, with_kept_tensors, write_manifest, write_release_files)
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
-                      quantization_of, safetensors_tensors)
+                      quantization_of)
 from .stream import Sink, plan_shapes, produce, write_plan
 from .tensor_files import WEIGHTS_NAME, ShardedWriter, folder_files
 
@@ -251,14 +251,10 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
         if not isinstance(cfg, ModularDecoderConfig):
             raise ValueError(f"{src} is not a modular_decoder checkpoint (model_type={cfg.model_type!r}).")
         if kept is None:
-            src_cfg, contract = _family_config(fam, cfg), None
+            src_cfg, held = _family_config(fam, cfg), {}
         else:
-            release_raw, src_cfg = _release_config(kept, fam, cfg)
-            # what the folder written holds: the head tied as the model's is (`_release_config`), its MTP modules
-            contract = {"tie_word_embeddings": cfg.tie_word_embeddings}
-            if fam.mtp_layers is not None:
-                contract["num_mtp_layers"] = cfg.num_mtp_layers
-        _check_round_trip(cfg, ModularDecoderConfig(**{**fam.to_contract(src_cfg), **(contract or {})}), family)
+            release_raw, src_cfg, held = _release_config(kept, fam, cfg)
+        _check_round_trip(cfg, ModularDecoderConfig(**{**fam.to_contract(src_cfg), **held}), family)
         tensors = {k: v for k, v in folder_tensors(src).items() if k not in _NOT_EXPORTED}
         tied = cfg.tie_word_embeddings
         if tied and head in tensors:  # a tied contract's head is the embedding: checked, then not read again
@@ -277,24 +273,16 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     dtype = produced[their_embed_key].dtype
     planned, sinks = file_tensors(expected, produced, fam)
     total = model.num_parameters()
-    if kept is not None:  # the kept tensors first, as the wrapper's state dict orders them
-        planned, sinks = release_names(kept.manifest["language_model"], planned, sinks)
-        kept_tensors = safetensors_tensors(kept.folder)
-        clash = sorted(set(kept_tensors) & (set(planned) | set(tensors) | set(sinks)))
-        if clash:
-            raise ValueError(f"{kept.folder} keeps tensors the language model writes too: {clash[:5]}.")
-        kept_plan, kept_planned, kept_sinks = copy_plan(kept_tensors)
-        plan, tensors = kept_plan + plan, {**kept_tensors, **tensors}
-        planned, sinks = {**kept_planned, **planned}, {**kept_sinks, **sinks}
-        total += parameters(kept_tensors)
+    if kept is not None:
+        plan, tensors, planned, sinks, kept_parameters = with_kept_tensors(kept, plan, tensors, planned, sinks)
+        total += kept_parameters
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
         if kept is None:
-            _save_model_files(model, tmp, dtype)
+            _save_model_files(model, tmp, dtype)  # before the weights: it removes the empty weights file it writes
+            copy_side_files(src, tmp)
         else:
-            write_release_config(kept, release_raw, tmp)
-            copy_kept_files(kept, tmp)
+            write_release_files(kept, release_raw, src, tmp)
         _write_weights(tmp, plan, tensors, cfg, planned, sinks, total, None, f"exporting {family}", progress)
-        copy_side_files(src, tmp, replace=kept is not None)  # the model's tokenizer over the release's copy
     return out
 
 
@@ -312,8 +300,9 @@ def _keep_release(release: OpenedRelease, folder: Path, family: str, cfg, progre
 
 
 def _release_config(kept: KeptRelease, family: Family, cfg):
-    """(the release's config.json entries for contract `cfg`, its text config), refusing a model its kept parts
-    cannot go back beside (`check_fits`) and a release whose head the model's tying cannot follow."""
+    """(the release's config.json entries for contract `cfg`, its text config, the contract fields the folder written
+    holds beside what that config says: the head tied as the model's is, its MTP modules), refusing a model its kept
+    parts cannot go back beside (`check_fits`) and a release whose head the model's tying cannot follow."""
     from modular_decoder import ModularDecoderConfig
 
     original = ModularDecoderConfig(**kept.manifest["contract"])
@@ -327,7 +316,10 @@ def _release_config(kept: KeptRelease, family: Family, cfg):
     if cfg.tie_word_embeddings and not config.tie_word_embeddings:
         raise ValueError(f"The {kept.wrapper.model_type} release's `tie_word_embeddings` is false and this model "
                          "ties its head to the embedding.")
-    return raw, config.text_config
+    held = {"tie_word_embeddings": cfg.tie_word_embeddings}
+    if family.mtp_layers is not None:  # `convert` reads the modules the files hold (`_with_mtp_layers`)
+        held["num_mtp_layers"] = cfg.num_mtp_layers
+    return raw, config.text_config, held
 
 
 def _card_description(base_model: str | None, quantization: dict | None, dtype: torch.dtype,

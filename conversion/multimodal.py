@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from .core import Rule, RuleInstance
-from .sources import SourceTensor
-from .stream import Sink
+from .io import TOKENIZER_FILES, copy_side_files
+from .sources import SourceTensor, safetensors_tensors
+from .stream import BLOCK_BYTES, Sink
 from .tensor_files import INDEX_NAME
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,19 @@ def effective_tie(release: OpenedRelease, tensors: dict[str, SourceTensor], embe
             raise ValueError(f"{release.src}: `tie_word_embeddings` is false and the files hold no `{head}`: the "
                              f"{release.wrapper.model_type} class would start from a random head.")
         return True
-    return tied and torch.equal(tensors[head].read(), tensors[embed].read())
+    return tied and same_values(tensors[head], tensors[embed])
+
+
+def same_values(a: SourceTensor, b: SourceTensor) -> bool:
+    """Whether two source tensors hold the same values, compared a block of rows at a time where both read so."""
+    if (a.shape, a.dtype) != (b.shape, b.dtype):
+        return False
+    if not a.shape or a.read_rows is None or b.read_rows is None:
+        return torch.equal(a.read(), b.read())
+    rows = a.shape[0]
+    step = max(1, BLOCK_BYTES // max(1, a.nbytes // max(1, rows)))
+    return all(torch.equal(a.read_rows(i, min(i + step, rows)), b.read_rows(i, min(i + step, rows)))
+               for i in range(0, rows, step))
 
 
 def copy_plan(tensors: dict[str, SourceTensor]):
@@ -164,6 +177,8 @@ def copy_release_files(src: Path, folder: Path, read_files) -> None:
     read (`read_files`) and subfolders are named in a warning, not copied."""
     left_out = []
     for path in sorted(src.iterdir()):
+        if path.is_dir() and path.name.startswith("."):
+            continue  # `hf download --local-dir`'s `.cache/`, a repository's `.git/`
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name != INDEX_NAME:
             shutil.copy2(path, folder / path.name)
         elif path.name not in read_files and path.name != INDEX_NAME:
@@ -305,16 +320,29 @@ def release_names(layout: dict[str, str], planned: dict, sinks: dict) -> tuple[d
             {name: [dataclasses.replace(sink, file=named(sink.file)) for sink in parts] for name, parts in sinks.items()})
 
 
-def copy_kept_files(kept: KeptRelease, folder: Path) -> None:
-    """The kept release's files other than its config, its tensors and the manifest, into the export `folder`."""
-    for path in sorted(kept.folder.iterdir()):
-        weights = path.name.endswith(WEIGHT_SUFFIXES) or path.name == INDEX_NAME
-        if path.is_file() and not weights and path.name not in ("config.json", MANIFEST):
-            shutil.copy2(path, folder / path.name)
+def with_kept_tensors(kept: KeptRelease, plan: list, tensors: dict, planned: dict, sinks: dict):
+    """Export's plan, tensors, planned file tensors and sinks for the language model under the release's names, with
+    the kept tensors copied beside it (first, as the wrapper's state dict orders them), and the kept parameters."""
+    planned, sinks = release_names(kept.manifest["language_model"], planned, sinks)
+    kept_tensors = safetensors_tensors(kept.folder)
+    clash = sorted(set(kept_tensors) & (set(planned) | set(tensors) | set(sinks)))
+    if clash:
+        raise ValueError(f"{kept.folder} keeps tensors the language model writes too: {clash[:5]}.")
+    kept_plan, kept_planned, kept_sinks = copy_plan(kept_tensors)
+    return (kept_plan + plan, {**kept_tensors, **tensors}, {**kept_planned, **planned}, {**kept_sinks, **sinks},
+            parameters(kept_tensors))
 
 
-def write_release_config(kept: KeptRelease, raw: dict, folder: Path) -> None:
+def write_release_files(kept: KeptRelease, raw: dict, src: Path, folder: Path) -> None:
+    """The release's config.json (`raw`; the kept file itself where unchanged) and the kept release's other files
+    (processor, generation config, ...) into the export `folder`, then the model's tokenizer files over the release's
+    copy (a fine-tune may have changed them)."""
     if raw is kept.raw:
         shutil.copy2(kept.folder / "config.json", folder / "config.json")
     else:
         (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for path in sorted(kept.folder.iterdir()):
+        weights = path.name.endswith(WEIGHT_SUFFIXES) or path.name == INDEX_NAME
+        if path.is_file() and not weights and path.name not in ("config.json", MANIFEST):
+            shutil.copy2(path, folder / path.name)
+    copy_side_files(src, folder, TOKENIZER_FILES, replace=True)
