@@ -252,11 +252,6 @@ def test_what_cannot_go_back_is_refused_by_name(tmp_path):
         export(tmp_path / "alone", tmp_path / "back", family="gemma3", progress=False)
     with pytest.raises(ValueError, match="parts of a 'gemma3' release, not of a 'mistral3' one"):
         export(tmp_path / "md", tmp_path / "back", family="mistral3", progress=False)
-    kept_config = tmp_path / "md" / KEPT_FOLDER / "config.json"
-    kept_config.write_text(json.dumps({**json.loads(kept_config.read_text()),
-                                       "quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(ValueError, match="published quantized \\('fp8'\\)"):
-        export(tmp_path / "md", tmp_path / "back", family="gemma3", progress=False)
     assert not (tmp_path / "back").exists()
 
 
@@ -318,3 +313,35 @@ def test_a_head_is_compared_with_the_embedding_a_block_of_rows_at_a_time(monkeyp
     assert reads[:4:2] == [(0, 3), (3, 6)] and len(reads) == 8  # four blocks of each
     assert not multimodal.same_values(counted("head", other), counted("embed", embed))
     assert not multimodal.same_values(counted("head", embed[:, :4].clone()), counted("embed", embed))
+
+
+def test_a_release_published_in_fp8_converts_to_the_wrappers_dequantized_logits(tmp_path):
+    """A release whose language model's linear weights are FP8 with block scales (its `quantization_config` is the
+    release's, not the text config's) converts dequantized, to the logits of transformers' wrapper class loaded with
+    `FineGrainedFP8Config(dequantize=True)`; export into it is refused, its kept config describing a quantized folder."""
+    from test_conversion_quantized import QUANTIZATION, quantize_fp8
+    from transformers import FineGrainedFP8Config
+
+    src = make_release("mistral3", tmp_path / "src")
+    tensors = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        tensor = tensor.to(torch.bfloat16)
+        if name.startswith("language_model.model.layers.") and name.endswith("proj.weight"):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensor)
+        else:
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION, "dtype": "bfloat16"}))
+    convert(src, tmp_path / "md", progress=False)  # into the release's compute dtype, bf16
+    # both compared in float32 from their bf16 weights (transformers 5.16's dequantized load keeps bf16 weights
+    # whatever `dtype` asks)
+    reference = AutoModelForImageTextToText.from_pretrained(
+        src, dtype=torch.bfloat16, quantization_config=FineGrainedFP8Config(dequantize=True)).float().eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "md", dtype=torch.float32).eval()
+    assert load_file(tmp_path / "md" / "model.safetensors")["model.embed_tokens.weight"].dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(ours(PROMPT).logits, reference(input_ids=PROMPT).logits, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="published quantized \\('fp8'\\).*--family mistral"):
+        export(tmp_path / "md", tmp_path / "back", family="mistral3", progress=False)
+    assert not (tmp_path / "back").exists()
