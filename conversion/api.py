@@ -329,16 +329,15 @@ def _card_description(base_model: str | None, quantization: dict | None, dtype: 
     if quantization is None and release is None:
         return None
     origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a checkpoint"
-    text = f"The weights of {origin}"
+    text = f"The language model of {origin} (a `{release.wrapper.model_type}` release)" if release else \
+        f"The weights of {origin}"
     if quantization is not None:
         text += f", published as {describe_quantization(quantization)}, dequantized to {str(dtype).split('.')[1]}"
-    text += " and converted to the modular_decoder family."
+    text += (" and" if quantization is not None else ",") + " converted to the modular_decoder family."
     if release is not None:
-        name = release.wrapper.model_type
-        text = (f"The language model of {origin} (a `{name}` release), converted to the modular_decoder family. "
-                + (text if quantization is not None else "")
-                + f" Its vision tower, projector, processor and config are kept as published in `{KEPT_FOLDER}/`; "
-                f"`modular-decoder export THIS BACK --family {name}` writes the release back.")
+        text += f" The release's vision tower, projector, processor and config are kept as published in `{KEPT_FOLDER}/`"
+        text += "." if quantization is not None else \
+            f"; `modular-decoder export THIS BACK --family {release.wrapper.model_type}` writes the release back."
     return text
 
 

@@ -156,6 +156,8 @@ def test_release_converts_and_exports_back_bit_for_bit(case, tmp_path):
     assert kept_tensors and not any(name.startswith(tuple(manifest["language_model"])) for name in kept_tensors)
     assert_same_tensors({k: v for k, v in held.items() if k in kept_tensors}, kept_tensors)
     assert (tmp_path / "md" / "tokenizer.json").exists()
+    assert f"`multimodal/`; `modular-decoder export THIS BACK --family {release_name}`" in (
+        tmp_path / "md" / "README.md").read_text()
 
     export(tmp_path / "md", tmp_path / "back", family=release_name, progress=False)
     assert_same_tensors(held, load_file(tmp_path / "back" / "model.safetensors"))
