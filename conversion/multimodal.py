@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,10 +167,7 @@ def copy_plan(tensors: dict[str, SourceTensor]):
 
 
 def parameters(tensors: dict[str, SourceTensor]) -> int:
-    count = 0
-    for tensor in tensors.values():
-        count += torch.Size(tensor.shape).numel()
-    return count
+    return sum(math.prod(tensor.shape) for tensor in tensors.values())
 
 
 def copy_release_files(src: Path, folder: Path, read_files) -> None:

@@ -279,6 +279,15 @@ def test_releases_that_do_not_convert_are_refused_by_name(tmp_path):
     softcapped = _edited(gemma3, tmp_path / "softcapped", text_config__final_logit_softcapping=30.0)
     with pytest.raises(ValueError, match="`text_config.final_logit_softcapping` is set, which gemma3's wrapper"):
         convert(softcapped, tmp_path / "out", progress=False)
+    for name, moved in (("mixed", {"language_model.model.norm.weight": "model.language_model.norm.weight"}),
+                        ("headless", {k: "text_model." + k for k in load_file(gemma3 / "model.safetensors")
+                                      if k.startswith("language_model.")})):
+        folder = _edited(gemma3, tmp_path / name)
+        tensors = load_file(folder / "model.safetensors")
+        save_file({moved.get(k, k): v for k, v in tensors.items()}, folder / "model.safetensors")
+        what = "mixes the layouts" if name == "mixed" else "holds no language model under"
+        with pytest.raises(ValueError, match=f"this gemma3 folder {what} \\['language_model.model.', "):
+            convert(folder, tmp_path / "out", progress=False)
     mistral3 = make_release("mistral3", tmp_path / "mistral3")
     ministral = _edited(mistral3, tmp_path / "ministral3", text_config__model_type="ministral3")
     with pytest.raises(ValueError, match="language model is 'ministral3', which does not convert inside a mistral3"):
