@@ -19,11 +19,11 @@ from typing import NamedTuple
 logger = logging.getLogger(__name__)
 
 # Files a converted (or exported) folder carries over from its source unchanged.
-SIDE_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
     "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
 )
+SIDE_FILES = (*TOKENIZER_FILES, "generation_config.json")
 
 
 # GGUF metadata value types (gguf-py's `GGUFValueType`) -> byte size of one value; 8 = string, 9 = array
@@ -159,9 +159,10 @@ class _GGUFWalk:
         return GGUFLayout(self.architecture, table)
 
 
-def copy_side_files(src: Path, dst: Path) -> None:
-    for name in SIDE_FILES:
-        if (src / name).exists() and not (dst / name).exists():
+def copy_side_files(src: Path, dst: Path, names=SIDE_FILES, replace: bool = False) -> None:
+    """The files `names` of `src` into `dst`; those `dst` holds already are kept, or replaced with `replace`."""
+    for name in names:
+        if (src / name).exists() and (replace or not (dst / name).exists()):
             shutil.copy2(src / name, dst / name)
 
 

@@ -122,16 +122,6 @@ def test_export_refuses_what_the_family_cannot_express(llama_dir, tmp_path):
         assert not (tmp_path / family).exists()
 
 
-def test_a_multimodal_qwen3_5_folder_is_refused_naming_its_text_family():
-    """A published Qwen3.5 folder (`model_type` "qwen3_5": vision tower + language model) is not converted with its
-    vision tower dropped in silence: the refusal names the text family that converts."""
-    from modular_decoder.conversion import get_family
-
-    with pytest.raises(ValueError, match="'qwen3_5' is a multimodal checkpoint.*'qwen3_5_text' converts"):
-        get_family("qwen3_5")
-
-
-
 def test_cli_convert_verify_and_export(llama_dir, tmp_path, capsys):
     assert main(["convert", str(llama_dir), str(tmp_path / "md"), "--verify", "--dtype", "float32"]) == 0
     printed = capsys.readouterr().out
