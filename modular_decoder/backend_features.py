@@ -37,6 +37,10 @@ FEATURE_FIELDS = {
     "router_bias": "router_bias",
     # A recurrent state per sequence (Gated DeltaNet): vLLM's Transformers backend replaces attention layers only
     "linear_attention": "layer_types with 'linear_attention'",
+    # One key = value head (head_dim 512 in DeepSeek-V4) and compressed entries masked per query, in blocks: eager
+    # and SDPA take such masks; flash kernels and FlexAttention's block masks do not (transformers' class: eager only)
+    "shared_kv": "attention_type='shared_kv' (one key = value head, a window and compressed entries per layer)",
+    "hash_routing": "num_hash_layers (experts looked up by token id)",
 }
 
 ALL_FEATURES = frozenset(FEATURE_FIELDS)
@@ -46,14 +50,14 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "eager": ALL_FEATURES,
     # torch SDPA has no logit soft-capping (transformers raises on `softcap`)
     "sdpa": ALL_FEATURES - {"softcap"},
-    "flex_attention": ALL_FEATURES,
+    "flex_attention": ALL_FEATURES - {"shared_kv"},
     # flash-attn 2 takes `alibi_slopes` and no sink; the FA3 (hopper) and FA4 (cute) interfaces have no ALiBi
     # argument, and take sinks where the loaded kernel does (vLLM's FA3 `s_aux`, FA4 `learnable_sink`: checked
     # when called, `sinks.flash_attention_with_sinks`)
     # flash kernels take no arbitrary mask, so no per-query selection of keys
-    "flash_attention_2": ALL_FEATURES - {"sinks", "key_selection"},
-    "flash_attention_3": ALL_FEATURES - {"alibi", "key_selection"},
-    "flash_attention_4": ALL_FEATURES - {"alibi", "key_selection"},
+    "flash_attention_2": ALL_FEATURES - {"sinks", "key_selection", "shared_kv"},
+    "flash_attention_3": ALL_FEATURES - {"alibi", "key_selection", "shared_kv"},
+    "flash_attention_4": ALL_FEATURES - {"alibi", "key_selection", "shared_kv"},
     # vLLM's Transformers modeling backend (`LLM(folder, model_impl="transformers")`) sets this
     # implementation while it builds the model: its attention never receives ALiBi slopes or a bias, its
     # latent (MLA) attention has no cap, window or sink and sizes its cache by `head_dim`, its lm_head multiplies by
@@ -64,7 +68,7 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # place in it (its own Qwen3-Next / Qwen3.5 classes hold one: serve an exported folder).
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
                             "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
-                            "router_bias", "key_selection", "linear_attention"},
+                            "router_bias", "key_selection", "linear_attention", "shared_kv", "hash_routing"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}

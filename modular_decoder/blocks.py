@@ -42,6 +42,7 @@ class DecoderBlock(GradientCheckpointingLayer):
         self.mixer_name = mixer.module_name
         setattr(self, mixer.module_name, mixer.build(config, layer_idx))
         self.mlp = MLPS.of(config).build(config, layer_idx)
+        self.mlp_reads_tokens = getattr(self.mlp, "routes_by_token", False)  # a hash router's layer
         for name in self.NORMS:
             setattr(self, name, build_norm(config))
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -52,8 +53,9 @@ class DecoderBlock(GradientCheckpointingLayer):
         out, _ = getattr(self, self.mixer_name)(x, **kwargs)
         return self.dropout(out) if self.training else out  # (eval dropout is the identity: skip the call)
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.mlp(x)
+    def feed_forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The feed-forward on `x`; `input_ids` reach a layer that routes by token id (`num_hash_layers`)."""
+        out = self.mlp(x, input_ids) if self.mlp_reads_tokens else self.mlp(x)
         return self.dropout(out) if self.training else out
 
 
@@ -72,9 +74,9 @@ class PreNormBlock(DecoderBlock):
     NORMS = ("pre_attn_norm", "pre_mlp_norm")
     norm_position = "pre"
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
         x = self.residual(x, self.attend(self.pre_attn_norm(x), **kwargs))
-        return self.residual(x, self.feed_forward(self.pre_mlp_norm(x)))
+        return self.residual(x, self.feed_forward(self.pre_mlp_norm(x), input_ids))
 
 
 class PostNormBlock(DecoderBlock):
@@ -84,9 +86,9 @@ class PostNormBlock(DecoderBlock):
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "post"
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
         x = self.post_attn_norm(self.residual(x, self.attend(x, **kwargs)))
-        return self.post_mlp_norm(self.residual(x, self.feed_forward(x)))
+        return self.post_mlp_norm(self.residual(x, self.feed_forward(x, input_ids)))
 
 
 class SandwichNormBlock(DecoderBlock):
@@ -97,9 +99,9 @@ class SandwichNormBlock(DecoderBlock):
     NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
     norm_position = "sandwich"
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
         x = self.residual(x, self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs)))
-        return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x))))
+        return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x), input_ids)))
 
 
 class OutputNormBlock(DecoderBlock):
@@ -109,9 +111,9 @@ class OutputNormBlock(DecoderBlock):
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "output"
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
         x = self.residual(x, self.post_attn_norm(self.attend(x, **kwargs)))
-        return self.residual(x, self.post_mlp_norm(self.feed_forward(x)))
+        return self.residual(x, self.post_mlp_norm(self.feed_forward(x, input_ids)))
 
 
 class ParallelBlock(DecoderBlock):
@@ -129,10 +131,10 @@ class ParallelBlock(DecoderBlock):
         super().__init__(config, layer_idx)
         self.pre_mlp_norm = build_norm(config) if config.parallel_norms == "separate" else None
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
         attn_in = self.pre_attn_norm(x)
         mlp_in = attn_in if self.pre_mlp_norm is None else self.pre_mlp_norm(x)
-        return self.residual(self.residual(x, self.attend(attn_in, **kwargs)), self.feed_forward(mlp_in))
+        return self.residual(self.residual(x, self.attend(attn_in, **kwargs)), self.feed_forward(mlp_in, input_ids))
 
 
 BLOCKS: dict[str, type[DecoderBlock]] = {

@@ -100,6 +100,9 @@ class ModularDecoderCache(Cache):
     def _refuse_rollback(self) -> None:
         if any(isinstance(layer, RecurrentLayer) for layer in self.layers):
             raise ValueError(ROLLBACK_ERROR)
+        error = self.config.attention_kind.rollback_error(self.config)  # compressed entries
+        if error is not None:
+            raise ValueError(error)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens cached, as transformers counts them: asked of a linear-attention layer (which holds a state, not
@@ -135,7 +138,7 @@ class ModularDecoderCache(Cache):
         for layer in self.layers:
             if not getattr(layer, "is_initialized", False):
                 continue
-            if isinstance(layer, RecurrentLayer):  # a fixed-size state per sequence
+            if hasattr(layer, "payload_bytes"):  # a recurrent state, compressed entries: the layer counts its own
                 total += layer.payload_bytes()
                 continue
             tensors = _layer_tensors(layer)

@@ -16,14 +16,16 @@ from .compat import (  # isort: skip
 from transformers import PretrainedConfig  # noqa: E402
 
 from .blocks import validate_block  # noqa: E402
+from .compressed_attention import COMPRESSED_LAYER_TYPES  # noqa: E402
 from .kinds import LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
 from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
-from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: E402
+from .registries import ATTENTIONS, FIELD_MIXINS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: E402
 
-# The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead.
+# The compressed ones (DeepSeek-V4's CSA / HCA) are those of the attention kinds that build them (`shared_kv`).
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", *COMPRESSED_LAYER_TYPES)
 LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "linear_attention")
 # Config fields that hold one entry per layer: a multi-token-prediction module is built from a config whose
 # lists hold the last layer's entry once per module (`mtp.mtp_block_config`). A new per-layer field goes here.
@@ -95,7 +97,7 @@ FIELD_RULES = {
 }
 
 
-class ModularDecoderConfig(PretrainedConfig):
+class ModularDecoderConfig(PretrainedConfig, *FIELD_MIXINS):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:
@@ -618,6 +620,12 @@ class ModularDecoderConfig(PretrainedConfig):
                              f"`num_hidden_layers`={self.num_hidden_layers}.")
         for layer_type in self.layer_types:
             require_choice("layer_types[...]", layer_type, LAYER_TYPES)
+        kind = ATTENTIONS.get(self.attention_type) if isinstance(self.attention_type, str) else None
+        unbuilt = sorted({t for t in self.layer_types if t in ATTENTION_LAYER_TYPES} - set(kind.layer_types)) if kind else []
+        if unbuilt:
+            owners = [name for name, entry in ATTENTIONS.items() if set(unbuilt) <= set(entry.layer_types)]
+            raise ValueError(f"`layer_types` has {unbuilt} layers, which `attention_type`={self.attention_type!r} "
+                             f"does not build: use `attention_type` in {owners}.")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("`layer_types` has sliding layers but `sliding_window` is None.")
         if not self.attention_layer_count and self.position_embedding_type in ("rope", "alibi"):

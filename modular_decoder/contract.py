@@ -69,7 +69,8 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
         parts["embedding_norm"] = norm_parameters(config, d)
     layers = config.num_hidden_layers
     if config.attention_layer_count:
-        parts["attention"] = config.attention_layer_count * attention_parameters(config)
+        kind = config.attention_kind
+        parts["attention"] = sum(kind.layer_parameters(config, t) for t in config.layer_types if t != LINEAR_ATTENTION)
     if linear_layer_count(config):
         parts["linear_attention"] = linear_layer_count(config) * linear_attention_parameters(config)
     parts["mlp"] = sum(mlp_parameters(config, i) for i in range(layers))
@@ -91,7 +92,8 @@ def mtp_module_parameters(config: ModularDecoderConfig) -> int:
     """One multi-token-prediction module: three norms (`enorm`, `hnorm`, `post_norm`), the 2d -> d projection and a
     block of the last layer's kinds (its embedding and head are the model's)."""
     d = config.hidden_size
-    block = (attention_parameters(config) + mlp_parameters(config, config.num_hidden_layers - 1)
+    block = (config.attention_kind.layer_parameters(config, config.layer_types[-1])
+             + mlp_parameters(config, config.num_hidden_layers - 1)
              + block_norm_count(config) * norm_parameters(config, d))
     return 3 * norm_parameters(config, d) + 2 * d * d + block
 
@@ -147,9 +149,10 @@ def cache_bytes(config: ModularDecoderConfig, context: int, batch_size: int = 1,
                 dtype: torch.dtype | int = torch.bfloat16, quantization: str | None = None) -> int:
     """Exact payload of a cache holding `context` tokens for `batch_size` sequences (linear-attention states
     included, once per sequence)."""
-    per_token = layer_bytes_per_token(config, dtype, quantization)
-    tokens = sum(cached_tokens(config, t, context) for t in config.layer_types)
-    return batch_size * (per_token * tokens + state_bytes_per_sequence(config, dtype))
+    kind, element = config.attention_kind, _dtype_bytes(dtype)
+    layers = sum(kind.cached_bytes(config, t, context, element, quantization)
+                 for t in config.layer_types if t != LINEAR_ATTENTION)
+    return batch_size * (layers + state_bytes_per_sequence(config, dtype))
 
 
 def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: torch.dtype | int = torch.bfloat16) -> float:

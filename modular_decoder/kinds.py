@@ -137,6 +137,8 @@ class AttentionKind(Kind):
     reads = ("head_dim", "num_key_value_heads")  # per-head queries, keys and values
     # `ModularDecoderCache` implementations this kind stores (see `cache_layer`)
     cache_implementations: tuple[str, ...] = ("dynamic", "static")
+    # the attending values of `layer_types` its layers may take
+    layer_types: tuple[str, ...] = ("full_attention", "sliding_attention")
 
     def build(self, config, layer_idx: int) -> nn.Module:
         """The attention of layer `layer_idx`."""
@@ -174,9 +176,24 @@ class AttentionKind(Kind):
         """Parameters of one layer's attention, from the config alone."""
         raise NotImplementedError
 
+    def layer_parameters(self, config, layer_type: str) -> int:
+        """Parameters of the attention of a layer of `layer_type` (the same for every type unless a kind differs)."""
+        return self.parameters(config)
+
     def bytes_per_token(self, config, element_bytes: int, quantization: str | None = None) -> int:
         """Bytes one layer caches per token (`quantization="int8"` where the kind supports it)."""
         raise NotImplementedError
+
+    def cached_bytes(self, config, layer_type: str, context: int, element_bytes: int,
+                     quantization: str | None = None) -> int:
+        """One sequence's bytes in a layer of `layer_type` after `context` tokens: `bytes_per_token` for each token
+        it keeps (the last `sliding_window` - 1 on a sliding layer)."""
+        kept = min(context, config.sliding_window - 1) if layer_type == "sliding_attention" else context
+        return self.bytes_per_token(config, element_bytes, quantization) * kept
+
+    def rollback_error(self, config) -> str | None:
+        """Why this config's cache cannot be rolled back to an earlier token (assisted decoding refused), or None."""
+        return None
 
     def describe(self, config) -> str:
         """A short tag for cards and tables (`mha`, `gqa`, `mqa`, `mla`, ...)."""

@@ -29,6 +29,7 @@ from .backend_features import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_back
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint
+from .compressed_attention import COMPRESSED_LAYER_TYPES
 from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
@@ -58,7 +59,9 @@ def linear_attention_mask(config, inputs_embeds, attention_mask, position_ids=No
     return new_token_columns(attention_mask, _tokens_before(cache), seq).to(inputs_embeds.dtype)
 
 
+# (a compressed layer attends to a window, then to its entries, which it masks itself: `compressed_attention.py`)
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
+                 **dict.fromkeys(COMPRESSED_LAYER_TYPES, create_sliding_window_causal_mask),
                  LINEAR_ATTENTION: linear_attention_mask}
 
 
@@ -142,6 +145,9 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
         if init_moe_weights(module, std, init):
+            return
+        if hasattr(module, "init_parameters"):  # a mechanism's module that initialises its own parameters
+            module.init_parameters(init, std)
             return
         if isinstance(module, (RMSNorm, LayerNorm)):
             # `1 + w` norms start at w = 0 so that they start as the identity scale
@@ -247,6 +253,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 attention_mask=masks[layer_type],
                 position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
+                input_ids=input_ids,
                 cache=cache,
                 **layer_kwargs.get(layer_type, {}),
                 **kwargs,
@@ -597,10 +604,12 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         draft_tokens = kwargs.pop("mtp_draft_tokens", None)
         check_use_mtp(self.config, use_mtp)
         check_draft_tokens(self.config, use_mtp, draft_tokens)
-        if self.config.linear_attention_kind.in_use(self.config):  # a recurrent state cannot be cropped
-            refuse_rollback_decoding(kwargs, self.generation_config)
+        rollback_error = (ROLLBACK_ERROR if self.config.linear_attention_kind.in_use(self.config)  # a recurrent state
+                          else self.config.attention_kind.rollback_error(self.config))  # compressed entries
+        if rollback_error is not None:  # a cache that cannot be cropped
+            refuse_rollback_decoding(kwargs, self.generation_config, rollback_error)
             if use_mtp:
-                raise ValueError(f"`use_mtp` is set: {ROLLBACK_ERROR}")
+                raise ValueError(f"`use_mtp` is set: {rollback_error}")
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),

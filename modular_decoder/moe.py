@@ -40,7 +40,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .compat import experts_ep_plan
-from .experts import Experts
+from .experts import Experts, clamped_swiglu
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
 from .mlp import GatedMLP, activated_parameters, mlp_tp_plan
 from .routers import AUX_LOSS_COEF, ROUTERS, TopKRouter
@@ -62,19 +62,22 @@ class SparseMoeBlock(nn.Module):
        └─ shared_experts [· σ(shared_expert_gate x)] ─┘
     """
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        self.gate = TopKRouter(config)
+        self.gate = TopKRouter(config, hashed=layer_idx < config.num_hash_layers)
+        self.routes_by_token = self.gate.tid2eid is not None  # the block then passes the tokens' ids
         self.experts = Experts(config)
         shared = shared_experts_intermediate_size(config)
-        self.shared_experts = GatedMLP(config, intermediate_size=shared) if shared else None
+        shared_mlp = GatedMLP if config.swiglu_limit is None else ClampedGatedMLP
+        self.shared_experts = shared_mlp(config, intermediate_size=shared) if shared else None
         use_gate = shared and config.shared_expert_gate
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if use_gate else None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_ids` (B, T): the tokens of `hidden_states` (B, T, d), which a hash router routes by."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (N, d)
-        _, weights, indices = self.gate(x)
+        _, weights, indices = self.gate(x, token_ids)
         out = self.experts(x, indices, weights)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
@@ -82,6 +85,19 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out.view(shape)
+
+
+class ClampedGatedMLP(GatedMLP):
+    """The shared experts of a model whose experts clamp their SwiGLU (`swiglu_limit`): the same clamped gate as
+    the routed experts (`experts.clamped_swiglu`; DeepSeek-V4's shared expert clamps as its routed ones do)."""
+
+    def __init__(self, config, intermediate_size: int | None = None):
+        super().__init__(config, intermediate_size)
+        self.limit, self.alpha, self.up_offset = config.swiglu_limit, config.swiglu_alpha, config.swiglu_up_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        glu = clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit, self.alpha, self.up_offset, self.act_fn)
+        return self.down_proj(glu)
 
 
 def shared_experts_intermediate_size(config) -> int:
@@ -123,11 +139,13 @@ MOE_FIELDS = (
     "mlp_layer_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
     "shared_expert_intermediate_size", "shared_expert_gate", "router_type", "router_bias", "norm_topk_prob", "n_group",
     "topk_group", "routed_scaling_factor", "router_aux_loss_coef", "router_z_loss_coef", "output_router_logits",
-    "swiglu_limit", "swiglu_alpha",
+    "swiglu_limit", "swiglu_alpha", "swiglu_up_offset", "num_hash_layers",
 )
 
 # gpt-oss's sigmoid gain in its clamped SwiGLU (transformers' `GptOssConfig.swiglu_alpha` default; 5.16-5.19 fix it)
 GPT_OSS_SWIGLU_ALPHA = 1.702
+# gpt-oss adds 1 to the clamped up projection ((u + 1) ⊙ g·σ(α·g), transformers' `GptOssExperts`)
+GPT_OSS_SWIGLU_UP_OFFSET = 1.0
 
 # transformers' names and styles for the experts module (mixtral, qwen*_moe, olmoe, deepseek_v2/v3)
 EXPERTS_TP_PLAN = {"mlp.experts.gate_up_proj": "packed_colwise", "mlp.experts.down_proj": "rowwise",
@@ -163,6 +181,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
             config.topk_group = config.n_group
         if config.swiglu_alpha is None and config.swiglu_limit is not None:
             config.swiglu_alpha = GPT_OSS_SWIGLU_ALPHA
+        if config.swiglu_up_offset is None and config.swiglu_limit is not None:
+            config.swiglu_up_offset = GPT_OSS_SWIGLU_UP_OFFSET
         router = ROUTERS.get(config.router_type) if isinstance(config.router_type, str) else None
         if config.router_aux_loss_coef is None and router is not None:  # a bad `router_type` is named by `validate`
             config.router_aux_loss_coef = router.default_aux_loss_coef
@@ -206,17 +226,36 @@ class MixtureOfExpertsKind(FeedForwardKind):
         require_choice("hidden_act", config.hidden_act, ACT2FN)
         require_bool("mlp_bias", config.mlp_bias)
         self._validate_clamped_swiglu(config)
+        self._validate_hash_layers(config)
 
     @staticmethod
     def _validate_clamped_swiglu(config) -> None:
         require_number("swiglu_limit", config.swiglu_limit, above=0, optional=True)
         require_number("swiglu_alpha", config.swiglu_alpha, above=0, optional=True)
-        if config.swiglu_limit is None and config.swiglu_alpha is not None:
-            raise ValueError(f"`swiglu_alpha`={config.swiglu_alpha} is the gain of the clamped SwiGLU, which "
-                             "`swiglu_limit` turns on; set both or neither.")
+        require_number("swiglu_up_offset", config.swiglu_up_offset, optional=True)
+        for name in ("swiglu_alpha", "swiglu_up_offset"):
+            if config.swiglu_limit is None and getattr(config, name) is not None:
+                raise ValueError(f"`{name}`={getattr(config, name)} shapes the clamped SwiGLU, which `swiglu_limit` "
+                                 "turns on; set `swiglu_limit` or leave it unset.")
         if config.swiglu_limit is not None and config.hidden_act != "silu":
             raise ValueError(f"`swiglu_limit` gives the experts gpt-oss's clamped SwiGLU (g·σ(α·g)), which replaces "
                              f"`hidden_act`: leave it 'silu', got {config.hidden_act!r}.")
+
+    @staticmethod
+    def _validate_hash_layers(config) -> None:
+        require_int("num_hash_layers", config.num_hash_layers, minimum=0, maximum=config.num_hidden_layers)
+        hashed = config.mlp_layer_types[: config.num_hash_layers]
+        if "dense" in hashed:
+            raise ValueError(f"`num_hash_layers`={config.num_hash_layers} routes the first layers by token id, and "
+                             f"layer {hashed.index('dense')} is \"dense\" in `mlp_layer_types`: they must be sparse.")
+        if config.num_mtp_layers and config.num_hash_layers == config.num_hidden_layers:
+            raise ValueError("`num_mtp_layers` builds its modules' blocks of the last layer's kinds, and "
+                             f"`num_hash_layers`={config.num_hash_layers} routes every layer by token id: MTP "
+                             "blocks that route by token id are not supported; leave the last layer unhashed.")
+        if config.num_hash_layers and ROUTERS[config.router_type].affinity is None:
+            raise ValueError(f"`num_hash_layers` weighs each token's looked-up experts by the router's per-expert "
+                             f"scores, which `router_type`={config.router_type!r} has none of: use 'softmax_topk', "
+                             "'sigmoid_topk' or 'sqrtsoftplus_topk'.")
 
     @staticmethod
     def _validate_layer_types(config) -> None:
@@ -260,6 +299,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
         needed = {"experts_activation"} if config.hidden_act != "silu" else set()
         if config.swiglu_limit is not None:
             needed.add("experts_clamped_swiglu")
+        if config.num_hash_layers:
+            needed.add("hash_routing")
         if config.mlp_bias:
             needed.add("experts_bias")
         if config.router_bias:
@@ -268,7 +309,9 @@ class MixtureOfExpertsKind(FeedForwardKind):
 
     def build(self, config, layer_idx: int) -> nn.Module:
         """`SparseMoeBlock` for a `"sparse"` layer, `GatedMLP` of `intermediate_size` for a `"dense"` one."""
-        return SparseMoeBlock(config) if config.mlp_layer_types[layer_idx] == "sparse" else GatedMLP(config)
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            return SparseMoeBlock(config, layer_idx)
+        return GatedMLP(config)
 
     def parameters(self, config, layer_idx: int) -> int:
         """Sparse: E·d (+ E: `router_bias`) (router) + E·3·d·f (+ E·(3·f + d): `mlp_bias`) + 3·d·f_s (+ d for the
@@ -329,6 +372,7 @@ __all__ = [
     "MIXTURE_OF_EXPERTS",
     "MLP_LAYER_TYPES",
     "MOE_FIELDS",
+    "ClampedGatedMLP",
     "MixtureOfExpertsKind",
     "SparseMoeBlock",
     "init_moe_weights",

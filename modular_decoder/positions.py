@@ -134,8 +134,10 @@ def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first `cos.shape[-1]` features of each head of `x` (B, H, T, D); pass the rest.
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                 trailing: bool = False) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` features of each head of `x` (B, H, T, D) (the last ones with `trailing`,
+    DeepSeek-V4's [content | rotary] head); pass the rest.
 
     `cos`/`sin` are (B, 1, T, rot), as `RotaryEmbedding.tables` shapes them. The half layout pairs
     feature i with i + rot/2 (GPT-NeoX, Llama); the interleaved layout pairs 2i with 2i+1 (GPT-J).
@@ -144,6 +146,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     rotate = _rotate_pairs if interleaved else _rotate_half
     if not is_fx_proxy(x) and rot == x.shape[-1]:  # (a traced proxy has no shape to branch on: general form)
         return x * cos + rotate(x) * sin
+    if trailing:
+        x_pass, x_rot = x[..., :-rot], x[..., -rot:]
+        return torch.cat((x_pass, x_rot * cos + rotate(x_rot) * sin), dim=-1)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 

@@ -139,14 +139,15 @@ class RecurrentLayer(LinearAttentionLayer):
 ROLLBACK_ARGUMENTS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
-def refuse_rollback_decoding(generate_kwargs: dict, generation_config) -> None:
-    """Raise `ValueError` naming the argument where a `generate` call would draft tokens and crop the cache."""
+def refuse_rollback_decoding(generate_kwargs: dict, generation_config, error: str = ROLLBACK_ERROR) -> None:
+    """Raise `ValueError` naming the argument where a `generate` call would draft tokens and crop the cache
+    (`error`: why the cache cannot be cropped)."""
     configs = [generate_kwargs.get("generation_config"), generation_config]
     for name in ROLLBACK_ARGUMENTS:
         if generate_kwargs.get(name) is not None or any(getattr(c, name, None) is not None for c in configs):
-            raise ValueError(f"`{name}` is set: {ROLLBACK_ERROR}")
+            raise ValueError(f"`{name}` is set: {error}")
     if getattr(generation_config, "is_assistant", False):
-        raise ValueError(f"This model is used as an assistant (a draft model): {ROLLBACK_ERROR}")
+        raise ValueError(f"This model is used as an assistant (a draft model): {error}")
 
 
 def _mark_static(tensor: torch.Tensor) -> None:

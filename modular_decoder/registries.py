@@ -1,6 +1,7 @@
 """Every axis of the design space and its entries, in one place.
 
-    ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla, dsa (MLA + lightning indexer)
+    ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla, dsa (MLA + lightning indexer),
+                                           shared_kv (one key = value head, CSA / HCA layers: DeepSeek-V4)
     LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet (the `"linear_attention"` layers of `layer_types`)
     MLPS        `mlp_type`                 dense, gated, moe
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
@@ -15,6 +16,7 @@ new attention or feed-forward kind is one `register_attention(kind)` / `register
 from __future__ import annotations
 
 from .attention import STANDARD_ATTENTION
+from .experts import ClampedSwiGLUFields
 from .gated_deltanet import GATED_DELTANET
 from .kinds import AttentionKind, FeedForwardKind, LinearAttentionKind, Registry
 from .mla import LATENT_ATTENTION
@@ -22,12 +24,17 @@ from .mlp import DENSE_MLP, GATED_MLP
 from .moe import MIXTURE_OF_EXPERTS
 from .norms import NORMS
 from .positions import POSITIONS
+from .routers import HashRoutingFields
+from .shared_kv_attention import SHARED_KV_ATTENTION, SharedKVFields
 from .sparse_attention import SPARSE_LATENT_ATTENTION
 
 ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION,
-                                                                         SPARSE_LATENT_ATTENTION])
+                                                                         SPARSE_LATENT_ATTENTION, SHARED_KV_ATTENTION])
 MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
 LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET])
+# The config fields that live beside their mechanisms (`@dataclass(kw_only=True)` classes, each documenting its
+# fields): `ModularDecoderConfig`'s bases after `PretrainedConfig`
+FIELD_MIXINS = (HashRoutingFields, ClampedSwiGLUFields, SharedKVFields)
 
 
 def register_attention(kind: AttentionKind, replace: bool = False) -> AttentionKind:
@@ -45,5 +52,5 @@ def register_linear_attention(kind: LinearAttentionKind, replace: bool = False) 
     return LINEAR_ATTENTIONS.register(kind, replace=replace)
 
 
-__all__ = ["ATTENTIONS", "LINEAR_ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention",
+__all__ = ["ATTENTIONS", "FIELD_MIXINS", "LINEAR_ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention",
            "register_linear_attention", "register_mlp"]
