@@ -443,3 +443,19 @@ def test_unwritable_folder_found_late_is_named(llama_dir, tmp_path, monkeypatch)
     message = f"cannot write {tmp_path / 'out'}: its folder {tmp_path} is not writable"
     with pytest.raises(PermissionError, match=message):
         convert(llama_dir, tmp_path / "out", progress=False)
+
+
+def test_the_source_generation_config_converts_and_exports_back(llama_dir, tmp_path):
+    """A release's generation config (several end-of-turn ids, sampling defaults) is what the converted folder
+    generates with, not the one derived from config.json, and goes back on export unchanged."""
+    from transformers import GenerationConfig
+
+    source = GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0, do_sample=True, top_k=5)
+    source.save_pretrained(llama_dir)
+    convert(llama_dir, tmp_path / "md", progress=False)
+    converted = GenerationConfig.from_pretrained(tmp_path / "md")
+    assert (converted.eos_token_id, converted.do_sample, converted.top_k) == ([2, 7], True, 5)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "md").eval()
+    assert model.generation_config.eos_token_id == [2, 7]
+    export(tmp_path / "md", tmp_path / "back", family="llama", progress=False)
+    assert GenerationConfig.from_pretrained(tmp_path / "back").to_diff_dict() == source.to_diff_dict()
