@@ -5,6 +5,11 @@ norms its placement needs, named by where they sit
 (`pre_attn_norm`, `post_attn_norm`, `pre_mlp_norm`, `post_mlp_norm`); its `forward` is the
 diagram in its docstring. Every `(+)` adds its branch times `residual_multiplier` (Granite's μP
 scaling; 1 elsewhere, where it is a plain sum).
+
+A block's call runs its diagram through the residual stream's entry (`residual_streams.py`: one stream, or several
+around each branch): a subclass's `forward` becomes its `sublayers`, and `DecoderBlock.forward` the join. A serial
+block whose residuals add its branches (pre, sandwich, output) also names the two branches, what each `(+)` adds
+(`attention_branch`, `feed_forward_branch`), which hyper-connections run between their own mixes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .kinds import LINEAR_ATTENTION, require_bool, require_choice
 from .norms import build_norm
-from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS
+from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS
+from .residual_streams import attach_layer_modules
 
 
 class DecoderBlock(GradientCheckpointingLayer):
@@ -28,6 +34,20 @@ class DecoderBlock(GradientCheckpointingLayer):
     norm_position: str = ""
     parallel: bool = False
     reads: tuple[str, ...] = ()  # config fields only some blocks read (the contract table shows those of this one)
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's `forward` (its diagram) is its `sublayers`; the call goes through the residual stream."""
+        super().__init_subclass__(**kwargs)
+        if "forward" in vars(cls):
+            cls.sublayers = vars(cls)["forward"]
+            cls.forward = DecoderBlock.forward
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The layer: `sublayers` joined to the residual stream(s) `x` by the `residual_stream` entry."""
+        return self.stream.join(self, x, **kwargs)
+
+    def sublayers(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -48,6 +68,7 @@ class DecoderBlock(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout)
         m = config.residual_multiplier
         self.residual = _add if m == 1.0 else partial(_add_scaled, m)
+        attach_layer_modules(self, config, layer_idx, RESIDUAL_STREAMS.of(config))
 
     def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         out, _ = getattr(self, self.mixer_name)(x, **kwargs)
@@ -67,16 +88,33 @@ def _add_scaled(multiplier: float, x: torch.Tensor, branch: torch.Tensor) -> tor
     return x + branch * multiplier  # the order Granite computes it in
 
 
-class PreNormBlock(DecoderBlock):
+class SerialBlock(DecoderBlock):
+    """x ─┬─ attention_branch ─(+)─┬─ feed_forward_branch ─(+)─>   (each subclass draws its branches)
+          └─────────────────────┘└────────────────────────┘"""
+
+    def attention_branch(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def feed_forward_branch(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
+        x = self.residual(x, self.attention_branch(x, **kwargs))
+        return self.residual(x, self.feed_forward_branch(x, input_ids))
+
+
+class PreNormBlock(SerialBlock):
     """x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>    (GPT-2, Llama)
           └───────────────────────────┘└──────────────────────────┘"""
 
     NORMS = ("pre_attn_norm", "pre_mlp_norm")
     norm_position = "pre"
 
-    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
-        x = self.residual(x, self.attend(self.pre_attn_norm(x), **kwargs))
-        return self.residual(x, self.feed_forward(self.pre_mlp_norm(x), input_ids))
+    def attention_branch(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.attend(self.pre_attn_norm(x), **kwargs)
+
+    def feed_forward_branch(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
+        return self.feed_forward(self.pre_mlp_norm(x), input_ids)
 
 
 class PostNormBlock(DecoderBlock):
@@ -91,7 +129,7 @@ class PostNormBlock(DecoderBlock):
         return self.post_mlp_norm(self.residual(x, self.feed_forward(x, input_ids)))
 
 
-class SandwichNormBlock(DecoderBlock):
+class SandwichNormBlock(SerialBlock):
     """x ─┬─ pre_attn_norm ─ attn ─ post_attn_norm ─(+)─┬─ pre_mlp_norm ─ mlp ─ post_mlp_norm ─(+)─>
           └─────────────────────────────────────────┘   └───────────────────────────────────────┘
     (Gemma 2 / 3)"""
@@ -99,21 +137,25 @@ class SandwichNormBlock(DecoderBlock):
     NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
     norm_position = "sandwich"
 
-    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
-        x = self.residual(x, self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs)))
-        return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x), input_ids)))
+    def attention_branch(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs))
+
+    def feed_forward_branch(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
+        return self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x), input_ids))
 
 
-class OutputNormBlock(DecoderBlock):
+class OutputNormBlock(SerialBlock):
     """x ─┬─ attn ─ post_attn_norm ─(+)─┬─ mlp ─ post_mlp_norm ─(+)─>   (OLMo 2: norm on the sublayer output)
           └─────────────────────────┘   └───────────────────────┘"""
 
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "output"
 
-    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
-        x = self.residual(x, self.post_attn_norm(self.attend(x, **kwargs)))
-        return self.residual(x, self.post_mlp_norm(self.feed_forward(x, input_ids)))
+    def attention_branch(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.post_attn_norm(self.attend(x, **kwargs))
+
+    def feed_forward_branch(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
+        return self.post_mlp_norm(self.feed_forward(x, input_ids))
 
 
 class ParallelBlock(DecoderBlock):

@@ -21,7 +21,7 @@ from .kinds import LINEAR_ATTENTION, require_bool, require_choice, require_int, 
 from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
-from .registries import ATTENTIONS, FIELD_MIXINS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: E402
+from .registries import ATTENTIONS, FIELD_MIXINS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS  # noqa: E402
 
 # The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead.
 # The compressed ones (DeepSeek-V4's CSA / HCA) are those of the attention kinds that build them (`shared_kv`).
@@ -412,7 +412,7 @@ class ModularDecoderConfig(PretrainedConfig, *FIELD_MIXINS):
             self.layer_types = list(self.layer_types)
         else:
             raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS):  # each chosen kind fills its own derived defaults
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS):  # each fills its own defaults
             registry.complete(self)
         if self.mtp_loss_scaling_factor is None:
             self.mtp_loss_scaling_factor = MTP_LOSS_SCALING_FACTOR if self.num_mtp_layers else 0.0
@@ -465,7 +465,7 @@ class ModularDecoderConfig(PretrainedConfig, *FIELD_MIXINS):
         """transformers' `from_dict`, after dropping values earlier versions wrote into every config.json for
         fields the chosen kinds do not read (`Registry.forget_formerly_written`)."""
         config_dict = dict(config_dict)
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS):
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS):
             registry.forget_formerly_written(cls, config_dict)
         return super().from_dict(config_dict, **kwargs)
 
@@ -611,7 +611,7 @@ class ModularDecoderConfig(PretrainedConfig, *FIELD_MIXINS):
         if not self.num_mtp_layers and self.mtp_draft_tokens is not None:
             raise ValueError(f"`mtp_draft_tokens`={self.mtp_draft_tokens} sets the tokens MTP modules draft per step, "
                              "and `num_mtp_layers`=0: set `num_mtp_layers` or leave it unset.")
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS):
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS, RESIDUAL_STREAMS):
             registry.check(self)
 
     def _validate_layer_types(self) -> None:

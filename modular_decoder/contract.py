@@ -19,7 +19,7 @@ from .blocks import BLOCKS, block_class
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
 from .kinds import LINEAR_ATTENTION
-from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS
+from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
 
@@ -75,6 +75,9 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
         parts["linear_attention"] = linear_layer_count(config) * linear_attention_parameters(config)
     parts["mlp"] = sum(mlp_parameters(config, i) for i in range(layers))
     parts["block_norms"] = layers * block_norm_count(config) * norm_parameters(config, d)
+    stream = RESIDUAL_STREAMS.of(config)
+    if stream.model_parameters(config) or stream.layer_parameters(config):
+        parts["residual_stream"] = stream.model_parameters(config) + layers * stream.layer_parameters(config)
     if config.final_norm:
         parts["final_norm"] = norm_parameters(config, d)
     lm_head = (0 if config.tie_word_embeddings else v * d) + (v if config.lm_head_bias else 0)
@@ -178,7 +181,8 @@ def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bflo
     return "\n".join(rows)
 
 
-_PARAMETER_ROWS = {"active": "active per token", "linear_attention": "linear attention", "mtp": "MTP modules"}
+_PARAMETER_ROWS = {"active": "active per token", "linear_attention": "linear attention", "mtp": "MTP modules",
+                   "residual_stream": "residual streams"}
 
 
 def _applies(config: ModularDecoderConfig, name: str) -> bool:
@@ -191,7 +195,7 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
         return bool(config.num_mtp_layers)
     if name == LINEAR_ATTENTIONS.field:
         return config.linear_attention_kind.in_use(config)
-    for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS):
+    for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS):
         owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]
         if owners:
             chosen = registry.of(config)

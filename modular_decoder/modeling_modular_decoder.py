@@ -43,6 +43,7 @@ from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
                         rotary_layers)
 from .recurrent_cache import ROLLBACK_ERROR, refuse_rollback_decoding
+from .registries import RESIDUAL_STREAMS
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
@@ -88,7 +89,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     def __init__(self, config: ModularDecoderConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
         # read by `from_pretrained` in half precision (e.g. DeepSeek-V3's sigmoid routers stay fp32)
-        self._keep_in_fp32_modules_strict = list(config.mlp_kind.fp32_parameters(config))
+        self._keep_in_fp32_modules_strict = [*config.mlp_kind.fp32_parameters(config),
+                                             *RESIDUAL_STREAMS.of(config).fp32_modules(config)]
         self._keep_in_fp32_modules = list(config.attention_kind.fp32_modules(config))  # under fp16 only
 
     @classmethod
@@ -190,6 +192,8 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.rotary_emb = RotaryEmbedding(config) if config.uses_rope else None
         self.alibi = AlibiBias(config) if config.position_embedding_type == "alibi" else None
+        # the stream(s) the layers join their outputs to, made from the embedded input (`residual_streams.py`)
+        self.residual_stream = RESIDUAL_STREAMS.of(config).model_module(config)
         block = block_class(config)
         self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = build_norm(config) if config.final_norm else None
@@ -237,7 +241,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if position_ids is None:
             position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_seen)
 
-        hidden = self._embed(inputs_embeds, position_ids)
+        hidden = self.residual_stream(self._embed(inputs_embeds, position_ids))
         masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self._rotary_tables(hidden, position_ids)
         layer_kwargs = self._alibi_kwargs(hidden, cache)
@@ -258,6 +262,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 **layer_kwargs.get(layer_type, {}),
                 **kwargs,
             )
+        hidden = self.residual_stream(hidden, leaving=True)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return MoeModelOutputWithPast(last_hidden_state=hidden, **with_cache(cache if use_cache else None))

@@ -235,7 +235,9 @@ class TopKRouter(nn.Module):
         # a sigmoid router stays fp32 (`fp32_parameters`) also when built under a half default dtype (`from_config`)
         dtype = torch.float32 if kind.score_correction_bias else None
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
-        bias = torch.zeros(config.num_experts, dtype=torch.float32) if kind.score_correction_bias else None
+        # (a hash router's choice is its table: no correction bias)
+        corrected = kind.score_correction_bias and not hashed
+        bias = torch.zeros(config.num_experts, dtype=torch.float32) if corrected else None
         self.register_buffer("e_score_correction_bias", bias)
         logit_bias = nn.Parameter(torch.empty(config.num_experts, dtype=dtype)) if config.router_bias else None
         self.register_parameter("bias", logit_bias)  # transformers' gpt-oss name (`mlp.router.bias` there)
