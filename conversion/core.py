@@ -180,8 +180,13 @@ TRANSFORMS: dict[str, Transform] = {
     "transpose_experts": Transform(_transpose_experts, _transpose_experts),
 }
 
-# Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`)
-MIXERS = {"attention": ("full_attention", "sliding_attention"), "linear_attention": ("linear_attention",)}
+# Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`): DeepSeek-V4's compressed
+# layers attend as the others do, and hold their compressor (CSA: and its indexer) beside
+MIXERS = {"attention": ("full_attention", "sliding_attention", "compressed_sparse_attention",
+                        "heavily_compressed_attention"),
+          "linear_attention": ("linear_attention",),
+          "compressed": ("compressed_sparse_attention", "heavily_compressed_attention"),
+          "compressed_sparse": ("compressed_sparse_attention",)}
 
 
 @dataclass(frozen=True)
@@ -322,6 +327,11 @@ class Family:
             `{mtp_layer}` (the source's layer index of module k, `num_hidden_layers` + k); `None`: the family has
             no MTP modules. The modules the files hold are what converts (`count_mtp_layers`); their tensors go
             by `{mtp}` rules.
+        aliases: Prefixes of another layout the family's files are published in (a release's own names) -> those
+            `renames` reads, applied before them; read only: export writes what transformers' `save_pretrained`
+            writes.
+        dropped: Name prefixes of source tensors the family's transformers model does not hold (it loads without
+            them) -> what they are: not converted, as transformers does not load them; the model card says so.
     """
 
     name: str
@@ -336,6 +346,8 @@ class Family:
     experts: tuple[ExpertStack, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
     mtp_layers: str | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
 
 
 def refuse_tensors(names, family: Family) -> None:

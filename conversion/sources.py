@@ -211,7 +211,9 @@ def model_tensors(tensors: dict[str, SourceTensor], family: Family) -> dict[str,
     keep = (family.prefix, *family.head) if family.prefix else None
     named = {}
     for tensor in tensors.values():
-        name = rename(tensor.name, family.renames)
+        if tensor.name.startswith(tuple(family.dropped)):  # not held by the family's model (`Family.dropped`)
+            continue
+        name = rename(rename(tensor.name, family.aliases), family.renames)
         if keep is not None and not name.startswith(keep):
             name = family.prefix + name
         named[name] = dataclasses.replace(tensor, name=name)

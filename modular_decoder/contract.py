@@ -218,7 +218,8 @@ def _unread(config: ModularDecoderConfig) -> set[str]:
 
 # per-layer lists shown as counts and a one-letter pattern
 _PATTERNS = {
-    "layer_types": {"sliding_attention": "S", "full_attention": "F", LINEAR_ATTENTION: "L"},
+    "layer_types": {"sliding_attention": "S", "full_attention": "F", LINEAR_ATTENTION: "L",
+                    "compressed_sparse_attention": "C", "heavily_compressed_attention": "H"},
     "mlp_layer_types": {"sparse": "S", "dense": "D"},
     "no_rope_layers": {1: "R", 0: "N"},
 }

@@ -87,6 +87,18 @@ CASES: dict[str, tuple[str, callable]] = {
         use_sliding_window=True, sliding_window=8, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
 }
 
+# DeepSeek-V4: a window-only layer and the compressed ones (CSA every 2 tokens keeping 3 entries per query of its
+# 8-head indexer, HCA every 4), hash routing in the first layer, 3 hyper-connection streams, a clamp low enough to bite
+DSV4 = dict(vocab_size=V, hidden_size=D, moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=H,
+            head_dim=16, q_lora_rank=12, o_groups=2, o_lora_rank=8, sliding_window=5, partial_rotary_factor=0.5,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                         "compressed_sparse_attention"],
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, index_n_heads=8,
+            index_head_dim=8, index_topk=3, n_routed_experts=4, num_experts_per_tok=2, hc_mult=3, hc_sinkhorn_iters=5,
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], swiglu_limit=0.5, max_position_embeddings=P)
+if hasattr(tf, "DeepseekV4Config"):
+    CASES["deepseek_v4"] = ("deepseek_v4", lambda: tf.DeepseekV4Config(**DSV4))
+
 # Hybrid linear attention: Gated DeltaNet layers (2 key heads, 4 value heads: each key head serves two) beside
 # gated full attention; Qwen3-Next with experts in every other layer and a dense one
 HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
@@ -107,7 +119,7 @@ CASES.update({
 
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "deepseek_v4") or name == "qwen3_next"
              or name.endswith(("-moe", "-moe-grouped"))]
 
 
@@ -122,6 +134,8 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
         for name, buffer in model.named_buffers():
             if name in saved and buffer.is_floating_point():
                 buffer.add_(torch.randn_like(buffer) * 0.1)
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: fresh, every token's experts are 0
+                buffer.copy_(torch.randint(0, model.config.n_routed_experts, buffer.shape))
     return model
 
 
