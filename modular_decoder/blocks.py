@@ -36,11 +36,13 @@ class DecoderBlock(GradientCheckpointingLayer):
     reads: tuple[str, ...] = ()  # config fields only some blocks read (the contract table shows those of this one)
 
     def __init_subclass__(cls, **kwargs):
-        """A subclass's `forward` (its diagram) is its `sublayers`; the call goes through the residual stream."""
-        super().__init_subclass__(**kwargs)
+        """A subclass's `forward` (its diagram) is its `sublayers`; the call goes through the residual stream. (Before
+        transformers' `GradientCheckpointingLayer` wraps the class's `forward`: the diagram stays unwrapped, and a
+        subclass that draws none keeps the join it inherits.)"""
         if "forward" in vars(cls):
             cls.sublayers = vars(cls)["forward"]
             cls.forward = DecoderBlock.forward
+        super().__init_subclass__(**kwargs)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         """The layer: `sublayers` joined to the residual stream(s) `x` by the `residual_stream` entry."""

@@ -43,6 +43,10 @@ AXES: dict[str, dict[str, dict]] = {
         "moe_sigmoid_grouped": dict(mlp_type="moe", mlp_layer_types=["sparse", "dense"], num_experts=8,
                                     num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2,
                                     router_type="sigmoid_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5),
+        # DeepSeek-V4: √softplus scores, the first layer routed by token id, SiLU(g)·u clamped (shared expert too)
+        "moe_dsv4": dict(mlp_type="moe", hidden_act="silu", num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16, n_shared_experts=1, router_type="sqrtsoftplus_topk",
+                         num_hash_layers=1, swiglu_limit=1.0, swiglu_alpha=1.0, swiglu_up_offset=0.0),
     },
     "positions": {
         "learned": dict(position_embedding_type="learned"),
@@ -106,6 +110,16 @@ AXES: dict[str, dict[str, dict]] = {
         "linear_gva_gated": dict(second_layer="linear_attention", attn_output_gate=True, linear_num_key_heads=2,
                                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                                  linear_conv_kernel_dim=3),
+        # DeepSeek-V4's attention: one key = value head, grouped output, a compressed (CSA) second layer
+        "shared_kv_compressed": dict(attention_type="shared_kv", num_key_value_heads=1, q_lora_rank=12, o_groups=2,
+                                     o_lora_rank=8, second_layer="compressed_sparse_attention", sliding_window=4,
+                                     compress_rates={"compressed_sparse_attention": 2}, index_n_heads=4,
+                                     index_head_dim=8, index_topk=2),
+    },
+    # how a layer's output joins the residual stream: one stream, or DeepSeek-V4's hyper-connections
+    "stream": {
+        "single": {},
+        "hyper": dict(residual_stream="hyper_connections", hc_mult=2, hc_sinkhorn_iters=3),
     },
     "ends": {
         "tied": dict(tie_word_embeddings=True),
@@ -123,6 +137,16 @@ BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_laye
 
 def valid(choice: dict[str, str]) -> bool:
     positions = choice.get("positions", "rope")
+    # hyper-connections mix streams around each branch of a serial block whose residual adds it
+    if choice.get("stream") == "hyper" and (choice.get("placement", "pre").startswith(("post", "parallel"))
+                                           or choice.get("ends") == "mup_scales"):
+        return False
+    # shared key = value attention: no biases, no QK-norm, no ALiBi, no score cap (its fields' rules)
+    if choice.get("mixer") == "shared_kv_compressed" and (
+            choice.get("bias", "none") == "qkv_only" or choice.get("bias") == "all" or choice.get("qk_norm", "none") != "none"
+            or positions == "alibi" or choice.get("softcap") in ("attn", "both_scaled")
+            or choice.get("window") == "mixed_local_base"):
+        return False
     if choice.get("window") == "mixed_local_base" and not positions.startswith("rope"):
         return False
     # dynamic/longrope rescale with the longest position seen, so per-layer-type tables are not
