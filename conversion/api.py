@@ -217,7 +217,8 @@ def convert(
         copy_side_files(src, tmp)
         if release is not None:
             _keep_release(release, tmp / KEPT_FOLDER, family.name, cfg, progress)
-        description = _card_description(base_model, quantization, torch_dtype, release)
+        dropped = [what for prefix, what in family.dropped.items() if any(name.startswith(prefix) for name in files)]
+        description = _card_description(base_model, quantization, torch_dtype, release, dropped)
         (tmp / "README.md").write_text(render_model_card(cfg, base_model=base_model, description=description))
     if verify:
         diff = compare_with_source(src, out, gguf_file=gguf_file)
@@ -323,11 +324,15 @@ def _release_config(kept: KeptRelease, family: Family, cfg):
 
 
 def _card_description(base_model: str | None, quantization: dict | None, dtype: torch.dtype,
-                      release: OpenedRelease | None) -> str | None:
-    """The model card's first paragraph where the source needs one said: published quantized, or a multimodal
-    release whose other parts are kept in `multimodal/`."""
+                      release: OpenedRelease | None, dropped: list[str] = ()) -> str | None:
+    """The model card's first paragraph where the source needs one said: published quantized, a multimodal
+    release whose other parts are kept in `multimodal/`, or parts the family's model does not hold (`dropped`)."""
     if quantization is None and release is None:
-        return None
+        if not dropped:
+            return None
+        origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a checkpoint"
+        return (f"The weights of {origin}, converted to the modular_decoder family. Not converted: "
+                f"{'; '.join(dropped)}.")
     origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a checkpoint"
     text = f"The language model of {origin} (a `{release.wrapper.model_type}` release)" if release else \
         f"The weights of {origin}"
@@ -338,6 +343,8 @@ def _card_description(base_model: str | None, quantization: dict | None, dtype: 
         text += f" The release's vision tower, projector, processor and config are kept as published in `{KEPT_FOLDER}/`"
         text += "." if quantization is not None else \
             f"; `modular-decoder export THIS BACK --family {release.wrapper.model_type}` writes the release back."
+    if dropped:
+        text += f" Not converted: {'; '.join(dropped)}."
     return text
 
 

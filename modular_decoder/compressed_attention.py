@@ -206,28 +206,29 @@ class WindowCompression(nn.Module):
         self.rotary_emb = RotaryEmbedding(config) if config.uses_rope else None
 
     def forward(self, hidden_states, real, positions, docs, cache_layer, rotary: bool) -> Entries:
-        """This layer's entries after the new tokens: real, positions, docs (B, T); with a cache layer, what it
-        held and what these tokens complete (one document), else the windows these tokens complete."""
+        """This layer's entries for the new tokens: real, positions, docs (B, T). The first forward (no cache, or
+        a cache holding nothing yet) attends to the windows its own tokens complete, each query to its document's
+        (packed documents); a cache keeps each row's last document, which a later forward continues (slots)."""
         kv, gate = self.compressor.project(hidden_states)
         streams = {"compressor": (self.compressor, kv, gate)}
         if self.indexer is not None:
             streams["indexer"] = (self.indexer.compressor, *self.indexer.compressor.project(hidden_states))
+        first = cache_layer is None or not cache_layer.tails
         tail = cache_layer.tail_length if cache_layer is not None else 0
-        plan = None
-        pooled = {}
+        plan = WindowPlan.of(real, positions, docs, tail, self.rate)
+        last_document = docs.masked_fill(~real, -1).amax(dim=1, keepdim=True)  # (B, 1): each row's last real token's
+        local, slots = {}, {}
         for name, (compressor, kv, gate) in streams.items():
             if cache_layer is not None:
                 kv, gate = cache_layer.with_tail(name, kv, gate, tail)
-            if plan is None:
-                plan = WindowPlan.of(real, positions, docs, tail, self.rate)
-            pooled[name] = self._rotated(compressor.pool(kv, gate, plan), plan.windows, rotary)
+            local[name] = self._rotated(compressor.pool(kv, gate, plan), plan.windows, rotary)
             if cache_layer is not None:
-                pooled[name] = cache_layer.store(name, kv, gate, plan.order, pooled[name], plan)
-        index_keys = pooled.get("indexer")
-        if cache_layer is not None:
-            return Entries(pooled["compressor"], index_keys, cache_layer.entry_windows(), self.rate)
+                slots[name] = cache_layer.store(name, kv, gate, plan.order, local[name], plan,
+                                                plan.valid & (plan.documents == last_document))
+        if not first:
+            return Entries(slots["compressor"], slots.get("indexer"), cache_layer.entry_windows(), self.rate)
         windows = plan.windows.masked_fill(~plan.valid, NEVER)
-        return Entries(pooled["compressor"], index_keys, windows, self.rate, plan.documents, docs)
+        return Entries(local["compressor"], local.get("indexer"), windows, self.rate, plan.documents, docs)
 
     def _rotated(self, entries: torch.Tensor, windows: torch.Tensor, rotary: bool) -> torch.Tensor:
         """RoPE on each entry's last rotary features at its window's first position w·m (the layer's table)."""

@@ -76,15 +76,16 @@ class CompressedLayer(SharedKVSlidingLayer):
                     gate.new_full((gate.shape[0], tail, gate.shape[-1]), float("-inf")))
         return torch.cat((held[0], kv), dim=1), torch.cat((held[1], gate), dim=1)
 
-    def store(self, name: str, kv, gate, order, pooled: torch.Tensor, plan) -> torch.Tensor:
+    def store(self, name: str, kv, gate, order, pooled: torch.Tensor, plan, kept: torch.Tensor) -> torch.Tensor:
         """Keep the last `tail_length` real tokens' (C, Z) of X (`kv`, `gate` (B, N, ·) in `order`) and write the
-        windows `plan` completes into their slots; returns every slot's entry (B, S, D)."""
+        windows `plan` completes that `kept` (B, K) marks (those of each row's last document) into their slots;
+        returns every slot's entry (B, S, D)."""
         keep = order[:, -self.tail_length:].unsqueeze(-1) if self.tail_length else order[:, :0].unsqueeze(-1)
         self.tails[name] = (kv.gather(1, keep.expand(-1, -1, kv.shape[-1])),
                             gate.gather(1, keep.expand(-1, -1, gate.shape[-1])))
         entries = self._slots(name, pooled)
         trash = entries.shape[1] - 1
-        slot = torch.where(plan.valid, plan.windows, trash).clamp(max=trash)
+        slot = torch.where(kept, plan.windows, trash).clamp(max=trash)
         entries.scatter_(1, slot.unsqueeze(-1).expand(-1, -1, pooled.shape[-1]), pooled.to(entries.dtype))
         return entries
 

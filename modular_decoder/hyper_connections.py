@@ -150,8 +150,9 @@ class HyperConnections(ResidualStreamKind):
                              "it needs a serial block whose residual adds the branch (`norm_position` 'pre', "
                              "'sandwich' or 'output', `parallel_block`=False).")
         if config.residual_multiplier != 1.0:
-            raise ValueError("`residual_multiplier` scales what a branch adds to one stream; hyper-connections spread "
-                             "it by learned weights: leave it at 1.0.")
+            raise ValueError(f"`residual_multiplier`={config.residual_multiplier} scales what a branch adds to one "
+                             "stream; `residual_stream='hyper_connections'` spreads it by learned weights: leave it "
+                             "at 1.0.")
         if config.num_mtp_layers:
             raise ValueError("`num_mtp_layers` with `residual_stream='hyper_connections'` is not supported: the MTP "
                              "modules' blocks read one stream.")
