@@ -17,7 +17,10 @@ from pathlib import Path
 import torch
 
 from .core import Family, rename
-from .quantized import dequantize_fp8, dequantize_mxfp4, fp8_scale_name
+from .quantized import dequantize_fp4_blocks, dequantize_fp8, dequantize_mxfp4, fp8_scale_name
+
+# Storage dtypes of FP4-packed weights beside an FP8 checkpoint's scales (DeepSeek-V4's experts: int8)
+FP4_PACKED = (torch.int8, torch.uint8, *((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()))
 from .tensor_files import StoredTensor, folder_layout, read_tensor
 
 
@@ -112,7 +115,8 @@ def describe_quantization(quantization: dict | None) -> str | None:
     if method == "fp8":
         block = quantization.get("weight_block_size")
         blocks = f" with one scale per {block[0]}x{block[1]} block" if block else ""
-        return f"FP8 (`float8_e4m3fn`){blocks}"
+        experts = " and FP4 experts (E2M1 values, one scale per 32)" if quantization.get("expert_dtype") == "fp4" else ""
+        return f"FP8 (`float8_e4m3fn`){blocks}{experts}"
     if method == "mxfp4":
         return "MXFP4 experts (E2M1 values, one E8M0 scale per 32)"
     return str(method)
@@ -163,6 +167,11 @@ def _fp8_entries(tensors: dict[str, SourceTensor], block: tuple[int, int], dtype
             out[name] = tensor
             continue
         scales.discard(scale.name)
+        if tensor.dtype in FP4_PACKED:  # DeepSeek-V4's FP4 experts: two values a byte, their scale grid sets the block
+            out[name] = _combined(name, [tensor, scale], (*tensor.shape[:-1], 2 * tensor.shape[-1]), dtype,
+                                  lambda w=tensor, s=scale, name=name: dequantize_fp4_blocks(w.read(), s.read(), dtype,
+                                                                                             name))
+            continue
 
         def read(w=tensor, s=scale, name=name):
             return dequantize_fp8(w.read(), s.read(), block, dtype, name)

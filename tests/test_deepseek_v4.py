@@ -158,3 +158,42 @@ def test_release_layout_converts_and_its_mtp_module_is_left_out(pair, tmp_path):
         torch.testing.assert_close(converted(LONG).logits, ours(LONG).logits, atol=0, rtol=0)
     assert "multi-token-prediction module" in (tmp_path / "md" / "README.md").read_text()
     assert json.loads((tmp_path / "md" / "config.json").read_text())["num_mtp_layers"] == 0
+
+
+def _train(model, collator, tmp_path, **arguments) -> list[float]:
+    from transformers import Trainer, TrainingArguments
+
+    dataset = [{"input_ids": [(s * 5 + i) % 90 + 1 for i in range(6 + s % 5)]} for s in range(12)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
+                             use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
+                             remove_unused_columns=False, **arguments)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_padded_and_packed_beside_transformers(pair, tmp_path):
+    """`Trainer` from the same weights and data: ours on right-padded batches, and on packed batches with gradient
+    checkpointing, gives transformers' DeepSeek-V4 loss curve on right-padded batches (its padding comes after each
+    row's tokens, so no real token's entry pools it; its packed batches would pool across documents)."""
+    from decoding import right_padded
+    from transformers import DataCollatorWithFlattening
+
+    _, _, root = pair
+    theirs = _train(AutoModelForCausalLM.from_pretrained(root / "src"), right_padded, tmp_path / "a")
+    padded = _train(AutoModelForCausalLM.from_pretrained(root / "md"), right_padded, tmp_path / "b")
+    packed = _train(AutoModelForCausalLM.from_pretrained(root / "md"), DataCollatorWithFlattening(return_position_ids=True),
+                    tmp_path / "c", gradient_checkpointing=True)
+    assert len(theirs) == 3
+    torch.testing.assert_close(torch.tensor(padded), torch.tensor(theirs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(packed), torch.tensor(theirs), rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_backend_refused_naming_what_it_cannot_serve(pair):
+    """vLLM's Transformers backend cannot run shared key = value attention with compressed layers, hash routing or
+    the clamped experts: refused at load naming them (transformers' class serves there neither)."""
+    from modular_decoder.backend_features import check_backend
+
+    _, ours, _ = pair
+    with pytest.raises(ValueError, match="vLLM.*attention_type='shared_kv'.*num_hash_layers"):
+        check_backend(ours.config, "vllm")
