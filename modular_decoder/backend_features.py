@@ -32,7 +32,7 @@ FEATURE_FIELDS = {
     # Not attention, but what an engine that runs the whole model (vLLM: its own lm_head and experts) must honour
     "logits_scaling": "logits_scaling (logits divided by it)",
     "experts_activation": "hidden_act other than 'silu' with mlp_type='moe'",
-    "experts_clamped_swiglu": "swiglu_limit (gpt-oss's clamped SwiGLU experts)",
+    "experts_clamped_swiglu": "swiglu_limit (clamped SwiGLU experts: gpt-oss, DeepSeek-V4)",
     "experts_bias": "mlp_bias with mlp_type='moe' (experts with biases)",
     "router_bias": "router_bias",
     # A recurrent state per sequence (Gated DeltaNet): vLLM's Transformers backend replaces attention layers only

@@ -375,7 +375,11 @@ def test_deepseek_v4_fp8_and_fp4_experts_convert_to_transformers_dequantized_wei
     assert {torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu} <= {t.dtype for t in load_file(src / "model.safetensors").values()}
     out = convert(src, tmp_path / "md", dtype=dtype, progress=False)
     torch_dtype = torch.float32 if dtype else torch.bfloat16
-    expected = expected_contract(src, reference_state(src, torch_dtype))
+    try:
+        reference = reference_state(src, torch_dtype)
+    except AttributeError as error:  # 5.16's FP8 quantizer reads DeepSeek-V4's `modules_to_not_convert` as None
+        pytest.skip(f"this transformers cannot load DeepSeek-V4 dequantized ({error})")
+    expected = expected_contract(src, reference)
     got = load_file(out / "model.safetensors")
     assert sorted(got) == sorted(expected)
     for name, tensor in expected.items():
