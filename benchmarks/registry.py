@@ -63,6 +63,10 @@ BENCHMARKS = (
     Benchmark("hybrid", "hybrid", "hybrid linear attention: prefill and decode against transformers' "
               "Qwen3NextForCausalLM, and one decode step of a Gated DeltaNet layer beside a full-attention layer at "
               "1k and 16k cached tokens (time, cache bytes)", "results_hybrid.json"),
+    Benchmark("deepseek_v4", "deepseek_v4", "DeepSeek-V4: prefill and decode against transformers' "
+              "DeepseekV4ForCausalLM, the compressed caches' bytes per token against transformers' at 4k and 32k, "
+              "and one decode step from 8k to 64k cached tokens against the same model with a window only",
+              "results_deepseek_v4.json"),
     Benchmark("gpu", "gpu", "the GPU matrix (bf16, one accelerator): prefill, eager and compiled generate, MLA "
               "decode and chunked prefill, training steps, diagnostics; `--smoke` runs its code paths on the CPU",
               "results_gpu.json"),
