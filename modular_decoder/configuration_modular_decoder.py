@@ -17,6 +17,7 @@ from transformers import PretrainedConfig  # noqa: E402
 
 from .blocks import validate_block  # noqa: E402
 from .kinds import LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
+from .mamba2 import Mamba2Fields  # noqa: E402
 from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
@@ -95,7 +96,7 @@ FIELD_RULES = {
 }
 
 
-class ModularDecoderConfig(PretrainedConfig):
+class ModularDecoderConfig(Mamba2Fields, PretrainedConfig):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:
@@ -224,8 +225,9 @@ class ModularDecoderConfig(PretrainedConfig):
             `linear_attention_type` names; Qwen3-Next and Qwen3.5 have three for every full layer): it reads no
             positions, and its cache holds a fixed-size state per sequence.
         linear_attention_type (`str`): The linear-attention layers' kind: `"gated_deltanet"` (Gated DeltaNet,
-            Qwen3-Next / Qwen3.5). The fields below up to `linear_conv_kernel_dim` apply only when `layer_types`
-            has linear layers (left unset otherwise).
+            Qwen3-Next / Qwen3.5) or another kind of `registries.LINEAR_ATTENTIONS`, whose fields live beside it
+            (`"mamba2"`: `mamba2.Mamba2Fields`). The fields below up to `linear_conv_kernel_dim` are Gated
+            DeltaNet's and apply only when `layer_types` has linear layers (left unset otherwise).
         linear_num_key_heads (`int`, *optional*): Query/key heads H_k of the linear layers. Defaults to H.
         linear_num_value_heads (`int`, *optional*): Value heads H_v, a multiple of H_k (each key head serves
             H_v / H_k of them). Defaults to H.

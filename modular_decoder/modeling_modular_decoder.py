@@ -34,6 +34,7 @@ from .experts import experts_kernels_available
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .kinds import LINEAR_ATTENTION
+from .mamba2 import GroupedGatedRMSNorm, Mamba2
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
 from .mtp_generation import check_draft_tokens, check_use_mtp, drafting_tokens, mtp_candidate_generator_for
@@ -159,7 +160,9 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         elif isinstance(module, GatedDeltaNet):  # as transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)
             init.ones_(module.dt_bias)
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
-        elif isinstance(module, GatedRMSNorm):
+        elif isinstance(module, Mamba2):  # Mamba-2's own: A ~ U(1, 16), D = 1, dt_bias from steps in [1e-3, 0.1]
+            module.init_scan_parameters(init)
+        elif isinstance(module, (GatedRMSNorm, GroupedGatedRMSNorm)):
             init.ones_(module.weight)
         elif isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
             init.normal_(module.weight, mean=0.0, std=std)

@@ -105,6 +105,18 @@ CASES.update({
         **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS)),
 })
 
+# Mamba-2 hybrids: 4 scan heads of 16 (2 groups of B / C where the case says so), a state of 8, chunks of 8 tokens so
+# that a 12-token prompt crosses chunk boundaries; attention at the second layer
+MAMBA = dict(mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=8, num_key_value_heads=2)
+CASES.update({
+    # Bamba-9B's one group (transformers 5.16.1's class normalises the whole inner width at once, which only one
+    # group makes equal to the grouped norm of Mamba-2 and of transformers 5.25)
+    "bamba": ("bamba", lambda: tf.BambaConfig(**{**COMMON, "num_hidden_layers": 3}, **MAMBA, attn_layer_indices=[1])),
+    "bamba-grouped": ("bamba", lambda: tf.BambaConfig(
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2, attn_layer_indices=[1], mamba_conv_bias=False,
+        tie_word_embeddings=True)),
+})
+
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"

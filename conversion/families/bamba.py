@@ -1,0 +1,49 @@
+"""Bamba (IBM, `BambaForCausalLM`): Mamba-2 layers with attention at the layers `attn_layer_indices` lists, RoPE
+on half of each attention head (`partial_rotary_factor` 0.5, fixed by its config class), pre-norm RMSNorm blocks
+with a SwiGLU feed-forward after either mixer. Its mixer sits at `mamba`, its feed-forward at `feed_forward`."""
+
+from __future__ import annotations
+
+from transformers import BambaConfig
+
+from ..core import Family, refuse, rule
+from .common import linear, norm, rope, source_rope, source_sizes, sizes
+from .mamba2 import attention_rules, mamba_expand, mamba_fields, mamba_rules, source_mamba_fields
+
+
+def to_contract(src) -> dict:
+    refuse({f"a z-loss on the logits (`z_loss_coefficient`={src.z_loss_coefficient})": bool(src.z_loss_coefficient)},
+           "bamba")
+    return dict(
+        sizes(src), **rope(src), norm_type="rmsnorm", norm_eps=src.rms_norm_eps, norm_position="pre",
+        mlp_type="gated", hidden_act=src.hidden_act, mlp_bias=src.mlp_bias, attention_bias=src.attention_bias,
+        layer_types=list(src.layers_block_type), **mamba_fields(src),
+    )
+
+
+def from_contract(cfg) -> BambaConfig:
+    refuse({f"a Mamba-2 activation ({cfg.mamba_hidden_act!r}) other than `hidden_act` ({cfg.hidden_act!r})":
+            cfg.mamba_hidden_act != cfg.hidden_act}, "bamba")
+    attention = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
+    rope_parameters = source_rope(cfg)
+    rope_parameters.pop("partial_rotary_factor", None)  # its config class sets 0.5 itself
+    return BambaConfig(
+        **source_sizes(cfg), rms_norm_eps=cfg.norm_eps, hidden_act=cfg.hidden_act, mlp_bias=cfg.mlp_bias,
+        attention_bias=cfg.attention_bias, rope_parameters=rope_parameters, attn_layer_indices=attention,
+        mamba_expand=mamba_expand(cfg), **source_mamba_fields(cfg),
+    )
+
+
+def rules(src) -> list:
+    layer = "model.layers.{layer}"
+    out = [rule("model.embed_tokens.weight", "model.embed_tokens.weight")]
+    out += attention_rules(f"{layer}.self_attn") + mamba_rules(f"{layer}.mamba")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        out += linear(f"{layer}.feed_forward.{proj}", f"{layer}.mlp.{proj}")
+    out += norm(f"{layer}.input_layernorm", f"{layer}.pre_attn_norm") + norm(f"{layer}.pre_ff_layernorm",
+                                                                             f"{layer}.pre_mlp_norm")
+    out += norm("model.final_layernorm", "model.final_norm")
+    return out + [rule("lm_head.weight", "lm_head.weight", optional=True)]
+
+
+FAMILY = Family("bamba", to_contract, from_contract, rules, "model.", BambaConfig)
