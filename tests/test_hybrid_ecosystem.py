@@ -27,7 +27,7 @@ LINEAR_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_pro
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next", "bamba"])
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint, the folders), fp32, eval."""
     return _pair(request.param, tmp_path_factory)
@@ -70,10 +70,10 @@ def test_packed_documents_equal_each_document_alone_in_transformers_class(pair):
             start += len(document)
 
 
-def test_packed_rows_restart_at_row_starts_and_documents(qwen3_5):
+def test_packed_rows_restart_at_row_starts_and_documents(pair):
     """Two rows, each holding two documents: each document computes what it computes alone (a row's start starts
     a document too), and a cache filled by the packed forward holds each row's last document's state."""
-    _, ours, _ = qwen3_5
+    _, ours, _ = pair
     rows = [(DOCUMENTS[1], DOCUMENTS[2][:4]), (DOCUMENTS[2][:2], DOCUMENTS[0][:5])]
     ids = torch.tensor([a + b for a, b in rows])
     positions = torch.tensor([list(range(len(a))) + list(range(len(b))) for a, b in rows])

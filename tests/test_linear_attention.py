@@ -19,7 +19,9 @@ from modular_decoder.contract import cache_bytes, cache_bytes_per_token, paramet
 from modular_decoder.conversion import convert
 from modular_decoder.recurrent_cache import RecurrentLayer
 
-FAMILIES = ["qwen3_next", "qwen3_5_text"]
+# The hybrids of every linear-attention kind (their own kernels and rules: test_mamba2.py for Mamba-2's)
+GATED_DELTANET_FAMILIES = ["qwen3_next", "qwen3_5_text"]
+FAMILIES = GATED_DELTANET_FAMILIES + ["bamba", "bamba-grouped"]
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
@@ -31,12 +33,23 @@ GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_i
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint), both fp32 and eval."""
-    family, build = CASES[request.param]
+    return converted_pair(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=GATED_DELTANET_FAMILIES)
+def gated_deltanet_pair(request, tmp_path_factory):
+    return converted_pair(request.param, tmp_path_factory)
+
+
+def converted_pair(case: str, tmp_path_factory):
+    """(transformers' model of conversion case `case`, every weight perturbed, ours converted from its checkpoint),
+    both fp32 and eval."""
+    family, build = CASES[case]
     config = build()
     config.architectures = None
     torch.manual_seed(0)
     source = perturbed(AutoModelForCausalLM.from_config(config).eval())
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(case)
     source.save_pretrained(path / "src")
     convert(path / "src", path / "ours", progress=False)
     return source, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval()
@@ -295,11 +308,11 @@ def _fake_fla(torch_rule, calls):
     return kernel
 
 
-def test_gpu_kernels_are_dispatched_where_available(pair, monkeypatch):
+def test_gpu_kernels_are_dispatched_where_available(gated_deltanet_pair, monkeypatch):
     """With fla and causal-conv1d reported available (stand-ins that compute what the libraries document) and
     this device counted as theirs, the layers call them (the chunked kernel for prefill, the fused recurrent one
     and the in-place conv update for decode) and the tokens stay those of the PyTorch path."""
-    _, ours = pair
+    _, ours = gated_deltanet_pair
     expected = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
     calls = []
     monkeypatch.setattr(compat, "flash_linear_attention_kernels", lambda: (
@@ -320,10 +333,10 @@ def test_gpu_kernels_are_dispatched_where_available(pair, monkeypatch):
     assert delta_rule.kernels_for(torch.device("cpu")) == delta_rule.TORCH_KERNELS
 
 
-def test_gpu_kernels_take_packed_documents_by_cu_seqlens(pair, monkeypatch):
+def test_gpu_kernels_take_packed_documents_by_cu_seqlens(gated_deltanet_pair, monkeypatch):
     """Packed documents on the GPU path: fla's chunked kernel gets `cu_seqlens` (batch 1), causal-conv1d's
     kernel the row with zeros between documents; each document's logits stay those it has alone."""
-    _, ours = pair
+    _, ours = gated_deltanet_pair
     documents = [IDS[0, :7].tolist(), IDS[1, :3].tolist(), IDS[1, 3:].tolist()]
     ids = torch.tensor([sum(documents, [])])
     positions = torch.tensor([sum((list(range(len(d))) for d in documents), [])])

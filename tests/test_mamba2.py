@@ -1,54 +1,34 @@
-"""Mamba-2 layers (`linear_attention_type="mamba2"`) against transformers' own classes with the same weights
-(through the converter): the scan kernels against transformers' reference kernels, logits and every generate() path
-through each side's own cache, packed documents and left padding, the cache's state and its arithmetic, the
-refusals, and the GPU kernel dispatch (with stand-ins: mamba_ssm and causal-conv1d need CUDA, which the test
-machines lack)."""
+"""What is Mamba-2's own (`linear_attention_type="mamba2"`): the scan kernels against transformers' reference
+kernels, the gated norm, the rules defined where transformers' classes differ (padding with projection biases, the
+step-size clamp in decode), the cache's shapes, the refusals and the GPU kernel dispatch (with stand-ins: mamba_ssm
+and causal-conv1d need CUDA, which the test machines lack). What every hybrid shares (logits and every generate() path
+against transformers' class through each side's cache, the cache's arithmetic, packed documents, training): its
+families are cases of test_linear_attention.py and test_hybrid_ecosystem.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
-from test_linear_attention import _fake_causal_conv1d_fn, _fake_causal_conv1d_update, _LargestTensor
-from transformers import AutoModelForCausalLM
+from conversion_cases import perturbed
+from test_hybrid_ecosystem import DOCUMENTS
+from test_linear_attention import (GREEDY, IDS, MASK, PADDED, _fake_causal_conv1d_fn, _fake_causal_conv1d_update,
+                                   _LargestTensor, converted_pair)
 from transformers.models.bamba import modeling_bamba as bamba
 from transformers.models.falcon_h1 import modeling_falcon_h1 as falcon_h1
 
 from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDecoderForCausalLM, compat, mamba2_scan
-from modular_decoder.contract import cache_bytes, cache_bytes_per_token, state_bytes_per_sequence
-from modular_decoder.conversion import convert
 from modular_decoder.mamba2 import GroupedGatedRMSNorm
 from modular_decoder.recurrent_cache import RecurrentLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["bamba", "bamba-grouped"]
-IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
-PADDED = IDS.clone()
-PADDED[1, :5] = 0
-MASK = torch.ones_like(IDS)
-MASK[1, :5] = 0
-GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
-# Documents of 19 (crossing two 8-token chunks), 3 (shorter than the conv window), 6 and 1 tokens
-DOCUMENTS = [[(7 * i + 3) % 90 + 1 for i in range(19)], [7, 14, 28], [11, 22, 33, 44, 55, 66], [5]]
-
-
-def _pair(case: str, tmp_path_factory):
-    family, build = CASES[case]
-    config = build()
-    config.architectures = None
-    torch.manual_seed(0)
-    source = perturbed(AutoModelForCausalLM.from_config(config).eval())
-    path = tmp_path_factory.mktemp(case)
-    source.save_pretrained(path / "src")
-    convert(path / "src", path / "ours", progress=False)
-    return source, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint), both fp32 and eval."""
-    return _pair(request.param, tmp_path_factory)
+    return converted_pair(request.param, tmp_path_factory)
 
 
 def _tiny(**overrides) -> ModularDecoderForCausalLM:
@@ -96,7 +76,8 @@ def test_scans_equal_transformers_reference_kernels(length, with_state):
     for t in range(length):
         out = bamba.mamba2_selective_state_update(
             running, x[:, t], raw_dt[:, t, :, None].expand(-1, -1, width), A[:, None, None].expand(-1, width, size),
-            B[:, t], C[:, t], D[:, None].expand(-1, width), dt_bias=dt_bias[:, None].expand(-1, width), dt_softplus=True)
+            B[:, t], C[:, t], D[:, None].expand(-1, width), dt_bias=dt_bias[:, None].expand(-1, width),
+            dt_softplus=True)
         torch.testing.assert_close(recurrent[0][:, t], out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(recurrent[1], running, rtol=1e-5, atol=1e-5)
 
@@ -142,81 +123,6 @@ def test_grouped_gated_norm_equals_transformers_norms(norm_before_gate):
     torch.testing.assert_close(ours(x, z), theirs(x, z), rtol=1e-6, atol=1e-6)
 
 
-# --- against transformers' classes ----------------------------------------------------------------
-
-
-def test_logits_and_greedy_tokens_match_transformers(pair):
-    source, ours = pair
-    with torch.no_grad():
-        torch.testing.assert_close(ours(IDS).logits, source(IDS).logits, rtol=0, atol=1e-5)
-    assert torch.equal(ours.generate(IDS, **GREEDY), source.generate(IDS, **GREEDY))
-
-
-def test_left_padded_batch_matches_transformers_and_each_row_alone(pair):
-    source, ours = pair
-    together = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
-    assert torch.equal(together, source.generate(PADDED, attention_mask=MASK, **GREEDY))
-    alone = ours.generate(IDS[1:, 5:], **GREEDY)
-    assert torch.equal(together[1, 5:], alone[0])
-
-
-def test_beam_search_and_sampling_match_transformers(pair):
-    source, ours = pair
-    beams = dict(GREEDY, num_beams=3)
-    assert torch.equal(ours.generate(PADDED, attention_mask=MASK, **beams),
-                       source.generate(PADDED, attention_mask=MASK, **beams))
-    sampled = []
-    for model in (ours, source):
-        torch.manual_seed(7)
-        sampled.append(model.generate(PADDED, attention_mask=MASK, do_sample=True, top_k=20, max_new_tokens=10,
-                                      pad_token_id=0))
-    assert torch.equal(*sampled)
-
-
-def test_a_second_generate_continues_the_cache(pair):
-    source, ours = pair
-    first = ours.generate(IDS[:1], max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    turn = torch.cat([first.sequences, torch.tensor([[7, 8, 9]])], dim=1)
-    continued = ours.generate(turn, cache=getattr(first, compat.CACHE_NAME), max_new_tokens=6, do_sample=False)
-    assert torch.equal(continued, ours.generate(turn, max_new_tokens=6, do_sample=False))
-    assert torch.equal(continued, source.generate(turn, max_new_tokens=6, do_sample=False))
-
-
-def test_prompt_in_chunks_through_the_cache_equals_transformers_forward(pair):
-    """Chunked prefill: 5 + 4 + 1 + 2 tokens against the cache give transformers' one-pass logits (the scan
-    continues from the cached state and conv window across the pieces, one-token pieces by the recurrent step)."""
-    source, ours = pair
-    with torch.no_grad():
-        expected = source(IDS, use_cache=False).logits
-        torch.testing.assert_close(ours(IDS, use_cache=False).logits, expected, rtol=0, atol=1e-5)
-        cache, start, pieces = ModularDecoderCache(ours.config), 0, []
-        for size in (5, 4, 1, 2):
-            pieces.append(ours(IDS[:, start:start + size], cache=cache).logits)
-            start += size
-    torch.testing.assert_close(torch.cat(pieces, dim=1), expected, rtol=0, atol=1e-5)
-
-
-def test_static_cache_gives_the_dynamic_tokens(pair):
-    _, ours = pair
-    dynamic = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
-    assert torch.equal(ours.generate(PADDED, attention_mask=MASK, cache_implementation="static", **GREEDY), dynamic)
-
-
-def test_packed_documents_equal_each_document_alone_in_transformers_class(pair):
-    """One row of packed documents (`position_ids` restarting, no mask): each document's logits equal transformers'
-    class on that document alone (its own packed path carries the state across documents)."""
-    source, ours = pair
-    ids = torch.tensor([sum(DOCUMENTS, [])])
-    positions = torch.tensor([sum((list(range(len(d))) for d in DOCUMENTS), [])])
-    with torch.no_grad():
-        packed = ours(input_ids=ids, position_ids=positions).logits[0]
-        start = 0
-        for document in DOCUMENTS:
-            alone = source(torch.tensor([document])).logits[0]
-            torch.testing.assert_close(packed[start:start + len(document)], alone, rtol=1e-5, atol=1e-5)
-            start += len(document)
-
-
 # --- the rules this project defines where transformers' classes differ --------------------------------------
 
 
@@ -246,63 +152,20 @@ def test_a_binding_step_limit_is_applied_in_decode_as_in_prefill():
     assert not torch.allclose(full, unclamped, atol=1e-3)  # the limit binds
 
 
-def test_packed_rows_keep_each_rows_last_document_in_the_cache():
-    """Two rows of two documents each: every document computes as alone, and the cache holds each row's last
-    document's conv window and state."""
-    model = _tiny()
-    rows = [(DOCUMENTS[1], DOCUMENTS[2][:4]), (DOCUMENTS[2][:2], DOCUMENTS[0][:5])]
-    ids = torch.tensor([a + b for a, b in rows])
-    positions = torch.tensor([list(range(len(a))) + list(range(len(b))) for a, b in rows])
-    with torch.no_grad():
-        output = model(input_ids=ids, position_ids=positions, use_cache=True)
-        for row, (a, b) in enumerate(rows):
-            for offset, document in ((0, a), (len(a), b)):
-                alone = model(torch.tensor([document])).logits[0]
-                torch.testing.assert_close(output.logits[row, offset:offset + len(document)], alone,
-                                           rtol=1e-5, atol=1e-5)
-        last = [getattr(model(torch.tensor([b]), use_cache=True), compat.CACHE_NAME) for _, b in rows]
-    for index, layer in enumerate(getattr(output, compat.CACHE_NAME).layers):
-        if isinstance(layer, RecurrentLayer):
-            for row in range(len(rows)):
-                torch.testing.assert_close(layer.conv_state[row], last[row].layers[index].conv_state[0])
-                torch.testing.assert_close(layer.recurrent_state[row], last[row].layers[index].recurrent_state[0],
-                                           rtol=1e-5, atol=1e-6)
-
-
 # --- the cache ------------------------------------------------------------------------------------
 
 
-def test_cache_holds_a_constant_state_per_sequence_as_the_contract_says(pair):
+def test_the_cache_holds_the_conv_window_and_an_fp32_state_per_head(pair):
+    """(B, H·P + 2·G·N, K) in the model's dtype and (B, H, P, N) in fp32, whatever the context (their bytes against
+    the contract: test_linear_attention.py)."""
     _, ours = pair
     config = ours.config
     with torch.no_grad():
-        cache = getattr(ours(IDS[:, :4], use_cache=True), compat.CACHE_NAME)
-        first = cache.payload_bytes()
-        assert first == cache_bytes(config, 4, batch_size=2, dtype=torch.float32)
-        ours(IDS[:, 4:], cache=cache)
-    linear = [layer for layer in cache.layers if isinstance(layer, RecurrentLayer)]
-    assert sum(layer.payload_bytes() for layer in linear) == 2 * state_bytes_per_sequence(config, torch.float32)
-    assert cache.payload_bytes() - first == 2 * 8 * cache_bytes_per_token(config, torch.float32)
-    layer = linear[0]
+        cache = getattr(ours(IDS, use_cache=True), compat.CACHE_NAME)
+    layer = next(layer for layer in cache.layers if isinstance(layer, RecurrentLayer))
     heads, width, size = config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state
     assert layer.recurrent_state.shape == (2, heads, width, size) and layer.recurrent_state.dtype == torch.float32
     assert layer.conv_state.shape == (2, heads * width + 2 * config.mamba_n_groups * size, config.mamba_d_conv)
-    assert cache.get_seq_length() == IDS.shape[1]
-
-
-def test_reorder_select_repeat_and_reset_follow_the_batch(pair):
-    _, ours = pair
-    with torch.no_grad():
-        cache = getattr(ours(IDS, use_cache=True), compat.CACHE_NAME)
-    layer = next(layer for layer in cache.layers if isinstance(layer, RecurrentLayer))
-    conv, state = layer.conv_state.clone(), layer.recurrent_state.clone()
-    cache.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(layer.conv_state, conv.flip(0)) and torch.equal(layer.recurrent_state, state.flip(0))
-    cache.batch_repeat_interleave(2)
-    cache.batch_select_indices(torch.tensor([0, 3]))
-    assert torch.equal(layer.recurrent_state, state.flip(0)[[0, 1]])
-    cache.reset()
-    assert layer.conv_state is None and layer.recurrent_state is None
 
 
 # --- the contract ---------------------------------------------------------------------------------
