@@ -47,6 +47,7 @@ FAMILIES: dict[str, str] = {
     "gpt_oss": "modular_decoder.conversion.families.gpt_oss",
     "smollm3": "modular_decoder.conversion.families.smollm3",
     "bamba": "modular_decoder.conversion.families.bamba",
+    "granitemoehybrid": "modular_decoder.conversion.families.granitemoehybrid",
 }
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .delta_rule import causal_conv1d
+from .hybrid_cache import HybridLayer
 from .packed_documents import PackedDocuments, convolve_documents, last_document_only
 from .recurrent_cache import RecurrentLayer
 from .split_products import weight_is_readable
@@ -36,6 +37,7 @@ class RecurrentMixer(nn.Module):
             return None
         layers = getattr(cache, "layers", None)
         layer = layers[self.layer_idx] if isinstance(layers, list) and self.layer_idx < len(layers) else None
+        layer = layer.recurrent if isinstance(layer, HybridLayer) else layer  # a hybrid layer's state
         if not isinstance(layer, RecurrentLayer):
             raise ValueError(
                 f"`cache` is a {type(cache).__name__} whose layer {self.layer_idx} cannot hold this "

@@ -115,11 +115,21 @@ CASES.update({
     "bamba-grouped": ("bamba", lambda: tf.BambaConfig(
         **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2, attn_layer_indices=[1], mamba_conv_bias=False,
         tie_word_embeddings=True)),
+    # Granite 4.0-H: no positions, experts narrower than d beside a shared MLP, μP scalings; the dense variant (no
+    # experts: the shared MLP alone) with RoPE
+    "granitemoehybrid": ("granitemoehybrid", lambda: tf.GraniteMoeHybridConfig(
+        **{**COMMON, "intermediate_size": 24, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2,
+        layer_types=["mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=40, embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5,
+        attention_multiplier=0.3, tie_word_embeddings=True)),
+    "granitemoehybrid-dense": ("granitemoehybrid", lambda: tf.GraniteMoeHybridConfig(
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=0, shared_intermediate_size=48, position_embedding_type="rope")),
 })
 
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name in ("qwen3_next", "granitemoehybrid")
              or name.endswith(("-moe", "-moe-grouped"))]
 
 
