@@ -48,6 +48,7 @@ FAMILIES: dict[str, str] = {
     "smollm3": "modular_decoder.conversion.families.smollm3",
     "bamba": "modular_decoder.conversion.families.bamba",
     "granitemoehybrid": "modular_decoder.conversion.families.granitemoehybrid",
+    "nemotron_h": "modular_decoder.conversion.families.nemotron_h",
 }
 
 

@@ -25,9 +25,10 @@ def activation(name: str) -> nn.Module:
 class DenseMLP(nn.Module):
     """act(x W_up) W_down: GPT-1/2, OPT, GPT-J, NeoX, Falcon, BLOOM, Phi. 2·d·d_f weights."""
 
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
+        # `intermediate_size` overrides the config's width (an MoE block's shared experts)
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
         self.act_fn = activation(config.hidden_act)
@@ -80,9 +81,10 @@ class ActivatedKind(FeedForwardKind):
         return mlp_tp_plan("mlp", gated=self.up_projections == 2)
 
 
-def activated_parameters(config, up_projections: int, width: int) -> int:
-    """`up_projections` d x width matrices and one width x d matrix (+ biases with `mlp_bias`)."""
-    d, bias = config.hidden_size, config.mlp_bias
+def activated_parameters(config, up_projections: int, width: int, width_in: int | None = None) -> int:
+    """`up_projections` d x width matrices and one width x d matrix (+ biases with `mlp_bias`); d is `width_in`
+    where given (latent experts), else `hidden_size`."""
+    d, bias = width_in or config.hidden_size, config.mlp_bias
     return up_projections * (d * width + (width if bias else 0)) + width * d + (d if bias else 0)
 
 
