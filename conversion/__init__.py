@@ -49,6 +49,7 @@ FAMILIES: dict[str, str] = {
     "bamba": "modular_decoder.conversion.families.bamba",
     "granitemoehybrid": "modular_decoder.conversion.families.granitemoehybrid",
     "nemotron_h": "modular_decoder.conversion.families.nemotron_h",
+    "falcon_h1": "modular_decoder.conversion.families.falcon_h1",
 }
 
 

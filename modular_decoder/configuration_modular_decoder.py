@@ -19,6 +19,7 @@ from .blocks import BlockFields, mixing_layer_types, validate_block  # noqa: E40
 from .kinds import HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
 from .mamba2 import Mamba2Fields  # noqa: E402
 from .moe import ExpertFormFields  # noqa: E402
+from .mup import MupFields  # noqa: E402
 from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
@@ -97,7 +98,7 @@ FIELD_RULES = {
 }
 
 
-class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, PretrainedConfig):
+class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupFields, PretrainedConfig):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:

@@ -138,6 +138,15 @@ CASES.update({
         layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], intermediate_size=48,
         mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8, use_bias=True,
         tie_word_embeddings=True)),
+    # Falcon-H1: attention and Mamba-2 side by side in every layer, its μP multipliers all set, a Mamba-2 width of
+    # its own (`mamba_d_ssm`), the gated norm before the gate (its default); and without the gated norm
+    "falcon_h1": ("falcon_h1", lambda: tf.FalconH1Config(
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_d_ssm=48, mamba_n_groups=2, mamba_rms_norm=True,
+        head_dim=8, lm_head_multiplier=0.25, embedding_multiplier=3.0, mlp_multipliers=[0.7, 1.3], key_multiplier=0.6,
+        attention_in_multiplier=1.5, attention_out_multiplier=0.8, ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9])),
+    "falcon_h1-no-norm": ("falcon_h1", lambda: tf.FalconH1Config(
+        **{**COMMON, "num_hidden_layers": 2}, **MAMBA, mamba_expand=2, mamba_d_ssm=None, tie_word_embeddings=True)),
 })
 
 # The families whose layers hold routed experts (and the cases of each)

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Train
 
 from modular_decoder import ModularDecoderForCausalLM, compiled_decoding
 from modular_decoder.conversion import convert
+from modular_decoder.hybrid_cache import HybridLayer
 from modular_decoder.recurrent_cache import RecurrentLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,7 +28,7 @@ LINEAR_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_pro
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next", "bamba"])
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next", "bamba", "nemotron_h", "falcon_h1"])
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint, the folders), fp32, eval."""
     return _pair(request.param, tmp_path_factory)
@@ -86,9 +87,11 @@ def test_packed_rows_restart_at_row_starts_and_documents(pair):
                                            rtol=1e-5, atol=1e-5)
         last = [ours(torch.tensor([b]), use_cache=True).cache for _, b in rows]
     for index, layer in enumerate(output.cache.layers):
-        if isinstance(layer, RecurrentLayer):
+        if isinstance(layer, (RecurrentLayer, HybridLayer)):
+            layer = layer.recurrent if isinstance(layer, HybridLayer) else layer
             for row in range(len(rows)):
                 alone = last[row].layers[index]
+                alone = alone.recurrent if isinstance(alone, HybridLayer) else alone
                 torch.testing.assert_close(layer.conv_state[row], alone.conv_state[0], rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(layer.recurrent_state[row], alone.recurrent_state[0], rtol=1e-5, atol=1e-6)
 

@@ -17,11 +17,12 @@ from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDe
 from modular_decoder import compat, delta_rule
 from modular_decoder.contract import cache_bytes, cache_bytes_per_token, parameter_count, state_bytes_per_sequence
 from modular_decoder.conversion import convert
+from modular_decoder.hybrid_cache import HybridLayer
 from modular_decoder.recurrent_cache import RecurrentLayer
 
 # The hybrids of every linear-attention kind (their own kernels and rules: test_mamba2.py for Mamba-2's)
 GATED_DELTANET_FAMILIES = ["qwen3_next", "qwen3_5_text"]
-FAMILIES = GATED_DELTANET_FAMILIES + ["bamba", "bamba-grouped"]
+FAMILIES = GATED_DELTANET_FAMILIES + ["bamba", "bamba-grouped", "granitemoehybrid", "nemotron_h", "falcon_h1"]
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
@@ -57,6 +58,17 @@ def converted_pair(case: str, tmp_path_factory):
 
 def _cache_of(output):
     return getattr(output, compat.CACHE_NAME)
+
+
+def _states(cache) -> list:
+    """The cache's linear-attention states: its linear layers', and a hybrid layer's (`recurrent`)."""
+    return [layer.recurrent if isinstance(layer, HybridLayer) else layer for layer in cache.layers
+            if isinstance(layer, (RecurrentLayer, HybridLayer))]
+
+
+def _key_layers(cache) -> list:
+    """The cache's layers that hold keys (attention layers, hybrid layers)."""
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
 
 
 # --- the kernels --------------------------------------------------------------------------------
@@ -199,8 +211,7 @@ def test_cache_holds_a_constant_state_per_sequence_as_the_contract_says(pair):
         first = cache.payload_bytes()
         assert first == cache_bytes(config, 4, batch_size=2, dtype=torch.float32)
         ours(IDS[:, 4:], cache=cache)
-    linear = [layer for layer in cache.layers if isinstance(layer, RecurrentLayer)]
-    assert sum(layer.payload_bytes() for layer in linear) == 2 * state_bytes_per_sequence(config, torch.float32)
+    assert sum(layer.payload_bytes() for layer in _states(cache)) == 2 * state_bytes_per_sequence(config, torch.float32)
     grown = cache.payload_bytes() - first  # only the full layers grew, by their K/V of 8 tokens
     assert grown == 2 * 8 * cache_bytes_per_token(config, torch.float32)
     assert cache_bytes_per_token(config, torch.float32) == config.attention_layer_count * (
@@ -212,7 +223,7 @@ def test_reorder_select_repeat_and_reset_follow_the_batch(pair):
     _, ours = pair
     with torch.no_grad():
         cache = _cache_of(ours(IDS, use_cache=True))
-    layer = next(layer for layer in cache.layers if isinstance(layer, RecurrentLayer))
+    layer = _states(cache)[0]
     conv, state = layer.conv_state.clone(), layer.recurrent_state.clone()
     cache.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(layer.conv_state, conv.flip(0)) and torch.equal(layer.recurrent_state, state.flip(0))
@@ -231,11 +242,10 @@ def test_assisted_decoding_and_crop_are_refused(pair):
             ours.generate(IDS[:1], max_new_tokens=3, **extra)
     with torch.no_grad():
         cache = _cache_of(ours(IDS, use_cache=True))
-    keys = [layer.keys.clone() for layer in cache.layers if not isinstance(layer, RecurrentLayer)]
+    keys = [layer.keys.clone() for layer in _key_layers(cache)]
     with pytest.raises(ValueError, match="cannot be rolled back"):
         cache.crop(-2)
-    assert all(torch.equal(layer.keys, k) for layer, k in
-               zip([layer for layer in cache.layers if not isinstance(layer, RecurrentLayer)], keys))
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(_key_layers(cache), keys))
     assert not RecurrentLayer.is_croppable
 
 

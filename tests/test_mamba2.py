@@ -12,17 +12,16 @@ import torch
 from conversion_cases import perturbed
 from test_hybrid_ecosystem import DOCUMENTS
 from test_linear_attention import (GREEDY, IDS, MASK, PADDED, _fake_causal_conv1d_fn, _fake_causal_conv1d_update,
-                                   _LargestTensor, converted_pair)
+                                   _LargestTensor, _states, converted_pair)
 from transformers.models.bamba import modeling_bamba as bamba
 from transformers.models.falcon_h1 import modeling_falcon_h1 as falcon_h1
 
 from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDecoderForCausalLM, compat, mamba2_scan
 from modular_decoder.mamba2 import GroupedGatedRMSNorm
-from modular_decoder.recurrent_cache import RecurrentLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["bamba", "bamba-grouped"]
+FAMILIES = ["bamba", "bamba-grouped", "falcon_h1"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -162,7 +161,7 @@ def test_the_cache_holds_the_conv_window_and_an_fp32_state_per_head(pair):
     config = ours.config
     with torch.no_grad():
         cache = getattr(ours(IDS, use_cache=True), compat.CACHE_NAME)
-    layer = next(layer for layer in cache.layers if isinstance(layer, RecurrentLayer))
+    layer = _states(cache)[0]
     heads, width, size = config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state
     assert layer.recurrent_state.shape == (2, heads, width, size) and layer.recurrent_state.dtype == torch.float32
     assert layer.conv_state.shape == (2, heads * width + 2 * config.mamba_n_groups * size, config.mamba_d_conv)
