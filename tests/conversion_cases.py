@@ -151,7 +151,7 @@ CASES.update({
 
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name in ("qwen3_next", "granitemoehybrid", "nemotron_h")
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"
              or name.endswith(("-moe", "-moe-grouped"))]
 
 

@@ -291,3 +291,45 @@ def _torch_path(run):
 def test_without_an_accelerator_transformers_reports_no_gpu_kernels():
     assert compat.mamba_ssm_kernels() is None
     assert mamba2_scan.kernels_for(torch.device("cpu")).name == "torch"
+
+
+# --- the presets ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, family, total", [("bamba", "bamba", 9_780_235_392),
+                                                 ("granite_4_h_tiny", "granitemoehybrid", 6_939_037_248),
+                                                 ("nemotron_h", "nemotron_h", 8_100_852_736)])
+@pytest.mark.parametrize("tiny", [False, True])
+def test_presets_have_the_parameters_of_their_family_class(name, family, total, tiny):
+    """Each preset (and its tiny form) exported to its family's config and built by transformers' class on the meta
+    device has the contract's parameter count and ours; the full ones the totals of their releases."""
+    from transformers import AutoModelForCausalLM
+
+    from modular_decoder import preset_config
+    from modular_decoder.contract import parameter_count
+    from modular_decoder.conversion import get_family
+
+    config = preset_config(name, tiny=tiny)
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(get_family(family).from_contract(config))
+        ours = ModularDecoderForCausalLM(config)
+    count = parameter_count(config)["total"]
+    assert sum(p.numel() for p in theirs.parameters()) == count == ours.num_parameters()
+    assert tiny or count == total
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("case", ["granitemoehybrid", "nemotron_h"])
+def test_router_logits_and_experts_match_the_family(case, implementation, tmp_path_factory):
+    """Granite 4.0-H's top-k softmax router and experts beside the shared MLP, Nemotron-H's sigmoid router with groups
+    and latent relu² experts: every sparse layer's router logits and the logits equal transformers' class, with
+    either experts implementation."""
+    source, ours = converted_pair(case, tmp_path_factory)
+    source.set_experts_implementation(implementation)
+    ours.set_experts_implementation(implementation)
+    with torch.no_grad():
+        theirs, got = source(IDS, output_router_logits=True), ours(IDS, output_router_logits=True)
+    torch.testing.assert_close(got.logits, theirs.logits, rtol=0, atol=1e-5)
+    assert len(got.router_logits) == ours.config.mlp_layer_types.count("sparse") == len(theirs.router_logits) > 0
+    for a, b in zip(got.router_logits, theirs.router_logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
