@@ -115,15 +115,16 @@ CASES.update({
     "bamba-grouped": ("bamba", lambda: tf.BambaConfig(
         **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2, attn_layer_indices=[1], mamba_conv_bias=False,
         tie_word_embeddings=True)),
-    # Granite 4.0-H: no positions, experts narrower than d beside a shared MLP, μP scalings; the dense variant (no
-    # experts: the shared MLP alone) with RoPE
+    # Granite 4.0-H: no positions, experts narrower than d beside a shared MLP, μP scalings, one group (as Bamba's
+    # case: transformers 5.16.1's class normalises the whole inner width); the dense variant (no experts: the shared
+    # MLP alone) with RoPE and two groups
     "granitemoehybrid": ("granitemoehybrid", lambda: tf.GraniteMoeHybridConfig(
-        **{**COMMON, "intermediate_size": 24, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2,
+        **{**COMMON, "intermediate_size": 24, "num_hidden_layers": 3}, **MAMBA,
         layer_types=["mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
         shared_intermediate_size=40, embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5,
         attention_multiplier=0.3, tie_word_embeddings=True)),
     "granitemoehybrid-dense": ("granitemoehybrid", lambda: tf.GraniteMoeHybridConfig(
-        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, layer_types=["mamba", "attention", "mamba"],
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2, layer_types=["mamba", "attention", "mamba"],
         num_local_experts=0, shared_intermediate_size=48, position_embedding_type="rope")),
     # Nemotron-H: one sublayer per layer; ungated relu² experts (a latent width, grouped sigmoid routing, a shared
     # expert) beside a relu² MLP layer; Nemotron-H-8B's layout (no experts) with biases in the Mamba-2 projections

@@ -51,7 +51,7 @@ def to_contract(src) -> dict:
                 router_type="sigmoid_topk", n_group=src.n_group, topk_group=src.topk_group,
                 norm_topk_prob=src.norm_topk_prob, routed_scaling_factor=float(src.routed_scaling_factor),
                 # its class adds no router loss to the LM loss
-                router_aux_loss_coef=0.0, output_router_logits=bool(src.output_router_logits))
+                router_aux_loss_coef=0.0, output_router_logits=bool(getattr(src, "output_router_logits", False)))
 
 
 def from_contract(cfg) -> NemotronHConfig:
@@ -68,7 +68,9 @@ def from_contract(cfg) -> NemotronHConfig:
                        moe_intermediate_size=cfg.moe_intermediate_size, moe_latent_size=cfg.moe_latent_size,
                        n_shared_experts=1, moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
                        n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-                       routed_scaling_factor=cfg.routed_scaling_factor, output_router_logits=cfg.output_router_logits)
+                       routed_scaling_factor=cfg.routed_scaling_factor,
+                       # (a field of its config from transformers 5.17 on)
+                       **({"output_router_logits": True} if cfg.output_router_logits else {}))
     sizes = {k: v for k, v in source_sizes(cfg).items() if k != "num_hidden_layers"}  # its layer list says it
     mamba = {theirs: getattr(cfg, ours) for ours, theirs in MAMBA_NAMES.items()}
     return NemotronHConfig(
