@@ -128,10 +128,10 @@ def _grads(model, **inputs):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_gradient_checkpointing_and_packing_give_the_same_gradients(qwen3_5):
+def test_gradient_checkpointing_and_packing_give_the_same_gradients(pair):
     """Gradient checkpointing gives the plain gradients; a packed row gives the gradients of the same documents
     padded one per row (the same targets: `DataCollatorWithFlattening` masks each document's first label)."""
-    _, ours, _ = qwen3_5
+    _, ours, _ = pair
     model = ours.train()
     try:
         padded = right_padded([{"input_ids": d} for d in DOCUMENTS[:3]])
@@ -160,10 +160,11 @@ def _train(model, collator, tmp_path, **arguments) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_trainer_padded_and_packed_beside_transformers(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3_5_text", "bamba", "falcon_h1"])
+def test_trainer_padded_and_packed_beside_transformers(case, tmp_path):
     """`Trainer` from the same weights and data: ours on padded batches, and on packed batches with gradient
-    checkpointing, gives transformers' Qwen3.5 loss curve on padded batches."""
-    config = CASES["qwen3_5_text"][1]()
+    checkpointing, gives the loss curve of transformers' class (Qwen3.5, Bamba, Falcon-H1) on padded batches."""
+    config = CASES[case][1]()
     config.architectures = None
     torch.manual_seed(0)
     perturbed(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path / "theirs")
@@ -235,10 +236,15 @@ def test_lora_adapter_moves_between_transformers_class_and_ours(qwen3_5, tmp_pat
 # --- compiled decoding ---------------------------------------------------------------------------
 
 
-def test_compiled_decode_step_gives_eager_and_transformers_tokens(qwen3_5, two_threads):
+@pytest.fixture(scope="module", params=["qwen3_5_text", "bamba", "falcon_h1"])
+def compiled_case(request, tmp_path_factory):
+    return _pair(request.param, tmp_path_factory)
+
+
+def test_compiled_decode_step_gives_eager_and_transformers_tokens(compiled_case, two_threads):
     """`generate(**compiled_decoding())` (a static cache, the decode step compiled with fullgraph=True) on a hybrid:
     the step compiles, and the greedy tokens equal eager decoding and transformers' class through its own cache."""
-    theirs, ours, _ = qwen3_5
+    theirs, ours, _ = compiled_case
     prompt = torch.tensor([DOCUMENTS[2]])
     graphs = []
     torch._dynamo.reset()
