@@ -215,8 +215,9 @@ PRESETS.update({
         block_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", mamba_n_heads=128, mamba_d_head=64,
         mamba_n_groups=8, mamba_d_state=128, mamba_chunk_size=128),
 })
-# The tiny Mamba-2 layer (4 heads of 32 at d = 64, a state of 16, chunks of 16) and Nemotron-H's tiny pattern
-TINY_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=16)
+# The tiny Mamba-2 layer (8 heads of 16 at d = 64, a state of 16, chunks of 16: in_proj 296 wide, a multiple of 8 as
+# PEFT's block methods ask) and Nemotron-H's tiny pattern
+TINY_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
 TINY_BLOCK_PATTERNS = {False: "M*M-", True: "M*ME"}  # by whether the preset has experts
 NEMOTRON_LAYERS = {"M": ("mixer", "linear_attention", "dense"), "*": ("mixer", "full_attention", "dense"),
                    "-": ("mlp", "full_attention", "dense"), "E": ("mlp", "full_attention", "sparse")}
