@@ -249,8 +249,8 @@ def validate_block_types(config) -> None:
     if kinds is None:
         return
     if not isinstance(kinds, list) or len(kinds) != config.num_hidden_layers:
-        raise ValueError(f"`block_types` must list one entry per layer (`num_hidden_layers`={config.num_hidden_layers}),"
-                         f" got {kinds!r}.")
+        raise ValueError(f"`block_types` must list one entry per layer (`num_hidden_layers`="
+                         f"{config.num_hidden_layers}), got {kinds!r}.")
     for kind in kinds:
         require_choice("block_types[...]", kind, BLOCK_TYPES)
     if all(kind == "mlp" for kind in kinds):

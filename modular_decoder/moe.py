@@ -346,7 +346,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
         total = config.num_experts * (d + (1 if config.router_bias else 0))
         shared = shared_experts_intermediate_size(config)
         if shared:
-            total += activated_parameters(config, _up_products(config), shared) + (d if config.shared_expert_gate else 0)
+            total += activated_parameters(config, _up_products(config), shared)
+            total += d if config.shared_expert_gate else 0
         if latent:
             total += 2 * d * latent + ((latent + d) if bias else 0)
         return total

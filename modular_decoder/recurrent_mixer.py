@@ -68,7 +68,8 @@ class RecurrentMixer(nn.Module):
         if layer is not None:
             layer.update_conv_state(last_document_only(x, documents), conv_kernel_size=self.conv_kernel_size)
         fused = self._fused_conv(kernels)
-        return convolve_documents(x, documents, self.conv_kernel_size, lambda row: self._convolution(row, kernels, fused))
+        return convolve_documents(x, documents, self.conv_kernel_size,
+                                  lambda row: self._convolution(row, kernels, fused))
 
     def _fused_conv(self, kernels) -> bool:
         """Whether causal-conv1d's kernels compute the convolution: where they run, for its activations, on a plain

@@ -129,13 +129,15 @@ CASES.update({
     # Nemotron-H: one sublayer per layer; ungated relu² experts (a latent width, grouped sigmoid routing, a shared
     # expert) beside a relu² MLP layer; Nemotron-H-8B's layout (no experts) with biases in the Mamba-2 projections
     "nemotron_h": ("nemotron_h", lambda: tf.NemotronHConfig(
-        vocab_size=V, hidden_size=D, max_position_embeddings=P, num_attention_heads=H, num_key_value_heads=2, head_dim=8,
+        vocab_size=V, hidden_size=D, max_position_embeddings=P, num_attention_heads=H, num_key_value_heads=2,
+        head_dim=8,
         layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
         intermediate_size=48, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=8,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, moe_shared_expert_intermediate_size=40,
         moe_latent_size=16, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
     "nemotron_h-dense": ("nemotron_h", lambda: tf.NemotronHConfig(
-        vocab_size=V, hidden_size=D, max_position_embeddings=P, num_attention_heads=H, num_key_value_heads=2, head_dim=8,
+        vocab_size=V, hidden_size=D, max_position_embeddings=P, num_attention_heads=H, num_key_value_heads=2,
+        head_dim=8,
         layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], intermediate_size=48,
         mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8, use_bias=True,
         tie_word_embeddings=True)),

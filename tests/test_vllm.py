@@ -311,8 +311,9 @@ def test_what_vllm_cannot_serve_is_refused_at_load_naming_the_field(served, name
         assert "--family nemotron_h" in error
 
 
-@pytest.mark.parametrize("name, native, architecture", [("hybrid", "hybrid_qwen3_next_native", "Qwen3NextForCausalLM"),
-                                                         ("mamba2", "mamba2_nemotron_h_native", "NemotronHForCausalLM")])
+@pytest.mark.parametrize("name, native, architecture", [
+    ("hybrid", "hybrid_qwen3_next_native", "Qwen3NextForCausalLM"),
+    ("mamba2", "mamba2_nemotron_h_native", "NemotronHForCausalLM")])
 def test_hybrid_exported_to_its_family_is_served_natively(served, name, native, architecture):
     """The hybrids the Transformers backend refuses, exported to a family vLLM has (`export --family qwen3_next`;
     Mamba-2 layers `--family nemotron_h`): vLLM serves them with its own class (in bf16: its CPU Gated DeltaNet kernel

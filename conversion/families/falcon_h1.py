@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from transformers import FalconH1Config
 
-from ..core import Family, refuse, rule
-from .common import linear, norm, rope, source_rope, source_sizes, sizes
-from .mamba2 import attention_rules, mamba_fields, mamba_rules, source_mamba_fields
+from ..core import Family, refuse
+from .common import rope, source_rope, source_sizes, sizes
+from .mamba2 import bamba_layout_rules, mamba_fields, source_mamba_fields
 
 MULTIPLIERS = ("key_multiplier", "attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier",
                "ssm_out_multiplier", "embedding_multiplier")
@@ -53,16 +53,5 @@ def from_contract(cfg) -> FalconH1Config:
     )
 
 
-def rules(src) -> list:
-    layer = "model.layers.{layer}"
-    out = [rule("model.embed_tokens.weight", "model.embed_tokens.weight")]
-    out += attention_rules(f"{layer}.self_attn") + mamba_rules(f"{layer}.mamba", norm=bool(src.mamba_rms_norm))
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        out += linear(f"{layer}.feed_forward.{proj}", f"{layer}.mlp.{proj}")
-    out += norm(f"{layer}.input_layernorm", f"{layer}.pre_attn_norm") + norm(f"{layer}.pre_ff_layernorm",
-                                                                             f"{layer}.pre_mlp_norm")
-    out += norm("model.final_layernorm", "model.final_norm")
-    return out + [rule("lm_head.weight", "lm_head.weight", optional=True)]
-
-
-FAMILY = Family("falcon_h1", to_contract, from_contract, rules, "model.", FalconH1Config)
+FAMILY = Family("falcon_h1", to_contract, from_contract,
+                lambda src: bamba_layout_rules(mamba_norm=bool(src.mamba_rms_norm)), "model.", FalconH1Config)

@@ -47,8 +47,8 @@ def from_contract(cfg) -> GraniteMoeHybridConfig:
             cfg.mamba_hidden_act != cfg.hidden_act}, "granitemoehybrid")
     if cfg.mlp_type == "moe":
         experts = dict(intermediate_size=cfg.moe_intermediate_size, num_local_experts=cfg.num_experts,
-                       num_experts_per_tok=cfg.num_experts_per_tok, shared_intermediate_size=cfg.shared_expert_intermediate_size,
-                       **source_router_training(cfg))
+                       num_experts_per_tok=cfg.num_experts_per_tok,
+                       shared_intermediate_size=cfg.shared_expert_intermediate_size, **source_router_training(cfg))
     else:
         experts = dict(num_local_experts=0, shared_intermediate_size=cfg.intermediate_size)
     positions = (dict(position_embedding_type="rope", rope_parameters=source_rope(cfg)) if cfg.uses_rope

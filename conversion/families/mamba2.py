@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..core import Rule, in_layers, rule
-from .common import linear
+from .common import linear, norm
 
 # The contract's `Mamba2Fields` -> Bamba's, Granite 4.0-H's and Falcon-H1's names for them (Nemotron-H's differ)
 MAMBA_NAMES = {name: name for name in ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
@@ -60,3 +60,18 @@ def attention_rules(src: str) -> list[Rule]:
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         rules += linear(f"{src}.{proj}", f"model.layers.{{layer}}.self_attn.{proj}")
     return in_layers(rules, "attention")
+
+
+def bamba_layout_rules(mamba_norm: bool = True) -> list[Rule]:
+    """Bamba's and Falcon-H1's map: `model.layers.{layer}` holding `self_attn` and / or `mamba` after
+    `input_layernorm`, a SwiGLU `feed_forward` after `pre_ff_layernorm`, `final_layernorm`; the Mamba-2 mixer's gated
+    norm where it has one (`mamba_norm`)."""
+    layer = "model.layers.{layer}"
+    out = [rule("model.embed_tokens.weight", "model.embed_tokens.weight")]
+    out += attention_rules(f"{layer}.self_attn") + mamba_rules(f"{layer}.mamba", norm=mamba_norm)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        out += linear(f"{layer}.feed_forward.{proj}", f"{layer}.mlp.{proj}")
+    out += norm(f"{layer}.input_layernorm", f"{layer}.pre_attn_norm") + norm(f"{layer}.pre_ff_layernorm",
+                                                                             f"{layer}.pre_mlp_norm")
+    out += norm("model.final_layernorm", "model.final_norm")
+    return out + [rule("lm_head.weight", "lm_head.weight", optional=True)]

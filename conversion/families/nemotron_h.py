@@ -32,7 +32,8 @@ MIXER = "model.layers.{layer}.mixer"
 def to_contract(src) -> dict:
     kinds = list(src.layers_block_type)
     refuse({"attention biases (`attention_bias`; transformers' class builds none)": bool(src.attention_bias),
-            "sliding-window attention (`sliding_window`; transformers' class attends fully)": src.sliding_window is not None},
+            "sliding-window attention (`sliding_window`; transformers' class attends fully)":
+                src.sliding_window is not None},
            "nemotron_h")
     blocks, layer_types, mlp_layer_types = (list(column) for column in zip(*(LAYERS[kind] for kind in kinds)))
     fields = dict(
