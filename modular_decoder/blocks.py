@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .kinds import LINEAR_ATTENTION, mixer_layer_types, require_bool, require_choice
+from .kinds import HYBRID, LINEAR_ATTENTION, mixer_layer_types, require_bool, require_choice
 from .norms import build_norm
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS
 
@@ -240,6 +240,9 @@ def validate_block(config) -> None:
                 f"got `norm_position`={config.norm_position!r}."
             )
     validate_block_types(config)
+    if config.num_mtp_layers and isinstance(config.layer_types, list) and config.layer_types[-1] == HYBRID:
+        raise ValueError(f"`num_mtp_layers`={config.num_mtp_layers}: an MTP module is a block of the last layer's "
+                         "kinds, and `layer_types` makes the last layer 'hybrid', which MTP modules cannot be yet.")
 
 
 def validate_block_types(config) -> None:

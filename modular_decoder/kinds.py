@@ -232,7 +232,7 @@ class LinearAttentionKind(Kind):
         for name in self.fields:
             if getattr(config, name) != field_default(config, name):
                 raise ValueError(f"`{name}`={getattr(config, name)!r} only applies to layers of type "
-                                 f"'{LINEAR_ATTENTION}', and `layer_types` has none; leave it unset.")
+                                 f"'{LINEAR_ATTENTION}' or '{HYBRID}', and `layer_types` has none; leave it unset.")
 
     def cache_layer(self, config, implementation: str, max_cache_len: int | None):
         """The cache layer (a transformers `LinearAttentionCacheLayerMixin`) of one linear-attention layer."""

@@ -184,6 +184,17 @@ LINEAR = dict(layer_types=["linear_attention", "full_attention"], linear_attenti
     (dict(LINEAR, mamba_rms_norm=False, mamba_norm_before_gate=True), "mamba_norm_before_gate"),
     (dict(LINEAR, mamba_hidden_act="nope"), "mamba_hidden_act"),
     (dict(LINEAR, ssm_out_multiplier=0.0), "ssm_out_multiplier"),
+    # the topologies
+    (dict(block_types=["mlp", "mlp"]), "block_types"),  # no token mixer anywhere
+    (dict(block_types=["mixer", "sliding"]), "block_types"),
+    (dict(LINEAR, block_types=["mlp", "mixer"]), "block_types"),  # a feed-forward-only layer given a state
+    (dict(block_types=["mixer", "mlp"], parallel_block=True), "parallel_block"),
+    (dict(block_types=["mixer_mlp", "mixer"], num_mtp_layers=1), "num_mtp_layers"),
+    (dict(layer_types=["hybrid", "hybrid"], linear_attention_type="mamba2", num_mtp_layers=1), "num_mtp_layers"),
+    (dict(key_multiplier=0.5, attention_type="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+          v_head_dim=8), "key_multiplier"),  # standard attention's
+    (dict(mlp_type="dense", mlp_multipliers=[1.0, 2.0]), "mlp_multipliers"),  # the gated MLP's
+    (dict(mlp_type="moe", num_experts=4, num_experts_per_tok=2, moe_mlp_type="swiglu"), "moe_mlp_type"),
 ])
 def test_bad_settings_are_refused_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}"):
