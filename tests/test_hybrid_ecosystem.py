@@ -236,7 +236,7 @@ def test_lora_adapter_moves_between_transformers_class_and_ours(qwen3_5, tmp_pat
 # --- compiled decoding ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "bamba", "falcon_h1"])
+@pytest.fixture(scope="module", params=["qwen3_5_text", "falcon_h1"])  # (Falcon-H1: Mamba-2 in hybrid layers)
 def compiled_case(request, tmp_path_factory):
     return _pair(request.param, tmp_path_factory)
 

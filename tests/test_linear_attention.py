@@ -22,7 +22,7 @@ from modular_decoder.recurrent_cache import RecurrentLayer
 
 # The hybrids of every linear-attention kind (their own kernels and rules: test_mamba2.py for Mamba-2's)
 GATED_DELTANET_FAMILIES = ["qwen3_next", "qwen3_5_text"]
-FAMILIES = GATED_DELTANET_FAMILIES + ["bamba", "bamba-grouped", "granitemoehybrid", "nemotron_h", "falcon_h1"]
+FAMILIES = GATED_DELTANET_FAMILIES + ["bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"]
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
