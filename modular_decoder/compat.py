@@ -319,6 +319,16 @@ def drafting_generation_config(generation_config) -> None:
         generation_config.cache_implementation = None
 
 
+def drafted_tokens_per_step(candidate_generator) -> int | None:
+    """How many tokens a candidate generator drafts per step: its `num_drafting_tokens` (5.25, which transformers
+    passes to `activate_past_recording`), else the attribute each generator of 5.16-5.24 keeps it in (assistant
+    and early exit: `num_assistant_tokens`, prompt lookup: `num_output_tokens`, MTP: `num_mtp_layers`)."""
+    for name in ("num_drafting_tokens", "num_assistant_tokens", "num_output_tokens", "num_mtp_layers"):
+        if isinstance(count := getattr(candidate_generator, name, None), int):
+            return count
+    return None
+
+
 # --- 3. transformers' private helpers, looked up when first used -------------------------------------
 
 
