@@ -329,6 +329,13 @@ def drafted_tokens_per_step(candidate_generator) -> int | None:
     return None
 
 
+def drafts_grow(candidate_generator) -> bool:
+    """Whether an assistant drafts more tokens per step as its drafts are accepted (`num_assistant_tokens_schedule`
+    "heuristic" or "heuristic_transient": two more after each step that kept all, on every supported release)."""
+    config = getattr(candidate_generator, "assistant_generation_config", None)
+    return getattr(config, "num_assistant_tokens_schedule", None) in ("heuristic", "heuristic_transient")
+
+
 # --- 3. transformers' private helpers, looked up when first used -------------------------------------
 
 

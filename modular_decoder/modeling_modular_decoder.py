@@ -7,7 +7,7 @@ from dataclasses import dataclass
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
 from .compat import (  # isort: skip
     accepts_past_key_values, attn_implementation, cache_of, drafted_tokens_per_step, drafting_generation_config,
-    generate_cache_kwarg, slice_logits_to_keep, static_cache_length, with_cache,
+    drafts_grow, generate_cache_kwarg, slice_logits_to_keep, static_cache_length, with_cache,
 )
 
 import torch  # noqa: E402
@@ -619,7 +619,10 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             generator = super()._get_candidate_generator(generation_config, input_ids, inputs_tensor,
                                                          logits_processor, model_kwargs, *args, **kwargs)
         if isinstance(cache := cache_of(model_kwargs), ModularDecoderCache):
-            cache.activate_past_recording(drafted_tokens_per_step(generator))
+            drafts = drafted_tokens_per_step(generator)
+            if drafts_grow(generator):  # at most the tokens left to generate
+                drafts = max(drafts or 0, generation_config.max_length - input_ids.shape[1])
+            cache.activate_past_recording(drafts)
         return generator
 
     def _prepare_cache_for_generation(

@@ -78,7 +78,7 @@ class RecurrentLayer(LinearAttentionLayer):
         # Tokens seen, counted on the states' device and in place (a compiled decode step sees one tensor, not a
         # new integer each step to recompile for); read only where a cache has no attention layer to count them.
         self.tokens = torch.zeros((), dtype=torch.long)
-        self.recurrent_states_to_keep = DEFAULT_STATES_TO_KEEP
+        self.told_states_to_keep: int | None = None  # the largest count `activate_past_recording` was given
         slots = range(number_of_states)
         self.has_recurrent_state = dict.fromkeys(slots, False)
         self.conv_rollable = dict.fromkeys(slots, 0)  # tokens whose conv inputs are kept beyond the window
@@ -203,15 +203,23 @@ class RecurrentLayer(LinearAttentionLayer):
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
         """Record what `crop` needs to roll back up to `recurrent_states_to_keep` tokens (the tokens drafted per
-        step; an earlier count, else `DEFAULT_STATES_TO_KEEP`, where none is given)."""
+        step). Several callers may tell it (generate's drafting paths, transformers' loop): the largest count holds;
+        where none is given, `DEFAULT_STATES_TO_KEEP`."""
         self.record_past = True
         if recurrent_states_to_keep is not None:
-            self.recurrent_states_to_keep = max(int(recurrent_states_to_keep), 1)
+            self.told_states_to_keep = max(int(recurrent_states_to_keep), self.told_states_to_keep or 1)
+
+    @property
+    def recurrent_states_to_keep(self) -> int:
+        """The most tokens a crop may remove (transformers' name, which its `Cache.get_recurrent_states_to_keep`
+        reads)."""
+        return self.told_states_to_keep or DEFAULT_STATES_TO_KEEP
 
     def rollable(self) -> int:
         """The most tokens `crop` can remove now: what every written slot recorded."""
         counts = [self.conv_rollable[i] for i in range(self.number_of_states) if self.has_previous_state[i]]
-        counts += [len(self.state_history[i]) - 1 for i in range(self.number_of_states) if self.has_recurrent_state[i]]
+        counts += [max(len(self.state_history[i]) - 1, 0) for i in range(self.number_of_states)
+                   if self.has_recurrent_state[i]]
         return min(counts, default=0)
 
     def check_crop(self, tokens_to_remove: int) -> None:
@@ -233,19 +241,25 @@ class RecurrentLayer(LinearAttentionLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens: each slot goes back to the conv window and the state it had
-        after the token before them (recorded while `record_past`). What is older stays recorded."""
+        after the token before them (recorded while `record_past`); what is older stays recorded, so a later crop
+        may go further back. `crop(0)` (a verification that kept every draft) drops the record, as transformers'
+        layer does: the windows shrink back to K columns."""
         self.check_crop(tokens_to_remove)
         removed = -tokens_to_remove
-        if not removed or not self.is_initialized:
+        if not self.is_initialized:
             return
         self.tokens.sub_(removed)
         for i in range(self.number_of_states):
             if self.has_previous_state[i]:
-                self.conv_states[i] = self.conv_states[i][..., :-removed].contiguous()
-                self.conv_rollable[i] -= removed
-            if self.has_recurrent_state[i]:
+                kept = self.conv_kernel_size[i] + (self.conv_rollable[i] - removed if removed else 0)
+                self.conv_states[i] = self.conv_states[i][..., self.conv_states[i].shape[-1] - removed - kept:
+                                                          self.conv_states[i].shape[-1] - removed].contiguous()
+                self.conv_rollable[i] = kept - self.conv_kernel_size[i]
+            if self.has_recurrent_state[i] and removed:
                 self.state_history[i] = self.state_history[i][:-removed]
                 self.recurrent_states[i].copy_(self.state_history[i][-1])
+            elif not removed:
+                self.state_history[i] = []
 
     # --- the batch -------------------------------------------------------------------------------------------
 

@@ -162,6 +162,24 @@ def test_a_crop_past_the_record_is_refused_and_changes_nothing():
     assert all(torch.equal(layer.conv_states[i], before.conv_states[i]) for i in mixer)
 
 
+def test_a_step_that_keeps_every_draft_drops_the_record():
+    """`crop(0)` (assisted decoding after a verification that kept all): the windows shrink back to K columns and no
+    recorded state is held; a crop right after the recording starts is a no-op."""
+    mixer = MIXERS["three_slots"]
+    layer = RecurrentLayer(number_of_states=3)
+    _step(layer, mixer, 0, 8)
+    layer.activate_past_recording(recurrent_states_to_keep=3)
+    layer.crop(0)
+    _step(layer, mixer, 8, 4)
+    assert layer.get_conv_state(0).shape[-1] == KERNEL + 3 and len(layer.state_history[0]) == 4
+    layer.crop(0)
+    assert [layer.get_conv_state(i).shape[-1] for i in mixer] == [width for width, _ in mixer.values()]
+    assert not any(layer.state_history.values())
+    fresh = RecurrentLayer(number_of_states=3)
+    _step(fresh, mixer, 0, 12)
+    _assert_holds_the_same(layer, fresh, mixer)
+
+
 def test_reordering_a_recording_cache_reorders_what_it_rolls_back_to():
     """Beam search's reorder (and batch select) act on the recorded states too: reorder, then crop, equals crop, then
     reorder."""
@@ -227,6 +245,19 @@ def test_every_drafting_strategy_gives_plain_greedy_tokens(pair, strategy, crops
     assert crops, "no verification was rolled back"
     if strategy == "prompt_lookup":  # some steps rejected all 3 drafts, and a later one fewer (or none)
         assert 3 in crops and min(crops) < 3
+
+
+def test_an_assistant_that_lengthens_its_drafts_can_be_rolled_back_all_the_way(pair):
+    """With `num_assistant_tokens_schedule="heuristic"` the assistant drafts two more tokens after each step that
+    kept all: the cache records up to the tokens left to generate, not just the first step's count."""
+    _, ours, _ = pair
+    assistant = copy.deepcopy(ours)
+    assistant.generation_config.num_assistant_tokens = 2
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
+    out = ours.generate(PROMPT, assistant_model=assistant, return_dict_in_generate=True, **GREEDY)
+    assert torch.equal(out.sequences, ours.generate(PROMPT, **GREEDY))
+    layer = next(layer for layer in compat.cache_of(out).layers if isinstance(layer, RecurrentLayer))
+    assert layer.recurrent_states_to_keep == GREEDY["max_new_tokens"]
 
 
 def test_a_left_padded_row_drafts_the_tokens_it_decodes(pair):
