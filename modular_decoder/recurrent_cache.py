@@ -234,8 +234,8 @@ class RecurrentLayer(LinearAttentionLayer):
                              "`cache.activate_past_recording(recurrent_states_to_keep=N)` before the forwards to undo.")
         if -tokens_to_remove > self.rollable():
             raise ValueError(
-                f"`crop({tokens_to_remove})` would roll a linear-attention layer back {-tokens_to_remove} tokens, but it "
-                f"recorded the states of its last {self.rollable()} (`recurrent_states_to_keep`="
+                f"`crop({tokens_to_remove})` would roll a linear-attention layer back {-tokens_to_remove} tokens, but "
+                f"it recorded the states of its last {self.rollable()} (`recurrent_states_to_keep`="
                 f"{self.recurrent_states_to_keep}, the most tokens drafted per step): activate the recording with more."
             )
 

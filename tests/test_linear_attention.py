@@ -1,8 +1,8 @@
 """Gated DeltaNet layers beside (gated) full attention, against transformers' `Qwen3NextForCausalLM` and
 `Qwen3_5ForCausalLM` with the same weights (through the converter): the kernels against transformers' reference
 kernels, logits and every generate() path through each side's own cache (drafting: test_hybrid_drafting.py), the
-cache's state and its arithmetic, the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d need CUDA, which the test
-machines lack)."""
+cache's state and its arithmetic, the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d
+need CUDA, which the test machines lack)."""
 
 from __future__ import annotations
 
