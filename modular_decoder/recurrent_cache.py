@@ -16,11 +16,10 @@ Rolling back (assisted decoding, prompt lookup, `use_mtp`, a draft model's cache
 verification `crop(-n)` to drop the n rejected tokens. While recording, each slot keeps its last K + (tokens it can
 roll back) conv inputs and the recurrent state after each of its last (at most K) tokens, so `crop(-n)` restores
 exactly the state after the last accepted token; a step of at most K + 1 tokens (a verification) is rolled back
-entirely, a longer one (a prompt with its first drafts) over its last K tokens. A crop past what was recorded raises
-a `ValueError` before anything changes. transformers' 5.25 layer keeps, for a step with a chunked part before its
-recorded tail, the state from before the step in the place of the state after that part: after a verification
-whose drafts are all rejected its restored state misses the update of the one accepted token (docs/using.md,
-"Drafting on hybrids", has the reproduction). This layer is handed that state by the mixer.
+entirely, a longer one (a prompt with its first drafts) over its last K tokens; `crop(0)` (every draft kept) drops
+the record. A crop past what was recorded raises a `ValueError` before anything changes. The state before the
+recorded tokens is handed over by the mixer, not taken from what the layer held before the step (which is where
+transformers' own layer goes wrong after a chunked part: docs/using.md, "Drafting on hybrids").
 
 What a mixer does to get all of that (Gated DeltaNet in `gated_deltanet.py` is the worked example):
 
@@ -32,9 +31,11 @@ What a mixer does to get all of that (Gated DeltaNet in `gated_deltanet.py` is t
   (tensors whose dim 1 is time) and the two forms of the rule, each `(*inputs, initial_state) -> (out, state)`
   (time on dim 1 of `out`; `initial_state` None means zeros). It reads the state, runs the chunked form (the
   recurrent one for a single token on a cached state), and while recording runs the tokens that may be rolled back
-  one by one with the recurrent form and stores each state. A mixer that computes its states otherwise asks
-  `layer.states_to_record(T)` for n and passes `StepStates(before, after, T)` to `layer.update_recurrent_state`:
-  `after` the state after each of the step's last n tokens, `before` the state before them;
+  one by one with the recurrent form and stores each state (so the recurrent form must return a new state tensor,
+  not update its input in place: clone first where a kernel does, as Mamba-2's state update). A mixer that computes
+  its states otherwise asks `layer.states_to_record(T)` for n and passes `StepStates(before, after, T)` to
+  `layer.update_recurrent_state`: `after` the state after each of the step's last n tokens, `before` the state
+  before them;
 * a layer with no convolution in slot 0 counts its tokens with `layer.count_step(T)`.
 
 `cache.crop`, beam search's reorder, batch select / repeat and `reset` then act on every slot; a forward whose batch
