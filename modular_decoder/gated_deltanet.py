@@ -17,7 +17,9 @@ fused `in_proj_qkvz` / `in_proj_ba` (interleaved per key head) are the same rows
 them (`conversion/families/qwen3_next.py`), bit for bit both ways.
 
 A multi-token step (prefill, chunked prefill, a prompt continuing a cache) runs the chunked rule; a one-token step
-against a cached state runs the recurrent update. Padded positions of a 2-D `attention_mask` are zeroed before the
+against a cached state runs the recurrent update. While the cache records for a rollback (drafting), the tokens a
+crop may remove (a verification's, a prompt's last few) run through the recurrent update one by one and their states
+are kept (`recurrent_cache.run_recurrence`). Padded positions of a 2-D `attention_mask` are zeroed before the
 projections, so the convolution sees zeros there as it does before a sequence's first token, and get β = 0 and
 g = 0, so they neither write nor decay the state (transformers' classes zero the input only, which keeps the state
 at zero only where the convolution's activation maps 0 to 0, as SiLU does): a left-padded row computes what it
@@ -34,7 +36,7 @@ from transformers.activations import ACT2FN
 from .delta_rule import causal_conv1d, kernels_for
 from .kinds import LinearAttentionKind, require_int
 from .packed_documents import PackedDocuments, convolve_documents, last_document_only
-from .recurrent_cache import RecurrentLayer
+from .recurrent_cache import RecurrentLayer, run_recurrence
 from .split_products import weight_is_readable
 
 
@@ -115,19 +117,17 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule(self, inputs: tuple, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
         """The gated delta rule over (query, key, value, g, beta): recurrent for a one-token step on a cached state,
-        chunked otherwise, or document by document; the cache keeps the new state."""
+        chunked otherwise (`recurrent_cache.run_recurrence`, which also records the states a crop may restore), or
+        document by document; the cache keeps the new state."""
+        if documents is None:  # (B, T, H_v, d_v); the state (B, H_v, d_k, d_v) and, while recording, per token
+            return run_recurrence(layer, kernels.chunked, kernels.recurrent, inputs)
+        # the rows end to end as one row of documents; each row's last document's state is its state
         batch, seq = inputs[0].shape[:2]
-        if documents is None:
-            state = layer.recurrent_state if layer is not None else None
-            rule = kernels.recurrent if state is not None and seq == 1 else kernels.chunked
-            out, state = rule(*inputs, state)  # (B, T, H_v, d_v), (B, H_v, d_k, d_v)
-        else:  # the rows end to end as one row of documents; each row's last document's state is its state
-            flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
-            out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
-            out, state = out.reshape(batch, seq, *out.shape[2:]), states[documents.last]
+        flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
+        out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
         if layer is not None:
-            layer.update_recurrent_state(state)
-        return out
+            layer.update_recurrent_state(states[documents.last])
+        return out.reshape(batch, seq, *out.shape[2:])
 
     def _convolve_documents(self, x: torch.Tensor, layer, kernels, documents: PackedDocuments) -> torch.Tensor:
         """The short causal convolution of x (B, C, T) over packed documents, each from zeros
@@ -155,12 +155,13 @@ class GatedDeltaNet(nn.Module):
     def _convolve(self, x: torch.Tensor, layer, kernels) -> torch.Tensor:
         """The short causal convolution of x (B, C, T), continuing the cached window when there is one.
 
-        A decode step on causal-conv1d updates the window in place; everything else prepends the cached
-        window (`RecurrentLayer.update_conv_state`) and convolves, through causal-conv1d's kernel where it runs
+        A decode step on causal-conv1d updates the window in place (not while the cache records: a crop may need
+        the window before it); everything else prepends the cached window (`RecurrentLayer.update_conv_state`) and
+        convolves, through causal-conv1d's kernel where it runs
         and the module is plain, else by calling the module."""
         fused = self._fused_conv(kernels)
         seq = x.shape[-1]
-        if fused and layer is not None and layer.conv_state is not None and seq == 1:
+        if fused and layer is not None and layer.conv_state is not None and seq == 1 and not layer.record_past:
             layer.count_step()
             return kernels.conv_update(x, layer.conv_state, self.conv1d.weight.squeeze(1), None, self.activation_name)
         if layer is not None:

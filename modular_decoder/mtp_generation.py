@@ -134,7 +134,7 @@ def _generator_class() -> type:
             if implementation not in _CACHE_IMPLEMENTATIONS:
                 implementation = "dynamic"
             self.mtp_cache = ModularDecoderCache(main_model.mtp.block_config, implementation)
-            self.mtp_cache.activate_past_recording()
+            self.mtp_cache.activate_past_recording(self.draft_tokens)
             self.do_sample = generation_config.do_sample
             self.logits_processor = logits_processor
             self.eos_token_id = getattr(generation_config, "_eos_token_tensor", None)  # read before 5.25

@@ -132,3 +132,15 @@ def saved_source(config, path):
     torch.manual_seed(0)
     perturbed(tf.AutoModelForCausalLM.from_config(config)).save_pretrained(path)
     return path
+
+
+def converted_pair(case: str, path):
+    """(transformers' model of conversion case `case`, ours converted from its checkpoint, the folder `path` holding
+    both), every parameter perturbed, fp32, eval."""
+    from modular_decoder import ModularDecoderForCausalLM
+    from modular_decoder.conversion import convert
+
+    saved_source(CASES[case][1](), path / "theirs")
+    theirs = tf.AutoModelForCausalLM.from_pretrained(path / "theirs").eval()
+    convert(path / "theirs", path / "ours", progress=False)
+    return theirs, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval(), path
