@@ -46,6 +46,11 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_text": "modular_decoder.conversion.families.qwen3_5",
     "gpt_oss": "modular_decoder.conversion.families.gpt_oss",
     "smollm3": "modular_decoder.conversion.families.smollm3",
+    "phi3": "modular_decoder.conversion.families.phi3",
+    "olmo3": "modular_decoder.conversion.families.olmo3",
+    "ministral3": "modular_decoder.conversion.families.ministral3",
+    "minimax_m2": "modular_decoder.conversion.families.minimax_m2",
+    "glm4_moe": "modular_decoder.conversion.families.glm4_moe",
 }
 
 

@@ -40,7 +40,7 @@ from .mtp_generation import check_draft_tokens, check_use_mtp, drafting_tokens, 
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
-                        rotary_layers)
+                        keys_rotated_before_the_switch, rotary_layers)
 from .recurrent_cache import ROLLBACK_ERROR, refuse_rollback_decoding
 from .routers import TopKRouter, router_losses
 from .split_products import project
@@ -609,6 +609,16 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         )
         with generating(), drafting_tokens(draft_tokens):
             return super().generate(inputs, *args, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """transformers' own, except at the step where LongRoPE switches to its long factors: the cache (keys
+        rotated with the short ones) is dropped and the whole text runs again, as transformers' Phi-3 does
+        (`positions.keys_rotated_before_the_switch`)."""
+        name = "cache" if "cache" in kwargs else "past_key_values"  # (the name transformers < 5.24 passes)
+        if keys_rotated_before_the_switch(self.config, input_ids.shape[1], kwargs.get(name)):
+            kwargs.update({name: None, "next_sequence_length": None} if "next_sequence_length" in kwargs
+                          else {name: None})
+        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  *args, **kwargs):
