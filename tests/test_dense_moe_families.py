@@ -100,3 +100,25 @@ def test_longrope_generation_equals_the_forward_without_cache(pair):
             assert ours(out[:, :step], use_cache=False).logits[0, -1].argmax() == out[0, step]
         short = ours(out[:, :16]).logits[:, :12]  # all positions within the short factors' range
         assert (ours(out).logits[:, :12] - short).abs().max() > 1e-3  # the long factors rotate them otherwise
+
+
+# preset -> the family whose transformers class it exports to
+PRESET_FAMILIES = {"phi4": "phi3", "olmo3": "olmo3", "ministral3": "ministral3", "minimax_m2": "minimax_m2",
+                   "glm4_5": "glm4_moe"}
+
+
+@pytest.mark.parametrize("tiny", [False, True], ids=["published", "tiny"])
+@pytest.mark.parametrize("name", sorted(PRESET_FAMILIES))
+def test_preset_parameters_equal_the_family_class_on_meta(name, tiny):
+    """The preset exported to its family's config (`from_contract`) and built by transformers' own class on the meta
+    device has exactly the contract's parameter count and ours (Phi-4: 14,659,507,200; GLM-4.5 without its MTP
+    layer: 352,797,814,784)."""
+    from modular_decoder import ModularDecoderForCausalLM, parameter_count, preset_config
+    from modular_decoder.conversion import get_family
+
+    config = preset_config(name, tiny=tiny)
+    their_config = get_family(PRESET_FAMILIES[name]).from_contract(config)
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(their_config)
+        ours = ModularDecoderForCausalLM(config)
+    assert sum(p.numel() for p in theirs.parameters()) == parameter_count(config)["total"] == ours.num_parameters()
