@@ -146,6 +146,17 @@ MOE_CASES = [name for name in CASES if name.split("-")[0] in
              or name.endswith(("-moe", "-moe-grouped"))]
 
 
+def reference_generate(source, ids, **kwargs) -> torch.Tensor:
+    """transformers' `generate` of a source model; with LongRoPE, each step its forward over the whole text
+    (`use_cache=False`): past the switch to the long factors, transformers 5.16's Phi-3 generates tokens through its
+    cache that its own forward does not give (from the fifth step past it, on phi3-longrope), 5.25's are its
+    forward's."""
+    rope = getattr(source.config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        kwargs["use_cache"] = False
+    return source.generate(ids, **kwargs)
+
+
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with every parameter and every saved floating-point buffer moved by N(0, 0.1²), in place:
     fresh norms are ones and fresh biases zeros (DeepSeek-V3's correction bias too), so a map that swapped

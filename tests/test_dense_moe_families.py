@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
+from conversion_cases import CASES, perturbed, reference_generate
 from transformers import AutoModelForCausalLM
 
 from modular_decoder.conversion import convert
@@ -69,7 +69,7 @@ def test_greedy_tokens_through_each_sides_cache_match(pair, backend, cache):
     ids, mask = left_padded()
     kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        want = source.generate(ids, **kwargs)
+        want = reference_generate(source, ids, **kwargs)
         got = ours.generate(ids, cache_implementation=None if cache == "dynamic" else "static", **kwargs)
     assert torch.equal(got, want)
 
@@ -89,8 +89,9 @@ def test_the_query_temperature_changes_the_function(pair):
 
 def test_longrope_generation_equals_the_forward_without_cache(pair):
     """Past LongRoPE's switch, each greedy token is the argmax of the no-cache forward over the text so far (the keys
-    rotated with the short factors are not reused), and the switch changes the function."""
-    _, ours = pair
+    rotated with the short factors are not reused), as transformers' cached generation gives on 5.25; that forward is
+    transformers' own; and the switch changes the function."""
+    source, ours = pair
     if ours.config.rope_parameters.get("rope_type") != "longrope":
         pytest.skip("no LongRoPE in this family")
     prompt = IDS[:1]
@@ -98,6 +99,7 @@ def test_longrope_generation_equals_the_forward_without_cache(pair):
         out = ours.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
         for step in range(prompt.shape[1], out.shape[1]):
             assert ours(out[:, :step], use_cache=False).logits[0, -1].argmax() == out[0, step]
+        torch.testing.assert_close(ours(out).logits, source(out).logits, rtol=0, atol=1e-4)
         short = ours(out[:, :16]).logits[:, :12]  # all positions within the short factors' range
         assert (ours(out).logits[:, :12] - short).abs().max() > 1e-3  # the long factors rotate them otherwise
 
