@@ -90,18 +90,20 @@ def _compressed_tensors_format(quantization: dict, where: str) -> Fp8Format:
 
 
 def scale_blocks(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...], block: tuple[int, int] | None,
-                 name: str) -> tuple[tuple[int, int], tuple[int, ...]]:
-    """(block, the scale's shape as `dequantize_fp8` reads it) for a weight of `weight_shape` and its scale: the
-    format's own block, or where it has none one scale per tensor (read as one per row, so that a large tensor still
-    dequantizes a few rows at a time) or per output row. `ValueError` naming `name` for another shape."""
+                 name: str):
+    """(block, a function giving the scale tensor as `dequantize_fp8` reads it for a weight of `weight_shape` or a
+    block of its leading rows) for a scale of `scale_shape`: the format's own block, or where it has none, one scale
+    per tensor (read as one per row, so that a large tensor still dequantizes a few rows at a time) or per output
+    row. `ValueError` naming `name` for another shape."""
     *lead, rows, cols = weight_shape
     if block is not None:
-        return block, tuple(scale_shape)
+        return block, lambda scale: scale
     count = math.prod(scale_shape)
     if count == math.prod(lead):  # one per tensor (a scalar, (1,) or (1, 1) each)
-        return (1, cols), (*lead, 1, 1)
+        return (1, cols), lambda scale: scale.reshape(-1, 1, 1).expand(-1, rows, 1).reshape(
+            *scale.shape[:len(lead)], rows, 1)
     if count == math.prod(lead) * rows and (not scale_shape or scale_shape[-1] in (1, rows)):
-        return (1, cols), (*lead, rows, 1)
+        return (1, cols), lambda scale: scale.reshape(*scale.shape[:len(lead)], rows, 1)
     raise ValueError(f"{name}: a scale of shape {tuple(scale_shape)} is neither one per tensor nor one per output "
                      f"row of a weight of shape {tuple(weight_shape)}.")
 

@@ -160,13 +160,13 @@ def _fp8_entries(tensors: dict[str, SourceTensor], fp8: Fp8Format, dtype, where:
             _refuse_float8([tensor], where, f"`{fp8_scale_name(name, fp8.scale_suffix)}` is missing")
             out[name] = tensor
             continue
-        block, scale_shape = scale_blocks(tensor.shape, scale.shape, fp8.block, name)
+        block, as_grid = scale_blocks(tensor.shape, scale.shape, fp8.block, name)
 
-        def read(w=tensor, s=scale, name=name, block=block, shape=scale_shape):
-            return dequantize_fp8(w.read(), s.read().reshape(shape), block, dtype, name)
+        def read(w=tensor, s=scale, name=name, block=block, as_grid=as_grid):
+            return dequantize_fp8(w.read(), as_grid(s.read()), block, dtype, name)
 
-        def read_rows(a, b, w=tensor, s=scale, name=name, block=block, shape=scale_shape):  # experts of a 3-D tensor
-            return dequantize_fp8(w.read_rows(a, b), s.read_rows(a, b).reshape(b - a, *shape[1:]), block, dtype, name)
+        def read_rows(a, b, w=tensor, s=scale, name=name, block=block, as_grid=as_grid):  # experts of a 3-D tensor
+            return dequantize_fp8(w.read_rows(a, b), as_grid(s.read_rows(a, b)), block, dtype, name)
 
         rows = read_rows if len(tensor.shape) > 2 and tensor.read_rows and scale.read_rows else None
         out[name] = _combined(name, [tensor, scale], tensor.shape, dtype, read, rows)
