@@ -36,12 +36,13 @@ from .input_checks import check_generate_inputs, check_inputs, check_token_ids, 
 from .kinds import LINEAR_ATTENTION
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
-from .mtp_generation import check_draft_tokens, check_use_mtp, drafting_tokens, mtp_candidate_generator_for
+from .mtp_generation import (check_draft_tokens, check_use_mtp, drafting_refusal, drafting_tokens,
+                             mtp_candidate_generator_for)
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
                         keys_rotated_before_the_switch, rotary_layers)
-from .recurrent_cache import ROLLBACK_ERROR, refuse_rollback_decoding
+from .recurrent_cache import refuse_rollback_decoding
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
@@ -599,8 +600,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         check_draft_tokens(self.config, use_mtp, draft_tokens)
         if self.config.linear_attention_kind.in_use(self.config):  # a recurrent state cannot be cropped
             refuse_rollback_decoding(kwargs, self.generation_config)
-            if use_mtp:
-                raise ValueError(f"`use_mtp` is set: {ROLLBACK_ERROR}")
+        if use_mtp and (refusal := drafting_refusal(self.config)) is not None:
+            raise ValueError(refusal)
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),

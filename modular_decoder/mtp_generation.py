@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from .cache import ModularDecoderCache
 from .compat import cache_of, mtp_candidate_generator
 from .mtp import MtpDrafter
+from .recurrent_cache import ROLLBACK_ERROR
 
 # the caches whose implementation the MTP modules' cache copies; others (static) get a dynamic one
 _CACHE_IMPLEMENTATIONS = ("dynamic", "int8")
@@ -70,6 +71,14 @@ def recorded_drafts():
         yield statistics
     finally:
         _RECORDING.remove(statistics)
+
+
+def drafting_refusal(config) -> str | None:
+    """Why `generate(use_mtp=True)` cannot draft with this config's MTP modules, or None where it drafts: with
+    linear-attention layers, a recurrent state cannot be rolled back after a rejected draft."""
+    if config.linear_attention_kind.in_use(config):
+        return f"`use_mtp` is set: {ROLLBACK_ERROR}"
+    return None
 
 
 def check_use_mtp(config, use_mtp) -> None:

@@ -51,4 +51,6 @@ def rules(src) -> list[Rule]:
 
 
 FAMILY = Family("glm4_moe", to_contract, from_contract, rules, "model.", Glm4MoeConfig, experts=expert_stacks(),
-                mtp_layers=MTP_LAYER)
+                mtp_layers=MTP_LAYER,
+                description="GLM-4.5 / 4.6: q/k/v biases, QK-norm, partial RoPE, DeepSeek-V3's routing, MTP layer",
+                refusals=("no shared experts",))

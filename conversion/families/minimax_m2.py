@@ -42,4 +42,6 @@ def rules(src) -> list:
 
 FAMILY = Family("minimax_m2", to_contract, from_contract, rules, "model.", MiniMaxM2Config,
                 renames={"model.layers.{layer}.block_sparse_moe.": "model.layers.{layer}.mlp."},
-                experts=expert_stacks(gate="w1", up="w3", down="w2"))
+                experts=expert_stacks(gate="w1", up="w3", down="w2"),
+                description="MiniMax-M2: full-width QK-norm, partial RoPE, sigmoid-routed experts",
+                refusals=("router_jitter_noise != 0",))

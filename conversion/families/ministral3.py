@@ -47,4 +47,6 @@ def from_contract(cfg) -> Ministral3Config:
 
 
 FAMILY = Family("ministral3", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.",
-                Ministral3Config)
+                Ministral3Config,
+                description="Ministral 3 text model: YaRN and a query temperature by position",
+                refusals=("llama_4_scaling_beta without original_max_position_embeddings",))

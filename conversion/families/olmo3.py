@@ -43,4 +43,5 @@ def _nested(params: dict) -> dict:
 
 
 FAMILY = Family("olmo3", to_contract, from_contract, lambda src: llama_rules(OUTPUT_NORMS, qk_norm=True), "model.",
-                Olmo3Config)
+                Olmo3Config,
+                description="OLMo 3: OLMo 2's norms, three sliding layers per full one")

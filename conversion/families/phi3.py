@@ -40,4 +40,5 @@ def rules(src) -> list:
     return [r for r in llama_rules(PRE_NORMS, attention=attention) if "mlp." not in r.src[0]] + mlp
 
 
-FAMILY = Family("phi3", to_contract, from_contract, rules, "model.", Phi3Config)
+FAMILY = Family("phi3", to_contract, from_contract, rules, "model.", Phi3Config,
+                description="Phi-3, Phi-4: fused qkv_proj and gate_up_proj, LongRoPE, partial RoPE")
