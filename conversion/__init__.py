@@ -2,7 +2,8 @@
 
 Not part of the remote-code files: the model modules never import from here. Each source family
 is one small declarative module in `families/`, registered in `FAMILIES` by its transformers
-`model_type`; add a family by adding one line.
+`model_type`; add a family by adding one line (its `Family`'s `description` and facts give it its row in the table
+of families, `table.py`).
 
     from modular_decoder.conversion import convert, export
     convert("path/to/llama", "out/llama-md")                   # Hugging Face folder

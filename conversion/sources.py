@@ -129,8 +129,8 @@ def dequantized(tensors: dict[str, SourceTensor], quantization: dict | None, dty
     fp8 = fp8_format(quantization, where)
     if fp8 is not None:
         return _fp8_entries(tensors, fp8, dtype, where)
-    raise ValueError(f"{where} is quantized with `quant_method`={method!r}, which convert cannot read; it reads "
-                     "FP8 ('fp8', 'fbgemm_fp8', compressed-tensors' 'float-quantized') and MXFP4 ('mxfp4') checkpoints.")
+    raise ValueError(f"{where} is quantized with `quant_method`={method!r}, which convert cannot read; it reads FP8 "
+                     "('fp8', 'fbgemm_fp8', compressed-tensors' 'float-quantized') and MXFP4 ('mxfp4') checkpoints.")
 
 
 def _combined(name: str, parts: list[SourceTensor], shape, dtype, read, read_rows=None) -> SourceTensor:

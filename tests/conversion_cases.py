@@ -104,9 +104,9 @@ GLM4_MOE = dict(num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_expe
                 n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True)
 CASES.update({
     "phi3": ("phi3", lambda: tf.Phi3Config(**COMMON, num_key_value_heads=2, sliding_window=8, **SMOLLM3_IDS)),
-    "phi3-longrope": ("phi3", lambda: tf.Phi3Config(**COMMON, num_key_value_heads=2, original_max_position_embeddings=16,
-                                                    rope_parameters=dict(LONGROPE), tie_word_embeddings=True,
-                                                    **SMOLLM3_IDS)),
+    "phi3-longrope": ("phi3", lambda: tf.Phi3Config(
+        **COMMON, num_key_value_heads=2, original_max_position_embeddings=16, rope_parameters=dict(LONGROPE),
+        tie_word_embeddings=True, **SMOLLM3_IDS)),
     "olmo3": ("olmo3", lambda: tf.Olmo3Config(**{**COMMON, "num_hidden_layers": 4}, sliding_window=8,
                                                rope_parameters={k: dict(v) for k, v in OLMO3_ROPE.items()})),
     "olmo3-one-table": ("olmo3", lambda: tf.Olmo3Config(**{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2,

@@ -55,7 +55,8 @@ def save_deepseek_v3_with_mtp(path, num_mtp_layers: int = 1, seed: int = 0, fami
     config = make_config(num_mtp_layers, **overrides)
     n = config.num_hidden_layers
     # the blocks as transformers initialises and writes layers: a model whose layers n, n+1, ... are the MTP blocks
-    longer = perturbed(model_class(make_config(num_mtp_layers, **{**overrides, "num_hidden_layers": n + num_mtp_layers})))
+    longer = perturbed(model_class(make_config(num_mtp_layers,
+                                               **{**overrides, "num_hidden_layers": n + num_mtp_layers})))
     longer.save_pretrained(scratch)
     files = load_file(str(scratch / "model.safetensors"))
     main = model_class(config)

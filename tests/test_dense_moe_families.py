@@ -19,7 +19,8 @@ from modular_decoder.conversion import convert
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["phi3", "phi3-longrope", "olmo3", "ministral3", "minimax_m2", "glm4_moe", "glm4_moe-air"]
-IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7, 19, 4], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14, 6, 8]])
+IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7, 19, 4],
+                    [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14, 6, 8]])
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
