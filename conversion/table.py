@@ -5,7 +5,9 @@
 Every fact comes from the code: the `model_type` the registry keys it by, its `description`, whether its files'
 multi-token-prediction modules convert (`mtp_layers`) and draft (`mtp_drafts`), the transformers class `export`
 writes for and whether vLLM serves that class natively (`vllm_native`), and what `convert` refuses (`refusals`, the
-tensor prefixes of `refused`). A family registered in `FAMILIES` gets its row; tests/test_families_table.py fails
+tensor prefixes of `refused`), and a row per multimodal release of `multimodal.WRAPPERS` (the text families its
+language model converts through, or what it waits for). A family registered in `FAMILIES` gets its row;
+tests/test_families_table.py fails
 while README.md or docs/families.md differs from what this renders, or a family lacks a description.
 """
 
@@ -55,6 +57,20 @@ def families_table(full: bool = True) -> str:
     return "\n".join(rows)
 
 
+def releases_table() -> str:
+    """Markdown: a row per multimodal release of `multimodal.WRAPPERS` (the language model converts through a text
+    family, the rest is kept beside it and written back by `export --family <release>`)."""
+    from .multimodal import WRAPPERS
+
+    rows = ["| release `model_type` | its language model converts through | status |", "|---|---|---|"]
+    for name, wrapper in WRAPPERS.items():
+        through = ", ".join(f"`{family}`" for family in wrapper.text_families)
+        status = "converts, and exports back into the release" if wrapper.waits_for is None else (
+            f"refused by name until {wrapper.waits_for} lands")
+        rows.append(f"| `{name}` | {through} | {status} |")
+    return "\n".join(rows)
+
+
 def page() -> str:
     """docs/families.md."""
     return "\n".join([
@@ -75,6 +91,15 @@ def page() -> str:
         "",
         families_table(full=True),
         "",
+        "## Multimodal releases",
+        "",
+        "A release folder as published (a vision tower, a projector and a processor beside the language model) "
+        "converts its language model through a text family above and keeps everything else, untouched, in "
+        "`OUT/multimodal/`; `export OUT BACK --family <release>` writes the folder back "
+        "([using.md](using.md#multimodal-releases-gemma-3-mistral-3-qwen35-folders)).",
+        "",
+        releases_table(),
+        "",
     ])
 
 
@@ -84,7 +109,7 @@ def readme_with_table(text: str) -> str:
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     if not pattern.search(text):
         raise ValueError(f"README.md has no {start} ... {end} block.")
-    return pattern.sub(lambda _: f"{start}\n{families_table(full=False)}\n{end}", text)
+    return pattern.sub(lambda _: f"{start}\n{families_table(full=False)}\n\n{releases_table()}\n{end}", text)
 
 
 def main() -> None:
