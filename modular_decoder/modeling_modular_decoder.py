@@ -36,11 +36,12 @@ from .input_checks import check_generate_inputs, check_inputs, check_token_ids, 
 from .kinds import LINEAR_ATTENTION
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
-from .mtp_generation import check_draft_tokens, check_use_mtp, drafting_tokens, mtp_candidate_generator_for
+from .mtp_generation import (check_draft_tokens, check_use_mtp, drafting_refusal, drafting_tokens,
+                             mtp_candidate_generator_for)
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
-                        rotary_layers)
+                        keys_rotated_before_the_switch, rotary_layers)
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
@@ -597,6 +598,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         draft_tokens = kwargs.pop("mtp_draft_tokens", None)
         check_use_mtp(self.config, use_mtp)
         check_draft_tokens(self.config, use_mtp, draft_tokens)
+        if use_mtp and (refusal := drafting_refusal(self.config)) is not None:
+            raise ValueError(refusal)
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),
@@ -605,6 +608,16 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         )
         with generating(), drafting_tokens(draft_tokens):
             return super().generate(inputs, *args, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """transformers' own, except at the step where LongRoPE switches to its long factors: the cache (keys
+        rotated with the short ones) is dropped and the whole text runs again, as transformers' Phi-3 does
+        (`positions.keys_rotated_before_the_switch`)."""
+        name = "cache" if "cache" in kwargs else "past_key_values"  # (the name transformers < 5.24 passes)
+        if keys_rotated_before_the_switch(self.config, input_ids.shape[1], kwargs.get(name)):
+            kwargs.update({name: None, "next_sequence_length": None} if "next_sequence_length" in kwargs
+                          else {name: None})
+        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  *args, **kwargs):

@@ -562,6 +562,16 @@ def test_gpt_oss_and_smollm3_match_their_classes_on_the_oldest_and_newest_releas
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", ["phi3", "olmo3", "ministral3", "minimax_m2", "glm4_moe"])
+def test_2025_26_dense_and_moe_families_match_their_classes_on_the_oldest_and_newest_release(case, tmp_path):
+    """Phi-3's fused projections and window, OLMo 3's sliding layers and per-type RoPE, Ministral 3's query
+    temperature, MiniMax-M2's sigmoid router with the bias on its block, GLM-4.5's QK-norm, partial RoPE and grouped
+    routing. (LongRoPE past its switch: transformers 5.16's cached generation is not its own forward's, see
+    `conversion_cases.reference_generate`; test_dense_moe_families.py compares with the forward.)"""
+    _family_on_oldest_and_newest(case, tmp_path)
+
+
+@pytest.mark.slow
 def test_gemma3_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
     """Gemma 3's rope tables nested by layer type: 5.16.1's config leaves a flat `rope_type` and `rope_theta:
     None` beside them, which the conversion drops (`families.common.rope`)."""
