@@ -324,6 +324,14 @@ class Family:
             `{mtp_layer}` (the source's layer index of module k, `num_hidden_layers` + k); `None`: the family has
             no MTP modules. The modules the files hold are what converts (`count_mtp_layers`); their tensors go
             by `{mtp}` rules.
+        description: One line for the table of families (`conversion/table.py`): the releases it reads and what
+            sets the family apart.
+        mtp_drafts: With MTP modules, whether `generate(use_mtp=True)` drafts with them once converted
+            (`mtp_generation.drafting_refusal`; tests/test_families_table.py checks it on the family's test cases).
+        vllm_native: Whether vLLM has its own model class for the family's format, so that `export --family` gives
+            a folder vLLM serves natively (tests/test_families_table.py checks it against vLLM's registry).
+        refusals: What a checkpoint of this family may hold that `convert` refuses by name (`refuse`), one phrase
+            each, for the table (tensor prefixes refused are `refused`'s).
     """
 
     name: str
@@ -338,6 +346,10 @@ class Family:
     experts: tuple[ExpertStack, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
     mtp_layers: str | None = None
+    description: str = ""
+    mtp_drafts: bool = True
+    vllm_native: bool = True
+    refusals: tuple[str, ...] = ()
 
 
 def refuse_tensors(names, family: Family) -> None:

@@ -23,6 +23,8 @@ from .mup import ATTENTION_MULTIPLIERS, validate_attention_multipliers
 from .split_products import project, takes_split_branch
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
+from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
+from .query_temperature import query_temperature, scale_queries, validate_query_temperature
 from .sinks import sink_parameters
 
 
@@ -90,8 +92,9 @@ class StandardAttention(AttentionLayer):
         q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
         return q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
 
-    def _heads(self, q, k, v, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """q (B, H, T, D), k and v (B, H_kv, T, D) from the projections, normed and rotated as configured."""
+    def _heads(self, q, k, v, position_embeddings, position_ids=None) -> tuple[torch.Tensor, ...]:
+        """q (B, H, T, D), k and v (B, H_kv, T, D) from the projections, normed and rotated as configured (the
+        queries then scaled by their position's temperature, `query_temperature.py`)."""
         batch, seq = q.shape[:2]
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k, self.head_dim)
@@ -101,7 +104,7 @@ class StandardAttention(AttentionLayer):
         if position_embeddings is not None:
             cos, sin = position_embeddings
             q, k = apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
-        return q, k, v
+        return scale_queries(q, query_temperature(self.config, position_ids)), k, v
 
     def forward(
         self,
@@ -125,7 +128,7 @@ class StandardAttention(AttentionLayer):
         q, gate = self._query_and_gate(q)
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
-        q, k, v = self._heads(q, k, v, position_embeddings)  # (B, H, T, D), (B, H_kv, T, D) twice
+        q, k, v = self._heads(q, k, v, position_embeddings, kwargs.get("position_ids"))  # (B, H[_kv], T, D)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, H_kv, cached + T, D)
         if position_bias is not None:  # ALiBi as a bias (eager, sdpa)
@@ -148,12 +151,13 @@ class StandardKind(AttentionKind):
 
     name = "standard"
     module = StandardAttention
-    fields = ("qk_norm", "attn_output_gate", *ATTENTION_MULTIPLIERS)
+    fields = ("qk_norm", "attn_output_gate", *QUERY_TEMPERATURE_FIELDS, *ATTENTION_MULTIPLIERS)
     cache_implementations = ("dynamic", "static", "int8")
 
     def validate(self, config) -> None:
         if config.qk_norm not in QK_NORMS:
             raise ValueError(f"`qk_norm`={config.qk_norm!r} is not one of the allowed values {list(QK_NORMS)}.")
+        validate_query_temperature(config)
         validate_attention_multipliers(config)
 
     def rope_head_dim(self, config) -> int:

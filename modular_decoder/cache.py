@@ -13,8 +13,9 @@ config's attention kind builds (`AttentionKind.cache_layer`):
 - with `attention_type="mla"`, `"dynamic"` / `"static"` store the latent (`latent_cache.py`);
 - a `"linear_attention"` layer stores its fixed-size state per sequence in every implementation
   (`recurrent_cache.py`: the short convolution's window and the recurrent state, transformers'
-  `LinearAttentionLayer`). Such a state cannot be rolled back, so a cache holding one refuses `crop`
-  (assisted decoding) with a `ValueError`.
+  `LinearAttentionLayer`). While the cache records its past (`activate_past_recording`, which assisted
+  decoding calls) it also keeps the states of the last drafted tokens, so `crop` rolls it back; a crop past
+  what it recorded is refused with a `ValueError` before any layer changes.
 
 They reuse transformers' layer classes, so every `generate()` strategy (beam reorder, crop for
 assisted decoding, batch repeat / select, reset) works unchanged.
@@ -32,7 +33,7 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLay
 from .blocks import mixing_layer_types
 from .hybrid_cache import EmptyLayer, HybridLayer
 from .kinds import LINEAR_ATTENTION
-from .recurrent_cache import ROLLBACK_ERROR, RecurrentLayer
+from .recurrent_cache import RecurrentLayer
 
 IMPLEMENTATIONS = ("dynamic", "static", "int8")
 
@@ -100,18 +101,39 @@ class ModularDecoderCache(Cache):
         return parts[0] if len(parts) == 1 else HybridLayer(*parts)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """transformers' `crop`; refused before any layer changes where a layer holds a recurrent state."""
-        self._refuse_rollback()
+        """transformers' `crop` (a negative count of tokens to remove); where a linear-attention layer cannot
+        restore the state before them, a `ValueError` before any layer changes."""
+        for layer in self.layers:
+            for part in _parts(layer):  # (a hybrid layer's state too)
+                if isinstance(part, RecurrentLayer):
+                    part.check_crop(tokens_to_remove)
         super().crop(tokens_to_remove)
 
-    def activate_past_recording(self, *args, **kwargs) -> None:
-        """What assisted decoding asks before it crops; refused where a layer holds a recurrent state."""
-        self._refuse_rollback()
-        super().activate_past_recording(*args, **kwargs)
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+        """Keep what `crop` needs to undo the next forwards (assisted decoding calls it before drafting):
+        linear-attention layers record the states of up to `recurrent_states_to_keep` tokens (the tokens drafted
+        per step), sliding layers every entry until the crop. The same on every transformers release (5.16 passes
+        no count; the drafting paths of `ModularDecoderForCausalLM.generate` then give it)."""
+        for layer in (part for whole in self.layers for part in _parts(whole)):
+            if isinstance(layer, RecurrentLayer):
+                layer.activate_past_recording(recurrent_states_to_keep)
+            elif hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
 
-    def _refuse_rollback(self) -> None:
-        if any(isinstance(layer, (RecurrentLayer, HybridLayer)) for layer in self.layers):
-            raise ValueError(ROLLBACK_ERROR)
+    def held_batch_size(self) -> int | None:
+        """The batch size of what the layers hold (read off shapes: no device work), or None for an empty cache.
+        A static layer, allocated for its batch up front, is not asked."""
+        for layer in (part for whole in self.layers for part in _parts(whole)):
+            if isinstance(layer, RecurrentLayer):
+                held = layer.held_batch_size()
+            elif isinstance(layer, StaticLayer) or not getattr(layer, "is_initialized", False):
+                continue
+            else:
+                held = next((t.shape[0] for t in _layer_tensors(layer) if isinstance(t, torch.Tensor) and t.numel()),
+                            None)
+            if held is not None:
+                return held
+        return None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens cached, as transformers counts them: asked of a linear-attention layer (which holds a state, not

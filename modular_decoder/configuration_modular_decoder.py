@@ -23,6 +23,7 @@ from .mup import MupFields  # noqa: E402
 from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
+from .query_temperature import QueryTemperatureFields  # noqa: E402
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: E402
 
 # The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
@@ -98,7 +99,8 @@ FIELD_RULES = {
 }
 
 
-class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupFields, PretrainedConfig):
+class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupFields, QueryTemperatureFields,
+                           PretrainedConfig):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:

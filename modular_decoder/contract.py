@@ -19,6 +19,7 @@ from .blocks import BLOCKS, block_class, layer_sublayers, mixing_layer_types
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
 from .kinds import HYBRID, LINEAR_ATTENTION
+from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
@@ -167,9 +168,10 @@ def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: to
 
 def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bfloat16) -> str:
     """A markdown table of every contract field, parameters by component and cache cost."""
-    own = ModularDecoderConfig.__annotations__  # the config's own fields first, then its mechanisms' (mixins)
-    ordered = sorted(dataclasses.fields(ModularDecoderConfig), key=lambda f: f.name not in own)
-    names = [f.name for f in ordered if f.name not in _NON_CONTRACT and _applies(config, f.name)]
+    declared = list(vars(ModularDecoderConfig)["__annotations__"])  # the class's own fields, then its mixins'
+    fields = sorted(dataclasses.fields(ModularDecoderConfig),
+                    key=lambda f: declared.index(f.name) if f.name in declared else len(declared))
+    names = [f.name for f in fields if f.name not in _NON_CONTRACT and _applies(config, f.name)]
     rows = ["| field | value |", "| --- | --- |"]
     rows += [f"| `{name}` | {_render(name, getattr(config, name))} |" for name in names]
     params = parameter_count(config)
@@ -192,9 +194,11 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
     (MLA's ranks, the MoE fields, ...) applies only when one of them is chosen, and a field some
     entries of an axis say they read (`reads`: `norm_bias` for LayerNorm, `head_dim` for per-head
     attention, ...) only when the chosen entry reads it. The MTP loss weight, draft count and draft vocabulary apply
-    with MTP modules."""
+    with MTP modules, the query temperature's fields where it is on."""
     if name in ("mtp_loss_scaling_factor", "mtp_draft_tokens", "mtp_draft_vocab_size"):
         return bool(config.num_mtp_layers)
+    if name in QUERY_TEMPERATURE_FIELDS:  # shown where the queries are scaled
+        return bool(config.attn_temperature_tuning)
     if name == LINEAR_ATTENTIONS.field:
         return config.linear_attention_kind.in_use(config)
     for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS):

@@ -17,7 +17,9 @@ fused `in_proj_qkvz` / `in_proj_ba` (interleaved per key head) are the same rows
 them (`conversion/families/qwen3_next.py`), bit for bit both ways.
 
 A multi-token step (prefill, chunked prefill, a prompt continuing a cache) runs the chunked rule; a one-token step
-against a cached state runs the recurrent update. Padded positions of a 2-D `attention_mask` are zeroed before the
+against a cached state runs the recurrent update. While the cache records for a rollback (drafting), the tokens a
+crop may remove (a verification's, a prompt's last few) run through the recurrent update one by one and their states
+are kept (`recurrent_cache.run_recurrence`). Padded positions of a 2-D `attention_mask` are zeroed before the
 projections, so the convolution sees zeros there as it does before a sequence's first token, and get β = 0 and
 g = 0, so they neither write nor decay the state (transformers' classes zero the input only, which keeps the state
 at zero only where the convolution's activation maps 0 to 0, as SiLU does): a left-padded row computes what it
@@ -34,7 +36,7 @@ from transformers.activations import ACT2FN
 from .delta_rule import kernels_for
 from .kinds import LinearAttentionKind, require_int
 from .packed_documents import PackedDocuments
-from .recurrent_cache import RecurrentLayer
+from .recurrent_cache import RecurrentLayer, run_recurrence
 from .recurrent_mixer import RecurrentMixer
 
 
@@ -115,19 +117,17 @@ class GatedDeltaNet(RecurrentMixer):
 
     def _delta_rule(self, inputs: tuple, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
         """The gated delta rule over (query, key, value, g, beta): recurrent for a one-token step on a cached state,
-        chunked otherwise, or document by document; the cache keeps the new state."""
+        chunked otherwise (`recurrent_cache.run_recurrence`, which also records the states a crop may restore), or
+        document by document; the cache keeps the new state."""
+        if documents is None:  # (B, T, H_v, d_v); the state (B, H_v, d_k, d_v) and, while recording, per token
+            return run_recurrence(layer, kernels.chunked, kernels.recurrent, inputs)
+        # the rows end to end as one row of documents; each row's last document's state is its state
         batch, seq = inputs[0].shape[:2]
-        if documents is None:
-            state = layer.recurrent_state if layer is not None else None
-            rule = kernels.recurrent if state is not None and seq == 1 else kernels.chunked
-            out, state = rule(*inputs, state)  # (B, T, H_v, d_v), (B, H_v, d_k, d_v)
-        else:  # the rows end to end as one row of documents; each row's last document's state is its state
-            flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
-            out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
-            out, state = out.reshape(batch, seq, *out.shape[2:]), states[documents.last]
+        flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
+        out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
         if layer is not None:
-            layer.update_recurrent_state(state)
-        return out
+            layer.update_recurrent_state(states[documents.last])
+        return out.reshape(batch, seq, *out.shape[2:])
 
 
 class GatedDeltaNetKind(LinearAttentionKind):

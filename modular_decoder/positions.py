@@ -110,6 +110,25 @@ class RotaryEmbedding(nn.Module):
         return {layer_type: for_heads(self(x, position_ids, layer_type)) for layer_type in attending}
 
 
+def longrope_switch_length(config) -> int | None:
+    """The length past which LongRoPE's tables switch from the short factors to the long ones (its
+    `original_max_position_embeddings`; the shortest where several layer types use it), None without LongRoPE."""
+    if not config.uses_rope:
+        return None
+    tables = config.rope_parameters.values() if config.rope_is_nested else [config.rope_parameters]
+    lengths = [t.get("original_max_position_embeddings", config.max_position_embeddings)
+               for t in tables if t.get("rope_type") == "longrope"]
+    return min(lengths) if lengths else None
+
+
+def keys_rotated_before_the_switch(config, length: int, cache) -> bool:
+    """Whether a generate step of `length` tokens crosses LongRoPE's switch with keys cached from before it: those
+    were rotated with the short factors, which no longer apply, so the whole text is run again without the cache
+    (once, at the crossing), as transformers' `Phi3ForCausalLM` does."""
+    switch = longrope_switch_length(config)
+    return bool(switch is not None and cache is not None and length > switch and cache.get_seq_length() <= switch)
+
+
 def attending_layer_types(layer_types) -> set[str]:
     """The layer types present that attend, and so read positions (not `"linear_attention"`; a hybrid layer's
     attention)."""

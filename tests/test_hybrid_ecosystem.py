@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
+from conversion_cases import CASES, converted_pair, perturbed
 from decoding import recording_backend, right_padded
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
@@ -40,14 +40,7 @@ def qwen3_5(tmp_path_factory):
 
 
 def _pair(case: str, tmp_path_factory):
-    config = CASES[case][1]()
-    config.architectures = None
-    torch.manual_seed(0)
-    theirs = perturbed(AutoModelForCausalLM.from_config(config).eval())
-    path = tmp_path_factory.mktemp(case)
-    theirs.save_pretrained(path / "theirs")
-    convert(path / "theirs", path / "ours", progress=False)
-    return theirs, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval(), path
+    return converted_pair(case, tmp_path_factory.mktemp(case))
 
 
 def _packed(documents=DOCUMENTS):

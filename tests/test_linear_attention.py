@@ -1,8 +1,8 @@
 """Gated DeltaNet layers beside (gated) full attention, against transformers' `Qwen3NextForCausalLM` and
 `Qwen3_5ForCausalLM` with the same weights (through the converter): the kernels against transformers' reference
-kernels, logits and every generate() path through each side's own cache, the cache's state and its arithmetic,
-the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d need CUDA, which the test
-machines lack)."""
+kernels, logits and every generate() path through each side's own cache (drafting: test_hybrid_drafting.py), the
+cache's state and its arithmetic, the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d
+need CUDA, which the test machines lack)."""
 
 from __future__ import annotations
 
@@ -235,20 +235,6 @@ def test_reorder_select_repeat_and_reset_follow_the_batch(pair):
     assert layer.conv_state is None and layer.recurrent_state is None and layer.get_seq_length() == 0
 
 
-def test_assisted_decoding_and_crop_are_refused(pair):
-    _, ours = pair
-    for extra in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=ours)):
-        with pytest.raises(ValueError, match=f"`{next(iter(extra))}` is set: .*cannot be rolled back"):
-            ours.generate(IDS[:1], max_new_tokens=3, **extra)
-    with torch.no_grad():
-        cache = _cache_of(ours(IDS, use_cache=True))
-    keys = [layer.keys.clone() for layer in _key_layers(cache)]
-    with pytest.raises(ValueError, match="cannot be rolled back"):
-        cache.crop(-2)
-    assert all(torch.equal(layer.keys, k) for layer, k in zip(_key_layers(cache), keys))
-    assert not RecurrentLayer.is_croppable
-
-
 # --- the contract ---------------------------------------------------------------------------------
 
 
@@ -321,9 +307,12 @@ def _fake_fla(torch_rule, calls):
 def test_gpu_kernels_are_dispatched_where_available(gated_deltanet_pair, monkeypatch):
     """With fla and causal-conv1d reported available (stand-ins that compute what the libraries document) and
     this device counted as theirs, the layers call them (the chunked kernel for prefill, the fused recurrent one
-    and the in-place conv update for decode) and the tokens stay those of the PyTorch path."""
+    and the in-place conv update for decode) and the tokens stay those of the PyTorch path. While the cache
+    records for prompt lookup, the window is not updated in place (a crop may need it) and the tokens stay greedy's."""
     _, ours = gated_deltanet_pair
     expected = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
+    grounded = torch.cat([IDS[:1], IDS[:1, :6]], dim=1)  # prompt lookup finds drafts in it
+    greedy = ours.generate(grounded, **GREEDY)
     calls = []
     monkeypatch.setattr(compat, "flash_linear_attention_kernels", lambda: (
         _fake_fla(delta_rule.chunked_gated_delta_rule, calls), _fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
@@ -336,10 +325,14 @@ def test_gpu_kernels_are_dispatched_where_available(gated_deltanet_pair, monkeyp
     try:
         assert delta_rule.kernels_for(torch.device("cpu")).name == "fla+causal-conv1d"
         assert torch.equal(ours.generate(PADDED, attention_mask=MASK, **GREEDY), expected)
+        assert {"chunked_gated_delta_rule", "recurrent_gated_delta_rule", "conv", "conv_update"} <= set(calls)
+        calls.clear()
+        assert torch.equal(ours.generate(grounded, prompt_lookup_num_tokens=3, **GREEDY), greedy)
     finally:
         monkeypatch.undo()
         delta_rule._kernels_for.cache_clear()
-    assert {"chunked_gated_delta_rule", "recurrent_gated_delta_rule", "conv", "conv_update"} <= set(calls)
+    assert {"chunked_gated_delta_rule", "recurrent_gated_delta_rule", "conv"} <= set(calls)
+    assert "conv_update" not in calls
     assert delta_rule.kernels_for(torch.device("cpu")) == delta_rule.TORCH_KERNELS
 
 

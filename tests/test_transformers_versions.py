@@ -478,6 +478,25 @@ def test_sliding_mtp_modules_draft_on_every_supported_transformers(tmp_path):
         _project_tests_pass_on(version, SLIDING_MTP_CASES, tmp_path)
 
 
+# The project's own tests of drafting beside linear-attention layers (transformers 5.16 passes no count of drafted
+# tokens to the cache and restores no recurrent state on crop; 5.25 restores the wrong one after a chunked part)
+HYBRID_DRAFTING_CASES = {
+    "test_hybrid_drafting.py::test_every_drafting_strategy_gives_plain_greedy_tokens": 6,
+    "test_hybrid_drafting.py::test_logits_after_each_crop_equal_the_no_cache_forward": 4,
+    "test_hybrid_drafting.py::test_an_assistant_that_lengthens_its_drafts_can_be_rolled_back_all_the_way": 2,
+    "test_hybrid_drafting.py::test_mtp_modules_on_a_linear_attention_layer_draft_greedy_tokens": 1,
+    "test_mtp_qwen3_next.py::test_the_published_folder_drafts_with_its_module_and_gives_greedy_tokens": 2,
+}
+
+
+@pytest.mark.slow
+def test_hybrids_draft_greedy_tokens_on_the_oldest_release(tmp_path):
+    """Assisted decoding, prompt lookup, early exit and `use_mtp` on Qwen3-Next / Qwen3.5 layouts give plain greedy's
+    tokens, and every crop the no-cache forward's logits, on the oldest release as on the newest (the suite's own)."""
+    _project_tests_pass_on(MIN_TRANSFORMERS, tuple(HYBRID_DRAFTING_CASES), tmp_path,
+                           expected=sum(HYBRID_DRAFTING_CASES.values()))
+
+
 # The project's own tests of what older releases do otherwise: rope dicts nested by layer type (standardised and
 # validated as flat dicts on 5.16-5.17), a cache `reset` (zeroed, not emptied, on 5.16-5.18) and a draft model
 # asked for the main model's cache (assisted decoding with an int8 cache failed on 5.16-5.2x)
@@ -551,6 +570,16 @@ def test_gpt_oss_and_smollm3_match_their_classes_on_the_oldest_and_newest_releas
     assert "refused" not in newest, newest  # the newest reads `swiglu_limit` from the config
     if case == "gpt_oss":  # 5.16.1's class fixes it at 7.0: the case's 0.5 is refused by name
         assert "swiglu_limit" in oldest["refused"], oldest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["phi3", "olmo3", "ministral3", "minimax_m2", "glm4_moe"])
+def test_2025_26_dense_and_moe_families_match_their_classes_on_the_oldest_and_newest_release(case, tmp_path):
+    """Phi-3's fused projections and window, OLMo 3's sliding layers and per-type RoPE, Ministral 3's query
+    temperature, MiniMax-M2's sigmoid router with the bias on its block, GLM-4.5's QK-norm, partial RoPE and grouped
+    routing. (LongRoPE past its switch: transformers 5.16's cached generation is not its own forward's, see
+    `conversion_cases.reference_generate`; test_dense_moe_families.py compares with the forward.)"""
+    _family_on_oldest_and_newest(case, tmp_path)
 
 
 @pytest.mark.slow

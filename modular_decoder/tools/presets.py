@@ -182,6 +182,51 @@ PRESETS: dict[str, dict] = {
                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536, norm_eps=1e-6,
                     rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}, tie_word_embeddings=True,
                     no_rope_interval=4),
+    # microsoft/phi-4 config.json (Phi3ForCausalLM: fused qkv_proj and gate_up_proj in its files, GQA 40 / 10, no
+    # sliding window, plain RoPE with base 250,000 over the whole head)
+    "phi4": dict(vocab_size=100352, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                 num_attention_heads=40, num_key_value_heads=10, max_position_embeddings=16384, norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 250000.0}, tie_word_embeddings=False),
+    # allenai/Olmo-3-7B-Instruct config.json (OLMo 2's output norms and full-width QK-norm, MHA; three sliding layers
+    # (window 4,096) for each full one; YaRN x8 from 8,192 on the full layers only)
+    "olmo3": dict(vocab_size=100278, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=65536, norm_eps=1e-6, norm_position="output",
+                  qk_norm="full", sliding_window=4096, sliding_window_pattern=4,
+                  rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                                                      "original_max_position_embeddings": 8192,
+                                                      "attention_factor": 1.2079441541679836, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}},
+                  tie_word_embeddings=False),
+    # mistralai/Ministral-3-8B-Instruct-2512 config.json, its `text_config` (Mistral's layout, GQA 32 / 8 of 128,
+    # YaRN x16 from 16,384; the query temperature 1 + 0.1 log(1 + floor(p / 16,384)); the vision tower is not part of
+    # the model)
+    "ministral3": dict(vocab_size=131072, hidden_size=4096, intermediate_size=14336, num_hidden_layers=34,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                       norm_eps=1e-5, rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                                                       "original_max_position_embeddings": 16384, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                       attn_temperature_tuning=True, floor_scale=16384, attn_scale=0.1, tie_word_embeddings=False),
+    # MiniMaxAI/MiniMax-M2 config.json (62 layers, GQA 48 / 8 of 128 with QK-norm over the whole projection, half of
+    # each head rotated (`rotary_dim` 64); 256 experts of width 1,536 in every layer, chosen by sigmoid scores plus a
+    # correction bias, top 8 renormalised; its weights are published in FP8 with 128x128 blocks)
+    "minimax_m2": dict(vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
+                       num_attention_heads=48, num_key_value_heads=8, head_dim=128, max_position_embeddings=196608,
+                       norm_eps=1e-6, qk_norm="full", partial_rotary_factor=0.5,
+                       rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}, tie_word_embeddings=False,
+                       mlp_type="moe", num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1536,
+                       router_type="sigmoid_topk", norm_topk_prob=True, router_aux_loss_coef=0.001),
+    # zai-org/GLM-4.5 config.json (92 layers, GQA 96 / 8 of 128 with q/k/v biases and per-head QK-norm, half of each
+    # head rotated; the first 3 layers dense, then 160 routed experts of width 1,536 (sigmoid scores with the
+    # correction bias, top 8, renormalised, scaled by 2.5) and one shared; its multi-token-prediction layer is not
+    # part of the model)
+    "glm4_5": dict(vocab_size=151552, hidden_size=5120, intermediate_size=12288, num_hidden_layers=92,
+                   num_attention_heads=96, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                   norm_eps=1e-5, attention_bias=True, attention_output_bias=False, qk_norm="head",
+                   partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                   tie_word_embeddings=False, mlp_type="moe", first_dense_layers=3, num_experts=160,
+                   num_experts_per_tok=8, moe_intermediate_size=1536, n_shared_experts=1, router_type="sigmoid_topk",
+                   routed_scaling_factor=2.5, norm_topk_prob=True),
 }
 
 # The Mamba-2 hybrids. Their layouts: the attention layers by index (the rest Mamba-2), or Nemotron-H's pattern, a
@@ -236,6 +281,23 @@ TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 # A tiny lightning indexer that keeps 4 keys per query, so prompts of a few tokens already attend sparsely (8 heads:
 # a tie at the k-th place, a key every head's ReLU zeroes beside another, stays rare)
 TINY_INDEXER = dict(index_n_heads=8, index_head_dim=16, index_topk=4)
+
+
+# The pre-training length a tiny preset's scaled RoPE (YaRN, LongRoPE, llama3) extends, so that its scaled range is
+# reached within the tiny `max_position_embeddings`
+TINY_ORIGINAL_LENGTH = 32
+
+
+def _tiny_rope(params: dict | None) -> dict | None:
+    """A preset's RoPE dict (flat, or nested by layer type) with each scaled table extending `TINY_ORIGINAL_LENGTH`."""
+    if not params:
+        return params
+    if all(isinstance(table, dict) for table in params.values()):
+        return {key: _tiny_rope(table) for key, table in params.items()}
+    if not params.get("original_max_position_embeddings"):
+        return params
+    return dict(params, original_max_position_embeddings=TINY_ORIGINAL_LENGTH,
+                factor=TINY["max_position_embeddings"] / TINY_ORIGINAL_LENGTH)
 
 
 def _layer_types(num_layers: int, pattern: int | None, sliding_window: int | None) -> list[str] | None:
@@ -301,9 +363,9 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields.update(TINY_MLA, q_lora_rank=None if fields["q_lora_rank"] is None else 48)
             if fields["attention_type"] == "dsa":
                 fields.update(TINY_INDEXER)
-        if (fields.get("rope_parameters") or {}).get("original_max_position_embeddings"):  # scaled range still reached
-            fields["rope_parameters"] = dict(fields["rope_parameters"], original_max_position_embeddings=32,
-                                             factor=TINY["max_position_embeddings"] / 32)
+        fields["rope_parameters"] = _tiny_rope(fields.get("rope_parameters"))
+        if fields.get("floor_scale"):  # the query temperature steps within the tiny range too, at the RoPE's length
+            fields["floor_scale"] = TINY_ORIGINAL_LENGTH
         if fields.get("mlp_type") == "moe":
             fields.update(TINY_MOE)
             if fields.get("n_group", 1) > 1:
