@@ -36,7 +36,7 @@ from transformers.activations import ACT2FN
 from .kinds import LinearAttentionKind, require_bool, require_choice, require_int, require_number
 from .mamba2_scan import CHUNK_SIZE, kernels_for
 from .packed_documents import PackedDocuments
-from .recurrent_cache import RecurrentLayer
+from .recurrent_cache import RecurrentLayer, run_recurrence
 from .recurrent_mixer import RecurrentMixer
 
 # The parts of `in_proj`'s output `ssm_multipliers` scales, in order
@@ -206,24 +206,25 @@ class Mamba2(RecurrentMixer):
         return projected.split((self.inner, self.conv_dim, self.num_heads), dim=-1)
 
     def _scan(self, inputs: tuple, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
-        """The scan over (x, dt, B, C): recurrent for a one-token step on a cached state, chunked otherwise, or
-        document by document; the cache keeps the new state. Returns y (B, T, H, P) in fp32."""
-        batch, seq = inputs[0].shape[:2]
+        """The scan over (x, dt, B, C): recurrent for a one-token step on a cached state, chunked otherwise
+        (`recurrent_cache.run_recurrence`, which also records the states a crop may restore), or document by document;
+        the cache keeps the new state. Returns y (B, T, H, P) in fp32."""
         A = -torch.exp(self.A_log.float())
-        x, dt, B, C = inputs
         if documents is None:
-            state = layer.recurrent_state if layer is not None else None
-            if state is not None and seq == 1:
-                y, state = kernels.recurrent(x, dt, A, B, C, self.D, state)
-            else:
-                y, state = kernels.chunked(x, dt, A, B, C, self.D, state, chunk_size=self.chunk_size)
-        else:  # the rows end to end as one row of documents; each row's last document's state is its state
-            x, dt, B, C = (t.reshape(1, batch * seq, *t.shape[2:]) for t in inputs)
-            y, states = kernels.chunked_documents(x, dt, A, B, C, self.D, documents, chunk_size=self.chunk_size)
-            y, state = y.reshape(batch, seq, *y.shape[2:]), states[documents.last]
+            def chunked(x, dt, B, C, state):
+                return kernels.chunked(x, dt, A, B, C, self.D, state, chunk_size=self.chunk_size)
+
+            def recurrent(x, dt, B, C, state):
+                return kernels.recurrent(x, dt, A, B, C, self.D, state)
+
+            return run_recurrence(layer, chunked, recurrent, inputs)
+        # the rows end to end as one row of documents; each row's last document's state is its state
+        batch, seq = inputs[0].shape[:2]
+        x, dt, B, C = (t.reshape(1, batch * seq, *t.shape[2:]) for t in inputs)
+        y, states = kernels.chunked_documents(x, dt, A, B, C, self.D, documents, chunk_size=self.chunk_size)
         if layer is not None:
-            layer.update_recurrent_state(state)
-        return y
+            layer.update_recurrent_state(states[documents.last])
+        return y.reshape(batch, seq, *y.shape[2:])
 
 
 class Mamba2Kind(LinearAttentionKind):

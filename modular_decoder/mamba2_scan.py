@@ -192,9 +192,11 @@ def _mamba_step(kernel: Callable) -> Callable:
 
     def step(x, dt, A, B, C, D, initial_state=None):
         batch, length, heads, width = x.shape
-        assert length == 1 and initial_state is not None, "the fused step takes one token and a state"
-        state = initial_state.clone()
+        assert length == 1, "the fused step takes one token"
         size = B.shape[-1]
+        # a new state tensor (the kernel updates its argument in place; a recording cache keeps the one before)
+        state = x.new_zeros(batch, heads, width, size, dtype=torch.float32) if initial_state is None else \
+            initial_state.clone()
         out = kernel(state, x[:, 0], dt[:, 0, :, None].expand(-1, -1, width), A.float()[:, None, None].expand(
             -1, width, size), B[:, 0], C[:, 0], D=D.float()[:, None].expand(-1, width))
         return out.float()[:, None], state

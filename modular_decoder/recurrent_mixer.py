@@ -49,12 +49,12 @@ class RecurrentMixer(nn.Module):
     def _convolve(self, x: torch.Tensor, layer, kernels) -> torch.Tensor:
         """The short causal convolution of x (B, C, T), continuing the cached window when there is one.
 
-        A decode step on causal-conv1d updates the window in place; everything else prepends the cached
-        window (`RecurrentLayer.update_conv_state`) and convolves, through causal-conv1d's kernel where it runs
-        and the module is plain, else by calling the module."""
+        A decode step on causal-conv1d updates the window in place (not while the cache records: a crop may need the
+        window before it); everything else prepends the cached window (`RecurrentLayer.update_conv_state`) and
+        convolves, through causal-conv1d's kernel where it runs and the module is plain, else by calling the module."""
         fused = self._fused_conv(kernels)
         seq = x.shape[-1]
-        if fused and layer is not None and layer.conv_state is not None and seq == 1:
+        if fused and layer is not None and layer.conv_state is not None and seq == 1 and not layer.record_past:
             layer.count_step()
             return kernels.conv_update(x, layer.conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                        self.activation_name)
