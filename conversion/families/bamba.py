@@ -34,4 +34,7 @@ def from_contract(cfg) -> BambaConfig:
     )
 
 
-FAMILY = Family("bamba", to_contract, from_contract, lambda src: bamba_layout_rules(), "model.", BambaConfig)
+FAMILY = Family("bamba", to_contract, from_contract, lambda src: bamba_layout_rules(), "model.", BambaConfig,
+                description="Bamba: Mamba-2 layers with attention at listed layers, RoPE on half of each head",
+                vllm_native=False,  # vLLM 0.23 dropped its Bamba class
+                refusals=("a z-loss on the logits (`z_loss_coefficient`)",))

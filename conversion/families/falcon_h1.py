@@ -54,4 +54,6 @@ def from_contract(cfg) -> FalconH1Config:
 
 
 FAMILY = Family("falcon_h1", to_contract, from_contract,
-                lambda src: bamba_layout_rules(mamba_norm=bool(src.mamba_rms_norm)), "model.", FalconH1Config)
+                lambda src: bamba_layout_rules(mamba_norm=bool(src.mamba_rms_norm)), "model.", FalconH1Config,
+                description="Falcon-H1: attention and Mamba-2 side by side in every layer, μP multipliers",
+                refusals=("different biases on the Mamba-2 input and output projections",))

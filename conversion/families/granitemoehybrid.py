@@ -86,7 +86,10 @@ def rules(src) -> list:
     return out + [rule("lm_head.weight", "lm_head.weight", optional=True)]
 
 
-FAMILY = Family("granitemoehybrid", to_contract, from_contract, rules, "model.", GraniteMoeHybridConfig, renames={
+FAMILY = Family(
+    "granitemoehybrid", to_contract, from_contract, rules, "model.", GraniteMoeHybridConfig,
+    description="Granite 4.0-H: Mamba-2 and NoPE attention, experts beside a shared MLP (or it alone), μP",
+    refusals=("positions other than none or RoPE",), renames={
     f"{MOE}.input_linear.weight": f"{MOE}.experts.gate_up_proj",
     f"{MOE}.output_linear.weight": f"{MOE}.experts.down_proj",
     f"{MOE}.router.layer.weight": f"{MOE}.router.weight",

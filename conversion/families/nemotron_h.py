@@ -112,4 +112,6 @@ FAMILY = Family(
     experts=tuple(ExpertStack((f"{MIXER}.experts.{{expert}}.{proj}.weight",), f"{MIXER}.experts.{proj}")
                   for proj in ("up_proj", "down_proj")),
     refused={prefix: "multi-token-prediction layers" for prefix in ("mtp.", "backbone.mtp.", "model.mtp.")},
+    description="Nemotron-H, Nemotron 3: one sublayer per layer (Mamba-2, NoPE attention, relu² MLP or latent experts)",
+    refusals=("attention biases", "sliding-window attention"),
 )
