@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
@@ -633,6 +634,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             kwargs.update({name: None, "next_sequence_length": None} if "next_sequence_length" in kwargs
                           else {name: None})
         return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+
+    # generate() reads this method's parameters (whether it forwards `inputs_embeds`, which model kwargs it uses)
+    prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  *args, **kwargs):
