@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from modular_decoder.kinds import mixer_layer_types
+
 Tensors = list[torch.Tensor]
 
 
@@ -383,12 +385,19 @@ def is_mtp_rule(r: Rule) -> bool:
 
 
 def _layers(r: Rule, cfg) -> list[int | None]:
+    """The layers a `{layer}` rule applies to: by its feed-forward kind (`layers`, only layers that have a
+    feed-forward) and its mixer (`mixer`, only layers that have a token mixer: `block_types`; a hybrid layer has
+    both kinds of mixer)."""
     if not _is_layered(r):
         return [None]
-    kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"] * cfg.num_hidden_layers
-    mixers = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    return [layer for layer in range(cfg.num_hidden_layers) if r.layers in (None, kinds[layer])
-            and (r.mixer is None or mixers[layer] in MIXERS[r.mixer])]
+    count = cfg.num_hidden_layers
+    kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"] * count
+    mixers = getattr(cfg, "layer_types", None) or ["full_attention"] * count
+    blocks = getattr(cfg, "block_types", None) or ["mixer_mlp"] * count
+    return [layer for layer in range(count)
+            if (r.layers is None or (r.layers == kinds[layer] and blocks[layer] != "mixer"))
+            and (r.mixer is None or (set(mixer_layer_types(mixers[layer])) & set(MIXERS[r.mixer])
+                                     and blocks[layer] != "mlp"))]
 
 
 def _mtp_modules(r: Rule, cfg) -> list[int]:

@@ -394,6 +394,18 @@ def causal_conv1d_kernels():
     return module.causal_conv1d_fn, module.causal_conv1d_update
 
 
+def mamba_ssm_kernels():
+    """mamba_ssm's `(mamba_chunk_scan_combined, selective_state_update)` where transformers' own check finds it
+    usable (`is_mamba_2_ssm_available`: CUDA and mamba_ssm >= 2.0.4), else `None`."""
+    from transformers.utils import is_mamba_2_ssm_available
+
+    if not is_mamba_2_ssm_available():
+        return None
+    combined = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    update = importlib.import_module("mamba_ssm.ops.triton.selective_state_update")
+    return combined.mamba_chunk_scan_combined, update.selective_state_update
+
+
 def flash_kernel_fallbacks() -> dict[str, str]:
     """transformers' `{flash implementation: Hub kernel repo}` used when flash-attn is not installed
     (empty where this transformers has none)."""

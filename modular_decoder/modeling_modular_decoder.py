@@ -34,7 +34,8 @@ from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
-from .kinds import LINEAR_ATTENTION
+from .kinds import LINEAR_ATTENTION, attention_layer_type, mixer_layer_types
+from .mamba2 import GroupedGatedRMSNorm, Mamba2
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
 from .mtp_generation import (check_draft_tokens, check_use_mtp, drafting_refusal, drafting_tokens,
@@ -160,7 +161,9 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         elif isinstance(module, GatedDeltaNet):  # as transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)
             init.ones_(module.dt_bias)
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
-        elif isinstance(module, GatedRMSNorm):
+        elif isinstance(module, Mamba2):  # Mamba-2's own: A ~ U(1, 16), D = 1, dt_bias from steps in [1e-3, 0.1]
+            module.init_scan_parameters(init)
+        elif isinstance(module, (GatedRMSNorm, GroupedGatedRMSNorm)):
             init.ones_(module.weight)
         elif isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
             init.normal_(module.weight, mean=0.0, std=std)
@@ -245,11 +248,11 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             layer_type = self.config.layer_types[layer_idx]
             hidden = block(
                 hidden,
-                attention_mask=masks[layer_type],
+                attention_mask=layer_masks(masks, layer_type),
                 position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
                 cache=cache,
-                **layer_kwargs.get(layer_type, {}),
+                **layer_kwargs_of(layer_kwargs, layer_type),
                 **kwargs,
             )
         if self.final_norm is not None:
@@ -305,7 +308,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 position_ids=packed_positions,
                 **with_cache(mask_cache),
             )
-            for layer_type in set(self.config.layer_types)
+            for layer_type in {t for layer_type in self.config.layer_types for t in mixer_layer_types(layer_type)}
         }
 
     @staticmethod
@@ -376,7 +379,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if self.rotary_emb is None:
             return [None] * self.config.num_hidden_layers
         tables = self.rotary_emb.tables(hidden, position_ids, self.config.layer_types)
-        return [tables.get(layer_type) if rotates else None  # none for a linear-attention layer (reads no positions)
+        return [tables.get(attention_layer_type(layer_type)) if rotates else None  # none for a linear-attention layer
                 for layer_type, rotates in zip(self.config.layer_types, rotary_layers(self.config))]
 
     def _alibi_kwargs(self, hidden: torch.Tensor, cache) -> dict:
@@ -390,10 +393,22 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         seq = hidden.shape[1]
         kwargs = {}
         for layer_type in attending:
-            layer_idx = self.config.layer_types.index(layer_type)
+            layer_idx = next(i for i, t in enumerate(self.config.layer_types) if attention_layer_type(t) == layer_type)
             kv_length = cache.get_mask_sizes(seq, layer_idx)[0] if cache is not None else seq
             kwargs[layer_type] = {"position_bias": self.alibi(seq, kv_length, hidden.dtype)}
         return kwargs
+
+
+def layer_masks(masks: dict, layer_type: str):
+    """The mask a layer of `layer_type` takes from the masks by layer type: its own, or for a layer of several mixers
+    (`kinds.HYBRID`) one per mixer, keyed by the mixer's layer type."""
+    types = mixer_layer_types(layer_type)
+    return masks[layer_type] if len(types) == 1 else {t: masks[t] for t in types}
+
+
+def layer_kwargs_of(kwargs_by_type: dict, layer_type: str) -> dict:
+    """The extra keyword arguments of a layer of `layer_type`: those of each of its mixers' layer types."""
+    return {key: value for t in mixer_layer_types(layer_type) for key, value in kwargs_by_type.get(t, {}).items()}
 
 
 def new_token_columns(mask: torch.Tensor, past_seen: int | torch.Tensor, seq: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
 from .compat import rope_validation_view
-from .kinds import LINEAR_ATTENTION, Kind, Registry, require_bool, require_int, require_number
+from .kinds import Kind, Registry, attention_layer_type, require_bool, require_int, require_number
 from .split_products import is_fx_proxy
 
 
@@ -130,8 +130,9 @@ def keys_rotated_before_the_switch(config, length: int, cache) -> bool:
 
 
 def attending_layer_types(layer_types) -> set[str]:
-    """The layer types present that attend, and so read positions (not `"linear_attention"`)."""
-    return set(layer_types) - {LINEAR_ATTENTION}
+    """The layer types present that attend, and so read positions (not `"linear_attention"`; a hybrid layer's
+    attention)."""
+    return {attention_layer_type(t) for t in layer_types} - {None}
 
 
 def default_rope_parameters(config, device=None, layer_type: str | None = None, **kwargs):
@@ -260,7 +261,7 @@ def _validate_no_rope_layers(config) -> None:
     for flag in flags:
         if isinstance(flag, bool) or flag not in (0, 1):
             raise ValueError(f"`no_rope_layers` holds 1 (the layer rotates) or 0 (NoPE) per layer, got {flag!r}.")
-    if not any(flag for flag, layer_type in zip(flags, config.layer_types) if layer_type != LINEAR_ATTENTION):
+    if not any(flag for flag, layer_type in zip(flags, config.layer_types) if attention_layer_type(layer_type)):
         raise ValueError("`no_rope_layers` marks every attention layer NoPE (0): no layer rotates, which is "
                          "`position_embedding_type='none'`.")
 

@@ -139,6 +139,53 @@ CASES.update({
         **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS)),
 })
 
+# Mamba-2 hybrids: 4 scan heads of 16 (2 groups of B / C where the case says so), a state of 8, chunks of 8 tokens so
+# that a 12-token prompt crosses chunk boundaries; attention at the second layer
+MAMBA = dict(mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=8, num_key_value_heads=2)
+CASES.update({
+    # Bamba-9B's one group (transformers 5.16.1's class normalises the whole inner width at once, which only one
+    # group makes equal to the grouped norm of Mamba-2 and of transformers 5.25)
+    "bamba": ("bamba", lambda: tf.BambaConfig(**{**COMMON, "num_hidden_layers": 3}, **MAMBA, attn_layer_indices=[1])),
+    "bamba-grouped": ("bamba", lambda: tf.BambaConfig(
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2, attn_layer_indices=[1], mamba_conv_bias=False,
+        tie_word_embeddings=True)),
+    # Granite 4.0-H: no positions, experts narrower than d beside a shared MLP, μP scalings, one group (as Bamba's
+    # case: transformers 5.16.1's class normalises the whole inner width); the dense variant (no experts: the shared
+    # MLP alone) with RoPE and two groups
+    "granitemoehybrid": ("granitemoehybrid", lambda: tf.GraniteMoeHybridConfig(
+        **{**COMMON, "intermediate_size": 24, "num_hidden_layers": 3}, **MAMBA,
+        layer_types=["mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=40, embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5,
+        attention_multiplier=0.3, tie_word_embeddings=True)),
+    "granitemoehybrid-dense": ("granitemoehybrid", lambda: tf.GraniteMoeHybridConfig(
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2, layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=0, shared_intermediate_size=48, position_embedding_type="rope")),
+    # Nemotron-H: one sublayer per layer; ungated relu² experts (a latent width, grouped sigmoid routing, a shared
+    # expert) beside a relu² MLP layer; Nemotron-H-8B's layout (no experts) with biases in the Mamba-2 projections
+    "nemotron_h": ("nemotron_h", lambda: tf.NemotronHConfig(
+        vocab_size=V, hidden_size=D, max_position_embeddings=P, num_attention_heads=H, num_key_value_heads=2,
+        head_dim=8,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
+        intermediate_size=48, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=8,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, moe_shared_expert_intermediate_size=40,
+        moe_latent_size=16, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    "nemotron_h-dense": ("nemotron_h", lambda: tf.NemotronHConfig(
+        vocab_size=V, hidden_size=D, max_position_embeddings=P, num_attention_heads=H, num_key_value_heads=2,
+        head_dim=8,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], intermediate_size=48,
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8, use_bias=True,
+        tie_word_embeddings=True)),
+    # Falcon-H1: attention and Mamba-2 side by side in every layer, its μP multipliers all set, a Mamba-2 width of
+    # its own (`mamba_d_ssm`), the gated norm before the gate (its default); and without the gated norm
+    "falcon_h1": ("falcon_h1", lambda: tf.FalconH1Config(
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_d_ssm=48, mamba_n_groups=2, mamba_rms_norm=True,
+        head_dim=8, lm_head_multiplier=0.25, embedding_multiplier=3.0, mlp_multipliers=[0.7, 1.3], key_multiplier=0.6,
+        attention_in_multiplier=1.5, attention_out_multiplier=0.8, ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9])),
+    "falcon_h1-no-norm": ("falcon_h1", lambda: tf.FalconH1Config(
+        **{**COMMON, "num_hidden_layers": 2}, **MAMBA, mamba_expand=2, mamba_d_ssm=None, tie_word_embeddings=True)),
+})
+
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "minimax_m2", "glm4_moe")

@@ -229,6 +229,44 @@ PRESETS: dict[str, dict] = {
                    routed_scaling_factor=2.5, norm_topk_prob=True),
 }
 
+# The Mamba-2 hybrids. Their layouts: the attention layers by index (the rest Mamba-2), or Nemotron-H's pattern, a
+# letter per layer (M: Mamba-2, *: attention, -: MLP, E: experts), each layer one sublayer.
+MAMBA2 = dict(linear_attention_type="mamba2", mamba_d_conv=4, mamba_chunk_size=256, mamba_conv_bias=True,
+              mamba_proj_bias=False)
+PRESETS.update({
+    # ibm-ai-platform/Bamba-9B config.json (32 layers, attention at 9, 18 and 27 with RoPE on half of each head;
+    # Mamba-2 with 128 heads of 64, one group, a state of 128)
+    "bamba": dict(MAMBA2, vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=262144, norm_eps=1e-5,
+                  partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  tie_word_embeddings=False, attention_layers=[9, 18, 27], mamba_n_heads=128, mamba_d_head=64,
+                  mamba_n_groups=1, mamba_d_state=128),
+    # ibm-granite/granite-4.0-h-tiny config.json (40 layers, attention without positions at 5, 15, 25 and 35;
+    # 64 experts of 512, top-6, beside a shared MLP of 1,024; Granite's μP multipliers; Mamba-2 with 48 heads of 64)
+    "granite_4_h_tiny": dict(
+        MAMBA2, vocab_size=100352, hidden_size=1536, intermediate_size=1024, num_hidden_layers=40,
+        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=131072, norm_eps=1e-5,
+        position_embedding_type="none", query_pre_attn_scalar=0.0078125 ** -2, embedding_multiplier=12.0,
+        residual_multiplier=0.22, logits_scaling=6.0, tie_word_embeddings=True, attention_layers=[5, 15, 25, 35],
+        mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mlp_type="moe", num_experts=64,
+        num_experts_per_tok=6, moe_intermediate_size=512, router_type="topk_softmax", n_shared_experts=1,
+        shared_expert_intermediate_size=1024, router_aux_loss_coef=0.0),
+    # nvidia/Nemotron-H-8B-Base-8K config.json (52 layers, each one sublayer: 24 Mamba-2 (128 heads of 64, 8 groups,
+    # chunks of 128), 4 attention layers without positions, 24 relu² MLPs)
+    "nemotron_h": dict(
+        MAMBA2, vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, norm_eps=1e-5, mlp_type="dense",
+        hidden_act="relu2", position_embedding_type="none", tie_word_embeddings=False,
+        block_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", mamba_n_heads=128, mamba_d_head=64,
+        mamba_n_groups=8, mamba_d_state=128, mamba_chunk_size=128),
+})
+# The tiny Mamba-2 layer (8 heads of 16 at d = 64, a state of 16, chunks of 16: in_proj 296 wide, a multiple of 8 as
+# PEFT's block methods ask) and Nemotron-H's tiny pattern
+TINY_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
+TINY_BLOCK_PATTERNS = {False: "M*M-", True: "M*ME"}  # by whether the preset has experts
+NEMOTRON_LAYERS = {"M": ("mixer", "linear_attention", "dense"), "*": ("mixer", "full_attention", "dense"),
+                   "-": ("mlp", "full_attention", "dense"), "E": ("mlp", "full_attention", "sparse")}
+
 # deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3's, with DeepSeek Sparse Attention, a lightning indexer of
 # 64 heads of width 128 in every layer choosing each query's 2,048 keys (its multi-token-prediction layer, as V3's,
 # is not part of the model)
@@ -272,6 +310,14 @@ def _layer_types(num_layers: int, pattern: int | None, sliding_window: int | Non
 def _hybrid_layer_types(num_layers: int, interval: int) -> list[str]:
     """Qwen3-Next's `full_attention_interval`: every `interval`-th layer full attention, the others linear."""
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+def _block_pattern(pattern: str, experts: bool) -> dict:
+    """Nemotron-H's pattern (a letter per layer) as `block_types`, `layer_types` and, with experts,
+    `mlp_layer_types`."""
+    blocks, mixers, mlps = (list(column) for column in zip(*(NEMOTRON_LAYERS[letter] for letter in pattern)))
+    fields = dict(num_hidden_layers=len(pattern), block_types=blocks, layer_types=mixers)
+    return dict(fields, mlp_layer_types=mlps) if experts else fields
+
+
 def _no_rope_layers(num_layers: int, interval: int | None) -> list[int] | None:
     """SmolLM3's `no_rope_layer_interval`: every `interval`-th layer NoPE (0), the rest RoPE (1)."""
     if interval is None:
@@ -299,6 +345,8 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     first_dense = fields.pop("first_dense_layers", None)
     interval = fields.pop("full_attention_interval", None)
     no_rope_interval = fields.pop("no_rope_interval", None)
+    attention_layers = fields.pop("attention_layers", None)
+    block_pattern = fields.pop("block_pattern", None)
     if tiny:
         heads, kv = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
         fields.update(TINY, num_attention_heads=4, num_key_value_heads=4 if kv == heads else (1 if kv == 1 else 2))
@@ -333,12 +381,22 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["shared_expert_intermediate_size"] = TINY_MOE["moe_intermediate_size"]
         if no_rope_interval is not None:
             no_rope_interval = 2
+        if fields.get("linear_attention_type") == "mamba2":  # one Mamba-2 layer, then one attention layer
+            fields.update(TINY_MAMBA2, mamba_n_groups=min(fields["mamba_n_groups"], 2))
+            attention_layers = [1] if attention_layers is not None else None
+        if block_pattern is not None:
+            block_pattern = TINY_BLOCK_PATTERNS[fields.get("mlp_type") == "moe"]
+    if block_pattern is not None:
+        fields.update(_block_pattern(block_pattern, fields.get("mlp_type") == "moe"))
+    if attention_layers is not None and "layer_types" not in overrides:
+        fields["layer_types"] = ["full_attention" if i in attention_layers else "linear_attention"
+                                 for i in range(fields["num_hidden_layers"])]
     fields.update(overrides)
-    if "layer_types" not in overrides:
+    if "layer_types" not in overrides and "layer_types" not in fields:
         fields["layer_types"] = _layer_types(fields["num_hidden_layers"], pattern, fields.get("sliding_window"))
         if interval is not None:
             fields["layer_types"] = _hybrid_layer_types(fields["num_hidden_layers"], interval)
-    if "mlp_layer_types" not in overrides:
+    if "mlp_layer_types" not in overrides and "mlp_layer_types" not in fields:
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     if "no_rope_layers" not in overrides:
         fields["no_rope_layers"] = _no_rope_layers(fields["num_hidden_layers"], no_rope_interval)
