@@ -31,6 +31,21 @@ ROLLBACK_ERROR = (
 )
 
 
+# generate's arguments that decode by drafting and cropping the cache (assisted decoding and its variants)
+ROLLBACK_ARGUMENTS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def refuse_rollback_decoding(generate_kwargs: dict, generation_config, error: str) -> None:
+    """Raise `ValueError` naming the argument where a `generate` call would draft tokens and crop the cache (`error`:
+    why the cache cannot be cropped)."""
+    configs = [generate_kwargs.get("generation_config"), generation_config]
+    for name in ROLLBACK_ARGUMENTS:
+        if generate_kwargs.get(name) is not None or any(getattr(c, name, None) is not None for c in configs):
+            raise ValueError(f"`{name}` is set: {error}")
+    if getattr(generation_config, "is_assistant", False):
+        raise ValueError(f"This model is used as an assistant (a draft model): {error}")
+
+
 def _featureless(states: torch.Tensor) -> torch.Tensor:
     return states[..., :0]
 
@@ -149,4 +164,5 @@ class CompressedLayer(SharedKVSlidingLayer):
         raise ValueError(ROLLBACK_ERROR)
 
 
-__all__ = ["CompressedLayer", "ROLLBACK_ERROR", "SharedKVLayer", "SharedKVSlidingLayer"]
+__all__ = ["CompressedLayer", "ROLLBACK_ARGUMENTS", "ROLLBACK_ERROR", "SharedKVLayer", "SharedKVSlidingLayer",
+           "refuse_rollback_decoding"]

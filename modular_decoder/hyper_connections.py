@@ -156,6 +156,9 @@ class HyperConnections(ResidualStreamKind):
         if config.num_mtp_layers:
             raise ValueError("`num_mtp_layers` with `residual_stream='hyper_connections'` is not supported: the MTP "
                              "modules' blocks read one stream.")
+        if config.block_types is not None and any(kind != "mixer_mlp" for kind in config.block_types):
+            raise ValueError("`block_types` with one sublayer per layer and `residual_stream='hyper_connections'` "
+                             "are not supported together: each layer mixes its streams around both of its sublayers.")
 
     def model_module(self, config) -> nn.Module:
         return HyperHead(config)

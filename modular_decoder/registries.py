@@ -2,7 +2,7 @@
 
     ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla, dsa (MLA + lightning indexer),
                                            shared_kv (one key = value head, CSA / HCA layers: DeepSeek-V4)
-    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet (the `"linear_attention"` layers of `layer_types`)
+    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet, mamba2 (the `"linear_attention"` layers of `layer_types`)
     MLPS        `mlp_type`                 dense, gated, moe
     RESIDUAL_STREAMS  `residual_stream`    single, hyper_connections
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
@@ -17,28 +17,24 @@ new attention or feed-forward kind is one `register_attention(kind)` / `register
 from __future__ import annotations
 
 from .attention import STANDARD_ATTENTION
-from .experts import ClampedSwiGLUFields
 from .gated_deltanet import GATED_DELTANET
-from .hyper_connections import HYPER_CONNECTIONS, HyperConnectionFields
+from .hyper_connections import HYPER_CONNECTIONS
 from .kinds import AttentionKind, FeedForwardKind, LinearAttentionKind, Registry
+from .mamba2 import MAMBA2
 from .mla import LATENT_ATTENTION
 from .mlp import DENSE_MLP, GATED_MLP
 from .moe import MIXTURE_OF_EXPERTS
 from .norms import NORMS
 from .positions import POSITIONS
-from .residual_streams import SINGLE_STREAM, ResidualStreamFields, ResidualStreamKind
-from .routers import HashRoutingFields
-from .shared_kv_attention import SHARED_KV_ATTENTION, SharedKVFields
+from .residual_streams import SINGLE_STREAM, ResidualStreamKind
+from .shared_kv_attention import SHARED_KV_ATTENTION
 from .sparse_attention import SPARSE_LATENT_ATTENTION
 
 ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION,
                                                                          SPARSE_LATENT_ATTENTION, SHARED_KV_ATTENTION])
 MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
-LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET])
+LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET, MAMBA2])
 RESIDUAL_STREAMS: Registry[ResidualStreamKind] = Registry("residual_stream", [SINGLE_STREAM, HYPER_CONNECTIONS])
-# The config fields that live beside their mechanisms (`@dataclass(kw_only=True)` classes, each documenting its
-# fields): `ModularDecoderConfig`'s bases after `PretrainedConfig`
-FIELD_MIXINS = (HashRoutingFields, ClampedSwiGLUFields, SharedKVFields, ResidualStreamFields, HyperConnectionFields)
 
 
 def register_attention(kind: AttentionKind, replace: bool = False) -> AttentionKind:
@@ -56,5 +52,5 @@ def register_linear_attention(kind: LinearAttentionKind, replace: bool = False) 
     return LINEAR_ATTENTIONS.register(kind, replace=replace)
 
 
-__all__ = ["ATTENTIONS", "FIELD_MIXINS", "RESIDUAL_STREAMS", "LINEAR_ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention",
+__all__ = ["ATTENTIONS", "RESIDUAL_STREAMS", "LINEAR_ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention",
            "register_linear_attention", "register_mlp"]

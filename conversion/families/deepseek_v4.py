@@ -196,4 +196,8 @@ def rules(src) -> list[Rule]:
 FAMILY = Family("deepseek_v4", to_contract, from_contract, rules, config_class=DeepseekV4Config,
                 renames=RENAMES, aliases=ALIASES, experts=expert_stacks("w1", "w3", "w2"),
                 dropped={"mtp.": "its multi-token-prediction module (transformers' DeepseekV4ForCausalLM loads without "
-                                 "it and cannot draft with it)"})
+                                 "it and cannot draft with it)"},
+                description="DeepSeek-V4: shared key = value attention with compressed (CSA / HCA) layers, "
+                            "hyper-connections, √softplus and hash-routed experts (FP8 / FP4 releases read)",
+                refusals=("a `scoring_func` other than sqrtsoftplus or sigmoid", "a `hidden_act` other than silu",
+                          "hash-routed layers that are not the first ones"))
