@@ -447,6 +447,33 @@ def hybrid_section(run: dict) -> str:
     ])
 
 
+# --- benchmarks/results_deepseek_v4.json: `python -m benchmarks deepseek_v4 --out ...` -----------------------------
+
+def deepseek_v4_section(run: dict | None) -> str:
+    if run is None:
+        return not_recorded(["## DeepSeek-V4 (CPU, fp32)", ""], "deepseek_v4", "results_deepseek_v4.json")
+    from .deepseek_v4 import report  # the tables, as the benchmark prints them
+
+    side, rows = run["side_by_side"], run["decode_against_window"]
+    return "\n".join([
+        "## DeepSeek-V4 (CPU, fp32)", "",
+        *command_block(run),
+        "DeepSeek-V4's layout shrunk (a window-only layer, CSA, HCA, CSA; hyper-connections, hash-routed √softplus "
+        "experts), made by transformers' `DeepseekV4ForCausalLM` and converted: prefill (ours SDPA in query blocks, "
+        "transformers' eager, its only backend) and batch-1 decode through each side's own cache, sides alternating "
+        f"in one process, {len(side['all']['prefill']['ours'])} repeat(s), "
+        f"{run['provenance']['machine']['torch_threads']} torch thread(s). Cache bytes: each side's cache filled by "
+        "a chunked prefill at DeepSeek-V4-Flash's attention widths (head 512, indexer keys 128, one entry per 4 and per 128 "
+        "tokens, a window of 128 keys) and its tensors counted per layer type. Decode against the window only: one layer "
+        "of each kind at DeepSeek-V4-Flash's attention widths (64 heads), compressed caches filled directly, "
+        "against the same weights with every layer a window only.", "",
+        "```text", report(run), "```", "",
+        f"From {rows[0]['context']:,} to {rows[-1]['context']:,} cached tokens the compressed model's decode step "
+        f"goes from {rows[0]['ratio_to_window_only']:.2f}x to {rows[-1]['ratio_to_window_only']:.2f}x the "
+        "window-only model's (which reads a constant window).",
+    ])
+
+
 def variant_table(heads: list[str], rows: list[tuple[list[str], dict]], variants: list[str]) -> list[str]:
     """A table of ms per variant: the `heads` columns, then one column per variant; each row its own cells and
     {variant: summary}, shown as the median ± half the spread over the repeats."""
@@ -700,6 +727,7 @@ SECTIONS = (
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
     Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_hybrid.json",), hybrid_section),
+    Section(("results_deepseek_v4.json",), deepseek_v4_section, optional=True),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_split_slices.json",), split_slices_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),
