@@ -18,7 +18,7 @@ import torch
 from .blocks import BLOCKS, block_class, layer_sublayers, mixing_layer_types
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
-from .kinds import HYBRID, LINEAR_ATTENTION
+from .kinds import HYBRID, LINEAR_ATTENTION, attention_layer_type
 from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS
 
@@ -78,8 +78,9 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
         parts["embedding_norm"] = norm_parameters(config, d)
     layers = config.num_hidden_layers
     if config.attention_layer_count:
-        kind = config.attention_kind
-        parts["attention"] = sum(kind.layer_parameters(config, t) for t in config.layer_types if t != LINEAR_ATTENTION)
+        kind = config.attention_kind  # each attending mixer built (none in a `block_types` feed-forward-only layer)
+        parts["attention"] = sum(kind.layer_parameters(config, t) for types in mixing_layer_types(config)
+                                 for t in types if t != LINEAR_ATTENTION)
     if linear_layer_count(config):
         parts["linear_attention"] = linear_layer_count(config) * linear_attention_parameters(config)
     parts["mlp"] = sum(mlp_parameters(config, i) for i in feed_forward_layers(config))
@@ -104,7 +105,8 @@ def mtp_module_parameters(config: ModularDecoderConfig) -> int:
     """One multi-token-prediction module: three norms (`enorm`, `hnorm`, `post_norm`), the 2d -> d projection and a
     block of the last layer's kinds (its embedding and head are the model's)."""
     d = config.hidden_size
-    block = (config.attention_kind.layer_parameters(config, config.layer_types[-1])
+    last = config.layer_types[-1]
+    block = (config.attention_kind.layer_parameters(config, attention_layer_type(last) or last)
              + mlp_parameters(config, config.num_hidden_layers - 1)
              + block_norm_count(config) * norm_parameters(config, d))
     return 3 * norm_parameters(config, d) + 2 * d * d + block
