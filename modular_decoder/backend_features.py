@@ -47,6 +47,8 @@ FEATURE_FIELDS = {
 NATIVE_HYBRID_FAMILIES = {"gated_deltanet": "qwen3_next` (or `qwen3_5_text`)",
                           "mamba2": "nemotron_h` (or `granitemoehybrid`, `falcon_h1`, as its layout allows; vLLM 0.23 "
                                     "dropped Bamba's class)"}
+# ... and by a feature the Transformers backend lacks that vLLM's own class of the family serves
+NATIVE_FEATURE_FAMILIES = {"shared_kv": "deepseek_v4`"}
 
 FEATURE_FIELDS["mup"] = ("attention_in_multiplier, key_multiplier, attention_out_multiplier or mlp_multipliers "
                          "(μP multipliers vLLM's fused attention and MLP drop)")
@@ -133,18 +135,25 @@ def vllm_passes_sinks() -> bool:
     return callable(getattr(AttentionFuser, "sinks", None))
 
 
+def native_export_hint(config, missing: set[str]) -> str:
+    """The end of vLLM's refusal naming the family to export to, where vLLM's own class of it serves the config."""
+    if "linear_attention" in missing:
+        families = NATIVE_HYBRID_FAMILIES.get(config.linear_attention_type, "")
+    else:
+        families = next((family for feature, family in NATIVE_FEATURE_FAMILIES.items() if feature in missing), "")
+    return (f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family {families}"
+            if families else "")
+
+
 def check_backend(config, backend: str) -> None:
     """Raise `ValueError` if `backend` cannot compute what `config` asks for."""
     missing = missing_features(config, backend)
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
         if canonical_backend(backend) == "vllm":
-            families = NATIVE_HYBRID_FAMILIES.get(config.linear_attention_type, "")
-            hybrid = (f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
-                      f"{families}" if "linear_attention" in missing and families else "")
             raise ValueError(
                 f"vLLM's Transformers modeling backend cannot serve {fields} of this config (it would compute "
-                f"different results); generate with transformers instead{hybrid}."
+                f"different results); generate with transformers instead{native_export_hint(config, missing)}."
             )
         usable = [name for name in BACKEND_FEATURES if not required_features(config) - BACKEND_FEATURES[name]]
         raise ValueError(

@@ -199,3 +199,20 @@ def test_vllm_backend_refused_naming_what_it_cannot_serve(pair):
         check_backend(ours.config, "vllm")
     for field in ("attention_type='shared_kv'", "num_hash_layers", "swiglu_limit"):
         assert field in str(refusal.value)
+    assert "modular-decoder export FOLDER OUT --family deepseek_v4`" in str(refusal.value)  # vLLM's own class
+
+
+@pytest.mark.parametrize("tiny", [False, True], ids=["published", "tiny"])
+def test_preset_parameters_equal_transformers_class_on_meta(tiny):
+    """The `deepseek_v4` preset exported to transformers' config and built by `DeepseekV4ForCausalLM` on the meta
+    device has the contract's parameter count and ours (DeepSeek-V4-Flash without its MTP module: 284,325,869,015)."""
+    from modular_decoder import ModularDecoderForCausalLM, parameter_count, preset_config
+    from modular_decoder.conversion import get_family
+
+    config = preset_config("deepseek_v4", tiny=tiny)
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(get_family("deepseek_v4").from_contract(config))
+        ours = ModularDecoderForCausalLM(config)
+    count = parameter_count(config)["total"]
+    assert sum(p.numel() for p in theirs.parameters()) == count == ours.num_parameters()
+    assert tiny or count == 284_325_869_015

@@ -520,6 +520,32 @@ def test_nested_rope_tables_cache_reset_and_int8_drafts_on_the_oldest_and_newest
                                expected=sum(OLDER_RELEASE_CASES.values()))
 
 
+# The project's own DeepSeek-V4 tests against that release's `DeepseekV4ForCausalLM` (conversion both ways, each row
+# of a left-padded batch, the cache in steps, beam search, the release's own names, refusals by name)
+DEEPSEEK_V4_CASES = {
+    "test_conversion.py::test_convert_matches_source_and_exports_back[deepseek_v4]": 1,
+    "test_deepseek_v4.py::test_left_padded_batch_equals_transformers_on_each_row": 2,
+    "test_deepseek_v4.py::test_cache_in_steps_equals_the_whole_forward_and_transformers": 2,
+    "test_deepseek_v4.py::test_beam_search_equals_transformers": 1,
+    "test_deepseek_v4.py::test_refused_by_name": 1,
+    "test_deepseek_v4.py::test_release_layout_converts_and_its_mtp_module_is_left_out": 1,
+    "test_deepseek_v4.py::test_preset_parameters_equal_transformers_class_on_meta": 2,
+}
+
+
+@pytest.mark.slow
+def test_deepseek_v4_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
+    """DeepSeek-V4's tests pass against each release's own class (a release without one is skipped by name)."""
+    without = []
+    for version in _oldest_and_newest():
+        if not (_installed(version) / "transformers" / "models" / "deepseek_v4").is_dir():
+            without.append(version)
+            continue
+        _project_tests_pass_on(version, tuple(DEEPSEEK_V4_CASES), tmp_path, expected=sum(DEEPSEEK_V4_CASES.values()))
+    if without:
+        pytest.skip(f"transformers {', '.join(without)} has no DeepseekV4ForCausalLM (the other release passed)")
+
+
 def _project_tests_pass_on(version: str, cases: tuple[str, ...], tmp_path: Path, expected: int | None = None):
     """Runs the project's own tests `cases` (paths under tests/) by pytest in a process with release `version`
     first on the path; all `expected` of them (one per case by default) pass."""
