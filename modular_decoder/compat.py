@@ -310,6 +310,12 @@ DynamicLayer, DynamicSlidingWindowLayer = (
      type("DynamicSlidingWindowLayer", (_EmptiedOnReset, _SlidingLayer), {"__module__": __name__})))
 
 
+def is_croppable(layer) -> bool:
+    """Whether a cache layer rolls back after a rejected draft: its `is_croppable` (5.2x), else whether it has a
+    `crop` (5.16's layers do not say; its static layers have none)."""
+    return getattr(layer, "is_croppable", hasattr(layer, "crop"))
+
+
 def drafting_generation_config(generation_config) -> None:
     """A draft model's `generate` threads its own cache between rounds: from 5.24 transformers' candidate generator
     clears the main model's `cache_implementation` on the draft's config; 5.16-5.2x left it there, and the draft's

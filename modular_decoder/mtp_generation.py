@@ -23,7 +23,7 @@ import functools
 from dataclasses import dataclass, field
 
 from .cache import ModularDecoderCache
-from .compat import cache_of, mtp_candidate_generator
+from .compat import cache_of, is_croppable, mtp_candidate_generator
 from .mtp import MtpDrafter
 
 # the caches whose implementation the MTP modules' cache copies; others (static) get a dynamic one
@@ -75,7 +75,7 @@ def recorded_drafts():
 def drafting_refusal(config) -> str | None:
     """Why `generate(use_mtp=True)` cannot draft with this config, or None where it drafts: every layer of its cache
     must roll back after a rejected draft (transformers' `is_croppable`)."""
-    stuck = sorted({type(layer).__name__ for layer in ModularDecoderCache(config).layers if not layer.is_croppable})
+    stuck = sorted({type(layer).__name__ for layer in ModularDecoderCache(config).layers if not is_croppable(layer)})
     if stuck:
         return (f"`use_mtp` is set, and this model's cache layers ({', '.join(stuck)}) cannot be rolled back after a "
                 "rejected draft: generate without `use_mtp`.")
