@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
 from .compat import (  # isort: skip
     accepts_past_key_values, attn_implementation, cache_of, drafting_generation_config, generate_cache_kwarg,
-    slice_logits_to_keep, static_cache_length, with_cache,
+    slice_logits_to_keep, static_cache_length, with_cache, with_old_cache_name,
 )
 
 import torch  # noqa: E402
@@ -36,7 +37,8 @@ from .input_checks import check_generate_inputs, check_inputs, check_token_ids, 
 from .kinds import LINEAR_ATTENTION
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
-from .mtp_generation import check_draft_tokens, check_use_mtp, drafting_tokens, mtp_candidate_generator_for
+from .mtp_generation import (MtpCandidateGenerator, check_draft_tokens, check_static_drafting, check_use_mtp,
+                             drafting_options, options_of, static_cache_room)
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
@@ -594,9 +596,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         `config.mtp_draft_tokens`, else one per module); a model without them raises a `ValueError`."""
         kwargs = generate_cache_kwarg(kwargs)
         use_mtp = kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None)
-        draft_tokens = kwargs.pop("mtp_draft_tokens", None)
+        options = options_of(kwargs, (kwargs.get("generation_config"), self.generation_config))
         check_use_mtp(self.config, use_mtp)
-        check_draft_tokens(self.config, use_mtp, draft_tokens)
+        check_draft_tokens(self.config, use_mtp, options.draft_tokens)
         if self.config.linear_attention_kind.in_use(self.config):  # a recurrent state cannot be cropped
             refuse_rollback_decoding(kwargs, self.generation_config)
             if use_mtp:
@@ -607,8 +609,15 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             attention_mask=kwargs.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
         )
-        with generating(), drafting_tokens(draft_tokens):
+        with generating(), drafting_options(options):
             return super().generate(inputs, *args, **kwargs)
+
+    # transformers reads this method's signature (`inputs_embeds`, the model kwargs it takes): the one it overrides
+    @functools.wraps(GenerationMixin.prepare_inputs_for_generation, assigned=(), updated=())
+    def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
+        """transformers' inputs of a generation step; where a wrapper (PEFT's prompt learning) replaced this method on
+        the model, also the cache under the name it reads (`compat.with_old_cache_name`)."""
+        return with_old_cache_name(self, super().prepare_inputs_for_generation(*args, **kwargs))
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  *args, **kwargs):
@@ -616,7 +625,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         transformers' choice (a hook of transformers' `GenerationMixin`: see compat.py)."""
         if generation_config.use_mtp and generation_config.assistant_early_exit is None \
                 and generation_config.prompt_lookup_num_tokens is None:
-            return mtp_candidate_generator_for(self, generation_config, model_kwargs, logits_processor)
+            return MtpCandidateGenerator(self, generation_config, model_kwargs, logits_processor)
         return super()._get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor,
                                                 model_kwargs, *args, **kwargs)
 
@@ -627,7 +636,12 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         (a hook of transformers' `GenerationMixin`: see compat.py)."""
         drafting_generation_config(generation_config)
         implementation = generation_config.cache_implementation
+        drafting = generation_mode == "assisted_generation"
+        if drafting:  # a step writes its drafts into the cache before verifying them
+            max_cache_length += static_cache_room(generation_config, self.config)
         if cache_of(model_kwargs) is not None or generation_config.use_cache is False:
+            if drafting and cache_of(model_kwargs) is not None:
+                check_static_drafting(cache_of(model_kwargs), max_cache_length)
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
@@ -646,6 +660,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
+        if drafting:
+            check_static_drafting(cache, max_cache_length)
         if generation_config.is_assistant:
             # A draft model's cache is cropped after each verification, also past a sliding window
             cache.activate_past_recording()
