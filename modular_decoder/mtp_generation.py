@@ -216,21 +216,22 @@ class MtpCandidateGenerator(CandidateGenerator):
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
         """`input_ids` and the step's drafts after them, with the drafts' logits (none on a plain step)."""
+        now = clock()  # a step runs from here (its drafts, the model's forward, the loop) to the next call
         if is_first_iteration:  # the model's prefill runs first: the modules read its hidden states after
-            self._begin(0, 0, recording=False)
+            self._begin(0, 0, None)
             return input_ids, None
-        self._step_done(int(n_last_matches))
+        self._step_done(int(n_last_matches), now)
         prefill = self.read == 0 and self.unread is None  # the prompt's positions (all but the model's new token)
         verified = input_ids.shape[1] - 1 if prefill else int(n_last_matches) + 1
         hidden = model_outputs.hidden_states[-1][:, :verified]
         self.unread = hidden if self.unread is None else torch.cat([self.unread, hidden.to(self.unread.device)], 1)
         count = self.schedule.next_count()
         if count == 0:
-            self._begin(0, 0)
+            self._begin(0, 0, now)
             return input_ids, None
         caught_up = self.unread.shape[1] - verified
         drafts, logits = self._draft(input_ids, model_kwargs, count)
-        self._begin(drafts.shape[1], caught_up)
+        self._begin(drafts.shape[1], caught_up, now)
         return torch.cat([input_ids, drafts.to(input_ids.device)], dim=-1), logits
 
     def _draft(self, input_ids, model_kwargs, count: int):
@@ -259,18 +260,18 @@ class MtpCandidateGenerator(CandidateGenerator):
                 drafts, logits = drafts[:, :kept], logits[:, :kept]
         return drafts, logits
 
-    def _begin(self, drafted: int, caught_up: int, recording: bool = True) -> None:
-        """A step that drafts `drafted` tokens starts (after reading `caught_up` positions a plain step left)."""
-        self.drafted, self.caught_up = drafted, caught_up
-        self.started = clock() if recording else None
+    def _begin(self, drafted: int, caught_up: int, started: float | None) -> None:
+        """A step that drafts `drafted` tokens began at `started` (None: not timed), reading `caught_up` positions
+        plain steps left."""
+        self.drafted, self.caught_up, self.started = drafted, caught_up, started
         for statistics in _RECORDING.get():  # one call before each of the model's forwards
             statistics.forwards += 1
             statistics.drafted += drafted
 
-    def _step_done(self, accepted: int) -> None:
-        """The step under way ended with `accepted` drafts kept: time it, and mark the rows to compute again."""
+    def _step_done(self, accepted: int, now: float) -> None:
+        """The step under way ended at `now` with `accepted` drafts kept: time it, mark the rows to compute again."""
         if self.started is not None and self.caught_up <= self.most + 2:
-            self.schedule.timed(self.drafted, clock() - self.started)
+            self.schedule.timed(self.drafted, now - self.started)
         if self.drafted and accepted < self.modules - 1:
             self.stale = min(self.modules, self.read)
 
