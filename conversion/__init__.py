@@ -2,8 +2,9 @@
 
 Not part of the remote-code files: the model modules never import from here. Each source family
 is one small declarative module in `families/`, registered in `FAMILIES` by its transformers
-`model_type`; add a family by adding one line. A multimodal release (Gemma 3, Mistral 3, Qwen3.5 folders) converts
-its language model through one of these and keeps the rest beside it: one line in `multimodal.WRAPPERS`.
+`model_type`; add a family by adding one line (its `Family`'s `description` and facts give it its row in the table
+of families, `table.py`). A multimodal release (Gemma 3, Mistral 3, Qwen3.5 folders) converts its language model
+through one of these and keeps the rest beside it: one line in `multimodal.WRAPPERS`.
 
     from modular_decoder.conversion import convert, export
     convert("path/to/llama", "out/llama-md")                   # Hugging Face folder
@@ -48,6 +49,15 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_text": "modular_decoder.conversion.families.qwen3_5",
     "gpt_oss": "modular_decoder.conversion.families.gpt_oss",
     "smollm3": "modular_decoder.conversion.families.smollm3",
+    "bamba": "modular_decoder.conversion.families.bamba",
+    "granitemoehybrid": "modular_decoder.conversion.families.granitemoehybrid",
+    "nemotron_h": "modular_decoder.conversion.families.nemotron_h",
+    "falcon_h1": "modular_decoder.conversion.families.falcon_h1",
+    "phi3": "modular_decoder.conversion.families.phi3",
+    "olmo3": "modular_decoder.conversion.families.olmo3",
+    "ministral3": "modular_decoder.conversion.families.ministral3",
+    "minimax_m2": "modular_decoder.conversion.families.minimax_m2",
+    "glm4_moe": "modular_decoder.conversion.families.glm4_moe",
 }
 
 

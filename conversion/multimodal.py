@@ -71,8 +71,8 @@ class Wrapper:
 WRAPPERS: dict[str, Wrapper] = {
     "qwen3_5": Wrapper("qwen3_5", ("qwen3_5_text",), (QWEN3_5,)),
     "gemma3": Wrapper("gemma3", ("gemma3_text",), (LLAVA, MODULES), unapplied=("final_logit_softcapping",)),
-    # Mistral Small 3.1 / 3.2; Ministral 3 folders name `ministral3`, added here when that text family lands
-    "mistral3": Wrapper("mistral3", ("mistral",), (LLAVA, MODULES)),
+    # Mistral Small 3.1 / 3.2 (`mistral`), Ministral 3 (`ministral3`)
+    "mistral3": Wrapper("mistral3", ("mistral", "ministral3"), (LLAVA, MODULES)),
     "qwen3_5_moe": Wrapper("qwen3_5_moe", ("qwen3_5_moe_text",), (QWEN3_5,), waits_for="its text family"),
     "gemma4": Wrapper("gemma4", ("gemma4_text",), (MODULES,), waits_for="its text family"),
     "llama4": Wrapper("llama4", ("llama4_text",), (LLAVA,), waits_for="its text family"),

@@ -119,6 +119,16 @@ def options_of(generate_kwargs: dict, generation_configs) -> DraftingOptions:
     return DraftingOptions(generate_kwargs.pop("mtp_draft_tokens", None), adaptive=schedule != "constant")
 
 
+def drafting_refusal(config) -> str | None:
+    """Why `generate(use_mtp=True)` cannot draft with this config, or None where it drafts: every layer of its cache
+    must roll back after a rejected draft (transformers' `is_croppable`)."""
+    stuck = sorted({type(layer).__name__ for layer in ModularDecoderCache(config).layers if not layer.is_croppable})
+    if stuck:
+        return (f"`use_mtp` is set, and this model's cache layers ({', '.join(stuck)}) cannot be rolled back after a "
+                "rejected draft: generate without `use_mtp`.")
+    return None
+
+
 def check_use_mtp(config, use_mtp) -> None:
     """`use_mtp=True` needs MTP modules: a `ValueError` naming both otherwise."""
     if use_mtp and not config.num_mtp_layers:
@@ -194,7 +204,7 @@ class MtpCandidateGenerator(CandidateGenerator):
         implementation = getattr(cache_of(model_kwargs), "implementation", "dynamic")
         self.cache = ModularDecoderCache(model.mtp.block_config,
                                          implementation if implementation in _CACHE_IMPLEMENTATIONS else "dynamic")
-        self.cache.activate_past_recording()
+        self.cache.activate_past_recording(self.most)
         self.do_sample = generation_config.do_sample
         self.logits_processor = logits_processor
         eos = generation_config.eos_token_id

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers as tf
 from conversion_cases import CASES as TEXT_CASES
-from conversion_cases import perturbed
+from conversion_cases import MINISTRAL3_ROPE, perturbed
 from mtp_cases import QWEN_LAYERS, save_qwen3_next_with_mtp
 from safetensors.torch import load_file, save_file
 from tiny_tokenizer import tiny_tokenizer
@@ -73,12 +73,20 @@ GEMMA3_AS_PUBLISHED = {
                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
 }
 RELEASES["gemma3-published-config"] = lambda: tf.Gemma3Config.from_dict(GEMMA3_AS_PUBLISHED)
+# Ministral 3: its text model `ministral3` (YaRN, the query temperature stepping every 4 positions here)
+RELEASES["mistral3-ministral3"] = lambda: tf.Mistral3Config(
+    text_config=dict(TEXT, model_type="ministral3", sliding_window=None, rope_parameters=dict(MINISTRAL3_ROPE)),
+    tie_word_embeddings=False,
+    vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
+    image_token_index=94, spatial_merge_size=2)
 # case -> what its folder is: as transformers' `save_pretrained` writes the release, or as a published one differs
 CASES = {
     "gemma3": "the Llava-era names transformers writes (`language_model.model.*`), tied head",
     "gemma3-modules": "the modules' own names (`model.language_model.*`, `model.vision_tower.*`)",
     "gemma3-published-config": "Gemma 3 4B's config.json as published (linear RoPE scaling on its global layers)",
     "mistral3": "an untied head beside a config.json without `tie_word_embeddings` (its default, true), as published",
+    "mistral3-ministral3": "Ministral 3's language model (`ministral3`: the query temperature) inside a mistral3 folder",
     "qwen3_5": "an MTP module in the files (`mtp.*`), which the wrapper class skips",
 }
 
@@ -289,9 +297,9 @@ def test_releases_that_do_not_convert_are_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match=f"this gemma3 folder {what} \\['language_model.model.', "):
             convert(folder, tmp_path / "out", progress=False)
     mistral3 = make_release("mistral3", tmp_path / "mistral3")
-    ministral = _edited(mistral3, tmp_path / "ministral3", text_config__model_type="ministral3")
-    with pytest.raises(ValueError, match="language model is 'ministral3', which does not convert inside a mistral3"):
-        convert(ministral, tmp_path / "out", progress=False)
+    unknown = _edited(mistral3, tmp_path / "qwen3-inside", text_config__model_type="qwen3")
+    with pytest.raises(ValueError, match="language model is 'qwen3', which does not convert inside a mistral3"):
+        convert(unknown, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 
