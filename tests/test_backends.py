@@ -190,6 +190,9 @@ def test_refused_pairs_are_the_expected_ones():
         ("hybrid", "vllm"),
         # vLLM's fused attention and MLP drop the μP multipliers
         ("mup_sublayers", "vllm"),
+        # shared key = value attention masks its windows and entries per query: eager and SDPA only
+        ("deepseek_v4", "flex_attention"), ("deepseek_v4", "flash_attention_2"), ("deepseek_v4", "flash_attention_3"),
+        ("deepseek_v4", "flash_attention_4"), ("deepseek_v4", "vllm"),
     }
 
 
