@@ -309,7 +309,8 @@ def test_without_an_accelerator_transformers_reports_no_gpu_kernels():
 
 @pytest.mark.parametrize("name, family, total", [("bamba", "bamba", 9_780_235_392),
                                                  ("granite_4_h_tiny", "granitemoehybrid", 6_939_037_248),
-                                                 ("nemotron_h", "nemotron_h", 8_100_852_736)])
+                                                 ("nemotron_h", "nemotron_h", 8_100_852_736),
+                                                 ("falcon_h1", "falcon_h1", 7_585_513_568)])
 @pytest.mark.parametrize("tiny", [False, True])
 def test_presets_have_the_parameters_of_their_family_class(name, family, total, tiny):
     """Each preset (and its tiny form) exported to its family's config and built by transformers' class on the meta
