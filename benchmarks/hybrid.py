@@ -45,6 +45,7 @@ SMOKE_WIDTHS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2
                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
 LAYERS = ["linear_attention"] * 3 + ["full_attention"]
 REFERENCE = "transformers Qwen3Next"
+PREFILL_PIECE = 4096  # tokens per forward when a linear layer's cache is filled
 OURS = "ours"
 
 
@@ -57,8 +58,7 @@ def reference_config(widths: dict) -> Qwen3NextConfig:
 
 
 @torch.inference_mode()
-def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: int,
-                 reference: str = REFERENCE) -> dict:
+def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: int, reference: str = REFERENCE) -> dict:
     """Prefill and decode tokens/s of transformers' class for `config` (named `reference`) and ours with the same
     weights, alternating."""
     save_pair(config, folder)
@@ -101,12 +101,14 @@ def one_layer_models(widths: dict) -> dict:
             "full_attention": ModularDecoderForCausalLM(full).eval()}
 
 
-def filled_cache(model, context: int) -> ModularDecoderCache:
-    """A cache holding `context` tokens: a recurrent layer's by a real prefill, a full layer's random K/V."""
+def filled_cache(kind: str, model, context: int) -> ModularDecoderCache:
+    """A cache holding `context` tokens: a linear layer's by a real prefill, the full layer's random K/V."""
     config = model.config
     cache = ModularDecoderCache(config)
-    if config.layer_types[0] != "full_attention":
-        model(torch.randint(0, config.vocab_size, (1, context)), cache=cache, logits_to_keep=1)
+    if kind != "full_attention":  # a real prefill, in pieces (the same state, bounded memory)
+        tokens = torch.randint(0, config.vocab_size, (1, context))
+        for start in range(0, context, PREFILL_PIECE):
+            model(tokens[:, start:start + PREFILL_PIECE], cache=cache, logits_to_keep=1)
     else:
         keys = torch.randn(1, config.num_key_value_heads, context, config.head_dim)
         cache.update(keys, torch.randn_like(keys), 0)
@@ -115,21 +117,20 @@ def filled_cache(model, context: int) -> ModularDecoderCache:
 
 @torch.inference_mode()
 def flat_in_context(models: dict, contexts: list[int], repeats: int, steps: int = 10) -> list[dict]:
-    """Per one-layer model (layer kind -> model) and context: the median time of one decode step (the mean of `steps`
-    steps per repeat, every kind and context alternating in one loop, so load drift reaches each alike) and the
-    cache's bytes."""
+    """Per layer kind (`models`: one-layer models by kind, "full_attention" the attention layer's) and context: the
+    median time of one decode step (the mean of `steps` steps per repeat, every kind and context alternating in one
+    loop, so load drift reaches each alike) and the cache's bytes."""
     token = torch.tensor([[7]])
-    caches = {(kind, context): filled_cache(model, context) for context in contexts
+    caches = {(kind, context): filled_cache(kind, model, context) for context in contexts
               for kind, model in models.items()}
 
     def case(kind: str, context: int):
         model, cache, position = models[kind], caches[kind, context], torch.tensor([[context]])
-        attends = model.config.layer_types[0] == "full_attention"
 
         def run():
             for _ in range(steps):
                 model(token, cache=cache, position_ids=position, use_cache=True)
-                if attends:
+                if kind == "full_attention":
                     cache.crop(-1)  # back to `context` tokens
         return measure.seconds(run)
 
