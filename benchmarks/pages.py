@@ -665,8 +665,9 @@ def conversion_memory_section(run: dict) -> str:
     lines = ["## Converting and exporting checkpoints of several GB (CPU)", "", "```bash",
              f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
              "Synthetic bf16 checkpoints in the files `save_pretrained` writes for their family (5 GB shards; Mixtral: "
-             "one tensor per expert), converted by `modular_decoder.conversion.convert` and exported back by `export`, "
-             "each in a fresh process: the peak resident memory above the process's level after its imports and a "
+             "one tensor per expert; gpt-oss as published, its experts in MXFP4 with gpt-oss-20b's widths, which "
+             "dequantize to 4x their size), converted by `modular_decoder.conversion.convert` and exported back by "
+             "`export`, each in a fresh process: the peak resident memory above the process's level after its imports and a "
              "warm-up conversion of a tiny checkpoint (`VmHWM`, reset there), and the wall seconds of reading and "
              "writing the whole checkpoint (disk-bound, on a shared machine).", "",
              "| layout | checkpoint | largest tensor | step | peak above the baseline | share of the checkpoint | "
@@ -675,8 +676,11 @@ def conversion_memory_section(run: dict) -> str:
         checkpoint = result["checkpoint"]
         for what in ("convert", "export"):
             row = result[what]
+            converted = (f" (MXFP4 experts; {checkpoint['converted_bytes'] / 1e9:.2f} GB converted)"
+                         if result["layout"] == "gpt_oss" else "")
             lines.append(f"| {result['layout']} ({checkpoint['layers']} layers) | {checkpoint['bytes'] / 1e9:.2f} GB in "
-                         f"{checkpoint['files']} files | {checkpoint['largest_tensor_bytes'] / 2**20:.0f} MiB | {what} | "
+                         f"{checkpoint['files']} files{converted} | "
+                         f"{checkpoint['largest_tensor_bytes'] / 2**20:.0f} MiB | {what} | "
                          f"{row['peak_above_mb']:.0f} MB | {100 * row['peak_fraction_of_checkpoint']:.1f}% | "
                          f"{row['seconds_median']:.0f} |")
     return "\n".join(lines)

@@ -39,10 +39,15 @@ Tensors = list[torch.Tensor]
 
 @dataclass(frozen=True)
 class Transform:
-    """A tensor transform and its exact inverse; both take the tensors and the target contract."""
+    """A tensor transform and its exact inverse; both take the tensors and the target contract.
+
+    `per_expert`: each output's row i of dim 0 depends only on row i of the input (a copy; a rearrangement within
+    each expert of an experts tensor), so a large tensor may go through a slice of rows at a time (`stream.py`).
+    """
 
     forward: Callable[[Tensors, Any], Tensors]
     inverse: Callable[[Tensors, Any], Tensors]
+    per_expert: bool = False
 
 
 def _copy(tensors: Tensors, cfg) -> Tensors:
@@ -141,13 +146,19 @@ def _fuse_grouped_ba(tensors: Tensors, cfg) -> Tensors:
     heads = cfg.linear_num_key_heads
     b, a = (t.reshape(heads, -1, t.shape[-1]) for t in tensors)
     return [torch.cat((b, a), dim=1).reshape(-1, b.shape[-1]).contiguous()]
+
+
 def _deinterleave_gate_up(tensors: Tensors, cfg) -> Tensors:
     """gpt-oss's experts: gate and up columns interleaved (gate 2i, up 2i + 1) along the last axis of its
     (E, d, 2f) products and (E, 2f) biases -> [gate; up] as the contract's (E, 2f, d) and (E, 2f) hold them."""
     out = []
     for t in tensors:
-        halves = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
-        out.append((halves.transpose(1, 2) if t.dim() == 3 else halves).contiguous())
+        width = t.shape[-1] // 2
+        # written once into the result (no concatenated copy to make contiguous again)
+        result = t.new_empty((t.shape[0], 2 * width, t.shape[1]) if t.dim() == 3 else t.shape)
+        for half, columns in enumerate((t[..., 0::2], t[..., 1::2])):
+            result[:, half * width:(half + 1) * width] = columns.transpose(1, 2) if t.dim() == 3 else columns
+        out.append(result)
     return out
 
 
@@ -166,7 +177,7 @@ def _transpose_experts(tensors: Tensors, cfg) -> Tensors:
 
 
 TRANSFORMS: dict[str, Transform] = {
-    "copy": Transform(_copy, _copy),
+    "copy": Transform(_copy, _copy, per_expert=True),
     # forward: [copy, original] -> nothing (`duplicates` checks them equal); inverse: original -> copy
     "duplicate": Transform(lambda tensors, cfg: [], _copy),
     "transpose": Transform(_transpose, _transpose),
@@ -176,8 +187,8 @@ TRANSFORMS: dict[str, Transform] = {
     "split_gate_up": Transform(_split_gate_up, lambda tensors, cfg: [torch.cat(tensors, dim=0)]),
     "split_grouped_qkvz": Transform(_split_grouped_qkvz, _fuse_grouped_qkvz),
     "split_grouped_ba": Transform(_split_grouped_ba, _fuse_grouped_ba),
-    "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up),
-    "transpose_experts": Transform(_transpose_experts, _transpose_experts),
+    "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up, per_expert=True),
+    "transpose_experts": Transform(_transpose_experts, _transpose_experts, per_expert=True),
 }
 
 # Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`)
@@ -291,11 +302,6 @@ def rename(name: str, renames: dict[str, str], inverse: bool = False) -> str:
         elif name.startswith(old):
             name = new + name[len(old):]
     return name
-
-
-def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Old name prefixes -> new ones; a prefix may contain `{layer}` (any layer number, kept)."""
-    return {rename(k, renames): v for k, v in state.items()}
 
 
 @dataclass

@@ -11,6 +11,7 @@ quantized as published converted end to end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -304,3 +305,41 @@ def test_mxfp4_gpt_oss_converts_to_transformers_dequantized_model(tmp_path, dtyp
         ours = ModularDecoderForCausalLM.from_pretrained(out).eval()
         with torch.no_grad():
             torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_mxfp4_experts_convert_and_export_one_slice_of_experts_at_a_time(tmp_path, monkeypatch):
+    """An experts tensor larger than a block (`stream.BLOCK_BYTES`, made one expert's size here) is read,
+    dequantized, de-interleaved and written a slice of experts at a time, both ways: no step sees a layer's whole
+    (E, ...) tensor. The folders written are those of the whole-tensor path, byte for byte."""
+    from modular_decoder.conversion import core, export, sources, stream
+
+    src = mxfp4_folder(tmp_path / "gpt-oss")
+    whole = convert(src, tmp_path / "whole", progress=False)
+    whole_back = export(whole, tmp_path / "whole-back", family="gpt_oss", progress=False)
+    dequantized, rearranged = [], []
+    original = sources.dequantize_mxfp4
+
+    def counted(blocks, scales, dtype, name="weight"):
+        dequantized.append((name, blocks.shape[0]))
+        return original(blocks, scales, dtype, name)
+
+    def recorded(transform):
+        def wrapped(fn):
+            def call(tensors, cfg):
+                rearranged.extend(tuple(t.shape) for t in tensors if t.dim() == 3 and t.device.type != "meta")
+                return fn(tensors, cfg)
+            return call
+        return dataclasses.replace(transform, forward=wrapped(transform.forward), inverse=wrapped(transform.inverse))
+
+    monkeypatch.setattr(sources, "dequantize_mxfp4", counted)
+    for name in ("interleaved_gate_up", "transpose_experts"):
+        monkeypatch.setitem(core.TRANSFORMS, name, recorded(core.TRANSFORMS[name]))
+    monkeypatch.setattr(stream, "BLOCK_BYTES", 64 * 64 * 2)  # one expert's down product in bf16 (its (64, 64))
+    sliced = convert(src, tmp_path / "sliced", progress=False)
+    assert len(dequantized) == 2 * 2 * 4 and {experts for _, experts in dequantized} == {1}  # layers, tensors, E
+    converted = len(rearranged)
+    assert converted == 2 * 2 * 4 and {shape[0] for shape in rearranged} == {1}
+    sliced_back = export(sliced, tmp_path / "sliced-back", family="gpt_oss", progress=False)
+    assert len(rearranged) - converted == 2 * 2 * 4 and {shape[0] for shape in rearranged} == {1}
+    for a, b in ((whole, sliced), (whole_back, sliced_back)):
+        assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
