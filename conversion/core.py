@@ -15,7 +15,8 @@ Multi-token-prediction modules are rules too: names with `{mtp}` (module k of th
 `{mtp_layer}` (the layer index the source's files give module k, `num_hidden_layers` + k) expand once per module
 (`mtp_block_rules` re-aims a family's layer rules at a module's block), and a `"duplicate"` rule names a source
 tensor that is a copy of one the model holds once (DeepSeek's MTP layer stores the embedding and the head again):
-conversion reads both, checks them equal and writes nothing (`duplicates`), export writes the copy from the original.
+conversion reads both, checks them equal and writes nothing (`duplicates`), or reads nothing where the files lack
+the copy; export writes the copy from the original.
 
 Conversion streams (`stream.py`): `plan_rules` names, for each rule instance, the tensors it needs
 (`RuleInstance.inputs`) before anything is read; the instances run once on meta-device tensors to plan
@@ -490,13 +491,12 @@ def plan_rules(rules: list[Rule], names, cfg, direction: str = "forward") -> lis
 
 def _duplicate_instance(r: Rule, copy: str, original: str, names: set, remaining: set, inverse: bool) -> list:
     """A `"duplicate"` rule's instance: forward it consumes the copy (read with the original, which its own rule
-    consumes too), inverse it writes the copy from the original."""
+    consumes too), or nothing where the files lack the copy (the model holds the original only, as transformers'
+    loader reads it); inverse it writes the copy from the original."""
     if inverse:
         return [RuleInstance(r, (original,), (copy,), True)] if original in names or not r.optional else []
     if copy not in remaining:
-        if r.optional:
-            return []
-        raise ValueError(f"Missing tensors {[copy]} (rule {r.src} -> {r.dst}).")
+        return []
     if original not in names:
         raise ValueError(f"Missing tensors {[original]} (rule {r.src} -> {r.dst}).")
     remaining.discard(copy)
