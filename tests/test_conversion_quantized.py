@@ -149,21 +149,63 @@ def test_fp8_fused_experts_read_as_the_published_per_expert_layout(tmp_path):
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_fp8_blocks_cut_short_by_the_shape_take_their_own_scale():
-    """DeepSeek-V3's `kv_a_proj_with_mqa` is (576, 7168): its last row block holds 64 rows. Each block is scaled by
-    its own entry, as DeepSeek's `weight_dequant` does (transformers 5.25 derives the block from the scale grid and
-    refuses this shape). Reference: a loop over the blocks."""
-    torch.manual_seed(0)
-    weight = (torch.randn(3, 192, 200) * 50).to(torch.float8_e4m3fn)
-    scale_inv = torch.rand(3, 2, 2)
-    got = dequantize_fp8(weight, scale_inv, (128, 128), torch.float32)
-    for e in range(3):
-        for i in range(2):
-            for j in range(2):
-                block = weight[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float() * scale_inv[e, i, j]
-                assert torch.equal(got[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128], block)
+def test_fp8_scales_that_do_not_fit_the_weight_are_refused_by_name():
+    weight = torch.randn(3, 192, 200).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"kv_a: its scales have shape \(3, 2, 1\), but .* needs \(3, 2, 2\)"):
-        dequantize_fp8(weight, scale_inv[..., :1], (128, 128), torch.float32, "kv_a")
+        dequantize_fp8(weight, torch.rand(3, 2, 1), (128, 128), torch.float32, "kv_a")
+
+
+def deepseek_weight_dequant(x: torch.Tensor, s: torch.Tensor, block_size: int = 128) -> torch.Tensor:
+    """DeepSeek's reference `weight_dequant` (DeepSeek-V3's inference/kernel.py), written element by element: its
+    Triton program (pid_m, pid_n) loads rows pid_m * B... and columns pid_n * B... of x (masked where the shape ends),
+    multiplies them in float32 by s[pid_m * cdiv(N, B) + pid_n] (s flat, row-major) and stores them in the default
+    dtype (bf16 in its fp8_cast_bf16.py)."""
+    rows, cols = x.shape
+    per_row = math.ceil(cols / block_size)
+    index = (torch.arange(rows)[:, None] // block_size) * per_row + torch.arange(cols)[None, :] // block_size
+    return (x.to(torch.float32) * s.reshape(-1)[index]).to(torch.bfloat16)
+
+
+# DeepSeek-V3's kv_a_proj_with_mqa (576 = 512 + 64 rows: four blocks of 128 and one of 64), a 192-row weight (one
+# block of 128 and one of 64; transformers reads its (2, 2) grid as blocks of 96), and columns cut short too
+PARTIAL_BLOCKS = [(576, 320), (192, 256), (192, 200), (130, 1)]
+
+
+@pytest.mark.parametrize("shape", PARTIAL_BLOCKS, ids=lambda shape: "x".join(map(str, shape)))
+def test_fp8_partial_blocks_follow_deepseeks_weight_dequant(shape):
+    """A block cut short by the weight's shape takes its own scale, as DeepSeek's `weight_dequant` computes it (an
+    independent transcription of its kernel above): bit for bit, alone and in a fused experts tensor."""
+    torch.manual_seed(0)
+    rows, cols = shape
+    grid = (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+    weight, scale_inv = quantize_fp8(torch.randn(2, rows, cols) * 0.02)
+    assert tuple(scale_inv.shape) == (2, *grid)
+    for e in range(2):
+        expected = deepseek_weight_dequant(weight[e], scale_inv[e])
+        assert torch.equal(dequantize_fp8(weight[e], scale_inv[e], (BLOCK, BLOCK), torch.bfloat16), expected)
+        assert torch.equal(dequantize_fp8(weight, scale_inv, (BLOCK, BLOCK), torch.bfloat16)[e], expected)
+
+
+def test_transformers_fp8_dequantize_reads_partial_blocks_otherwise():
+    """What docs/upstream.md reports (a test that fails when transformers changes it, so the page is rewritten):
+    transformers' `Fp8Dequantize` derives the block from the scale grid, rows // grid rows: a 192-row weight with
+    DeepSeek's (2, 2) grid is read as blocks of 96 rows (rows 96-127 get the second row block's scale), and DeepSeek-V3's
+    576-row `kv_a_proj_with_mqa` (5 scale rows) is refused."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(0)
+    dequantize = Fp8Dequantize(None)._dequantize_one
+    weight, scale_inv = quantize_fp8(torch.randn(1, 192, 256) * 0.02)
+    weight, scale_inv = weight[0], scale_inv[0]
+    theirs = dequantize(weight, scale_inv, output_dtype=torch.bfloat16)
+    ours = deepseek_weight_dequant(weight, scale_inv)
+    assert torch.equal(theirs[:96], ours[:96]) and torch.equal(theirs[128:], ours[128:])
+    assert not torch.equal(theirs[96:128], ours[96:128])
+    as_96 = (weight.float().reshape(2, 96, 2, 128) * scale_inv[:, None, :, None]).reshape(192, 256)
+    assert torch.equal(theirs, as_96.to(torch.bfloat16))
+    weight, scale_inv = quantize_fp8(torch.randn(1, 576, 256) * 0.02)
+    with pytest.raises(ValueError, match=r"Weight shape \(576, 256\) not divisible by scale grid \(5, 2\)"):
+        dequantize(weight[0], scale_inv[0], output_dtype=torch.bfloat16)
 
 
 def test_fp8_byte_scales_are_powers_of_two():
