@@ -565,7 +565,7 @@ def gpu_section(gpu: dict | None) -> str:
     lines = ["## GPU: ours against transformers on one accelerator (bf16)", ""]
     if gpu is None:
         return "\n".join(lines + [
-            "No run of `benchmarks/gpu.py` is recorded yet (no GPU was lent to the sessions since it was written). "
+            "No run of `benchmarks/gpu/` is recorded yet (no GPU was lent to the sessions since it was written). "
             "On a GPU machine:", "", "```bash",
             "python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && "
             "PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out benchmarks/results_gpu.json", "```", "",
@@ -825,9 +825,18 @@ def benchmark_list() -> str:
     """benchmarks/README.md's table: every registered benchmark, what it measures, the JSON it commits."""
     from .registry import BENCHMARKS
 
+    here = ROOT / "benchmarks"
+
+    def source(module: str) -> str:  # a module, or a package (the GPU matrix)
+        return f"benchmarks/{module}/" if (here / module).is_dir() else f"benchmarks/{module}.py"
+
+    def result(writes: str | None) -> str:
+        if writes is None:
+            return "—"
+        return f"`benchmarks/{writes}`" if (here / writes).exists() else f"none yet (it writes `benchmarks/{writes}`)"
+
     lines = ["| `python -m benchmarks NAME` | measures | committed result |", "|---|---|---|"]
-    lines += [f"| `{b.name}` (`benchmarks/{b.module}.py`) | {b.measures} | "
-              f"{f'`benchmarks/{b.writes}`' if b.writes else '—'} |" for b in BENCHMARKS]
+    lines += [f"| `{b.name}` (`{source(b.module)}`) | {b.measures} | {result(b.writes)} |" for b in BENCHMARKS]
     return "\n".join(lines)
 
 
