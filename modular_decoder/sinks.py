@@ -1,5 +1,7 @@
-"""Attention sinks (`attention_sinks`, gpt-oss): a learned logit per query head that joins every softmax's
-denominator, so a head can give part of its attention (or all of it, where every key is masked) to nothing:
+"""Attention sinks (`attention_sinks`, gpt-oss) on every backend: a learned logit per head in each softmax.
+
+The logit joins every softmax's denominator, so a head can give part of its attention (or all of it, where every
+key is masked) to nothing:
 
     p_ij = exp(s_ij) / (exp(sink_h) + Σ_j' exp(s_ij'))        out_i = Σ_j p_ij · v_j
 
@@ -67,8 +69,10 @@ def sdpa_attention_with_sinks(
     position_bias: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA function on q/k/v widened by `SINK_FEATURES` so that a sink key in front of the keys
-    scores exactly `s_aux` (the module docstring says how). query (B, H, T_q, D), key (B, H_kv, T_k, D),
+    """SDPA attention with sinks: transformers' SDPA function, the sink as one more key.
+
+    q/k/v are widened by `SINK_FEATURES` so that a sink key in front of the keys scores exactly `s_aux` (the
+    module docstring says how). query (B, H, T_q, D), key (B, H_kv, T_k, D),
     value (B, H_kv, T_k, D_v) -> ((B, T_q, H, D_v), None)."""
     head_dim, v_dim, q_len = query.shape[-1], value.shape[-1], query.shape[2]
     scaling = head_dim**-0.5 if scaling is None else scaling  # SDPA would take the widened width's
@@ -98,7 +102,9 @@ def sdpa_attention_with_sinks(
 
 
 def renormalize_with_sinks(out: torch.Tensor, lse: torch.Tensor, s_aux: torch.Tensor) -> torch.Tensor:
-    """A softmax-weighted output (B, H, T, D) and its rows' log-sum-exp L (B, H, T) -> the output with each head's
+    """Add each head's sink to the softmax of an attention output, from its rows' log-sum-exp.
+
+    A softmax-weighted output (B, H, T, D) and its rows' log-sum-exp L (B, H, T) -> the output with each head's
     sink in the denominator: out · exp(L) / (exp(L) + exp(sink)) = out · σ(L - sink) (0 where L = -inf)."""
     factor = torch.sigmoid(lse.float() - s_aux.float().view(1, -1, 1))  # (B, H, T)
     return (out * factor.unsqueeze(-1).to(out.dtype)).to(out.dtype)
@@ -116,8 +122,10 @@ def _takes_sinks(kernel) -> bool:
 def flash_attention_with_sinks(
     interface, module: nn.Module, query, key, value, attention_mask, s_aux: torch.Tensor | None = None, **kwargs
 ):
-    """transformers' flash path (`interface`), which passes `s_aux` to the kernel where it takes sinks, after
-    checking that the kernel loaded for this implementation does (transformers would drop them in silence)."""
+    """Flash attention with sinks, refused where the loaded kernel takes none.
+
+    transformers' flash path (`interface`) passes `s_aux` to the kernel where it takes sinks, after checking that
+    the kernel loaded for this implementation does (transformers would drop them in silence)."""
     implementation = module.config._attn_implementation
     (flash_fn, varlen_fn, *_), _ = internals("flash").lazy_import_flash_attention(implementation)
     # transformers reads the kernel's keywords off its varlen function, for both of its paths
@@ -130,7 +138,9 @@ def flash_attention_with_sinks(
 
 
 def sink_function(backend: str, interface):
-    """The function that computes attention with sinks on declared `backend` (`canonical_backend`): this family's
+    """The function that computes attention with sinks on `backend`.
+
+    On declared `backend` (`canonical_backend`): this family's
     for SDPA and the flash kernels (module docstring; flex: `alibi_kernels.flex_attention_with_alibi`, which the
     attention layer picks); `interface` itself elsewhere (the eager reference, vLLM's attention, a backend the
     user registered: each is handed `s_aux`, as transformers' models hand it)."""
