@@ -523,8 +523,9 @@ def sinks_section(run: dict | None) -> str:
         f"One attention layer of gpt-oss's widths (hidden {shape['hidden_size']}, {shape['num_attention_heads']} query "
         f"heads of {shape['head_dim']} over {shape['num_key_value_heads']} K/V heads), random weights, called directly: "
         "a prefill of T tokens (no mask: SDPA's own causal path) and one decode step against S cached tokens. SDPA "
-        "with sinks takes them as one more key (K and V copied 8 features wider per call); the eager reference with "
-        "them materializes the scores. Median ms of alternating rounds (ratio: against SDPA without sinks) and, in "
+        "with sinks takes them as one more key in a prefill (K and V copied 8 features wider per call) and scores "
+        "the cached keys directly in a decode step (`sinks.few_queries_with_sinks`: no copy); the eager reference "
+        "with them materializes the scores. Median ms of alternating rounds (ratio: against SDPA without sinks) and, in "
         "one untimed call of each, the peak memory above the start (MB).", "",
         "| step | " + " | ".join(f"{label} ms" for _, label in SINK_CASES) + " | SDPA sinks / SDPA | eager sinks / SDPA | "
         + " | ".join(f"{label} peak MB" for _, label in SINK_CASES) + " |",
@@ -686,6 +687,37 @@ def conversion_memory_section(run: dict) -> str:
     return "\n".join(lines)
 
 
+# --- benchmarks/results_gpt_oss_smollm3.json: `python -m benchmarks run --families gpt_oss smollm3 ...` -------
+
+def later_families_section(results: dict | None) -> str:
+    """gpt-oss and SmolLM3 against their transformers classes: `run`'s table for the families measured after the
+    seven of results.json (same harness, its own run)."""
+    from . import run
+
+    lines = ["## gpt-oss and SmolLM3 against transformers (CPU, fp32)", ""]
+    if results is None:
+        return not_recorded(lines, "run --families gpt_oss smollm3", "results_gpt_oss_smollm3.json")
+    fams = results["families"]
+    record = results["provenance"]
+    timed = [v["all"] for r in fams.values() for metric in r["metrics"].values() for side, v in metric.items()
+             if side in ("transformers", "ours") and isinstance(v, dict) and len(v.get("all", [])) > 1]
+    lines += [
+        *command_block(results),
+        "The same harness and rules as the section above (`benchmarks/run.py`), for gpt-oss "
+        "(`GptOssForCausalLM`, which has no SDPA path in transformers: eager there, SDPA with sinks here) and "
+        "SmolLM3 (`SmolLM3ForCausalLM`), each against ours with the same weights, "
+        f"{record['machine']['torch_threads']} torch threads; speed only (`--no-memory --no-train`).", "",
+        run.table(results, _run_args(results)), "",
+        f"- Prefill 1x{_run_args(results).prefill}: " + ", ".join(f"{f} {r['metrics']['prefill_1']['ratio']['ours']:.2f}x"
+                                          for f, r in fams.items()) + "; batch-1 decode: "
+        + ", ".join(f"{f} {r['metrics']['decode_1']['ratio']['ours']:.2f}x"
+                    f" ({r['metrics']['decode_1']['ratio']['ours, no split products']:.2f}x without the split products)"
+                    for f, r in fams.items()) + ".",
+        "", spread_note(timed, results),
+    ]
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Section:
     """One page section: the JSON files it reads (under benchmarks/) and how it renders them; an optional
@@ -697,6 +729,7 @@ class Section:
 
 SECTIONS = (
     Section(("results.json",), families_section),
+    Section(("results_gpt_oss_smollm3.json",), later_families_section, optional=True),
     Section(("results_compiled_decode.json", "results.json"), compiled_section),
     Section(("results_serving.json",), serving_section),
     Section(("results_mla_prefill.json",), mla_prefill_section),
