@@ -9,7 +9,7 @@ by `modular_decoder.tools.compatibility` (not shipped).
 from __future__ import annotations
 
 from .compat import flash_kernel_fallbacks
-from .kinds import LINEAR_ATTENTION
+from .mup import ATTENTION_MULTIPLIERS
 
 # Contract features a config may need, and the field that asks for each.
 FEATURE_FIELDS = {
@@ -34,10 +34,17 @@ FEATURE_FIELDS = {
     "experts_clamped_swiglu": "swiglu_limit (gpt-oss's clamped SwiGLU experts)",
     "experts_bias": "mlp_bias with mlp_type='moe' (experts with biases)",
     "router_bias": "router_bias",
-    # A recurrent state per sequence (Gated DeltaNet): vLLM's Transformers backend replaces attention layers only
-    "linear_attention": "layer_types with 'linear_attention'",
+    # A recurrent state per sequence (Gated DeltaNet, Mamba-2): vLLM's Transformers backend replaces attention layers
+    # only
+    "linear_attention": "layer_types with 'linear_attention' or 'hybrid'",
 }
+# The families an export serves natively on vLLM, by linear-attention kind (the end of the `--family` hint)
+NATIVE_HYBRID_FAMILIES = {"gated_deltanet": "qwen3_next` (or `qwen3_5_text`)",
+                          "mamba2": "nemotron_h` (or `granitemoehybrid`, `falcon_h1`, as its layout allows; vLLM 0.23 "
+                                    "dropped Bamba's class)"}
 
+FEATURE_FIELDS["mup"] = ("attention_in_multiplier, key_multiplier, attention_out_multiplier or mlp_multipliers "
+                         "(μP multipliers vLLM's fused attention and MLP drop)")
 ALL_FEATURES = frozenset(FEATURE_FIELDS)
 
 # backend -> contract features it can honour
@@ -63,7 +70,7 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # place in it (its own Qwen3-Next / Qwen3.5 classes hold one: serve an exported folder).
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
                             "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
-                            "router_bias", "key_selection", "linear_attention"},
+                            "router_bias", "key_selection", "linear_attention", "mup"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -97,8 +104,10 @@ def required_features(config) -> set[str]:
         needed.add("logits_scaling")
     if config.attention_sinks:
         needed.add("sinks")
-    if LINEAR_ATTENTION in config.layer_types:
+    if config.linear_attention_kind.in_use(config):
         needed.add("linear_attention")
+    if any(getattr(config, name) != 1.0 for name in ATTENTION_MULTIPLIERS) or config.mlp_multipliers is not None:
+        needed.add("mup")
     return needed | config.attention_kind.backend_features(config) | config.mlp_kind.backend_features(config)
 
 
@@ -127,8 +136,9 @@ def check_backend(config, backend: str) -> None:
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
         if canonical_backend(backend) == "vllm":
-            hybrid = ("; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
-                      "qwen3_next` (or `qwen3_5_text`)" if "linear_attention" in missing else "")
+            families = NATIVE_HYBRID_FAMILIES.get(config.linear_attention_type, "")
+            hybrid = (f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
+                      f"{families}" if "linear_attention" in missing and families else "")
             raise ValueError(
                 f"vLLM's Transformers modeling backend cannot serve {fields} of this config (it would compute "
                 f"different results); generate with transformers instead{hybrid}."
