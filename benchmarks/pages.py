@@ -581,7 +581,7 @@ def mtp_section(run: dict | None) -> str:
     lines = ["## Multi-token prediction (SmolLM2-135M, batch 1, CPU fp32)", ""]
     if run is None:
         return not_recorded(lines, "mtp_decode", "results_mtp_decode.json")
-    from .mtp_decode import mtp_case, table as mtp_table
+    from .mtp_decode import ceiling_case, mtp_case, table as mtp_table
 
     made, parts = run["mtp"], run["step_ms"]
     modules = made["num_mtp_layers"]
@@ -599,7 +599,11 @@ def mtp_section(run: dict | None) -> str:
         f"({len(acceptance)} prompts: {', '.join(acceptance)}); each case's decode tokens/s is its median over the "
         "prompts of the median over repeats, the cases alternating in one process. `ours_mtp` drafts "
         f"{counts[0]} token(s) per step with {modules} MTP module(s) {trained} (`generate(use_mtp=True, "
-        f"mtp_draft_tokens=K)`{'; ' + further if further else ''}); prompt lookup drafts "
+        f"mtp_draft_tokens=K)`{'; ' + further if further else ''})"
+        + (", at most: each step drafts as many as pay at the acceptance and step times the call measures "
+           "(none where drafting does not pay; [using.md](using.md#multi-token-prediction)), and "
+           "`ours_mtp_constant` drafts K every step" if "ours_mtp_constant" in run["cases"] else "")
+        + "; prompt lookup drafts "
         "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain."
         + _draft_vocab_sentence(run), "",
         mtp_table(run), "",
@@ -616,7 +620,8 @@ def mtp_section(run: dict | None) -> str:
         "plain decoding with every draft accepted and at the measured acceptance:", "",
         "| K | steps that kept at least j drafts | tokens per step | every draft accepted | at the measured acceptance |",
         "|---:|---|---:|---:|---:|",
-        *(_ceiling_row(k, run["cases"][mtp_case(counts, k)], run["ceiling"][str(k)]) for k in counts),
+        *(_ceiling_row(k, run["cases"][ceiling_case(counts, k) if ceiling_case(counts, k) in run["cases"]
+                                      else mtp_case(counts, k)], run["ceiling"][str(k)]) for k in counts),
     ]
     return "\n".join(lines)
 

@@ -378,6 +378,15 @@ def refuse(features: dict[str, bool], family: str) -> None:
         )
 
 
+def refuse_export(features: dict[str, bool], family: str) -> None:
+    """Raise one `ValueError` naming every contract field, with its value, that `family`'s format cannot express
+    (the export direction of `refuse`)."""
+    bad = [name for name, present in features.items() if present]
+    if bad:
+        raise ValueError(f"The {family} format cannot express this checkpoint's {'; '.join(bad)}; it cannot be "
+                         "exported without changing what the model computes.")
+
+
 def _expand(names: tuple[str, ...], layer: int | None) -> list[str]:
     return [name.format(layer=layer) if layer is not None else name for name in names]
 

@@ -15,8 +15,7 @@ The oldest release it runs on, what differs between the releases it supports (`M
    flex-attention helpers that only `alibi_kernels.py` calls (an upstream rename then breaks that one
    backend with a clear error, not every load), the Hub flash kernels, the experts-kernel decorator
    (whose absence only removes transformers' alternative kernels), the linear-attention kernels of
-   `flash-linear-attention` and `causal-conv1d` where transformers' own availability checks pass, and the
-   multi-token-prediction drafter `generate(use_mtp=True)` runs (`mtp_candidate_generator`).
+   `flash-linear-attention` and `causal-conv1d` where transformers' own availability checks pass.
 4. transformers' private state that has no public accessor, read or written through one named function
    each: the selected attention and experts kernels, the static-cache length `generate` keeps, the flag
    that lets `generate` compile on a CPU, and the validators `config.validate()` runs.
@@ -26,7 +25,13 @@ transformers' own models do, have the same signatures and call sites on 5.16.1 t
 tests exercise each): `PreTrainedModel._check_and_adjust_attn_implementation` (refuses a backend that
 cannot honour the config before a kernel is picked), `PreTrainedModel._can_set_experts_implementation`
 (transformers guesses it from the modeling file's source; the experts live in `experts.py`) and
-`GenerationMixin._prepare_cache_for_generation` (builds this family's cache).
+`GenerationMixin._prepare_cache_for_generation` (builds this family's cache) and
+`GenerationMixin._get_candidate_generator` (returns `mtp_generation.MtpCandidateGenerator` for `use_mtp=True`:
+transformers has no public way to give assisted decoding a drafter). That drafter subclasses transformers'
+public `CandidateGenerator` and is called by the assisted-decoding loop with the model's outputs
+(`requires_model_outputs`, `model_kwargs_overrides`, `get_candidates(..., model_outputs=, is_first_iteration=,
+n_last_matches=)`), the same on 5.16.1 to 5.25. `GENERATION_HOOKS` names each of these;
+`tests/test_mtp_draft_schedule.py` fails when one moves.
 """
 
 from __future__ import annotations
@@ -87,15 +92,15 @@ def accepts_past_key_values(forward):
     """Decorate a forward taking `cache=` so that it also takes `past_key_values=`.
 
     PEFT's prefix tuning passes that name: transformers' deprecation shim from 5.24, where it is the old name; a silent
-    rename before, where it is the name transformers itself (generate) passes. Both at once are refused
-    (`refuse_two_caches`), where the shim would drop `past_key_values` in silence."""
+    rename before, where it is the name transformers itself (generate) passes. Both at once run on one of them
+    (`one_cache`), where the shim would drop `past_key_values` in silence."""
     if CACHE_NAME == "cache":
         shimmed = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
 
         @functools.wraps(forward)
         def checked(*args, **kwargs):
             if kwargs.get("past_key_values") is not None and kwargs.get("cache") is not None:
-                refuse_two_caches(kwargs["past_key_values"], kwargs["cache"])
+                kwargs["cache"] = one_cache(kwargs.pop("past_key_values"), kwargs["cache"])
             return shimmed(*args, **kwargs)
 
         return checked
@@ -111,22 +116,36 @@ def accepts_past_key_values(forward):
     return renamed
 
 
-def refuse_two_caches(past_key_values, cache) -> None:
-    """Raise a `ValueError` where a forward is given a cache under both names (`cache`, `past_key_values`).
-
-    From transformers 5.24 `generate` passes its own as `cache`, and
-    PEFT 0.21's prompt learning adds its virtual-token prefix as `past_key_values` (prefix tuning), which the
-    cache in use does not hold. transformers' own models keep `cache` and ignore the prefix in silence
-    (docs/using.md, "PEFT"); refused here, naming what happened."""
-    if past_key_values is cache:
-        return
+def one_cache(past_key_values, cache):
+    """The cache a forward given one under both names runs on. From transformers 5.24 `generate` passes its own as
+    `cache`, and PEFT 0.21's prefix tuning hands its virtual-token prefix over as `past_key_values` at the first
+    step (a cache holding the prefix), as it did when generate passed `past_key_values`: where `cache` is still
+    empty, the prefix's cache is the one to run on and to return, as before 5.24 (transformers' own models keep
+    `cache` and ignore the prefix in silence: docs/using.md, "PEFT"). The same object under both names (what
+    `with_old_cache_name` lets PEFT see) is one cache. Two different caches holding tokens are refused."""
+    if past_key_values is cache or not _holds_tokens(cache):
+        return past_key_values
     held = past_key_values.get_seq_length() if hasattr(past_key_values, "get_seq_length") else None
     prefix = f"a prefix of {int(held)} tokens" if held is not None else "a prefix"
     raise ValueError(
-        f"`past_key_values` ({prefix}, as PEFT's prefix tuning passes its virtual tokens) came beside `cache` (the "
-        "cache `generate` passes): the cache in use does not hold that prefix, so it would be ignored. Pass one "
-        "cache; PEFT's prefix tuning cannot generate on transformers >= 5.24 (docs/using.md, PEFT)."
+        f"`past_key_values` ({prefix}, as PEFT's prefix tuning passes its virtual tokens) came beside a `cache` that "
+        "already holds tokens: one of them would be ignored. Pass one cache."
     )
+
+
+def _holds_tokens(cache) -> bool:
+    return bool(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else True
+
+
+def with_old_cache_name(model, model_inputs: dict) -> dict:
+    """A generation step's inputs (`prepare_inputs_for_generation`'s) with the cache also under `past_key_values`,
+    from 5.24, where a wrapper replaced the model's `prepare_inputs_for_generation`: PEFT 0.21's prompt learning
+    reads the cache under that name to add its virtual tokens (or prefix) at the first step only; not finding it,
+    it adds them again at every step."""
+    if CACHE_NAME == "cache" and "prepare_inputs_for_generation" in vars(model) \
+            and model_inputs.get("cache") is not None and model_inputs.get("past_key_values") is None:
+        model_inputs["past_key_values"] = model_inputs["cache"]
+    return model_inputs
 
 
 def generate_cache_kwarg(kwargs: dict) -> dict:
@@ -322,6 +341,12 @@ DynamicLayer, DynamicSlidingWindowLayer = (
      type("DynamicSlidingWindowLayer", (_EmptiedOnReset, _SlidingLayer), {"__module__": __name__})))
 
 
+def is_croppable(layer) -> bool:
+    """Whether a cache layer rolls back after a rejected draft: its `is_croppable` (5.2x), else whether it has a
+    `crop` (5.16's layers do not say; its static layers have none)."""
+    return getattr(layer, "is_croppable", hasattr(layer, "crop"))
+
+
 def drafting_generation_config(generation_config) -> None:
     """The generation config a draft model of this family runs with: the main model's `cache_implementation` cleared.
 
@@ -331,6 +356,15 @@ def drafting_generation_config(generation_config) -> None:
     with an int8 (or any named) cache failed. Cleared here on every release, for a draft of this family."""
     if generation_config.is_assistant:
         generation_config.cache_implementation = None
+
+
+# The private parts of transformers' `GenerationMixin` this family relies on for `generate(use_mtp=True)`: the
+# methods it overrides, and the words of the assisted-decoding loop's call to a drafter that reads model outputs
+GENERATION_HOOKS = {
+    "overridden": ("_prepare_cache_for_generation", "_get_candidate_generator"),
+    "assisted_loop": ("_assisted_decoding", ("requires_model_outputs", "model_kwargs_overrides", "model_outputs=",
+                                             "is_first_iteration=", "n_last_matches=", "update_candidate_strategy")),
+}
 
 
 def drafted_tokens_per_step(candidate_generator) -> int | None:
@@ -439,24 +473,6 @@ def experts_kernels():
     except ImportError:
         return None
     return getattr(module, "use_experts_implementation", None)
-
-
-def mtp_candidate_generator():
-    """transformers' `MTPCandidateGenerator`, which `generate(use_mtp=True)` drafts with.
-
-    It lives in generation/candidate_generator.py on 5.16.1 to 5.25; `mtp_generation.py` subclasses it with this
-    family's own modules.
-
-    What differs between the releases stays in transformers' own `get_candidates` and decoding loop: before
-    5.25 the generator crops its drafts after an end-of-sequence token (reading `eos_token_id` off itself) and
-    reads `model_kwargs["attention_mask"]` unconditionally; from 5.25 the loop crops them and passes
-    `recurrent_states_to_keep` when it activates the cache's past recording.
-    """
-    module = importlib.import_module("transformers.generation.candidate_generator")
-    if not hasattr(module, "MTPCandidateGenerator"):
-        raise ImportError("This transformers version has no `MTPCandidateGenerator`: `generate(use_mtp=True)` needs "
-                          "the transformers version pyproject.toml names.")
-    return module.MTPCandidateGenerator
 
 
 # --- 4. transformers' private state, through one named function each ---------------------------------

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
 from .compat import (  # isort: skip
     accepts_past_key_values, attn_implementation, cache_of, drafted_tokens_per_step, drafting_generation_config,
-    drafts_grow, generate_cache_kwarg, slice_logits_to_keep, static_cache_length, with_cache,
+    drafts_grow, generate_cache_kwarg, slice_logits_to_keep, static_cache_length, with_cache, with_old_cache_name,
 )
 
 import torch  # noqa: E402
@@ -38,8 +38,8 @@ from .kinds import LINEAR_ATTENTION, attention_layer_type, mixer_layer_types
 from .mamba2 import GroupedGatedRMSNorm, Mamba2
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
-from .mtp_generation import (check_draft_tokens, check_use_mtp, drafting_refusal, drafting_tokens,
-                             mtp_candidate_generator_for)
+from .mtp_generation import (MtpCandidateGenerator, check_draft_tokens, check_static_drafting, check_use_mtp,
+                             drafting_options, drafting_refusal, options_of, static_cache_room)
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
@@ -618,9 +618,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         `config.mtp_draft_tokens`, else one per module); a model without them raises a `ValueError`."""
         kwargs = generate_cache_kwarg(kwargs)
         use_mtp = kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None)
-        draft_tokens = kwargs.pop("mtp_draft_tokens", None)
+        options = options_of(kwargs, (kwargs.get("generation_config"), self.generation_config))
         check_use_mtp(self.config, use_mtp)
-        check_draft_tokens(self.config, use_mtp, draft_tokens)
+        check_draft_tokens(self.config, use_mtp, options.draft_tokens)
         if use_mtp and (refusal := drafting_refusal(self.config)) is not None:
             raise ValueError(refusal)
         check_generate_inputs(
@@ -629,7 +629,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             attention_mask=kwargs.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
         )
-        with generating(), drafting_tokens(draft_tokens):
+        with generating(), drafting_options(options):
             return super().generate(inputs, *args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
@@ -640,7 +640,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if keys_rotated_before_the_switch(self.config, input_ids.shape[1], kwargs.get(name)):
             kwargs.update({name: None, "next_sequence_length": None} if "next_sequence_length" in kwargs
                           else {name: None})
-        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        return with_old_cache_name(self, inputs)  # where PEFT's prompt learning replaced this method on the model
 
     # generate() reads this method's parameters (whether it forwards `inputs_embeds`, which model kwargs it uses)
     prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
@@ -653,7 +654,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         nothing)."""
         if generation_config.use_mtp and generation_config.assistant_early_exit is None \
                 and generation_config.prompt_lookup_num_tokens is None:
-            generator = mtp_candidate_generator_for(self, generation_config, model_kwargs, logits_processor)
+            generator = MtpCandidateGenerator(self, generation_config, model_kwargs, logits_processor)
         else:
             generator = super()._get_candidate_generator(generation_config, input_ids, inputs_tensor,
                                                          logits_processor, model_kwargs, *args, **kwargs)
@@ -671,7 +672,12 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         (a hook of transformers' `GenerationMixin`: see compat.py)."""
         drafting_generation_config(generation_config)
         implementation = generation_config.cache_implementation
+        drafting = generation_mode == "assisted_generation"
+        if drafting:  # a step writes its drafts into the cache before verifying them
+            max_cache_length += static_cache_room(generation_config, self.config)
         if cache_of(model_kwargs) is not None or generation_config.use_cache is False:
+            if drafting and cache_of(model_kwargs) is not None:
+                check_static_drafting(cache_of(model_kwargs), max_cache_length)
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
@@ -690,6 +696,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
+        if drafting:
+            check_static_drafting(cache, max_cache_length)
         if generation_config.is_assistant:
             # A draft model's cache is cropped after each verification (of at most its `num_assistant_tokens`
             # drafts), also past a sliding window or a recurrent state

@@ -15,7 +15,7 @@ from transformers.generation import candidate_generator
 
 from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.conversion import convert, export
-from modular_decoder.mtp_generation import recorded_drafts
+from modular_decoder.mtp_generation import MtpCandidateGenerator, recorded_drafts
 from mtp_cases import (deepseek_v3_config, mtp_file_tensors, mtp_reference, save_deepseek_v3_with_mtp,
                        save_trained_deepseek_v3_with_mtp)
 
@@ -58,20 +58,22 @@ def test_converts_with_the_modules_and_exports_back_bit_for_bit(folders, tmp_pat
 
 
 class Recorder:
-    """Every draft the MTP candidate generators return, by generator class (ours subclasses transformers')."""
+    """Every draft the MTP candidate generators return: transformers' and ours."""
 
     def __init__(self, monkeypatch):
         self.calls: dict[str, list] = {}
-        original = candidate_generator.MTPCandidateGenerator.get_candidates
+        for name, generator_class in (("transformers", candidate_generator.MTPCandidateGenerator),
+                                      ("ours", MtpCandidateGenerator)):
+            monkeypatch.setattr(generator_class, "get_candidates", self._recording(name, generator_class.get_candidates))
 
+    def _recording(self, name, original):
         def recorded(generator, input_ids, *args, **kwargs):
             ids, logits = original(generator, input_ids, *args, **kwargs)
             if logits is not None:
-                mine = "ours" if "ModularDecoder" in type(generator).__name__ else "transformers"
-                self.calls.setdefault(mine, []).append((ids[:, input_ids.shape[1]:].clone(), logits.clone()))
+                self.calls.setdefault(name, []).append((ids[:, input_ids.shape[1]:].clone(), logits.clone()))
             return ids, logits
 
-        monkeypatch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", recorded)
+        return recorded
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
@@ -80,7 +82,8 @@ def test_drafts_and_tokens_equal_transformers(folders, sample, prompt, monkeypat
     src, ours, count, family = folders
     reference, model = mtp_reference(src, family), ModularDecoderForCausalLM.from_pretrained(ours).eval()
     recorder = Recorder(monkeypatch)
-    kwargs = dict(max_new_tokens=16, do_sample=sample, use_mtp=True)
+    # every step drafts (transformers' generator does; ours by default drafts where it pays on this machine)
+    kwargs = dict(max_new_tokens=16, do_sample=sample, use_mtp=True, num_assistant_tokens_schedule="constant")
     if sample:
         kwargs.update(top_k=0, top_p=1.0, temperature=1.0)
     outputs = {}
