@@ -474,6 +474,44 @@ def deepseek_v4_section(run: dict | None) -> str:
     ])
 
 
+# --- benchmarks/results_mamba2.json: `python -m benchmarks mamba2 --out ...` ------------------------------------
+
+def mamba2_section(run: dict) -> str:
+    from .mamba2 import report  # the tables, as the benchmark prints them
+
+    sizes, widths, families = run["sizes"], run["layer_widths"], run["families"]
+    rows = run["flat_in_context"]
+    first, last = rows[0], rows[-1]
+    growth = {kind: last["step_ms"][kind] / first["step_ms"][kind] for kind in first["step_ms"]}
+    repeats = len(next(iter(families.values()))["prefill"]["ratios"])
+    diff = max(side["max_logit_diff"] for side in families.values())
+    return "\n".join([
+        "## Mamba-2 hybrids (CPU, fp32)", "",
+        *command_block(run),
+        f"Each family's layout at hidden {sizes['hidden']:,} (Mamba-2 of {sizes['mamba_heads']} heads of "
+        f"{sizes['mamba_head_dim']}, one group, a state of {sizes['state']}, chunks of {sizes['chunk']}; attention of "
+        f"{sizes['heads']} heads of {sizes['head_dim']} over 2 K/V heads; an FFN of {sizes['ffn']:,}): Bamba and "
+        "Granite 4.0-H (dense, no positions) with three Mamba-2 layers for one attention layer, Nemotron-H as eight "
+        "one-sublayer layers of the same mixers, Falcon-H1 with both mixers side by side in four layers. Made by each "
+        "transformers class and converted, both sides loaded with `from_pretrained` and run on the PyTorch paths (no "
+        "`mamba_ssm` or `causal-conv1d` on a CPU: transformers runs its `torch_forward`, ours `mamba2_scan.py`). "
+        f"Sides alternating in one process, {repeats} repeats, {run['provenance']['machine']['torch_threads']} torch "
+        f"thread(s); the largest logit difference of any prefill is {diff:.1e}. Below, one decode step of a one-layer "
+        f"model of each kind at hidden {widths['hidden_size']:,} (Mamba-2 of {widths['mamba_n_heads']} heads of "
+        f"{widths['mamba_d_head']} and a state of {widths['mamba_d_state']}, its state filled by a real prefill; "
+        f"attention of {widths['num_attention_heads']} heads of {widths['head_dim']} over "
+        f"{widths['num_key_value_heads']} K/V heads, its cache random keys and values) and the bytes its cache holds.",
+        "",
+        report(run), "",
+        f"From {first['context']:,} to {last['context']:,} cached tokens the Mamba-2 layer's step changes "
+        f"{growth['mamba2']:.2f}x and its state not at all ({last['cache_bytes']['mamba2']:,} bytes: the convolution "
+        f"window and the fp32 state); the full-attention layer's step {growth['full_attention']:.2f}x and its cache "
+        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x "
+        f"({last['cache_bytes']['full_attention'] / last['cache_bytes']['mamba2']:.1f}x the Mamba-2 state at "
+        f"{last['context']:,} tokens).",
+    ])
+
+
 def variant_table(heads: list[str], rows: list[tuple[list[str], dict]], variants: list[str]) -> list[str]:
     """A table of ms per variant: the `heads` columns, then one column per variant; each row its own cells and
     {variant: summary}, shown as the median ± half the spread over the repeats."""
@@ -550,8 +588,9 @@ def sinks_section(run: dict | None) -> str:
         f"One attention layer of gpt-oss's widths (hidden {shape['hidden_size']}, {shape['num_attention_heads']} query "
         f"heads of {shape['head_dim']} over {shape['num_key_value_heads']} K/V heads), random weights, called directly: "
         "a prefill of T tokens (no mask: SDPA's own causal path) and one decode step against S cached tokens. SDPA "
-        "with sinks takes them as one more key (K and V copied 8 features wider per call); the eager reference with "
-        "them materializes the scores. Median ms of alternating rounds (ratio: against SDPA without sinks) and, in "
+        "with sinks takes them as one more key in a prefill (K and V copied 8 features wider per call) and scores "
+        "the cached keys directly in a decode step (`sinks.few_queries_with_sinks`: no copy); the eager reference "
+        "with them materializes the scores. Median ms of alternating rounds (ratio: against SDPA without sinks) and, in "
         "one untimed call of each, the peak memory above the start (MB).", "",
         "| step | " + " | ".join(f"{label} ms" for _, label in SINK_CASES) + " | SDPA sinks / SDPA | eager sinks / SDPA | "
         + " | ".join(f"{label} peak MB" for _, label in SINK_CASES) + " |",
@@ -592,7 +631,7 @@ def gpu_section(gpu: dict | None) -> str:
     lines = ["## GPU: ours against transformers on one accelerator (bf16)", ""]
     if gpu is None:
         return "\n".join(lines + [
-            "No run of `benchmarks/gpu.py` is recorded yet (no GPU was lent to the sessions since it was written). "
+            "No run of `benchmarks/gpu/` is recorded yet (no GPU was lent to the sessions since it was written). "
             "On a GPU machine:", "", "```bash",
             "python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && "
             "PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out benchmarks/results_gpu.json", "```", "",
@@ -697,8 +736,9 @@ def conversion_memory_section(run: dict) -> str:
     lines = ["## Converting and exporting checkpoints of several GB (CPU)", "", "```bash",
              f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
              "Synthetic bf16 checkpoints in the files `save_pretrained` writes for their family (5 GB shards; Mixtral: "
-             "one tensor per expert), converted by `modular_decoder.conversion.convert` and exported back by `export`, "
-             "each in a fresh process: the peak resident memory above the process's level after its imports and a "
+             "one tensor per expert; gpt-oss as published, its experts in MXFP4 with gpt-oss-20b's widths, which "
+             "dequantize to 4x their size), converted by `modular_decoder.conversion.convert` and exported back by "
+             "`export`, each in a fresh process: the peak resident memory above the process's level after its imports and a "
              "warm-up conversion of a tiny checkpoint (`VmHWM`, reset there), and the wall seconds of reading and "
              "writing the whole checkpoint (disk-bound, on a shared machine).", "",
              "| layout | checkpoint | largest tensor | step | peak above the baseline | share of the checkpoint | "
@@ -707,10 +747,44 @@ def conversion_memory_section(run: dict) -> str:
         checkpoint = result["checkpoint"]
         for what in ("convert", "export"):
             row = result[what]
+            converted = (f" (MXFP4 experts; {checkpoint['converted_bytes'] / 1e9:.2f} GB converted)"
+                         if result["layout"] == "gpt_oss" else "")
             lines.append(f"| {result['layout']} ({checkpoint['layers']} layers) | {checkpoint['bytes'] / 1e9:.2f} GB in "
-                         f"{checkpoint['files']} files | {checkpoint['largest_tensor_bytes'] / 2**20:.0f} MiB | {what} | "
+                         f"{checkpoint['files']} files{converted} | "
+                         f"{checkpoint['largest_tensor_bytes'] / 2**20:.0f} MiB | {what} | "
                          f"{row['peak_above_mb']:.0f} MB | {100 * row['peak_fraction_of_checkpoint']:.1f}% | "
                          f"{row['seconds_median']:.0f} |")
+    return "\n".join(lines)
+
+
+# --- benchmarks/results_gpt_oss_smollm3.json: `python -m benchmarks run --families gpt_oss smollm3 ...` -------
+
+def later_families_section(results: dict | None) -> str:
+    """gpt-oss and SmolLM3 against their transformers classes: `run`'s table for the families measured after the
+    seven of results.json (same harness, its own run)."""
+    from . import run
+
+    lines = ["## gpt-oss and SmolLM3 against transformers (CPU, fp32)", ""]
+    if results is None:
+        return not_recorded(lines, "run --families gpt_oss smollm3", "results_gpt_oss_smollm3.json")
+    fams = results["families"]
+    record = results["provenance"]
+    timed = [v["all"] for r in fams.values() for metric in r["metrics"].values() for side, v in metric.items()
+             if side in ("transformers", "ours") and isinstance(v, dict) and len(v.get("all", [])) > 1]
+    lines += [
+        *command_block(results),
+        "The same harness and rules as the section above (`benchmarks/run.py`), for gpt-oss "
+        "(`GptOssForCausalLM`, which has no SDPA path in transformers: eager there, SDPA with sinks here) and "
+        "SmolLM3 (`SmolLM3ForCausalLM`), each against ours with the same weights, "
+        f"{record['machine']['torch_threads']} torch threads; speed only (`--no-memory --no-train`).", "",
+        run.table(results, _run_args(results)), "",
+        f"- Prefill 1x{_run_args(results).prefill}: " + ", ".join(f"{f} {r['metrics']['prefill_1']['ratio']['ours']:.2f}x"
+                                          for f, r in fams.items()) + "; batch-1 decode: "
+        + ", ".join(f"{f} {r['metrics']['decode_1']['ratio']['ours']:.2f}x"
+                    f" ({r['metrics']['decode_1']['ratio']['ours, no split products']:.2f}x without the split products)"
+                    for f, r in fams.items()) + ".",
+        "", spread_note(timed, results),
+    ]
     return "\n".join(lines)
 
 
@@ -725,6 +799,7 @@ class Section:
 
 SECTIONS = (
     Section(("results.json",), families_section),
+    Section(("results_gpt_oss_smollm3.json",), later_families_section, optional=True),
     Section(("results_compiled_decode.json", "results.json"), compiled_section),
     Section(("results_serving.json",), serving_section),
     Section(("results_mla_prefill.json",), mla_prefill_section),
@@ -733,6 +808,7 @@ SECTIONS = (
     Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_hybrid.json",), hybrid_section),
     Section(("results_deepseek_v4.json",), deepseek_v4_section, optional=True),
+    Section(("results_mamba2.json",), mamba2_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_split_slices.json",), split_slices_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),
@@ -854,9 +930,18 @@ def benchmark_list() -> str:
     """benchmarks/README.md's table: every registered benchmark, what it measures, the JSON it commits."""
     from .registry import BENCHMARKS
 
+    here = ROOT / "benchmarks"
+
+    def source(module: str) -> str:  # a module, or a package (the GPU matrix)
+        return f"benchmarks/{module}/" if (here / module).is_dir() else f"benchmarks/{module}.py"
+
+    def result(writes: str | None) -> str:
+        if writes is None:
+            return "—"
+        return f"`benchmarks/{writes}`" if (here / writes).exists() else f"none yet (it writes `benchmarks/{writes}`)"
+
     lines = ["| `python -m benchmarks NAME` | measures | committed result |", "|---|---|---|"]
-    lines += [f"| `{b.name}` (`benchmarks/{b.module}.py`) | {b.measures} | "
-              f"{f'`benchmarks/{b.writes}`' if b.writes else '—'} |" for b in BENCHMARKS]
+    lines += [f"| `{b.name}` (`{source(b.module)}`) | {b.measures} | {result(b.writes)} |" for b in BENCHMARKS]
     return "\n".join(lines)
 
 

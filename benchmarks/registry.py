@@ -56,8 +56,9 @@ BENCHMARKS = (
     Benchmark("reshape_mla", "reshape_mla", "SmolLM2-135M converted to MLA (TransMLA's steps) at several ranks: KV "
               "bytes, held-out perplexity, conversion time and memory", "results_reshape_mla.json"),
     Benchmark("conversion_memory", "conversion_memory", "converting and exporting synthetic checkpoints of 8.5 GB "
-              "(Llama and Mixtral layouts, bf16, 5 GB shards) in fresh processes: the peak resident memory above the "
-              "baseline, and the time", "results_conversion_memory.json"),
+              "(Llama and Mixtral layouts, bf16, 5 GB shards; gpt-oss as published, MXFP4 experts, about 8.5 GB "
+              "once converted) in fresh processes: the peak resident memory above the baseline, and the time",
+              "results_conversion_memory.json"),
     Benchmark("sinks", "sinks", "one attention layer of gpt-oss's widths, prefill and a decode step: SDPA with "
               "attention sinks against SDPA without them and eager with them (time, peak memory)", "results_sinks.json"),
     Benchmark("hybrid", "hybrid", "hybrid linear attention: prefill and decode against transformers' "
@@ -67,6 +68,9 @@ BENCHMARKS = (
               "DeepseekV4ForCausalLM, the compressed caches' bytes per token against transformers' at 4k and 32k, "
               "and one decode step from 8k to 64k cached tokens against the same model with a window only",
               "results_deepseek_v4.json"),
+    Benchmark("mamba2", "mamba2", "the Mamba-2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1): prefill and "
+              "decode against each transformers class, and one decode step of a Mamba-2 layer beside a full-attention "
+              "layer from 1k to 16k cached tokens (time, state bytes against KV bytes)", "results_mamba2.json"),
     Benchmark("gpu", "gpu", "the GPU matrix (bf16, one accelerator): prefill, eager and compiled generate, MLA "
               "decode and chunked prefill, training steps, diagnostics; `--smoke` runs its code paths on the CPU",
               "results_gpu.json"),

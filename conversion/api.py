@@ -369,9 +369,10 @@ def _mtp_tensors(plan: list[RuleInstance], produced: dict) -> dict:
 
 
 def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
-    """The tensors `save_pretrained` writes for the family's model tensors `names` (in this order): renamed
-    back to the file's prefixes, stacked experts split into one tensor per expert. Returns ({file name:
-    (dtype, shape)}, {model name: [Sink]})."""
+    """The file tensors `save_pretrained` writes for the family's model tensors `names`, and where each goes.
+
+    In this order: renamed back to the file's prefixes, stacked experts split into one tensor per expert. Returns
+    ({file name: (dtype, shape)}, {model name: [Sink]})."""
     planned, sinks = {}, {}
     for name in names:
         tensor = produced[name]
@@ -391,8 +392,10 @@ def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
 
 
 def check_verify_memory(parameters: int) -> None:
-    """`--verify` runs the source and the converted model side by side in float32: refuse, before converting,
-    where this machine's available memory cannot hold both (it would run out after the whole conversion)."""
+    """Raise a `ValueError` before converting where this machine's memory cannot hold what `--verify` loads.
+
+    `--verify` runs the source and the converted model side by side in float32 (it would run out after the
+    whole conversion)."""
     import psutil
 
     needed = 2 * 4 * parameters

@@ -161,8 +161,11 @@ class SerialBlock(DecoderBlock):
 
 
 class PreNormBlock(SerialBlock):
-    """x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>    (GPT-2, Llama)
-          └───────────────────────────┘└──────────────────────────┘"""
+    """A norm before attention and before the MLP, the residual kept clean (pre-norm: GPT-2, Llama).
+
+    x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>
+       └───────────────────────────┘└──────────────────────────┘
+    """
 
     NORMS = ("pre_attn_norm", "pre_mlp_norm")
     norm_position = "pre"
@@ -175,8 +178,11 @@ class PreNormBlock(SerialBlock):
 
 
 class PostNormBlock(DecoderBlock):
-    """x ─┬─ attn ─(+)─ post_attn_norm ─┬─ mlp ─(+)─ post_mlp_norm ─>  (GPT-1, original Transformer)
-          └────────┘                    └───────┘"""
+    """A norm after each residual addition (post-norm: GPT-1, the original Transformer).
+
+    x ─┬─ attn ─(+)─ post_attn_norm ─┬─ mlp ─(+)─ post_mlp_norm ─>
+       └────────┘                    └───────┘
+    """
 
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "post"
@@ -189,9 +195,11 @@ class PostNormBlock(DecoderBlock):
 
 
 class SandwichNormBlock(SerialBlock):
-    """x ─┬─ pre_attn_norm ─ attn ─ post_attn_norm ─(+)─┬─ pre_mlp_norm ─ mlp ─ post_mlp_norm ─(+)─>
-          └─────────────────────────────────────────┘   └───────────────────────────────────────┘
-    (Gemma 2 / 3)"""
+    """Norms before and after each of attention and the MLP (sandwich: Gemma 2 / 3).
+
+    x ─┬─ pre_attn_norm ─ attn ─ post_attn_norm ─(+)─┬─ pre_mlp_norm ─ mlp ─ post_mlp_norm ─(+)─>
+       └─────────────────────────────────────────┘   └───────────────────────────────────────┘
+    """
 
     NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
     norm_position = "sandwich"
@@ -204,8 +212,11 @@ class SandwichNormBlock(SerialBlock):
 
 
 class OutputNormBlock(SerialBlock):
-    """x ─┬─ attn ─ post_attn_norm ─(+)─┬─ mlp ─ post_mlp_norm ─(+)─>   (OLMo 2: norm on the sublayer output)
-          └─────────────────────────┘   └───────────────────────┘"""
+    """A norm on each sublayer's output, before it is added to the residual (OLMo 2).
+
+    x ─┬─ attn ─ post_attn_norm ─(+)─┬─ mlp ─ post_mlp_norm ─(+)─>
+       └─────────────────────────┘   └───────────────────────┘
+    """
 
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "output"
@@ -218,10 +229,13 @@ class OutputNormBlock(SerialBlock):
 
 
 class ParallelBlock(DecoderBlock):
-    """x ─┬─ pre_attn_norm ─ attn ─┐
-          ├─ pre_mlp_norm ── mlp ──(+)─>     (GPT-NeoX / Falcon-40B: separate norms)
-          └─────────────────────────┘
-    With `parallel_norms="shared"` (GPT-J, Falcon-7B, Phi) one `pre_attn_norm` feeds both branches."""
+    """Attention and the MLP side by side on the same input, both added to the residual (GPT-J, GPT-NeoX, Falcon).
+
+    x ─┬─ pre_attn_norm ─ attn ─┐
+       ├─ pre_mlp_norm ── mlp ──(+)─>     (GPT-NeoX / Falcon-40B: separate norms)
+       └─────────────────────────┘
+    With `parallel_norms="shared"` (GPT-J, Falcon-7B, Phi) one `pre_attn_norm` feeds both branches.
+    """
 
     NORMS = ("pre_attn_norm",)
     norm_position = "pre"

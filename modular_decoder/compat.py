@@ -1,6 +1,8 @@
-"""What this family needs from transformers beyond its public model API, in one place: the oldest
-release it runs on, what differs between the releases it supports (`MIN_TRANSFORMERS` to the newest 5.x),
-and the private parts of transformers it uses. In the order of this file:
+"""Everything that differs between the transformers releases this family runs on, and the transformers internals
+it uses, in one place.
+
+The oldest release it runs on, what differs between the releases it supports (`MIN_TRANSFORMERS` to the newest
+5.x), and the private parts of transformers it uses. In the order of this file:
 
 1. The version floor: `MIN_TRANSFORMERS`, checked when the config and modeling modules load.
 2. What differs between the supported releases, one shim each, with the releases it is for: the cache's
@@ -50,7 +52,9 @@ MIN_TRANSFORMERS = "5.16.1"
 
 def check_transformers_version(version: str | None = None) -> None:
     """Raise `ImportError` naming the required version when the installed transformers (or `version`) is
-    older than `MIN_TRANSFORMERS`. The config and modeling modules call it first, so a saved folder loaded
+    older than `MIN_TRANSFORMERS`.
+
+    The config and modeling modules call it first, so a saved folder loaded
     with `trust_remote_code=True` on an older transformers fails with this one message."""
     from packaging.version import Version  # a dependency of transformers itself
 
@@ -85,8 +89,9 @@ CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).paramet
 
 
 def accepts_past_key_values(forward):
-    """Decorate a forward taking `cache=` so that it also takes `past_key_values=` (PEFT's prefix tuning
-    passes that name): transformers' deprecation shim from 5.24, where it is the old name; a silent
+    """Decorate a forward taking `cache=` so that it also takes `past_key_values=`.
+
+    PEFT's prefix tuning passes that name: transformers' deprecation shim from 5.24, where it is the old name; a silent
     rename before, where it is the name transformers itself (generate) passes. Both at once run on one of them
     (`one_cache`), where the shim would drop `past_key_values` in silence."""
     if CACHE_NAME == "cache":
@@ -190,7 +195,9 @@ def _nested_rope_before_5_18(config, params) -> list[str]:
 
 
 def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
-    """`convert_rope_params_to_dict` for a `rope_parameters` nested by layer type on transformers 5.16-5.17,
+    """Read a `rope_parameters` nested by layer type as transformers 5.18 does, on 5.16-5.17.
+
+    `convert_rope_params_to_dict` for a `rope_parameters` nested by layer type on transformers 5.16-5.17,
     which put the `rope_theta` / `partial_rotary_factor` defaults beside the nested dicts (a nested dict then
     reads as a flat one with unknown keys; only transformers' own nested models override this). As 5.18 does,
     the defaults go into each nested dict. Returns the remaining `kwargs`, or `None` where transformers'
@@ -213,7 +220,9 @@ def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
 
 
 def standardize_nested_rope_params(config) -> bool:
-    """`standardize_rope_params` for a `rope_parameters` nested by layer type on transformers 5.16-5.17, whose
+    """Fill in a `rope_parameters` nested by layer type as transformers 5.18 does, on 5.16-5.17.
+
+    `standardize_rope_params` for a `rope_parameters` nested by layer type on transformers 5.16-5.17, whose
     own reads a dict for every type in `_rope_type_labels` (a KeyError where the config nests only the types
     its layers have, e.g. `full_attention` alone). Fills in what 5.18 fills in for each nested dict; `False`
     where transformers' own is right (5.18 on, or a flat dict)."""
@@ -238,11 +247,12 @@ def _fill_nested_tables(config, nested: list[str], theta, factor=None) -> None:
 
 
 def rope_validation_view(view) -> None:
-    """Makes `view` (a shallow copy of a config) safe for transformers' `validate_rope`, which writes
-    `rope_type` into the dicts it checks: `view` gets its own copy of `rope_parameters`. Before 5.18 the
-    release takes a dict nested by layer type as nested only where its keys are among `layer_types`
-    (otherwise it checks the whole dict as one flat dict, writing a `rope_type` beside the nested ones), so
-    the view's `layer_types` are the nested keys."""
+    """Make `view` (a shallow copy of a config) safe to pass to transformers' `validate_rope`.
+
+    `validate_rope` writes `rope_type` into the dicts it checks: `view` gets its own copy of `rope_parameters`.
+    Before 5.18 the release takes a dict nested by layer type as nested only where its keys are among `layer_types`
+    (otherwise it checks the whole dict as one flat dict, writing a `rope_type` beside the nested ones), so the
+    view's `layer_types` are the nested keys."""
     view.rope_parameters = copy.deepcopy(view.rope_parameters)
     nested = _nested_rope_before_5_18(view, view.rope_parameters)
     if nested:
@@ -338,7 +348,9 @@ def is_croppable(layer) -> bool:
 
 
 def drafting_generation_config(generation_config) -> None:
-    """A draft model's `generate` threads its own cache between rounds: from 5.24 transformers' candidate generator
+    """The generation config a draft model of this family runs with: the main model's `cache_implementation` cleared.
+
+    A draft model's `generate` threads its own cache between rounds: from 5.24 transformers' candidate generator
     clears the main model's `cache_implementation` on the draft's config; 5.16-5.2x left it there, and the draft's
     second round failed ("Passing both `cache_implementation` ... and `past_key_values`"), so assisted decoding
     with an int8 (or any named) cache failed. Cleared here on every release, for a draft of this family."""
@@ -467,9 +479,10 @@ def experts_kernels():
 
 
 def attn_implementation(config) -> str | None:
-    """The attention backend `config` selects (`config._attn_implementation`: transformers has no public
-    getter; its own model code, and ours in `attention.py`, `mla.py` and `alibi_kernels.py`, read that
-    attribute directly)."""
+    """The attention backend `config` selects.
+
+    It is `config._attn_implementation`: transformers has no public getter; its own model code, and ours in
+    `attention.py`, `mla.py` and `alibi_kernels.py`, read that attribute directly."""
     return config._attn_implementation
 
 
@@ -480,8 +493,9 @@ def experts_implementation(config) -> str | None:
 
 
 def static_cache_length(model, length: int) -> int:
-    """The length of a static cache `generate` builds for `model`: never shorter than an earlier call's, so
-    a compiled decode step sees the same shapes call after call. transformers' `_prepare_static_cache`
+    """The length of a static cache `generate` builds for `model`: never shorter than an earlier call's.
+
+    So a compiled decode step sees the same shapes call after call. transformers' `_prepare_static_cache`
     keeps that length on the model as `_previous_max_cache_length`; this reads and updates the same
     attribute, so our cache and transformers' agree whichever built the last one."""
     length = max(length, getattr(model, "_previous_max_cache_length", -1))
@@ -490,9 +504,10 @@ def static_cache_length(model, length: int) -> int:
 
 
 def compile_on_all_devices(compile_config):
-    """Mark a `CompileConfig` so that `generate` compiles its decode step on any device, CPUs included
-    (transformers does it by itself on accelerators only; `CompileConfig._compile_all_devices` is the
-    flag it reads, with no public setter)."""
+    """Mark a `CompileConfig` so that `generate` compiles its decode step on any device, CPUs included.
+
+    transformers does it by itself on accelerators only; `CompileConfig._compile_all_devices` is the flag it
+    reads, with no public setter."""
     compile_config._compile_all_devices = True
     return compile_config
 

@@ -51,11 +51,13 @@ from .routers import TopKRouter, router_losses
 from .split_products import project
 
 def linear_attention_mask(config, inputs_embeds, attention_mask, position_ids=None, **cache_kwarg) -> torch.Tensor | None:
-    """The mask of a `"linear_attention"` layer: the columns of a 2-D `attention_mask` that hold the new tokens
-    (which the layer multiplies its input by, so padding writes nothing into its state), or `None` where there is
-    no padding to remove: no 2-D mask, or a one-token step (a generated token is never padding). Unlike
-    transformers' `create_recurrent_attention_mask`, it reads no values (no host sync) and finds the new tokens'
-    columns by the cache's count, so a mask padded to a static cache's length works too."""
+    """The padding mask a linear-attention layer multiplies its input by (`None`: nothing to remove).
+
+    The columns of a 2-D `attention_mask` that hold the new tokens (which the layer multiplies its input by, so
+    padding writes nothing into its state), or `None` where there is no padding to remove: no 2-D mask, or a
+    one-token step (a generated token is never padding). Unlike transformers' `create_recurrent_attention_mask`, it
+    reads no values (no host sync) and finds the new tokens' columns by the cache's count, so a mask padded to a
+    static cache's length works too."""
     seq = inputs_embeds.shape[1]
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or seq == 1:
         return None
@@ -115,8 +117,9 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         return chosen
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save weights, config and the code files; `auto_map` names all three Auto classes so the
-        folder loads with `trust_remote_code=True` where this package is not installed (the config
+        """Save weights, config and the code files, so the folder loads where this package is not installed.
+
+        `auto_map` names all three Auto classes, so the folder loads with `trust_remote_code=True` (the config
         class through this module too: `ModularDecoderConfig.to_dict` says why)."""
         module = "modeling_modular_decoder"
         self.config.auto_map = {
@@ -457,9 +460,11 @@ def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor
 
 @dataclass
 class ModularDecoderCausalLMOutput(MoeCausalLMOutputWithPast):
-    """transformers' MoE causal-LM output (`aux_loss`, `router_logits` beside the usual fields), plus
-    `z_loss`: the router z-loss, returned with the router logits, and `mtp_loss`: the multi-token-prediction
-    modules' loss, returned with `labels`.
+    """The causal-LM output: logits, loss, cache, and the router and MTP losses.
+
+    transformers' MoE causal-LM output (`aux_loss`, `router_logits` beside the usual fields), plus `z_loss`: the
+    router z-loss, returned with the router logits, and `mtp_loss`: the multi-token-prediction modules' loss,
+    returned with `labels`.
 
     `aux_loss` (the router kind's balance loss: Switch's for softmax routers, DeepSeek-V3's sequence-wise
     one for sigmoid routers), `z_loss` (softmax routers only) and `mtp_loss` (the mean of the MTP modules'
@@ -613,7 +618,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         return router_losses(outputs.router_logits, self.config, mask, outputs.last_hidden_state.shape[0])
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
-        """transformers' `generate`, with the prompt (`input_ids`, `attention_mask`, `inputs_embeds`)
+        """transformers' `generate`, the prompt checked first; `use_mtp=True` drafts with the model's MTP modules.
+
+        The prompt (`input_ids`, `attention_mask`, `inputs_embeds`) is
         checked first: an empty or 1-D prompt or a mask that does not fit it raises a `ValueError`.
         The steps then skip re-reading the mask's values (generate only appends ones to it). A cache
         passed as `cache=` is used on every transformers release (before 5.24 generate calls it
