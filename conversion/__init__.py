@@ -46,6 +46,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_text": "modular_decoder.conversion.families.qwen3_5",
     "gpt_oss": "modular_decoder.conversion.families.gpt_oss",
     "smollm3": "modular_decoder.conversion.families.smollm3",
+    "lfm2": "modular_decoder.conversion.families.lfm2",
 }
 
 

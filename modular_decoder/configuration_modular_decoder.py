@@ -16,11 +16,13 @@ from .compat import (  # isort: skip
 from transformers import PretrainedConfig  # noqa: E402
 
 from .blocks import validate_block  # noqa: E402
+from .gated_deltanet import GatedDeltaNetFields  # noqa: E402
 from .kinds import LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
 from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: E402
+from .short_conv import ShortConvFields  # noqa: E402
 
 # The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -95,7 +97,7 @@ FIELD_RULES = {
 }
 
 
-class ModularDecoderConfig(PretrainedConfig):
+class ModularDecoderConfig(PretrainedConfig, GatedDeltaNetFields, ShortConvFields):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:
@@ -224,16 +226,17 @@ class ModularDecoderConfig(PretrainedConfig):
             `linear_attention_type` names; Qwen3-Next and Qwen3.5 have three for every full layer): it reads no
             positions, and its cache holds a fixed-size state per sequence.
         linear_attention_type (`str`): The linear-attention layers' kind: `"gated_deltanet"` (Gated DeltaNet,
-            Qwen3-Next / Qwen3.5). The fields below up to `linear_conv_kernel_dim` apply only when `layer_types`
-            has linear layers (left unset otherwise).
+            Qwen3-Next / Qwen3.5 / OLMo hybrid) or `"short_conv"` (LFM2's gated short convolution); each kind's own
+            fields are documented in its module. The fields below up to `linear_conv_kernel_dim` apply only when
+            `layer_types` has linear layers (left unset otherwise; `"short_conv"` reads the last only).
         linear_num_key_heads (`int`, *optional*): Query/key heads H_k of the linear layers. Defaults to H.
         linear_num_value_heads (`int`, *optional*): Value heads H_v, a multiple of H_k (each key head serves
             H_v / H_k of them). Defaults to H.
         linear_key_head_dim (`int`, *optional*): Query/key head width d_k. Defaults to d_h.
         linear_value_head_dim (`int`, *optional*): Value head width d_v (the state is d_k x d_v per value head).
             Defaults to d_h.
-        linear_conv_kernel_dim (`int`, *optional*): Taps K of the short causal convolution over q, k and v.
-            Defaults to 4.
+        linear_conv_kernel_dim (`int`, *optional*): Taps K of the short causal convolution (over q, k and v; over
+            B ⊙ x with `"short_conv"`). Defaults to 4 (3 with `"short_conv"`).
         attn_logit_softcapping (`float`, *optional*): Scores become c·tanh(s/c) (Gemma 2).
         attention_sinks (`bool`): A learned logit per query head (`self_attn.sinks`) joins every softmax's
             denominator: probability mass that attends to nothing, so a head may attend to no key (gpt-oss).
@@ -421,12 +424,14 @@ class ModularDecoderConfig(PretrainedConfig):
     def declared_fields(cls) -> dict[str, object]:
         """Field -> annotation, for the fields this class, its subclasses and its field mixins declare (a mechanism's
         fields live in a `@dataclass(kw_only=True)` mixin in its own module, documented there), not transformers'
-        `PretrainedConfig`'s. The whole MRO is read, so that a subclass keeps the checks."""
-        declared = {}
+        `PretrainedConfig`'s. The whole MRO is read, so that a subclass keeps the checks; this class's own fields
+        come first, in their order, then the mixins'."""
+        declared, mixins = {}, {}
         for klass in reversed(cls.__mro__):
             if klass not in PretrainedConfig.__mro__:
-                declared.update(vars(klass).get("__annotations__", {}))
-        return declared
+                fields = declared if issubclass(klass, ModularDecoderConfig) else mixins
+                fields.update(vars(klass).get("__annotations__", {}))
+        return {**declared, **mixins}
 
     @classmethod
     def integer_fields(cls) -> list[str]:

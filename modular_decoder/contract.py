@@ -11,8 +11,6 @@ compare them with `model.num_parameters()` and with what a filled cache actually
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .blocks import BLOCKS, block_class
@@ -159,8 +157,8 @@ def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: to
 
 def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bfloat16) -> str:
     """A markdown table of every contract field, parameters by component and cache cost."""
-    names = [f.name for f in dataclasses.fields(ModularDecoderConfig)
-             if f.name not in _NON_CONTRACT and _applies(config, f.name)]
+    names = [name for name in ModularDecoderConfig.declared_fields()  # the mixins' fields after the class's own
+             if name not in _NON_CONTRACT and _applies(config, name)]
     rows = ["| field | value |", "| --- | --- |"]
     rows += [f"| `{name}` | {_render(name, getattr(config, name))} |" for name in names]
     params = parameter_count(config)

@@ -124,12 +124,6 @@ def chunked_gated_delta_rule_by_document(query, key, value, g, beta, documents):
     return torch.cat(outputs, dim=1), torch.cat(states)
 
 
-def causal_conv1d(x: torch.Tensor, conv: torch.nn.Conv1d, activation: Callable) -> torch.Tensor:
-    """activation(depthwise causal conv) of x (B, C, T) through the module `conv` (padding K - 1 on both sides:
-    the first T outputs are the causal ones), so hooks and adapters on it run."""
-    return activation(conv(x)[..., : x.shape[-1]])
-
-
 @dataclass(frozen=True)
 class Kernels:
     """The functions a Gated DeltaNet layer computes with on one device (see `kernels_for`)."""
@@ -202,5 +196,5 @@ def _fla_documents_rule(kernel: Callable) -> Callable:
     return by_document
 
 
-__all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "chunked_gated_delta_rule", "causal_conv1d", "kernels_for",
+__all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "chunked_gated_delta_rule", "kernels_for",
            "chunked_gated_delta_rule_by_document", "l2norm", "recurrent_gated_delta_rule"]

@@ -1,20 +1,25 @@
-"""Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5, chosen per layer by `layer_types`
-(`"linear_attention"`) and `linear_attention_type="gated_deltanet"` (`GATED_DELTANET`, its registry entry).
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next, Qwen3.5 (and Qwen3.5-MoE) and OLMo hybrid, chosen per
+layer by `layer_types` (`"linear_attention"`) and `linear_attention_type="gated_deltanet"` (`GATED_DELTANET`, its
+registry entry).
 
     x ── in_proj_qkv ── causal conv (K taps) ── act ──┬─ q, k (H_k heads of d_k), v (H_v heads of d_v)
-     ├── in_proj_b ── σ ──────────────────────────────┤ β (write strength, per value head)
+     ├── in_proj_b ── σ (·2 with linear_allow_neg_eigval) ┤ β (write strength, per value head)
      ├── in_proj_a ── -exp(A_log)·softplus(a + dt_bias) ┤ g (log-decay, per value head)
      │                                        gated delta rule (delta_rule.py) ── o
      └── in_proj_z ──────────────────── norm(o) · silu(z), per head ── out_proj ──>
 
-The convolution applies `hidden_act` (SiLU in both families), as transformers' classes do. Each q/k head serves
+The convolution applies `hidden_act` (SiLU in every family), as transformers' classes do. Each q/k head serves
 H_v / H_k consecutive value heads. The output norm is an RMSNorm over each value head with a plain weight (it
-does not follow `norm_unit_offset`: Qwen's block norms are zero-centred, this one is not), gated by SiLU(z).
+does not follow `norm_unit_offset`: Qwen's block norms are zero-centred, this one is not), gated by SiLU(z), with
+epsilon `linear_norm_eps` (OLMo hybrid's is fla's 1e-5 beside block norms of 1e-6). With `linear_allow_neg_eigval`
+β lies in (0, 2) (OLMo hybrid; "Unlocking State-Tracking in Linear RNNs Through Negative Eigenvalues",
+arXiv 2411.12537): the transition I - β·k·kᵀ may then have a negative eigenvalue.
 
 Parameters keep transformers' names for Qwen3.5 (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `conv1d`,
 `dt_bias`, `A_log`, `norm`, `out_proj`): one projection per quantity, so PEFT targets read plainly. Qwen3-Next's
-fused `in_proj_qkvz` / `in_proj_ba` (interleaved per key head) are the same rows in another order; conversion moves
-them (`conversion/families/qwen3_next.py`), bit for bit both ways.
+fused `in_proj_qkvz` / `in_proj_ba` (interleaved per key head) and OLMo hybrid's separate `q_proj` / `k_proj` /
+`v_proj` (and its three convolutions) are the same rows in another order; conversion moves them
+(`conversion/families/`), bit for bit both ways.
 
 A multi-token step (prefill, chunked prefill, a prompt continuing a cache) runs the chunked rule; a one-token step
 against a cached state runs the recurrent update. Padded positions of a 2-D `attention_mask` are zeroed before the
@@ -26,25 +31,43 @@ computes alone, whatever `hidden_act`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
-from .delta_rule import causal_conv1d, kernels_for
-from .kinds import LinearAttentionKind, require_int
-from .packed_documents import PackedDocuments, convolve_documents, last_document_only
+from .delta_rule import kernels_for
+from .kinds import LinearAttentionKind, require_bool, require_int, require_number
+from .packed_documents import PackedDocuments
 from .recurrent_cache import RecurrentLayer
-from .split_products import weight_is_readable
+from .recurrent_mixer import RecurrentMixer
+
+
+@dataclass(kw_only=True)
+class GatedDeltaNetFields:
+    r"""The delta-rule layers' options (Gated DeltaNet and KDA).
+
+    Args:
+        linear_allow_neg_eigval (`bool`): β = 2·σ(b) instead of σ(b): the state transition I - β·k·kᵀ may have a
+            negative eigenvalue (transformers' OLMo hybrid name; arXiv 2411.12537).
+        linear_norm_eps (`float`, *optional*): Epsilon of the gated RMSNorm on each value head's output. Defaults to
+            `norm_eps` (Qwen's; OLMo hybrid's is 1e-5, fla's default, beside block norms of 1e-6).
+    """
+
+    linear_allow_neg_eigval: bool = False
+    linear_norm_eps: float | None = None
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim (plain weight, computed in fp32 and cast back), then · SiLU(gate) in fp32, as
-    transformers' `Qwen3NextRMSNormGated`."""
+    """RMSNorm over the last dim (plain weight, computed in fp32 and cast back), then · act(gate) in fp32: SiLU as
+    transformers' `Qwen3NextRMSNormGated`, sigmoid as its `KimiLinearRMSNormGated`."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
         self.eps = eps
+        self.activation = activation
+        self.gate = F.silu if activation == "silu" else torch.sigmoid
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -52,27 +75,30 @@ class GatedRMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * x32.to(dtype)
-        return (out * F.silu(gate.float())).to(dtype)
+        return (out * self.gate(gate.float())).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, activation={self.activation}"
 
 
-class GatedDeltaNet(nn.Module):
+def output_norm_eps(config) -> float:
+    return config.linear_norm_eps if config.linear_norm_eps is not None else config.norm_eps
+
+
+class GatedDeltaNet(RecurrentMixer):
     """A Gated DeltaNet layer (see the module docstring); `forward` returns `(output, None)` like an attention
     layer (it has no attention weights)."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
+        super().__init__(layer_idx)
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = config.linear_conv_kernel_dim
-        self.activation_name = config.hidden_act
-        self.activation = ACT2FN[config.hidden_act]
+        self.conv_activation = config.hidden_act
+        self.beta_scale = 2.0 if config.linear_allow_neg_eigval else 1.0
         d = config.hidden_size
         self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(d, self.value_dim, bias=False)
@@ -82,7 +108,7 @@ class GatedDeltaNet(nn.Module):
                                 padding=self.conv_kernel_size - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log_())
-        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=output_norm_eps(config))
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
@@ -92,101 +118,37 @@ class GatedDeltaNet(nn.Module):
         if attention_mask is not None:  # the 2-D padding mask of the new tokens (`linear_attention_mask`)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         batch, seq = hidden_states.shape[:2]
-        layer = self._state(cache)
+        layer = self.cache_layer(cache)
         kernels = kernels_for(hidden_states.device)
-        mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # (B, C, T)
-        if documents is None:
-            qkv = self._convolve(mixed, layer, kernels).transpose(1, 2)
-        else:
-            qkv = self._convolve_documents(mixed, layer, kernels, documents).transpose(1, 2)
-        query, key, value = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        qkv = self.convolve(self.in_proj_qkv(hidden_states).transpose(1, 2), layer, kernels, documents)
+        query, key, value = qkv.transpose(1, 2).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         query = query.reshape(batch, seq, -1, self.head_k_dim)  # (B, T, H_k, d_k)
         key = key.reshape(batch, seq, -1, self.head_k_dim)  # (B, T, H_k, d_k)
         value = value.reshape(batch, seq, -1, self.head_v_dim)  # (B, T, H_v, d_v)
-        beta = self.in_proj_b(hidden_states).sigmoid()  # (B, T, H_v)
+        beta = self.in_proj_b(hidden_states).sigmoid() * self.beta_scale  # (B, T, H_v)
         # fp32: in half precision -exp(A_log) could overflow to -inf
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
         if attention_mask is not None:  # a padded position neither writes (β = 0) nor decays (g = 0) the state
             beta, g = beta * attention_mask[:, :, None], g * attention_mask[:, :, None]
-        out = self._delta_rule((query, key, value, g, beta), layer, kernels, documents)  # (B, T, H_v, d_v)
+        out = self.run_rule((query, key, value, g, beta), layer, kernels, documents)  # (B, T, H_v, d_v)
         z = self.in_proj_z(hidden_states).reshape(batch, seq, -1, self.head_v_dim)
         out = self.norm(out, z).reshape(batch, seq, -1)  # (B, T, H_v·d_v)
         return self.out_proj(out), None
 
-    def _delta_rule(self, inputs: tuple, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
-        """The gated delta rule over (query, key, value, g, beta): recurrent for a one-token step on a cached state,
-        chunked otherwise, or document by document; the cache keeps the new state."""
-        batch, seq = inputs[0].shape[:2]
-        if documents is None:
-            state = layer.recurrent_state if layer is not None else None
-            rule = kernels.recurrent if state is not None and seq == 1 else kernels.chunked
-            out, state = rule(*inputs, state)  # (B, T, H_v, d_v), (B, H_v, d_k, d_v)
-        else:  # the rows end to end as one row of documents; each row's last document's state is its state
-            flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
-            out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
-            out, state = out.reshape(batch, seq, *out.shape[2:]), states[documents.last]
-        if layer is not None:
-            layer.update_recurrent_state(state)
-        return out
-
-    def _convolve_documents(self, x: torch.Tensor, layer, kernels, documents: PackedDocuments) -> torch.Tensor:
-        """The short causal convolution of x (B, C, T) over packed documents, each from zeros
-        (`packed_documents.convolve_documents`); the cache keeps each row's last document's window."""
-        if layer is not None:
-            layer.update_conv_state(last_document_only(x, documents), conv_kernel_size=self.conv_kernel_size)
-        fused = self._fused_conv(kernels)
-        return convolve_documents(x, documents, self.conv_kernel_size, lambda row: self._convolution(row, kernels, fused))
-
-    def _state(self, cache) -> RecurrentLayer | None:
-        """This layer's entry of `cache` (the family's `ModularDecoderCache`), or a `ValueError` naming the cache
-        where another kind was passed: a K/V cache has no place for a recurrent state."""
-        if cache is None:
-            return None
-        layers = getattr(cache, "layers", None)
-        layer = layers[self.layer_idx] if isinstance(layers, list) and self.layer_idx < len(layers) else None
-        if not isinstance(layer, RecurrentLayer):
-            raise ValueError(
-                f"`cache` is a {type(cache).__name__} whose layer {self.layer_idx} cannot hold this "
-                "'linear_attention' layer's state: pass `modular_decoder.ModularDecoderCache(config)` (generate "
-                "builds one by itself)."
-            )
-        return layer
-
-    def _convolve(self, x: torch.Tensor, layer, kernels) -> torch.Tensor:
-        """The short causal convolution of x (B, C, T), continuing the cached window when there is one.
-
-        A decode step on causal-conv1d updates the window in place; everything else prepends the cached
-        window (`RecurrentLayer.update_conv_state`) and convolves, through causal-conv1d's kernel where it runs
-        and the module is plain, else by calling the module."""
-        fused = self._fused_conv(kernels)
-        seq = x.shape[-1]
-        if fused and layer is not None and layer.conv_state is not None and seq == 1:
-            layer.count_step()
-            return kernels.conv_update(x, layer.conv_state, self.conv1d.weight.squeeze(1), None, self.activation_name)
-        if layer is not None:
-            x = layer.update_conv_state(x, conv_kernel_size=self.conv_kernel_size)
-        return self._convolution(x, kernels, fused)[..., -seq:]
-
-    def _fused_conv(self, kernels) -> bool:
-        """Whether causal-conv1d's kernels compute the convolution: where they run, for its activations, on a plain
-        module (otherwise the module is called, so hooks and adapters on it run)."""
-        return (kernels.conv is not None and self.activation_name in ("silu", "swish")
-                and weight_is_readable(self.conv1d, nn.Conv1d))
-
-    def _convolution(self, x: torch.Tensor, kernels, fused: bool) -> torch.Tensor:
-        """activation(causal convolution of x (B, C, L)), zero-padded on the left, no cache."""
-        if fused:
-            return kernels.conv(x, self.conv1d.weight.squeeze(1), None, activation=self.activation_name)
-        return causal_conv1d(x, self.conv1d, self.activation)
+    def init_parameters(self, init, std: float) -> None:
+        """As transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)."""
+        init.ones_(self.dt_bias)
+        init.copy_(self.A_log, torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
 
 
 class GatedDeltaNetKind(LinearAttentionKind):
-    """`linear_attention_type="gated_deltanet"`: Qwen3-Next's / Qwen3.5's Gated DeltaNet."""
+    """`linear_attention_type="gated_deltanet"`: the Gated DeltaNet of Qwen3-Next, Qwen3.5 and OLMo hybrid."""
 
     name = "gated_deltanet"
     module = GatedDeltaNet
-    fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-              "linear_conv_kernel_dim")
+    sizes = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+             "linear_conv_kernel_dim")
+    fields = (*sizes, "linear_allow_neg_eigval", "linear_norm_eps")
 
     def complete(self, config) -> None:
         """Defaults where a config with linear layers leaves them unset: H key and value heads of d_h, 4 taps."""
@@ -196,7 +158,7 @@ class GatedDeltaNetKind(LinearAttentionKind):
                     "linear_num_value_heads": config.num_attention_heads,
                     "linear_key_head_dim": config.head_dim, "linear_value_head_dim": config.head_dim,
                     "linear_conv_kernel_dim": 4}
-        for name, value in defaults.items():
+        for name, value in defaults.items():  # (`linear_norm_eps` stays None: `norm_eps`)
             if getattr(config, name) is None:
                 setattr(config, name, value)
 
@@ -204,8 +166,10 @@ class GatedDeltaNetKind(LinearAttentionKind):
         super().validate(config)
         if not self.in_use(config):
             return
-        for name in self.fields:
+        for name in self.sizes:
             require_int(name, getattr(config, name), minimum=1)
+        require_bool("linear_allow_neg_eigval", config.linear_allow_neg_eigval)
+        require_number("linear_norm_eps", config.linear_norm_eps, above=0, optional=True)
         if config.linear_num_value_heads % config.linear_num_key_heads:
             raise ValueError(
                 f"`linear_num_value_heads`={config.linear_num_value_heads} must be a multiple of "
@@ -243,4 +207,4 @@ class GatedDeltaNetKind(LinearAttentionKind):
 GATED_DELTANET = GatedDeltaNetKind()
 
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "GATED_DELTANET"]
+__all__ = ["GatedDeltaNet", "GatedDeltaNetFields", "GatedRMSNorm", "GATED_DELTANET", "output_norm_eps"]

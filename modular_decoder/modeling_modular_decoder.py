@@ -31,7 +31,7 @@ from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint
 from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
-from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from .gated_deltanet import GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .kinds import LINEAR_ATTENTION
 from .moe import init_moe_weights
@@ -42,6 +42,7 @@ from .packed_documents import PackedDocuments, packed_documents
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
                         rotary_layers)
 from .recurrent_cache import ROLLBACK_ERROR, refuse_rollback_decoding
+from .recurrent_mixer import RecurrentMixer
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
@@ -156,9 +157,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
             init.copy_(module.slopes, AlibiBias(self.config).slopes)
         elif isinstance(module, AttentionLayer) and module.sinks is not None:
             init.normal_(module.sinks, mean=0.0, std=std)  # as transformers' gpt-oss
-        elif isinstance(module, GatedDeltaNet):  # as transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)
-            init.ones_(module.dt_bias)
-            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
+        elif isinstance(module, RecurrentMixer):  # a linear-attention layer's own parameters (its kind's rule)
+            module.init_parameters(init, std)
         elif isinstance(module, GatedRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):

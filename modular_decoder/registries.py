@@ -1,7 +1,7 @@
 """Every axis of the design space and its entries, in one place.
 
     ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla, dsa (MLA + lightning indexer)
-    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet (the `"linear_attention"` layers of `layer_types`)
+    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet, short_conv (the `"linear_attention"` layers of `layer_types`)
     MLPS        `mlp_type`                 dense, gated, moe
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
     NORMS       `norm_type`                rmsnorm, layernorm
@@ -22,12 +22,13 @@ from .mlp import DENSE_MLP, GATED_MLP
 from .moe import MIXTURE_OF_EXPERTS
 from .norms import NORMS
 from .positions import POSITIONS
+from .short_conv import SHORT_CONV
 from .sparse_attention import SPARSE_LATENT_ATTENTION
 
 ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION,
                                                                          SPARSE_LATENT_ATTENTION])
 MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
-LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET])
+LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET, SHORT_CONV])
 
 
 def register_attention(kind: AttentionKind, replace: bool = False) -> AttentionKind:

@@ -105,6 +105,17 @@ CASES.update({
         **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS)),
 })
 
+# LFM2: gated short convolutions beside GQA attention with QK-norm (its feed-forward width derived as the released
+# models derive it, 2/3 of 96 rounded up to 16: 64); with biases on the convolutions, untied and the width as given
+LFM2_LAYERS = ["conv", "full_attention", "conv", "conv"]
+CASES.update({
+    "lfm2": ("lfm2", lambda: tf.Lfm2Config(**{**COMMON, "num_hidden_layers": 4, "intermediate_size": 96},
+                                           num_key_value_heads=2, layer_types=LFM2_LAYERS, block_multiple_of=16)),
+    "lfm2-bias": ("lfm2", lambda: tf.Lfm2Config(
+        **{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2, layer_types=LFM2_LAYERS[::-1], conv_bias=True,
+        conv_L_cache=4, block_auto_adjust_ff_dim=False, tie_word_embeddings=False)),
+})
+
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"

@@ -1,14 +1,16 @@
-"""Gated DeltaNet layers beside (gated) full attention, against transformers' `Qwen3NextForCausalLM` and
-`Qwen3_5ForCausalLM` with the same weights (through the converter): the kernels against transformers' reference
-kernels, logits and every generate() path through each side's own cache, the cache's state and its arithmetic,
-the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d need CUDA, which the test
-machines lack)."""
+"""Linear-attention layers beside full attention, against transformers' own classes with the same weights (through
+the converter): Gated DeltaNet (`Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`) and every other kind of the registry
+through one family that has it (`FAMILIES`: LFM2's short convolution, ...). The kernels against transformers'
+reference kernels, logits and every generate() path through each side's own cache, the cache's state and its
+arithmetic, the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d need CUDA, which the
+test machines lack). tests/test_mixers.py has what is particular to the newer kinds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conversion_cases import CASES, perturbed
+from kernel_stand_ins import fake_causal_conv1d_fn, fake_causal_conv1d_update, fake_fla
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as reference
@@ -19,7 +21,10 @@ from modular_decoder.contract import cache_bytes, cache_bytes_per_token, paramet
 from modular_decoder.conversion import convert
 from modular_decoder.recurrent_cache import RecurrentLayer
 
-FAMILIES = ["qwen3_next", "qwen3_5_text"]
+# a conversion case of each linear-attention kind (Gated DeltaNet: two)
+FAMILIES = ["qwen3_next", "qwen3_5_text", "lfm2"]
+# the fla kernels each kind calls (besides causal-conv1d's)
+FLA_CALLS = {"gated_deltanet": {"chunked_gated_delta_rule", "recurrent_gated_delta_rule"}, "short_conv": set()}
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
@@ -200,13 +205,18 @@ def test_reorder_select_repeat_and_reset_follow_the_batch(pair):
     with torch.no_grad():
         cache = _cache_of(ours(IDS, use_cache=True))
     layer = next(layer for layer in cache.layers if isinstance(layer, RecurrentLayer))
-    conv, state = layer.conv_state.clone(), layer.recurrent_state.clone()
+
+    def states():  # the conv window, and the recurrent state where the kind has one
+        return [t for t in (layer.conv_state, layer.recurrent_state) if t is not None]
+
+    before = [t.clone() for t in states()]
+    assert before and (layer.recurrent_state is not None or ours.config.linear_attention_type == "short_conv")
     cache.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(layer.conv_state, conv.flip(0)) and torch.equal(layer.recurrent_state, state.flip(0))
+    assert all(torch.equal(now, then.flip(0)) for now, then in zip(states(), before, strict=True))
     cache.batch_repeat_interleave(2)
-    assert torch.equal(layer.recurrent_state, state.flip(0).repeat_interleave(2, dim=0))
+    assert all(torch.equal(now, then.flip(0).repeat_interleave(2, dim=0)) for now, then in zip(states(), before))
     cache.batch_select_indices(torch.tensor([0, 3]))
-    assert torch.equal(layer.recurrent_state, state.flip(0)[[0, 1]])
+    assert all(torch.equal(now, then.flip(0)) for now, then in zip(states(), before, strict=True))
     cache.reset()
     assert layer.conv_state is None and layer.recurrent_state is None and layer.get_seq_length() == 0
 
@@ -259,64 +269,34 @@ def test_presets_follow_their_checkpoints():
 # --- the GPU kernels' dispatch, with stand-ins ----------------------------------------------------
 
 
-def _fake_causal_conv1d_fn(x, weight, bias=None, activation=None):
-    """causal-conv1d's `causal_conv1d_fn` as its documentation states it (x (B, C, T), weight (C, K))."""
-    width = weight.shape[1]
-    out = torch.nn.functional.conv1d(torch.nn.functional.pad(x, (width - 1, 0)), weight.unsqueeze(1), bias,
-                                     groups=x.shape[1])
-    return torch.nn.functional.silu(out) if activation in ("silu", "swish") else out
-
-
-def _fake_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
-    """causal-conv1d's `causal_conv1d_update`: shifts x into `conv_state` in place and convolves the window."""
-    full = torch.cat([conv_state, x], dim=-1)
-    conv_state.copy_(full[..., -conv_state.shape[-1]:])
-    out = torch.nn.functional.conv1d(full, weight.unsqueeze(1), bias, groups=x.shape[1])[..., -x.shape[-1]:]
-    return torch.nn.functional.silu(out) if activation in ("silu", "swish") else out
-
-
-def _fake_fla(torch_rule, calls):
-    """An fla gated-delta-rule kernel: equal head counts, L2 norm in the kernel when asked."""
-
-    def kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-               cu_seqlens=None):
-        assert q.shape[2] == v.shape[2] and use_qk_l2norm_in_kernel and output_final_state
-        assert all(t.is_contiguous() for t in (q, k, v, g, beta))
-        calls.append(torch_rule.__name__)
-        if cu_seqlens is None:
-            return torch_rule(q, k, v, g, beta, initial_state)
-        # varlen: batch 1, each sequence of `cu_seqlens` from its own (here zero) state, one final state each
-        assert q.shape[0] == 1 and initial_state is None and cu_seqlens.dtype == torch.long
-        calls.append("cu_seqlens")
-        bounds = cu_seqlens.tolist()
-        parts = [torch_rule(*(x[:, a:b] for x in (q, k, v, g, beta))) for a, b in zip(bounds[:-1], bounds[1:])]
-        return torch.cat([o for o, _ in parts], dim=1), torch.cat([s for _, s in parts])
-
-    return kernel
-
-
-def test_gpu_kernels_are_dispatched_where_available(pair, monkeypatch):
-    """With fla and causal-conv1d reported available (stand-ins that compute what the libraries document) and
-    this device counted as theirs, the layers call them (the chunked kernel for prefill, the fused recurrent one
-    and the in-place conv update for decode) and the tokens stay those of the PyTorch path."""
-    _, ours = pair
-    expected = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
-    calls = []
+def _use_stand_ins(monkeypatch, calls: list) -> None:
+    """fla and causal-conv1d reported available and this device counted as theirs, as stand-ins that compute what
+    the libraries document and record their calls in `calls`."""
     monkeypatch.setattr(compat, "flash_linear_attention_kernels", lambda: (
-        _fake_fla(delta_rule.chunked_gated_delta_rule, calls), _fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
+        fake_fla(delta_rule.chunked_gated_delta_rule, calls), fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
     monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
-        lambda *a, **k: calls.append("conv") or _fake_causal_conv1d_fn(*a, **k),
-        lambda *a, **k: calls.append("conv_update") or _fake_causal_conv1d_update(*a, **k)))
+        lambda *a, **k: calls.append("conv") or fake_causal_conv1d_fn(*a, **k),
+        lambda *a, **k: calls.append("conv_update") or fake_causal_conv1d_update(*a, **k)))
     monkeypatch.setattr(delta_rule, "_FLA_DEVICES", ("cpu",))
     monkeypatch.setattr(delta_rule, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
     delta_rule._kernels_for.cache_clear()
+
+
+def test_gpu_kernels_are_dispatched_where_available(pair, monkeypatch):
+    """With fla and causal-conv1d reported available (stand-ins) and this device counted as theirs, the layers call
+    them (the chunked kernel for prefill, the fused recurrent one and the in-place conv update for decode, those of
+    the layer's kind) and the tokens stay those of the PyTorch path."""
+    _, ours = pair
+    expected = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
+    calls = []
+    _use_stand_ins(monkeypatch, calls)
     try:
         assert delta_rule.kernels_for(torch.device("cpu")).name == "fla+causal-conv1d"
         assert torch.equal(ours.generate(PADDED, attention_mask=MASK, **GREEDY), expected)
     finally:
         monkeypatch.undo()
         delta_rule._kernels_for.cache_clear()
-    assert {"chunked_gated_delta_rule", "recurrent_gated_delta_rule", "conv", "conv_update"} <= set(calls)
+    assert FLA_CALLS[ours.config.linear_attention_type] | {"conv", "conv_update"} <= set(calls)
     assert delta_rule.kernels_for(torch.device("cpu")) == delta_rule.TORCH_KERNELS
 
 
@@ -330,20 +310,15 @@ def test_gpu_kernels_take_packed_documents_by_cu_seqlens(pair, monkeypatch):
     with torch.no_grad():
         alone = [ours(torch.tensor([d])).logits[0] for d in documents]
     calls = []
-    monkeypatch.setattr(compat, "flash_linear_attention_kernels", lambda: (
-        _fake_fla(delta_rule.chunked_gated_delta_rule, calls), _fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
-    monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
-        lambda *a, **k: calls.append("conv") or _fake_causal_conv1d_fn(*a, **k), _fake_causal_conv1d_update))
-    monkeypatch.setattr(delta_rule, "_FLA_DEVICES", ("cpu",))
-    monkeypatch.setattr(delta_rule, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
-    delta_rule._kernels_for.cache_clear()
+    _use_stand_ins(monkeypatch, calls)
     try:
         with torch.no_grad():
             packed = ours(input_ids=ids, position_ids=positions).logits[0]
     finally:
         monkeypatch.undo()
         delta_rule._kernels_for.cache_clear()
-    assert {"cu_seqlens", "conv"} <= set(calls)
+    assert {"cu_seqlens" for _ in FLA_CALLS[ours.config.linear_attention_type]} | {"conv"} <= set(calls)
+    assert "conv_update" not in calls
     torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-5)
 
 

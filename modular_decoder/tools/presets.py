@@ -182,6 +182,14 @@ PRESETS: dict[str, dict] = {
                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536, norm_eps=1e-6,
                     rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}, tie_word_embeddings=True,
                     no_rope_interval=4),
+    # LiquidAI/LFM2-1.2B config.json (16 layers: gated short convolutions of 3 taps, GQA 32 / 8 with per-head QK-norm
+    # at layers 2, 5, 8, 10, 12, 14 (`full_attn_idxs`); SwiGLU of width 8,192, what its `block_ff_dim` 12,288 builds
+    # with `block_auto_adjust_ff_dim`: 2/3 of it, a multiple of 256; tied)
+    "lfm2": dict(
+        vocab_size=65536, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=128000, norm_eps=1e-5, qk_norm="head",
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
+        attention_layers=[2, 5, 8, 10, 12, 14], linear_attention_type="short_conv", linear_conv_kernel_dim=3),
 }
 
 # deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3's, with DeepSeek Sparse Attention, a lightning indexer of
@@ -210,6 +218,13 @@ def _layer_types(num_layers: int, pattern: int | None, sliding_window: int | Non
 def _hybrid_layer_types(num_layers: int, interval: int) -> list[str]:
     """Qwen3-Next's `full_attention_interval`: every `interval`-th layer full attention, the others linear."""
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def _listed_layer_types(num_layers: int, attention_layers: list[int]) -> list[str]:
+    """LFM2's `full_attn_idxs`: the listed layers full attention, the others linear."""
+    return ["full_attention" if i in attention_layers else "linear_attention" for i in range(num_layers)]
+
+
 def _no_rope_layers(num_layers: int, interval: int | None) -> list[int] | None:
     """SmolLM3's `no_rope_layer_interval`: every `interval`-th layer NoPE (0), the rest RoPE (1)."""
     if interval is None:
@@ -237,6 +252,7 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     first_dense = fields.pop("first_dense_layers", None)
     interval = fields.pop("full_attention_interval", None)
     no_rope_interval = fields.pop("no_rope_interval", None)
+    attention_layers = fields.pop("attention_layers", None)
     if tiny:
         heads, kv = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
         fields.update(TINY, num_attention_heads=4, num_key_value_heads=4 if kv == heads else (1 if kv == 1 else 2))
@@ -271,11 +287,15 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["shared_expert_intermediate_size"] = TINY_MOE["moe_intermediate_size"]
         if no_rope_interval is not None:
             no_rope_interval = 2
+        if attention_layers is not None:  # one linear layer, then one full
+            attention_layers = [1]
     fields.update(overrides)
     if "layer_types" not in overrides:
         fields["layer_types"] = _layer_types(fields["num_hidden_layers"], pattern, fields.get("sliding_window"))
         if interval is not None:
             fields["layer_types"] = _hybrid_layer_types(fields["num_hidden_layers"], interval)
+        if attention_layers is not None:
+            fields["layer_types"] = _listed_layer_types(fields["num_hidden_layers"], attention_layers)
     if "mlp_layer_types" not in overrides:
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     if "no_rope_layers" not in overrides:
