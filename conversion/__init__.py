@@ -47,12 +47,13 @@ FAMILIES: dict[str, str] = {
     "gpt_oss": "modular_decoder.conversion.families.gpt_oss",
     "smollm3": "modular_decoder.conversion.families.smollm3",
     "lfm2": "modular_decoder.conversion.families.lfm2",
+    "qwen3_5_moe_text": "modular_decoder.conversion.families.qwen3_5_moe",
 }
 
 
 # Multimodal checkpoints whose language model is a registered family: named in the refusal, so a user sees the
 # text family converts and that this folder's vision tower is why it does not (nothing is dropped silently).
-MULTIMODAL_WRAPPERS: dict[str, str] = {"qwen3_5": "qwen3_5_text"}
+MULTIMODAL_WRAPPERS: dict[str, str] = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def get_family(name: str) -> Family:

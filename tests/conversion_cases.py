@@ -103,6 +103,10 @@ CASES.update({
         tie_word_embeddings=True)),
     "qwen3_5_text": ("qwen3_5_text", lambda: tf.Qwen3_5TextConfig(
         **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS)),
+    # Qwen3.5-MoE: experts in every layer beside a sigmoid-gated shared expert
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", lambda: tf.Qwen3_5MoeTextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=40)),
 })
 
 # LFM2: gated short convolutions beside GQA attention with QK-norm (its feed-forward width derived as the released
@@ -118,8 +122,8 @@ CASES.update({
 
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"
-             or name.endswith(("-moe", "-moe-grouped"))]
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_5_moe_text")
+             or name == "qwen3_next" or name.endswith(("-moe", "-moe-grouped"))]
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:

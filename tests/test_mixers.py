@@ -16,7 +16,7 @@ from modular_decoder.contract import cache_bytes_per_token, parameter_count, sta
 from modular_decoder.conversion import convert, get_family
 
 # conversion case -> the preset of its family
-MIXER_CASES = {"lfm2": "lfm2", "lfm2-bias": "lfm2"}
+MIXER_CASES = {"lfm2": "lfm2", "lfm2-bias": "lfm2", "qwen3_5_moe_text": "qwen3_5_moe"}
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
@@ -87,6 +87,13 @@ def test_presets_have_the_parameters_of_transformers_class(preset):
     tiny = preset_config(preset, tiny=True)
     assert tiny.linear_attention_type == config.linear_attention_type
     assert set(tiny.layer_types) == set(config.layer_types)
+
+
+def test_qwen3_5_moe_preset_is_the_released_35b_a3b():
+    config = preset_config("qwen3_5_moe")
+    counts = parameter_count(config)
+    assert 34e9 < counts["total"] < 36e9 and 2.5e9 < counts["active"] < 3.5e9
+    assert config.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
 
 
 def test_lfm2_preset_is_the_released_1_2b():

@@ -1,4 +1,4 @@
-"""Qwen3-Next's and Qwen3.5's multi-token-prediction module (`mtp.*` in the Hub's files): it converts to the contract's
+"""Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's multi-token-prediction module (`mtp.*` in the Hub's files): it converts to the contract's
 `mtp.layers.0` and exports back bit for bit, and the module drafts what transformers' `MtpModel` drafts when it loads
 the same files through transformers' own conversion mapping (its layout: `fc`, `pre_fc_norm_*`, `layers.0`, `norm`).
 transformers' Qwen3-Next config has no `num_mtp_layers`, so its `generate(use_mtp=True)` cannot run there; and
@@ -22,7 +22,7 @@ from mtp_cases import qwen3_next_mtp_reference, save_qwen3_next_with_mtp
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
 def folders(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     src = save_qwen3_next_with_mtp(root / "src", family=request.param)

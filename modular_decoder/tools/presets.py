@@ -198,6 +198,12 @@ PRESETS: dict[str, dict] = {
 PRESETS["deepseek_v32"] = dict(PRESETS["deepseek_v3"], attention_type="dsa", index_n_heads=64, index_head_dim=128,
                                index_topk=2048)
 
+# Qwen/Qwen3.5-35B-A3B config.json, its `text_config`: Qwen3-Next's layout at 40 layers, with 256 experts, top-8 (a
+# shared expert of width 512 beside them, in every layer; the vision tower and the multi-token-prediction module are
+# not part of the model)
+PRESETS["qwen3_5_moe"] = dict(PRESETS["qwen3_next"], vocab_size=248320, num_hidden_layers=40, num_experts=256,
+                              num_experts_per_tok=8)
+
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128)
 # Tiny latent attention (every width a quarter of a 64-wide model's) and tiny experts: 8 of width 32, top-2,
 # grouped routing kept as 4 groups of 2 with the best 2 groups eligible.
