@@ -48,6 +48,7 @@ FAMILIES: dict[str, str] = {
     "smollm3": "modular_decoder.conversion.families.smollm3",
     "lfm2": "modular_decoder.conversion.families.lfm2",
     "qwen3_5_moe_text": "modular_decoder.conversion.families.qwen3_5_moe",
+    "olmo_hybrid": "modular_decoder.conversion.families.olmo_hybrid",
 }
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mtp_layers, duplicates, is_mtp_rule,
-                   plan_rules, refuse_tensors, rename)
+from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mtp_layers, duplicates, file_name,
+                   is_mtp_rule, plan_rules, refuse_tensors)
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
@@ -252,7 +252,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     expected.update(_mtp_tensors(plan, produced))  # written beside the model's, which does not hold them
     check_shapes(produced, expected, f"exporting to {fam.name}")
     dtype = produced[their_embed_key].dtype
-    planned, sinks = file_tensors(expected, produced, fam)
+    planned, sinks = file_tensors(expected, produced, fam, src_cfg)
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
         _save_model_files(model, tmp, dtype)
         _write_weights(tmp, plan, tensors, cfg, planned, sinks, model.num_parameters(), None,
@@ -281,23 +281,32 @@ def _mtp_tensors(plan: list[RuleInstance], produced: dict) -> dict:
     return {name: produced[name].shape for name in made}
 
 
-def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
+def file_tensors(names, produced: dict[str, torch.Tensor], family: Family, config=None):
     """The tensors `save_pretrained` writes for the family's model tensors `names` (in this order): renamed
-    back to the file's prefixes, stacked experts split into one tensor per expert. Returns ({file name:
-    (dtype, shape)}, {model name: [Sink]})."""
+    back to the file's prefixes, stacked experts split into one tensor per expert, the tensors the files keep in
+    parts (`family.split`, sized by the family's `config`) in those parts. Returns ({file name: (dtype, shape)},
+    {model name: [Sink]})."""
     planned, sinks = {}, {}
     for name in names:
         tensor = produced[name]
+        parts = next((p for split in family.split if (p := split.pieces(name, config)) is not None), None)
+        if parts is not None:
+            sinks[name] = []
+            for file, rows in parts:
+                file = file_name(file, family, config)
+                planned[file] = (tensor.dtype, (rows.stop - rows.start, *tensor.shape[1:]))
+                sinks[name].append(Sink(file, rows=rows))
+            continue
         pieces = next((p for stack in family.experts if (p := stack.pieces(name, tuple(tensor.shape))) is not None),
                       None)
         if pieces is None:
-            file = rename(name, family.renames, inverse=True)
+            file = file_name(name, family, config)
             planned[file] = (tensor.dtype, tuple(tensor.shape))
             sinks[name] = [Sink(file)]
             continue
         sinks[name] = []
         for file, expert, rows in pieces:
-            file = rename(file, family.renames, inverse=True)
+            file = file_name(file, family, config)
             planned[file] = (tensor.dtype, (rows.stop - rows.start, *tensor.shape[2:]))
             sinks[name].append(Sink(file, expert, rows))
     return planned, sinks

@@ -141,6 +141,24 @@ def _fuse_grouped_ba(tensors: Tensors, cfg) -> Tensors:
     heads = cfg.linear_num_key_heads
     b, a = (t.reshape(heads, -1, t.shape[-1]) for t in tensors)
     return [torch.cat((b, a), dim=1).reshape(-1, b.shape[-1]).contiguous()]
+
+
+def _linear_qkv_widths(cfg) -> list[int]:
+    """(H_k·d_k, H_k·d_k, H_v·d_v): the query, key and value rows of the contract's linear-attention layers."""
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    return [key, key, cfg.linear_num_value_heads * cfg.linear_value_head_dim]
+
+
+def _fuse_linear_qkv(tensors: Tensors, cfg) -> Tensors:
+    """Separate query, key and value tensors of a linear-attention layer (projections, or their three short
+    convolutions, as OLMo hybrid's and Kimi Linear's files hold them), stacked along dim 0 into one."""
+    return [torch.cat(tensors, dim=0).contiguous()]
+
+
+def _split_linear_qkv(tensors: Tensors, cfg) -> Tensors:
+    return [t.contiguous() for t in torch.split(tensors[0], _linear_qkv_widths(cfg), dim=0)]
+
+
 def _deinterleave_gate_up(tensors: Tensors, cfg) -> Tensors:
     """gpt-oss's experts: gate and up columns interleaved (gate 2i, up 2i + 1) along the last axis of its
     (E, d, 2f) products and (E, 2f) biases -> [gate; up] as the contract's (E, 2f, d) and (E, 2f) hold them."""
@@ -176,6 +194,7 @@ TRANSFORMS: dict[str, Transform] = {
     "split_gate_up": Transform(_split_gate_up, lambda tensors, cfg: [torch.cat(tensors, dim=0)]),
     "split_grouped_qkvz": Transform(_split_grouped_qkvz, _fuse_grouped_qkvz),
     "split_grouped_ba": Transform(_split_grouped_ba, _fuse_grouped_ba),
+    "fuse_linear_qkv": Transform(_fuse_linear_qkv, _split_linear_qkv),
     "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up),
     "transpose_experts": Transform(_transpose_experts, _transpose_experts),
 }
@@ -278,6 +297,46 @@ class ExpertStack:
                 for e in range(shape[0]) for j, part in enumerate(self.parts)]
 
 
+@dataclass(frozen=True)
+class SplitTensor:
+    """How a checkpoint file stores one tensor of the transformers model in parts along dim 0 (transformers'
+    `WeightConverter` with `Concatenate(dim=0)`: OLMo hybrid's and Kimi Linear's three short convolutions): `parts`
+    (templates with `{layer}`) make `dst`, in that order; `widths(config)` is each part's rows for the family's
+    config, which export writes."""
+
+    parts: tuple[str, ...]
+    dst: str
+    widths: Callable[[Any], list[int]]
+
+    def _pattern(self, part: str) -> re.Pattern:
+        return re.compile(re.escape(part).replace(re.escape("{layer}"), r"(?P<layer>\d+)") + "$")
+
+    def groups(self, names) -> dict[str, list[str]]:
+        """{model name: its part names, in order} for every layer whose parts `names` holds; a layer holding some of
+        them only is refused, naming what it lacks."""
+        names = set(names)
+        layers = sorted({int(m["layer"]) for part in self.parts for n in names if (m := self._pattern(part).match(n))})
+        groups = {}
+        for layer in layers:
+            group = [part.format(layer=layer) for part in self.parts]
+            missing = [name for name in group if name not in names]
+            if missing:
+                raise ValueError(f"Parts of {self.dst.format(layer=layer)} are missing: {missing}.")
+            groups[self.dst.format(layer=layer)] = group
+        return groups
+
+    def pieces(self, name: str, config) -> list[tuple[str, slice]] | None:
+        """Where export writes the model's tensor `name`: [(file name, rows of dim 0)]; None if it is not this one's."""
+        match = self._pattern(self.dst).match(name)
+        if match is None:
+            return None
+        bounds = [0]
+        for width in self.widths(config):
+            bounds.append(bounds[-1] + width)
+        return [(part.format(layer=int(match["layer"])), slice(a, b))
+                for part, a, b in zip(self.parts, bounds[:-1], bounds[1:], strict=True)]
+
+
 def rename(name: str, renames: dict[str, str], inverse: bool = False) -> str:
     """One name through old -> new prefixes (new -> old with `inverse`); a prefix may contain `{layer}`
     (any layer number, kept)."""
@@ -291,6 +350,17 @@ def rename(name: str, renames: dict[str, str], inverse: bool = False) -> str:
         elif name.startswith(old):
             name = new + name[len(old):]
     return name
+
+
+def file_name(name: str, family: "Family", config) -> str:
+    """The file name export writes for the model's tensor `name`: `family.renames` backwards (only in the layers of
+    `family.renamed_layers` where set, by the family `config`'s `layer_types`)."""
+    if family.renamed_layers is not None:
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        layer_types = getattr(config, "layer_types", None) or []
+        if match is None or int(match[1]) >= len(layer_types) or layer_types[int(match[1])] not in MIXERS[family.renamed_layers]:
+            return name
+    return rename(name, family.renames, inverse=True)
 
 
 def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -318,6 +388,10 @@ class Family:
         experts: Per-expert file tensors the model holds stacked (see `ExpertStack`), read after `renames`.
         refused: Name prefixes of source tensors the contract cannot hold yet -> what they are: a source with
             any of them is refused naming them (`refuse_tensors`), never converted without them.
+        split: Tensors of the model the files keep in parts (see `SplitTensor`), read after `experts`.
+        renamed_layers: Where `renames` hold for some layers only: the mixer (a `MIXERS` key) of the layers whose
+            model names export gives back the file's prefixes (reading renames every match; OLMo hybrid's files name
+            a linear layer's norms otherwise than an attention layer's, which its model names alike).
         mtp_layers: Where the files keep multi-token-prediction module k, a name prefix with `{mtp}` (k) or
             `{mtp_layer}` (the source's layer index of module k, `num_hidden_layers` + k); `None`: the family has
             no MTP modules. The modules the files hold are what converts (`count_mtp_layers`); their tensors go
@@ -336,6 +410,8 @@ class Family:
     experts: tuple[ExpertStack, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
     mtp_layers: str | None = None
+    split: tuple[SplitTensor, ...] = ()
+    renamed_layers: str | None = None
 
 
 def refuse_tensors(names, family: Family) -> None:

@@ -9,6 +9,7 @@ scaling; 1 elsewhere, where it is a plain sum).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -18,6 +19,19 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .kinds import LINEAR_ATTENTION, require_bool, require_choice
 from .norms import build_norm
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS
+
+
+@dataclass(kw_only=True)
+class LayerNormPositionFields:
+    r"""Where the norms of each layer type sit, where they differ.
+
+    Args:
+        linear_attention_norm_position (`str`, *optional*): `norm_position` of the `"linear_attention"` layers of
+            `layer_types` (OLMo hybrid: `"pre"` beside attention layers of `"output"`). Defaults to `norm_position`.
+            Serial blocks only.
+    """
+
+    linear_attention_norm_position: str | None = None
 
 
 class DecoderBlock(GradientCheckpointingLayer):
@@ -146,13 +160,23 @@ NORM_POSITIONS = tuple(dict.fromkeys(block.norm_position for block in BLOCKS.val
 PARALLEL_NORMS = ("shared", "separate")
 
 
-def block_class(config) -> type[DecoderBlock]:
-    """The block implementing `norm_position` (serial, or parallel with `parallel_block`)."""
+def layer_norm_position(config, layer_idx: int | None = None) -> str:
+    """The `norm_position` of layer `layer_idx` (`linear_attention_norm_position` for a linear-attention layer where
+    set), or the attention layers' where no layer is named."""
+    own = config.linear_attention_norm_position
+    if layer_idx is not None and own is not None and config.layer_types[layer_idx] == LINEAR_ATTENTION:
+        return own
+    return config.norm_position
+
+
+def block_class(config, layer_idx: int | None = None) -> type[DecoderBlock]:
+    """The block implementing layer `layer_idx`'s norm position (`layer_norm_position`), serial or parallel with
+    `parallel_block`; the attention layers' where no layer is named."""
+    position = layer_norm_position(config, layer_idx)
     for block in BLOCKS.values():
-        if block.norm_position == config.norm_position and block.parallel == config.parallel_block:
+        if block.norm_position == position and block.parallel == config.parallel_block:
             return block
-    raise ValueError(f"`parallel_block={config.parallel_block}` has no block with `norm_position`="
-                     f"{config.norm_position!r}.")
+    raise ValueError(f"`parallel_block={config.parallel_block}` has no block with `norm_position`={position!r}.")
 
 
 def validate_block(config) -> None:
@@ -160,6 +184,14 @@ def validate_block(config) -> None:
     require_choice("norm_position", config.norm_position, NORM_POSITIONS)
     require_bool("parallel_block", config.parallel_block)
     require_choice("parallel_norms", config.parallel_norms, PARALLEL_NORMS)
+    if config.linear_attention_norm_position is not None:
+        require_choice("linear_attention_norm_position", config.linear_attention_norm_position, NORM_POSITIONS)
+        if LINEAR_ATTENTION not in config.layer_types or config.parallel_block:
+            raise ValueError(
+                f"`linear_attention_norm_position`={config.linear_attention_norm_position!r} places the norms of "
+                "serial blocks of 'linear_attention' layers: "
+                + ("`parallel_block` is set." if config.parallel_block else "`layer_types` has none; leave it unset.")
+            )
     if config.parallel_block:
         positions = [b.norm_position for b in BLOCKS.values() if b.parallel]
         if config.norm_position not in positions:

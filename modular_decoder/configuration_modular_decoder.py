@@ -15,7 +15,7 @@ from .compat import (  # isort: skip
 
 from transformers import PretrainedConfig  # noqa: E402
 
-from .blocks import validate_block  # noqa: E402
+from .blocks import LayerNormPositionFields, validate_block  # noqa: E402
 from .gated_deltanet import GatedDeltaNetFields  # noqa: E402
 from .kinds import LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
 from .norms import NORMS  # noqa: E402
@@ -97,7 +97,7 @@ FIELD_RULES = {
 }
 
 
-class ModularDecoderConfig(PretrainedConfig, GatedDeltaNetFields, ShortConvFields):
+class ModularDecoderConfig(PretrainedConfig, LayerNormPositionFields, GatedDeltaNetFields, ShortConvFields):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:

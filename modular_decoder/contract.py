@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import BLOCKS, block_class
+from .blocks import BLOCKS, block_class, layer_norm_position
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
 from .kinds import LINEAR_ATTENTION
@@ -48,10 +48,11 @@ def active_mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> i
     return config.mlp_kind.active_parameters(config, layer_idx)
 
 
-def block_norm_count(config: ModularDecoderConfig) -> int:
+def block_norm_count(config: ModularDecoderConfig, layer_idx: int | None = None) -> int:
+    """Norms in block `layer_idx` (where no layer is named, an attention layer's)."""
     if config.parallel_block:
         return 2 if config.parallel_norms == "separate" else 1
-    return BLOCK_NORMS[config.norm_position]
+    return BLOCK_NORMS[layer_norm_position(config, layer_idx)]
 
 
 def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
@@ -71,7 +72,7 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
     if linear_layer_count(config):
         parts["linear_attention"] = linear_layer_count(config) * linear_attention_parameters(config)
     parts["mlp"] = sum(mlp_parameters(config, i) for i in range(layers))
-    parts["block_norms"] = layers * block_norm_count(config) * norm_parameters(config, d)
+    parts["block_norms"] = sum(block_norm_count(config, i) for i in range(layers)) * norm_parameters(config, d)
     if config.final_norm:
         parts["final_norm"] = norm_parameters(config, d)
     lm_head = (0 if config.tie_word_embeddings else v * d) + (v if config.lm_head_bias else 0)
@@ -89,8 +90,9 @@ def mtp_module_parameters(config: ModularDecoderConfig) -> int:
     """One multi-token-prediction module: three norms (`enorm`, `hnorm`, `post_norm`), the 2d -> d projection and a
     block of the last layer's kinds (its embedding and head are the model's)."""
     d = config.hidden_size
-    block = (attention_parameters(config) + mlp_parameters(config, config.num_hidden_layers - 1)
-             + block_norm_count(config) * norm_parameters(config, d))
+    last = config.num_hidden_layers - 1
+    block = (attention_parameters(config) + mlp_parameters(config, last)
+             + block_norm_count(config, last) * norm_parameters(config, d))
     return 3 * norm_parameters(config, d) + 2 * d * d + block
 
 
@@ -184,7 +186,7 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
     with MTP modules."""
     if name in ("mtp_loss_scaling_factor", "mtp_draft_tokens", "mtp_draft_vocab_size"):
         return bool(config.num_mtp_layers)
-    if name == LINEAR_ATTENTIONS.field:
+    if name in (LINEAR_ATTENTIONS.field, "linear_attention_norm_position"):
         return config.linear_attention_kind.in_use(config)
     for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS):
         owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]

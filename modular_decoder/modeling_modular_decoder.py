@@ -184,8 +184,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.rotary_emb = RotaryEmbedding(config) if config.uses_rope else None
         self.alibi = AlibiBias(config) if config.position_embedding_type == "alibi" else None
-        block = block_class(config)
-        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(block_class(config, i)(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = build_norm(config) if config.final_norm else None
         self.gradient_checkpointing = False
         self.post_init()

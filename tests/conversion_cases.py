@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers as tf
 
@@ -120,6 +122,18 @@ CASES.update({
         conv_L_cache=4, block_auto_adjust_ff_dim=False, tie_word_embeddings=False)),
 })
 
+# OLMo hybrid: Gated DeltaNet (β in (0, 2), values twice as wide as keys) in pre-norm layers beside output-norm
+# attention with QK-norm over the whole projection; NoPE as released, and with RoPE on the full layer
+OLMO_HYBRID = dict(**{**COMMON, "num_hidden_layers": 4}, layer_types=HYBRID_LAYERS, linear_num_key_heads=2,
+                   linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16, pad_token_id=None,
+                   eos_token_id=None)
+CASES.update({
+    "olmo_hybrid": ("olmo_hybrid", lambda: tf.OlmoHybridConfig(
+        **OLMO_HYBRID, rope_parameters={"rope_type": "default", "rope_theta": None})),
+    "olmo_hybrid-rope": ("olmo_hybrid", lambda: tf.OlmoHybridConfig(
+        **OLMO_HYBRID, num_key_value_heads=2, linear_allow_neg_eigval=False, tie_word_embeddings=True)),
+})
+
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_5_moe_text")
@@ -142,8 +156,34 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
 
 def saved_source(config, path):
     """A tiny random source checkpoint saved by transformers' own class, every parameter perturbed
-    (`--verify`, exports and conversions compare it)."""
+    (`--verify`, exports and conversions compare it), in the layout the family publishes (`save_published`)."""
     config.architectures = None
     torch.manual_seed(0)
-    perturbed(tf.AutoModelForCausalLM.from_config(config)).save_pretrained(path)
+    save_published(perturbed(tf.AutoModelForCausalLM.from_config(config)), path)
+    return path
+
+
+def save_published(model, path):
+    """`model.save_pretrained(path)`, then the files moved to the layout the family's released checkpoints have where
+    transformers' `save_pretrained` writes another (OLMo hybrid: see conversion/families/olmo_hybrid.py). transformers'
+    class loads either."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(path)
+    config = model.config
+    if config.model_type != "olmo_hybrid":
+        return path
+    files = Path(path) / "model.safetensors"
+    tensors = load_file(str(files))
+    key = config.linear_num_key_heads * config.linear_key_head_dim
+    widths = [key, key, config.linear_num_value_heads * config.linear_value_head_dim]
+    for i, layer_type in enumerate(config.layer_types):
+        layer = f"model.layers.{i}."
+        if layer_type == "linear_attention":  # the three convolutions of H_k·d_k, H_k·d_k and H_v·d_v rows
+            names = [f"{layer}linear_attn.{x}_conv1d.weight" for x in "qkv"]
+            stacked = torch.cat([tensors.pop(name) for name in names])
+            tensors.update(zip(names, (t.contiguous() for t in stacked.split(widths))))
+        else:  # an attention layer's first norm under its own name
+            tensors[f"{layer}post_attention_layernorm.weight"] = tensors.pop(f"{layer}feedforward_layer_norm.weight")
+    save_file(tensors, str(files), metadata={"format": "pt"})
     return path

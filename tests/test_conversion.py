@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
+from conversion_cases import CASES, perturbed, save_published
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -25,7 +25,7 @@ def make_source(case: str, path):
     config.architectures = None
     torch.manual_seed(0)
     model = perturbed(AutoModelForCausalLM.from_config(config).eval())
-    model.save_pretrained(path)
+    save_published(model, path)
     return family, model
 
 

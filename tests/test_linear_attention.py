@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
+from conversion_cases import CASES, perturbed, save_published
 from kernel_stand_ins import fake_causal_conv1d_fn, fake_causal_conv1d_update, fake_fla
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
@@ -22,7 +22,7 @@ from modular_decoder.conversion import convert
 from modular_decoder.recurrent_cache import RecurrentLayer
 
 # a conversion case of each linear-attention kind (Gated DeltaNet: two)
-FAMILIES = ["qwen3_next", "qwen3_5_text", "lfm2"]
+FAMILIES = ["qwen3_next", "qwen3_5_text", "olmo_hybrid", "lfm2"]
 # the fla kernels each kind calls (besides causal-conv1d's)
 FLA_CALLS = {"gated_deltanet": {"chunked_gated_delta_rule", "recurrent_gated_delta_rule"}, "short_conv": set()}
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
@@ -42,7 +42,7 @@ def pair(request, tmp_path_factory):
     torch.manual_seed(0)
     source = perturbed(AutoModelForCausalLM.from_config(config).eval())
     path = tmp_path_factory.mktemp(request.param)
-    source.save_pretrained(path / "src")
+    save_published(source, path / "src")
     convert(path / "src", path / "ours", progress=False)
     return source, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval()
 
@@ -54,20 +54,22 @@ def _cache_of(output):
 # --- the kernels --------------------------------------------------------------------------------
 
 
-def _rule_inputs(length: int, seed: int = 0):
+def _rule_inputs(length: int, seed: int = 0, beta_scale: float = 1.0):
     torch.manual_seed(seed)
     batch, key_heads, value_heads, d_k, d_v = 2, 2, 4, 16, 8
     return dict(query=torch.randn(batch, length, key_heads, d_k), key=torch.randn(batch, length, key_heads, d_k),
                 value=torch.randn(batch, length, value_heads, d_v), g=-torch.rand(batch, length, value_heads) * 2,
-                beta=torch.rand(batch, length, value_heads)), torch.randn(batch, value_heads, d_k, d_v)
+                beta=torch.rand(batch, length, value_heads) * beta_scale), torch.randn(batch, value_heads, d_k, d_v)
 
 
 @pytest.mark.parametrize("length", [1, 5, 64, 130])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_kernels_equal_transformers_reference_kernels(length, with_state):
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_kernels_equal_transformers_reference_kernels(length, with_state, beta_scale):
     """Both rules equal transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` (grouped
-    value heads, a chunk boundary crossed or not, from a zero or a given state), and each other."""
-    inputs, state = _rule_inputs(length)
+    value heads, a chunk boundary crossed or not, from a zero or a given state, β in (0, 1) or, with negative
+    eigenvalues allowed as OLMo hybrid's, in (0, 2)), and each other."""
+    inputs, state = _rule_inputs(length, beta_scale=beta_scale)
     state = state if with_state else None
     ours_chunked = delta_rule.chunked_gated_delta_rule(**inputs, initial_state=state)
     ours_recurrent = delta_rule.recurrent_gated_delta_rule(**inputs, initial_state=state)

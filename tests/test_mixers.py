@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
+from conversion_cases import CASES, perturbed, save_published
 from transformers import AutoModelForCausalLM
 
 from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
 from modular_decoder.contract import cache_bytes_per_token, parameter_count, state_bytes_per_sequence
-from modular_decoder.conversion import convert, get_family
+from modular_decoder.conversion import convert, export, get_family
 
 # conversion case -> the preset of its family
-MIXER_CASES = {"lfm2": "lfm2", "lfm2-bias": "lfm2", "qwen3_5_moe_text": "qwen3_5_moe"}
+MIXER_CASES = {"lfm2": "lfm2", "lfm2-bias": "lfm2", "qwen3_5_moe_text": "qwen3_5_moe", "olmo_hybrid": "olmo_hybrid",
+               "olmo_hybrid-rope": "olmo_hybrid"}
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
@@ -37,7 +38,7 @@ def pair(request, tmp_path_factory):
     torch.manual_seed(0)
     source = perturbed(AutoModelForCausalLM.from_config(config).eval())
     path = tmp_path_factory.mktemp(request.param)
-    source.save_pretrained(path / "src")
+    save_published(source, path / "src")
     convert(path / "src", path / "ours", progress=False)
     return request.param, source, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval()
 
@@ -137,3 +138,44 @@ def test_a_short_convolution_combines_with_a_llama_layout():
             steps = [model(IDS[:, :3] % 64, cache=cache).logits]
             steps += [model(IDS[:, t:t + 1] % 64, cache=cache).logits for t in range(3, IDS.shape[1])]
         torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_olmo_hybrid_folders_of_either_layout_convert_and_export_to_the_released_one(tmp_path):
+    """A folder saved by transformers' own `save_pretrained` (its three convolutions cut in equal thirds, an attention
+    layer's first norm named as a linear layer's) converts with the logits of transformers' class, and export writes
+    the released layout (convolutions of H_k·d_k, H_k·d_k, H_v·d_v rows), which transformers' class loads back."""
+    from safetensors.torch import load_file
+
+    config = CASES["olmo_hybrid"][1]()
+    config.architectures = None
+    torch.manual_seed(0)
+    source = perturbed(AutoModelForCausalLM.from_config(config)).eval()
+    source.save_pretrained(tmp_path / "theirs")
+    convert(tmp_path / "theirs", tmp_path / "ours", progress=False)
+    ours = ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    export(tmp_path / "ours", tmp_path / "back", family="olmo_hybrid", progress=False)
+    files = load_file(tmp_path / "back" / "model.safetensors")
+    key, value = 2 * 8, 2 * 16
+    assert [files[f"model.layers.0.linear_attn.{x}_conv1d.weight"].shape[0] for x in "qkv"] == [key, key, value]
+    assert "model.layers.2.post_attention_layernorm.weight" in files  # the attention layer's, by its own name
+    assert "model.layers.0.feedforward_layer_norm.weight" in files  # a linear layer's
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        expected = source(IDS).logits
+        torch.testing.assert_close(ours(IDS).logits, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(back(IDS).logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(linear_attention_norm_position="pre"),  # no linear layer
+    dict(HYBRID, linear_attention_norm_position="middle"),
+    dict(HYBRID, linear_attention_norm_position="pre", parallel_block=True),
+    dict(HYBRID, linear_allow_neg_eigval=1),
+    dict(HYBRID, linear_norm_eps=0.0),
+    dict(linear_norm_eps=1e-5),  # no linear layer
+])
+def test_bad_gated_deltanet_and_block_settings_are_refused_naming_the_field(kwargs):
+    field = next(name for name in kwargs if name.startswith("linear_") and name != "linear_attention_type"
+                 and name != "layer_types")
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        ModularDecoderConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, **kwargs)

@@ -75,6 +75,13 @@ def llama_rules(norms: dict[str, str], qk_norm: bool = False, attention: list[Ru
     return rules
 
 
+def gated_mlp(names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), module: str = "mlp") -> list[Rule]:
+    """A layer's gated MLP whose gate, up and down projections the source names `names` in `module`."""
+    layer = "model.layers.{layer}"
+    return [r for theirs, ours in zip(names, ("gate_proj", "up_proj", "down_proj"))
+            for r in linear(f"{layer}.{module}.{theirs}", f"{layer}.mlp.{ours}")]
+
+
 PRE_NORMS = {"input_layernorm": "pre_attn_norm", "post_attention_layernorm": "pre_mlp_norm"}
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from transformers import Lfm2Config
 
 from ..core import Family, in_layers, rule
-from .common import linear, norm, rope, source_rope, source_sizes, sizes
+from .common import gated_mlp, linear, norm, rope, source_rope, source_sizes, sizes
 
 # LFM2's layer types -> the contract's
 LAYER_TYPES = {"conv": "linear_attention", "full_attention": "full_attention"}
@@ -60,11 +60,9 @@ def rules(src) -> list:
     convolution = []
     for name in ("in_proj", "conv", "out_proj"):
         convolution += linear(f"{layer}.conv.{name}", f"{ours}.linear_attn.{name}")
-    feed_forward = []
-    for theirs, mine in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-        feed_forward += linear(f"{layer}.feed_forward.{theirs}", f"{ours}.mlp.{mine}")
     return [rule("model.embed_tokens.weight", "model.embed_tokens.weight"),
-            *in_layers(attention, "attention"), *in_layers(convolution, "linear_attention"), *feed_forward,
+            *in_layers(attention, "attention"), *in_layers(convolution, "linear_attention"),
+            *gated_mlp(("w1", "w3", "w2"), "feed_forward"),
             *norm(f"{layer}.operator_norm", f"{ours}.pre_attn_norm"), *norm(f"{layer}.ffn_norm", f"{ours}.pre_mlp_norm"),
             *norm("model.embedding_norm", "model.final_norm"),  # applied after the last layer
             rule("lm_head.weight", "lm_head.weight", optional=True)]

@@ -164,6 +164,16 @@ PRESETS: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0}, tie_word_embeddings=False,
         full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    # allenai/Olmo-Hybrid-7B (transformers' `OlmoHybridConfig` defaults, which it documents as that checkpoint's: 32
+    # layers, three Gated DeltaNet (30 heads, keys of 96, values of 192, β in (0, 2)) in pre-norm blocks for each
+    # output-norm full-attention layer with QK-norm over the whole projection; NoPE, as released)
+    "olmo_hybrid": dict(
+        vocab_size=100352, hidden_size=3840, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=30,
+        max_position_embeddings=65536, norm_eps=1e-6, norm_position="output", qk_norm="full",
+        position_embedding_type="none", tie_word_embeddings=False, full_attention_interval=4,
+        linear_attention_norm_position="pre", linear_num_key_heads=30, linear_num_value_heads=30,
+        linear_key_head_dim=96, linear_value_head_dim=192, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+        linear_norm_eps=1e-5),
     # openai/gpt-oss-20b config.json (24 layers, sliding (128) and full alternating from a sliding one; 64 query heads
     # of 64 over 8 K/V heads with biases and a sink per head; YaRN x32 from 4,096; 32 experts of width 2,880 in every
     # layer, a biased router keeping the top 4 logits and softmaxing over them, experts with biases and the SwiGLU
@@ -250,7 +260,7 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     (2 layers, d=64, 4 heads keeping MHA / GQA / MQA, vocabulary 128; MLA widths of a 64-wide model and a DSA
     indexer of 8 heads of 16 keeping 4 keys per query; 8 experts of width 32, top-2, one dense layer first where
     the preset has dense layers; NoPE on the second layer where the preset has NoPE layers; a hybrid's
-    linear-attention layer then its full layer, with 2 key heads of 16)."""
+    linear-attention layer then its full layer, with 2 key heads of 16 and values in the preset's ratios)."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
     fields = dict(PRESETS[name])
@@ -287,8 +297,9 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
         if interval is not None:  # one linear and one full layer; 2 key heads, value heads in the preset's ratio
             interval = 2
             ratio = fields["linear_num_value_heads"] // fields["linear_num_key_heads"]
+            widths = fields["linear_value_head_dim"] // fields["linear_key_head_dim"]  # OLMo hybrid's values: 2x
             fields.update(linear_num_key_heads=2, linear_num_value_heads=2 * ratio, linear_key_head_dim=16,
-                          linear_value_head_dim=16)
+                          linear_value_head_dim=16 * widths)
         if fields.get("shared_expert_intermediate_size"):
             fields["shared_expert_intermediate_size"] = TINY_MOE["moe_intermediate_size"]
         if no_rope_interval is not None:
