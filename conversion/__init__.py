@@ -49,6 +49,7 @@ FAMILIES: dict[str, str] = {
     "lfm2": "modular_decoder.conversion.families.lfm2",
     "qwen3_5_moe_text": "modular_decoder.conversion.families.qwen3_5_moe",
     "olmo_hybrid": "modular_decoder.conversion.families.olmo_hybrid",
+    "kimi_linear": "modular_decoder.conversion.families.kimi_linear",
 }
 
 

@@ -159,6 +159,15 @@ def _split_linear_qkv(tensors: Tensors, cfg) -> Tensors:
     return [t.contiguous() for t in torch.split(tensors[0], _linear_qkv_widths(cfg), dim=0)]
 
 
+def _flatten_heads(tensors: Tensors, cfg) -> Tensors:
+    """A per-head parameter stored (1, 1, H, 1), to broadcast over (B, T, H, d) (Kimi Linear's `A_log`) -> (H,)."""
+    return [t.reshape(-1).contiguous() for t in tensors]
+
+
+def _unflatten_heads(tensors: Tensors, cfg) -> Tensors:
+    return [t.reshape(1, 1, -1, 1).contiguous() for t in tensors]
+
+
 def _deinterleave_gate_up(tensors: Tensors, cfg) -> Tensors:
     """gpt-oss's experts: gate and up columns interleaved (gate 2i, up 2i + 1) along the last axis of its
     (E, d, 2f) products and (E, 2f) biases -> [gate; up] as the contract's (E, 2f, d) and (E, 2f) hold them."""
@@ -195,6 +204,7 @@ TRANSFORMS: dict[str, Transform] = {
     "split_grouped_qkvz": Transform(_split_grouped_qkvz, _fuse_grouped_qkvz),
     "split_grouped_ba": Transform(_split_grouped_ba, _fuse_grouped_ba),
     "fuse_linear_qkv": Transform(_fuse_linear_qkv, _split_linear_qkv),
+    "flatten_heads": Transform(_flatten_heads, _unflatten_heads),
     "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up),
     "transpose_experts": Transform(_transpose_experts, _transpose_experts),
 }
@@ -353,14 +363,25 @@ def rename(name: str, renames: dict[str, str], inverse: bool = False) -> str:
 
 
 def file_name(name: str, family: "Family", config) -> str:
-    """The file name export writes for the model's tensor `name`: `family.renames` backwards (only in the layers of
-    `family.renamed_layers` where set, by the family `config`'s `layer_types`)."""
-    if family.renamed_layers is not None:
-        match = re.match(r"model\.layers\.(\d+)\.", name)
-        layer_types = getattr(config, "layer_types", None) or []
-        if match is None or int(match[1]) >= len(layer_types) or layer_types[int(match[1])] not in MIXERS[family.renamed_layers]:
-            return name
-    return rename(name, family.renames, inverse=True)
+    """The file name export writes for the model's tensor `name`: `family.renames` backwards, each where it holds
+    (`family.renamed_layers`, by the family `config`'s layer lists)."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    layer = int(match[1]) if match else None
+    renames = {old: new for old, new in family.renames.items()
+               if old not in family.renamed_layers or _layer_is(config, layer, family.renamed_layers[old])}
+    return rename(name, renames, inverse=True)
+
+
+def _layer_is(config, layer: int | None, kind: str) -> bool:
+    """Whether layer `layer` of the family `config` mixes tokens as `kind` (a `MIXERS` key) or has a `kind` ("sparse" /
+    "dense") feed-forward."""
+    if layer is None:
+        return False
+    if kind in MIXERS:
+        types = getattr(config, "layer_types", None) or []
+        return layer < len(types) and types[layer] in MIXERS[kind]
+    types = getattr(config, "mlp_layer_types", None) or []
+    return layer < len(types) and types[layer] == kind
 
 
 def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -389,13 +410,11 @@ class Family:
         refused: Name prefixes of source tensors the contract cannot hold yet -> what they are: a source with
             any of them is refused naming them (`refuse_tensors`), never converted without them.
         split: Tensors of the model the files keep in parts (see `SplitTensor`), read after `experts`.
-        renamed_layers: Where `renames` hold for some layers only: the mixer (a `MIXERS` key) of the layers whose
-            model names export gives back the file's prefixes (reading renames every match; OLMo hybrid's files name
-            a linear layer's norms otherwise than an attention layer's, which its model names alike).
-        mtp_layers: Where the files keep multi-token-prediction module k, a name prefix with `{mtp}` (k) or
-            `{mtp_layer}` (the source's layer index of module k, `num_hidden_layers` + k); `None`: the family has
-            no MTP modules. The modules the files hold are what converts (`count_mtp_layers`); their tensors go
-            by `{mtp}` rules.
+        renamed_layers: Renames (keys of `renames`) that hold for some layers only -> which: a mixer (a `MIXERS`
+            key, by `layer_types`) or "sparse" / "dense" (by `mlp_layer_types`). Reading renames every match;
+            export gives back the file's name only in those layers (OLMo hybrid's files name a linear layer's norms
+            otherwise than an attention layer's, Kimi Linear's a sparse layer's MLP otherwise than a dense one's,
+            which their models name alike).
     """
 
     name: str
@@ -411,7 +430,7 @@ class Family:
     refused: dict[str, str] = field(default_factory=dict)
     mtp_layers: str | None = None
     split: tuple[SplitTensor, ...] = ()
-    renamed_layers: str | None = None
+    renamed_layers: dict[str, str] = field(default_factory=dict)
 
 
 def refuse_tensors(names, family: Family) -> None:

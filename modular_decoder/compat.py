@@ -366,6 +366,20 @@ def flash_linear_attention_kernels():
     return module.chunk_gated_delta_rule, module.fused_recurrent_gated_delta_rule
 
 
+def fla_kda_kernels():
+    """fla's `(chunk_kda, fused_recurrent_kda)` (Kimi Delta Attention) where transformers' own check finds fla usable
+    and the installed fla has them (releases before KDA do not), else `None`."""
+    from transformers.utils import is_flash_linear_attention_available
+
+    if not is_flash_linear_attention_available():
+        return None
+    try:
+        module = importlib.import_module("fla.ops.kda")
+        return module.chunk_kda, module.fused_recurrent_kda
+    except (ImportError, AttributeError):
+        return None
+
+
 def causal_conv1d_kernels():
     """causal-conv1d's `(causal_conv1d_fn, causal_conv1d_update)` where transformers' own check finds it usable
     (`is_causal_conv1d_available`: CUDA and the package), else `None`."""

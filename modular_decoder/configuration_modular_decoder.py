@@ -22,6 +22,7 @@ from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: E402
+from .mla import LatentAttentionFields  # noqa: E402
 from .short_conv import ShortConvFields  # noqa: E402
 
 # The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
@@ -97,7 +98,8 @@ FIELD_RULES = {
 }
 
 
-class ModularDecoderConfig(PretrainedConfig, LayerNormPositionFields, GatedDeltaNetFields, ShortConvFields):
+class ModularDecoderConfig(PretrainedConfig, LayerNormPositionFields, LatentAttentionFields, GatedDeltaNetFields,
+                           ShortConvFields):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:
@@ -194,7 +196,8 @@ class ModularDecoderConfig(PretrainedConfig, LayerNormPositionFields, GatedDelta
         q_lora_rank (`int`, *optional*): MLA query bottleneck width; `None` projects queries directly.
         kv_lora_rank (`int`, *optional*): MLA joint KV latent width d_c.
         qk_nope_head_dim (`int`, *optional*): MLA per-head content (non-rotary) q/k width.
-        qk_rope_head_dim (`int`, *optional*): MLA shared rotary key width d_R.
+        qk_rope_head_dim (`int`, *optional*): MLA shared rotary key width d_R (with `position_embedding_type="none"`
+            the decoupled key is kept and never rotated: Kimi Linear's NoPE latent attention).
         v_head_dim (`int`, *optional*): MLA per-head value width.
         kv_latent_norm (`bool`): Whether MLA's joint KV latent passes through an RMSNorm (`kv_a_layernorm`,
             as DeepSeek always does). `False` keeps the latent a linear function of the hidden state, which is
@@ -226,8 +229,8 @@ class ModularDecoderConfig(PretrainedConfig, LayerNormPositionFields, GatedDelta
             `linear_attention_type` names; Qwen3-Next and Qwen3.5 have three for every full layer): it reads no
             positions, and its cache holds a fixed-size state per sequence.
         linear_attention_type (`str`): The linear-attention layers' kind: `"gated_deltanet"` (Gated DeltaNet,
-            Qwen3-Next / Qwen3.5 / OLMo hybrid) or `"short_conv"` (LFM2's gated short convolution); each kind's own
-            fields are documented in its module. The fields below up to `linear_conv_kernel_dim` apply only when
+            Qwen3-Next / Qwen3.5 / OLMo hybrid), `"kda"` (Kimi Delta Attention, Kimi Linear: a decay per key channel)
+            or `"short_conv"` (LFM2's gated short convolution); each kind's own fields are documented in its module. The fields below up to `linear_conv_kernel_dim` apply only when
             `layer_types` has linear layers (left unset otherwise; `"short_conv"` reads the last only).
         linear_num_key_heads (`int`, *optional*): Query/key heads H_k of the linear layers. Defaults to H.
         linear_num_value_heads (`int`, *optional*): Value heads H_v, a multiple of H_k (each key head serves

@@ -207,4 +207,5 @@ class GatedDeltaNetKind(LinearAttentionKind):
 GATED_DELTANET = GatedDeltaNetKind()
 
 
-__all__ = ["GatedDeltaNet", "GatedDeltaNetFields", "GatedRMSNorm", "GATED_DELTANET", "output_norm_eps"]
+__all__ = ["GatedDeltaNet", "GatedDeltaNetFields", "GatedDeltaNetKind", "GatedRMSNorm", "GATED_DELTANET",
+           "output_norm_eps"]

@@ -1,7 +1,8 @@
 """Every axis of the design space and its entries, in one place.
 
     ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla, dsa (MLA + lightning indexer)
-    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet, short_conv (the `"linear_attention"` layers of `layer_types`)
+    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet, kda, short_conv (the `"linear_attention"` layers of
+                                           `layer_types`)
     MLPS        `mlp_type`                 dense, gated, moe
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
     NORMS       `norm_type`                rmsnorm, layernorm
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from .attention import STANDARD_ATTENTION
 from .gated_deltanet import GATED_DELTANET
+from .kda import KDA
 from .kinds import AttentionKind, FeedForwardKind, LinearAttentionKind, Registry
 from .mla import LATENT_ATTENTION
 from .mlp import DENSE_MLP, GATED_MLP
@@ -28,7 +30,7 @@ from .sparse_attention import SPARSE_LATENT_ATTENTION
 ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION,
                                                                          SPARSE_LATENT_ATTENTION])
 MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
-LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET, SHORT_CONV])
+LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET, KDA, SHORT_CONV])
 
 
 def register_attention(kind: AttentionKind, replace: bool = False) -> AttentionKind:

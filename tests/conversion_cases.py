@@ -134,9 +134,33 @@ CASES.update({
         **OLMO_HYBRID, num_key_value_heads=2, linear_allow_neg_eigval=False, tie_word_embeddings=True)),
 })
 
+# Kimi Linear (transformers 5.17 onwards): KDA layers beside NoPE latent attention, a dense first layer then DeepSeek-V3's
+# experts (grouped sigmoid routing, a shared expert); block norms of 1e-5 beside latent norms of 1e-6
+KIMI = dict(**{**COMMON, "num_hidden_layers": 4}, **MLA, num_key_value_heads=H, layer_types=HYBRID_LAYERS,
+            linear_num_heads=2, linear_head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12,
+            n_shared_experts=1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+CASES.update({
+    "kimi_linear": ("kimi_linear", lambda: tf.KimiLinearConfig(**KIMI, q_lora_rank=None, n_group=4, topk_group=2)),
+    "kimi_linear-q-lora": ("kimi_linear", lambda: tf.KimiLinearConfig(
+        **{**KIMI, "layer_types": HYBRID_LAYERS[::-1]}, q_lora_rank=12, routed_scaling_factor=1.5,
+        tie_word_embeddings=True)),
+})
+# Families whose transformers class came after the oldest supported release: their cases skip where it lacks it
+FAMILY_CLASSES = {"kimi_linear": "KimiLinearConfig"}
+
+
+def skip_without_class(case: str) -> None:
+    """`pytest.skip` naming the release where transformers has no class for `case`'s family."""
+    import pytest
+
+    family = CASES[case][0]
+    if family in FAMILY_CLASSES and not hasattr(tf, FAMILY_CLASSES[family]):
+        pytest.skip(f"transformers {tf.__version__} has no {FAMILY_CLASSES[family]} ({family})")
+
+
 # The families whose layers hold routed experts (and the cases of each)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_5_moe_text")
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "qwen3_5_moe_text", "kimi_linear")
              or name == "qwen3_next" or name.endswith(("-moe", "-moe-grouped"))]
 
 
@@ -165,25 +189,41 @@ def saved_source(config, path):
 
 def save_published(model, path):
     """`model.save_pretrained(path)`, then the files moved to the layout the family's released checkpoints have where
-    transformers' `save_pretrained` writes another (OLMo hybrid: see conversion/families/olmo_hybrid.py). transformers'
-    class loads either."""
+    transformers' `save_pretrained` writes another (OLMo hybrid, Kimi Linear: see their modules in
+    conversion/families/). transformers' class loads either."""
     from safetensors.torch import load_file, save_file
 
     model.save_pretrained(path)
-    config = model.config
-    if config.model_type != "olmo_hybrid":
-        return path
-    files = Path(path) / "model.safetensors"
-    tensors = load_file(str(files))
+    published = PUBLISHED_LAYOUTS.get(model.config.model_type)
+    if published is not None:
+        files = Path(path) / "model.safetensors"
+        save_file(published(load_file(str(files)), model.config), str(files), metadata={"format": "pt"})
+    return path
+
+
+def _olmo_hybrid_published(tensors: dict, config) -> dict:
+    """The three convolutions of H_k·d_k, H_k·d_k and H_v·d_v rows; an attention layer's first norm by its own name."""
     key = config.linear_num_key_heads * config.linear_key_head_dim
     widths = [key, key, config.linear_num_value_heads * config.linear_value_head_dim]
     for i, layer_type in enumerate(config.layer_types):
         layer = f"model.layers.{i}."
-        if layer_type == "linear_attention":  # the three convolutions of H_k·d_k, H_k·d_k and H_v·d_v rows
+        if layer_type == "linear_attention":
             names = [f"{layer}linear_attn.{x}_conv1d.weight" for x in "qkv"]
             stacked = torch.cat([tensors.pop(name) for name in names])
             tensors.update(zip(names, (t.contiguous() for t in stacked.split(widths))))
-        else:  # an attention layer's first norm under its own name
+        else:
             tensors[f"{layer}post_attention_layernorm.weight"] = tensors.pop(f"{layer}feedforward_layer_norm.weight")
-    save_file(tensors, str(files), metadata={"format": "pt"})
-    return path
+    return tensors
+
+
+def _kimi_linear_published(tensors: dict, config) -> dict:
+    """A dense layer's MLP as `mlp` (transformers writes `block_sparse_moe` in every layer)."""
+    for i, kind in enumerate(config.mlp_layer_types):
+        if kind == "dense":
+            old = f"model.layers.{i}.block_sparse_moe."
+            for name in [n for n in tensors if n.startswith(old)]:
+                tensors[f"model.layers.{i}.mlp." + name[len(old):]] = tensors.pop(name)
+    return tensors
+
+
+PUBLISHED_LAYOUTS = {"olmo_hybrid": _olmo_hybrid_published, "kimi_linear": _kimi_linear_published}

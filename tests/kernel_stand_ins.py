@@ -1,9 +1,26 @@
 """Stand-ins for the GPU kernel libraries (causal-conv1d, fla): PyTorch functions computing what each library
-documents for its kernels, so the dispatch to them is tested on machines without CUDA."""
+documents for its kernels, so the dispatch to them is tested on machines without CUDA; and a recorder of the
+tensors a PyTorch kernel makes."""
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class TensorShapes(TorchDispatchMode):
+    """Records the shape of every tensor an operator returns (`shapes`): what a kernel's memory holds at most."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.shapes.append(tuple(tensor.shape))
+        return out
 
 
 def fake_causal_conv1d_fn(x, weight, bias=None, activation=None):

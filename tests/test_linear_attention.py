@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed, save_published
-from kernel_stand_ins import fake_causal_conv1d_fn, fake_causal_conv1d_update, fake_fla
-from torch.utils._python_dispatch import TorchDispatchMode
+from conversion_cases import CASES, perturbed, save_published, skip_without_class
+from kernel_stand_ins import TensorShapes, fake_causal_conv1d_fn, fake_causal_conv1d_update, fake_fla
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as reference
 
 from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
-from modular_decoder import compat, delta_rule
+from modular_decoder import compat, delta_rule, kda_rule
 from modular_decoder.contract import cache_bytes, cache_bytes_per_token, parameter_count, state_bytes_per_sequence
 from modular_decoder.conversion import convert
 from modular_decoder.recurrent_cache import RecurrentLayer
 
 # a conversion case of each linear-attention kind (Gated DeltaNet: two)
-FAMILIES = ["qwen3_next", "qwen3_5_text", "olmo_hybrid", "lfm2"]
+FAMILIES = ["qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "lfm2"]
 # the fla kernels each kind calls (besides causal-conv1d's)
-FLA_CALLS = {"gated_deltanet": {"chunked_gated_delta_rule", "recurrent_gated_delta_rule"}, "short_conv": set()}
+FLA_CALLS = {"gated_deltanet": {"chunked_gated_delta_rule", "recurrent_gated_delta_rule"},
+             "kda": {"chunked_kda", "recurrent_gated_delta_rule"}, "short_conv": set()}
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
@@ -36,6 +36,7 @@ GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_i
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint), both fp32 and eval."""
+    skip_without_class(request.param)
     family, build = CASES[request.param]
     config = build()
     config.architectures = None
@@ -82,26 +83,11 @@ def test_kernels_equal_transformers_reference_kernels(length, with_state, beta_s
         torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the shape of every tensor an operator returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor):
-                self.shapes.append(tuple(tensor.shape))
-        return out
-
-
 def test_chunked_rule_holds_no_sequence_by_sequence_tensor():
     """O(T·C) per head: over 1,024 tokens no intermediate has two dimensions as long as the sequence (no query x
     key matrix), only (chunk x chunk) blocks."""
     inputs, _ = _rule_inputs(1024)
-    with _LargestTensor() as mode:
+    with TensorShapes() as mode:
         delta_rule.chunked_gated_delta_rule(**inputs)
     assert not [shape for shape in mode.shapes if sum(dim >= 1024 for dim in shape) >= 2]
     assert max(max(shape[-2:], default=0) for shape in mode.shapes if len(shape) >= 2) >= delta_rule.CHUNK_SIZE
@@ -177,6 +163,8 @@ def test_static_and_int8_caches_give_the_dynamic_tokens(pair):
     _, ours = pair
     dynamic = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
     assert torch.equal(ours.generate(PADDED, attention_mask=MASK, cache_implementation="static", **GREEDY), dynamic)
+    if "int8" not in ours.config.attention_kind.cache_implementations:  # MLA's latent (Kimi Linear's full layers)
+        return
     quantized = ours.generate(PADDED, attention_mask=MASK, cache_implementation="quantized", **GREEDY)
     assert quantized.shape == dynamic.shape  # int8 K/V on the full layers; the states stay in the model's dtype
 
@@ -197,8 +185,9 @@ def test_cache_holds_a_constant_state_per_sequence_as_the_contract_says(pair):
     assert sum(layer.payload_bytes() for layer in linear) == 2 * state_bytes_per_sequence(config, torch.float32)
     grown = cache.payload_bytes() - first  # only the full layers grew, by their K/V of 8 tokens
     assert grown == 2 * 8 * cache_bytes_per_token(config, torch.float32)
-    assert cache_bytes_per_token(config, torch.float32) == config.attention_layer_count * (
-        2 * config.num_key_value_heads * config.head_dim * 4)
+    per_layer = (2 * config.num_key_value_heads * config.head_dim if config.attention_type == "standard"
+                 else config.kv_lora_rank + config.qk_rope_head_dim)  # K/V, or MLA's latent and decoupled key
+    assert cache_bytes_per_token(config, torch.float32) == config.attention_layer_count * per_layer * 4
     assert cache.get_seq_length() == IDS.shape[1]
 
 
@@ -279,9 +268,16 @@ def _use_stand_ins(monkeypatch, calls: list) -> None:
     monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
         lambda *a, **k: calls.append("conv") or fake_causal_conv1d_fn(*a, **k),
         lambda *a, **k: calls.append("conv_update") or fake_causal_conv1d_update(*a, **k)))
+    monkeypatch.setattr(compat, "fla_kda_kernels", lambda: (
+        fake_fla(kda_rule.chunked_kda, calls), fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
     monkeypatch.setattr(delta_rule, "_FLA_DEVICES", ("cpu",))
     monkeypatch.setattr(delta_rule, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
+    _clear_kernel_caches()
+
+
+def _clear_kernel_caches() -> None:
     delta_rule._kernels_for.cache_clear()
+    kda_rule._kda_kernels_for.cache_clear()
 
 
 def test_gpu_kernels_are_dispatched_where_available(pair, monkeypatch):
@@ -297,7 +293,7 @@ def test_gpu_kernels_are_dispatched_where_available(pair, monkeypatch):
         assert torch.equal(ours.generate(PADDED, attention_mask=MASK, **GREEDY), expected)
     finally:
         monkeypatch.undo()
-        delta_rule._kernels_for.cache_clear()
+        _clear_kernel_caches()
     assert FLA_CALLS[ours.config.linear_attention_type] | {"conv", "conv_update"} <= set(calls)
     assert delta_rule.kernels_for(torch.device("cpu")) == delta_rule.TORCH_KERNELS
 
@@ -318,7 +314,7 @@ def test_gpu_kernels_take_packed_documents_by_cu_seqlens(pair, monkeypatch):
             packed = ours(input_ids=ids, position_ids=positions).logits[0]
     finally:
         monkeypatch.undo()
-        delta_rule._kernels_for.cache_clear()
+        _clear_kernel_caches()
     assert {"cu_seqlens" for _ in FLA_CALLS[ours.config.linear_attention_type]} | {"conv"} <= set(calls)
     assert "conv_update" not in calls
     torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-5)
@@ -327,7 +323,8 @@ def test_gpu_kernels_take_packed_documents_by_cu_seqlens(pair, monkeypatch):
 def test_without_an_accelerator_transformers_reports_no_gpu_kernels():
     """What this machine has: transformers' own availability checks say no, so the PyTorch path runs."""
     assert compat.flash_linear_attention_kernels() is None and compat.causal_conv1d_kernels() is None
-    assert delta_rule.kernels_for(torch.device("cpu")).name == "torch"
+    assert compat.fla_kda_kernels() is None
+    assert delta_rule.kernels_for(torch.device("cpu")).name == kda_rule.kda_kernels_for(torch.device("cpu")).name == "torch"
 
 
 def test_a_checkpoint_with_a_part_of_an_mtp_module_is_refused_by_name(tmp_path):

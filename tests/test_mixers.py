@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed, save_published
+from conversion_cases import CASES, perturbed, save_published, skip_without_class
+from kernel_stand_ins import TensorShapes
 from transformers import AutoModelForCausalLM
 
 from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
@@ -17,7 +18,9 @@ from modular_decoder.conversion import convert, export, get_family
 
 # conversion case -> the preset of its family
 MIXER_CASES = {"lfm2": "lfm2", "lfm2-bias": "lfm2", "qwen3_5_moe_text": "qwen3_5_moe", "olmo_hybrid": "olmo_hybrid",
-               "olmo_hybrid-rope": "olmo_hybrid"}
+               "olmo_hybrid-rope": "olmo_hybrid", "kimi_linear": "kimi_linear", "kimi_linear-q-lora": "kimi_linear"}
+# the variants beside the cases tests/test_linear_attention.py runs every path on (`FAMILIES` there)
+PAIR_CASES = ["lfm2-bias", "qwen3_5_moe_text", "olmo_hybrid-rope", "kimi_linear-q-lora"]
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
@@ -30,9 +33,10 @@ PADDING_INEXACT_IN_TRANSFORMERS = {"lfm2-bias"}
 DOCUMENTS = [[(7 * i + 3) % 90 + 1 for i in range(70)], [7, 14, 28], [11, 22, 33, 44, 55, 66], [5]]
 
 
-@pytest.fixture(scope="module", params=sorted(MIXER_CASES))
+@pytest.fixture(scope="module", params=PAIR_CASES)
 def pair(request, tmp_path_factory):
     """(case, transformers' model, ours converted from its checkpoint), both fp32 and eval."""
+    skip_without_class(request.param)
     config = CASES[request.param][1]()
     config.architectures = None
     torch.manual_seed(0)
@@ -79,8 +83,9 @@ def test_presets_have_the_parameters_of_transformers_class(preset):
     config; the tiny preset keeps the kinds."""
     from transformers import AutoModelForCausalLM as Auto
 
-    config = preset_config(preset)
-    family = next(family for case, (family, _) in CASES.items() if MIXER_CASES.get(case) == preset)
+    case = next(case for case, name in MIXER_CASES.items() if name == preset)
+    skip_without_class(case)
+    config, family = preset_config(preset), CASES[case][0]
     with torch.device("meta"):
         ours = ModularDecoderForCausalLM(config)
         theirs = Auto.from_config(get_family(family).from_contract(config))
@@ -97,6 +102,15 @@ def test_qwen3_5_moe_preset_is_the_released_35b_a3b():
     assert config.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
 
 
+def test_kimi_linear_preset_is_the_released_48b_a3b():
+    config = preset_config("kimi_linear")
+    counts = parameter_count(config)
+    assert 48e9 < counts["total"] < 50e9 and 3e9 < counts["active"] < 4e9
+    assert [i + 1 for i, t in enumerate(config.layer_types) if t == "full_attention"] == [4, 8, 12, 16, 20, 24, 27]
+    assert cache_bytes_per_token(config, torch.bfloat16) == 7 * (512 + 64) * 2  # 7 latent layers
+    assert state_bytes_per_sequence(config, torch.bfloat16) == 20 * (4 * 3 * 32 * 128 * 2 + 4 * 32 * 128 * 128)
+
+
 def test_lfm2_preset_is_the_released_1_2b():
     config = preset_config("lfm2")
     assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == [2, 5, 8, 10, 12, 14]
@@ -108,6 +122,7 @@ def test_lfm2_preset_is_the_released_1_2b():
 # --- the contract ---------------------------------------------------------------------------------
 
 HYBRID = dict(layer_types=["linear_attention", "full_attention"])
+KDA = dict(HYBRID, linear_attention_type="kda")
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -116,10 +131,28 @@ HYBRID = dict(layer_types=["linear_attention", "full_attention"])
     (dict(HYBRID, linear_attention_type="short_conv", linear_num_key_heads=2), "linear_num_key_heads"),
     (dict(HYBRID, linear_attention_type="short_conv", linear_conv_kernel_dim=0), "linear_conv_kernel_dim"),
     (dict(HYBRID, linear_attention_type="short_conv", conv_bias="yes"), "conv_bias"),
+    (dict(KDA, linear_num_key_heads=2, linear_num_value_heads=4), "linear_num_value_heads"),  # one per key head
+    (dict(KDA, conv_bias=True), "conv_bias"),
+    (dict(attention_type="dsa", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=8,
+          index_n_heads=2, index_head_dim=8, index_topk=2, position_embedding_type="none"),
+     "position_embedding_type"),  # the indexer rotates: NoPE latent attention is MLA's only
+    (dict(latent_norm_eps=1e-6), "latent_norm_eps"),  # no latent attention
 ])
 def test_bad_settings_are_refused_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}`"):
         ModularDecoderConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, **kwargs)
+
+
+def _steps_give_the_no_cache_logits(config) -> None:
+    """A random model of `config`: three tokens then one at a time through its cache give the no-cache logits."""
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(config).eval()
+    with torch.no_grad():
+        expected = model(IDS % 64, use_cache=False).logits
+        cache = ModularDecoderCache(model.config)
+        steps = [model(IDS[:, :3] % 64, cache=cache).logits]
+        steps += [model(IDS[:, t:t + 1] % 64, cache=cache).logits for t in range(3, IDS.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_short_convolution_combines_with_a_llama_layout():
@@ -130,14 +163,7 @@ def test_a_short_convolution_combines_with_a_llama_layout():
                 linear_attention_type="short_conv", conv_bias=True)
     for extra in (dict(), dict(norm_position="sandwich", num_key_value_heads=1),
                   dict(attention_type="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)):
-        torch.manual_seed(0)
-        model = ModularDecoderForCausalLM(ModularDecoderConfig(**base, **extra)).eval()
-        with torch.no_grad():
-            expected = model(IDS % 64, use_cache=False).logits
-            cache = ModularDecoderCache(model.config)
-            steps = [model(IDS[:, :3] % 64, cache=cache).logits]
-            steps += [model(IDS[:, t:t + 1] % 64, cache=cache).logits for t in range(3, IDS.shape[1])]
-        torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-5)
+        _steps_give_the_no_cache_logits(ModularDecoderConfig(**base, **extra))
 
 
 def test_olmo_hybrid_folders_of_either_layout_convert_and_export_to_the_released_one(tmp_path):
@@ -179,3 +205,73 @@ def test_bad_gated_deltanet_and_block_settings_are_refused_naming_the_field(kwar
                  and name != "layer_types")
     with pytest.raises(ValueError, match=f"`{field}`"):
         ModularDecoderConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, **kwargs)
+
+
+# --- Kimi Delta Attention's rule ------------------------------------------------------------------
+
+
+def _kda_inputs(length: int, with_state: bool):
+    torch.manual_seed(length)
+    batch, heads, d_k, d_v = 2, 3, 16, 8
+    inputs = dict(query=torch.randn(batch, length, heads, d_k), key=torch.randn(batch, length, heads, d_k),
+                  value=torch.randn(batch, length, heads, d_v), g=-torch.rand(batch, length, heads, d_k) * 2,
+                  beta=torch.rand(batch, length, heads) * 2)
+    return inputs, torch.randn(batch, heads, d_k, d_v) if with_state else None
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 130])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_kda_rules_equal_transformers_reference_kernels(length, with_state):
+    """The chunked and the recurrent KDA rule equal transformers' `chunk_kimi_delta_attention` /
+    `recurrent_kimi_delta_attention` (a decay per key channel, β up to 2, a chunk boundary crossed or not, from a zero
+    or a given state) and each other."""
+    skip_without_class("kimi_linear")
+    from transformers.models.kimi_linear import modeling_kimi_linear as reference
+
+    from modular_decoder import delta_rule, kda_rule
+
+    inputs, state = _kda_inputs(length, with_state)
+    kwargs = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ours_chunked = kda_rule.chunked_kda(**inputs, initial_state=state)
+    ours_recurrent = delta_rule.recurrent_gated_delta_rule(**inputs, initial_state=state)
+    theirs_chunked = reference.chunk_kimi_delta_attention(*inputs.values(), **kwargs)
+    theirs_recurrent = reference.recurrent_kimi_delta_attention(*inputs.values(), **kwargs)
+    for ours, theirs in ((ours_chunked, theirs_chunked), (ours_recurrent, theirs_recurrent),
+                         (ours_chunked, ours_recurrent)):
+        torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_kda_holds_no_sequence_by_sequence_tensor():
+    """O(T·C·d_k) per head: over 1,024 tokens no intermediate has two dimensions as long as the sequence."""
+    from modular_decoder import kda_rule
+
+    inputs, _ = _kda_inputs(1024, False)
+    with TensorShapes() as mode:
+        kda_rule.chunked_kda(**inputs)
+    shapes = mode.shapes
+    assert not [shape for shape in shapes if sum(dim >= 1024 for dim in shape) >= 2]
+
+
+def test_kda_and_nope_latent_attention_combine_with_other_layouts():
+    """KDA and NoPE latent attention are axes: KDA beside standard attention with RoPE on a sandwich block, and
+    NoPE MLA beside Gated DeltaNet; a prompt through the cache step by step gives the no-cache logits."""
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+                linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16)
+    for extra in (dict(linear_attention_type="kda", norm_position="sandwich", num_key_value_heads=2,
+                       linear_allow_neg_eigval=True),
+                  dict(attention_type="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                       position_embedding_type="none", latent_norm_eps=1e-6)):
+        _steps_give_the_no_cache_logits(ModularDecoderConfig(**base, **extra))
+
+
+def test_kimi_linear_imports_and_refuses_by_name_where_transformers_has_no_class(monkeypatch):
+    """On a release without `KimiLinearConfig` (5.16) the family module imports, and exporting names the release."""
+    import types
+
+    from modular_decoder.conversion.families import kimi_linear
+
+    monkeypatch.setattr(kimi_linear, "transformers", types.SimpleNamespace(__version__="5.16.1"))
+    with pytest.raises(ValueError, match="has no Kimi Linear"):
+        kimi_linear.from_contract(preset_config("kimi_linear", tiny=True))

@@ -74,6 +74,7 @@ SHIPPED = {
     "registries.py", "split_products.py", "input_checks.py", "checkpoint_checks.py", "peft_targets.py", "tuning.py",
     "sparse_attention.py", "lightning_indexer.py", "gated_deltanet.py", "delta_rule.py", "recurrent_cache.py",
     "mtp.py", "mtp_generation.py", "packed_documents.py", "draft_vocab.py", "recurrent_mixer.py", "short_conv.py",
+    "kda.py", "kda_rule.py",
 }
 
 

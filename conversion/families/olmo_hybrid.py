@@ -95,4 +95,4 @@ CONVOLUTIONS = SplitTensor(tuple(f"model.layers.{{layer}}.linear_attn.{x}_conv1d
                            "model.layers.{layer}.linear_attn.conv1d.weight", conv_widths)
 
 FAMILY = Family("olmo_hybrid", to_contract, from_contract, rules, "model.", OlmoHybridConfig, renames=RENAMES,
-                split=(CONVOLUTIONS,), renamed_layers="linear_attention")
+                split=(CONVOLUTIONS,), renamed_layers=dict.fromkeys(RENAMES, "linear_attention"))

@@ -200,6 +200,19 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=8, max_position_embeddings=128000, norm_eps=1e-5, qk_norm="head",
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
         attention_layers=[2, 5, 8, 10, 12, 14], linear_attention_type="short_conv", linear_conv_kernel_dim=3),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json (27 layers: Kimi Delta Attention (32 heads of 128) with
+    # latent attention without RoPE at layers 3, 7, 11, 15, 19, 23, 26 (its `full_attn_layers`, 1-based: 4, ..., 27),
+    # MLA's latent norms at 1e-6 beside block norms at 1e-5; a dense first layer, then 256 experts of width 1,024,
+    # top-8 by sigmoid scores (one group), renormalised and scaled by 2.446, and one shared expert)
+    "kimi_linear": dict(
+        vocab_size=163840, hidden_size=2304, intermediate_size=9216, num_hidden_layers=27, num_attention_heads=32,
+        max_position_embeddings=1048576, norm_eps=1e-5, position_embedding_type="none", attention_type="mla",
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        latent_norm_eps=1e-6, tie_word_embeddings=False, attention_layers=[3, 7, 11, 15, 19, 23, 26],
+        linear_attention_type="kda", linear_num_key_heads=32, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, mlp_type="moe", first_dense_layers=1, num_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=1024, n_shared_experts=1, router_type="sigmoid_topk",
+        norm_topk_prob=True, routed_scaling_factor=2.446),
 }
 
 # deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3's, with DeepSeek Sparse Attention, a lightning indexer of
@@ -294,8 +307,9 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
                 fields.update(n_group=4, topk_group=2)
         if first_dense:
             first_dense = 1
-        if interval is not None:  # one linear and one full layer; 2 key heads, value heads in the preset's ratio
+        if interval is not None:  # one linear and one full layer
             interval = 2
+        if fields.get("linear_num_key_heads"):  # 2 key heads, value heads and widths in the preset's ratios
             ratio = fields["linear_num_value_heads"] // fields["linear_num_key_heads"]
             widths = fields["linear_value_head_dim"] // fields["linear_key_head_dim"]  # OLMo hybrid's values: 2x
             fields.update(linear_num_key_heads=2, linear_num_value_heads=2 * ratio, linear_key_head_dim=16,
