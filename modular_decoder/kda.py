@@ -101,6 +101,7 @@ class KdaKind(GatedDeltaNetKind):
 
     name = "kda"
     module = KimiDeltaAttention
+    native_families = ("kimi_linear",)
 
     def validate(self, config) -> None:
         super().validate(config)

@@ -203,6 +203,9 @@ class LinearAttentionKind(Kind):
 
     module: type[nn.Module]
     module_name = "linear_attn"
+    # The conversion families whose released classes hold this kind: where `export` takes it for an engine that
+    # serves those natively (vLLM's Transformers backend does not run a recurrent state)
+    native_families: tuple[str, ...] = ()
 
     def in_use(self, config) -> bool:
         """Whether any layer of `config` is a linear-attention layer."""

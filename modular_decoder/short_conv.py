@@ -85,6 +85,7 @@ class ShortConvKind(LinearAttentionKind):
 
     name = "short_conv"
     module = ShortConvolution
+    native_families = ("lfm2",)
     fields = ("linear_conv_kernel_dim", "conv_bias")
 
     def complete(self, config) -> None:

@@ -1,5 +1,6 @@
-"""Hybrid models (Gated DeltaNet layers beside gated full attention) in the ecosystem, each client beside
-transformers' `Qwen3_5ForCausalLM` / `Qwen3NextForCausalLM` with the same weights (converted by
+"""Hybrid models (Gated DeltaNet layers beside gated full attention; and LFM2's short convolutions, OLMo hybrid's Gated
+DeltaNet, Kimi Linear's KDA beside NoPE latent attention) in the ecosystem, each client beside transformers' own class
+(`Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`, `Lfm2ForCausalLM`, ...) with the same weights (converted by
 `modular_decoder.conversion`): packed documents (each computed as alone: the linear layers restart their state at
 every document), `Trainer` on padded and on packed batches, gradient checkpointing, PEFT LoRA on the linear
 layers' projections (default targets; an adapter moving between transformers' class and ours) and the compiled
@@ -11,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
+from conversion_cases import CASES, perturbed, save_published, skip_without_class
 from decoding import recording_backend, right_padded
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
@@ -39,12 +40,13 @@ def qwen3_5(tmp_path_factory):
 
 
 def _pair(case: str, tmp_path_factory):
+    skip_without_class(case)
     config = CASES[case][1]()
     config.architectures = None
     torch.manual_seed(0)
     theirs = perturbed(AutoModelForCausalLM.from_config(config).eval())
     path = tmp_path_factory.mktemp(case)
-    theirs.save_pretrained(path / "theirs")
+    save_published(theirs, path / "theirs")
     convert(path / "theirs", path / "ours", progress=False)
     return theirs, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval(), path
 
@@ -157,13 +159,15 @@ def _train(model, collator, tmp_path, **arguments) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_trainer_padded_and_packed_beside_transformers(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3_5_text", "lfm2", "olmo_hybrid", "kimi_linear"])
+def test_trainer_padded_and_packed_beside_transformers(case, tmp_path):
     """`Trainer` from the same weights and data: ours on padded batches, and on packed batches with gradient
-    checkpointing, gives transformers' Qwen3.5 loss curve on padded batches."""
-    config = CASES["qwen3_5_text"][1]()
+    checkpointing, gives transformers' loss curve on padded batches (Qwen3.5, LFM2, OLMo hybrid, Kimi Linear)."""
+    skip_without_class(case)
+    config = CASES[case][1]()
     config.architectures = None
     torch.manual_seed(0)
-    perturbed(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path / "theirs")
+    save_published(perturbed(AutoModelForCausalLM.from_config(config)), tmp_path / "theirs")
     convert(tmp_path / "theirs", tmp_path / "ours", progress=False)
     theirs = _train(AutoModelForCausalLM.from_pretrained(tmp_path / "theirs"), right_padded, tmp_path / "a")
     padded = _train(ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours"), right_padded, tmp_path / "b")
@@ -181,15 +185,33 @@ def _adapted(peft_model) -> set[str]:
     return {name.rsplit(".", 2)[-2] for name, _ in peft_model.named_modules() if name.endswith(".base_layer")}
 
 
-def test_lora_defaults_adapt_the_linear_layers(qwen3_5):
+# The modules `LoraConfig()` adapts (PEFT's Llama default, q_proj and v_proj, in this family's names) on each kind
+LORA_DEFAULTS = {"qwen3_5_text": {"q_proj", "v_proj", "in_proj_qkv"}, "lfm2": {"q_proj", "v_proj", "in_proj"},
+                 "olmo_hybrid": {"q_proj", "v_proj", "in_proj_qkv"},
+                 "kimi_linear": {"q_proj", "v_proj", "kv_b_proj"}}  # KDA's q/v_proj, latent attention's q/kv_b_proj
+
+
+@pytest.mark.parametrize("case", sorted(LORA_DEFAULTS))
+def test_lora_defaults_adapt_the_linear_layers(case, tmp_path_factory):
     """`LoraConfig()` with no targets: PEFT's default for Llama (q_proj, v_proj), which on a hybrid also adapts the
-    linear layers' q/k/v projection (`in_proj_qkv`; `peft_targets.py`)."""
+    linear layers' projection of their queries and values (`in_proj_qkv`, the short convolution's `in_proj`, KDA's
+    own `q_proj` / `v_proj`; `peft_targets.py`); one step trains them and the adapted model's cached decoding gives
+    its uncached logits."""
     from peft import LoraConfig, get_peft_model
 
-    _, ours, path = qwen3_5
-    model = ModularDecoderForCausalLM.from_pretrained(path / "ours")
-    adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))
-    assert _adapted(adapted) == {"q_proj", "v_proj", "in_proj_qkv"}
+    _, _, path = _pair(case, tmp_path_factory)
+    model = get_peft_model(ModularDecoderForCausalLM.from_pretrained(path / "ours"),
+                           LoraConfig(task_type="CAUSAL_LM", init_lora_weights=False))
+    assert _adapted(model) == LORA_DEFAULTS[case]
+    assert any(".linear_attn." in name for name, _ in model.named_modules() if name.endswith(".base_layer"))
+    ids = torch.tensor([DOCUMENTS[2] + DOCUMENTS[1]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        prefix = model(input_ids=ids[:, :5], use_cache=True)
+        steps, cache = [prefix.logits], prefix.cache
+        for t in range(5, ids.shape[1]):
+            steps.append(model(input_ids=ids[:, t:t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_adapter_moves_between_transformers_class_and_ours(qwen3_5, tmp_path):
@@ -232,10 +254,12 @@ def test_lora_adapter_moves_between_transformers_class_and_ours(qwen3_5, tmp_pat
 # --- compiled decoding ---------------------------------------------------------------------------
 
 
-def test_compiled_decode_step_gives_eager_and_transformers_tokens(qwen3_5, two_threads):
-    """`generate(**compiled_decoding())` (a static cache, the decode step compiled with fullgraph=True) on a hybrid:
-    the step compiles, and the greedy tokens equal eager decoding and transformers' class through its own cache."""
-    theirs, ours, _ = qwen3_5
+@pytest.mark.parametrize("case", ["qwen3_5_text", "lfm2", "kimi_linear"])
+def test_compiled_decode_step_gives_eager_and_transformers_tokens(case, tmp_path_factory, two_threads):
+    """`generate(**compiled_decoding())` (a static cache, the decode step compiled with fullgraph=True) on a hybrid of
+    each recurrent kind (Gated DeltaNet, short convolution, KDA beside NoPE latent attention): the step compiles, and
+    the greedy tokens equal eager decoding and transformers' class through its own cache."""
+    theirs, ours, _ = _pair(case, tmp_path_factory)
     prompt = torch.tensor([DOCUMENTS[2]])
     graphs = []
     torch._dynamo.reset()
