@@ -564,6 +564,24 @@ def test_hybrid_smoke_measures_both_sides_and_both_layer_kinds(tmp_path):
     assert last["cache_bytes"]["full_attention"] == 4 * first["cache_bytes"]["full_attention"]  # 256 / 64 tokens
 
 
+def test_mixers_smoke_measures_each_family_each_mixer_and_the_presets(tmp_path):
+    """`python -m benchmarks mixers --smoke`: each family's side with transformers' logits, each mixer's decode step
+    with a cache that does not grow (the full layer's does), and the presets' state and K/V bytes."""
+    from benchmarks import mixers
+
+    out = tmp_path / "mixers.json"
+    assert mixers.main(["--smoke", "--repeats", "1", "--families", "lfm2", "kimi_linear", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["side_by_side"]) <= {"lfm2", "kimi_linear"} and "lfm2" in record["side_by_side"]
+    for side in record["side_by_side"].values():
+        assert side["max_logit_diff"] < 1e-4 and side["decode"]["median_ratio"] > 0
+    first, last = record["flat_in_context"]
+    for kind in ("gated_deltanet", "kda", "short_conv"):
+        assert first["cache_bytes"][kind] == last["cache_bytes"][kind] > 0
+    assert last["cache_bytes"]["full_attention"] == 4 * first["cache_bytes"]["full_attention"]
+    assert [row["preset"] for row in record["state_against_kv"]] == list(mixers.PRESETS)
+
+
 def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_path):
     from benchmarks import conversion_memory
 
