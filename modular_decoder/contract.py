@@ -11,12 +11,15 @@ compare them with `model.num_parameters()` and with what a filled cache actually
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .blocks import BLOCKS, block_class, layer_norm_position
+from .blocks import BLOCKS, block_class, layer_norm_position, layer_sublayers, mixing_layer_types
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
-from .kinds import LINEAR_ATTENTION
+from .kinds import HYBRID, LINEAR_ATTENTION
+from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
@@ -34,7 +37,13 @@ def linear_attention_parameters(config: ModularDecoderConfig) -> int:
 
 
 def linear_layer_count(config: ModularDecoderConfig) -> int:
-    return config.num_hidden_layers - config.attention_layer_count
+    """Layers that run a linear-attention mixer (alone or in a hybrid layer)."""
+    return config.linear_attention_layer_count
+
+
+def feed_forward_layers(config: ModularDecoderConfig) -> list[int]:
+    """The layers that have a feed-forward (`block_types`: all but the mixer-only ones)."""
+    return [i for i in range(config.num_hidden_layers) if "mlp" in layer_sublayers(config, i)]
 
 
 def mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> int:
@@ -49,10 +58,12 @@ def active_mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> i
 
 
 def block_norm_count(config: ModularDecoderConfig, layer_idx: int | None = None) -> int:
-    """Norms in block `layer_idx` (where no layer is named, an attention layer's)."""
+    """The norms of a block (of layer `layer_idx`, at its norm position: half of them where `block_types` gives it
+    one sublayer; where no layer is named, an attention layer's)."""
     if config.parallel_block:
         return 2 if config.parallel_norms == "separate" else 1
-    return BLOCK_NORMS[layer_norm_position(config, layer_idx)]
+    whole = BLOCK_NORMS[layer_norm_position(config, layer_idx)]
+    return whole if layer_idx is None else whole * len(layer_sublayers(config, layer_idx)) // 2
 
 
 def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
@@ -71,7 +82,7 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
         parts["attention"] = config.attention_layer_count * attention_parameters(config)
     if linear_layer_count(config):
         parts["linear_attention"] = linear_layer_count(config) * linear_attention_parameters(config)
-    parts["mlp"] = sum(mlp_parameters(config, i) for i in range(layers))
+    parts["mlp"] = sum(mlp_parameters(config, i) for i in feed_forward_layers(config))
     parts["block_norms"] = sum(block_norm_count(config, i) for i in range(layers)) * norm_parameters(config, d)
     if config.final_norm:
         parts["final_norm"] = norm_parameters(config, d)
@@ -81,7 +92,7 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
     if config.num_mtp_layers:
         parts["mtp"] = config.num_mtp_layers * mtp_module_parameters(config)
     parts["total"] = sum(parts.values())
-    inactive = sum(mlp_parameters(config, i) - active_mlp_parameters(config, i) for i in range(layers))
+    inactive = sum(mlp_parameters(config, i) - active_mlp_parameters(config, i) for i in feed_forward_layers(config))
     parts["active"] = parts["total"] - inactive - parts.get("mtp", 0)
     return parts
 
@@ -148,7 +159,7 @@ def cache_bytes(config: ModularDecoderConfig, context: int, batch_size: int = 1,
     """Exact payload of a cache holding `context` tokens for `batch_size` sequences (linear-attention states
     included, once per sequence)."""
     per_token = layer_bytes_per_token(config, dtype, quantization)
-    tokens = sum(cached_tokens(config, t, context) for t in config.layer_types)
+    tokens = sum(cached_tokens(config, t, context) for types in mixing_layer_types(config) for t in types)
     return batch_size * (per_token * tokens + state_bytes_per_sequence(config, dtype))
 
 
@@ -159,8 +170,10 @@ def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: to
 
 def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bfloat16) -> str:
     """A markdown table of every contract field, parameters by component and cache cost."""
-    names = [name for name in ModularDecoderConfig.declared_fields()  # the mixins' fields after the class's own
-             if name not in _NON_CONTRACT and _applies(config, name)]
+    declared = list(vars(ModularDecoderConfig)["__annotations__"])  # the class's own fields, then its mixins'
+    fields = sorted(dataclasses.fields(ModularDecoderConfig),
+                    key=lambda f: declared.index(f.name) if f.name in declared else len(declared))
+    names = [f.name for f in fields if f.name not in _NON_CONTRACT and _applies(config, f.name)]
     rows = ["| field | value |", "| --- | --- |"]
     rows += [f"| `{name}` | {_render(name, getattr(config, name))} |" for name in names]
     params = parameter_count(config)
@@ -183,9 +196,11 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
     (MLA's ranks, the MoE fields, ...) applies only when one of them is chosen, and a field some
     entries of an axis say they read (`reads`: `norm_bias` for LayerNorm, `head_dim` for per-head
     attention, ...) only when the chosen entry reads it. The MTP loss weight, draft count and draft vocabulary apply
-    with MTP modules."""
+    with MTP modules, the query temperature's fields where it is on."""
     if name in ("mtp_loss_scaling_factor", "mtp_draft_tokens", "mtp_draft_vocab_size"):
         return bool(config.num_mtp_layers)
+    if name in QUERY_TEMPERATURE_FIELDS:  # shown where the queries are scaled
+        return bool(config.attn_temperature_tuning)
     if name in (LINEAR_ATTENTIONS.field, "linear_attention_norm_position"):
         return config.linear_attention_kind.in_use(config)
     for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS):
@@ -211,15 +226,16 @@ def _unread(config: ModularDecoderConfig) -> set[str]:
 
 # per-layer lists shown as counts and a one-letter pattern
 _PATTERNS = {
-    "layer_types": {"sliding_attention": "S", "full_attention": "F", LINEAR_ATTENTION: "L"},
+    "layer_types": {"sliding_attention": "S", "full_attention": "F", LINEAR_ATTENTION: "L", HYBRID: "H"},
+    "block_types": {"mixer_mlp": "B", "mixer": "M", "mlp": "F"},
     "mlp_layer_types": {"sparse": "S", "dense": "D"},
     "no_rope_layers": {1: "R", 0: "N"},
 }
 
 
 def _render(name: str, value) -> str:
-    """A table cell; per-layer lists (`layer_types`, `mlp_layer_types`, `no_rope_layers`) as counts or a one-letter
-    pattern."""
+    """A table cell; per-layer lists (`layer_types`, `mlp_layer_types`, `no_rope_layers`, `block_types`) as counts or
+    a one-letter pattern."""
     letters = _PATTERNS.get(name)
     if letters is not None and isinstance(value, list):
         if len(set(value)) == 1:

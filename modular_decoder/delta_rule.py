@@ -149,6 +149,12 @@ def by_document(rule: Callable) -> Callable:
 chunked_gated_delta_rule_by_document = by_document(chunked_gated_delta_rule)
 
 
+def causal_conv1d(x: torch.Tensor, conv: torch.nn.Conv1d, activation: Callable) -> torch.Tensor:
+    """activation(depthwise causal conv) of x (B, C, T) through the module `conv` (padding K - 1 on both sides:
+    the first T outputs are the causal ones), so hooks and adapters on it run."""
+    return activation(conv(x)[..., : x.shape[-1]])
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The functions a Gated DeltaNet layer computes with on one device (see `kernels_for`)."""
@@ -227,5 +233,5 @@ def _fla_documents_rule(kernel: Callable) -> Callable:
     return by_document
 
 
-__all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "build_kernels", "by_document", "carry_state", "chunked_gated_delta_rule",
+__all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "build_kernels", "by_document", "carry_state", "causal_conv1d", "chunked_gated_delta_rule",
            "chunked_gated_delta_rule_by_document", "kernels_for", "l2norm", "recurrent_gated_delta_rule"]

@@ -22,7 +22,9 @@ fused `in_proj_qkvz` / `in_proj_ba` (interleaved per key head) and OLMo hybrid's
 (`conversion/families/`), bit for bit both ways.
 
 A multi-token step (prefill, chunked prefill, a prompt continuing a cache) runs the chunked rule; a one-token step
-against a cached state runs the recurrent update. Padded positions of a 2-D `attention_mask` are zeroed before the
+against a cached state runs the recurrent update. While the cache records for a rollback (drafting), the tokens a
+crop may remove (a verification's, a prompt's last few) run through the recurrent update one by one and their states
+are kept (`recurrent_cache.run_recurrence`). Padded positions of a 2-D `attention_mask` are zeroed before the
 projections, so the convolution sees zeros there as it does before a sequence's first token, and get β = 0 and
 g = 0, so they neither write nor decay the state (transformers' classes zero the input only, which keeps the state
 at zero only where the convolution's activation maps 0 to 0, as SiLU does): a left-padded row computes what it
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 from .delta_rule import kernels_for
 from .kinds import LinearAttentionKind, require_bool, require_int, require_number
@@ -90,14 +93,15 @@ class GatedDeltaNet(RecurrentMixer):
     layer (it has no attention weights)."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(layer_idx)
+        super().__init__()
+        self.layer_idx = layer_idx
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = config.linear_conv_kernel_dim
-        self.conv_activation = config.hidden_act
+        self.activation_name, self.activation = config.hidden_act, ACT2FN[config.hidden_act]
         self.beta_scale = 2.0 if config.linear_allow_neg_eigval else 1.0
         d = config.hidden_size
         self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
@@ -118,9 +122,9 @@ class GatedDeltaNet(RecurrentMixer):
         if attention_mask is not None:  # the 2-D padding mask of the new tokens (`linear_attention_mask`)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         batch, seq = hidden_states.shape[:2]
-        layer = self.cache_layer(cache)
+        layer = self._state(cache)
         kernels = kernels_for(hidden_states.device)
-        qkv = self.convolve(self.in_proj_qkv(hidden_states).transpose(1, 2), layer, kernels, documents)
+        qkv = self._convolve_any(self.in_proj_qkv(hidden_states).transpose(1, 2), layer, kernels, documents)
         query, key, value = qkv.transpose(1, 2).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         query = query.reshape(batch, seq, -1, self.head_k_dim)  # (B, T, H_k, d_k)
         key = key.reshape(batch, seq, -1, self.head_k_dim)  # (B, T, H_k, d_k)
@@ -130,12 +134,12 @@ class GatedDeltaNet(RecurrentMixer):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
         if attention_mask is not None:  # a padded position neither writes (β = 0) nor decays (g = 0) the state
             beta, g = beta * attention_mask[:, :, None], g * attention_mask[:, :, None]
-        out = self.run_rule((query, key, value, g, beta), layer, kernels, documents)  # (B, T, H_v, d_v)
+        out = self._delta_rule((query, key, value, g, beta), layer, kernels, documents)  # (B, T, H_v, d_v)
         z = self.in_proj_z(hidden_states).reshape(batch, seq, -1, self.head_v_dim)
         out = self.norm(out, z).reshape(batch, seq, -1)  # (B, T, H_v·d_v)
         return self.out_proj(out), None
 
-    def init_parameters(self, init, std: float) -> None:
+    def init_scan_parameters(self, init) -> None:
         """As transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)."""
         init.ones_(self.dt_bias)
         init.copy_(self.A_log, torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
@@ -146,7 +150,6 @@ class GatedDeltaNetKind(LinearAttentionKind):
 
     name = "gated_deltanet"
     module = GatedDeltaNet
-    native_families = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
     sizes = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
              "linear_conv_kernel_dim")
     fields = (*sizes, "linear_allow_neg_eigval", "linear_norm_eps")

@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 from .gated_deltanet import GatedDeltaNetKind, GatedRMSNorm, output_norm_eps
 from .kda_rule import kda_kernels_for
@@ -42,13 +43,15 @@ class KimiDeltaAttention(RecurrentMixer):
     """A KDA layer (see the module docstring); `forward` returns `(output, None)` like an attention layer."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(layer_idx)
+        super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads = config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim, self.value_dim = self.num_heads * self.head_k_dim, self.num_heads * self.head_v_dim
-        self.conv_activation = config.hidden_act
+        self.activation_name, self.activation = config.hidden_act, ACT2FN[config.hidden_act]
         self.beta_scale = 2.0 if config.linear_allow_neg_eigval else 1.0
         d, kernel_size, conv_dim = config.hidden_size, config.linear_conv_kernel_dim, 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = kernel_size
         self.q_proj = nn.Linear(d, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d, self.key_dim, bias=False)
         self.v_proj = nn.Linear(d, self.value_dim, bias=False)
@@ -70,9 +73,9 @@ class KimiDeltaAttention(RecurrentMixer):
         if attention_mask is not None:
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         batch, seq = hidden_states.shape[:2]
-        layer, kernels = self.cache_layer(cache), kda_kernels_for(hidden_states.device)
+        layer, kernels = self._state(cache), kda_kernels_for(hidden_states.device)
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
-        qkv = self.convolve(mixed.transpose(1, 2), layer, kernels, documents).transpose(1, 2)
+        qkv = self._convolve_any(mixed.transpose(1, 2), layer, kernels, documents).transpose(1, 2)
         query, key, value = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         query, key = (x.reshape(batch, seq, -1, self.head_k_dim) for x in (query, key))  # (B, T, H, d_k)
         value = value.reshape(batch, seq, -1, self.head_v_dim)  # (B, T, H, d_v)
@@ -82,11 +85,11 @@ class KimiDeltaAttention(RecurrentMixer):
         beta = self.b_proj(hidden_states).sigmoid() * self.beta_scale  # (B, T, H)
         if attention_mask is not None:  # a padded position neither writes (β = 0) nor decays (g = 0) the state
             beta, g = beta * attention_mask[:, :, None], g * attention_mask[:, :, None, None]
-        out = self.run_rule((query, key, value, g, beta), layer, kernels, documents)  # (B, T, H, d_v)
+        out = self._delta_rule((query, key, value, g, beta), layer, kernels, documents)  # (B, T, H, d_v)
         output_gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(batch, seq, -1, self.head_v_dim)
         return self.o_proj(self.o_norm(out, output_gate).reshape(batch, seq, -1)), None
 
-    def init_parameters(self, init, std: float) -> None:
+    def init_scan_parameters(self, init) -> None:
         """fla's (and transformers' Kimi Linear's): A ~ U(1, 16); dt_bias the inverse softplus of dt, dt log-uniform
         in [1e-3, 1e-1] and at least 1e-4."""
         init.copy_(self.A_log, torch.empty_like(self.A_log).uniform_(*A_RANGE).log_())
@@ -101,7 +104,6 @@ class KdaKind(GatedDeltaNetKind):
 
     name = "kda"
     module = KimiDeltaAttention
-    native_families = ("kimi_linear",)
 
     def validate(self, config) -> None:
         super().validate(config)

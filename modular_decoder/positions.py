@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
 from .compat import rope_validation_view
-from .kinds import LINEAR_ATTENTION, Kind, Registry, require_bool, require_int, require_number
+from .kinds import Kind, Registry, attention_layer_type, require_bool, require_int, require_number
 from .split_products import is_fx_proxy
 
 
@@ -110,9 +110,29 @@ class RotaryEmbedding(nn.Module):
         return {layer_type: for_heads(self(x, position_ids, layer_type)) for layer_type in attending}
 
 
+def longrope_switch_length(config) -> int | None:
+    """The length past which LongRoPE's tables switch from the short factors to the long ones (its
+    `original_max_position_embeddings`; the shortest where several layer types use it), None without LongRoPE."""
+    if not config.uses_rope:
+        return None
+    tables = config.rope_parameters.values() if config.rope_is_nested else [config.rope_parameters]
+    lengths = [t.get("original_max_position_embeddings", config.max_position_embeddings)
+               for t in tables if t.get("rope_type") == "longrope"]
+    return min(lengths) if lengths else None
+
+
+def keys_rotated_before_the_switch(config, length: int, cache) -> bool:
+    """Whether a generate step of `length` tokens crosses LongRoPE's switch with keys cached from before it: those
+    were rotated with the short factors, which no longer apply, so the whole text is run again without the cache
+    (once, at the crossing), as transformers' `Phi3ForCausalLM` does."""
+    switch = longrope_switch_length(config)
+    return bool(switch is not None and cache is not None and length > switch and cache.get_seq_length() <= switch)
+
+
 def attending_layer_types(layer_types) -> set[str]:
-    """The layer types present that attend, and so read positions (not `"linear_attention"`)."""
-    return set(layer_types) - {LINEAR_ATTENTION}
+    """The layer types present that attend, and so read positions (not `"linear_attention"`; a hybrid layer's
+    attention)."""
+    return {attention_layer_type(t) for t in layer_types} - {None}
 
 
 def default_rope_parameters(config, device=None, layer_type: str | None = None, **kwargs):
@@ -241,7 +261,7 @@ def _validate_no_rope_layers(config) -> None:
     for flag in flags:
         if isinstance(flag, bool) or flag not in (0, 1):
             raise ValueError(f"`no_rope_layers` holds 1 (the layer rotates) or 0 (NoPE) per layer, got {flag!r}.")
-    if not any(flag for flag, layer_type in zip(flags, config.layer_types) if layer_type != LINEAR_ATTENTION):
+    if not any(flag for flag, layer_type in zip(flags, config.layer_types) if attention_layer_type(layer_type)):
         raise ValueError("`no_rope_layers` marks every attention layer NoPE (0): no layer rotates, which is "
                          "`position_embedding_type='none'`.")
 

@@ -1,50 +1,45 @@
-"""What every linear-attention layer shares: its entry of the cache, and its short causal convolution continued
-across forwards through the cache's window.
+"""What the recurrent token mixers (Gated DeltaNet, KDA, LFM2's short convolution, Mamba-2) share: their entry in the
+family's cache, their short causal convolution over a prompt, a decode step, a cached window or packed documents, and
+a delta rule's recurrence through the cache.
 
-Each kind of `registries.LINEAR_ATTENTIONS` that convolves (Gated DeltaNet and KDA over their queries, keys and
-values, LFM2's gated short convolution over B ⊙ x) computes act(conv(x)) over the new inputs x (B, C, T) with the
-last K inputs before them: the window its cache layer keeps (`recurrent_cache.RecurrentLayer.update_conv_state`),
-zeros before a sequence's first token, as a lone sequence's convolution pads. A decode step on causal-conv1d
-updates the window in place (`causal_conv1d_update`); everything else prepends the window and convolves, through
-causal-conv1d's kernel where it runs and the module is plain, else by calling the module (so hooks and adapters on it
-run). Packed documents each start from zeros (`packed_documents.convolve_documents`).
+A mixer subclasses `RecurrentMixer` and sets `layer_idx`, `conv1d` (a depthwise `nn.Conv1d` padded by K - 1),
+`conv_kernel_size` (K), `activation_name` and `activation` (applied after the convolution; `None` and the identity for
+none, as LFM2's). The convolution runs through causal-conv1d's kernels where they run (`kernels.conv`,
+`kernels.conv_update`) and the module is plain; otherwise the module is called, so hooks and adapters on it run.
+The model's `_init_weights` calls `init_scan_parameters(init)` for the mixer's own parameters (A_log, dt_bias, ...).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
+from .delta_rule import causal_conv1d
+from .hybrid_cache import HybridLayer
 from .packed_documents import PackedDocuments, convolve_documents, last_document_only
-from .recurrent_cache import RecurrentLayer
+from .recurrent_cache import RecurrentLayer, run_recurrence
 from .split_products import weight_is_readable
 
-# The activations causal-conv1d's kernels apply themselves (None: none)
+# The activations causal-conv1d's kernels apply (None: none; any other runs through the module)
 FUSED_ACTIVATIONS = (None, "silu", "swish")
 
 
 class RecurrentMixer(nn.Module):
-    """Base of a linear-attention layer: `layer_idx`, its cache entry (`cache_layer`) and its convolution
-    (`convolve`). A subclass sets `conv_name` (the attribute holding its `nn.Conv1d`) and `conv_activation` (an
-    `ACT2FN` key, or None)."""
+    """Base of a token mixer that keeps a recurrent state and a convolution window in the cache."""
 
-    conv_name = "conv1d"
-    conv_activation: str | None = None
+    layer_idx: int
+    conv1d: nn.Conv1d
+    conv_kernel_size: int
+    activation_name: str | None
 
-    def __init__(self, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-
-    def cache_layer(self, cache) -> RecurrentLayer | None:
+    def _state(self, cache) -> RecurrentLayer | None:
         """This layer's entry of `cache` (the family's `ModularDecoderCache`), or a `ValueError` naming the cache
         where another kind was passed: a K/V cache has no place for a recurrent state."""
         if cache is None:
             return None
         layers = getattr(cache, "layers", None)
         layer = layers[self.layer_idx] if isinstance(layers, list) and self.layer_idx < len(layers) else None
+        layer = layer.recurrent if isinstance(layer, HybridLayer) else layer  # a hybrid layer's state
         if not isinstance(layer, RecurrentLayer):
             raise ValueError(
                 f"`cache` is a {type(cache).__name__} whose layer {self.layer_idx} cannot hold this "
@@ -53,72 +48,70 @@ class RecurrentMixer(nn.Module):
             )
         return layer
 
-    def convolve(self, x: torch.Tensor, layer: RecurrentLayer | None, kernels,
-                 documents: PackedDocuments | None = None) -> torch.Tensor:
-        """act(causal conv) of the new inputs x (B, C, T), continuing `layer`'s window (module docstring)."""
-        conv = getattr(self, self.conv_name)
-        kernel_size = conv.kernel_size[0]
-        fused = self._fused_conv(conv, kernels)
-        if documents is not None:  # the cache keeps each row's last document's window
-            if layer is not None:
-                layer.update_conv_state(last_document_only(x, documents), conv_kernel_size=kernel_size)
-            return convolve_documents(x, documents, kernel_size, lambda row: self._convolution(row, conv, kernels, fused))
+    def _convolve(self, x: torch.Tensor, layer, kernels) -> torch.Tensor:
+        """The short causal convolution of x (B, C, T), continuing the cached window when there is one.
+
+        A decode step on causal-conv1d updates the window in place (not while the cache records: a crop may need the
+        window before it); everything else prepends the cached window (`RecurrentLayer.update_conv_state`) and
+        convolves, through causal-conv1d's kernel where it runs and the module is plain, else by calling the module."""
+        fused = self._fused_conv(kernels)
         seq = x.shape[-1]
-        if fused and layer is not None and layer.conv_state is not None and seq == 1:
+        if fused and layer is not None and layer.conv_state is not None and seq == 1 and not layer.record_past:
             layer.count_step()
-            return kernels.conv_update(x, layer.conv_state, conv.weight.squeeze(1), conv.bias, self.conv_activation)
+            return kernels.conv_update(x, layer.conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                       self.activation_name)
         if layer is not None:
-            x = layer.update_conv_state(x, conv_kernel_size=kernel_size)
-        return self._convolution(x, conv, kernels, fused)[..., -seq:]
+            x = layer.update_conv_state(x, conv_kernel_size=self.conv_kernel_size)
+        return self._convolution(x, kernels, fused)[..., -seq:]
 
-    def run_rule(self, inputs: tuple, layer: RecurrentLayer | None, kernels,
-                 documents: PackedDocuments | None) -> torch.Tensor:
-        """The layer's recurrence over `inputs` ((B, T, ...) tensors, queries first): `kernels.recurrent` for a
-        one-token step on a cached state, `kernels.chunked` otherwise, or `kernels.chunked_documents` document by
-        document (the rows end to end as one row; each row's last document's state is its state); the cache keeps
-        the new state."""
-        batch, seq = inputs[0].shape[:2]
+    def _convolve_documents(self, x: torch.Tensor, layer, kernels, documents: PackedDocuments) -> torch.Tensor:
+        """The short causal convolution of x (B, C, T) over packed documents, each from zeros
+        (`packed_documents.convolve_documents`); the cache keeps each row's last document's window."""
+        if layer is not None:
+            layer.update_conv_state(last_document_only(x, documents), conv_kernel_size=self.conv_kernel_size)
+        fused = self._fused_conv(kernels)
+        return convolve_documents(x, documents, self.conv_kernel_size,
+                                  lambda row: self._convolution(row, kernels, fused))
+
+    def _convolve_any(self, x: torch.Tensor, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
+        """`_convolve`, or `_convolve_documents` where the rows hold packed documents."""
         if documents is None:
-            state = layer.recurrent_state if layer is not None else None
-            rule = kernels.recurrent if state is not None and seq == 1 else kernels.chunked
-            out, state = rule(*inputs, state)  # (B, T, H_v, d_v), (B, H_v, d_k, d_v)
-        else:
-            flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
-            out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
-            out, state = out.reshape(batch, seq, *out.shape[2:]), states[documents.last]
-        if layer is not None:
-            layer.update_recurrent_state(state)
-        return out
+            return self._convolve(x, layer, kernels)
+        return self._convolve_documents(x, layer, kernels, documents)
 
-    def _fused_conv(self, conv: nn.Conv1d, kernels) -> bool:
-        """Whether causal-conv1d's kernels compute the convolution: where they run, for their activations, on a
-        plain module (otherwise the module is called, so hooks and adapters on it run)."""
-        return (kernels.conv is not None and self.conv_activation in FUSED_ACTIVATIONS
-                and weight_is_readable(conv, nn.Conv1d))
+    def _fused_conv(self, kernels) -> bool:
+        """Whether causal-conv1d's kernels compute the convolution: where they run, for its activations, on a plain
+        module (otherwise the module is called, so hooks and adapters on it run)."""
+        return (kernels.conv is not None and self.activation_name in FUSED_ACTIVATIONS
+                and weight_is_readable(self.conv1d, nn.Conv1d))
 
-    def _convolution(self, x: torch.Tensor, conv: nn.Conv1d, kernels, fused: bool) -> torch.Tensor:
-        """act(causal convolution of x (B, C, L)), zero-padded on the left, no cache."""
+    def _convolution(self, x: torch.Tensor, kernels, fused: bool) -> torch.Tensor:
+        """activation(causal convolution of x (B, C, L)), zero-padded on the left, no cache."""
         if fused:
-            return kernels.conv(x, conv.weight.squeeze(1), conv.bias, activation=self.conv_activation)
-        return causal_conv1d(x, conv, activation_function(self.conv_activation))
+            return kernels.conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation_name)
+        return causal_conv1d(x, self.conv1d, self.activation)
 
-    def init_parameters(self, init, std: float) -> None:
+    def _delta_rule(self, inputs: tuple, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
+        """A delta rule (Gated DeltaNet's, KDA's) over (query, key, value, g, beta): recurrent for a one-token step on
+        a cached state, chunked otherwise (`recurrent_cache.run_recurrence`, which also records the states a crop may
+        restore), or document by document; the cache keeps the new state."""
+        if documents is None:  # (B, T, H_v, d_v); the state (B, H_v, d_k, d_v) and, while recording, per token
+            return run_recurrence(layer, kernels.chunked, kernels.recurrent, inputs)
+        # the rows end to end as one row of documents; each row's last document's state is its state
+        batch, seq = inputs[0].shape[:2]
+        flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
+        out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
+        if layer is not None:
+            layer.update_recurrent_state(states[documents.last])
+        return out.reshape(batch, seq, *out.shape[2:])
+
+    def init_scan_parameters(self, init) -> None:
         """Initialise this module's own parameters (not its submodules'), with transformers' `initialization`
-        helpers (`init`); the model's `_init_weights` calls it. Nothing by default."""
+        helpers (`init`). Nothing by default."""
 
 
-def activation_function(name: str | None) -> Callable:
-    return ACT2FN[name] if name is not None else _identity
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
+def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def causal_conv1d(x: torch.Tensor, conv: nn.Conv1d, activation: Callable) -> torch.Tensor:
-    """activation(depthwise causal conv) of x (B, C, T) through the module `conv` (padding K - 1 on both sides:
-    the first T outputs are the causal ones), so hooks and adapters on it run."""
-    return activation(conv(x)[..., : x.shape[-1]])
-
-
-__all__ = ["RecurrentMixer", "activation_function", "causal_conv1d"]
+__all__ = ["FUSED_ACTIVATIONS", "RecurrentMixer", "identity"]

@@ -1,8 +1,8 @@
 """Every axis of the design space and its entries, in one place.
 
     ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla, dsa (MLA + lightning indexer)
-    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet, kda, short_conv (the `"linear_attention"` layers of
-                                           `layer_types`)
+    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet, kda, short_conv, mamba2 (the `"linear_attention"`
+                                           layers of `layer_types`)
     MLPS        `mlp_type`                 dense, gated, moe
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
     NORMS       `norm_type`                rmsnorm, layernorm
@@ -19,6 +19,7 @@ from .attention import STANDARD_ATTENTION
 from .gated_deltanet import GATED_DELTANET
 from .kda import KDA
 from .kinds import AttentionKind, FeedForwardKind, LinearAttentionKind, Registry
+from .mamba2 import MAMBA2
 from .mla import LATENT_ATTENTION
 from .mlp import DENSE_MLP, GATED_MLP
 from .moe import MIXTURE_OF_EXPERTS
@@ -30,7 +31,8 @@ from .sparse_attention import SPARSE_LATENT_ATTENTION
 ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION,
                                                                          SPARSE_LATENT_ATTENTION])
 MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
-LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET, KDA, SHORT_CONV])
+LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type",
+                                                           [GATED_DELTANET, KDA, SHORT_CONV, MAMBA2])
 
 
 def register_attention(kind: AttentionKind, replace: bool = False) -> AttentionKind:

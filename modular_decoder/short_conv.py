@@ -2,12 +2,12 @@
 by `layer_types` (`"linear_attention"`) and `linear_attention_type="short_conv"` (`SHORT_CONV`, its registry entry).
 
     x ── in_proj ──┬─ B ─┐
-                   ├─ x' ┴─ B ⊙ x' ── depthwise causal conv (K taps, no activation) ──┐
+                   ├─ x' ┴─ B ⊙ x' ── conv1d: depthwise causal, K taps, no activation ──┐
                    └─ C ──────────────────────────────────────────────────── C ⊙ ──┴─ out_proj ──>
 
 Three gates from one projection (`in_proj`: rows [B; C; x'], transformers' order), the convolution over B ⊙ x' along
 the sequence, gated again by C: y = out_proj(C ⊙ conv(B ⊙ x')). Its cache keeps the last K values of B ⊙ x' per
-sequence (`ConvWindowLayer`), `linear_conv_kernel_dim`·d numbers whatever the context. With `conv_bias` the
+sequence (a `RecurrentLayer` with a window only), `linear_conv_kernel_dim`·d numbers whatever the context. With `conv_bias` the
 projections and the taps carry biases.
 
 Padding: a left-padded position's B ⊙ x' is zeroed before the convolution, so the row computes what it computes
@@ -27,7 +27,7 @@ from .delta_rule import kernels_for
 from .kinds import LinearAttentionKind, require_bool, require_int
 from .packed_documents import PackedDocuments
 from .recurrent_cache import RecurrentLayer
-from .recurrent_mixer import RecurrentMixer
+from .recurrent_mixer import RecurrentMixer, identity
 
 # `linear_conv_kernel_dim` where a short-convolution config leaves it unset (LFM2's `conv_L_cache`)
 DEFAULT_KERNEL_SIZE = 3
@@ -45,27 +45,17 @@ class ShortConvFields:
     conv_bias: bool = False
 
 
-class ConvWindowLayer(RecurrentLayer):
-    """A cache layer holding a convolution window and no recurrent state: it holds a state once the window is
-    written (a recurrent layer, once its recurrent state is)."""
-
-    def update_conv_state(self, conv_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        full = super().update_conv_state(conv_states, *args, **kwargs)
-        self.has_previous_state[0] = True
-        return full
-
-
 class ShortConvolution(RecurrentMixer):
     """LFM2's gated short convolution (see the module docstring); `forward` returns `(output, None)`."""
 
-    conv_name = "conv"
-    conv_activation = None
+    activation_name, activation = None, staticmethod(identity)  # no activation after the convolution
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(layer_idx)
-        d, kernel_size, bias = config.hidden_size, config.linear_conv_kernel_dim, config.conv_bias
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, self.conv_kernel_size, bias = config.hidden_size, config.linear_conv_kernel_dim, config.conv_bias
         self.in_proj = nn.Linear(d, 3 * d, bias=bias)
-        self.conv = nn.Conv1d(d, d, kernel_size, groups=d, padding=kernel_size - 1, bias=bias)
+        self.conv1d = nn.Conv1d(d, d, self.conv_kernel_size, groups=d, padding=self.conv_kernel_size - 1, bias=bias)
         self.out_proj = nn.Linear(d, d, bias=bias)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
@@ -76,7 +66,7 @@ class ShortConvolution(RecurrentMixer):
         gated = b * x
         if attention_mask is not None:  # padding writes nothing into the window
             gated = gated * attention_mask[:, None, :].to(gated.dtype)
-        out = c * self.convolve(gated, self.cache_layer(cache), kernels_for(hidden_states.device), documents)
+        out = c * self._convolve_any(gated, self._state(cache), kernels_for(hidden_states.device), documents)
         return self.out_proj(out.transpose(1, 2)), None
 
 
@@ -85,7 +75,6 @@ class ShortConvKind(LinearAttentionKind):
 
     name = "short_conv"
     module = ShortConvolution
-    native_families = ("lfm2",)
     fields = ("linear_conv_kernel_dim", "conv_bias")
 
     def complete(self, config) -> None:
@@ -99,7 +88,8 @@ class ShortConvKind(LinearAttentionKind):
             require_bool("conv_bias", config.conv_bias)
 
     def cache_layer(self, config, implementation: str, max_cache_len: int | None):
-        return ConvWindowLayer()
+        """A conv window and no recurrent state per sequence (slot 0's window only)."""
+        return RecurrentLayer()
 
     def parameters(self, config) -> int:
         """3·d² (in) + K·d (conv) + d² (out), and 3·d + d + d biases with `conv_bias`."""
@@ -122,4 +112,4 @@ class ShortConvKind(LinearAttentionKind):
 SHORT_CONV = ShortConvKind()
 
 
-__all__ = ["ConvWindowLayer", "ShortConvFields", "ShortConvolution", "SHORT_CONV"]
+__all__ = ["ShortConvFields", "ShortConvolution", "SHORT_CONV"]

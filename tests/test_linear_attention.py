@@ -1,9 +1,10 @@
 """Linear-attention layers beside full attention, against transformers' own classes with the same weights (through
-the converter): Gated DeltaNet (`Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`) and every other kind of the registry
-through one family that has it (`FAMILIES`: LFM2's short convolution, ...). The kernels against transformers'
-reference kernels, logits and every generate() path through each side's own cache, the cache's state and its
-arithmetic, the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d need CUDA, which the
-test machines lack). tests/test_mixers.py has what is particular to the newer kinds."""
+the converter): Gated DeltaNet (`Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `OlmoHybridForCausalLM`) and every
+other kind of the registry through a family that has it (`FAMILIES`). The kernels against transformers' reference
+kernels, logits and every generate() path through each side's own cache (drafting: test_hybrid_drafting.py), the
+cache's state and its arithmetic, the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d
+need CUDA, which the test machines lack). tests/test_mixers.py has what is particular to KDA and the short
+convolution, test_mamba2.py Mamba-2's kernels and rules."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDe
 from modular_decoder import compat, delta_rule, kda_rule
 from modular_decoder.contract import cache_bytes, cache_bytes_per_token, parameter_count, state_bytes_per_sequence
 from modular_decoder.conversion import convert
+from modular_decoder.hybrid_cache import HybridLayer
 from modular_decoder.recurrent_cache import RecurrentLayer
 
-# a conversion case of each linear-attention kind (Gated DeltaNet: two)
-FAMILIES = ["qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "lfm2"]
+# The hybrids of every linear-attention kind (their own kernels and rules: test_mamba2.py for Mamba-2's,
+# test_mixers.py for KDA's); those whose kernels are fla's and causal-conv1d's (`delta_rule.build_kernels`)
+DELTA_RULE_FAMILIES = ["qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "lfm2"]
+FAMILIES = DELTA_RULE_FAMILIES + ["bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"]
 # the fla kernels each kind calls (besides causal-conv1d's)
 FLA_CALLS = {"gated_deltanet": {"chunked_gated_delta_rule", "recurrent_gated_delta_rule"},
              "kda": {"chunked_kda", "recurrent_gated_delta_rule"}, "short_conv": set()}
@@ -36,13 +40,24 @@ GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_i
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint), both fp32 and eval."""
-    skip_without_class(request.param)
-    family, build = CASES[request.param]
+    return converted_pair(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=DELTA_RULE_FAMILIES)
+def delta_rule_pair(request, tmp_path_factory):
+    return converted_pair(request.param, tmp_path_factory)
+
+
+def converted_pair(case: str, tmp_path_factory):
+    """(transformers' model of conversion case `case`, every weight perturbed, ours converted from its checkpoint),
+    both fp32 and eval; skipped where this transformers has no class for it."""
+    skip_without_class(case)
+    family, build = CASES[case]
     config = build()
     config.architectures = None
     torch.manual_seed(0)
     source = perturbed(AutoModelForCausalLM.from_config(config).eval())
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(case)
     save_published(source, path / "src")
     convert(path / "src", path / "ours", progress=False)
     return source, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval()
@@ -50,6 +65,17 @@ def pair(request, tmp_path_factory):
 
 def _cache_of(output):
     return getattr(output, compat.CACHE_NAME)
+
+
+def _states(cache) -> list:
+    """The cache's linear-attention states: its linear layers', and a hybrid layer's (`recurrent`)."""
+    return [layer.recurrent if isinstance(layer, HybridLayer) else layer for layer in cache.layers
+            if isinstance(layer, (RecurrentLayer, HybridLayer))]
+
+
+def _key_layers(cache) -> list:
+    """The cache's layers that hold keys (attention layers, hybrid layers)."""
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
 
 
 # --- the kernels --------------------------------------------------------------------------------
@@ -181,8 +207,7 @@ def test_cache_holds_a_constant_state_per_sequence_as_the_contract_says(pair):
         first = cache.payload_bytes()
         assert first == cache_bytes(config, 4, batch_size=2, dtype=torch.float32)
         ours(IDS[:, 4:], cache=cache)
-    linear = [layer for layer in cache.layers if isinstance(layer, RecurrentLayer)]
-    assert sum(layer.payload_bytes() for layer in linear) == 2 * state_bytes_per_sequence(config, torch.float32)
+    assert sum(layer.payload_bytes() for layer in _states(cache)) == 2 * state_bytes_per_sequence(config, torch.float32)
     grown = cache.payload_bytes() - first  # only the full layers grew, by their K/V of 8 tokens
     assert grown == 2 * 8 * cache_bytes_per_token(config, torch.float32)
     per_layer = (2 * config.num_key_value_heads * config.head_dim if config.attention_type == "standard"
@@ -195,9 +220,9 @@ def test_reorder_select_repeat_and_reset_follow_the_batch(pair):
     _, ours = pair
     with torch.no_grad():
         cache = _cache_of(ours(IDS, use_cache=True))
-    layer = next(layer for layer in cache.layers if isinstance(layer, RecurrentLayer))
+    layer = _states(cache)[0]
 
-    def states():  # the conv window, and the recurrent state where the kind has one
+    def states():  # the conv window, and the recurrent state where the kind has one (LFM2's has none)
         return [t for t in (layer.conv_state, layer.recurrent_state) if t is not None]
 
     before = [t.clone() for t in states()]
@@ -210,21 +235,6 @@ def test_reorder_select_repeat_and_reset_follow_the_batch(pair):
     assert all(torch.equal(now, then.flip(0)) for now, then in zip(states(), before, strict=True))
     cache.reset()
     assert layer.conv_state is None and layer.recurrent_state is None and layer.get_seq_length() == 0
-
-
-def test_assisted_decoding_and_crop_are_refused(pair):
-    _, ours = pair
-    for extra in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=ours)):
-        with pytest.raises(ValueError, match=f"`{next(iter(extra))}` is set: .*cannot be rolled back"):
-            ours.generate(IDS[:1], max_new_tokens=3, **extra)
-    with torch.no_grad():
-        cache = _cache_of(ours(IDS, use_cache=True))
-    keys = [layer.keys.clone() for layer in cache.layers if not isinstance(layer, RecurrentLayer)]
-    with pytest.raises(ValueError, match="cannot be rolled back"):
-        cache.crop(-2)
-    assert all(torch.equal(layer.keys, k) for layer, k in
-               zip([layer for layer in cache.layers if not isinstance(layer, RecurrentLayer)], keys))
-    assert not RecurrentLayer.is_croppable
 
 
 # --- the contract ---------------------------------------------------------------------------------
@@ -261,15 +271,15 @@ def test_presets_follow_their_checkpoints():
 
 
 def _use_stand_ins(monkeypatch, calls: list) -> None:
-    """fla and causal-conv1d reported available and this device counted as theirs, as stand-ins that compute what
-    the libraries document and record their calls in `calls`."""
+    """fla (Gated DeltaNet's and KDA's kernels) and causal-conv1d reported available and this device counted as
+    theirs, as stand-ins that compute what the libraries document and record their calls in `calls`."""
     monkeypatch.setattr(compat, "flash_linear_attention_kernels", lambda: (
         fake_fla(delta_rule.chunked_gated_delta_rule, calls), fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
+    monkeypatch.setattr(compat, "fla_kda_kernels", lambda: (
+        fake_fla(kda_rule.chunked_kda, calls), fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
     monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
         lambda *a, **k: calls.append("conv") or fake_causal_conv1d_fn(*a, **k),
         lambda *a, **k: calls.append("conv_update") or fake_causal_conv1d_update(*a, **k)))
-    monkeypatch.setattr(compat, "fla_kda_kernels", lambda: (
-        fake_fla(kda_rule.chunked_kda, calls), fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
     monkeypatch.setattr(delta_rule, "_FLA_DEVICES", ("cpu",))
     monkeypatch.setattr(delta_rule, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
     _clear_kernel_caches()
@@ -280,28 +290,37 @@ def _clear_kernel_caches() -> None:
     kda_rule._kda_kernels_for.cache_clear()
 
 
-def test_gpu_kernels_are_dispatched_where_available(pair, monkeypatch):
-    """With fla and causal-conv1d reported available (stand-ins) and this device counted as theirs, the layers call
-    them (the chunked kernel for prefill, the fused recurrent one and the in-place conv update for decode, those of
-    the layer's kind) and the tokens stay those of the PyTorch path."""
-    _, ours = pair
+def test_gpu_kernels_are_dispatched_where_available(delta_rule_pair, monkeypatch):
+    """With fla and causal-conv1d reported available (stand-ins that compute what the libraries document) and
+    this device counted as theirs, the layers call them (the chunked kernel for prefill, the fused recurrent one
+    and the in-place conv update for decode, those of the layer's kind) and the tokens stay those of the PyTorch
+    path. While the cache records for prompt lookup, the window is not updated in place (a crop may need it) and the
+    tokens stay greedy's."""
+    _, ours = delta_rule_pair
     expected = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
+    grounded = torch.cat([IDS[:1], IDS[:1, :6]], dim=1)  # prompt lookup finds drafts in it
+    greedy = ours.generate(grounded, **GREEDY)
+    fla = FLA_CALLS[ours.config.linear_attention_type]
     calls = []
     _use_stand_ins(monkeypatch, calls)
     try:
         assert delta_rule.kernels_for(torch.device("cpu")).name == "fla+causal-conv1d"
         assert torch.equal(ours.generate(PADDED, attention_mask=MASK, **GREEDY), expected)
+        assert fla | {"conv", "conv_update"} <= set(calls)
+        calls.clear()
+        assert torch.equal(ours.generate(grounded, prompt_lookup_num_tokens=3, **GREEDY), greedy)
     finally:
         monkeypatch.undo()
         _clear_kernel_caches()
-    assert FLA_CALLS[ours.config.linear_attention_type] | {"conv", "conv_update"} <= set(calls)
+    assert fla | {"conv"} <= set(calls)
+    assert "conv_update" not in calls
     assert delta_rule.kernels_for(torch.device("cpu")) == delta_rule.TORCH_KERNELS
 
 
-def test_gpu_kernels_take_packed_documents_by_cu_seqlens(pair, monkeypatch):
+def test_gpu_kernels_take_packed_documents_by_cu_seqlens(delta_rule_pair, monkeypatch):
     """Packed documents on the GPU path: fla's chunked kernel gets `cu_seqlens` (batch 1), causal-conv1d's
     kernel the row with zeros between documents; each document's logits stay those it has alone."""
-    _, ours = pair
+    _, ours = delta_rule_pair
     documents = [IDS[0, :7].tolist(), IDS[1, :3].tolist(), IDS[1, 3:].tolist()]
     ids = torch.tensor([sum(documents, [])])
     positions = torch.tensor([sum((list(range(len(d))) for d in documents), [])])
@@ -324,7 +343,8 @@ def test_without_an_accelerator_transformers_reports_no_gpu_kernels():
     """What this machine has: transformers' own availability checks say no, so the PyTorch path runs."""
     assert compat.flash_linear_attention_kernels() is None and compat.causal_conv1d_kernels() is None
     assert compat.fla_kda_kernels() is None
-    assert delta_rule.kernels_for(torch.device("cpu")).name == kda_rule.kda_kernels_for(torch.device("cpu")).name == "torch"
+    assert delta_rule.kernels_for(torch.device("cpu")).name == kda_rule.kda_kernels_for(torch.device("cpu")).name
+    assert delta_rule.kernels_for(torch.device("cpu")).name == "torch"
 
 
 def test_a_checkpoint_with_a_part_of_an_mtp_module_is_refused_by_name(tmp_path):

@@ -116,4 +116,7 @@ CONVOLUTIONS = SplitTensor(tuple(f"{LAYER}.self_attn.{x}_conv1d.weight" for x in
 
 FAMILY = Family(FAMILY_NAME, to_contract, from_contract, rules, "model.", getattr(transformers, "KimiLinearConfig", None),
                 renames=RENAMES, experts=expert_stacks(gate="w1", up="w3", down="w2"), split=(CONVOLUTIONS,),
-                renamed_layers={f"{LAYER}.block_sparse_moe.": "sparse"})
+                renamed_layers={f"{LAYER}.block_sparse_moe.": "sparse"},
+                description="Kimi Linear (transformers 5.17+): Kimi Delta Attention (`kda`) beside NoPE latent attention, "
+                            "DeepSeek-V3 experts",
+                refusals=("latent attention with RoPE (`mla_use_nope: false`)",))

@@ -58,8 +58,8 @@ def rules(src) -> list:
     attention += norm(f"{layer}.self_attn.q_layernorm", f"{ours}.self_attn.qk_norm.q_norm")
     attention += norm(f"{layer}.self_attn.k_layernorm", f"{ours}.self_attn.qk_norm.k_norm")
     convolution = []
-    for name in ("in_proj", "conv", "out_proj"):
-        convolution += linear(f"{layer}.conv.{name}", f"{ours}.linear_attn.{name}")
+    for theirs, mine in (("in_proj", "in_proj"), ("conv", "conv1d"), ("out_proj", "out_proj")):
+        convolution += linear(f"{layer}.conv.{theirs}", f"{ours}.linear_attn.{mine}")
     return [rule("model.embed_tokens.weight", "model.embed_tokens.weight"),
             *in_layers(attention, "attention"), *in_layers(convolution, "linear_attention"),
             *gated_mlp(("w1", "w3", "w2"), "feed_forward"),
@@ -68,4 +68,5 @@ def rules(src) -> list:
             rule("lm_head.weight", "lm_head.weight", optional=True)]
 
 
-FAMILY = Family("lfm2", to_contract, from_contract, rules, "model.", Lfm2Config)
+FAMILY = Family("lfm2", to_contract, from_contract, rules, "model.", Lfm2Config,
+                description="LFM2: gated short convolutions (`short_conv`) beside GQA with QK-norm")

@@ -95,4 +95,6 @@ CONVOLUTIONS = SplitTensor(tuple(f"model.layers.{{layer}}.linear_attn.{x}_conv1d
                            "model.layers.{layer}.linear_attn.conv1d.weight", conv_widths)
 
 FAMILY = Family("olmo_hybrid", to_contract, from_contract, rules, "model.", OlmoHybridConfig, renames=RENAMES,
-                split=(CONVOLUTIONS,), renamed_layers=dict.fromkeys(RENAMES, "linear_attention"))
+                split=(CONVOLUTIONS,), renamed_layers=dict.fromkeys(RENAMES, "linear_attention"),
+                description="OLMo hybrid: Gated DeltaNet (β×2, negative eigenvalues) beside output-norm attention, "
+                            "RoPE on full layers only")

@@ -46,4 +46,7 @@ def from_contract(cfg) -> Qwen3_5MoeTextConfig:
 FAMILY = Family("qwen3_5_moe_text", to_contract, from_contract,
                 lambda src: with_mtp(hybrid_rules(moe_rules(shared="shared_expert", shared_gate=True), fused=False)),
                 "model.", Qwen3_5MoeTextConfig, head=("lm_head.", "mtp."),
-                experts=expert_stacks() + expert_stacks(layers="mtp.layers"), mtp_layers=MTP_LAYER)
+                experts=expert_stacks() + expert_stacks(layers="mtp.layers"), mtp_layers=MTP_LAYER,
+                description="Qwen3.5-MoE text folders: Gated DeltaNet hybrid, experts with a sigmoid-gated shared "
+                            "expert, MTP layer",
+                refusals=("dense feed-forward layers", "more than one MTP layer", "MTP embeddings of its own"))

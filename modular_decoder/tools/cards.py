@@ -88,6 +88,10 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         tags.append("sliding-window")
     if config.linear_attention_kind.in_use(config):
         tags += ["hybrid-linear-attention", f"linear-attention-{config.linear_attention_type}"]
+    if config.block_types is not None and any(kind != "mixer_mlp" for kind in config.block_types):
+        tags.append("single-sublayer-layers")
+    if "hybrid" in config.layer_types:
+        tags.append("parallel-mixers")
     if config.attn_output_gate:
         tags.append("gated-attention")
     if config.attention_sinks:
