@@ -2,12 +2,12 @@
 
 Most 2025-26 releases ship their language model inside a multimodal folder (a vision tower, a projector, a processor
 and a wrapper class such as `Gemma3ForConditionalGeneration`). `convert` reads such a folder's language model through
-its text family (`gemma3_text`, `mistral`, `qwen3_5_text`) and writes everything else, untouched, into OUT's
-`multimodal/` folder: the release's `config.json`, every other tensor under its own name (copied file tensor by file
-tensor, never through a model), the processor, tokenizer and other files, and `modular_decoder.json` (which release,
-which text family, where its files keep the language model, the contract it converted to). `export --family
-<release>` writes the language model back under the release's names beside those tensors, so that the wrapper class
-loads the folder.
+its text family (`gemma3_text`, `mistral`, `qwen3_5_text`, `qwen3_5_moe_text`) and writes everything else, untouched,
+into OUT's `multimodal/` folder: the release's `config.json`, every other tensor under its own name (copied file
+tensor by file tensor, never through a model), the processor, tokenizer and other files, and `modular_decoder.json`
+(which release, which text family, where its files keep the language model, the contract it converted to). `export
+--family <release>` writes the language model back under the release's names beside those tensors, so that the
+wrapper class loads the folder.
 
 A release is one `Wrapper` entry: its `model_type`, the text families its `text_config` may name, and where its files
 keep the language model (`layouts`). transformers reads two layouts: the Llava-era one (`language_model.model.*`,
@@ -73,7 +73,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "gemma3": Wrapper("gemma3", ("gemma3_text",), (LLAVA, MODULES), unapplied=("final_logit_softcapping",)),
     # Mistral Small 3.1 / 3.2 (`mistral`), Ministral 3 (`ministral3`)
     "mistral3": Wrapper("mistral3", ("mistral", "ministral3"), (LLAVA, MODULES)),
-    "qwen3_5_moe": Wrapper("qwen3_5_moe", ("qwen3_5_moe_text",), (QWEN3_5,), waits_for="its text family"),
+    "qwen3_5_moe": Wrapper("qwen3_5_moe", ("qwen3_5_moe_text",), (QWEN3_5,)),
     "gemma4": Wrapper("gemma4", ("gemma4_text",), (MODULES,), waits_for="its text family"),
     "llama4": Wrapper("llama4", ("llama4_text",), (LLAVA,), waits_for="its text family"),
 }

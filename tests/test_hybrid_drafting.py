@@ -35,8 +35,10 @@ DRAFTING = {
 
 
 # (Nemotron-H: Mamba-2 layers; Falcon-H1: Mamba-2 beside attention in hybrid layers, whose cache layer holds both;
-# LFM2: a window-only short convolution; Kimi Linear: KDA's three convolutions in one window, beside latent attention)
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text", "nemotron_h", "falcon_h1", "lfm2", "kimi_linear"])
+# LFM2: a window-only short convolution; Kimi Linear: KDA's three convolutions in one window, beside latent attention;
+# OLMo hybrid: Gated DeltaNet with negative eigenvalues; Qwen3.5-MoE: Gated DeltaNet beside experts)
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text", "nemotron_h", "falcon_h1", "lfm2", "kimi_linear",
+                                        "olmo_hybrid", "qwen3_5_moe_text"])
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint, the folder)."""
     skip_without_class(request.param)

@@ -33,9 +33,10 @@ PROMPT = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 80, 33, 7], [9, 1, 64, 1
 PROCESSOR = {"image_processor_type": "SiglipImageProcessor", "size": {"height": 28, "width": 28}}
 
 
-def _qwen3_5_text() -> dict:
-    """Qwen3.5's text model as the hybrid conversion cases build it, 3:1 as released, with its MTP module declared."""
-    text = TEXT_CASES["qwen3_5_text"][1]().to_dict()
+def _qwen3_5_text(family: str = "qwen3_5_text") -> dict:
+    """Qwen3.5's (or Qwen3.5-MoE's: `family`) text model as the hybrid conversion cases build it, 3:1 as released,
+    with its MTP module declared."""
+    text = TEXT_CASES[family][1]().to_dict()
     text.update(layer_types=QWEN_LAYERS, num_hidden_layers=len(QWEN_LAYERS), mtp_num_hidden_layers=1,
                 max_position_embeddings=128)
     return text
@@ -55,6 +56,11 @@ RELEASES = {
         image_token_index=94, spatial_merge_size=2),
     "qwen3_5": lambda: tf.Qwen3_5Config(
         text_config=_qwen3_5_text(),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=D, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
+        image_token_id=94, video_token_id=95, vision_start_token_id=92, vision_end_token_id=93),
+    "qwen3_5_moe": lambda: tf.Qwen3_5MoeConfig(
+        text_config=_qwen3_5_text("qwen3_5_moe_text"),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=D, patch_size=4,
                            spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
         image_token_id=94, video_token_id=95, vision_start_token_id=92, vision_end_token_id=93),
@@ -88,6 +94,7 @@ CASES = {
     "mistral3": "an untied head beside a config.json without `tie_word_embeddings` (its default, true), as published",
     "mistral3-ministral3": "Ministral 3's language model (`ministral3`: the query temperature) inside a mistral3 folder",
     "qwen3_5": "an MTP module in the files (`mtp.*`), which the wrapper class skips",
+    "qwen3_5_moe": "Qwen3.5-MoE's language model (experts beside a gated shared expert) and its MTP module",
 }
 
 
@@ -112,8 +119,8 @@ def make_release(case: str, path: Path) -> Path:
         config = json.loads((path / "config.json").read_text())
         del config["tie_word_embeddings"]
         (path / "config.json").write_text(json.dumps(config, indent=2))
-    if case == "qwen3_5":
-        holder = save_qwen3_next_with_mtp(path.parent / "mtp-holder", family="qwen3_5_text")
+    if case in ("qwen3_5", "qwen3_5_moe"):
+        holder = save_qwen3_next_with_mtp(path.parent / "mtp-holder", family=case + "_text")
         tensors = load_file(weights)
         tensors.update({k: v for k, v in load_file(holder / "model.safetensors").items() if k.startswith("mtp.")})
         save_file(tensors, weights, metadata={"format": "pt"})
@@ -152,7 +159,7 @@ def test_release_converts_and_exports_back_bit_for_bit(case, tmp_path):
         torch.testing.assert_close(ours(PROMPT).logits, expected, atol=1e-5, rtol=0)
     assert torch.equal(greedy(ours, PROMPT[:1]), greedy(release, PROMPT[:1]))
     assert ours.config.tie_word_embeddings == (case.startswith("gemma3"))
-    assert ours.config.num_mtp_layers == (1 if case == "qwen3_5" else 0)
+    assert ours.config.num_mtp_layers == (1 if case.startswith("qwen3_5") else 0)
 
     kept = tmp_path / "md" / KEPT_FOLDER
     source_files = non_weight_files(src)
