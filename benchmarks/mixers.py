@@ -21,12 +21,18 @@ holds, every kind and context alternating in one loop.
 State against K/V (the contract's arithmetic, `contract.state_bytes_per_sequence`, `cache_bytes`): for each preset at
 its published sizes, in bf16, the bytes its linear layers keep per sequence, its attention layers' bytes per token,
 its cache at 4k, 32k and 128k tokens, and the cache the same model would hold with every layer attending.
+Drafting (`drafting`): ours from the side-by-side folder, greedy decoding of NEW_TOKENS after an input-grounded prompt
+(a random piece of 64 tokens, 16 others, the piece again), plain against prompt lookup (3 tokens a step), the two
+alternating: the tokens of both (equal), tokens/s of each, and the share of drafted tokens kept. The weights are
+random, so the share kept says what these random models repeat, not what a trained model would.
 `--smoke`: tiny widths, a 32-token prompt, 4 new tokens, contexts 64 and 256.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -35,7 +41,8 @@ import transformers as tf
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
 from modular_decoder.contract import cache_bytes, cache_bytes_per_token, state_bytes_per_sequence
 
-from . import harness
+from . import harness, measure
+from .families import load_side
 from .hybrid import flat_in_context, side_by_side
 
 FULL = dict(hidden_size=1024, vocab_size=8192, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
@@ -47,6 +54,7 @@ PRESETS = ("lfm2", "olmo_hybrid", "qwen3_5_moe", "kimi_linear")
 CLASSES = {"lfm2": "Lfm2ForCausalLM", "olmo_hybrid": "OlmoHybridForCausalLM",
            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
 CONTEXTS = (4096, 32768, 131072)
+PROMPT_LOOKUP_TOKENS = 3
 
 
 def linear_widths(smoke: bool, value_heads: int = 16, value_dim: int = 128) -> dict:
@@ -75,7 +83,8 @@ def reference_configs(smoke: bool) -> dict:
             layer_types=THREE_TO_ONE, **gdn, **experts, shared_expert_intermediate_size=experts["moe_intermediate_size"],
             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}),
         **({"kimi_linear": getattr(tf, "KimiLinearConfig")(
-            **dict(sizes, num_key_value_heads=w["num_attention_heads"]), num_hidden_layers=4, layer_types=THREE_TO_ONE, linear_num_heads=gdn["linear_num_key_heads"],
+            **dict(sizes, num_key_value_heads=w["num_attention_heads"]), num_hidden_layers=4, layer_types=THREE_TO_ONE,
+            linear_num_heads=gdn["linear_num_key_heads"],
             linear_head_dim=gdn["linear_key_head_dim"], q_lora_rank=None, kv_lora_rank=w["hidden_size"] // 4,
             qk_nope_head_dim=w["head_dim"] // 2, qk_rope_head_dim=w["head_dim"] // 4, v_head_dim=w["head_dim"] // 2,
             n_shared_experts=1, **experts)} if hasattr(tf, "KimiLinearConfig") else {}),
@@ -96,6 +105,67 @@ def one_layer_models(smoke: bool) -> dict:
                "full_attention": ModularDecoderConfig(**common, layer_types=["full_attention"])}
     torch.manual_seed(0)
     return {kind: ModularDecoderForCausalLM(config).eval() for kind, config in configs.items()}
+
+
+def drafting(model, new_tokens: int, repeats: int, piece: int = 64) -> dict:
+    """Greedy decoding of `new_tokens` after an input-grounded prompt, plain and with prompt lookup, alternating:
+    tokens/s of each, whether their tokens are equal, and the share of drafted tokens kept."""
+    generator = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    text = torch.randint(0, vocab, (1, piece), generator=generator)
+    prompt = torch.cat([text, torch.randint(0, vocab, (1, 16), generator=generator), text], dim=1)
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    cases = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}}
+    tokens, kept = {}, []
+
+    def run_of(name: str):
+        def run() -> float:
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(prompt, return_dict_in_generate=True, **cases[name], **greedy)
+            seconds = time.perf_counter() - start
+            tokens[name] = out.sequences
+            return new_tokens / seconds
+        return run
+
+    with CountingDrafts() as counts:
+        rates = measure.alternating({name: run_of(name) for name in cases}, repeats)
+        kept = counts.kept_share()
+    return {"prompt_tokens": prompt.shape[1], "new_tokens": new_tokens, "draft_tokens": PROMPT_LOOKUP_TOKENS,
+            "same_tokens": bool(torch.equal(tokens["plain"], tokens["prompt_lookup"])),
+            "tokens_per_s": rates, "median_tokens_per_s": {n: statistics.median(v) for n, v in rates.items()},
+            "median_ratio": statistics.median(d / p for d, p in zip(rates["prompt_lookup"], rates["plain"])),
+            "drafted_tokens_kept": kept}
+
+
+class CountingDrafts:
+    """Counts, while active, the tokens prompt lookup drafts and those its verification keeps (transformers'
+    `PromptLookupCandidateGenerator`: its `get_candidates` / `update_candidate_strategy`)."""
+
+    def __enter__(self):
+        from transformers.generation import candidate_generator
+        self.owner = candidate_generator.PromptLookupCandidateGenerator
+        self.originals = (self.owner.get_candidates, self.owner.update_candidate_strategy)
+        self.drafted = self.accepted = 0
+        get_candidates, update = self.originals
+
+        def counting_candidates(generator, input_ids, *args, **kwargs):
+            out = get_candidates(generator, input_ids, *args, **kwargs)
+            self.drafted += out[0].shape[1] - input_ids.shape[1]
+            return out
+
+        def counting_update(generator, input_ids, scores, num_matches, *args, **kwargs):
+            self.accepted += int(num_matches)
+            return update(generator, input_ids, scores, num_matches, *args, **kwargs)
+
+        self.owner.get_candidates, self.owner.update_candidate_strategy = counting_candidates, counting_update
+        return self
+
+    def __exit__(self, *exc):
+        self.owner.get_candidates, self.owner.update_candidate_strategy = self.originals
+
+    def kept_share(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
 
 
 def state_against_kv() -> list[dict]:
@@ -134,6 +204,13 @@ def report(result: dict) -> str:
     for row in result["flat_in_context"]:
         lines.append(f"| {row['context']:,} | " + " | ".join(f"{row['step_ms'][k]:.2f}" for k in kinds) + " | "
                      + " | ".join(f"{row['cache_bytes'][k]:,}" for k in kinds) + " |")
+    lines += ["", "| family (ours) | plain tok/s | prompt lookup tok/s | ratio (median) | drafted kept | same tokens |",
+              "|---|---:|---:|---:|---:|---|"]
+    for family, row in result.get("drafting", {}).items():
+        kept = row["drafted_tokens_kept"]
+        lines.append(f"| {family} | {row['median_tokens_per_s']['plain']:.1f} | "
+                     f"{row['median_tokens_per_s']['prompt_lookup']:.1f} | {row['median_ratio']:.2f}x | "
+                     f"{'-' if kept is None else f'{kept:.0%}'} | {row['same_tokens']} |")
     lines += ["", "| preset | linear layers | state per sequence | K/V per token | cache at "
               + " / ".join(f"{c // 1024}k" for c in CONTEXTS) + " | every layer attending, at the same |",
               "|---|---|---:|---:|---:|---:|"]
@@ -158,13 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     prompt, new_tokens = (32, 4) if args.smoke else (args.prompt, args.new_tokens)
     contexts = [64, 256] if args.smoke else args.contexts
     configs = reference_configs(args.smoke)
-    result = {"widths": SMOKE if args.smoke else FULL, "side_by_side": {}}
+    result = {"widths": SMOKE if args.smoke else FULL, "side_by_side": {}, "drafting": {}}
     for family in args.families:
         if family not in configs:  # a transformers release without the class
             continue
         with tempfile.TemporaryDirectory() as tmp:
             result["side_by_side"][family] = side_by_side(Path(tmp), configs[family], prompt, new_tokens,
                                                           args.repeats, reference=CLASSES[family])
+            result["drafting"][family] = drafting(load_side(Path(tmp), "ours"), new_tokens, args.repeats)
     result["flat_in_context"] = flat_in_context(one_layer_models(args.smoke), contexts, args.repeats)
     result["state_against_kv"] = state_against_kv()
     print(report(result))

@@ -65,7 +65,8 @@ BENCHMARKS = (
               "1k and 16k cached tokens (time, cache bytes)", "results_hybrid.json"),
     Benchmark("mixers", "mixers", "the recurrent mixers (LFM2's short convolution, OLMo hybrid's and Qwen3.5-MoE's Gated "
               "DeltaNet, Kimi Linear's KDA): prefill and decode against each transformers class, one decode step of "
-              "each mixer beside full attention from 1k to 16k cached tokens, state bytes against K/V bytes",
+              "each mixer beside full attention from 1k to 16k cached tokens, prompt lookup against plain decoding on each "
+              "family, state bytes against K/V bytes",
               "results_mixers.json"),
     Benchmark("gpu", "gpu", "the GPU matrix (bf16, one accelerator): prefill, eager and compiled generate, MLA "
               "decode and chunked prefill, training steps, diagnostics; `--smoke` runs its code paths on the CPU",

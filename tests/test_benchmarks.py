@@ -566,7 +566,8 @@ def test_hybrid_smoke_measures_both_sides_and_both_layer_kinds(tmp_path):
 
 def test_mixers_smoke_measures_each_family_each_mixer_and_the_presets(tmp_path):
     """`python -m benchmarks mixers --smoke`: each family's side with transformers' logits, each mixer's decode step
-    with a cache that does not grow (the full layer's does), and the presets' state and K/V bytes."""
+    with a cache that does not grow (the full layer's does), prompt lookup beside plain decoding, and the presets' state
+    and K/V bytes."""
     from benchmarks import mixers
 
     out = tmp_path / "mixers.json"
@@ -580,6 +581,9 @@ def test_mixers_smoke_measures_each_family_each_mixer_and_the_presets(tmp_path):
         assert first["cache_bytes"][kind] == last["cache_bytes"][kind] > 0
     assert last["cache_bytes"]["full_attention"] == 4 * first["cache_bytes"]["full_attention"]
     assert [row["preset"] for row in record["state_against_kv"]] == list(mixers.PRESETS)
+    assert set(record["drafting"]) == set(record["side_by_side"])
+    for row in record["drafting"].values():  # prompt lookup decodes plain greedy's tokens
+        assert row["same_tokens"] and row["median_tokens_per_s"]["prompt_lookup"] > 0
 
 
 def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_path):
