@@ -34,7 +34,7 @@ class HybridLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        return all(part.is_croppable for part in self.parts)
+        return all(getattr(part, "is_croppable", True) for part in self.parts)  # (no attribute before 5.2x)
 
     @property
     def is_sliding(self) -> bool:
@@ -89,7 +89,8 @@ class HybridLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         for part in self.parts:
-            part.crop(tokens_to_remove)
+            if part.is_initialized:  # (transformers 5.16's DynamicLayer.crop fails on an empty layer)
+                part.crop(tokens_to_remove)
 
     def activate_past_recording(self, *args, **kwargs) -> None:
         for part in self.parts:

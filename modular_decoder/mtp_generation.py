@@ -75,7 +75,9 @@ def recorded_drafts():
 def drafting_refusal(config) -> str | None:
     """Why `generate(use_mtp=True)` cannot draft with this config, or None where it drafts: every layer of its cache
     must roll back after a rejected draft (transformers' `is_croppable`)."""
-    stuck = sorted({type(layer).__name__ for layer in ModularDecoderCache(config).layers if not layer.is_croppable})
+    # (transformers before 5.2x names no `is_croppable` on its layers: each of them crops)
+    stuck = sorted({type(layer).__name__ for layer in ModularDecoderCache(config).layers
+                    if not getattr(layer, "is_croppable", True)})
     if stuck:
         return (f"`use_mtp` is set, and this model's cache layers ({', '.join(stuck)}) cannot be rolled back after a "
                 "rejected draft: generate without `use_mtp`.")
