@@ -271,7 +271,7 @@ def validate_block(config) -> None:
                 f"got `norm_position`={config.norm_position!r}."
             )
     validate_block_types(config)
-    if config.num_mtp_layers and isinstance(config.layer_types, list) and config.layer_types[-1] == HYBRID:
+    if config.num_mtp_layers and isinstance(config.layer_types, list) and config.layer_types[-1:] == [HYBRID]:
         raise ValueError(f"`num_mtp_layers`={config.num_mtp_layers}: an MTP module is a block of the last layer's "
                          "kinds, and `layer_types` makes the last layer 'hybrid', which MTP modules cannot be yet.")
 

@@ -51,6 +51,10 @@ VARIANTS: dict[str, dict] = {
     # gated full-attention layer; packed documents restart the linear layer's state
     "hybrid": dict(num_key_value_heads=2, layer_types=["linear_attention", "full_attention"], attn_output_gate=True,
                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
+    # Falcon-H1's μP: multipliers on the attention's input, keys and output and on the gated MLP's gate and output
+    # (vLLM's fused attention and MLP would drop them)
+    "mup_sublayers": dict(num_key_value_heads=2, mlp_type="gated", attention_in_multiplier=0.5, key_multiplier=1.5,
+                          attention_out_multiplier=2.0, mlp_multipliers=[0.7, 1.3]),
 }
 
 

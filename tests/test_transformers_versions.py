@@ -440,7 +440,7 @@ FAMILY_CHILD = textwrap.dedent(
                 logits[:, config.eos_token_id] = -float("inf")  # as `min_new_tokens` keeps generate from EOS
                 theirs = torch.cat([theirs, logits.argmax(-1, keepdim=True)], 1)
     with torch.no_grad():
-        out.update({"layer_types": sorted(set(back.config.layer_types)),
+        out.update({"layer_types": sorted(set(getattr(back.config, "layer_types", None) or [])),
                     "logits": (ours(ids).logits - ref(ids).logits).abs().max().item(),
                     "padded": (ours(ids, attention_mask=mask).logits - ref(ids, attention_mask=mask).logits)[:, 4:]
                               .abs().max().item(),
