@@ -43,7 +43,7 @@ LINEAR = "linear_attention"
 # fails when an entry is added to a registry and not here.
 ATTENTION_TYPES = ("standard", "mla", "dsa")
 MLP_TYPES = ("dense", "gated", "moe")
-LINEAR_ATTENTION_TYPES = ("gated_deltanet", "mamba2")
+LINEAR_ATTENTION_TYPES = ("gated_deltanet", "mamba2", "kda", "short_conv")
 LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_conv_kernel_dim")
 POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
@@ -177,7 +177,7 @@ def config_kwargs(draw) -> dict:
             linear[linear.index(True)] = False
         layer_types = kw["layer_types"] = [LINEAR if lin else t for lin, t in zip(linear, layer_types)]
         kw["linear_attention_type"] = draw(st.sampled_from(LINEAR_ATTENTION_TYPES))
-        kw.update(draw(mamba2_fields() if kw["linear_attention_type"] == "mamba2" else linear_fields()))
+        kw.update(draw(LINEAR_KIND_FIELDS[kw["linear_attention_type"]]()))
     attending = sorted(set(layer_types) - {LINEAR})
 
     # attention kind
@@ -295,18 +295,27 @@ def moe_fields(draw, layers: int) -> dict:
 
 
 @st.composite
-def linear_fields(draw) -> dict:
-    """The linear-attention layers' sizes (each unset one takes its default from the attention's)."""
+def linear_fields(draw, one_value_head_per_key_head: bool = False) -> dict:
+    """The delta-rule layers' sizes (each unset one takes its default from the attention's) and options (OLMo
+    hybrid's negative eigenvalues); KDA has one value head per key head."""
     kw = {}
     key_heads = draw(st.integers(1, 2))
     if draw(st.booleans()):
         kw["linear_num_key_heads"] = key_heads
-        kw["linear_num_value_heads"] = key_heads * draw(st.integers(1, 2))
+        kw["linear_num_value_heads"] = key_heads * (1 if one_value_head_per_key_head else draw(st.integers(1, 2)))
+    elif one_value_head_per_key_head:  # the defaults (from the attention's heads) may differ
+        kw["linear_num_key_heads"] = kw["linear_num_value_heads"] = key_heads
     for name, values in (("linear_key_head_dim", st.integers(1, 8)), ("linear_value_head_dim", st.integers(1, 8)),
-                         ("linear_conv_kernel_dim", st.integers(1, 4))):
+                         ("linear_conv_kernel_dim", st.integers(1, 4)), ("linear_allow_neg_eigval", st.booleans())):
         if draw(st.booleans()):
             kw[name] = draw(values)
     return kw
+
+
+@st.composite
+def short_conv_fields(draw) -> dict:
+    """LFM2's gated short convolution: its window and biases."""
+    return dict(linear_conv_kernel_dim=draw(st.integers(1, 4)), conv_bias=draw(st.booleans()))
 
 
 @st.composite
@@ -322,6 +331,11 @@ def mamba2_fields(draw) -> dict:
         low = draw(st.floats(0.0, 0.5))
         kw["time_step_limit"] = [low, low + draw(st.floats(0.1, 10.0))]
     return kw
+
+
+# The fields each linear-attention kind draws
+LINEAR_KIND_FIELDS = {"gated_deltanet": linear_fields, "kda": lambda: linear_fields(one_value_head_per_key_head=True),
+                      "short_conv": short_conv_fields, "mamba2": mamba2_fields}
 
 
 def configs() -> st.SearchStrategy[ModularDecoderConfig]:
@@ -510,7 +524,9 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         broken[field] = draw(st.sampled_from(bad))
     elif kind == "mla_position":
         field = "position_embedding_type"
-        broken[field] = draw(st.sampled_from(["learned", "sinusoidal", "alibi", "none"]))
+        # (MLA without positions is Kimi Linear's NoPE latent attention; DSA's indexer rotates)
+        broken[field] = draw(st.sampled_from(["learned", "sinusoidal", "alibi"]
+                                             + (["none"] if kw["attention_type"] == "dsa" else [])))
         broken.pop("rope_parameters", None)
         broken.pop("rope_interleaved", None)
         broken.pop("partial_rotary_factor", None)

@@ -98,7 +98,8 @@ AXES: dict[str, dict[str, dict]] = {
                                  local_rope_theta=100.0),
     },
     # the token mixer of the second layer: attention, attention with the output gate, Gated DeltaNet (its
-    # sizes derived, or explicit with grouped value heads and a 3-tap convolution) or Mamba-2 after an attention layer
+    # sizes derived, or explicit with grouped value heads and a 3-tap convolution), Mamba-2, KDA or a short
+    # convolution after an attention layer
     "mixer": {
         "attention": {},
         "gated_attention": dict(attn_output_gate=True),
@@ -110,6 +111,11 @@ AXES: dict[str, dict[str, dict]] = {
         "mamba2": dict(second_layer="linear_attention", linear_attention_type="mamba2", mamba_n_heads=4,
                        mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
                        time_step_limit=[0.0, 5.0]),
+        # Kimi Delta Attention (a decay per key channel, negative eigenvalues) and LFM2's short convolution (biased)
+        "kda": dict(second_layer="linear_attention", linear_attention_type="kda", linear_num_key_heads=2,
+                    linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                    linear_allow_neg_eigval=True),
+        "short_conv": dict(second_layer="linear_attention", linear_attention_type="short_conv", conv_bias=True),
     },
     "ends": {
         "tied": dict(tie_word_embeddings=True),
