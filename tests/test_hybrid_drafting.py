@@ -89,7 +89,8 @@ RULES = {
     "gated_deltanet": (_delta_rule_inputs, delta_rule.chunked_gated_delta_rule, delta_rule.recurrent_gated_delta_rule),
     "decaying_sum": (_decaying_inputs, _decaying_sum, _decaying_sum),
 }
-# slot -> (conv window width or None, rule or None): Gated DeltaNet, Kimi-like (three windows, one state), window only
+# slot -> (conv window width or None, rule or None): Gated DeltaNet, several slots (three windows as transformers'
+# Kimi Linear keeps them, two states), a window only
 MIXERS = {
     "gated_deltanet": {0: (KERNEL, "gated_deltanet")},
     "three_slots": {0: (KERNEL, "decaying_sum"), 1: (2, None), 2: (3, "gated_deltanet")},
