@@ -143,8 +143,11 @@ def _add_scaled(multiplier: float, x: torch.Tensor, branch: torch.Tensor) -> tor
 
 
 class PreNormBlock(DecoderBlock):
-    """x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>    (GPT-2, Llama)
-          └───────────────────────────┘└──────────────────────────┘"""
+    """A norm before attention and before the MLP, the residual kept clean (pre-norm: GPT-2, Llama).
+
+    x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>
+       └───────────────────────────┘└──────────────────────────┘
+    """
 
     NORMS = ("pre_attn_norm", "pre_mlp_norm")
     norm_position = "pre"
@@ -157,8 +160,11 @@ class PreNormBlock(DecoderBlock):
 
 
 class PostNormBlock(DecoderBlock):
-    """x ─┬─ attn ─(+)─ post_attn_norm ─┬─ mlp ─(+)─ post_mlp_norm ─>  (GPT-1, original Transformer)
-          └────────┘                    └───────┘"""
+    """A norm after each residual addition (post-norm: GPT-1, the original Transformer).
+
+    x ─┬─ attn ─(+)─ post_attn_norm ─┬─ mlp ─(+)─ post_mlp_norm ─>
+       └────────┘                    └───────┘
+    """
 
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "post"
@@ -171,9 +177,11 @@ class PostNormBlock(DecoderBlock):
 
 
 class SandwichNormBlock(DecoderBlock):
-    """x ─┬─ pre_attn_norm ─ attn ─ post_attn_norm ─(+)─┬─ pre_mlp_norm ─ mlp ─ post_mlp_norm ─(+)─>
-          └─────────────────────────────────────────┘   └───────────────────────────────────────┘
-    (Gemma 2 / 3)"""
+    """Norms before and after each of attention and the MLP (sandwich: Gemma 2 / 3).
+
+    x ─┬─ pre_attn_norm ─ attn ─ post_attn_norm ─(+)─┬─ pre_mlp_norm ─ mlp ─ post_mlp_norm ─(+)─>
+       └─────────────────────────────────────────┘   └───────────────────────────────────────┘
+    """
 
     NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
     norm_position = "sandwich"
@@ -186,8 +194,11 @@ class SandwichNormBlock(DecoderBlock):
 
 
 class OutputNormBlock(DecoderBlock):
-    """x ─┬─ attn ─ post_attn_norm ─(+)─┬─ mlp ─ post_mlp_norm ─(+)─>   (OLMo 2: norm on the sublayer output)
-          └─────────────────────────┘   └───────────────────────┘"""
+    """A norm on each sublayer's output, before it is added to the residual (OLMo 2).
+
+    x ─┬─ attn ─ post_attn_norm ─(+)─┬─ mlp ─ post_mlp_norm ─(+)─>
+       └─────────────────────────┘   └───────────────────────┘
+    """
 
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "output"
@@ -200,10 +211,13 @@ class OutputNormBlock(DecoderBlock):
 
 
 class ParallelBlock(DecoderBlock):
-    """x ─┬─ pre_attn_norm ─ attn ─┐
-          ├─ pre_mlp_norm ── mlp ──(+)─>     (GPT-NeoX / Falcon-40B: separate norms)
-          └─────────────────────────┘
-    With `parallel_norms="shared"` (GPT-J, Falcon-7B, Phi) one `pre_attn_norm` feeds both branches."""
+    """Attention and the MLP side by side on the same input, both added to the residual (GPT-J, GPT-NeoX, Falcon).
+
+    x ─┬─ pre_attn_norm ─ attn ─┐
+       ├─ pre_mlp_norm ── mlp ──(+)─>     (GPT-NeoX / Falcon-40B: separate norms)
+       └─────────────────────────┘
+    With `parallel_norms="shared"` (GPT-J, Falcon-7B, Phi) one `pre_attn_norm` feeds both branches.
+    """
 
     NORMS = ("pre_attn_norm",)
     norm_position = "pre"

@@ -50,9 +50,11 @@ def heads_first_fp32(query, key, value, g, beta):
 
 
 def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None):
-    """The rule token by token. query/key (B, T, H_k, d_k), value (B, T, H_v, d_v), g/beta (B, T, H_v) (or g per
-    key channel, (B, T, H_v, d_k): KDA's decay, `kda_rule.py`), initial_state (B, H_v, d_k, d_v) or None. Returns the
-    output (B, T, H_v, d_v) in value's dtype and the final state (B, H_v, d_k, d_v) in fp32."""
+    """The gated delta rule, one token at a time (what a decode step runs).
+
+    query/key (B, T, H_k, d_k), value (B, T, H_v, d_v), g/beta (B, T, H_v) (or g per key channel, (B, T, H_v, d_k):
+    KDA's decay, `kda_rule.py`), initial_state (B, H_v, d_k, d_v) or None. Returns the output (B, T, H_v, d_v) in
+    value's dtype and the final state (B, H_v, d_k, d_v) in fp32."""
     dtype = value.dtype
     q, k, v, g, beta = heads_first_fp32(query, key, value, g, beta)
     batch, heads, length, _ = v.shape
@@ -130,9 +132,11 @@ def carry_state(q, k, inner, new_values, decayed_keys, chunk_decay, initial_stat
 
 
 def by_document(rule: Callable) -> Callable:
-    """`rule` (a chunked rule) over one row (batch 1) of packed documents, each from a zero state (`documents`: a
-    `packed_documents.PackedDocuments`): the output (1, T, H_v, d_v) and each document's final state
-    (N, H_v, d_k, d_v), as fla's kernels with `cu_seqlens` return them."""
+    """A chunked rule run over one row (batch 1) of packed documents, each from a zero state.
+
+    The returned function takes (query, key, value, g, beta, documents), `documents` a
+    `packed_documents.PackedDocuments`, and returns the output (1, T, H_v, d_v) and each document's final state
+    (N, H_v, d_k, d_v), as fla's kernels with `cu_seqlens` do."""
 
     def run(query, key, value, g, beta, documents):
         outputs, states = [], []
@@ -175,9 +179,11 @@ _CAUSAL_CONV1D_DEVICES = ("cuda",)
 
 
 def kernels_for(device: torch.device) -> Kernels:
-    """The kernels for tensors on `device`: fla's chunked and fused recurrent gated delta rule and causal-conv1d's
-    convolutions where transformers says they are available (`is_flash_linear_attention_available`,
-    `is_causal_conv1d_available`) and `device` is one they run on; the PyTorch functions otherwise."""
+    """The gated delta rule's kernels for tensors on `device`: fla's and causal-conv1d's where they run, else PyTorch's.
+
+    fla's chunked and fused recurrent gated delta rule and causal-conv1d's convolutions where transformers says they
+    are available (`is_flash_linear_attention_available`, `is_causal_conv1d_available`) and `device` is one they run
+    on; the PyTorch functions otherwise."""
     return _kernels_for(device.type)
 
 

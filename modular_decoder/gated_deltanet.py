@@ -1,6 +1,7 @@
-"""Gated DeltaNet: the linear-attention layer of Qwen3-Next, Qwen3.5 (and Qwen3.5-MoE) and OLMo hybrid, chosen per
-layer by `layer_types` (`"linear_attention"`) and `linear_attention_type="gated_deltanet"` (`GATED_DELTANET`, its
-registry entry).
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next, Qwen3.5 (and Qwen3.5-MoE) and OLMo hybrid.
+
+Chosen per layer by `layer_types` (`"linear_attention"`) and `linear_attention_type="gated_deltanet"`
+(`GATED_DELTANET`, its registry entry).
 
     x ── in_proj_qkv ── causal conv (K taps) ── act ──┬─ q, k (H_k heads of d_k), v (H_v heads of d_v)
      ├── in_proj_b ── σ (·2 with linear_allow_neg_eigval) ┤ β (write strength, per value head)
