@@ -39,7 +39,7 @@ def from_contract(cfg) -> Qwen3_5MoeTextConfig:
         num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
         moe_intermediate_size=cfg.moe_intermediate_size,
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, **source_router_training(cfg),
-        **source_mtp_fields(cfg),
+        **source_mtp_fields(cfg, "qwen3_5_moe_text"),
     )
 
 
