@@ -144,20 +144,33 @@ def flat_in_context(models: dict, contexts: list[int], repeats: int, steps: int 
     return rows
 
 
+def side_rows(side: dict, reference: str = REFERENCE, label: str = "") -> list[str]:
+    """The prefill and decode rows of one side-by-side result: the sides' median tokens/s and ratio (median and
+    range over the repeats)."""
+    rows = []
+    for key in ("prefill", "decode"):
+        medians, ratios = side[key]["median_tokens_per_s"], side[key]["ratios"]
+        rows.append(f"| {label}{key} | {medians[reference]:.1f} | {medians[OURS]:.1f} | "
+                    f"{side[key]['median_ratio']:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
+    return rows
+
+
+def context_rows(rows: list[dict]) -> list[str]:
+    """Each layer kind's decode step and cache bytes per context (markdown)."""
+    lines = ["| cached tokens | layer | decode step (ms) | cache bytes |", "|---:|---|---:|---:|"]
+    for row in rows:
+        for kind, ms in row["step_ms"].items():
+            lines.append(f"| {row['context']:,} | {kind} | {ms:.2f} | {row['cache_bytes'][kind]:,} |")
+    return lines
+
+
 def report(result: dict) -> str:
     """The two tables (markdown): the sides' tokens/s and ratio (median and range over the repeats), and each layer
     kind's decode step and cache bytes per context."""
     side = result["side_by_side"]
     lines = [f"| 1 x {side['prompt']} prefill / batch-1 decode of {side['new_tokens']} | {REFERENCE} tok/s | ours "
-             "tok/s | ours / it (median; range) |", "|---|---:|---:|---:|"]
-    for key in ("prefill", "decode"):
-        medians, ratios = side[key]["median_tokens_per_s"], side[key]["ratios"]
-        lines.append(f"| {key} | {medians[REFERENCE]:.1f} | {medians[OURS]:.1f} | {side[key]['median_ratio']:.2f}x "
-                     f"({min(ratios):.2f}-{max(ratios):.2f}) |")
-    lines += ["", "| cached tokens | layer | decode step (ms) | cache bytes |", "|---:|---|---:|---:|"]
-    for row in result["flat_in_context"]:
-        for kind, ms in row["step_ms"].items():
-            lines.append(f"| {row['context']:,} | {kind} | {ms:.2f} | {row['cache_bytes'][kind]:,} |")
+             "tok/s | ours / it (median; range) |", "|---|---:|---:|---:|", *side_rows(side), "",
+             *context_rows(result["flat_in_context"])]
     return "\n".join(lines)
 
 
