@@ -14,6 +14,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_layer import AttentionLayer
+from .chunked_attention import layer_window
 from .compat import DynamicSlidingWindowLayer
 from .eager_attention import eager_attention
 from .growing_cache import GrowingLayer
@@ -21,11 +22,11 @@ from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kinds import AttentionKind
 from .split_products import project, takes_split_branch
 from .norms import build_norm, norm_parameters
-from .positions import apply_rotary
+from .positions import apply_rotary, nope_temperature, rotary_layers
 from .sinks import sink_parameters
 
 
-QK_NORMS = ("none", "head", "full")
+QK_NORMS = ("none", "head", "full", "weightless")
 
 
 class QKNorm(nn.Module):
@@ -48,11 +49,19 @@ class QKNorm(nn.Module):
         return self.q_norm(q), self.k_norm(k)
 
 
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in fp32, cast back (Llama 4's L2 norm of q and k: no weight)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
 class StandardAttention(AttentionLayer):
     """softmax(q·kᵀ·scaling + mask [+ ALiBi bias]) · v per head, then `o_proj`.
 
     q = x·W_qᵀ (H heads), k = x·W_kᵀ and v = x·W_vᵀ (H_kv heads, each shared by H / H_kv query heads), with
-    optional biases; q and k QK-normed, then rotated (RoPE) where configured; k and v appended to the cache.
+    optional biases; q and k QK-normed, then rotated (RoPE) where configured (`qk_norm="weightless"`: normed after
+    the rotation, on the layers that rotate, as Llama 4); on a NoPE layer with `attn_temperature_tuning` the queries
+    scaled by their positions' temperature; k and v appended to the cache.
     scaling = `query_pre_attn_scalar`^-1/2 (default d_h^-1/2). The scores go through transformers' attention
     interface, so `attn_implementation` picks the kernel. With `attn_output_gate`, `q_proj` also yields a gate
     per head and channel (each head's [query | gate], transformers' Qwen3-Next layout) and the heads' output is
@@ -71,7 +80,12 @@ class StandardAttention(AttentionLayer):
         self.k_proj = nn.Linear(d, self.num_key_value_heads * hd, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, self.num_key_value_heads * hd, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.attention_output_bias)
-        self.qk_norm = QKNorm(config, per_head=config.qk_norm == "head") if config.qk_norm != "none" else None
+        self.qk_norm = QKNorm(config, per_head=config.qk_norm == "head") if config.qk_norm in ("head", "full") else None
+        self.norm_rotated = config.qk_norm == "weightless"
+        self.eps = config.norm_eps
+        rotates = rotary_layers(config)[layer_idx]
+        self.temperature = (config.floor_scale, config.attn_scale) if config.attn_temperature_tuning and not rotates \
+            else None
 
     def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # a method of its own: `forward` then calls each projection once (vLLM note in `forward`)
@@ -97,6 +111,8 @@ class StandardAttention(AttentionLayer):
         if position_embeddings is not None:
             cos, sin = position_embeddings
             q, k = apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
+            if self.norm_rotated:
+                q, k = weightless_rms_norm(q, self.eps), weightless_rms_norm(k, self.eps)
         return q, k, v
 
     def forward(
@@ -118,6 +134,8 @@ class StandardAttention(AttentionLayer):
             q, k, v = query, key, value
         q, gate = self._query_and_gate(q)
         q, k, v = self._heads(q, k, v, position_embeddings)  # (B, H, T, D), (B, H_kv, T, D) twice
+        if self.temperature is not None:  # a NoPE layer's queries, by position (`NopeTemperatureFields`)
+            q = (q * nope_temperature(kwargs["position_ids"], *self.temperature)).to(q.dtype)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, H_kv, cached + T, D)
         if position_bias is not None:  # ALiBi as a bias (eager, sdpa)
@@ -145,20 +163,22 @@ class StandardKind(AttentionKind):
     def validate(self, config) -> None:
         if config.qk_norm not in QK_NORMS:
             raise ValueError(f"`qk_norm`={config.qk_norm!r} is not one of the allowed values {list(QK_NORMS)}.")
+        if config.qk_norm == "weightless" and not config.uses_rope:
+            raise ValueError("`qk_norm='weightless'` norms the rotated queries and keys of the layers that rotate, and "
+                             f"`position_embedding_type`={config.position_embedding_type!r} rotates none.")
 
     def rope_head_dim(self, config) -> int:
         return config.head_dim
 
     def cache_layer(self, config, layer_type: str, implementation: str, max_cache_len: int | None):
-        sliding = layer_type == "sliding_attention"
-        window = config.sliding_window
+        window = layer_window(config, layer_type)  # sliding and chunked layers keep a window (chunked: the chunk)
         if implementation == "dynamic":  # full layers grow into storage 1/64 longer (no torch.cat per step)
-            return DynamicSlidingWindowLayer(sliding_window=window) if sliding else GrowingLayer()
+            return DynamicSlidingWindowLayer(sliding_window=window) if window else GrowingLayer()
         if implementation == "static":
-            if sliding:
+            if window:
                 return StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=window)
             return StaticLayer(max_cache_len=max_cache_len)
-        return Int8SlidingWindowLayer(sliding_window=window) if sliding else Int8Layer()
+        return Int8SlidingWindowLayer(sliding_window=window) if window else Int8Layer()
 
     def parameters(self, config) -> int:
         """2·d·H·d_h + 2·d·H_kv·d_h (+ biases, + QK-norms, + H sinks; + d·H·d_h for the output gate)."""

@@ -10,12 +10,15 @@ by `modular_decoder.tools.compatibility` (not shipped).
 from __future__ import annotations
 
 from .compat import flash_kernel_fallbacks
+from .chunked_attention import CHUNKED_ATTENTION
 from .kinds import LINEAR_ATTENTION
 
 # Contract features a config may need, and the field that asks for each.
 FEATURE_FIELDS = {
     "gqa": "num_key_value_heads < num_attention_heads",
     "sliding_window": "sliding_window / layer_types",
+    # Keys cut into chunks (Llama 4): a mask flash kernels cannot take (transformers refuses them for Llama 4)
+    "chunked_attention": "attention_chunk_size / layer_types 'chunked_attention'",
     "softcap": "attn_logit_softcapping",
     "scale": "query_pre_attn_scalar",
     "alibi": "position_embedding_type='alibi'",
@@ -51,9 +54,9 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # argument, and take sinks where the loaded kernel does (vLLM's FA3 `s_aux`, FA4 `learnable_sink`: checked
     # when called, `sinks.flash_attention_with_sinks`)
     # flash kernels take no arbitrary mask, so no per-query selection of keys
-    "flash_attention_2": ALL_FEATURES - {"sinks", "key_selection"},
-    "flash_attention_3": ALL_FEATURES - {"alibi", "key_selection"},
-    "flash_attention_4": ALL_FEATURES - {"alibi", "key_selection"},
+    "flash_attention_2": ALL_FEATURES - {"sinks", "key_selection", "chunked_attention"},
+    "flash_attention_3": ALL_FEATURES - {"alibi", "key_selection", "chunked_attention"},
+    "flash_attention_4": ALL_FEATURES - {"alibi", "key_selection", "chunked_attention"},
     # vLLM's Transformers modeling backend (`LLM(folder, model_impl="transformers")`) sets this
     # implementation while it builds the model: its attention never receives ALiBi slopes or a bias, its
     # latent (MLA) attention has no cap, window or sink and sizes its cache by `head_dim`, its lm_head multiplies by
@@ -61,10 +64,11 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # says, with no bias (its gpt-oss forms apply to gpt-oss's own architecture only). (Its per-head attention
     # takes the sinks it finds passed as `s_aux=self.sinks`.) Its latent attention attends to every key: no
     # indexer, no indexer cache. It pages only attention's K/V: a linear-attention layer's recurrent state has no
-    # place in it (its own Qwen3-Next / Qwen3.5 classes hold one: serve an exported folder).
+    # place in it (its own Qwen3-Next / Qwen3.5 classes hold one: serve an exported folder). It gives a layer a
+    # sliding window or none, never chunks (its own Llama 4 class has them: serve an exported folder).
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
                             "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
-                            "router_bias", "key_selection", "linear_attention"},
+                            "router_bias", "key_selection", "linear_attention", "chunked_attention"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -88,6 +92,8 @@ def required_features(config) -> set[str]:
         needed.add("gqa")
     if "sliding_attention" in config.layer_types:
         needed.add("sliding_window")
+    if CHUNKED_ATTENTION in config.layer_types:
+        needed.add("chunked_attention")
     if config.attn_logit_softcapping is not None:
         needed.add("softcap")
     if config.query_pre_attn_scalar is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLayer
 
+from .chunked_attention import layer_window
 from .kinds import LINEAR_ATTENTION
 from .recurrent_cache import ROLLBACK_ERROR, RecurrentLayer
 
@@ -132,7 +133,7 @@ class ModularDecoderCache(Cache):
         by the next token before any query reads it.
         """
         total = 0
-        for layer in self.layers:
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
             if not getattr(layer, "is_initialized", False):
                 continue
             if isinstance(layer, RecurrentLayer):  # a fixed-size state per sequence
@@ -142,8 +143,8 @@ class ModularDecoderCache(Cache):
             if isinstance(layer, StaticLayer):
                 slots = layer.keys.shape[-2]
                 held = min(int(layer.get_seq_length()), slots)
-                if getattr(layer, "is_sliding", False):
-                    held = min(held, self.config.sliding_window - 1)
+                if getattr(layer, "is_sliding", False):  # (sliding or chunked: its window)
+                    held = min(held, layer_window(self.config, layer_type) - 1)
                 total += held * (sum(_tensor_bytes(t) for t in tensors) // max(slots, 1))
             else:
                 total += sum(_tensor_bytes(t) for t in tensors)

@@ -16,10 +16,11 @@ import dataclasses
 import torch
 
 from .blocks import BLOCKS, block_class
+from .chunked_attention import CHUNKED_ATTENTION, layer_window
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
 from .kinds import LINEAR_ATTENTION
-from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS
+from .registries import ATTENTIONS, FEATURES, LINEAR_ATTENTIONS, MLPS, POSITIONS
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
 
@@ -134,10 +135,10 @@ def state_bytes_per_sequence(config: ModularDecoderConfig, dtype: torch.dtype | 
 
 def cached_tokens(config: ModularDecoderConfig, layer_type: str, context: int) -> int:
     """Tokens a layer keeps between decode steps: all of them, the last `sliding_window - 1`
-    for a sliding layer (the next query brings it back to a full window), none for a linear-attention
+    for a sliding layer (`attention_chunk_size - 1` for a chunked one) (the next query brings it back to a full window), none for a linear-attention
     layer (it keeps a state instead)."""
-    if layer_type == "sliding_attention":
-        return min(context, config.sliding_window - 1)
+    if (window := layer_window(config, layer_type)) is not None:  # sliding, chunked (the chunk: `chunked_attention`)
+        return min(context, window - 1)
     if layer_type == LINEAR_ATTENTION:
         return 0
     return context
@@ -159,8 +160,9 @@ def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: to
 
 def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bfloat16) -> str:
     """A markdown table of every contract field, parameters by component and cache cost."""
-    names = [f.name for f in dataclasses.fields(ModularDecoderConfig)
-             if f.name not in _NON_CONTRACT and _applies(config, f.name)]
+    own = ModularDecoderConfig.__annotations__  # the config's own fields first, then those of the mechanisms' mixins
+    fields = sorted(dataclasses.fields(ModularDecoderConfig), key=lambda f: f.name not in own)
+    names = [f.name for f in fields if f.name not in _NON_CONTRACT and _applies(config, f.name)]
     rows = ["| field | value |", "| --- | --- |"]
     rows += [f"| `{name}` | {_render(name, getattr(config, name))} |" for name in names]
     params = parameter_count(config)
@@ -192,7 +194,11 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
         owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]
         if owners:
             chosen = registry.of(config)
-            return chosen in owners and getattr(chosen, "in_use", lambda _: True)(config)
+            return (chosen in owners and getattr(chosen, "in_use", lambda _: True)(config)
+                    and chosen.field_applies(config, name))
+    features = [feature for feature in FEATURES if name in feature.fields]
+    if features:
+        return any(feature.in_use(config) for feature in features)
     return name not in _unread(config)
 
 
@@ -211,7 +217,7 @@ def _unread(config: ModularDecoderConfig) -> set[str]:
 
 # per-layer lists shown as counts and a one-letter pattern
 _PATTERNS = {
-    "layer_types": {"sliding_attention": "S", "full_attention": "F", LINEAR_ATTENTION: "L"},
+    "layer_types": {"sliding_attention": "S", "full_attention": "F", CHUNKED_ATTENTION: "C", LINEAR_ATTENTION: "L"},
     "mlp_layer_types": {"sparse": "S", "dense": "D"},
     "no_rope_layers": {1: "R", 0: "N"},
 }

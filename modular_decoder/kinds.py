@@ -121,6 +121,11 @@ class Kind:
     def complete(self, config) -> None:
         """Fill the defaults of this kind's own fields that derive from other fields (before validation)."""
 
+    def field_applies(self, config, name: str) -> bool:
+        """Whether `config`, having chosen this kind, reads its field `name` (all of them unless a kind says
+        otherwise: Llama 4's NoPE temperature only where some layer is NoPE)."""
+        return True
+
     def reads_for(self, config) -> tuple[str, ...]:
         """Those of `reads` that `config` makes this kind read (all of them unless a kind says otherwise)."""
         return self.reads
@@ -191,6 +196,43 @@ class AttentionKind(Kind):
         """transformers tensor-parallel styles of the attention's modules, keyed by their names in a block
         (`"self_attn.q_proj"`); the config prefixes them with `layers.*.`."""
         return {}
+
+
+class Feature(Kind):
+    """A mechanism a config switches on through its own fields rather than by choosing among alternatives
+    (chunked attention: `attention_chunk_size`). Its `validate` checks its fields wherever it is off too (they
+    must then keep their defaults), and `in_use` says whether the config uses it (the contract table shows its
+    fields only then)."""
+
+    def in_use(self, config) -> bool:
+        raise NotImplementedError
+
+
+class FeatureSet(tuple):
+    """The `Feature`s a config may switch on; the config completes and checks each, as it does a registry's
+    chosen entry."""
+
+    def complete(self, config) -> None:
+        for feature in self:
+            feature.complete(config)
+
+    def check(self, config) -> None:
+        for feature in self:
+            feature.validate(config)
+
+    def forget_formerly_written(self, config_class, config_dict: dict) -> None:
+        """Nothing: no release wrote these fields into every config.json."""
+
+
+def require_unset_unless(config, used: bool, fields, why: str) -> None:
+    """Raise `ValueError` naming the first of `fields` that differs from its default while `used` is false: a
+    setting nothing would read (`why` says what reads it)."""
+    if used:
+        return
+    for name in fields:
+        value = getattr(config, name)
+        if value != field_default(config, name):
+            raise ValueError(f"`{name}`={value!r} only applies {why}; leave it unset.")
 
 
 LINEAR_ATTENTION = "linear_attention"  # the `layer_types` value of a linear-attention layer (transformers' own)
@@ -323,4 +365,5 @@ def require_choice(name: str, value, allowed) -> None:
 
 
 __all__ = ["require_int", "require_number", "require_bool", "require_choice", "Registry", "Kind", "AttentionKind",
-           "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "field_default"]
+           "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "field_default", "Feature", "FeatureSet",
+           "require_unset_unless"]

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
 from .compat import (  # isort: skip
-    accepts_past_key_values, attn_implementation, cache_of, drafting_generation_config, generate_cache_kwarg,
-    slice_logits_to_keep, static_cache_length, with_cache,
+    accepts_past_key_values, attn_implementation, cache_of, create_masks_for_generate, drafting_generation_config,
+    generate_cache_kwarg, slice_logits_to_keep, static_cache_length, with_cache,
 )
 
 import torch  # noqa: E402
@@ -29,6 +29,7 @@ from .backend_features import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_back
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint
+from .chunked_attention import CHUNKED_ATTENTION, CHUNKED_ATTENTION_FEATURE
 from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
@@ -59,7 +60,7 @@ def linear_attention_mask(config, inputs_embeds, attention_mask, position_ids=No
 
 
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
-                 LINEAR_ATTENTION: linear_attention_mask}
+                 CHUNKED_ATTENTION: CHUNKED_ATTENTION_FEATURE.mask_builder, LINEAR_ATTENTION: linear_attention_mask}
 
 
 class ModularDecoderPreTrainedModel(PreTrainedModel):
@@ -449,6 +450,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    # the masks generate() builds for a static cache (a hook of transformers' `GenerationMixin`: see compat.py)
+    create_masks_for_generate = staticmethod(create_masks_for_generate)
 
     def __init__(self, config: ModularDecoderConfig):
         super().__init__(config)

@@ -35,6 +35,8 @@ act(x W_gate) ⊙ (x W_up) W_down with `hidden_act`, or gpt-oss's clamped SwiGLU
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -54,11 +56,22 @@ MLP_LAYER_TYPES = ("sparse", "dense")
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(kw_only=True)
+class RoutingInputFields:
+    """Args:
+        apply_router_weight_on_input (`bool`): Each routed expert sees its token scaled by the routing weight,
+            Σ_k E_{i_k}(w_k · x), instead of weighing the expert's output, Σ_k w_k · E_{i_k}(x) (Llama 4; vLLM's
+            name). With gated experts the two differ. `mlp_type="moe"` only.
+    """
+
+    apply_router_weight_on_input: bool = False
+
+
 class SparseMoeBlock(nn.Module):
     """The feed-forward of a `"sparse"` layer: router, routed experts, optional (gated) shared experts.
 
     x ─┬─ gate ── top-k (w, i) ──┐
-       ├─ experts ── Σ w·E_i(x) ─(+)─>
+       ├─ experts ── Σ w·E_i(x) ─(+)─>          (`apply_router_weight_on_input`: Σ E_i(w·x))
        └─ shared_experts [· σ(shared_expert_gate x)] ─┘
     """
 
@@ -70,18 +83,29 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = GatedMLP(config, intermediate_size=shared) if shared else None
         use_gate = shared and config.shared_expert_gate
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if use_gate else None
+        self.weight_on_input = config.apply_router_weight_on_input
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (N, d)
         _, weights, indices = self.gate(x)
-        out = self.experts(x, indices, weights)
+        out = self._routed_on_input(x, weights, indices) if self.weight_on_input else self.experts(x, indices, weights)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out.view(shape)
+
+    def _routed_on_input(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Σ_k E_{i_k}(w_k · x): one row per (token, kept expert), scaled by its weight in the activations' dtype
+        (as Llama 4 casts its scores), through the experts with unit weights (their kernels, and vLLM's fused
+        experts, which take this call, weigh outputs only), summed per token."""
+        tokens, top_k = indices.shape
+        scaled = (x.unsqueeze(1) * weights.to(x.dtype).unsqueeze(-1)).reshape(tokens * top_k, -1)  # (N·k, d)
+        ones = weights.new_ones(tokens * top_k, 1)
+        out = self.experts(scaled, indices.reshape(-1, 1), ones)  # (N·k, d)
+        return out.view(tokens, top_k, -1).sum(dim=1)
 
 
 def shared_experts_intermediate_size(config) -> int:
@@ -123,7 +147,7 @@ MOE_FIELDS = (
     "mlp_layer_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
     "shared_expert_intermediate_size", "shared_expert_gate", "router_type", "router_bias", "norm_topk_prob", "n_group",
     "topk_group", "routed_scaling_factor", "router_aux_loss_coef", "router_z_loss_coef", "output_router_logits",
-    "swiglu_limit", "swiglu_alpha",
+    "swiglu_limit", "swiglu_alpha", "apply_router_weight_on_input",
 )
 
 # gpt-oss's sigmoid gain in its clamped SwiGLU (transformers' `GptOssConfig.swiglu_alpha` default; 5.16-5.19 fix it)
@@ -203,6 +227,7 @@ class MixtureOfExpertsKind(FeedForwardKind):
                 f"{config.router_type!r}: the z-loss bounds a softmax router's normaliser; leave it at 0."
             )
         require_bool("output_router_logits", config.output_router_logits)
+        require_bool("apply_router_weight_on_input", config.apply_router_weight_on_input)
         require_choice("hidden_act", config.hidden_act, ACT2FN)
         require_bool("mlp_bias", config.mlp_bias)
         self._validate_clamped_swiglu(config)
@@ -330,6 +355,7 @@ __all__ = [
     "MLP_LAYER_TYPES",
     "MOE_FIELDS",
     "MixtureOfExpertsKind",
+    "RoutingInputFields",
     "SparseMoeBlock",
     "init_moe_weights",
     "shared_experts_intermediate_size",

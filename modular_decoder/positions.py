@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
 from .compat import rope_validation_view
-from .kinds import LINEAR_ATTENTION, Kind, Registry, require_bool, require_int, require_number
+from .kinds import LINEAR_ATTENTION, Kind, Registry, require_bool, require_int, require_number, require_unset_unless
 from .split_products import is_fx_proxy
 
 
@@ -187,10 +188,81 @@ class AlibiBias(nn.Module):
 class PositionKind(Kind):
     """A value of `position_embedding_type`: where position enters and the fields it reads."""
 
-    def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None, reads: tuple[str, ...] = ()):
+    def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None, reads: tuple[str, ...] = (),
+                 complete=None, field_applies=None):
         self.name, self.fields, self.reads = name, fields, reads
         if validate is not None:
             self.validate = validate
+        if complete is not None:
+            self.complete = complete
+        if field_applies is not None:
+            self.field_applies = field_applies
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention temperature on NoPE layers (Llama 4)
+
+# Llama 4's values (transformers' `Llama4TextConfig` defaults), where tuning is on and they are unset
+FLOOR_SCALE, ATTN_SCALE = 8192, 0.1
+
+
+@dataclass(kw_only=True)
+class NopeTemperatureFields:
+    """Args:
+        attn_temperature_tuning (`bool`): Scale the queries of the NoPE layers (`no_rope_layers`) by
+            1 + `attn_scale` · log(1 + floor((p + 1) / `floor_scale`)) at position p (Llama 4's temperature tuning,
+            arXiv 2501.19399; transformers' field): a NoPE layer's scores otherwise flatten as the context grows.
+            p is the token's position (`position_ids`), so a left-padded row gets what it gets alone (transformers'
+            Llama 4 counts its cache's slots instead, padding included; vLLM counts positions, as here).
+        floor_scale (`int`, *optional*): Tokens per step of that scale (transformers' field). Defaults to Llama 4's
+            8192 with `attn_temperature_tuning`, unset otherwise.
+        attn_scale (`float`, *optional*): The scale's strength (transformers' field). Defaults to Llama 4's 0.1
+            with `attn_temperature_tuning`, unset otherwise.
+    """
+
+    attn_temperature_tuning: bool = False
+    floor_scale: int | None = None
+    attn_scale: float | None = None
+
+
+TEMPERATURE_FIELDS = ("attn_temperature_tuning", "floor_scale", "attn_scale")
+
+
+def nope_temperature(position_ids: torch.Tensor, floor_scale: int, attn_scale: float) -> torch.Tensor:
+    """(B, 1, T, 1) fp32: the query scale of a NoPE layer at each position (`NopeTemperatureFields`)."""
+    positions = position_ids.float()
+    scale = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0  # (B, T)
+    return scale[:, None, :, None]
+
+
+def _rope_field_applies(config, name: str) -> bool:
+    """The temperature's flag where some layer is NoPE, its floor and scale where it is on."""
+    if name == "attn_temperature_tuning":
+        return config.no_rope_layers is not None and not all(config.no_rope_layers)
+    if name in TEMPERATURE_FIELDS:
+        return bool(config.attn_temperature_tuning)
+    return True
+
+
+def _complete_rope(config) -> None:
+    if config.attn_temperature_tuning is True:
+        if config.floor_scale is None:
+            config.floor_scale = FLOOR_SCALE
+        if config.attn_scale is None:
+            config.attn_scale = ATTN_SCALE
+
+
+def _validate_temperature(config) -> None:
+    require_bool("attn_temperature_tuning", config.attn_temperature_tuning)
+    require_unset_unless(config, config.attn_temperature_tuning, ("floor_scale", "attn_scale"),
+                         "with `attn_temperature_tuning`")
+    if not config.attn_temperature_tuning:
+        return
+    require_int("floor_scale", config.floor_scale, minimum=1)
+    require_number("attn_scale", config.attn_scale, at_least=0)
+    if config.no_rope_layers is None or all(config.no_rope_layers):
+        raise ValueError("`attn_temperature_tuning` scales the queries of the NoPE layers, and `no_rope_layers` has "
+                         "none (a 0 marks one).")
 
 
 def _validate_learned(config) -> None:
@@ -204,6 +276,7 @@ def _validate_rope(config) -> None:
     require_number("partial_rotary_factor", config.partial_rotary_factor, above=0, at_most=1)
     require_bool("rope_interleaved", config.rope_interleaved)
     _validate_no_rope_layers(config)
+    _validate_temperature(config)
     params = config.rope_parameters
     if not isinstance(params, dict) or not params:
         raise ValueError(f"`rope_parameters` must be a dict with a `rope_type`, got {params!r}.")
@@ -315,8 +388,9 @@ def _validate_rope_dict(config, where: str, params, rotary: int) -> None:
 POSITIONS: Registry[PositionKind] = Registry("position_embedding_type", [
     PositionKind("learned", ("learned_position_offset",), _validate_learned),
     PositionKind("sinusoidal"),
-    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved", "no_rope_layers"), _validate_rope,
-                 reads=("rope_parameters",)),
+    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved", "no_rope_layers", *TEMPERATURE_FIELDS),
+                 _validate_rope, reads=("rope_parameters",), complete=_complete_rope,
+                 field_applies=_rope_field_applies),
     PositionKind("alibi"),
     PositionKind("none"),
 ])

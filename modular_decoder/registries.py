@@ -5,8 +5,10 @@
     MLPS        `mlp_type`                 dense, gated, moe
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
     NORMS       `norm_type`                rmsnorm, layernorm
+    FEATURES    (their own fields)         chunked_attention (`attention_chunk_size`)
 
-Each registry's keys are the values its config field allows. The blocks (`blocks.BLOCKS`: `norm_position`
+Each registry's keys are the values its config field allows; `FEATURES` are mechanisms a config switches on through
+their own fields (`kinds.Feature`), each checked like a registry's chosen entry. The blocks (`blocks.BLOCKS`: `norm_position`
 and `parallel_block`) are built from these registries, so they import this module, never the reverse. A
 new attention or feed-forward kind is one `register_attention(kind)` / `register_mlp(kind)` call with an
 `AttentionKind` / `FeedForwardKind` (see kinds.py) before the config is built.
@@ -15,19 +17,24 @@ new attention or feed-forward kind is one `register_attention(kind)` / `register
 from __future__ import annotations
 
 from .attention import STANDARD_ATTENTION
+from .chunked_attention import CHUNKED_ATTENTION_FEATURE, ChunkedAttentionFields
 from .gated_deltanet import GATED_DELTANET
-from .kinds import AttentionKind, FeedForwardKind, LinearAttentionKind, Registry
+from .kinds import AttentionKind, FeatureSet, FeedForwardKind, LinearAttentionKind, Registry
 from .mla import LATENT_ATTENTION
 from .mlp import DENSE_MLP, GATED_MLP
-from .moe import MIXTURE_OF_EXPERTS
+from .moe import MIXTURE_OF_EXPERTS, RoutingInputFields
 from .norms import NORMS
-from .positions import POSITIONS
+from .positions import POSITIONS, NopeTemperatureFields
 from .sparse_attention import SPARSE_LATENT_ATTENTION
 
 ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION,
                                                                          SPARSE_LATENT_ATTENTION])
 MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
 LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET])
+FEATURES = FeatureSet([CHUNKED_ATTENTION_FEATURE])
+# The config fields that live beside their mechanisms (`@dataclass(kw_only=True)` classes, each documenting its
+# fields): `ModularDecoderConfig`'s bases after `PretrainedConfig`
+FIELD_MIXINS = (ChunkedAttentionFields, NopeTemperatureFields, RoutingInputFields)
 
 
 def register_attention(kind: AttentionKind, replace: bool = False) -> AttentionKind:
@@ -45,5 +52,5 @@ def register_linear_attention(kind: LinearAttentionKind, replace: bool = False) 
     return LINEAR_ATTENTIONS.register(kind, replace=replace)
 
 
-__all__ = ["ATTENTIONS", "LINEAR_ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention",
+__all__ = ["ATTENTIONS", "FEATURES", "FIELD_MIXINS", "LINEAR_ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention",
            "register_linear_attention", "register_mlp"]

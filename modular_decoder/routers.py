@@ -5,6 +5,7 @@ that pair each with its training losses, the `TopKRouter` module every sparse la
     softmax_topk   softmax over all experts, keep the k largest (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2)
     sigmoid_topk   independent sigmoid scores, chosen with a correction bias (DeepSeek-V3 `noaux_tc`)
     topk_softmax   keep the k largest logits, softmax over those k (gpt-oss)
+    topk_sigmoid   keep the k largest logits, a sigmoid of each (Llama 4)
 
 The first two may first keep the `topk_group` best of `n_group` expert groups (DeepSeek's device-limited
 routing). Any of them may add a learned bias to the logits (`router_bias`, gpt-oss). The losses themselves are in `router_losses.py`. Part of the remote-code files: torch only.
@@ -107,6 +108,29 @@ def topk_softmax(
     return values.float().softmax(dim=-1) * routed_scaling_factor, indices
 
 
+def topk_sigmoid(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the k largest logits, weigh each kept expert by the sigmoid of its logit (Llama 4's `Llama4Router`;
+    there k = 1, and `apply_router_weight_on_input` scales the expert's input by it instead of its output).
+
+    Returns fp32 weights (N, k) and expert ids (N, k). (No groups: the config refuses them with this router.)
+    """
+    del correction_bias, n_group, topk_group
+    values, indices = logits.topk(top_k, dim=-1)  # (N, k) each
+    weights = values.float().sigmoid()
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * routed_scaling_factor, indices
+
+
 def _switch_balance_loss(router_logits, config, attention_mask, batch_size):
     # f_i counts the experts the router chose (with groups, not the plain top-k): its selection, run again
     select = selection(config)
@@ -149,6 +173,12 @@ ROUTERS: dict[str, RouterKind] = {
     "topk_softmax": RouterKind(topk_softmax, score_correction_bias=False, min_experts_per_group=1,
                                balance_loss=_switch_balance_loss, default_aux_loss_coef=AUX_LOSS_COEF, z_loss=True,
                                groups=False, renormalizes=False),
+    # Llama 4's router: transformers' class computes no balance loss; Switch's over its logits, weighted as
+    # Llama4TextConfig's `router_aux_loss_coef` default (0.001), where router logits are returned. Its scores are
+    # no softmax, so no z-loss.
+    "topk_sigmoid": RouterKind(topk_sigmoid, score_correction_bias=False, min_experts_per_group=1,
+                               balance_loss=_switch_balance_loss, default_aux_loss_coef=AUX_LOSS_COEF, z_loss=False,
+                               groups=False),
 }
 
 
@@ -229,4 +259,4 @@ def router_losses(
 
 
 __all__ = ["AUX_LOSS_COEF", "ROUTERS", "SEQUENCE_AUX_LOSS_COEF", "RouterKind", "TopKRouter", "router_losses",
-           "selection", "sigmoid_topk", "softmax_topk", "topk_softmax"]
+           "selection", "sigmoid_topk", "softmax_topk", "topk_sigmoid", "topk_softmax"]

@@ -87,6 +87,20 @@ CASES: dict[str, tuple[str, callable]] = {
         use_sliding_window=True, sliding_window=8, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
 }
 
+# Llama 4: 4 layers, NoPE on the fourth (its temperature floor Llama 4's 8,192), chunks of 4 on the RoPE layers,
+# experts (top-1 sigmoid scaling the input, a shared expert) on every other layer and dense MLPs on the others; then
+# a temperature floor of 4 tokens (these prompts reach it), every layer sparse, biases, Llama 3 RoPE scaling, no
+# QK-norm
+LLAMA4 = dict(**{**COMMON, "num_hidden_layers": 4, "intermediate_size": 24}, num_key_value_heads=2, head_dim=8,
+              intermediate_size_mlp=48, num_local_experts=4, attention_chunk_size=4, pad_token_id=None)
+CASES.update({
+    "llama4_text": ("llama4_text", lambda: tf.Llama4TextConfig(**LLAMA4, interleave_moe_layer_step=2)),
+    "llama4_text-tuned": ("llama4_text", lambda: tf.Llama4TextConfig(
+        **LLAMA4, interleave_moe_layer_step=1, floor_scale=4, attn_scale=0.5, use_qk_norm=False, attention_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "high_freq_factor": 4.0,
+                         "low_freq_factor": 1.0, "original_max_position_embeddings": 16})),
+})
+
 # Hybrid linear attention: Gated DeltaNet layers (2 key heads, 4 value heads: each key head serves two) beside
 # gated full attention; Qwen3-Next with experts in every other layer and a dense one
 HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
@@ -105,10 +119,11 @@ CASES.update({
         **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS)),
 })
 
-# The families whose layers hold routed experts (and the cases of each)
+# The families whose layers hold routed experts (and the cases of each; Llama 4's where its NoPE temperature is 1 at
+# these positions: transformers' class counts a left-padded row's temperature from its cache's slots, test_llama4.py)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"
-             or name.endswith(("-moe", "-moe-grouped"))]
+             or name.endswith(("-moe", "-moe-grouped")) or name == "llama4_text"]
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:

@@ -166,6 +166,11 @@ def config_kwargs(draw) -> dict:
         kw["sliding_window"] = window
         if draw(st.integers(0, 2)):  # mostly an explicit per-layer list (local/global mixes)
             kw["layer_types"] = draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=layers, max_size=layers))
+    elif draw(st.integers(0, 3)) == 0 and attention_type != "dsa":  # Llama 4's chunks (never beside sliding layers)
+        kw["attention_chunk_size"] = draw(st.integers(2, MAX_SEQ))
+        kw["layer_types"] = draw(st.lists(st.sampled_from(["chunked_attention", "full_attention"]), min_size=layers,
+                                          max_size=layers))
+        kw["layer_types"][draw(st.integers(0, layers - 1))] = "chunked_attention"
     elif draw(st.booleans()):
         kw["layer_types"] = ["full_attention"] * layers
     layer_types = kw.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
@@ -177,6 +182,8 @@ def config_kwargs(draw) -> dict:
             linear[linear.index(True)] = False
         layer_types = kw["layer_types"] = [LINEAR if lin else t for lin, t in zip(linear, layer_types)]
         kw.update(draw(linear_fields()))
+    if "chunked_attention" not in layer_types:  # every chunked layer made linear: no chunk size to set
+        kw.pop("attention_chunk_size", None)
     attending = sorted(set(layer_types) - {LINEAR})
 
     # attention kind
@@ -203,6 +210,8 @@ def config_kwargs(draw) -> dict:
         rope_width = _head_dim(kw)
         rotary = None
     kw["position_embedding_type"] = position
+    if kw.get("qk_norm") == "weightless" and position != "rope":  # (Llama 4's norm of the rotated heads)
+        kw["qk_norm"] = "none"
 
     # positions
     if position == "learned" and draw(st.booleans()):
@@ -224,6 +233,9 @@ def config_kwargs(draw) -> dict:
             flags = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
             flags[draw(st.sampled_from([i for i, t in enumerate(layer_types) if t != LINEAR]))] = 1
             kw["no_rope_layers"] = flags
+            if not all(flags) and draw(st.booleans()):  # Llama 4's temperature on the NoPE layers' queries
+                kw.update(attn_temperature_tuning=True, floor_scale=draw(st.integers(1, 8)),
+                          attn_scale=draw(st.floats(0.0, 1.0)))
         if draw(st.booleans()):  # nested per layer type, each with its own type and base
             kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in attending}
             if draw(st.booleans()):  # a table for a layer type no layer uses is allowed too
@@ -264,8 +276,9 @@ def config_kwargs(draw) -> dict:
 
 @st.composite
 def moe_fields(draw, layers: int) -> dict:
-    """The mixture-of-experts fields: experts, routing (softmax, gpt-oss's softmax over the kept logits, or
-    DeepSeek-V3's sigmoid with groups; a router bias), shared experts (optionally Qwen2-MoE's gate), gpt-oss's
+    """The mixture-of-experts fields: experts, routing (softmax, gpt-oss's softmax over the kept logits,
+    DeepSeek-V3's sigmoid with groups or Llama 4's sigmoid of the kept logits, weighing outputs or inputs; a router
+    bias), shared experts (optionally Qwen2-MoE's gate), gpt-oss's
     expert biases and clamped SwiGLU, and which layers are sparse."""
     experts = draw(st.sampled_from([2, 4, 6, 8]))
     kw = dict(num_experts=experts, num_experts_per_tok=draw(st.integers(1, min(3, experts))),
@@ -282,8 +295,11 @@ def moe_fields(draw, layers: int) -> dict:
         kw["swiglu_limit"] = draw(st.floats(0.1, 8.0))
         if draw(st.booleans()):
             kw["swiglu_alpha"] = draw(st.floats(0.5, 2.0))
-    router = draw(st.integers(0, 2))
-    if router == 1:  # gpt-oss: softmax over the kept logits (no groups, always normalised)
+    router = draw(st.integers(0, 3))
+    kw["apply_router_weight_on_input"] = draw(st.booleans())  # Llama 4: the weight scales the expert's input
+    if router == 3:  # Llama 4: a sigmoid of each kept logit (no groups)
+        kw["router_type"] = "topk_sigmoid"
+    elif router == 1:  # gpt-oss: softmax over the kept logits (no groups, always normalised)
         kw.update(router_type="topk_softmax", norm_topk_prob=True)
     elif router == 2:  # sigmoid scores, a correction bias, group-limited top-k, a routed scale
         groups = draw(st.sampled_from([g for g in (1, 2) if experts % g == 0 and experts // g >= 2]))

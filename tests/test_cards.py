@@ -69,11 +69,15 @@ def test_tags_name_the_variant_choices():
     assert {"attention-sinks", "sliding-window", "router-topk-softmax", "clamped-swiglu"} <= set(
         variant_tags(preset_config("gpt_oss")))
     assert "nope-layers" in variant_tags(preset_config("smollm3"))
+    assert {"chunked-attention", "nope-layers", "nope-temperature-tuning", "qk-norm-weightless", "router-topk-sigmoid",
+            "router-weight-on-input"} <= set(variant_tags(preset_config("llama4")))
     assert not {"attention-sinks", "nope-layers", "clamped-swiglu"} & set(variant_tags(preset_config("llama")))
 
 
 @pytest.mark.parametrize("name, fields", [
     ("gpt_oss", ("attention_sinks", "router_type", "router_bias", "mlp_bias", "swiglu_limit", "swiglu_alpha")),
+    ("llama4", ("attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale", "qk_norm",
+                "router_type", "apply_router_weight_on_input", "rope_interleaved")),
 ])
 def test_cards_name_the_new_fields(name, fields):
     card = preset_card(name)

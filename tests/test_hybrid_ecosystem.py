@@ -7,15 +7,13 @@ decode step."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from conversion_cases import CASES, perturbed
-from decoding import recording_backend, right_padded
+from decoding import compiled_eager_and_reference, right_padded
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from modular_decoder import ModularDecoderForCausalLM, compiled_decoding
+from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.conversion import convert
 from modular_decoder.recurrent_cache import RecurrentLayer
 
@@ -236,18 +234,7 @@ def test_compiled_decode_step_gives_eager_and_transformers_tokens(qwen3_5, two_t
     """`generate(**compiled_decoding())` (a static cache, the decode step compiled with fullgraph=True) on a hybrid:
     the step compiles, and the greedy tokens equal eager decoding and transformers' class through its own cache."""
     theirs, ours, _ = qwen3_5
-    prompt = torch.tensor([DOCUMENTS[2]])
-    graphs = []
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            arguments = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-            compiled = ours.generate(prompt, **arguments, **compiled_decoding(backend=recording_backend(graphs)))
-            eager = ours.generate(prompt, **arguments)
-            reference = theirs.generate(prompt, **arguments)
-    finally:
-        torch._dynamo.reset()
+    compiled, eager, reference, graphs = compiled_eager_and_reference(ours, theirs, torch.tensor([DOCUMENTS[2]]))
     assert graphs, "generate did not compile the decode step"
     assert torch.equal(compiled, eager)
     assert torch.equal(compiled, reference)

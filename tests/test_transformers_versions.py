@@ -543,6 +543,13 @@ def test_gpt_oss_and_smollm3_match_their_classes_on_the_oldest_and_newest_releas
 
 
 @pytest.mark.slow
+def test_llama4_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
+    """Llama 4's chunked RoPE layers and NoPE layer, the weightless QK-norm, interleaved RoPE, the top-1 sigmoid router
+    scaling the expert's input beside a shared expert, dense layers between (its static cache: chunks as rings)."""
+    _family_on_oldest_and_newest("llama4_text", tmp_path)
+
+
+@pytest.mark.slow
 def test_gemma3_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
     """Gemma 3's rope tables nested by layer type: 5.16.1's config leaves a flat `rope_type` and `rope_theta:
     None` beside them, which the conversion drops (`families.common.rope`)."""

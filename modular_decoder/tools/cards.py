@@ -86,6 +86,8 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         tags.append(f"qk-norm-{config.qk_norm}")
     if "sliding_attention" in config.layer_types:
         tags.append("sliding-window")
+    if "chunked_attention" in config.layer_types:
+        tags.append("chunked-attention")
     if config.linear_attention_kind.in_use(config):
         tags += ["hybrid-linear-attention", f"linear-attention-{config.linear_attention_type}"]
     if config.attn_output_gate:
@@ -94,6 +96,10 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         tags.append("attention-sinks")
     if config.no_rope_layers is not None and not all(config.no_rope_layers):
         tags.append("nope-layers")
+    if config.attn_temperature_tuning:
+        tags.append("nope-temperature-tuning")
+    if config.mlp_kind.routed and config.apply_router_weight_on_input:
+        tags.append("router-weight-on-input")
     if config.mlp_kind.routed and config.swiglu_limit is not None:
         tags.append("clamped-swiglu")
     if config.attn_logit_softcapping or config.final_logit_softcapping:

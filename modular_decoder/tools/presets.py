@@ -182,6 +182,21 @@ PRESETS: dict[str, dict] = {
                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536, norm_eps=1e-6,
                     rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}, tie_word_embeddings=True,
                     no_rope_interval=4),
+    # meta-llama/Llama-4-Scout-17B-16E config.json, its `text_config` (48 layers: chunks of 8,192 on the RoPE layers,
+    # a NoPE full-attention layer every fourth with the temperature tuned (floor 8,192, scale 0.1); Llama 3 RoPE x8
+    # on interleaved pairs; the rotated q / k RMS-normed without weight; 16 experts of width 8,192 in every layer, a
+    # top-1 sigmoid router scaling the expert's input, one shared expert of the same width; the vision tower is not
+    # part of the model)
+    "llama4": dict(
+        vocab_size=202048, hidden_size=5120, intermediate_size=16384, num_hidden_layers=48, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, norm_eps=1e-5, qk_norm="weightless",
+        rope_interleaved=True, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                "original_max_position_embeddings": 8192},
+        attention_chunk_size=8192, no_rope_interval=4, attn_temperature_tuning=True, floor_scale=8192,
+        attn_scale=0.1, tie_word_embeddings=False, mlp_type="moe", num_experts=16, num_experts_per_tok=1,
+        moe_intermediate_size=8192, n_shared_experts=1, router_type="topk_sigmoid", norm_topk_prob=False,
+        apply_router_weight_on_input=True, router_aux_loss_coef=0.001),
 }
 
 # deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3's, with DeepSeek Sparse Attention, a lightning indexer of
@@ -271,6 +286,10 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["shared_expert_intermediate_size"] = TINY_MOE["moe_intermediate_size"]
         if no_rope_interval is not None:
             no_rope_interval = 2
+        if "attention_chunk_size" in fields:  # chunks, and a temperature floor, these lengths cross
+            fields["attention_chunk_size"] = 8
+        if fields.get("floor_scale"):
+            fields["floor_scale"] = 16
     fields.update(overrides)
     if "layer_types" not in overrides:
         fields["layer_types"] = _layer_types(fields["num_hidden_layers"], pattern, fields.get("sliding_window"))
@@ -280,4 +299,7 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     if "no_rope_layers" not in overrides:
         fields["no_rope_layers"] = _no_rope_layers(fields["num_hidden_layers"], no_rope_interval)
+    if fields.get("attention_chunk_size") and "layer_types" not in overrides:  # Llama 4: chunks where RoPE turns
+        fields["layer_types"] = ["chunked_attention" if rotates else "full_attention"
+                                 for rotates in fields["no_rope_layers"] or [1] * fields["num_hidden_layers"]]
     return ModularDecoderConfig(**fields)
