@@ -68,7 +68,7 @@ def test_trust_remote_code_without_package(preset, tmp_path):
 # relative imports, and nothing else (no CLI, tools, conversion, presets or contract arithmetic).
 SHIPPED = {
     "configuration_modular_decoder.py", "modeling_modular_decoder.py", "attention.py", "attention_layer.py",
-    "backend_features.py", "eager_attention.py", "alibi_kernels.py", "sinks.py", "blocks.py",
+    "chunked_attention.py", "backend_features.py", "eager_attention.py", "alibi_kernels.py", "sinks.py", "blocks.py",
     "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py",
     "mla.py", "mlp.py", "moe.py", "routers.py", "experts.py", "router_losses.py", "norms.py", "positions.py",
     "registries.py", "split_products.py", "input_checks.py", "checkpoint_checks.py", "peft_targets.py", "tuning.py",
