@@ -47,12 +47,15 @@ FAMILIES: dict[str, str] = {
     "gpt_oss": "modular_decoder.conversion.families.gpt_oss",
     "smollm3": "modular_decoder.conversion.families.smollm3",
     "llama4_text": "modular_decoder.conversion.families.llama4",
+    "gemma4_text": "modular_decoder.conversion.families.gemma4",
+    "gemma3n_text": "modular_decoder.conversion.families.gemma3n",
 }
 
 
 # Multimodal checkpoints whose language model is a registered family: named in the refusal, so a user sees the
 # text family converts and that this folder's vision tower is why it does not (nothing is dropped silently).
-MULTIMODAL_WRAPPERS: dict[str, str] = {"qwen3_5": "qwen3_5_text", "llama4": "llama4_text"}
+MULTIMODAL_WRAPPERS: dict[str, str] = {"qwen3_5": "qwen3_5_text", "llama4": "llama4_text", "gemma4": "gemma4_text",
+                                        "gemma3n": "gemma3n_text"}
 
 
 def get_family(name: str) -> Family:

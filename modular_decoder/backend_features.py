@@ -10,6 +10,7 @@ by `modular_decoder.tools.compatibility` (not shipped).
 from __future__ import annotations
 
 from .compat import flash_kernel_fallbacks
+from .attention_shapes import shapes_vary
 from .chunked_attention import CHUNKED_ATTENTION
 from .kinds import LINEAR_ATTENTION
 
@@ -40,6 +41,12 @@ FEATURE_FIELDS = {
     "router_bias": "router_bias",
     # A recurrent state per sequence (Gated DeltaNet): vLLM's Transformers backend replaces attention layers only
     "linear_attention": "layer_types with 'linear_attention'",
+    # What an engine paging each layer's keys and values in one shape cannot hold (Gemma 3n / Gemma 4)
+    "layer_shapes": "global_head_dim / num_global_key_value_heads / attention_k_eq_v",
+    "kv_sharing": "num_kv_shared_layers (layers attending to earlier layers' keys and values)",
+    # The model's own inputs beside the tokens' embeddings (an engine embedding the tokens itself passes no ids)
+    "per_layer_inputs": "hidden_size_per_layer_input (per-layer embeddings)",
+    "residual_streams": "residual_stream other than 'single'",
 }
 
 ALL_FEATURES = frozenset(FEATURE_FIELDS)
@@ -68,7 +75,8 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # sliding window or none, never chunks (its own Llama 4 class has them: serve an exported folder).
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
                             "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
-                            "router_bias", "key_selection", "linear_attention", "chunked_attention"},
+                            "router_bias", "key_selection", "linear_attention", "chunked_attention", "layer_shapes",
+                            "kv_sharing", "per_layer_inputs", "residual_streams"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -94,6 +102,14 @@ def required_features(config) -> set[str]:
         needed.add("sliding_window")
     if CHUNKED_ATTENTION in config.layer_types:
         needed.add("chunked_attention")
+    if config.attention_type == "standard" and (shapes_vary(config) or config.attention_k_eq_v):
+        needed.add("layer_shapes")
+    if getattr(config, "num_kv_shared_layers", 0):
+        needed.add("kv_sharing")
+    if config.hidden_size_per_layer_input:
+        needed.add("per_layer_inputs")
+    if config.residual_stream != "single":
+        needed.add("residual_streams")
     if config.attn_logit_softcapping is not None:
         needed.add("softcap")
     if config.query_pre_attn_scalar is not None:

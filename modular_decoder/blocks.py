@@ -5,6 +5,10 @@ norms its placement needs, named by where they sit
 (`pre_attn_norm`, `post_attn_norm`, `pre_mlp_norm`, `post_mlp_norm`); its `forward` is the
 diagram in its docstring. Every `(+)` adds its branch times `residual_multiplier` (Granite's μP
 scaling; 1 elsewhere, where it is a plain sum).
+
+A block's call runs its diagram through the residual stream's entry (`residual_streams.py`: one stream, or several
+around the diagram), which also adds what the layer holds beside its sublayers (a per-layer embedding's branch, a
+layer scalar): a subclass's `forward` becomes its `sublayers`, and `DecoderBlock.forward` the join.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .kinds import LINEAR_ATTENTION, require_bool, require_choice
 from .norms import build_norm
-from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS
+from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS
+from .laurel import join_attention
+from .residual_streams import attach_layer_modules
 
 
 class DecoderBlock(GradientCheckpointingLayer):
@@ -28,6 +34,21 @@ class DecoderBlock(GradientCheckpointingLayer):
     norm_position: str = ""
     parallel: bool = False
     reads: tuple[str, ...] = ()  # config fields only some blocks read (the contract table shows those of this one)
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's `forward` (its diagram) is its `sublayers`; the call goes through the residual stream (and
+        transformers' gradient checkpointing then wraps that call, the layer's outermost)."""
+        if "forward" in vars(cls):
+            cls.sublayers = vars(cls)["forward"]
+            cls.forward = DecoderBlock.forward
+        super().__init_subclass__(**kwargs)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The layer: `sublayers` joined to the residual stream(s) `x` by the `residual_stream` entry."""
+        return self.stream.join(self, x, **kwargs)
+
+    def sublayers(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -47,13 +68,26 @@ class DecoderBlock(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout)
         m = config.residual_multiplier
         self.residual = _add if m == 1.0 else partial(_add_scaled, m)
+        attach_layer_modules(self, config, layer_idx, RESIDUAL_STREAMS.of(config))
+
+    def init_own_weights(self, init, std: float) -> None:
+        """A fresh layer scalar is 1 (the model's `_init_weights` asks every module that has this method)."""
+        if self.layer_scalar is not None:
+            init.ones_(self.layer_scalar)
+
+    def join_attention(self, x: torch.Tensor, branch: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The attention sublayer's output joined to the stream: the residual addition, with LAUREL's branch of the
+        normed input `normed` where the layer has one (`laurel.py`)."""
+        return join_attention(self, x, branch, normed)
 
     def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         out, _ = getattr(self, self.mixer_name)(x, **kwargs)
         return self.dropout(out) if self.training else out  # (eval dropout is the identity: skip the call)
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.mlp(x)
+    def feed_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The FFN of `x` (the block's normed FFN input); one that also reads the layer's residual input `residual`
+        (the experts beside a dense MLP, `moe.ParallelDenseMoeBlock`) is given it."""
+        out = self.mlp(x, residual) if getattr(self.mlp, "reads_residual", False) else self.mlp(x)
         return self.dropout(out) if self.training else out
 
 
@@ -73,8 +107,9 @@ class PreNormBlock(DecoderBlock):
     norm_position = "pre"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        x = self.residual(x, self.attend(self.pre_attn_norm(x), **kwargs))
-        return self.residual(x, self.feed_forward(self.pre_mlp_norm(x)))
+        normed = self.pre_attn_norm(x)
+        x = self.join_attention(x, self.attend(normed, **kwargs), normed)
+        return self.residual(x, self.feed_forward(self.pre_mlp_norm(x), x))
 
 
 class PostNormBlock(DecoderBlock):
@@ -98,8 +133,9 @@ class SandwichNormBlock(DecoderBlock):
     norm_position = "sandwich"
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        x = self.residual(x, self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs)))
-        return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x))))
+        normed = self.pre_attn_norm(x)
+        x = self.join_attention(x, self.post_attn_norm(self.attend(normed, **kwargs)), normed)
+        return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x), x)))
 
 
 class OutputNormBlock(DecoderBlock):

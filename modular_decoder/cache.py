@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLay
 
 from .chunked_attention import layer_window
 from .kinds import LINEAR_ATTENTION
+from .kv_sharing import SharedKVLayer, kv_sources
 from .recurrent_cache import ROLLBACK_ERROR, RecurrentLayer
 
 IMPLEMENTATIONS = ("dynamic", "static", "int8")
@@ -83,9 +84,11 @@ class ModularDecoderCache(Cache):
             # distances computed from slot indices would be wrong.
             raise ValueError("ALiBi with a static sliding-window cache is not supported; use the dynamic cache.")
         self.config = config
-        layers = [config.linear_attention_kind.cache_layer(config, implementation, max_cache_len)
+        self.kv_sources = kv_sources(config)  # a layer that reads another's keys and values holds nothing
+        layers = [SharedKVLayer(source) if source is not None else
+                  config.linear_attention_kind.cache_layer(config, implementation, max_cache_len)
                   if layer_type == LINEAR_ATTENTION else kind.cache_layer(config, layer_type, implementation, max_cache_len)
-                  for layer_type in config.layer_types]
+                  for layer_type, source in zip(config.layer_types, self.kv_sources)]
         Cache.__init__(self, layers=layers, **kwargs)  # the layers are ours, not the ones DynamicCache / StaticCache pick
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -117,8 +120,11 @@ class ModularDecoderCache(Cache):
         return self.layers[index].get_mask_sizes(query_length)
 
     def _attention_layer(self, layer_idx: int, prefer_full: bool) -> int:
-        """`layer_idx`, or where it is a linear-attention layer, the first full-attention layer (with
-        `prefer_full`), else the first attention layer, else `layer_idx` itself."""
+        """`layer_idx` (where it reads another layer's keys and values, that layer), or where it is a linear-attention
+        layer, the first full-attention layer (with `prefer_full`), else the first attention layer, else `layer_idx`
+        itself."""
+        if self.kv_sources[layer_idx] is not None:
+            return self.kv_sources[layer_idx]
         if not isinstance(self.layers[layer_idx], RecurrentLayer):
             return layer_idx
         attending = [i for i, layer in enumerate(self.layers) if not isinstance(layer, RecurrentLayer)]

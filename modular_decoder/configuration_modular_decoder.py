@@ -21,14 +21,16 @@ from .kinds import LINEAR_ATTENTION, require_bool, require_choice, require_int, 
 from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
-from .registries import ATTENTIONS, FEATURES, FIELD_MIXINS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: E402
+from .registries import (ATTENTIONS, FEATURES, FIELD_MIXINS, LINEAR_ATTENTIONS, MLPS, POSITIONS,  # noqa: E402
+                         RESIDUAL_STREAMS)
 
 # The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", CHUNKED_ATTENTION)
 LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "linear_attention")
 # Config fields that hold one entry per layer: a multi-token-prediction module is built from a config whose
 # lists hold the last layer's entry once per module (`mtp.mtp_block_config`). A new per-layer field goes here.
-PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers")
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers", "layer_intermediate_sizes",
+                    "activation_sparsity_pattern")
 # `mtp_loss_scaling_factor` where unset and `num_mtp_layers` > 0: DeepSeek-V3's λ for the last 4.8T of its
 # 14.8T training tokens (0.3 before; arXiv 2412.19437, §4.2)
 MTP_LOSS_SCALING_FACTOR = 0.1
@@ -413,7 +415,7 @@ class ModularDecoderConfig(PretrainedConfig, *FIELD_MIXINS):
             self.layer_types = list(self.layer_types)
         else:
             raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, FEATURES):  # each fills its own defaults
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS, FEATURES):  # their defaults
             registry.complete(self)
         if self.mtp_loss_scaling_factor is None:
             self.mtp_loss_scaling_factor = MTP_LOSS_SCALING_FACTOR if self.num_mtp_layers else 0.0
@@ -612,7 +614,7 @@ class ModularDecoderConfig(PretrainedConfig, *FIELD_MIXINS):
         if not self.num_mtp_layers and self.mtp_draft_tokens is not None:
             raise ValueError(f"`mtp_draft_tokens`={self.mtp_draft_tokens} sets the tokens MTP modules draft per step, "
                              "and `num_mtp_layers`=0: set `num_mtp_layers` or leave it unset.")
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS, FEATURES):
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS, RESIDUAL_STREAMS, FEATURES):
             registry.check(self)
 
     def _validate_layer_types(self) -> None:

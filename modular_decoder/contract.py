@@ -20,14 +20,23 @@ from .chunked_attention import CHUNKED_ATTENTION, layer_window
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
 from .kinds import LINEAR_ATTENTION
-from .registries import ATTENTIONS, FEATURES, LINEAR_ATTENTIONS, MLPS, POSITIONS
+from .laurel import laurel_parameters
+from .per_layer_embeddings import PER_LAYER_EMBEDDINGS
+from .registries import ATTENTIONS, FEATURES, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
 
 
-def attention_parameters(config: ModularDecoderConfig) -> int:
-    """One layer's attention (the attention kind's formula: standard 2·d·H·d_h + 2·d·H_kv·d_h + ...)."""
-    return config.attention_kind.parameters(config)
+def attention_parameters(config: ModularDecoderConfig, layer_idx: int | None = None) -> int:
+    """One layer's attention (the attention kind's formula: standard 2·d·H·d_h + 2·d·H_kv·d_h + ...); layer
+    `layer_idx`'s where layers differ (a full layer's own heads, a layer reading another's keys and values)."""
+    kind = config.attention_kind
+    return kind.parameters(config) if layer_idx is None else kind.layer_parameters(config, layer_idx)
+
+
+def attention_layers(config: ModularDecoderConfig) -> list[int]:
+    """The layers that attend (not linear-attention layers)."""
+    return [i for i, layer_type in enumerate(config.layer_types) if layer_type != LINEAR_ATTENTION]
 
 
 def linear_attention_parameters(config: ModularDecoderConfig) -> int:
@@ -70,11 +79,19 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
         parts["embedding_norm"] = norm_parameters(config, d)
     layers = config.num_hidden_layers
     if config.attention_layer_count:
-        parts["attention"] = config.attention_layer_count * attention_parameters(config)
+        parts["attention"] = sum(attention_parameters(config, i) for i in attention_layers(config))
     if linear_layer_count(config):
         parts["linear_attention"] = linear_layer_count(config) * linear_attention_parameters(config)
     parts["mlp"] = sum(mlp_parameters(config, i) for i in range(layers))
     parts["block_norms"] = layers * block_norm_count(config) * norm_parameters(config, d)
+    embeddings, branch = PER_LAYER_EMBEDDINGS.parameters(config)
+    if embeddings:
+        parts["per_layer_embeddings"] = embeddings + layers * branch
+    if config.laurel_rank:
+        parts["laurel"] = layers * laurel_parameters(config)
+    stream = RESIDUAL_STREAMS.of(config)
+    if stream.model_parameters(config) or stream.layer_parameters(config):
+        parts["residual_stream"] = stream.model_parameters(config) + layers * stream.layer_parameters(config)
     if config.final_norm:
         parts["final_norm"] = norm_parameters(config, d)
     lm_head = (0 if config.tie_word_embeddings else v * d) + (v if config.lm_head_bias else 0)
@@ -102,27 +119,32 @@ def _dtype_bytes(dtype: torch.dtype | int) -> int:
 
 
 def layer_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,
-                          quantization: str | None = None) -> int:
-    """One layer's cached bytes per token: 2·H_kv·d_h·b for K/V, (d_c + d_R)·b for an MLA latent.
+                          quantization: str | None = None, layer_idx: int | None = None) -> int:
+    """One layer's cached bytes per token: 2·H_kv·d_h·b for K/V, (d_c + d_R)·b for an MLA latent; layer
+    `layer_idx`'s where layers differ (a full layer's own heads; nothing where it reads another layer's keys).
 
     `quantization="int8"`: 2·H_kv·(d_h + b), one int8 code per element plus one b-byte scale per
     head and token (b is then the scale's dtype).
     """
     if quantization not in (None, "int8"):
         raise ValueError(f"`quantization`={quantization!r} is not one of [None, 'int8'].")
-    return config.attention_kind.bytes_per_token(config, _dtype_bytes(dtype), quantization)
+    kind, element_bytes = config.attention_kind, _dtype_bytes(dtype)
+    if layer_idx is None:
+        return kind.bytes_per_token(config, element_bytes, quantization)
+    return kind.layer_bytes_per_token(config, element_bytes, quantization, layer_idx)
 
 
 def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,
                           quantization: str | None = None) -> int:
     """The seed's formula summed over the attention layers: 2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for
-    MLA, L·(d_c + d_R + D_I)·b for DSA (its indexer's keys). Linear-attention layers add nothing per token
-    (`state_bytes_per_sequence`).
+    MLA, L·(d_c + d_R + D_I)·b for DSA (its indexer's keys), each layer with its own heads where they differ (Gemma 4's
+    full layers). Linear-attention layers add nothing per token (`state_bytes_per_sequence`), nor do layers that read
+    another layer's keys and values (`num_kv_shared_layers`).
 
     Sliding-window layers count per token only until they hold their window; `cache_bytes` gives
     the exact total at a given context length.
     """
-    return config.attention_layer_count * layer_bytes_per_token(config, dtype, quantization)
+    return sum(layer_bytes_per_token(config, dtype, quantization, i) for i in attention_layers(config))
 
 
 def state_bytes_per_sequence(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16) -> int:
@@ -148,9 +170,9 @@ def cache_bytes(config: ModularDecoderConfig, context: int, batch_size: int = 1,
                 dtype: torch.dtype | int = torch.bfloat16, quantization: str | None = None) -> int:
     """Exact payload of a cache holding `context` tokens for `batch_size` sequences (linear-attention states
     included, once per sequence)."""
-    per_token = layer_bytes_per_token(config, dtype, quantization)
-    tokens = sum(cached_tokens(config, t, context) for t in config.layer_types)
-    return batch_size * (per_token * tokens + state_bytes_per_sequence(config, dtype))
+    payload = sum(layer_bytes_per_token(config, dtype, quantization, i) * cached_tokens(config, layer_type, context)
+                  for i, layer_type in enumerate(config.layer_types) if layer_type != LINEAR_ATTENTION)
+    return batch_size * (payload + state_bytes_per_sequence(config, dtype))
 
 
 def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: torch.dtype | int = torch.bfloat16) -> float:
@@ -159,8 +181,9 @@ def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: to
 
 
 def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bfloat16) -> str:
-    """A markdown table of every contract field, parameters by component and cache cost."""
-    own = ModularDecoderConfig.__annotations__  # the config's own fields first, then those of the mechanisms' mixins
+    """A markdown table of every contract field the config reads, parameters by component and cache cost (the fields
+    of the mechanisms' mixins, `registries.FIELD_MIXINS`, after the config's own)."""
+    own = ModularDecoderConfig.__annotations__
     fields = sorted(dataclasses.fields(ModularDecoderConfig), key=lambda f: f.name not in own)
     names = [f.name for f in fields if f.name not in _NON_CONTRACT and _applies(config, f.name)]
     rows = ["| field | value |", "| --- | --- |"]
@@ -177,7 +200,8 @@ def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bflo
     return "\n".join(rows)
 
 
-_PARAMETER_ROWS = {"active": "active per token", "linear_attention": "linear attention", "mtp": "MTP modules"}
+_PARAMETER_ROWS = {"active": "active per token", "linear_attention": "linear attention", "mtp": "MTP modules",
+                   "per_layer_embeddings": "per-layer embeddings", "residual_stream": "residual streams"}
 
 
 def _applies(config: ModularDecoderConfig, name: str) -> bool:
@@ -194,11 +218,10 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
         owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]
         if owners:
             chosen = registry.of(config)
-            return (chosen in owners and getattr(chosen, "in_use", lambda _: True)(config)
-                    and chosen.field_applies(config, name))
+            return chosen in owners and getattr(chosen, "in_use", lambda _: True)(config)
     features = [feature for feature in FEATURES if name in feature.fields]
     if features:
-        return any(feature.in_use(config) for feature in features)
+        return any(feature.in_use(config) or name == feature.switch for feature in features)
     return name not in _unread(config)
 
 

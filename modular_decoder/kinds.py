@@ -121,11 +121,6 @@ class Kind:
     def complete(self, config) -> None:
         """Fill the defaults of this kind's own fields that derive from other fields (before validation)."""
 
-    def field_applies(self, config, name: str) -> bool:
-        """Whether `config`, having chosen this kind, reads its field `name` (all of them unless a kind says
-        otherwise: Llama 4's NoPE temperature only where some layer is NoPE)."""
-        return True
-
     def reads_for(self, config) -> tuple[str, ...]:
         """Those of `reads` that `config` makes this kind read (all of them unless a kind says otherwise)."""
         return self.reads
@@ -151,8 +146,9 @@ class AttentionKind(Kind):
         """`head_dim` where the config leaves it unset (`None`: hidden_size / num_attention_heads)."""
         return None
 
-    def rope_head_dim(self, config) -> int:
-        """The head width RoPE sees (transformers' init functions apply `partial_rotary_factor` to it)."""
+    def rope_head_dim(self, config, layer_type: str | None = None) -> int:
+        """The head width RoPE sees (transformers' init functions apply `partial_rotary_factor` to it); with
+        `layer_type`, that of a layer of that type (its own RoPE table)."""
         raise NotImplementedError
 
     def rotary_dim(self, config) -> int:
@@ -183,6 +179,14 @@ class AttentionKind(Kind):
         """Bytes one layer caches per token (`quantization="int8"` where the kind supports it)."""
         raise NotImplementedError
 
+    def layer_parameters(self, config, layer_idx: int) -> int:
+        """Parameters of layer `layer_idx`'s attention, where a kind's layers differ (`parameters` otherwise)."""
+        return self.parameters(config)
+
+    def layer_bytes_per_token(self, config, element_bytes: int, quantization: str | None, layer_idx: int) -> int:
+        """Bytes layer `layer_idx` caches per token, where a kind's layers differ (`bytes_per_token` otherwise)."""
+        return self.bytes_per_token(config, element_bytes, quantization)
+
     def describe(self, config) -> str:
         """A short tag for cards and tables (`mha`, `gqa`, `mqa`, `mla`, ...)."""
         return self.name
@@ -202,7 +206,9 @@ class Feature(Kind):
     """A mechanism a config switches on through its own fields rather than by choosing among alternatives
     (chunked attention: `attention_chunk_size`). Its `validate` checks its fields wherever it is off too (they
     must then keep their defaults), and `in_use` says whether the config uses it (the contract table shows its
-    fields only then)."""
+    fields only then, except `switch`, the field that turns it on where setting that alone is allowed)."""
+
+    switch: str | None = None
 
     def in_use(self, config) -> bool:
         raise NotImplementedError

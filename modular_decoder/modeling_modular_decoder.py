@@ -35,14 +35,17 @@ from .experts import experts_kernels_available
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .kinds import LINEAR_ATTENTION
+from .kv_sharing import kv_sources
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
 from .mtp_generation import check_draft_tokens, check_use_mtp, drafting_tokens, mtp_candidate_generator_for
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
+from .per_layer_embeddings import PER_LAYER_EMBEDDINGS, PerLayerEmbeddings
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
                         rotary_layers)
 from .recurrent_cache import ROLLBACK_ERROR, refuse_rollback_decoding
+from .registries import RESIDUAL_STREAMS
 from .routers import TopKRouter, router_losses
 from .split_products import project
 
@@ -171,6 +174,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         elif hasattr(module, "inv_freq"):  # sinusoidal table
             fresh = ABSOLUTE_POSITIONS["sinusoidal"](self.config)
             init.copy_(module.inv_freq, fresh.inv_freq)
+        if hasattr(module, "init_own_weights"):  # a mechanism's own tensors (a layer scalar, AltUp's coefficients)
+            module.init_own_weights(init, std)
 
 
 class ModularDecoderModel(ModularDecoderPreTrainedModel):
@@ -185,6 +190,9 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.rotary_emb = RotaryEmbedding(config) if config.uses_rope else None
         self.alibi = AlibiBias(config) if config.position_embedding_type == "alibi" else None
+        # the stream(s) the layers join their outputs to, made from the embedded input (`residual_streams.py`)
+        self.residual_stream = RESIDUAL_STREAMS.of(config).model_module(config)
+        self.per_layer_embeddings = PerLayerEmbeddings(config) if PER_LAYER_EMBEDDINGS.in_use(config) else None
         block = block_class(config)
         self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = build_norm(config) if config.final_norm else None
@@ -233,6 +241,8 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_seen)
 
         hidden = self._embed(inputs_embeds, position_ids)
+        layer_inputs = self._layer_inputs(input_ids, hidden)
+        hidden = self.residual_stream(hidden)
         masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self._rotary_tables(hidden, position_ids)
         layer_kwargs = self._alibi_kwargs(hidden, cache)
@@ -250,11 +260,27 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 position_ids=position_ids,
                 cache=cache,
                 **layer_kwargs.get(layer_type, {}),
+                **layer_inputs[layer_idx],
                 **kwargs,
             )
+        hidden = self.residual_stream(hidden, leaving=True)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return MoeModelOutputWithPast(last_hidden_state=hidden, **with_cache(cache if use_cache else None))
+
+    def _layer_inputs(self, input_ids, hidden: torch.Tensor) -> list[dict]:
+        """What each layer takes beside the stream: its per-layer embedding (`per_layer_input`), and for layers that
+        share keys and values, this forward's dict of them (`shared_kv`, `kv_sharing.py`)."""
+        inputs = [{} for _ in range(self.config.num_hidden_layers)]
+        if self.per_layer_embeddings is not None:
+            for layer_input, embedding in zip(inputs, self.per_layer_embeddings(input_ids, hidden).unbind(2)):
+                layer_input["per_layer_input"] = embedding
+        sources = kv_sources(self.config)
+        if any(source is not None for source in sources):
+            shared, sharing = {}, set(sources) | {i for i, source in enumerate(sources) if source is not None}
+            for layer_idx in sharing - {None}:
+                inputs[layer_idx]["shared_kv"] = shared
+        return inputs
 
     def _check_inputs(self, input_ids, attention_mask, inputs_embeds, cache) -> None:
         """Exactly one of ids or embeddings, and each input what it claims (`input_checks.check_inputs`)."""

@@ -74,7 +74,9 @@ class RotaryEmbedding(nn.Module):
             for layer_type in sorted(attending_layer_types(config.layer_types)):
                 params = config.rope_parameters[layer_type]
                 self.rope_type[layer_type] = params["rope_type"]
-                inv_freq, scaling = self._init_fn(params["rope_type"])(rope_config, None, layer_type=layer_type)
+                type_config = copy.copy(rope_config)  # a layer type may have its own head width (Gemma 4's global)
+                type_config.head_dim = config.attention_kind.rope_head_dim(config, layer_type)
+                inv_freq, scaling = self._init_fn(params["rope_type"])(type_config, None, layer_type=layer_type)
                 self.register_buffer(f"{layer_type}_inv_freq", inv_freq, persistent=False)
                 self.register_buffer(f"{layer_type}_original_inv_freq", inv_freq.clone(), persistent=False)
                 setattr(self, f"{layer_type}_attention_scaling", scaling)
@@ -189,14 +191,12 @@ class PositionKind(Kind):
     """A value of `position_embedding_type`: where position enters and the fields it reads."""
 
     def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None, reads: tuple[str, ...] = (),
-                 complete=None, field_applies=None):
+                 complete=None):
         self.name, self.fields, self.reads = name, fields, reads
         if validate is not None:
             self.validate = validate
         if complete is not None:
             self.complete = complete
-        if field_applies is not None:
-            self.field_applies = field_applies
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,15 +233,6 @@ def nope_temperature(position_ids: torch.Tensor, floor_scale: int, attn_scale: f
     positions = position_ids.float()
     scale = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0  # (B, T)
     return scale[:, None, :, None]
-
-
-def _rope_field_applies(config, name: str) -> bool:
-    """The temperature's flag where some layer is NoPE, its floor and scale where it is on."""
-    if name == "attn_temperature_tuning":
-        return config.no_rope_layers is not None and not all(config.no_rope_layers)
-    if name in TEMPERATURE_FIELDS:
-        return bool(config.attn_temperature_tuning)
-    return True
 
 
 def _complete_rope(config) -> None:
@@ -364,7 +355,7 @@ def _validate_rope_dict(config, where: str, params, rotary: int) -> None:
     if "rope_theta" not in params:
         raise ValueError(f"`{where}` needs `rope_theta`.")
     factor = params.get("partial_rotary_factor", config.partial_rotary_factor)
-    if factor != config.partial_rotary_factor:
+    if factor != config.partial_rotary_factor and rope_type != "proportional":  # (its own: a whole-head table)
         raise ValueError(f"`{where}['partial_rotary_factor']`={factor} differs from `partial_rotary_factor`="
                          f"{config.partial_rotary_factor}; set one value.")
     for key, value in params.items():
@@ -389,8 +380,7 @@ POSITIONS: Registry[PositionKind] = Registry("position_embedding_type", [
     PositionKind("learned", ("learned_position_offset",), _validate_learned),
     PositionKind("sinusoidal"),
     PositionKind("rope", ("partial_rotary_factor", "rope_interleaved", "no_rope_layers", *TEMPERATURE_FIELDS),
-                 _validate_rope, reads=("rope_parameters",), complete=_complete_rope,
-                 field_applies=_rope_field_applies),
+                 _validate_rope, reads=("rope_parameters",), complete=_complete_rope),
     PositionKind("alibi"),
     PositionKind("none"),
 ])

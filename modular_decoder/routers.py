@@ -204,7 +204,9 @@ class TopKRouter(nn.Module):
     expert ids).
 
     The logits are computed in the dtype of `weight`: a model that keeps its routers in fp32 (as
-    DeepSeek-V3's checkpoints do) routes in fp32 whatever the activations' dtype. Once
+    DeepSeek-V3's checkpoints do) routes in fp32 whatever the activations' dtype. With `router_input_norm` the router
+    reads RMS(x)-normed x times a learned `scale` (d) and d^-1/2; with `router_expert_scale` each kept weight is
+    multiplied by its expert's learned `per_expert_scale` (Gemma 4's router). Once
     `router_losses.track_expert_load` is called, training forwards count each expert's assignments in
     `expert_load` (for the correction bias update; a plain attribute, never saved).
     """
@@ -220,12 +222,23 @@ class TopKRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", bias)
         logit_bias = nn.Parameter(torch.empty(config.num_experts, dtype=dtype)) if config.router_bias else None
         self.register_parameter("bias", logit_bias)  # transformers' gpt-oss name (`mlp.router.bias` there)
+        scale = nn.Parameter(torch.empty(config.hidden_size)) if config.router_input_norm else None
+        self.register_parameter("scale", scale)  # (Gemma 4's names)
+        per_expert = nn.Parameter(torch.empty(config.num_experts)) if config.router_expert_scale else None
+        self.register_parameter("per_expert_scale", per_expert)
+        self.eps, self.input_scale = config.norm_eps, config.hidden_size ** -0.5
         self.expert_load: torch.Tensor | None = None
         self.select = selection(config)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.scale is not None:  # RMS-normed (no weight, fp32), times the learned scale and d^-1/2
+            x32 = hidden_states.float()
+            normed = (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).type_as(hidden_states)
+            hidden_states = normed * self.scale * self.input_scale
         logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)  # (N, E)
         weights, indices = self.select(logits, self.e_score_correction_bias)  # (N, k) each
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale[indices]
         if self.training and self.expert_load is not None:
             record_expert_load(self.expert_load, indices)
         return logits, weights, indices

@@ -101,6 +101,39 @@ CASES.update({
                          "low_freq_factor": 1.0, "original_max_position_embeddings": 16})),
 })
 
+# Gemma 4: local / global layers (windows of 4), the global ones with heads twice as wide, one K/V head and their values
+# from the key projection, proportional RoPE on a quarter of their pairs; the last two layers reading the keys and
+# values of layers 3 and 2 with MLPs twice as wide; per-layer embeddings of width 8; a soft-capped head. Then experts
+# beside the dense MLP in every layer (4 experts, top-2, a normed router with a scale per expert), no sharing
+GEMMA4 = dict(**{**COMMON, "num_hidden_layers": 6}, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+              sliding_window=4, hidden_size_per_layer_input=8, vocab_size_per_layer_input=V,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                           "sliding_attention", "full_attention"])
+CASES.update({
+    "gemma4_text": ("gemma4_text", lambda: tf.Gemma4TextConfig(
+        **GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0)),
+    "gemma4_text-moe": ("gemma4_text", lambda: tf.Gemma4TextConfig(
+        **{**GEMMA4, "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+           "hidden_size_per_layer_input": 0}, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=16)),
+})
+
+# Gemma 3n: AltUp's 3 streams around every layer, LAUREL beside attention (rank 4), per-layer embeddings of width 8
+# over a table smaller than the vocabulary (ids past it look up row 0), local / global layers (windows of 4), the last
+# two layers reading layers 1 and 2's keys and values, the Gaussian top-k on the first two layers' gates, a soft-capped
+# head. Then 4 streams and the second of them active, no sparsity, wider MLPs on some layers
+GEMMA3N = dict(**{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=8, sliding_window=4,
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=80, laurel_rank=4,
+               layer_types=["sliding_attention", "full_attention"] * 2)
+CASES.update({
+    "gemma3n_text": ("gemma3n_text", lambda: tf.Gemma3nTextConfig(
+        **GEMMA3N, altup_num_inputs=3, num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.8, 0.0, 0.0])),
+    "gemma3n_text-four-streams": ("gemma3n_text", lambda: tf.Gemma3nTextConfig(
+        **{**GEMMA3N, "intermediate_size": [64, 48, 64, 32]}, altup_num_inputs=4, altup_active_idx=1,
+        num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * 4)),
+})
+
 # Hybrid linear attention: Gated DeltaNet layers (2 key heads, 4 value heads: each key head serves two) beside
 # gated full attention; Qwen3-Next with experts in every other layer and a dense one
 HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
@@ -120,10 +153,11 @@ CASES.update({
 })
 
 # The families whose layers hold routed experts (and the cases of each; Llama 4's where its NoPE temperature is 1 at
-# these positions: transformers' class counts a left-padded row's temperature from its cache's slots, test_llama4.py)
+# these positions: transformers' class counts a left-padded row's temperature from its cache's slots, test_llama4.py;
+# not Gemma 4's, whose class records router probabilities, not logits: test_gemma4.py)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"
-             or name.endswith(("-moe", "-moe-grouped")) or name == "llama4_text"]
+             or name.endswith(("-moe", "-moe-grouped")) and not name.startswith("gemma4") or name == "llama4_text"]
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:
@@ -147,3 +181,18 @@ def saved_source(config, path):
     torch.manual_seed(0)
     perturbed(tf.AutoModelForCausalLM.from_config(config)).save_pretrained(path)
     return path
+
+
+def converted_pair(case: str, folder):
+    """(transformers' model of conversion case `case`, eager, weights perturbed; ours converted from its saved folder),
+    both in eval mode."""
+    from modular_decoder import ModularDecoderForCausalLM
+    from modular_decoder.conversion import convert
+
+    config = CASES[case][1]()
+    config.architectures = None
+    torch.manual_seed(0)
+    source = perturbed(tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval())
+    source.save_pretrained(folder / "src")
+    convert(folder / "src", folder / "ours", progress=False)
+    return source, ModularDecoderForCausalLM.from_pretrained(folder / "ours").eval()

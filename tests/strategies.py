@@ -265,8 +265,29 @@ def config_kwargs(draw) -> dict:
     kw["eos_token_id"] = draw(st.none() | st.integers(0, vocab - 1)
                               | st.lists(st.integers(0, vocab - 1), min_size=1, max_size=2))
 
-    # multi-token prediction (the modules are built from the last layer's kinds)
-    kw["num_mtp_layers"] = draw(st.sampled_from([0, 0, 1, 2]))
+    # Gemma 3n / Gemma 4: per-layer embeddings, a scalar per layer; with standard attention, normed values, the last
+    # layers reading earlier layers' keys and values, the full layers' values from their keys and their own K/V heads
+    topology = {}
+    if draw(st.integers(0, 3)) == 0:
+        topology["hidden_size_per_layer_input"] = draw(st.integers(1, 8))
+    if draw(st.integers(0, 3)) == 0:
+        topology["layer_scalar"] = True
+    if attention_type == "standard":
+        topology["value_norm"] = draw(st.booleans())
+        if "full_attention" in layer_types and draw(st.integers(0, 2)) == 0:
+            topology["attention_k_eq_v"] = True
+            heads = [h for h in range(1, kw["num_attention_heads"] + 1) if kw["num_attention_heads"] % h == 0]
+            topology["num_global_key_value_heads"] = draw(st.sampled_from(heads))
+        shareable = [n for n in range(1, layers) if LINEAR not in layer_types[layers - n:]
+                     and set(layer_types[layers - n:]) <= set(layer_types[:layers - n])]
+        if shareable and draw(st.integers(0, 2)) == 0:
+            topology["num_kv_shared_layers"] = draw(st.sampled_from(shareable))
+    kw.update(topology)
+
+    # multi-token prediction (the modules are built from the last layer's kinds; none beside per-layer embeddings or
+    # shared keys and values)
+    kw["num_mtp_layers"] = 0 if {"hidden_size_per_layer_input", "num_kv_shared_layers"} & set(topology) else draw(
+        st.sampled_from([0, 0, 1, 2]))
     if kw["num_mtp_layers"] and draw(st.booleans()):
         kw["mtp_loss_scaling_factor"] = draw(st.floats(0.0, 1.0))
     if kw["num_mtp_layers"] and draw(st.booleans()):

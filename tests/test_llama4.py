@@ -13,14 +13,14 @@ import copy
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
+from conversion_cases import converted_pair
 from decoding import compiled_eager_and_reference
+from family_parity import assert_greedy_tokens_match, assert_logits_match
 from test_gpt_oss_smollm3 import IDS, _padded, _trainer_losses, left_padded
-from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+from transformers import DataCollatorWithFlattening
 
 from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.backend_features import check_backend
-from modular_decoder.conversion import convert
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,68 +28,41 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CASES_HERE = ["llama4_text", "llama4_text-tuned"]
 
 
-def _pair(case: str, folder):
-    config = CASES[case][1]()
-    config.architectures = None
-    torch.manual_seed(0)
-    source = perturbed(AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval())
-    source.save_pretrained(folder / "src")
-    convert(folder / "src", folder / "ours", progress=False)
-    return source, ModularDecoderForCausalLM.from_pretrained(folder / "ours").eval()
-
-
 @pytest.fixture(scope="module", params=CASES_HERE)
 def pair(request, tmp_path_factory):
     """(transformers' model with perturbed weights, ours converted from its saved folder)."""
-    return _pair(request.param, tmp_path_factory.mktemp(request.param))
+    return converted_pair(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
-def plain_pair(tmp_path_factory):
-    return _pair("llama4_text", tmp_path_factory.mktemp("plain"))
+def plainconverted_pair(tmp_path_factory):
+    return converted_pair("llama4_text", tmp_path_factory.mktemp("plain"))
 
 
 @pytest.fixture(scope="module")
-def tuned_pair(tmp_path_factory):
-    return _pair("llama4_text-tuned", tmp_path_factory.mktemp("tuned"))
+def tunedconverted_pair(tmp_path_factory):
+    return converted_pair("llama4_text-tuned", tmp_path_factory.mktemp("tuned"))
+
+
+def _tuned(pair) -> bool:
+    """Whether the NoPE temperature changes at these positions (the "-tuned" case's floor of 4): transformers counts a
+    left-padded row's temperature from its cache's slots, so its padded rows are compared in
+    `test_a_left_padded_row_gets_what_it_gets_alone_with_the_nope_temperature`."""
+    return pair[1].config.floor_scale == 4
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_logits_match(pair, backend):
-    source, ours = pair
-    ours.set_attn_implementation(backend)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(IDS).logits, source(IDS).logits, rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_a_left_padded_batch_matches(plain_pair, backend):
-    """The real tokens of a left-padded batch: chunks start at each row's first real token on both sides."""
-    source, ours = plain_pair
-    ours.set_attn_implementation(backend)
-    ids, mask = left_padded()
-    with torch.no_grad():
-        got, want = ours(ids, attention_mask=mask).logits, source(ids, attention_mask=mask).logits
-    real = mask.bool()
-    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-4)
+def test_logits_and_a_left_padded_batch_match(pair, backend):
+    """The real tokens of a left-padded batch too: chunks start at each row's first real token on both sides."""
+    assert_logits_match(*pair, backend, padded=not _tuned(pair))
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_greedy_tokens_through_each_sides_cache_match(pair, backend, cache):
     """Generated greedily by each side through its own cache (transformers' dynamic one; ours dynamic or static),
-    past several chunks of 4: a left-padded batch where the NoPE temperature is 1 at these positions, one row
-    where it is not (transformers counts a padded row's temperature from its cache's slots, padding included)."""
-    source, ours = pair
-    ours.set_attn_implementation(backend)
-    ids, mask = left_padded()
-    if pair[1].config.floor_scale == 4:  # the "-tuned" case
-        ids, mask = IDS[:1], torch.ones_like(IDS[:1])
-    kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        want = source.generate(ids, **kwargs)
-        got = ours.generate(ids, cache_implementation=None if cache == "dynamic" else "static", **kwargs)
-    assert torch.equal(got, want)
+    past several chunks of 4: a left-padded batch (one row where the NoPE temperature changes)."""
+    assert_greedy_tokens_match(*pair, backend, cache, padded=not _tuned(pair))
 
 
 def test_a_left_padded_row_gets_what_it_gets_alone_with_the_nope_temperature(tuned_pair):

@@ -28,6 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # meta device (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 without its multi-token-prediction layer).
 FAMILY_OF = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe", "deepseek_v2_lite": "deepseek_v2",
              "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "llama4": "llama4_text"}
+# dense presets whose families' classes count their parameters as ours do (per-layer shapes, shared keys and values,
+# per-layer embeddings)
+DENSE_FAMILY_OF = {"gemma4": "gemma4_text"}
 PUBLISHED_TOTALS = {"mixtral": 46_702_792_704, "qwen3_moe": 30_532_122_624, "deepseek_v3": 671_026_404_352}
 # the rounded "active" figures their model cards publish
 PUBLISHED_ACTIVE = {"mixtral": 12.9e9, "qwen3_moe": 3.3e9, "deepseek_v3": 37e9}
@@ -45,12 +48,12 @@ def test_published_totals_and_active_parameters(name):
     assert abs(counts["active"] - PUBLISHED_ACTIVE[name]) < 0.05 * PUBLISHED_ACTIVE[name]
 
 
-@pytest.mark.parametrize("name", list(FAMILY_OF))
+@pytest.mark.parametrize("name", list(FAMILY_OF) + list(DENSE_FAMILY_OF))
 def test_total_equals_the_family_class_on_meta(name):
     """The preset exported to its family's config (the conversion's `from_contract`) and built by
     transformers' own class has exactly the contract's parameter count."""
     config = preset_config(name)
-    their_config = get_family(FAMILY_OF[name]).from_contract(config)
+    their_config = get_family({**FAMILY_OF, **DENSE_FAMILY_OF}[name]).from_contract(config)
     with torch.device("meta"):
         theirs = AutoModelForCausalLM.from_config(their_config)
         ours = ModularDecoderForCausalLM(config)

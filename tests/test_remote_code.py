@@ -73,7 +73,8 @@ SHIPPED = {
     "mla.py", "mlp.py", "moe.py", "routers.py", "experts.py", "router_losses.py", "norms.py", "positions.py",
     "registries.py", "split_products.py", "input_checks.py", "checkpoint_checks.py", "peft_targets.py", "tuning.py",
     "sparse_attention.py", "lightning_indexer.py", "gated_deltanet.py", "delta_rule.py", "recurrent_cache.py",
-    "mtp.py", "mtp_generation.py", "packed_documents.py", "draft_vocab.py",
+    "mtp.py", "mtp_generation.py", "packed_documents.py", "draft_vocab.py", "attention_shapes.py", "kv_sharing.py",
+    "per_layer_embeddings.py", "residual_streams.py",
 }
 
 

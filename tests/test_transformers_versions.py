@@ -550,6 +550,15 @@ def test_llama4_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", ["gemma4_text", "gemma4_text-moe"])
+def test_gemma4_matches_its_class_on_the_oldest_and_newest_release(case, tmp_path):
+    """Gemma 4's global layers (their own heads, values from their keys, proportional RoPE; transformers keeps their
+    shape in `per_layer_config`), shared keys and values, per-layer embeddings, layer scalars; experts beside the
+    dense MLP."""
+    _family_on_oldest_and_newest(case, tmp_path)
+
+
+@pytest.mark.slow
 def test_gemma3_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
     """Gemma 3's rope tables nested by layer type: 5.16.1's config leaves a flat `rope_type` and `rope_theta:
     None` beside them, which the conversion drops (`families.common.rope`)."""

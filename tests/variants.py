@@ -113,6 +113,14 @@ AXES: dict[str, dict[str, dict]] = {
                                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                                  linear_conv_kernel_dim=3),
     },
+    # Gemma 3n / Gemma 4 on any layout: the second (full) layer reading the first's keys and values, whose values come
+    # from its keys (one K/V head) and are normed; per-layer embeddings with a scalar per layer
+    "topology": {
+        "plain": {},
+        "shared_kv": dict(num_kv_shared_layers=1, attention_k_eq_v=True, num_global_key_value_heads=1,
+                          value_norm=True),
+        "per_layer_embeddings": dict(hidden_size_per_layer_input=8, layer_scalar=True),
+    },
     "ends": {
         "tied": dict(tie_word_embeddings=True),
         "untied": dict(tie_word_embeddings=False),
@@ -130,6 +138,10 @@ BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_laye
 def valid(choice: dict[str, str]) -> bool:
     positions = choice.get("positions", "rope")
     if choice.get("qk_norm") == "weightless" and not positions.startswith("rope"):  # it norms the rotated heads
+        return False
+    # the sharing layer reads the first layer of its type: both full attention
+    if choice.get("topology") == "shared_kv" and (choice.get("window", "full") != "full"
+                                                  or choice.get("mixer", "attention").startswith("linear")):
         return False
     if choice.get("window") == "mixed_local_base" and not positions.startswith("rope"):
         return False

@@ -92,8 +92,9 @@ def rope(src) -> dict:
 
 def source_rope(cfg) -> dict:
     params = cfg.rope_parameters
-    if cfg.rope_is_nested:
-        return {k: {kk: vv for kk, vv in v.items() if kk != "partial_rotary_factor"} for k, v in params.items()}
+    if cfg.rope_is_nested:  # (a table's own factor kept: proportional RoPE's, Gemma 4)
+        return {k: {kk: vv for kk, vv in v.items() if kk != "partial_rotary_factor" or vv != cfg.partial_rotary_factor}
+                for k, v in params.items()}
     out = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
     if cfg.partial_rotary_factor != 1.0:
         out["partial_rotary_factor"] = cfg.partial_rotary_factor

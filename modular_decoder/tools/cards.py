@@ -14,6 +14,7 @@ from string import Template
 
 import yaml
 
+from modular_decoder.attention_shapes import shapes_vary
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
 from modular_decoder.contract import contract_table
 from modular_decoder.tools.presets import PRESETS, preset_config
@@ -100,6 +101,13 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         tags.append("nope-temperature-tuning")
     if config.mlp_kind.routed and config.apply_router_weight_on_input:
         tags.append("router-weight-on-input")
+    if config.mlp_kind.routed and config.parallel_dense_mlp:
+        tags.append("dense-mlp-beside-experts")
+    tags += [tag for tag, used in (
+        ("per-layer-attention-shapes", config.attention_type == "standard" and shapes_vary(config)),
+        ("k-eq-v", config.attention_k_eq_v), ("kv-sharing", config.num_kv_shared_layers),
+        ("per-layer-embeddings", config.hidden_size_per_layer_input), ("layer-scalars", config.layer_scalar),
+        (f"residual-stream-{config.residual_stream}", config.residual_stream != "single")) if used]
     if config.mlp_kind.routed and config.swiglu_limit is not None:
         tags.append("clamped-swiglu")
     if config.attn_logit_softcapping or config.final_logit_softcapping:

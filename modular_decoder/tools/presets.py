@@ -197,6 +197,22 @@ PRESETS: dict[str, dict] = {
         attn_scale=0.1, tie_word_embeddings=False, mlp_type="moe", num_experts=16, num_experts_per_tok=1,
         moe_intermediate_size=8192, n_shared_experts=1, router_type="topk_sigmoid", norm_topk_prob=False,
         apply_router_weight_on_input=True, router_aux_loss_coef=0.001),
+    # google/gemma-4-E2B config.json, its `text_config` (35 layers, four local (window 512) for each global one; global
+    # layers with heads of 512 and proportional RoPE on a quarter of their pairs (base 1M), local ones of 256 (base
+    # 10k), one K/V head; the last 20 layers read the keys and values of the last local and global layer before
+    # them, with MLPs twice as wide (`use_double_wide_mlp`); per-layer embeddings of 256; a scalar per layer; the
+    # vision and audio towers are not part of the model)
+    "gemma4": dict(
+        vocab_size=262144, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=256, global_head_dim=512, max_position_embeddings=131072, norm_eps=1e-6,
+        norm_position="sandwich", hidden_act="gelu_pytorch_tanh", embedding_multiplier=math.sqrt(1536),
+        qk_norm="head", value_norm=True, query_pre_attn_scalar=1.0, sliding_window=512, sliding_window_pattern=5,
+        rope_parameters={"full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                            "partial_rotary_factor": 0.25},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        final_logit_softcapping=30.0, num_kv_shared_layers=20, double_wide_shared_mlp=True,
+        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, layer_scalar=True,
+        tie_word_embeddings=True),
 }
 
 # deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3's, with DeepSeek Sparse Attention, a lightning indexer of
@@ -252,6 +268,7 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     first_dense = fields.pop("first_dense_layers", None)
     interval = fields.pop("full_attention_interval", None)
     no_rope_interval = fields.pop("no_rope_interval", None)
+    double_wide = fields.pop("double_wide_shared_mlp", False)
     if tiny:
         heads, kv = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
         fields.update(TINY, num_attention_heads=4, num_key_value_heads=4 if kv == heads else (1 if kv == 1 else 2))
@@ -290,6 +307,12 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["attention_chunk_size"] = 8
         if fields.get("floor_scale"):
             fields["floor_scale"] = 16
+        if fields.get("num_kv_shared_layers"):  # a local and a global layer, then two reading theirs
+            fields.update(num_hidden_layers=4, num_kv_shared_layers=2)
+        if fields.get("global_head_dim"):
+            fields["global_head_dim"] = 2 * TINY["hidden_size"] // 4
+        if fields.get("hidden_size_per_layer_input"):
+            fields.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY["vocab_size"])
     fields.update(overrides)
     if "layer_types" not in overrides:
         fields["layer_types"] = _layer_types(fields["num_hidden_layers"], pattern, fields.get("sliding_window"))
@@ -299,6 +322,10 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     if "no_rope_layers" not in overrides:
         fields["no_rope_layers"] = _no_rope_layers(fields["num_hidden_layers"], no_rope_interval)
+    if double_wide and "layer_intermediate_sizes" not in overrides:  # the layers reading shared keys: twice as wide
+        layers, shared = fields["num_hidden_layers"], fields["num_kv_shared_layers"]
+        fields["layer_intermediate_sizes"] = [fields["intermediate_size"] * (1 + (i >= layers - shared))
+                                              for i in range(layers)]
     if fields.get("attention_chunk_size") and "layer_types" not in overrides:  # Llama 4: chunks where RoPE turns
         fields["layer_types"] = ["chunked_attention" if rotates else "full_attention"
                                  for rotates in fields["no_rope_layers"] or [1] * fields["num_hidden_layers"]]

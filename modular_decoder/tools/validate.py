@@ -211,6 +211,12 @@ def _component(name: str) -> str:
         return "linear_attention"
     if ".mlp." in name:
         return "mlp"
+    if ".per_layer_embeddings." in name or ".per_layer_input." in name:
+        return "per_layer_embeddings"
+    if ".residual_stream." in name or ".altup." in name:
+        return "residual_stream"
+    if ".laurel." in name:
+        return "laurel"
     return "block_norms"
 
 
@@ -386,9 +392,9 @@ def _sliding_windows(ctx: _Context) -> str:
         window = window - p  # the chunk of position p (the first) ends at C
     worst_outside, weakest_inside = 0.0, float("inf")
     for idx, (hidden, kwargs) in _capture_attention_inputs(ctx, ids).items():
-        if ctx.config.layer_types[idx] != layer_type:
-            continue
         attn = ctx.model.model.layers[idx].self_attn
+        if ctx.config.layer_types[idx] != layer_type or getattr(attn, "kv_source", None) is not None:
+            continue  # (a layer reading another's keys: its window is its source's)
         changed = hidden.clone()
         changed[:, p] += torch.randn(changed[:, p].shape, generator=ctx.generator).to(changed)
         kwargs = dict(kwargs, cache=None)
