@@ -142,17 +142,29 @@ def vllm_passes_sinks() -> bool:
     return callable(getattr(AttentionFuser, "sinks", None))
 
 
+# What vLLM cannot serve through its Transformers backend -> the export families it serves with its own classes
+NATIVE_FAMILIES = {
+    "linear_attention": "qwen3_next` (or `qwen3_5_text`)",
+    "chunked_attention": "llama4_text`",
+    "residual_streams": "gemma3n_text`",
+    "layer_shapes": "gemma4_text`",
+    "kv_sharing": "gemma4_text` (or `gemma3n_text`)",
+    "per_layer_inputs": "gemma4_text` (or `gemma3n_text`)",
+}
+
+
 def check_backend(config, backend: str) -> None:
     """Raise `ValueError` if `backend` cannot compute what `config` asks for."""
     missing = missing_features(config, backend)
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
         if canonical_backend(backend) == "vllm":
-            hybrid = ("; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
-                      "qwen3_next` (or `qwen3_5_text`)" if "linear_attention" in missing else "")
+            native = next((families for feature, families in NATIVE_FAMILIES.items() if feature in missing), None)
+            hint = (f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
+                    f"{native}`" if native else "")
             raise ValueError(
                 f"vLLM's Transformers modeling backend cannot serve {fields} of this config (it would compute "
-                f"different results); generate with transformers instead{hybrid}."
+                f"different results); generate with transformers instead{hint}."
             )
         usable = [name for name in BACKEND_FEATURES if not required_features(config) - BACKEND_FEATURES[name]]
         raise ValueError(

@@ -242,12 +242,12 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
 
         hidden = self._embed(inputs_embeds, position_ids)
         layer_inputs = self._layer_inputs(input_ids, hidden)
-        hidden = self.residual_stream(hidden)
         masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self._rotary_tables(hidden, position_ids)
         layer_kwargs = self._alibi_kwargs(hidden, cache)
         if (documents := self._linear_documents(packed_positions, attention_mask, inputs_embeds)) is not None:
             layer_kwargs[LINEAR_ATTENTION] = {"documents": documents}
+        hidden = self.residual_stream(hidden)  # the stream(s) the layers join (`residual_streams.py`)
 
         # the first `num_hidden_layers` as transformers' models run them: its assistant early exit drafts with
         # the model itself after lowering that number

@@ -119,19 +119,20 @@ CASES.update({
         moe_intermediate_size=16)),
 })
 
-# Gemma 3n: AltUp's 3 streams around every layer, LAUREL beside attention (rank 4), per-layer embeddings of width 8
-# over a table smaller than the vocabulary (ids past it look up row 0), local / global layers (windows of 4), the last
-# two layers reading layers 1 and 2's keys and values, the Gaussian top-k on the first two layers' gates, a soft-capped
-# head. Then 4 streams and the second of them active, no sparsity, wider MLPs on some layers
+# Gemma 3n: AltUp's 3 streams around every layer, LAUREL beside attention (rank 4), per-layer embeddings of width 8,
+# local / global layers (windows of 4), the last two layers reading layers 1 and 2's keys and values, the Gaussian
+# top-k on the first two layers' gates, a soft-capped head. Then 4 streams and the second of them active, no
+# sparsity, MLPs of their own widths, and a per-layer table smaller than the vocabulary (ids past it look up row 0, as
+# transformers does from 5.17; 5.16.1's class fails on them with an IndexError)
 GEMMA3N = dict(**{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=8, sliding_window=4,
-               hidden_size_per_layer_input=8, vocab_size_per_layer_input=80, laurel_rank=4,
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=V, laurel_rank=4,
                layer_types=["sliding_attention", "full_attention"] * 2)
 CASES.update({
     "gemma3n_text": ("gemma3n_text", lambda: tf.Gemma3nTextConfig(
         **GEMMA3N, altup_num_inputs=3, num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.8, 0.0, 0.0])),
     "gemma3n_text-four-streams": ("gemma3n_text", lambda: tf.Gemma3nTextConfig(
-        **{**GEMMA3N, "intermediate_size": [64, 48, 64, 32]}, altup_num_inputs=4, altup_active_idx=1,
-        num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * 4)),
+        **{**GEMMA3N, "intermediate_size": [64, 48, 64, 32], "vocab_size_per_layer_input": 80}, altup_num_inputs=4,
+        altup_active_idx=1, num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * 4)),
 })
 
 # Hybrid linear attention: Gated DeltaNet layers (2 key heads, 4 value heads: each key head serves two) beside

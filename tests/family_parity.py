@@ -31,3 +31,24 @@ def assert_greedy_tokens_match(source, ours, backend: str, cache: str, padded: b
         want = source.generate(ids, **kwargs)
         got = ours.generate(ids, cache_implementation=None if cache == "dynamic" else "static", **kwargs)
     assert torch.equal(got, want)
+
+
+def held_bytes(cache) -> int:
+    """Bytes of the keys and values a transformers cache holds (a shared layer's slot holds none)."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+
+
+def assert_cache_holds_what_transformers_holds(source, ours) -> int:
+    """After one prompt, our cache holds the bytes transformers' cache holds and `contract.cache_bytes` predicts
+    (shared layers' slots empty on both sides); returns them."""
+    from modular_decoder import ModularDecoderCache, cache_bytes
+    from modular_decoder.compat import cache_of
+
+    ids = IDS[:1]
+    with torch.no_grad():
+        theirs = cache_of(source(ids, use_cache=True))
+        cache = ModularDecoderCache(ours.config)
+        ours(ids, cache=cache, use_cache=True)
+    assert cache.payload_bytes() == held_bytes(theirs) == cache_bytes(ours.config, ids.shape[1], 1, torch.float32)
+    return cache.payload_bytes()

@@ -272,6 +272,12 @@ def config_kwargs(draw) -> dict:
         topology["hidden_size_per_layer_input"] = draw(st.integers(1, 8))
     if draw(st.integers(0, 3)) == 0:
         topology["layer_scalar"] = True
+    if draw(st.integers(0, 3)) == 0:  # AltUp's streams
+        topology.update(residual_stream="altup", altup_num_inputs=draw(st.integers(2, 4)))
+        topology["altup_active_idx"] = draw(st.integers(0, topology["altup_num_inputs"] - 1))
+        topology["altup_correct_scale"] = draw(st.booleans())
+    if kw["norm_position"] in ("pre", "sandwich") and not kw.get("parallel_block") and draw(st.integers(0, 3)) == 0:
+        topology["laurel_rank"] = draw(st.integers(1, 8))
     if attention_type == "standard":
         topology["value_norm"] = draw(st.booleans())
         if "full_attention" in layer_types and draw(st.integers(0, 2)) == 0:
@@ -286,7 +292,8 @@ def config_kwargs(draw) -> dict:
 
     # multi-token prediction (the modules are built from the last layer's kinds; none beside per-layer embeddings or
     # shared keys and values)
-    kw["num_mtp_layers"] = 0 if {"hidden_size_per_layer_input", "num_kv_shared_layers"} & set(topology) else draw(
+    kw["num_mtp_layers"] = 0 if {"hidden_size_per_layer_input", "num_kv_shared_layers", "residual_stream"} & set(
+        topology) else draw(
         st.sampled_from([0, 0, 1, 2]))
     if kw["num_mtp_layers"] and draw(st.booleans()):
         kw["mtp_loss_scaling_factor"] = draw(st.floats(0.0, 1.0))

@@ -16,13 +16,12 @@ import pytest
 import torch
 from conversion_cases import converted_pair
 from decoding import compiled_eager_and_reference
-from family_parity import assert_greedy_tokens_match, assert_logits_match
+from family_parity import assert_cache_holds_what_transformers_holds, assert_greedy_tokens_match, assert_logits_match
 from test_gpt_oss_smollm3 import IDS, _padded, _trainer_losses
 from transformers import DataCollatorWithFlattening
 
 from modular_decoder import ModularDecoderCache, cache_bytes
 from modular_decoder.backend_features import check_backend
-from modular_decoder.compat import cache_of
 from modular_decoder.contract import cache_bytes_per_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,27 +53,17 @@ def test_greedy_tokens_through_each_sides_cache_match(pair, backend, cache):
     assert_greedy_tokens_match(*pair, backend, cache)
 
 
-def _held_bytes(cache) -> int:
-    """Bytes of the keys and values a transformers cache holds (a shared layer's slot holds none)."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers
-               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
-
-
 def test_shared_layers_cache_nothing_as_transformers_counts_and_the_contract_says(dense_pair):
     """After a prompt of 14 tokens the sharing layers' slots hold nothing: ours holds what transformers' cache holds
     (its window of 3 on the local layers, every token on the global ones, the global layers' one K/V head of 16),
     which `contract.cache_bytes` predicts, and less than the same model without sharing would."""
     source, ours = dense_pair
-    ids = IDS[:1]
-    with torch.no_grad():
-        theirs = cache_of(source(ids, use_cache=True))
-        cache = ModularDecoderCache(ours.config)
-        ours(ids, cache=cache, use_cache=True)
-    assert cache.payload_bytes() == _held_bytes(theirs) == cache_bytes(ours.config, ids.shape[1], 1, torch.float32)
+    held = assert_cache_holds_what_transformers_holds(source, ours)
     unshared = copy.deepcopy(ours.config)
     unshared.num_kv_shared_layers = 0
-    assert cache_bytes(unshared, ids.shape[1], 1, torch.float32) > cache.payload_bytes()
+    assert cache_bytes(unshared, IDS.shape[1], 1, torch.float32) > held
     assert cache_bytes_per_token(unshared) > cache_bytes_per_token(ours.config)
+    cache = ModularDecoderCache(ours.config)
     for layer, source_layer in zip(cache.layers[-2:], (3, 2)):
         assert layer.source == source_layer and layer.keys is None
 
@@ -86,7 +75,8 @@ def test_each_mechanism_carries_signal(dense_pair):
         reference = ours(IDS).logits
         edits = {
             "per-layer embeddings": lambda m: m.model.per_layer_embeddings.embed.weight.zero_(),
-            "per-layer branch": lambda m: [layer.per_layer_input.output_proj.weight.zero_() for layer in m.model.layers],
+            "per-layer branch": lambda m: [layer.per_layer_input.output_proj.weight.zero_()
+                                           for layer in m.model.layers],
             "layer scalars": lambda m: [layer.layer_scalar.fill_(1.0) for layer in m.model.layers],
             "value norm": lambda m: [setattr(layer.self_attn, "value_norm", False) for layer in m.model.layers],
         }

@@ -35,12 +35,12 @@ def pair(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plainconverted_pair(tmp_path_factory):
+def plain_pair(tmp_path_factory):
     return converted_pair("llama4_text", tmp_path_factory.mktemp("plain"))
 
 
 @pytest.fixture(scope="module")
-def tunedconverted_pair(tmp_path_factory):
+def tuned_pair(tmp_path_factory):
     return converted_pair("llama4_text-tuned", tmp_path_factory.mktemp("tuned"))
 
 

@@ -30,7 +30,7 @@ FAMILY_OF = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe", "
              "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "llama4": "llama4_text"}
 # dense presets whose families' classes count their parameters as ours do (per-layer shapes, shared keys and values,
 # per-layer embeddings)
-DENSE_FAMILY_OF = {"gemma4": "gemma4_text"}
+DENSE_FAMILY_OF = {"gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
 PUBLISHED_TOTALS = {"mixtral": 46_702_792_704, "qwen3_moe": 30_532_122_624, "deepseek_v3": 671_026_404_352}
 # the rounded "active" figures their model cards publish
 PUBLISHED_ACTIVE = {"mixtral": 12.9e9, "qwen3_moe": 3.3e9, "deepseek_v3": 37e9}

@@ -550,6 +550,13 @@ def test_llama4_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
 
 
 @pytest.mark.slow
+def test_gemma3n_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
+    """Gemma 3n's AltUp streams, LAUREL, per-layer embeddings, shared keys and values (5.16 leaves the sharing
+    layers out of its cache, 5.25 gives them an empty slot), activation sparsity."""
+    _family_on_oldest_and_newest("gemma3n_text", tmp_path)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["gemma4_text", "gemma4_text-moe"])
 def test_gemma4_matches_its_class_on_the_oldest_and_newest_release(case, tmp_path):
     """Gemma 4's global layers (their own heads, values from their keys, proportional RoPE; transformers keeps their

@@ -120,6 +120,8 @@ AXES: dict[str, dict[str, dict]] = {
         "shared_kv": dict(num_kv_shared_layers=1, attention_k_eq_v=True, num_global_key_value_heads=1,
                           value_norm=True),
         "per_layer_embeddings": dict(hidden_size_per_layer_input=8, layer_scalar=True),
+        "altup": dict(residual_stream="altup", altup_num_inputs=3, hidden_size_per_layer_input=4),  # Gemma 3n
+        "laurel": dict(laurel_rank=4),
     },
     "ends": {
         "tied": dict(tie_word_embeddings=True),
@@ -139,6 +141,8 @@ def valid(choice: dict[str, str]) -> bool:
     positions = choice.get("positions", "rope")
     if choice.get("qk_norm") == "weightless" and not positions.startswith("rope"):  # it norms the rotated heads
         return False
+    if choice.get("topology") == "laurel" and choice.get("placement", "pre") not in ("pre", "sandwich"):
+        return False  # (a branch of the attention's normed input)
     # the sharing layer reads the first layer of its type: both full attention
     if choice.get("topology") == "shared_kv" and (choice.get("window", "full") != "full"
                                                   or choice.get("mixer", "attention").startswith("linear")):

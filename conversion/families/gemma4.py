@@ -110,9 +110,10 @@ def per_layer_embedding_rules() -> list:
     rules = [rule(f"{LAYER}.{theirs}.weight", f"{LAYER}.per_layer_input.{mine}.weight")
              for theirs, mine in (("per_layer_input_gate", "input_gate"), ("per_layer_projection", "output_proj"),
                                   ("post_per_layer_input_norm", "post_norm"))]
+    model = (("embed_tokens_per_layer", "embed"), ("per_layer_model_projection", "projection"),
+             ("per_layer_projection_norm", "norm"))
     return rules + [rule(f"model.{theirs}.weight", f"model.per_layer_embeddings.{mine}.weight")
-                    for theirs, mine in (("embed_tokens_per_layer", "embed"), ("per_layer_model_projection", "projection"),
-                                         ("per_layer_projection_norm", "norm"))]
+                    for theirs, mine in model]
 
 
 def rules(src) -> list:

@@ -107,6 +107,7 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         ("per-layer-attention-shapes", config.attention_type == "standard" and shapes_vary(config)),
         ("k-eq-v", config.attention_k_eq_v), ("kv-sharing", config.num_kv_shared_layers),
         ("per-layer-embeddings", config.hidden_size_per_layer_input), ("layer-scalars", config.layer_scalar),
+        ("laurel", config.laurel_rank), ("activation-sparsity", any(config.activation_sparsity_pattern or ())),
         (f"residual-stream-{config.residual_stream}", config.residual_stream != "single")) if used]
     if config.mlp_kind.routed and config.swiglu_limit is not None:
         tags.append("clamped-swiglu")

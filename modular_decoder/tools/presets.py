@@ -213,6 +213,20 @@ PRESETS: dict[str, dict] = {
         final_logit_softcapping=30.0, num_kv_shared_layers=20, double_wide_shared_mlp=True,
         hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, layer_scalar=True,
         tie_word_embeddings=True),
+    # google/gemma-3n-E2B config.json, its `text_config` (30 layers, four local (window 512) for each global one, heads
+    # of 256, 2 K/V heads; AltUp's 4 streams around every layer, LAUREL of rank 64 beside attention, per-layer
+    # embeddings of 256; the last 10 layers read the keys and values of the last local and global layer before them;
+    # the first 10 layers' gates sparsified to 95 %; the vision and audio towers are not part of the model)
+    "gemma3n": dict(
+        vocab_size=262400, hidden_size=2048, intermediate_size=8192, num_hidden_layers=30, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, max_position_embeddings=32768, norm_eps=1e-6, norm_position="sandwich",
+        hidden_act="gelu_pytorch_tanh", embedding_multiplier=math.sqrt(2048), qk_norm="head", value_norm=True,
+        query_pre_attn_scalar=1.0, sliding_window=512, sliding_window_pattern=5,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        final_logit_softcapping=30.0, num_kv_shared_layers=10, hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144, residual_stream="altup", altup_num_inputs=4, laurel_rank=64,
+        sparse_first_layers=10, tie_word_embeddings=True),
 }
 
 # deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3's, with DeepSeek Sparse Attention, a lightning indexer of
@@ -269,6 +283,7 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     interval = fields.pop("full_attention_interval", None)
     no_rope_interval = fields.pop("no_rope_interval", None)
     double_wide = fields.pop("double_wide_shared_mlp", False)
+    sparse_first = fields.pop("sparse_first_layers", None)
     if tiny:
         heads, kv = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
         fields.update(TINY, num_attention_heads=4, num_key_value_heads=4 if kv == heads else (1 if kv == 1 else 2))
@@ -313,6 +328,10 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["global_head_dim"] = 2 * TINY["hidden_size"] // 4
         if fields.get("hidden_size_per_layer_input"):
             fields.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY["vocab_size"])
+        if fields.get("laurel_rank"):
+            fields["laurel_rank"] = 8
+        if sparse_first:
+            sparse_first = 1
     fields.update(overrides)
     if "layer_types" not in overrides:
         fields["layer_types"] = _layer_types(fields["num_hidden_layers"], pattern, fields.get("sliding_window"))
@@ -322,6 +341,8 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     if "no_rope_layers" not in overrides:
         fields["no_rope_layers"] = _no_rope_layers(fields["num_hidden_layers"], no_rope_interval)
+    if sparse_first and "activation_sparsity_pattern" not in overrides:  # Gemma 3n: the first layers' gates, 95 %
+        fields["activation_sparsity_pattern"] = [0.95 * (i < sparse_first) for i in range(fields["num_hidden_layers"])]
     if double_wide and "layer_intermediate_sizes" not in overrides:  # the layers reading shared keys: twice as wide
         layers, shared = fields["num_hidden_layers"], fields["num_kv_shared_layers"]
         fields["layer_intermediate_sizes"] = [fields["intermediate_size"] * (1 + (i >= layers - shared))
