@@ -2,7 +2,9 @@
 
 Not part of the remote-code files: the model modules never import from here. Each source family
 is one small declarative module in `families/`, registered in `FAMILIES` by its transformers
-`model_type`; add a family by adding one line.
+`model_type`; add a family by adding one line (its `Family`'s `description` and facts give it its row in the table
+of families, `table.py`). A multimodal release (Gemma 3, Mistral 3, Qwen3.5 folders) converts its language model
+through one of these and keeps the rest beside it: one line in `multimodal.WRAPPERS`.
 
     from modular_decoder.conversion import convert, export
     convert("path/to/llama", "out/llama-md")                   # Hugging Face folder
@@ -15,6 +17,7 @@ from __future__ import annotations
 import importlib
 
 from .core import Family
+from .multimodal import WRAPPERS
 
 # source `model_type` -> module exposing `FAMILY`
 FAMILIES: dict[str, str] = {
@@ -46,24 +49,26 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_text": "modular_decoder.conversion.families.qwen3_5",
     "gpt_oss": "modular_decoder.conversion.families.gpt_oss",
     "smollm3": "modular_decoder.conversion.families.smollm3",
+    "bamba": "modular_decoder.conversion.families.bamba",
+    "granitemoehybrid": "modular_decoder.conversion.families.granitemoehybrid",
+    "nemotron_h": "modular_decoder.conversion.families.nemotron_h",
+    "falcon_h1": "modular_decoder.conversion.families.falcon_h1",
+    "phi3": "modular_decoder.conversion.families.phi3",
+    "olmo3": "modular_decoder.conversion.families.olmo3",
+    "ministral3": "modular_decoder.conversion.families.ministral3",
+    "minimax_m2": "modular_decoder.conversion.families.minimax_m2",
+    "glm4_moe": "modular_decoder.conversion.families.glm4_moe",
     "llama4_text": "modular_decoder.conversion.families.llama4",
     "gemma4_text": "modular_decoder.conversion.families.gemma4",
     "gemma3n_text": "modular_decoder.conversion.families.gemma3n",
 }
 
 
-# Multimodal checkpoints whose language model is a registered family: named in the refusal, so a user sees the
-# text family converts and that this folder's vision tower is why it does not (nothing is dropped silently).
-MULTIMODAL_WRAPPERS: dict[str, str] = {"qwen3_5": "qwen3_5_text", "llama4": "llama4_text", "gemma4": "gemma4_text",
-                                        "gemma3n": "gemma3n_text"}
-
-
 def get_family(name: str) -> Family:
-    """The family registered for transformers `model_type` `name`; `ValueError` if there is none."""
-    if name in MULTIMODAL_WRAPPERS:
-        raise ValueError(f"Source family {name!r} is a multimodal checkpoint (a vision tower beside the language "
-                         f"model); its language model's family {MULTIMODAL_WRAPPERS[name]!r} converts, from a folder "
-                         "holding that model alone, but not from this one.")
+    """The text family registered for transformers `model_type` `name`; `ValueError` if there is none."""
+    if name in WRAPPERS:
+        raise ValueError(f"{name!r} is a multimodal release, not a text family: `convert` reads its folder's language "
+                         f"model, and `export --family {name}` writes a converted one back into the release.")
     if name not in FAMILIES:
         raise ValueError(f"Unknown source family {name!r}; convertible families: {sorted(FAMILIES)}.")
     return importlib.import_module(FAMILIES[name]).FAMILY
@@ -71,4 +76,4 @@ def get_family(name: str) -> Family:
 
 from .api import compare_with_source, convert, export  # noqa: E402
 
-__all__ = ["FAMILIES", "get_family", "convert", "export", "compare_with_source"]
+__all__ = ["FAMILIES", "WRAPPERS", "get_family", "convert", "export", "compare_with_source"]

@@ -12,10 +12,13 @@ from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mt
                    plan_rules, refuse_tensors, rename)
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
+from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, copy_plan, copy_release_files,
+                         effective_tie, get_wrapper, open_kept, open_release, parameters, parsed_config,
+                         release_config, with_kept_tensors, write_manifest, write_release_files)
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
                       quantization_of)
 from .stream import Sink, plan_shapes, produce, write_plan
-from .tensor_files import WEIGHTS_NAME, ShardedWriter
+from .tensor_files import WEIGHTS_NAME, ShardedWriter, folder_files
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Contract fields that do not change the function a checkpoint computes (compared on export).
@@ -123,17 +126,25 @@ def _source_config(src: Path):
     raw = read_json_file(src / "config.json")
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{src / 'config.json'} has no `model_type`, so its family is unknown.")
-    get_family(raw["model_type"])  # an unknown family is refused by name before transformers is asked
+    if raw["model_type"] in WRAPPERS:
+        get_wrapper(raw["model_type"])  # a release whose text family does not convert yet is refused by name
+    else:
+        get_family(raw["model_type"])  # an unknown family is refused by name before transformers is asked
     return AutoConfig.from_pretrained(str(src))
 
 
 def _open_source(src: Path, gguf_file: str | None, allow_bin: bool):
-    """(source config, its tensors under their file names, tokenizer, generation config)."""
+    """(source config, its tensors under their file names, tokenizer, generation config, the multimodal release
+    they were taken from or None): a release's text config and language model's tensors, the rest kept aside."""
     _check_source(src, gguf_file)
     if gguf_file is not None:
-        return open_gguf(src, gguf_file)
+        return (*open_gguf(src, gguf_file), None)
     src_cfg = _source_config(src)
-    return src_cfg, folder_tensors(src, allow_bin=allow_bin), None, None
+    files = folder_tensors(src, allow_bin=allow_bin)
+    if src_cfg.model_type not in WRAPPERS:
+        return src_cfg, files, None, None, None
+    release = open_release(src, src_cfg, files)
+    return release.text_config, release.language_model, None, None, release
 
 
 def convert(
@@ -167,14 +178,17 @@ def convert(
     with input_checks():
         check_destination(out, force, sources=(src,))  # before any work: never the source, nor a folder holding it
         torch_dtype = _dtype(dtype)
-        src_cfg, files, tokenizer, generation_config = _open_source(src, gguf_file, allow_bin)
+        src_cfg, files, tokenizer, generation_config, release = _open_source(src, gguf_file, allow_bin)
         family = get_family(src_cfg.model_type)
         fields = family.to_contract(src_cfg)
         refuse_tensors(files, family)  # by the file's names, before any is read
-        quantization = quantization_of(src_cfg) if gguf_file is None else None  # GGUF: dequantized on reading
+        # GGUF: dequantized on reading; a release's quantization is its own config's
+        quantization = quantization_of(release.config if release else src_cfg) if gguf_file is None else None
         if quantization is not None:  # dequantized straight into the dtype written
             torch_dtype = torch_dtype or _compute_dtype(src_cfg)
         tensors = model_tensors(dequantized(files, quantization, torch_dtype, str(src)), family)
+        if release is not None:
+            fields["tie_word_embeddings"] = effective_tie(release, tensors, embed, head)
         cfg = ModularDecoderConfig(**_with_mtp_layers(fields, family, src_cfg, tensors, src))
         plan, copies = duplicates(plan_rules(family.rules(src_cfg), tensors, cfg))
         for instance in copies:  # each read twice (its original is converted too), checked, not written
@@ -201,11 +215,9 @@ def convert(
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         copy_side_files(src, tmp)
-        description = None
-        if quantization is not None:
-            origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a checkpoint"
-            description = (f"The weights of {origin}, published as {describe_quantization(quantization)}, dequantized "
-                           f"to {str(torch_dtype).split('.')[1]} and converted to the modular_decoder family.")
+        if release is not None:
+            _keep_release(release, tmp / KEPT_FOLDER, family.name, cfg, progress)
+        description = _card_description(base_model, quantization, torch_dtype, release)
         (tmp / "README.md").write_text(render_model_card(cfg, base_model=base_model, description=description))
     if verify:
         diff = compare_with_source(src, out, gguf_file=gguf_file)
@@ -218,8 +230,11 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     """Write a modular_decoder folder back in `family`'s own transformers format (the inverse map), tensor
     by tensor as `convert` does.
 
-    Raises `ValueError` naming the contract fields the family cannot express. `input_checks`: as
-    for `convert`.
+    `family` may name a multimodal release (`gemma3`, `mistral3`, `qwen3_5`) that `convert` read: the language
+    model goes back under the release's names beside the tensors and files kept in `multimodal/`, with the release's
+    config (its text config changed only where the language model's function changed). Raises `ValueError` naming
+    the contract fields the family cannot express (and, into a release, a width its kept parts cannot feed).
+    `input_checks`: as for `convert`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -229,13 +244,17 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
     with input_checks():
         check_destination(out, force, sources=(src,))
-        fam = get_family(family)
+        kept = open_kept(src, family) if family in WRAPPERS else None
+        fam = get_family(kept.text_family if kept else family)
         _check_source(src)
         cfg = AutoConfig.from_pretrained(str(src))
         if not isinstance(cfg, ModularDecoderConfig):
             raise ValueError(f"{src} is not a modular_decoder checkpoint (model_type={cfg.model_type!r}).")
-        src_cfg = _family_config(fam, cfg)
-        _check_round_trip(cfg, ModularDecoderConfig(**fam.to_contract(src_cfg)), fam.name)
+        if kept is None:
+            src_cfg, held = _family_config(fam, cfg), {}
+        else:
+            release_raw, src_cfg, held = _release_config(kept, fam, cfg)
+        _check_round_trip(cfg, ModularDecoderConfig(**{**fam.to_contract(src_cfg), **held}), family)
         tensors = {k: v for k, v in folder_tensors(src).items() if k not in _NOT_EXPORTED}
         tied = cfg.tie_word_embeddings
         if tied and head in tensors:  # a tied contract's head is the embedding: checked, then not read again
@@ -253,12 +272,73 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     check_shapes(produced, expected, f"exporting to {fam.name}")
     dtype = produced[their_embed_key].dtype
     planned, sinks = file_tensors(expected, produced, fam)
+    total = model.num_parameters()
+    if kept is not None:
+        plan, tensors, planned, sinks, kept_parameters = with_kept_tensors(kept, plan, tensors, planned, sinks)
+        total += kept_parameters
     with atomic_folder(out, force=force, sources=(src,)) as tmp:
-        _save_model_files(model, tmp, dtype)
-        _write_weights(tmp, plan, tensors, cfg, planned, sinks, model.num_parameters(), None,
-                       f"exporting {fam.name}", progress)
-        copy_side_files(src, tmp)
+        if kept is None:
+            _save_model_files(model, tmp, dtype)  # before the weights: it removes the empty weights file it writes
+            copy_side_files(src, tmp)
+        else:
+            write_release_files(kept, release_raw, src, tmp)
+        _write_weights(tmp, plan, tensors, cfg, planned, sinks, total, None, f"exporting {family}", progress)
     return out
+
+
+def _keep_release(release: OpenedRelease, folder: Path, family: str, cfg, progress: bool) -> None:
+    """`multimodal/`: the release's tensors other than its language model's, copied file tensor by file tensor under
+    their own names, its files other than weights (config.json, processor, tokenizer), and the manifest."""
+    folder.mkdir()
+    if release.kept:
+        plan, planned, sinks = copy_plan(release.kept)
+        _write_weights(folder, plan, release.kept, None, planned, sinks, parameters(release.kept), None,
+                       f"keeping {release.wrapper.model_type}'s other tensors", progress)
+    read = {path.name for path in folder_files(release.src)} or {p.name for p in release.src.glob("pytorch_model*.bin")}
+    copy_release_files(release.src, folder, read)
+    write_manifest(folder, release, family, cfg)
+
+
+def _release_config(kept: KeptRelease, family: Family, cfg):
+    """(the release's config.json entries for contract `cfg`, its text config, the contract fields the folder written
+    holds beside what that config says: the head tied as the model's is, its MTP modules), refusing a model its kept
+    parts cannot go back beside (`check_fits`) and a release whose head the model's tying cannot follow."""
+    from modular_decoder import ModularDecoderConfig
+
+    original = ModularDecoderConfig(**kept.manifest["contract"])
+    check_fits(kept, cfg, original)
+    changed = bool(_differing_fields(cfg, original))
+    base = family.from_contract(original).to_dict() if changed else None
+    new = _family_config(family, cfg).to_dict() if changed else None
+    raw = release_config(kept, cfg, original, base, new)
+    config = parsed_config(kept, raw)
+    # a tied model writes no head: the wrapper must tie (an untied one's head is written, and kept apart on load)
+    if cfg.tie_word_embeddings and not config.tie_word_embeddings:
+        raise ValueError(f"The {kept.wrapper.model_type} release's `tie_word_embeddings` is false and this model "
+                         "ties its head to the embedding.")
+    held = {"tie_word_embeddings": cfg.tie_word_embeddings}
+    if family.mtp_layers is not None:  # `convert` reads the modules the files hold (`_with_mtp_layers`)
+        held["num_mtp_layers"] = cfg.num_mtp_layers
+    return raw, config.text_config, held
+
+
+def _card_description(base_model: str | None, quantization: dict | None, dtype: torch.dtype,
+                      release: OpenedRelease | None) -> str | None:
+    """The model card's first paragraph where the source needs one said: published quantized, or a multimodal
+    release whose other parts are kept in `multimodal/`."""
+    if quantization is None and release is None:
+        return None
+    origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a checkpoint"
+    text = f"The language model of {origin} (a `{release.wrapper.model_type}` release)" if release else \
+        f"The weights of {origin}"
+    if quantization is not None:
+        text += f", published as {describe_quantization(quantization)}, dequantized to {str(dtype).split('.')[1]}"
+    text += (" and" if quantization is not None else ",") + " converted to the modular_decoder family."
+    if release is not None:
+        text += f" The release's vision tower, projector, processor and config are kept as published in `{KEPT_FOLDER}/`"
+        text += "." if quantization is not None else \
+            f"; `modular-decoder export THIS BACK --family {release.wrapper.model_type}` writes the release back."
+    return text
 
 
 def _with_mtp_layers(fields: dict, family: Family, src_cfg, names, src: Path) -> dict:
@@ -335,13 +415,18 @@ def _family_config(family: Family, cfg):
         raise ValueError(f"The {family.name} format cannot express this checkpoint: {error}") from error
 
 
+def _differing_fields(cfg, other) -> list[str]:
+    """The contract fields that change the math on which `cfg` and `other` differ."""
+    ours, theirs = cfg.to_dict(), other.to_dict()
+    unread = _NOT_MATH | _unread_fields(cfg)
+    return [name for name in type(cfg).declared_fields() if name not in unread and ours.get(name) != theirs.get(name)]
+
+
 def _check_round_trip(cfg, back, family: str) -> None:
     """Export may not change the math: the family's config must translate back to the same contract."""
     ours, theirs = cfg.to_dict(), back.to_dict()
-    unread = _NOT_MATH | _unread_fields(cfg)
-    fields = [name for name in type(cfg).declared_fields() if name not in unread]
     differ = [f"{name}={ours.get(name)!r} (the {family} config gives {theirs.get(name)!r})"
-              for name in fields if ours.get(name) != theirs.get(name)]
+              for name in _differing_fields(cfg, back)]
     if differ:
         raise ValueError(f"The {family} format cannot express this checkpoint's " + "; ".join(differ) + ".")
 
@@ -357,12 +442,15 @@ def _unread_fields(cfg) -> set[str]:
 def compare_with_source(src_dir, converted_dir, gguf_file: str | None = None, prompt: str = VERIFY_PROMPT) -> float:
     """Largest |logit| difference between the source (transformers' own class) and the converted model
     on a fixed prompt, both in fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from modular_decoder import ModularDecoderForCausalLM  # noqa: F401  (registers the family)
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    source = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32, **kwargs).eval()
+    source_class = AutoModelForCausalLM
+    if gguf_file is None and AutoConfig.from_pretrained(str(src_dir)).model_type in WRAPPERS:
+        source_class = AutoModelForImageTextToText  # the release's wrapper class, on text alone
+    source = source_class.from_pretrained(str(src_dir), dtype=torch.float32, **kwargs).eval()
     converted = AutoModelForCausalLM.from_pretrained(str(converted_dir), dtype=torch.float32).eval()
     try:
         ids = AutoTokenizer.from_pretrained(str(converted_dir))(prompt, return_tensors="pt").input_ids

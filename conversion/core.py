@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from modular_decoder.kinds import mixer_layer_types
+
 Tensors = list[torch.Tensor]
 
 
@@ -323,6 +325,14 @@ class Family:
             `{mtp_layer}` (the source's layer index of module k, `num_hidden_layers` + k); `None`: the family has
             no MTP modules. The modules the files hold are what converts (`count_mtp_layers`); their tensors go
             by `{mtp}` rules.
+        description: One line for the table of families (`conversion/table.py`): the releases it reads and what
+            sets the family apart.
+        mtp_drafts: With MTP modules, whether `generate(use_mtp=True)` drafts with them once converted
+            (`mtp_generation.drafting_refusal`; tests/test_families_table.py checks it on the family's test cases).
+        vllm_native: Whether vLLM has its own model class for the family's format, so that `export --family` gives
+            a folder vLLM serves natively (tests/test_families_table.py checks it against vLLM's registry).
+        refusals: What a checkpoint of this family may hold that `convert` refuses by name (`refuse`), one phrase
+            each, for the table (tensor prefixes refused are `refused`'s).
     """
 
     name: str
@@ -337,6 +347,10 @@ class Family:
     experts: tuple[ExpertStack, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
     mtp_layers: str | None = None
+    description: str = ""
+    mtp_drafts: bool = True
+    vllm_native: bool = True
+    refusals: tuple[str, ...] = ()
 
 
 def refuse_tensors(names, family: Family) -> None:
@@ -372,12 +386,19 @@ def is_mtp_rule(r: Rule) -> bool:
 
 
 def _layers(r: Rule, cfg) -> list[int | None]:
+    """The layers a `{layer}` rule applies to: by its feed-forward kind (`layers`, only layers that have a
+    feed-forward) and its mixer (`mixer`, only layers that have a token mixer: `block_types`; a hybrid layer has
+    both kinds of mixer)."""
     if not _is_layered(r):
         return [None]
-    kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"] * cfg.num_hidden_layers
-    mixers = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    return [layer for layer in range(cfg.num_hidden_layers) if r.layers in (None, kinds[layer])
-            and (r.mixer is None or mixers[layer] in MIXERS[r.mixer])]
+    count = cfg.num_hidden_layers
+    kinds = getattr(cfg, "mlp_layer_types", None) or ["dense"] * count
+    mixers = getattr(cfg, "layer_types", None) or ["full_attention"] * count
+    blocks = getattr(cfg, "block_types", None) or ["mixer_mlp"] * count
+    return [layer for layer in range(count)
+            if (r.layers is None or (r.layers == kinds[layer] and blocks[layer] != "mixer"))
+            and (r.mixer is None or (set(mixer_layer_types(mixers[layer])) & set(MIXERS[r.mixer])
+                                     and blocks[layer] != "mlp"))]
 
 
 def _mtp_modules(r: Rule, cfg) -> list[int]:

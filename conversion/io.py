@@ -19,11 +19,12 @@ from typing import NamedTuple
 logger = logging.getLogger(__name__)
 
 # Files a converted (or exported) folder carries over from its source unchanged.
-SIDE_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
     "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
 )
+GENERATION_CONFIG = "generation_config.json"
+SIDE_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
 
 
 # GGUF metadata value types (gguf-py's `GGUFValueType`) -> byte size of one value; 8 = string, 9 = array
@@ -159,9 +160,14 @@ class _GGUFWalk:
         return GGUFLayout(self.architecture, table)
 
 
-def copy_side_files(src: Path, dst: Path) -> None:
-    for name in SIDE_FILES:
-        if (src / name).exists() and not (dst / name).exists():
+def copy_side_files(src: Path, dst: Path, names=SIDE_FILES, replace: bool = False) -> None:
+    """Copy the tokenizer files and generation config of `src` into `dst`.
+
+    Files `dst` holds already are kept, or replaced with `replace`; the generation config always replaces the one
+    `save_pretrained` derived from the model's config, which lacks what the source's adds (Gemma 3's second
+    end-of-turn id, sampling defaults)."""
+    for name in names:
+        if (src / name).exists() and (replace or name == GENERATION_CONFIG or not (dst / name).exists()):
             shutil.copy2(src / name, dst / name)
 
 

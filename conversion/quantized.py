@@ -1,4 +1,5 @@
-"""Weights published quantized, dequantized on reading: FP8 with block scales and MXFP4 experts.
+"""Weights published quantized, dequantized on reading: FP8 (with block, per-tensor or per-channel scales, in the
+formats `fp8_format` reads) and MXFP4 experts.
 
 Each function computes what transformers computes when it loads the same checkpoint with
 `FineGrainedFP8Config(dequantize=True)` or `Mxfp4Config(dequantize=True)` (the same float32
@@ -9,6 +10,7 @@ temporaries stay small whatever the tensor's size.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -18,10 +20,92 @@ _CHUNK_ELEMENTS = 16 * 2**20
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def fp8_scale_name(weight: str) -> str:
-    """The name of a weight's inverse scale, as FP8 checkpoints and transformers' `Fp8Quantize` write it:
-    `x.weight` -> `x.weight_scale_inv`, a fused experts tensor `x.gate_up_proj` -> `x.gate_up_proj_scale_inv`."""
-    return weight + "_scale_inv"
+def fp8_scale_name(weight: str, suffix: str = "_scale_inv") -> str:
+    """The name of a weight's scale: `x.weight` -> `x.weight_scale_inv`, as FP8 checkpoints and transformers'
+    `Fp8Quantize` write it (a fused experts tensor `x.gate_up_proj` -> `x.gate_up_proj_scale_inv`), or with the
+    suffix of another format (`_scale`: compressed-tensors, fbgemm)."""
+    return weight + suffix
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """How an FP8 checkpoint scales its weights: each weight `w` is w_fp8 times the entry of its scale tensor
+    `w + scale_suffix` for its block, `block` (rows, cols) where the format fixes it, else `None`: one scale for the
+    whole tensor or one per output row, told by the scale's shape (`scale_blocks`)."""
+
+    scale_suffix: str
+    block: tuple[int, int] | None
+    description: str  # for the model card: what the source's weights were
+
+
+FP8 = "FP8 (`float8_e4m3fn`)"
+# compressed-tensors' weight strategies that are one scale per block of a fixed shape (or per tensor, per row)
+_COMPRESSED_STRATEGIES = {"tensor": "one scale per tensor", "channel": "one scale per output channel",
+                          "block": "one scale per {0}x{1} block"}
+
+
+def fp8_format(quantization: dict, where: str) -> Fp8Format | None:
+    """The FP8 layout of a `quantization_config`, None where it is not FP8. Read: `quant_method` "fp8" with a 2-D
+    `weight_block_size` (DeepSeek-V3, Qwen3 -FP8, MiniMax-M2) or none (one `weight_scale_inv` per tensor: Ministral 3,
+    Devstral 2); "compressed-tensors" in its "float-quantized" format with 8-bit float weights scaled per tensor, per
+    channel (GLM-4.5 -FP8) or per block (`weight_scale`); "fbgemm_fp8" (one `weight_scale` per output channel).
+    Another layout of these methods is refused by name (`ValueError`)."""
+    method = quantization.get("quant_method")
+    if method == "fp8":
+        block = quantization.get("weight_block_size")
+        if block is None:
+            return Fp8Format("_scale_inv", None, f"{FP8} with one scale per tensor")
+        if len(block) != 2:
+            raise ValueError(f"{where}: an FP8 checkpoint whose `weight_block_size` is {block!r}, not 2-D, cannot be "
+                             "converted.")
+        return Fp8Format("_scale_inv", (int(block[0]), int(block[1])),
+                         f"{FP8} with one scale per {block[0]}x{block[1]} block")
+    if method == "fbgemm_fp8":
+        return Fp8Format("_scale", None, f"{FP8} with one scale per output channel (fbgemm)")
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(quantization, where)
+    return None
+
+
+def _compressed_tensors_format(quantization: dict, where: str) -> Fp8Format:
+    """compressed-tensors' FP8: every config group's weights 8-bit floats, symmetric, one strategy of
+    `_COMPRESSED_STRATEGIES`; its integer and 4-bit formats are refused naming the format."""
+    groups = list((quantization.get("config_groups") or {}).values())
+    formats = {group.get("format") or quantization.get("format") for group in groups} or {quantization.get("format")}
+    weights = [group.get("weights") or {} for group in groups]
+    layouts = {(w.get("num_bits"), w.get("type"), w.get("strategy"), tuple(w.get("block_structure") or ()),
+                w.get("symmetric", True)) for w in weights}
+    if formats != {"float-quantized"} or len(layouts) != 1:
+        raise ValueError(f"{where} is quantized with compressed-tensors in the format(s) {sorted(map(str, formats))}"
+                         f" with weights {sorted(map(str, layouts))}, which convert cannot read; it reads its "
+                         "'float-quantized' FP8 (8-bit float weights, one layout for every group).")
+    bits, kind, strategy, block, symmetric = layouts.pop()
+    if bits != 8 or kind != "float" or not symmetric or strategy not in _COMPRESSED_STRATEGIES \
+            or (strategy == "block") != (len(block) == 2):
+        raise ValueError(f"{where}: compressed-tensors weights of {bits} bits of type {kind!r}, strategy "
+                         f"{strategy!r}{f' {list(block)}' if block else ''}, symmetric={symmetric}, cannot be read; "
+                         "convert reads symmetric 8-bit float weights scaled per tensor, channel or block.")
+    what = _COMPRESSED_STRATEGIES[strategy].format(*block)
+    return Fp8Format("_scale", tuple(block) or None, f"{FP8} with {what} (compressed-tensors)")
+
+
+def scale_blocks(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...], block: tuple[int, int] | None,
+                 name: str):
+    """(block, a function giving the scale tensor as `dequantize_fp8` reads it for a weight of `weight_shape` or a
+    block of its leading rows) for a scale of `scale_shape`: the format's own block, or where it has none, one scale
+    per tensor (read as one per row, so that a large tensor still dequantizes a few rows at a time) or per output
+    row. `ValueError` naming `name` for another shape."""
+    *lead, rows, cols = weight_shape
+    if block is not None:
+        return block, lambda scale: scale
+    count = math.prod(scale_shape)
+    if count == math.prod(lead):  # one per tensor (a scalar, (1,) or (1, 1) each)
+        return (1, cols), lambda scale: scale.reshape(-1, 1, 1).expand(-1, rows, 1).reshape(
+            *scale.shape[:len(lead)], rows, 1)
+    if count == math.prod(lead) * rows and (not scale_shape or scale_shape[-1] in (1, rows)):
+        return (1, cols), lambda scale: scale.reshape(*scale.shape[:len(lead)], rows, 1)
+    raise ValueError(f"{name}: a scale of shape {tuple(scale_shape)} is neither one per tensor nor one per output "
+                     f"row of a weight of shape {tuple(weight_shape)}.")
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,

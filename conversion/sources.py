@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .core import Family, rename
-from .quantized import dequantize_fp8, dequantize_mxfp4, fp8_scale_name
+from .quantized import Fp8Format, dequantize_fp8, dequantize_mxfp4, fp8_format, fp8_scale_name, scale_blocks
 from .tensor_files import StoredTensor, folder_layout, read_tensor
 
 
@@ -108,35 +108,29 @@ def describe_quantization(quantization: dict | None) -> str | None:
     """A phrase for the model card: what the source's weights were."""
     if quantization is None:
         return None
-    method = quantization.get("quant_method")
-    if method == "fp8":
-        block = quantization.get("weight_block_size")
-        blocks = f" with one scale per {block[0]}x{block[1]} block" if block else ""
-        return f"FP8 (`float8_e4m3fn`){blocks}"
-    if method == "mxfp4":
+    if quantization.get("quant_method") == "mxfp4":
         return "MXFP4 experts (E2M1 values, one E8M0 scale per 32)"
-    return str(method)
+    fp8 = fp8_format(quantization, "the source")
+    return fp8.description if fp8 is not None else str(quantization.get("quant_method"))
 
 
 def dequantized(tensors: dict[str, SourceTensor], quantization: dict | None, dtype: torch.dtype,
                 where: str) -> dict[str, SourceTensor]:
     """`tensors` with every quantized weight and its scales replaced by one entry that reads the weight
-    dequantized to `dtype`. Supported: `quant_method` "fp8" with `weight_block_size` (DeepSeek-V3, Kimi K2,
-    Qwen3 -FP8) and "mxfp4" (gpt-oss); any other is refused by name."""
+    dequantized to `dtype`. Supported: the FP8 formats `quantized.fp8_format` reads (block, per-tensor and
+    per-channel scales: DeepSeek-V3, Kimi K2, Qwen3 -FP8, MiniMax-M2, Ministral 3, GLM-4.5 -FP8) and "mxfp4"
+    (gpt-oss); any other is refused by name."""
     if quantization is None:
         _refuse_float8(tensors.values(), where, "the config has no `quantization_config` to scale them by")
         return tensors
     method = quantization.get("quant_method")
-    if method == "fp8":
-        block = quantization.get("weight_block_size")
-        if not block or len(block) != 2:
-            raise ValueError(f"{where}: an FP8 checkpoint without a 2-D `weight_block_size` (got {block!r}) "
-                             "cannot be converted: only block-scaled FP8 is read.")
-        return _fp8_entries(tensors, (int(block[0]), int(block[1])), dtype, where)
     if method == "mxfp4":
         return _mxfp4_entries(tensors, dtype)
-    raise ValueError(f"{where} is quantized with `quant_method`={method!r}, which convert cannot read; it reads "
-                     "block-scaled FP8 ('fp8') and MXFP4 ('mxfp4') checkpoints.")
+    fp8 = fp8_format(quantization, where)
+    if fp8 is not None:
+        return _fp8_entries(tensors, fp8, dtype, where)
+    raise ValueError(f"{where} is quantized with `quant_method`={method!r}, which convert cannot read; it reads FP8 "
+                     "('fp8', 'fbgemm_fp8', compressed-tensors' 'float-quantized') and MXFP4 ('mxfp4') checkpoints.")
 
 
 def _combined(name: str, parts: list[SourceTensor], shape, dtype, read, read_rows=None) -> SourceTensor:
@@ -151,29 +145,31 @@ def _refuse_float8(tensors, where: str, why: str) -> None:
         raise ValueError(f"{where}: float8 tensor(s) {bare[:5]} cannot be dequantized: {why}.")
 
 
-def _fp8_entries(tensors: dict[str, SourceTensor], block: tuple[int, int], dtype, where: str) -> dict[str, SourceTensor]:
+# Activation scales (static FP8 activations): what transformers' dequantized load drops
+_ACTIVATION_SCALES = (".activation_scale", ".input_scale")
+
+
+def _fp8_entries(tensors: dict[str, SourceTensor], fp8: Fp8Format, dtype, where: str) -> dict[str, SourceTensor]:
     out = {}
-    scales = {name for name in tensors if name.endswith("_scale_inv")}
+    scales = {scale for name in tensors if (scale := fp8_scale_name(name, fp8.scale_suffix)) in tensors}
     for name, tensor in tensors.items():
-        if name in scales or name.endswith(".activation_scale"):
-            continue  # read with its weight; activation scales are what transformers' dequantized load drops
-        scale = tensors.get(fp8_scale_name(name))
+        if name in scales or name.endswith(_ACTIVATION_SCALES):
+            continue  # read with its weight
+        scale = tensors.get(fp8_scale_name(name, fp8.scale_suffix))
         if scale is None:
-            _refuse_float8([tensor], where, f"`{fp8_scale_name(name)}` is missing")
+            _refuse_float8([tensor], where, f"`{fp8_scale_name(name, fp8.scale_suffix)}` is missing")
             out[name] = tensor
             continue
-        scales.discard(scale.name)
+        block, as_grid = scale_blocks(tensor.shape, scale.shape, fp8.block, name)
 
-        def read(w=tensor, s=scale, name=name):
-            return dequantize_fp8(w.read(), s.read(), block, dtype, name)
+        def read(w=tensor, s=scale, name=name, block=block, as_grid=as_grid):
+            return dequantize_fp8(w.read(), as_grid(s.read()), block, dtype, name)
 
-        def read_rows(a, b, w=tensor, s=scale, name=name):  # experts of a fused 3-D tensor
-            return dequantize_fp8(w.read_rows(a, b), s.read_rows(a, b), block, dtype, name)
+        def read_rows(a, b, w=tensor, s=scale, name=name, block=block, as_grid=as_grid):  # experts of a 3-D tensor
+            return dequantize_fp8(w.read_rows(a, b), as_grid(s.read_rows(a, b)), block, dtype, name)
 
         rows = read_rows if len(tensor.shape) > 2 and tensor.read_rows and scale.read_rows else None
         out[name] = _combined(name, [tensor, scale], tensor.shape, dtype, read, rows)
-    for name in scales:  # a scale without its weight: left for the unconsumed-tensor error to name
-        out[name] = tensors[name]
     return out
 
 

@@ -22,9 +22,12 @@ from .growing_cache import GrowingLayer
 from .int8_cache import Int8Layer, Int8SlidingWindowLayer
 from .kv_sharing import SharedKVLayer, kv_sources, validate_kv_sharing
 from .kinds import AttentionKind
+from .mup import ATTENTION_MULTIPLIERS, validate_attention_multipliers
 from .split_products import project, takes_split_branch
 from .norms import build_norm, norm_parameters
-from .positions import apply_rotary, nope_temperature, rotary_layers
+from .positions import apply_rotary, rotary_layers
+from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
+from .query_temperature import query_temperature, scale_queries, validate_query_temperature
 from .sinks import sink_parameters
 
 
@@ -96,9 +99,12 @@ class StandardAttention(AttentionLayer):
         self.norm_rotated = config.qk_norm == "weightless"
         self.value_norm = config.value_norm
         self.eps = config.norm_eps
-        rotates = rotary_layers(config)[layer_idx]
-        self.temperature = (config.floor_scale, config.attn_scale) if config.attn_temperature_tuning and not rotates \
-            else None
+        # the query temperature on every layer, or on the NoPE layers only (Llama 4)
+        self.temperature = config.attn_temperature_tuning and (config.attn_temperature_layers == "all"
+                                                               or not rotary_layers(config)[layer_idx])
+        # μP (mup.py): 1 unless the config sets them (Falcon-H1)
+        self.in_multiplier, self.key_multiplier = config.attention_in_multiplier, config.key_multiplier
+        self.out_multiplier = config.attention_out_multiplier
 
     def _split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """The q, k, v projections (a method of its own: `forward` then calls each projection once, vLLM note there);
@@ -117,9 +123,10 @@ class StandardAttention(AttentionLayer):
         q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
         return q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
 
-    def _heads(self, q, k, v, position_embeddings) -> tuple[torch.Tensor, ...]:
+    def _heads(self, q, k, v, position_embeddings, position_ids=None) -> tuple[torch.Tensor, ...]:
         """q (B, H, T, D), k and v (B, H_kv, T, D) from the projections, normed and rotated as configured (k and v
-        `None` in a layer that reads another layer's)."""
+        `None` in a layer that reads another layer's; the queries then scaled by their position's temperature,
+        `query_temperature.py`)."""
         batch, seq = q.shape[:2]
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k, self.head_dim)
@@ -136,6 +143,8 @@ class StandardAttention(AttentionLayer):
             if self.norm_rotated:
                 q = weightless_rms_norm(q, self.eps)
                 k = weightless_rms_norm(k, self.eps) if k is not None else None
+        if self.temperature:
+            q = scale_queries(q, query_temperature(self.config, position_ids))
         return q, k, v
 
     def _keys_and_values(self, k, v, cache, shared_kv: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +169,8 @@ class StandardAttention(AttentionLayer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq = hidden_states.shape[:2]
         shared_kv = kwargs.pop("shared_kv", None)
+        if self.in_multiplier != 1.0:
+            hidden_states = hidden_states * self.in_multiplier
         if takes_split_branch(self.o_proj, hidden_states) or self.v_proj is None:  # few-row products on all cores
             q, k, v = self._split_qkv(hidden_states)
         else:
@@ -168,9 +179,9 @@ class StandardAttention(AttentionLayer):
             query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
             q, k, v = query, key, value
         q, gate = self._query_and_gate(q)
-        q, k, v = self._heads(q, k, v, position_embeddings)  # (B, H, T, D), (B, H_kv, T, D) twice
-        if self.temperature is not None:  # a NoPE layer's queries, by position (`NopeTemperatureFields`)
-            q = (q * nope_temperature(kwargs["position_ids"], *self.temperature)).to(q.dtype)
+        if self.key_multiplier != 1.0 and k is not None:
+            k = k * self.key_multiplier
+        q, k, v = self._heads(q, k, v, position_embeddings, kwargs.get("position_ids"))  # (B, H[_kv], T, D)
         k, v = self._keys_and_values(k, v, cache, shared_kv)
         if position_bias is not None:  # ALiBi as a bias (eager, sdpa)
             kwargs["position_bias"] = position_bias
@@ -183,7 +194,8 @@ class StandardAttention(AttentionLayer):
         out = out.reshape(batch, seq, -1).contiguous()  # (B, T, H·D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return project(self.o_proj, out), weights
+        out = project(self.o_proj, out)
+        return (out * self.out_multiplier if self.out_multiplier != 1.0 else out), weights
 
 
 class StandardKind(AttentionKind):
@@ -191,7 +203,8 @@ class StandardKind(AttentionKind):
 
     name = "standard"
     module = StandardAttention
-    fields = ("qk_norm", "attn_output_gate", *SHAPE_FIELDS, "num_kv_shared_layers")
+    fields = ("qk_norm", "attn_output_gate", *QUERY_TEMPERATURE_FIELDS, *ATTENTION_MULTIPLIERS, *SHAPE_FIELDS,
+              "num_kv_shared_layers")
     cache_implementations = ("dynamic", "static", "int8")
 
     def validate(self, config) -> None:
@@ -200,6 +213,8 @@ class StandardKind(AttentionKind):
         if config.qk_norm == "weightless" and not config.uses_rope:
             raise ValueError("`qk_norm='weightless'` norms the rotated queries and keys of the layers that rotate, and "
                              f"`position_embedding_type`={config.position_embedding_type!r} rotates none.")
+        validate_query_temperature(config)
+        validate_attention_multipliers(config)
         validate_shapes(config)
         validate_kv_sharing(config)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .compat import flash_kernel_fallbacks
 from .attention_shapes import shapes_vary
 from .chunked_attention import CHUNKED_ATTENTION
-from .kinds import LINEAR_ATTENTION
+from .mup import ATTENTION_MULTIPLIERS
 
 # Contract features a config may need, and the field that asks for each.
 FEATURE_FIELDS = {
@@ -39,8 +39,9 @@ FEATURE_FIELDS = {
     "experts_clamped_swiglu": "swiglu_limit (gpt-oss's clamped SwiGLU experts)",
     "experts_bias": "mlp_bias with mlp_type='moe' (experts with biases)",
     "router_bias": "router_bias",
-    # A recurrent state per sequence (Gated DeltaNet): vLLM's Transformers backend replaces attention layers only
-    "linear_attention": "layer_types with 'linear_attention'",
+    # A recurrent state per sequence (Gated DeltaNet, Mamba-2): vLLM's Transformers backend replaces attention layers
+    # only
+    "linear_attention": "layer_types with 'linear_attention' or 'hybrid'",
     # What an engine paging each layer's keys and values in one shape cannot hold (Gemma 3n / Gemma 4)
     "layer_shapes": "global_head_dim / num_global_key_value_heads / attention_k_eq_v",
     "kv_sharing": "num_kv_shared_layers (layers attending to earlier layers' keys and values)",
@@ -48,7 +49,13 @@ FEATURE_FIELDS = {
     "per_layer_inputs": "hidden_size_per_layer_input (per-layer embeddings)",
     "residual_streams": "residual_stream other than 'single'",
 }
+# The families an export serves natively on vLLM, by linear-attention kind (the end of the `--family` hint)
+NATIVE_HYBRID_FAMILIES = {"gated_deltanet": "qwen3_next` (or `qwen3_5_text`)",
+                          "mamba2": "nemotron_h` (or `granitemoehybrid`, `falcon_h1`, as its layout allows; vLLM 0.23 "
+                                    "dropped Bamba's class)"}
 
+FEATURE_FIELDS["mup"] = ("attention_in_multiplier, key_multiplier, attention_out_multiplier or mlp_multipliers "
+                         "(μP multipliers vLLM's fused attention and MLP drop)")
 ALL_FEATURES = frozenset(FEATURE_FIELDS)
 
 # backend -> contract features it can honour
@@ -75,8 +82,8 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # sliding window or none, never chunks (its own Llama 4 class has them: serve an exported folder).
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
                             "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
-                            "router_bias", "key_selection", "linear_attention", "chunked_attention", "layer_shapes",
-                            "kv_sharing", "per_layer_inputs", "residual_streams"},
+                            "router_bias", "key_selection", "linear_attention", "mup", "chunked_attention",
+                            "layer_shapes", "kv_sharing", "per_layer_inputs", "residual_streams"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -120,8 +127,10 @@ def required_features(config) -> set[str]:
         needed.add("logits_scaling")
     if config.attention_sinks:
         needed.add("sinks")
-    if LINEAR_ATTENTION in config.layer_types:
+    if config.linear_attention_kind.in_use(config):
         needed.add("linear_attention")
+    if any(getattr(config, name) != 1.0 for name in ATTENTION_MULTIPLIERS) or config.mlp_multipliers is not None:
+        needed.add("mup")
     return needed | config.attention_kind.backend_features(config) | config.mlp_kind.backend_features(config)
 
 
@@ -142,9 +151,8 @@ def vllm_passes_sinks() -> bool:
     return callable(getattr(AttentionFuser, "sinks", None))
 
 
-# What vLLM cannot serve through its Transformers backend -> the export families it serves with its own classes
+# What else vLLM cannot serve through its Transformers backend -> the export families it serves with its own classes
 NATIVE_FAMILIES = {
-    "linear_attention": "qwen3_next` (or `qwen3_5_text`)",
     "chunked_attention": "llama4_text`",
     "residual_streams": "gemma3n_text`",
     "layer_shapes": "gemma4_text`",
@@ -159,9 +167,11 @@ def check_backend(config, backend: str) -> None:
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
         if canonical_backend(backend) == "vllm":
-            native = next((families for feature, families in NATIVE_FAMILIES.items() if feature in missing), None)
+            native = (NATIVE_HYBRID_FAMILIES.get(config.linear_attention_type) if "linear_attention" in missing
+                      else next((families for feature, families in NATIVE_FAMILIES.items() if feature in missing),
+                                None))
             hint = (f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
-                    f"{native}`" if native else "")
+                    f"{native}" if native else "")
             raise ValueError(
                 f"vLLM's Transformers modeling backend cannot serve {fields} of this config (it would compute "
                 f"different results); generate with transformers instead{hint}."

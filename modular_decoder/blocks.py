@@ -1,34 +1,83 @@
-"""Decoder blocks: one small class per norm placement, chosen through `BLOCKS`.
+"""Decoder blocks: one small class per norm placement, chosen through `BLOCKS`, and which sublayers each layer has.
 
-Every block owns its token mixer (`self_attn`, or `linear_attn` in a `"linear_attention"` layer), `mlp` and the
-norms its placement needs, named by where they sit
-(`pre_attn_norm`, `post_attn_norm`, `pre_mlp_norm`, `post_mlp_norm`); its `forward` is the
+Every block owns its token mixer (`self_attn`, or `linear_attn` in a `"linear_attention"` layer, or both in a
+`"hybrid"` layer), `mlp` and the norms its placement needs, named by where they sit
+(`pre_attn_norm`, `post_attn_norm`, `pre_mlp_norm`, `post_mlp_norm`); its two sublayers, `mix` and `ffn`, are the
 diagram in its docstring. Every `(+)` adds its branch times `residual_multiplier` (Granite's μP
 scaling; 1 elsewhere, where it is a plain sum).
 
-A block's call runs its diagram through the residual stream's entry (`residual_streams.py`: one stream, or several
-around the diagram), which also adds what the layer holds beside its sublayers (a per-layer embedding's branch, a
-layer scalar): a subclass's `forward` becomes its `sublayers`, and `DecoderBlock.forward` the join.
+`block_types` says which sublayers each layer has: both (every family but Nemotron-H), the token mixer alone or
+the feed-forward alone (Nemotron-H, whose every layer is one sublayer), each with the norms of its placement.
+A hybrid layer's mixers (`kinds.HYBRID`: attention and the linear-attention kind, Falcon-H1's) both read the same
+normed input, and their outputs are summed: mix(x) = Attn(x) + LinAttn(x).
+
+A block's call runs its sublayers through the residual stream's entry (`residual_streams.py`: one stream, or several
+around them), which also adds what the layer holds beside its sublayers (a per-layer embedding's branch, a layer
+scalar): `DecoderBlock.sublayers` runs `mix` and `ffn` (a subclass's own `forward` becomes its `sublayers`), and
+`DecoderBlock.forward` is the join.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .kinds import LINEAR_ATTENTION, require_bool, require_choice
+from .kinds import HYBRID, LINEAR_ATTENTION, mixer_layer_types, require_bool, require_choice
 from .norms import build_norm
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS
 from .laurel import join_attention
 from .residual_streams import attach_layer_modules
 
+# `block_types` values -> the sublayers of such a layer
+BLOCK_TYPES = {"mixer_mlp": ("mixer", "mlp"), "mixer": ("mixer",), "mlp": ("mlp",)}
+
+
+@dataclass(kw_only=True)
+class BlockFields:
+    r"""Which sublayers each layer has.
+
+    Args:
+        block_types (`list[str]`, *optional*): Per layer, `"mixer_mlp"` (its token mixer, then the feed-forward),
+            `"mixer"` (the token mixer alone) or `"mlp"` (the feed-forward alone), each sublayer with the norms of
+            `norm_position` (Nemotron-H: every layer is one sublayer, Mamba-2, attention, MoE or MLP). A `"mlp"`
+            layer's `layer_types` entry is an attention type nothing reads; a `"mixer"` layer's `mlp_layer_types`
+            entry is likewise unread. `None`: every layer `"mixer_mlp"`.
+    """
+
+    block_types: list[str] | None = None
+
+
+def layer_sublayers(config, layer_idx: int) -> tuple[str, ...]:
+    """The sublayers of layer `layer_idx`: `("mixer", "mlp")`, `("mixer",)` or `("mlp",)` (`block_types`)."""
+    return BLOCK_TYPES[config.block_types[layer_idx]] if config.block_types is not None else BLOCK_TYPES["mixer_mlp"]
+
+
+def mixing_layer_types(config) -> list[tuple[str, ...]]:
+    """Per layer, the layer types of its token mixers: one, a hybrid layer's two, none in a feed-forward-only layer."""
+    return [mixer_layer_types(t) if "mixer" in layer_sublayers(config, i) else ()
+            for i, t in enumerate(config.layer_types)]
+
+
+def layer_mixers(config, layer_idx: int) -> list[tuple[object, str]]:
+    """(kind, layer type) of each token mixer of layer `layer_idx`: none in a feed-forward-only layer, the
+    linear-attention kind for `"linear_attention"`, the attention kind for an attention type, both in a hybrid one.
+
+    This package's registries rather than `config.attention_kind`: vLLM ships a remote-code config to its workers by
+    value (cloudpickle), and classes reached through it lose their source, which vLLM reads to find each layer's
+    attention."""
+    if "mixer" not in layer_sublayers(config, layer_idx):
+        return []
+    return [(LINEAR_ATTENTIONS.of(config) if t == LINEAR_ATTENTION else ATTENTIONS.of(config), t)
+            for t in mixer_layer_types(config.layer_types[layer_idx])]
+
 
 class DecoderBlock(GradientCheckpointingLayer):
-    """Shared construction; subclasses name the norms they use in `NORMS` and the placement they
-    implement (`norm_position`, `parallel`)."""
+    """Shared construction; subclasses name the norms they use in `NORMS`, the placement they implement
+    (`norm_position`, `parallel`) and their two sublayers (`mix`, `ffn`); a layer runs those it has."""
 
     NORMS: tuple[str, ...] = ()
     norm_position: str = ""
@@ -47,28 +96,21 @@ class DecoderBlock(GradientCheckpointingLayer):
         """The layer: `sublayers` joined to the residual stream(s) `x` by the `residual_stream` entry."""
         return self.stream.join(self, x, **kwargs)
 
-    def sublayers(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        raise NotImplementedError
-
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        # This package's registries rather than `config.attention_kind`: vLLM ships a remote-code config to
-        # its workers by value (cloudpickle), and classes reached through it lose their source, which vLLM
-        # reads to find each layer's attention. A linear-attention layer holds its kind's module instead
-        # (`linear_attn`, transformers' name).
-        if config.layer_types[layer_idx] == LINEAR_ATTENTION:
-            mixer = LINEAR_ATTENTIONS.of(config)
-        else:
-            mixer = ATTENTIONS.of(config)
-        self.mixer_name = mixer.module_name
-        setattr(self, mixer.module_name, mixer.build(config, layer_idx))
-        self.mlp = MLPS.of(config).build(config, layer_idx)
-        for name in self.NORMS:
-            setattr(self, name, build_norm(config))
+        sublayers = layer_sublayers(config, layer_idx)
+        # (module name, layer type of its mask) of each token mixer
+        self.mixers = tuple((kind.module_name, layer_type) for kind, layer_type in layer_mixers(config, layer_idx))
+        for kind, _ in layer_mixers(config, layer_idx):
+            setattr(self, kind.module_name, kind.build(config, layer_idx))
+        self.mlp = MLPS.of(config).build(config, layer_idx) if "mlp" in sublayers else None
+        for name in self.NORMS:  # `*_attn_norm` around the mixer, `*_mlp_norm` around the feed-forward
+            if ("mixer" if "attn" in name else "mlp") in sublayers:
+                setattr(self, name, build_norm(config))
         self.dropout = nn.Dropout(config.hidden_dropout)
         m = config.residual_multiplier
         self.residual = _add if m == 1.0 else partial(_add_scaled, m)
-        attach_layer_modules(self, config, layer_idx, RESIDUAL_STREAMS.of(config))
+        attach_layer_modules(self, config, layer_idx, RESIDUAL_STREAMS.of(config), mixes=bool(self.mixers))
 
     def init_own_weights(self, init, std: float) -> None:
         """A fresh layer scalar is 1 (the model's `_init_weights` asks every module that has this method)."""
@@ -80,8 +122,29 @@ class DecoderBlock(GradientCheckpointingLayer):
         normed input `normed` where the layer has one (`laurel.py`)."""
         return join_attention(self, x, branch, normed)
 
+    def sublayers(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The layer's sublayers on one stream: the token mixer's, then the feed-forward's (those it has)."""
+        if self.mixers:
+            x = self.mix(x, **kwargs)
+        if self.mlp is not None:
+            x = self.ffn(x)
+        return x
+
+    def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        out, _ = getattr(self, self.mixer_name)(x, **kwargs)
+        """The token mixer's output; a hybrid layer's mixers each get the mask of their layer type (`attention_mask`
+        then maps those types to masks) and their outputs are summed."""
+        if len(self.mixers) == 1:
+            out, _ = getattr(self, self.mixers[0][0])(x, **kwargs)
+        else:
+            masks = kwargs.pop("attention_mask")
+            out = sum(getattr(self, name)(x, attention_mask=masks[layer_type], **kwargs)[0]
+                      for name, layer_type in self.mixers)
         return self.dropout(out) if self.training else out  # (eval dropout is the identity: skip the call)
 
     def feed_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,9 +169,11 @@ class PreNormBlock(DecoderBlock):
     NORMS = ("pre_attn_norm", "pre_mlp_norm")
     norm_position = "pre"
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         normed = self.pre_attn_norm(x)
-        x = self.join_attention(x, self.attend(normed, **kwargs), normed)
+        return self.join_attention(x, self.attend(normed, **kwargs), normed)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.residual(x, self.feed_forward(self.pre_mlp_norm(x), x))
 
 
@@ -119,8 +184,10 @@ class PostNormBlock(DecoderBlock):
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "post"
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        x = self.post_attn_norm(self.residual(x, self.attend(x, **kwargs)))
+    def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.post_attn_norm(self.residual(x, self.attend(x, **kwargs)))
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_mlp_norm(self.residual(x, self.feed_forward(x)))
 
 
@@ -132,9 +199,11 @@ class SandwichNormBlock(DecoderBlock):
     NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
     norm_position = "sandwich"
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         normed = self.pre_attn_norm(x)
-        x = self.join_attention(x, self.post_attn_norm(self.attend(normed, **kwargs)), normed)
+        return self.join_attention(x, self.post_attn_norm(self.attend(normed, **kwargs)), normed)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x), x)))
 
 
@@ -145,8 +214,10 @@ class OutputNormBlock(DecoderBlock):
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "output"
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        x = self.residual(x, self.post_attn_norm(self.attend(x, **kwargs)))
+    def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.residual(x, self.post_attn_norm(self.attend(x, **kwargs)))
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.residual(x, self.post_mlp_norm(self.feed_forward(x)))
 
 
@@ -192,7 +263,7 @@ def block_class(config) -> type[DecoderBlock]:
 
 
 def validate_block(config) -> None:
-    """`norm_position`, `parallel_block` and `parallel_norms`, and that one block implements them."""
+    """`norm_position`, `parallel_block` and `parallel_norms`, and that one block implements them; `block_types`."""
     require_choice("norm_position", config.norm_position, NORM_POSITIONS)
     require_bool("parallel_block", config.parallel_block)
     require_choice("parallel_norms", config.parallel_norms, PARALLEL_NORMS)
@@ -203,3 +274,32 @@ def validate_block(config) -> None:
                 f"`parallel_block=True` needs `norm_position` in {positions} (x + Attn(N(x)) + FFN(N(x))), "
                 f"got `norm_position`={config.norm_position!r}."
             )
+    validate_block_types(config)
+    if config.num_mtp_layers and isinstance(config.layer_types, list) and config.layer_types[-1] == HYBRID:
+        raise ValueError(f"`num_mtp_layers`={config.num_mtp_layers}: an MTP module is a block of the last layer's "
+                         "kinds, and `layer_types` makes the last layer 'hybrid', which MTP modules cannot be yet.")
+
+
+def validate_block_types(config) -> None:
+    """One `block_types` entry per layer from `BLOCK_TYPES`, a mixer somewhere, and nothing only two-sublayer
+    blocks can be: a parallel block, multi-token-prediction modules (a block of the last layer's kinds)."""
+    kinds = config.block_types
+    if kinds is None:
+        return
+    if not isinstance(kinds, list) or len(kinds) != config.num_hidden_layers:
+        raise ValueError(f"`block_types` must list one entry per layer (`num_hidden_layers`="
+                         f"{config.num_hidden_layers}), got {kinds!r}.")
+    for kind in kinds:
+        require_choice("block_types[...]", kind, BLOCK_TYPES)
+    if all(kind == "mlp" for kind in kinds):
+        raise ValueError("`block_types` has no layer with a token mixer: nothing would mix the tokens.")
+    if config.parallel_block and any(kind != "mixer_mlp" for kind in kinds):
+        raise ValueError("`parallel_block=True` adds a layer's mixer and feed-forward side by side: every "
+                         "`block_types` entry must be 'mixer_mlp'.")
+    if config.num_mtp_layers and kinds[-1] != "mixer_mlp":
+        raise ValueError(f"`num_mtp_layers`={config.num_mtp_layers}: an MTP module is a block of the last layer's "
+                         f"kinds, and `block_types` makes the last layer {kinds[-1]!r}; it must be 'mixer_mlp'.")
+    for index, kind in enumerate(kinds):
+        if kind == "mlp" and config.layer_types[index] not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"Layer {index} is `block_types` 'mlp' (no token mixer), and `layer_types` gives it "
+                             f"{config.layer_types[index]!r}, a mixer with a state: give it 'full_attention'.")

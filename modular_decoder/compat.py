@@ -343,6 +343,23 @@ def create_masks_for_generate(**kwargs):
         masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING["chunked_attention"] = chunked
 
 
+def drafted_tokens_per_step(candidate_generator) -> int | None:
+    """How many tokens a candidate generator drafts per step: its `num_drafting_tokens` (5.25, which transformers
+    passes to `activate_past_recording`), else the attribute each generator of 5.16-5.24 keeps it in (assistant
+    and early exit: `num_assistant_tokens`, prompt lookup: `num_output_tokens`, MTP: `num_mtp_layers`)."""
+    for name in ("num_drafting_tokens", "num_assistant_tokens", "num_output_tokens", "num_mtp_layers"):
+        if isinstance(count := getattr(candidate_generator, name, None), int):
+            return count
+    return None
+
+
+def drafts_grow(candidate_generator) -> bool:
+    """Whether an assistant drafts more tokens per step as its drafts are accepted (`num_assistant_tokens_schedule`
+    "heuristic" or "heuristic_transient": two more after each step that kept all, on every supported release)."""
+    config = getattr(candidate_generator, "assistant_generation_config", None)
+    return getattr(config, "num_assistant_tokens_schedule", None) in ("heuristic", "heuristic_transient")
+
+
 # --- 3. transformers' private helpers, looked up when first used -------------------------------------
 
 
@@ -399,6 +416,18 @@ def causal_conv1d_kernels():
         return None
     module = importlib.import_module("causal_conv1d")
     return module.causal_conv1d_fn, module.causal_conv1d_update
+
+
+def mamba_ssm_kernels():
+    """mamba_ssm's `(mamba_chunk_scan_combined, selective_state_update)` where transformers' own check finds it
+    usable (`is_mamba_2_ssm_available`: CUDA and mamba_ssm >= 2.0.4), else `None`."""
+    from transformers.utils import is_mamba_2_ssm_available
+
+    if not is_mamba_2_ssm_available():
+        return None
+    combined = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    update = importlib.import_module("mamba_ssm.ops.triton.selective_state_update")
+    return combined.mamba_chunk_scan_combined, update.selective_state_update
 
 
 def flash_kernel_fallbacks() -> dict[str, str]:

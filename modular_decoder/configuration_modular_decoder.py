@@ -15,21 +15,25 @@ from .compat import (  # isort: skip
 
 from transformers import PretrainedConfig  # noqa: E402
 
-from .blocks import validate_block  # noqa: E402
+from .blocks import BlockFields, mixing_layer_types, validate_block  # noqa: E402
 from .chunked_attention import CHUNKED_ATTENTION  # noqa: E402
-from .kinds import LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
+from .kinds import HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
+from .mamba2 import Mamba2Fields  # noqa: E402
+from .moe import ExpertFormFields  # noqa: E402
+from .mup import MupFields  # noqa: E402
 from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
+from .query_temperature import QueryTemperatureFields  # noqa: E402
 from .registries import (ATTENTIONS, FEATURES, FIELD_MIXINS, LINEAR_ATTENTIONS, MLPS, POSITIONS,  # noqa: E402
                          RESIDUAL_STREAMS)
 
 # The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", CHUNKED_ATTENTION)
-LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "linear_attention")
+LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "linear_attention", HYBRID)
 # Config fields that hold one entry per layer: a multi-token-prediction module is built from a config whose
 # lists hold the last layer's entry once per module (`mtp.mtp_block_config`). A new per-layer field goes here.
-PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers", "layer_intermediate_sizes",
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers", "block_types", "layer_intermediate_sizes",
                     "activation_sparsity_pattern")
 # `mtp_loss_scaling_factor` where unset and `num_mtp_layers` > 0: DeepSeek-V3's λ for the last 4.8T of its
 # 14.8T training tokens (0.3 before; arXiv 2412.19437, §4.2)
@@ -98,7 +102,8 @@ FIELD_RULES = {
 }
 
 
-class ModularDecoderConfig(PretrainedConfig, *FIELD_MIXINS):
+class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupFields, QueryTemperatureFields,
+                           *FIELD_MIXINS, PretrainedConfig):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:
@@ -224,13 +229,16 @@ class ModularDecoderConfig(PretrainedConfig, *FIELD_MIXINS):
             gate (transformers' layout). Standard attention only.
         sliding_window (`int`, *optional*): Window of the `"sliding_attention"` layers.
         layer_types (`list[str]`, *optional*): One of `"full_attention"` / `"sliding_attention"` /
-            `"chunked_attention"` (`attention_chunk_size`) / `"linear_attention"` per layer. Defaults to all sliding when `sliding_window` is set, else all full.
-            A `"linear_attention"` layer mixes tokens through a recurrent state instead of attention (the kind
-            `linear_attention_type` names; Qwen3-Next and Qwen3.5 have three for every full layer): it reads no
-            positions, and its cache holds a fixed-size state per sequence.
+            `"chunked_attention"` (`attention_chunk_size`) / `"linear_attention"` / `"hybrid"` per layer. Defaults to
+            all sliding when `sliding_window` is set, else all full. A `"linear_attention"` layer mixes tokens through
+            a recurrent state instead of attention (the kind `linear_attention_type` names; Qwen3-Next and Qwen3.5 have
+            three for every full layer): it reads no positions, and its cache holds a fixed-size state per sequence. A
+            `"hybrid"` layer runs full attention and the linear-attention kind side by side on the same normed input
+            and adds their outputs (Falcon-H1; transformers' value); its cache holds K/V and a state.
         linear_attention_type (`str`): The linear-attention layers' kind: `"gated_deltanet"` (Gated DeltaNet,
-            Qwen3-Next / Qwen3.5). The fields below up to `linear_conv_kernel_dim` apply only when `layer_types`
-            has linear layers (left unset otherwise).
+            Qwen3-Next / Qwen3.5) or another kind of `registries.LINEAR_ATTENTIONS`, whose fields live beside it
+            (`"mamba2"`: `mamba2.Mamba2Fields`). The fields below up to `linear_conv_kernel_dim` are Gated
+            DeltaNet's and apply only when `layer_types` has linear layers (left unset otherwise).
         linear_num_key_heads (`int`, *optional*): Query/key heads H_k of the linear layers. Defaults to H.
         linear_num_value_heads (`int`, *optional*): Value heads H_v, a multiple of H_k (each key head serves
             H_v / H_k of them). Defaults to H.
@@ -517,8 +525,14 @@ class ModularDecoderConfig(PretrainedConfig, *FIELD_MIXINS):
 
     @property
     def attention_layer_count(self) -> int:
-        """Layers that attend (full or sliding), as opposed to linear-attention layers."""
-        return sum(layer_type != LINEAR_ATTENTION for layer_type in self.layer_types)
+        """Layers that attend (full or sliding, alone or in a hybrid layer), as opposed to linear-attention layers
+        and layers without a token mixer (`block_types`)."""
+        return sum(any(t != LINEAR_ATTENTION for t in types) for types in mixing_layer_types(self))
+
+    @property
+    def linear_attention_layer_count(self) -> int:
+        """Layers that run a linear-attention mixer (alone or in a hybrid layer)."""
+        return sum(LINEAR_ATTENTION in types for types in mixing_layer_types(self))
 
     # transformers reads its parallelism plans from the config instance; these are built from the kinds the
     # config chose, so every key names a module or parameter of the model it builds (a dense MLP has no

@@ -15,13 +15,14 @@ import dataclasses
 
 import torch
 
-from .blocks import BLOCKS, block_class
+from .blocks import BLOCKS, block_class, layer_sublayers, mixing_layer_types
 from .chunked_attention import CHUNKED_ATTENTION, layer_window
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
-from .kinds import LINEAR_ATTENTION
+from .kinds import HYBRID, LINEAR_ATTENTION
 from .laurel import laurel_parameters
 from .per_layer_embeddings import PER_LAYER_EMBEDDINGS
+from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
 from .registries import ATTENTIONS, FEATURES, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
@@ -35,8 +36,8 @@ def attention_parameters(config: ModularDecoderConfig, layer_idx: int | None = N
 
 
 def attention_layers(config: ModularDecoderConfig) -> list[int]:
-    """The layers that attend (not linear-attention layers)."""
-    return [i for i, layer_type in enumerate(config.layer_types) if layer_type != LINEAR_ATTENTION]
+    """The layers that attend (alone or in a hybrid layer; not linear-attention or feed-forward-only layers)."""
+    return [i for i, types in enumerate(mixing_layer_types(config)) if any(t != LINEAR_ATTENTION for t in types)]
 
 
 def linear_attention_parameters(config: ModularDecoderConfig) -> int:
@@ -46,7 +47,13 @@ def linear_attention_parameters(config: ModularDecoderConfig) -> int:
 
 
 def linear_layer_count(config: ModularDecoderConfig) -> int:
-    return config.num_hidden_layers - config.attention_layer_count
+    """Layers that run a linear-attention mixer (alone or in a hybrid layer)."""
+    return config.linear_attention_layer_count
+
+
+def feed_forward_layers(config: ModularDecoderConfig) -> list[int]:
+    """The layers that have a feed-forward (`block_types`: all but the mixer-only ones)."""
+    return [i for i in range(config.num_hidden_layers) if "mlp" in layer_sublayers(config, i)]
 
 
 def mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> int:
@@ -60,10 +67,12 @@ def active_mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> i
     return config.mlp_kind.active_parameters(config, layer_idx)
 
 
-def block_norm_count(config: ModularDecoderConfig) -> int:
+def block_norm_count(config: ModularDecoderConfig, layer_idx: int | None = None) -> int:
+    """The norms of a block (of layer `layer_idx`: half of them where `block_types` gives it one sublayer)."""
     if config.parallel_block:
         return 2 if config.parallel_norms == "separate" else 1
-    return BLOCK_NORMS[config.norm_position]
+    whole = BLOCK_NORMS[config.norm_position]
+    return whole if layer_idx is None else whole * len(layer_sublayers(config, layer_idx)) // 2
 
 
 def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
@@ -82,13 +91,13 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
         parts["attention"] = sum(attention_parameters(config, i) for i in attention_layers(config))
     if linear_layer_count(config):
         parts["linear_attention"] = linear_layer_count(config) * linear_attention_parameters(config)
-    parts["mlp"] = sum(mlp_parameters(config, i) for i in range(layers))
-    parts["block_norms"] = layers * block_norm_count(config) * norm_parameters(config, d)
+    parts["mlp"] = sum(mlp_parameters(config, i) for i in feed_forward_layers(config))
+    parts["block_norms"] = sum(block_norm_count(config, i) for i in range(layers)) * norm_parameters(config, d)
     embeddings, branch = PER_LAYER_EMBEDDINGS.parameters(config)
     if embeddings:
         parts["per_layer_embeddings"] = embeddings + layers * branch
-    if config.laurel_rank:
-        parts["laurel"] = layers * laurel_parameters(config)
+    if config.laurel_rank:  # beside each token mixer
+        parts["laurel"] = sum(map(bool, mixing_layer_types(config))) * laurel_parameters(config)
     stream = RESIDUAL_STREAMS.of(config)
     if stream.model_parameters(config) or stream.layer_parameters(config):
         parts["residual_stream"] = stream.model_parameters(config) + layers * stream.layer_parameters(config)
@@ -100,7 +109,7 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
     if config.num_mtp_layers:
         parts["mtp"] = config.num_mtp_layers * mtp_module_parameters(config)
     parts["total"] = sum(parts.values())
-    inactive = sum(mlp_parameters(config, i) - active_mlp_parameters(config, i) for i in range(layers))
+    inactive = sum(mlp_parameters(config, i) - active_mlp_parameters(config, i) for i in feed_forward_layers(config))
     parts["active"] = parts["total"] - inactive - parts.get("mtp", 0)
     return parts
 
@@ -156,9 +165,9 @@ def state_bytes_per_sequence(config: ModularDecoderConfig, dtype: torch.dtype | 
 
 
 def cached_tokens(config: ModularDecoderConfig, layer_type: str, context: int) -> int:
-    """Tokens a layer keeps between decode steps: all of them, the last `sliding_window - 1`
-    for a sliding layer (`attention_chunk_size - 1` for a chunked one) (the next query brings it back to a full window), none for a linear-attention
-    layer (it keeps a state instead)."""
+    """Tokens a layer keeps between decode steps: all of them, the last `sliding_window - 1` for a sliding layer
+    (`attention_chunk_size - 1` for a chunked one; the next query brings it back to a full window), none for a
+    linear-attention layer (it keeps a state instead)."""
     if (window := layer_window(config, layer_type)) is not None:  # sliding, chunked (the chunk: `chunked_attention`)
         return min(context, window - 1)
     if layer_type == LINEAR_ATTENTION:
@@ -171,7 +180,8 @@ def cache_bytes(config: ModularDecoderConfig, context: int, batch_size: int = 1,
     """Exact payload of a cache holding `context` tokens for `batch_size` sequences (linear-attention states
     included, once per sequence)."""
     payload = sum(layer_bytes_per_token(config, dtype, quantization, i) * cached_tokens(config, layer_type, context)
-                  for i, layer_type in enumerate(config.layer_types) if layer_type != LINEAR_ATTENTION)
+                  for i, types in enumerate(mixing_layer_types(config)) for layer_type in types
+                  if layer_type != LINEAR_ATTENTION)
     return batch_size * (payload + state_bytes_per_sequence(config, dtype))
 
 
@@ -181,10 +191,10 @@ def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: to
 
 
 def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bfloat16) -> str:
-    """A markdown table of every contract field the config reads, parameters by component and cache cost (the fields
-    of the mechanisms' mixins, `registries.FIELD_MIXINS`, after the config's own)."""
-    own = ModularDecoderConfig.__annotations__
-    fields = sorted(dataclasses.fields(ModularDecoderConfig), key=lambda f: f.name not in own)
+    """A markdown table of every contract field, parameters by component and cache cost."""
+    declared = list(vars(ModularDecoderConfig)["__annotations__"])  # the class's own fields, then its mixins'
+    fields = sorted(dataclasses.fields(ModularDecoderConfig),
+                    key=lambda f: declared.index(f.name) if f.name in declared else len(declared))
     names = [f.name for f in fields if f.name not in _NON_CONTRACT and _applies(config, f.name)]
     rows = ["| field | value |", "| --- | --- |"]
     rows += [f"| `{name}` | {_render(name, getattr(config, name))} |" for name in names]
@@ -209,12 +219,14 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
     (MLA's ranks, the MoE fields, ...) applies only when one of them is chosen, and a field some
     entries of an axis say they read (`reads`: `norm_bias` for LayerNorm, `head_dim` for per-head
     attention, ...) only when the chosen entry reads it. The MTP loss weight, draft count and draft vocabulary apply
-    with MTP modules."""
+    with MTP modules, the query temperature's fields where it is on."""
     if name in ("mtp_loss_scaling_factor", "mtp_draft_tokens", "mtp_draft_vocab_size"):
         return bool(config.num_mtp_layers)
+    if name in QUERY_TEMPERATURE_FIELDS:  # shown where the queries are scaled
+        return bool(config.attn_temperature_tuning)
     if name == LINEAR_ATTENTIONS.field:
         return config.linear_attention_kind.in_use(config)
-    for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS):
+    for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS):
         owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]
         if owners:
             chosen = registry.of(config)
@@ -240,15 +252,17 @@ def _unread(config: ModularDecoderConfig) -> set[str]:
 
 # per-layer lists shown as counts and a one-letter pattern
 _PATTERNS = {
-    "layer_types": {"sliding_attention": "S", "full_attention": "F", CHUNKED_ATTENTION: "C", LINEAR_ATTENTION: "L"},
+    "layer_types": {"sliding_attention": "S", "full_attention": "F", CHUNKED_ATTENTION: "C", LINEAR_ATTENTION: "L",
+                    HYBRID: "H"},
+    "block_types": {"mixer_mlp": "B", "mixer": "M", "mlp": "F"},
     "mlp_layer_types": {"sparse": "S", "dense": "D"},
     "no_rope_layers": {1: "R", 0: "N"},
 }
 
 
 def _render(name: str, value) -> str:
-    """A table cell; per-layer lists (`layer_types`, `mlp_layer_types`, `no_rope_layers`) as counts or a one-letter
-    pattern."""
+    """A table cell; per-layer lists (`layer_types`, `mlp_layer_types`, `no_rope_layers`, `block_types`) as counts or
+    a one-letter pattern."""
     letters = _PATTERNS.get(name)
     if letters is not None and isinstance(value, list):
         if len(set(value)) == 1:

@@ -8,6 +8,10 @@ transformers has them.
     mlp.experts.gate_up_proj_bias        (E, 2·f)      `mlp_bias=True` only (gpt-oss), [gate; up] as above
     mlp.experts.down_proj_bias           (E, d)        `mlp_bias=True` only
 
+With `moe_mlp_type="dense"` each expert is act(x W_up) W_down (Nemotron-H's relu² experts): `mlp.experts.up_proj`
+(E, f, d) in place of `gate_up_proj` (and `up_proj_bias`), transformers' names for such experts. With
+`moe_latent_size` the experts read and write that width instead of d (Nemotron-H's latent experts).
+
 The gate is act(gate) ⊙ up with `hidden_act`, or with `swiglu_limit` gpt-oss's clamped SwiGLU:
 g = min(gate, limit), u = clamp(up, ±limit), (u + 1) ⊙ g·σ(α·g), α = `swiglu_alpha`. (gpt-oss's checkpoints
 interleave gate and up columns and store the products transposed; conversion rearranges them into this one
@@ -43,13 +47,16 @@ class Experts(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size
+        self.hidden_dim = config.moe_latent_size or config.hidden_size  # what the experts read and write
         self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.gated = config.moe_mlp_type == "gated"
+        self.up_name = "gate_up_proj" if self.gated else "up_proj"
+        up_width = (2 if self.gated else 1) * self.intermediate_dim
+        self.register_parameter(self.up_name, nn.Parameter(torch.empty(self.num_experts, up_width, self.hidden_dim)))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         biases = config.mlp_bias
         self.register_parameter(
-            "gate_up_proj_bias", nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim)) if biases else None
+            f"{self.up_name}_bias", nn.Parameter(torch.empty(self.num_experts, up_width)) if biases else None
         )
         self.register_parameter(
             "down_proj_bias", nn.Parameter(torch.empty(self.num_experts, self.hidden_dim)) if biases else None
@@ -85,10 +92,11 @@ class Experts(nn.Module):
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         # `linear`: a decode step's few rows split across the cores (plain fp32 CPU weights only)
-        gate_up = linear(x, self.gate_up_proj[expert])  # (n, 2·f)
-        if self.gate_up_proj_bias is not None:
-            gate_up = gate_up + self.gate_up_proj_bias[expert]
-        out = linear(self._apply_gate(gate_up), self.down_proj[expert])  # (n, d)
+        up = linear(x, getattr(self, self.up_name)[expert])  # (n, 2·f), or (n, f) ungated
+        bias = getattr(self, f"{self.up_name}_bias")
+        if bias is not None:
+            up = up + bias[expert]
+        out = linear(self._apply_gate(up) if self.gated else self.act_fn(up), self.down_proj[expert])  # (n, d)
         return out if self.down_proj_bias is None else out + self.down_proj_bias[expert]
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -129,7 +137,8 @@ if _EXPERTS_KERNELS is not None:
 
     def _init(self, config, *args, **kwargs):
         _decorated_init(self, config, *args, **kwargs)
-        self.has_bias = self.gate_up_proj_bias is not None  # the decorator sets its class-wide flag: per config here
+        # the decorator sets its class-wide flags: per config here
+        self.has_bias, self.has_gate = self.down_proj_bias is not None, self.gated
 
     Experts.__init__ = _init
 

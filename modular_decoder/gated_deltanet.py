@@ -17,7 +17,9 @@ fused `in_proj_qkvz` / `in_proj_ba` (interleaved per key head) are the same rows
 them (`conversion/families/qwen3_next.py`), bit for bit both ways.
 
 A multi-token step (prefill, chunked prefill, a prompt continuing a cache) runs the chunked rule; a one-token step
-against a cached state runs the recurrent update. Padded positions of a 2-D `attention_mask` are zeroed before the
+against a cached state runs the recurrent update. While the cache records for a rollback (drafting), the tokens a
+crop may remove (a verification's, a prompt's last few) run through the recurrent update one by one and their states
+are kept (`recurrent_cache.run_recurrence`). Padded positions of a 2-D `attention_mask` are zeroed before the
 projections, so the convolution sees zeros there as it does before a sequence's first token, and get β = 0 and
 g = 0, so they neither write nor decay the state (transformers' classes zero the input only, which keeps the state
 at zero only where the convolution's activation maps 0 to 0, as SiLU does): a left-padded row computes what it
@@ -31,11 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .delta_rule import causal_conv1d, kernels_for
+from .delta_rule import kernels_for
 from .kinds import LinearAttentionKind, require_int
-from .packed_documents import PackedDocuments, convolve_documents, last_document_only
-from .recurrent_cache import RecurrentLayer
-from .split_products import weight_is_readable
+from .packed_documents import PackedDocuments
+from .recurrent_cache import RecurrentLayer, run_recurrence
+from .recurrent_mixer import RecurrentMixer
 
 
 class GatedRMSNorm(nn.Module):
@@ -58,7 +60,7 @@ class GatedRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """A Gated DeltaNet layer (see the module docstring); `forward` returns `(output, None)` like an attention
     layer (it has no attention weights)."""
 
@@ -115,69 +117,17 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule(self, inputs: tuple, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
         """The gated delta rule over (query, key, value, g, beta): recurrent for a one-token step on a cached state,
-        chunked otherwise, or document by document; the cache keeps the new state."""
+        chunked otherwise (`recurrent_cache.run_recurrence`, which also records the states a crop may restore), or
+        document by document; the cache keeps the new state."""
+        if documents is None:  # (B, T, H_v, d_v); the state (B, H_v, d_k, d_v) and, while recording, per token
+            return run_recurrence(layer, kernels.chunked, kernels.recurrent, inputs)
+        # the rows end to end as one row of documents; each row's last document's state is its state
         batch, seq = inputs[0].shape[:2]
-        if documents is None:
-            state = layer.recurrent_state if layer is not None else None
-            rule = kernels.recurrent if state is not None and seq == 1 else kernels.chunked
-            out, state = rule(*inputs, state)  # (B, T, H_v, d_v), (B, H_v, d_k, d_v)
-        else:  # the rows end to end as one row of documents; each row's last document's state is its state
-            flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
-            out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
-            out, state = out.reshape(batch, seq, *out.shape[2:]), states[documents.last]
+        flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
+        out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
         if layer is not None:
-            layer.update_recurrent_state(state)
-        return out
-
-    def _convolve_documents(self, x: torch.Tensor, layer, kernels, documents: PackedDocuments) -> torch.Tensor:
-        """The short causal convolution of x (B, C, T) over packed documents, each from zeros
-        (`packed_documents.convolve_documents`); the cache keeps each row's last document's window."""
-        if layer is not None:
-            layer.update_conv_state(last_document_only(x, documents), conv_kernel_size=self.conv_kernel_size)
-        fused = self._fused_conv(kernels)
-        return convolve_documents(x, documents, self.conv_kernel_size, lambda row: self._convolution(row, kernels, fused))
-
-    def _state(self, cache) -> RecurrentLayer | None:
-        """This layer's entry of `cache` (the family's `ModularDecoderCache`), or a `ValueError` naming the cache
-        where another kind was passed: a K/V cache has no place for a recurrent state."""
-        if cache is None:
-            return None
-        layers = getattr(cache, "layers", None)
-        layer = layers[self.layer_idx] if isinstance(layers, list) and self.layer_idx < len(layers) else None
-        if not isinstance(layer, RecurrentLayer):
-            raise ValueError(
-                f"`cache` is a {type(cache).__name__} whose layer {self.layer_idx} cannot hold this "
-                "'linear_attention' layer's state: pass `modular_decoder.ModularDecoderCache(config)` (generate "
-                "builds one by itself)."
-            )
-        return layer
-
-    def _convolve(self, x: torch.Tensor, layer, kernels) -> torch.Tensor:
-        """The short causal convolution of x (B, C, T), continuing the cached window when there is one.
-
-        A decode step on causal-conv1d updates the window in place; everything else prepends the cached
-        window (`RecurrentLayer.update_conv_state`) and convolves, through causal-conv1d's kernel where it runs
-        and the module is plain, else by calling the module."""
-        fused = self._fused_conv(kernels)
-        seq = x.shape[-1]
-        if fused and layer is not None and layer.conv_state is not None and seq == 1:
-            layer.count_step()
-            return kernels.conv_update(x, layer.conv_state, self.conv1d.weight.squeeze(1), None, self.activation_name)
-        if layer is not None:
-            x = layer.update_conv_state(x, conv_kernel_size=self.conv_kernel_size)
-        return self._convolution(x, kernels, fused)[..., -seq:]
-
-    def _fused_conv(self, kernels) -> bool:
-        """Whether causal-conv1d's kernels compute the convolution: where they run, for its activations, on a plain
-        module (otherwise the module is called, so hooks and adapters on it run)."""
-        return (kernels.conv is not None and self.activation_name in ("silu", "swish")
-                and weight_is_readable(self.conv1d, nn.Conv1d))
-
-    def _convolution(self, x: torch.Tensor, kernels, fused: bool) -> torch.Tensor:
-        """activation(causal convolution of x (B, C, L)), zero-padded on the left, no cache."""
-        if fused:
-            return kernels.conv(x, self.conv1d.weight.squeeze(1), None, activation=self.activation_name)
-        return causal_conv1d(x, self.conv1d, self.activation)
+            layer.update_recurrent_state(states[documents.last])
+        return out.reshape(batch, seq, *out.shape[2:])
 
 
 class GatedDeltaNetKind(LinearAttentionKind):

@@ -74,6 +74,7 @@ def _checked_shapes(config, input_ids, attention_mask, inputs_embeds, cache) -> 
         batch, seq = _check_embeds(config, inputs_embeds)
     else:
         return None
+    _check_cache_batch(cache, batch)
     if attention_mask is None or isinstance(attention_mask, dict):
         return None
     if not isinstance(attention_mask, torch.Tensor):
@@ -94,6 +95,18 @@ def _checked_shapes(config, input_ids, attention_mask, inputs_embeds, cache) -> 
         )
     _check_mask_length(attention_mask, seq, cache)
     return None if attention_mask.dtype == torch.bool else attention_mask
+
+
+def _check_cache_batch(cache, batch: int) -> None:
+    """A cache holds the states of one batch: reused with another batch size it is refused by name (what it holds
+    is read off shapes, no device work; `ModularDecoderCache.held_batch_size`)."""
+    held = cache.held_batch_size() if hasattr(cache, "held_batch_size") else None
+    if held is not None and held != batch:
+        raise ValueError(
+            f"`cache` (a {type(cache).__name__}) holds the states of a batch of {held} sequences, and the input has "
+            f"{batch}: a cache belongs to one batch. Pass a new cache (generate builds one by itself) or call "
+            "`cache.reset()` first."
+        )
 
 
 def _mask_values_error(mask: torch.Tensor) -> ValueError:

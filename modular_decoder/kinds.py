@@ -242,6 +242,20 @@ def require_unset_unless(config, used: bool, fields, why: str) -> None:
 
 
 LINEAR_ATTENTION = "linear_attention"  # the `layer_types` value of a linear-attention layer (transformers' own)
+# A layer whose attention and linear-attention mixers run in parallel on the same input, their outputs summed
+# (transformers' own value, Falcon-H1's and Zamba 2's layers): the layer types of its mixers
+HYBRID = "hybrid"
+MIXERS_OF_LAYER_TYPE = {HYBRID: ("full_attention", LINEAR_ATTENTION)}
+
+
+def mixer_layer_types(layer_type: str) -> tuple[str, ...]:
+    """The layer types of the mixers a layer of `layer_type` runs: its own, or a hybrid layer's two."""
+    return MIXERS_OF_LAYER_TYPE.get(layer_type, (layer_type,))
+
+
+def attention_layer_type(layer_type: str) -> str | None:
+    """The attending mixer's layer type in a layer of `layer_type` (its mask and positions), or `None`."""
+    return next((t for t in mixer_layer_types(layer_type) if t != LINEAR_ATTENTION), None)
 
 
 class LinearAttentionKind(Kind):
@@ -253,8 +267,9 @@ class LinearAttentionKind(Kind):
     module_name = "linear_attn"
 
     def in_use(self, config) -> bool:
-        """Whether any layer of `config` is a linear-attention layer."""
-        return isinstance(config.layer_types, list) and LINEAR_ATTENTION in config.layer_types
+        """Whether any layer of `config` runs a linear-attention mixer (alone, or in a hybrid layer)."""
+        return isinstance(config.layer_types, list) and any(
+            LINEAR_ATTENTION in mixer_layer_types(t) for t in config.layer_types if isinstance(t, str))
 
     def build(self, config, layer_idx: int) -> nn.Module:
         return self.module(config, layer_idx)
@@ -265,7 +280,7 @@ class LinearAttentionKind(Kind):
         for name in self.fields:
             if getattr(config, name) != field_default(config, name):
                 raise ValueError(f"`{name}`={getattr(config, name)!r} only applies to layers of type "
-                                 f"'{LINEAR_ATTENTION}', and `layer_types` has none; leave it unset.")
+                                 f"'{LINEAR_ATTENTION}' or '{HYBRID}', and `layer_types` has none; leave it unset.")
 
     def cache_layer(self, config, implementation: str, max_cache_len: int | None):
         """The cache layer (a transformers `LinearAttentionCacheLayerMixin`) of one linear-attention layer."""
@@ -371,5 +386,5 @@ def require_choice(name: str, value, allowed) -> None:
 
 
 __all__ = ["require_int", "require_number", "require_bool", "require_choice", "Registry", "Kind", "AttentionKind",
-           "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "field_default", "Feature", "FeatureSet",
-           "require_unset_unless"]
+           "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "HYBRID", "field_default", "mixer_layer_types",
+           "attention_layer_type", "Feature", "FeatureSet", "require_unset_unless"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from transformers.cache_utils import CacheLayerMixin
 
-from .kinds import LINEAR_ATTENTION, require_int
+from .kinds import HYBRID, LINEAR_ATTENTION, require_int
 
 
 @dataclass(kw_only=True)
@@ -36,30 +36,40 @@ class KVSharingFields:
     num_kv_shared_layers: int = 0
 
 
+def _attending_types(config) -> list[str | None]:
+    """Per layer, its attention type, or `None` in a feed-forward-only layer (`block_types` "mlp")."""
+    blocks = config.block_types or ["mixer_mlp"] * config.num_hidden_layers
+    return [None if block == "mlp" else layer_type for layer_type, block in zip(config.layer_types, blocks)]
+
+
 def kv_sources(config) -> list[int | None]:
-    """Per layer, the earlier layer whose keys and values it reads, or `None` where it computes its own."""
+    """Per layer, the earlier layer whose keys and values it reads, or `None` where it computes its own (or has no
+    attention)."""
     layers = config.num_hidden_layers
     first_shared = layers - config.num_kv_shared_layers
-    before = config.layer_types[:first_shared]
+    types = _attending_types(config)
+    before = types[:first_shared]
     sources = [None] * layers
     for index in range(first_shared, layers):
-        layer_type = config.layer_types[index]
-        sources[index] = len(before) - 1 - before[::-1].index(layer_type)
+        if types[index] is not None:
+            sources[index] = len(before) - 1 - before[::-1].index(types[index])
     return sources
 
 
 def validate_kv_sharing(config) -> None:
-    """`num_kv_shared_layers` in [0, L), each sharing layer's type found among the layers before the first one."""
+    """`num_kv_shared_layers` in [0, L), each sharing layer's type found among the attending layers before the first
+    one; no linear-attention or hybrid layer among them."""
     require_int("num_kv_shared_layers", config.num_kv_shared_layers, minimum=0,
                 maximum=config.num_hidden_layers - 1)
     if config.num_kv_shared_layers and config.num_mtp_layers:
         raise ValueError("`num_kv_shared_layers` with `num_mtp_layers`: an MTP module's block is built from the last "
                          "layer's kinds, which here reads another layer's keys and values; use one or the other.")
     first_shared = config.num_hidden_layers - config.num_kv_shared_layers
-    if LINEAR_ATTENTION in config.layer_types[first_shared:]:
-        raise ValueError(f"`num_kv_shared_layers`={config.num_kv_shared_layers} reaches a 'linear_attention' layer, "
-                         "which has no keys and values to share.")
-    missing = sorted(set(config.layer_types[first_shared:]) - set(config.layer_types[:first_shared]))
+    types = _attending_types(config)
+    if reached := {LINEAR_ATTENTION, HYBRID} & set(types[first_shared:]):
+        raise ValueError(f"`num_kv_shared_layers`={config.num_kv_shared_layers} reaches a {sorted(reached)} layer, "
+                         "whose recurrent state is no keys and values to share.")
+    missing = sorted(set(types[first_shared:]) - set(types[:first_shared]) - {None})
     if missing:
         raise ValueError(f"`num_kv_shared_layers`={config.num_kv_shared_layers}: the sharing layers of type {missing} "
                          "have no earlier layer of that type to read keys and values from.")

@@ -15,6 +15,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
+from .mup import validate_mlp_multipliers
 from .split_products import project, takes_split_branch
 
 
@@ -105,8 +106,13 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
         self.act_fn = sparsified_activation(config, layer_idx)
+        # μP (mup.py; Falcon-H1): the gate before its activation, the output
+        self.gate_multiplier, self.down_multiplier = config.mlp_multipliers or (1.0, 1.0)
+        self.scaled = (self.gate_multiplier, self.down_multiplier) != (1.0, 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaled:
+            return self.scaled_forward(x)
         if takes_split_branch(self.down_proj, x):  # our own linears: few-row products on all cores
             return self.split_forward(x)
         # The GLU as vLLM's Transformers backend reads it (module calls): it fuses gate and up into one
@@ -116,16 +122,21 @@ class GatedMLP(nn.Module):
     def split_forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.down_proj, self.act_fn(project(self.gate_proj, x)) * project(self.up_proj, x))
 
+    def scaled_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """With `mlp_multipliers`: down(act(gate(x)·m_gate) ⊙ up(x))·m_down, in Falcon-H1's order."""
+        hidden = project(self.up_proj, x) * self.act_fn(project(self.gate_proj, x) * self.gate_multiplier)
+        return project(self.down_proj, hidden) * self.down_multiplier
+
 
 class ActivatedKind(FeedForwardKind):
     """Dense or gated: one activation (`hidden_act`) between `up_projections` d x d_f matrices and d_f x d."""
 
     up_projections: int
 
-    fields = ("layer_intermediate_sizes", "activation_sparsity_pattern")
-
-    def __init__(self, name: str, module: type[nn.Module], up_projections: int):
+    def __init__(self, name: str, module: type[nn.Module], up_projections: int, fields: tuple[str, ...] = ()):
+        # every such kind: `MlpLayerFields` (a width and an activation sparsity per layer)
         self.name, self.module, self.up_projections = name, module, up_projections
+        self.fields = ("layer_intermediate_sizes", "activation_sparsity_pattern", *fields)
 
     def build(self, config, layer_idx: int) -> nn.Module:
         return self.module(config, layer_width(config, layer_idx), layer_idx)
@@ -145,6 +156,8 @@ class ActivatedKind(FeedForwardKind):
                                  f"{config.num_hidden_layers}), got {values!r}.")
             for value in values:
                 check(value)
+        if "mlp_multipliers" in self.fields:
+            validate_mlp_multipliers(config)
 
     def parameters(self, config, layer_idx: int = 0) -> int:
         """Dense 2·d·d_f, gated 3·d·d_f (+ biases), d_f the layer's width."""
@@ -155,9 +168,10 @@ class ActivatedKind(FeedForwardKind):
         return mlp_tp_plan("mlp", gated=self.up_projections == 2)
 
 
-def activated_parameters(config, up_projections: int, width: int) -> int:
-    """`up_projections` d x width matrices and one width x d matrix (+ biases with `mlp_bias`)."""
-    d, bias = config.hidden_size, config.mlp_bias
+def activated_parameters(config, up_projections: int, width: int, width_in: int | None = None) -> int:
+    """`up_projections` d x width matrices and one width x d matrix (+ biases with `mlp_bias`); d is `width_in`
+    where given (latent experts), else `hidden_size`."""
+    d, bias = width_in or config.hidden_size, config.mlp_bias
     return up_projections * (d * width + (width if bias else 0)) + width * d + (d if bias else 0)
 
 
@@ -169,4 +183,4 @@ def mlp_tp_plan(prefix: str, gated: bool) -> dict[str, str]:
 
 
 DENSE_MLP = ActivatedKind("dense", DenseMLP, up_projections=1)
-GATED_MLP = ActivatedKind("gated", GatedMLP, up_projections=2)
+GATED_MLP = ActivatedKind("gated", GatedMLP, up_projections=2, fields=("mlp_multipliers",))

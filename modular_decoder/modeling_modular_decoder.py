@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
 from .compat import (  # isort: skip
-    accepts_past_key_values, attn_implementation, cache_of, create_masks_for_generate, drafting_generation_config,
-    generate_cache_kwarg, slice_logits_to_keep, static_cache_length, with_cache,
+    accepts_past_key_values, attn_implementation, cache_of, create_masks_for_generate, drafted_tokens_per_step,
+    drafting_generation_config, drafts_grow, generate_cache_kwarg, slice_logits_to_keep, static_cache_length,
+    with_cache,
 )
 
 import torch  # noqa: E402
@@ -34,17 +36,18 @@ from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
-from .kinds import LINEAR_ATTENTION
+from .kinds import LINEAR_ATTENTION, attention_layer_type, mixer_layer_types
 from .kv_sharing import kv_sources
+from .mamba2 import GroupedGatedRMSNorm, Mamba2
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
-from .mtp_generation import check_draft_tokens, check_use_mtp, drafting_tokens, mtp_candidate_generator_for
+from .mtp_generation import (check_draft_tokens, check_use_mtp, drafting_refusal, drafting_tokens,
+                             mtp_candidate_generator_for)
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
 from .per_layer_embeddings import PER_LAYER_EMBEDDINGS, PerLayerEmbeddings
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
-                        rotary_layers)
-from .recurrent_cache import ROLLBACK_ERROR, refuse_rollback_decoding
+                        keys_rotated_before_the_switch, rotary_layers)
 from .registries import RESIDUAL_STREAMS
 from .routers import TopKRouter, router_losses
 from .split_products import project
@@ -163,7 +166,9 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         elif isinstance(module, GatedDeltaNet):  # as transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)
             init.ones_(module.dt_bias)
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
-        elif isinstance(module, GatedRMSNorm):
+        elif isinstance(module, Mamba2):  # Mamba-2's own: A ~ U(1, 16), D = 1, dt_bias from steps in [1e-3, 0.1]
+            module.init_scan_parameters(init)
+        elif isinstance(module, (GatedRMSNorm, GroupedGatedRMSNorm)):
             init.ones_(module.weight)
         elif isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
             init.normal_(module.weight, mean=0.0, std=std)
@@ -255,11 +260,11 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             layer_type = self.config.layer_types[layer_idx]
             hidden = block(
                 hidden,
-                attention_mask=masks[layer_type],
+                attention_mask=layer_masks(masks, layer_type),
                 position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
                 cache=cache,
-                **layer_kwargs.get(layer_type, {}),
+                **layer_kwargs_of(layer_kwargs, layer_type),
                 **layer_inputs[layer_idx],
                 **kwargs,
             )
@@ -331,7 +336,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 position_ids=packed_positions,
                 **with_cache(mask_cache),
             )
-            for layer_type in set(self.config.layer_types)
+            for layer_type in {t for layer_type in self.config.layer_types for t in mixer_layer_types(layer_type)}
         }
 
     @staticmethod
@@ -402,7 +407,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if self.rotary_emb is None:
             return [None] * self.config.num_hidden_layers
         tables = self.rotary_emb.tables(hidden, position_ids, self.config.layer_types)
-        return [tables.get(layer_type) if rotates else None  # none for a linear-attention layer (reads no positions)
+        return [tables.get(attention_layer_type(layer_type)) if rotates else None  # none for a linear-attention layer
                 for layer_type, rotates in zip(self.config.layer_types, rotary_layers(self.config))]
 
     def _alibi_kwargs(self, hidden: torch.Tensor, cache) -> dict:
@@ -416,10 +421,22 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         seq = hidden.shape[1]
         kwargs = {}
         for layer_type in attending:
-            layer_idx = self.config.layer_types.index(layer_type)
+            layer_idx = next(i for i, t in enumerate(self.config.layer_types) if attention_layer_type(t) == layer_type)
             kv_length = cache.get_mask_sizes(seq, layer_idx)[0] if cache is not None else seq
             kwargs[layer_type] = {"position_bias": self.alibi(seq, kv_length, hidden.dtype)}
         return kwargs
+
+
+def layer_masks(masks: dict, layer_type: str):
+    """The mask a layer of `layer_type` takes from the masks by layer type: its own, or for a layer of several mixers
+    (`kinds.HYBRID`) one per mixer, keyed by the mixer's layer type."""
+    types = mixer_layer_types(layer_type)
+    return masks[layer_type] if len(types) == 1 else {t: masks[t] for t in types}
+
+
+def layer_kwargs_of(kwargs_by_type: dict, layer_type: str) -> dict:
+    """The extra keyword arguments of a layer of `layer_type`: those of each of its mixers' layer types."""
+    return {key: value for t in mixer_layer_types(layer_type) for key, value in kwargs_by_type.get(t, {}).items()}
 
 
 def new_token_columns(mask: torch.Tensor, past_seen: int | torch.Tensor, seq: int) -> torch.Tensor:
@@ -617,8 +634,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         checked first: an empty or 1-D prompt or a mask that does not fit it raises a `ValueError`.
         The steps then skip re-reading the mask's values (generate only appends ones to it). A cache
         passed as `cache=` is used on every transformers release (before 5.24 generate calls it
-        `past_key_values`). With linear-attention layers, decoding that drafts and crops the cache (`assistant_model`,
-        `prompt_lookup_num_tokens`, `use_mtp`) is refused: a recurrent state cannot be rolled back. `use_mtp=True`
+        `past_key_values`). Decoding that drafts and crops the cache (`assistant_model`, `prompt_lookup_num_tokens`,
+        `assistant_early_exit`, `use_mtp`) works beside linear-attention layers too: their cache records the states
+        of the drafted tokens and rolls back to the last accepted one (`recurrent_cache.py`). `use_mtp=True`
         drafts with the model's MTP modules (`mtp_generation.py`), `mtp_draft_tokens=K` tokens per step (default
         `config.mtp_draft_tokens`, else one per module); a model without them raises a `ValueError`."""
         kwargs = generate_cache_kwarg(kwargs)
@@ -626,10 +644,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         draft_tokens = kwargs.pop("mtp_draft_tokens", None)
         check_use_mtp(self.config, use_mtp)
         check_draft_tokens(self.config, use_mtp, draft_tokens)
-        if self.config.linear_attention_kind.in_use(self.config):  # a recurrent state cannot be cropped
-            refuse_rollback_decoding(kwargs, self.generation_config)
-            if use_mtp:
-                raise ValueError(f"`use_mtp` is set: {ROLLBACK_ERROR}")
+        if use_mtp and (refusal := drafting_refusal(self.config)) is not None:
+            raise ValueError(refusal)
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),
@@ -639,15 +655,37 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         with generating(), drafting_tokens(draft_tokens):
             return super().generate(inputs, *args, **kwargs)
 
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """transformers' own, except at the step where LongRoPE switches to its long factors: the cache (keys
+        rotated with the short ones) is dropped and the whole text runs again, as transformers' Phi-3 does
+        (`positions.keys_rotated_before_the_switch`)."""
+        name = "cache" if "cache" in kwargs else "past_key_values"  # (the name transformers < 5.24 passes)
+        if keys_rotated_before_the_switch(self.config, input_ids.shape[1], kwargs.get(name)):
+            kwargs.update({name: None, "next_sequence_length": None} if "next_sequence_length" in kwargs
+                          else {name: None})
+        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+
+    # generate() reads this method's parameters (whether it forwards `inputs_embeds`, which model kwargs it uses)
+    prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
+
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  *args, **kwargs):
         """With `use_mtp`, the candidate generator that drafts with this model's own MTP modules; otherwise
-        transformers' choice (a hook of transformers' `GenerationMixin`: see compat.py)."""
+        transformers' choice (a hook of transformers' `GenerationMixin`: see compat.py). The cache is told how many
+        tokens a step drafts, which its linear-attention layers record to roll back (transformers 5.16-5.24 tell it
+        nothing)."""
         if generation_config.use_mtp and generation_config.assistant_early_exit is None \
                 and generation_config.prompt_lookup_num_tokens is None:
-            return mtp_candidate_generator_for(self, generation_config, model_kwargs, logits_processor)
-        return super()._get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor,
-                                                model_kwargs, *args, **kwargs)
+            generator = mtp_candidate_generator_for(self, generation_config, model_kwargs, logits_processor)
+        else:
+            generator = super()._get_candidate_generator(generation_config, input_ids, inputs_tensor,
+                                                         logits_processor, model_kwargs, *args, **kwargs)
+        if isinstance(cache := cache_of(model_kwargs), ModularDecoderCache):
+            drafts = drafted_tokens_per_step(generator)
+            if drafts_grow(generator):  # at most the tokens left to generate
+                drafts = max(drafts or 0, generation_config.max_length - input_ids.shape[1])
+            cache.activate_past_recording(drafts)
+        return generator
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
@@ -676,8 +714,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
         if generation_config.is_assistant:
-            # A draft model's cache is cropped after each verification, also past a sliding window
-            cache.activate_past_recording()
+            # A draft model's cache is cropped after each verification (of at most its `num_assistant_tokens`
+            # drafts), also past a sliding window or a recurrent state
+            cache.activate_past_recording(generation_config.num_assistant_tokens)
         model_kwargs.update(with_cache(cache))
 
 

@@ -28,9 +28,15 @@ them with the shared experts, and the kind's registry entry: completion, validat
 and parallelism plans.
 
 The config fields this kind owns (refused under other `mlp_type`s) are documented on
-`ModularDecoderConfig`; `MOE_FIELDS` lists them. The experts have the gated form
-act(x W_gate) ⊙ (x W_up) W_down with `hidden_act`, or gpt-oss's clamped SwiGLU (`swiglu_limit`,
-`swiglu_alpha`), with biases where `mlp_bias` says so (gpt-oss).
+`ModularDecoderConfig` and, for the experts' form, on `ExpertFormFields` below; `MOE_FIELDS` lists them. The experts
+have the gated form act(x W_gate) ⊙ (x W_up) W_down with `hidden_act`, or gpt-oss's clamped SwiGLU (`swiglu_limit`,
+`swiglu_alpha`), with biases where `mlp_bias` says so (gpt-oss); with `moe_mlp_type="dense"` every MLP of the model
+(experts, shared experts, dense layers) is act(x W_up) W_down instead (Nemotron-H's relu² experts). With
+`moe_latent_size` the routed experts run in a narrower width between two projections (Nemotron-H's latent MoE):
+
+    x ─┬─ gate ── top-k (w, i) ────────────────────────────────────┐
+       ├─ fc1_latent_proj ── Σ w·E_i(·) (latent width) ── fc2_latent_proj ─(+)─>
+       └─ shared_experts ──────────────────────────────────────────┘
 """
 
 from __future__ import annotations
@@ -44,13 +50,32 @@ from transformers.activations import ACT2FN
 from .compat import experts_ep_plan
 from .experts import Experts
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
-from .mlp import GatedMLP, activated_parameters, mlp_tp_plan
+from .mlp import DenseMLP, GatedMLP, activated_parameters, mlp_tp_plan
 from .norms import build_norm, norm_parameters
 from .routers import AUX_LOSS_COEF, ROUTERS, TopKRouter
 
 # transformers' own values for `mlp_layer_types` (`configuration_utils.ALLOWED_MLP_LAYER_TYPES`),
 # which it checks whenever a config is saved
 MLP_LAYER_TYPES = ("sparse", "dense")
+# `moe_mlp_type` values -> the MLP module every feed-forward of the model has
+EXPERT_FORMS = {"gated": GatedMLP, "dense": DenseMLP}
+
+
+@dataclass(kw_only=True)
+class ExpertFormFields:
+    r"""The form of a mixture of experts' MLPs (`mlp_type="moe"` only).
+
+    Args:
+        moe_mlp_type (`str`): `"gated"`: every expert, shared expert and dense layer is act(x W_gate) ⊙ (x W_up)
+            W_down; `"dense"`: act(x W_up) W_down (Nemotron-H's relu² experts, with `hidden_act="relu2"`), the
+            experts' product then `mlp.experts.up_proj` (E, f, d).
+        moe_latent_size (`int`, *optional*): The width the routed experts read and write: `mlp.fc1_latent_proj`
+            projects d down to it before them, `mlp.fc2_latent_proj` back up after (Nemotron-H's latent MoE, biases
+            with `mlp_bias`); the router and the shared experts still see d. `None`: the experts work at d.
+    """
+
+    moe_mlp_type: str = "gated"
+    moe_latent_size: int | None = None
 
 # ---------------------------------------------------------------------------------------------
 # The sparse block
@@ -91,9 +116,15 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.gate = TopKRouter(config)
+        latent = config.moe_latent_size
+        if latent is not None:
+            self.fc1_latent_proj = nn.Linear(config.hidden_size, latent, bias=config.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(latent, config.hidden_size, bias=config.mlp_bias)
+        self.latent = latent is not None
         self.experts = Experts(config)
         shared = shared_experts_intermediate_size(config)
-        self.shared_experts = GatedMLP(config, intermediate_size=shared) if shared else None
+        mlp = EXPERT_FORMS[config.moe_mlp_type]
+        self.shared_experts = mlp(config, intermediate_size=shared) if shared else None
         use_gate = shared and config.shared_expert_gate
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if use_gate else None
         self.weight_on_input = config.apply_router_weight_on_input
@@ -102,7 +133,12 @@ class SparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (N, d)
         _, weights, indices = self.gate(x)
-        out = self._routed_on_input(x, weights, indices) if self.weight_on_input else self.experts(x, indices, weights)
+        if self.weight_on_input:
+            out = self._routed_on_input(x, weights, indices)
+        elif self.latent:
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), indices, weights))
+        else:
+            out = self.experts(x, indices, weights)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -134,7 +170,7 @@ class ParallelDenseMoeBlock(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.dense = GatedMLP(config)
+        self.dense = EXPERT_FORMS[config.moe_mlp_type](config)
         self.post_dense_norm = build_norm(config)
         self.gate = TopKRouter(config)
         self.pre_experts_norm = build_norm(config)
@@ -147,6 +183,11 @@ class ParallelDenseMoeBlock(nn.Module):
         _, weights, indices = self.gate(r)
         routed = self.experts(self.pre_experts_norm(r), indices, weights).view(residual.shape)
         return dense + self.post_experts_norm(routed)
+
+
+def _up_products(config) -> int:
+    """The products before the activation in each MLP of a MoE model: gate and up, or up alone (`moe_mlp_type`)."""
+    return 2 if config.moe_mlp_type == "gated" else 1
 
 
 def shared_experts_intermediate_size(config) -> int:
@@ -164,9 +205,9 @@ def init_moe_weights(module: nn.Module, std: float, init) -> bool:
     usual Linear rule covers them.
     """
     if isinstance(module, Experts):
-        init.normal_(module.gate_up_proj, mean=0.0, std=std)
+        init.normal_(getattr(module, module.up_name), mean=0.0, std=std)
         init.normal_(module.down_proj, mean=0.0, std=std)
-        for bias in (module.gate_up_proj_bias, module.down_proj_bias):
+        for bias in (getattr(module, f"{module.up_name}_bias"), module.down_proj_bias):
             if bias is not None:
                 init.zeros_(bias)
     elif isinstance(module, TopKRouter):
@@ -191,8 +232,7 @@ MOE_FIELDS = (
     "mlp_layer_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
     "shared_expert_intermediate_size", "shared_expert_gate", "router_type", "router_bias", "norm_topk_prob", "n_group",
     "topk_group", "routed_scaling_factor", "router_aux_loss_coef", "router_z_loss_coef", "output_router_logits",
-    "swiglu_limit", "swiglu_alpha", "apply_router_weight_on_input", "parallel_dense_mlp", "router_input_norm",
-    "router_expert_scale",
+    "swiglu_limit", "swiglu_alpha", *ExpertFormFields.__dataclass_fields__, *RoutingInputFields.__dataclass_fields__,
 )
 
 # gpt-oss's sigmoid gain in its clamped SwiGLU (transformers' `GptOssConfig.swiglu_alpha` default; 5.16-5.19 fix it)
@@ -281,12 +321,22 @@ class MixtureOfExpertsKind(FeedForwardKind):
                              "on its residual input: it needs a serial block with a pre-FFN norm (`norm_position` "
                              f"'pre' or 'sandwich'), got `norm_position`={config.norm_position!r}"
                              f"{' with `parallel_block`' if config.parallel_block else ''}.")
-        if config.parallel_dense_mlp and (config.n_shared_experts or config.apply_router_weight_on_input):
-            raise ValueError("`parallel_dense_mlp` layers hold no shared experts and weigh the experts' outputs: leave "
-                             "`n_shared_experts` at 0 and `apply_router_weight_on_input` False.")
+        if config.parallel_dense_mlp and (config.n_shared_experts or config.apply_router_weight_on_input
+                                          or config.moe_latent_size):
+            raise ValueError("`parallel_dense_mlp` layers hold no shared experts or latent projections and weigh the "
+                             "experts' outputs: leave `n_shared_experts` and `moe_latent_size` unset and "
+                             "`apply_router_weight_on_input` False.")
+        if config.apply_router_weight_on_input and config.moe_latent_size:
+            raise ValueError("`apply_router_weight_on_input` scales each expert's input, and `moe_latent_size` gives the "
+                             "experts a latent input: set one or the other.")
         require_choice("hidden_act", config.hidden_act, ACT2FN)
         require_bool("mlp_bias", config.mlp_bias)
+        require_choice("moe_mlp_type", config.moe_mlp_type, EXPERT_FORMS)
+        require_int("moe_latent_size", config.moe_latent_size, minimum=1, optional=True)
         self._validate_clamped_swiglu(config)
+        if config.swiglu_limit is not None and config.moe_mlp_type != "gated":
+            raise ValueError("`swiglu_limit` clamps a gated expert's gate and up products, and `moe_mlp_type` is "
+                             f"{config.moe_mlp_type!r} (no gate): leave it unset.")
 
     @staticmethod
     def _validate_clamped_swiglu(config) -> None:
@@ -348,61 +398,70 @@ class MixtureOfExpertsKind(FeedForwardKind):
         return needed
 
     def build(self, config, layer_idx: int) -> nn.Module:
-        """`SparseMoeBlock` (`ParallelDenseMoeBlock` with `parallel_dense_mlp`) for a `"sparse"` layer, `GatedMLP` of
-        `intermediate_size` for a `"dense"` one."""
-        if config.mlp_layer_types[layer_idx] != "sparse":
-            return GatedMLP(config)
-        return ParallelDenseMoeBlock(config) if config.parallel_dense_mlp else SparseMoeBlock(config)
+        """`SparseMoeBlock` (`ParallelDenseMoeBlock` with `parallel_dense_mlp`) for a `"sparse"` layer, an MLP of
+        `intermediate_size` (of `moe_mlp_type`'s form) for a `"dense"` one."""
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            return ParallelDenseMoeBlock(config) if config.parallel_dense_mlp else SparseMoeBlock(config)
+        return EXPERT_FORMS[config.moe_mlp_type](config)
 
     def parameters(self, config, layer_idx: int) -> int:
         """Sparse: E·d (+ E: `router_bias`) (router) + E·3·d·f (+ E·(3·f + d): `mlp_bias`) + 3·d·f_s (+ d for the
-        shared gate); dense: 3·d·d_f."""
+        shared gate); dense: 3·d·d_f. Ungated MLPs (`moe_mlp_type="dense"`) have 2 products where gated ones have 3;
+        latent experts read and write d_l, between d·d_l projections."""
         if config.mlp_layer_types[layer_idx] == "dense":
-            return activated_parameters(config, 2, config.intermediate_size)
+            return activated_parameters(config, _up_products(config), config.intermediate_size)
         return self._always(config) + config.num_experts * self._expert(config)
 
     def active_parameters(self, config, layer_idx: int) -> int:
         """Sparse: only k of the E routed experts (the router and shared experts see every token)."""
         if config.mlp_layer_types[layer_idx] == "dense":
-            return activated_parameters(config, 2, config.intermediate_size)
+            return activated_parameters(config, _up_products(config), config.intermediate_size)
         return self._always(config) + config.num_experts_per_tok * self._expert(config)
 
     @staticmethod
     def _expert(config) -> int:
-        return activated_parameters(config, 2, config.moe_intermediate_size)
+        return activated_parameters(config, _up_products(config), config.moe_intermediate_size,
+                                    width_in=config.moe_latent_size)
 
     @staticmethod
     def _always(config) -> int:
-        """Router (its bias and scales), shared experts and their gate, a parallel dense MLP and its three norms: what
-        every token of a sparse layer uses."""
-        total = config.num_experts * (config.hidden_size + (1 if config.router_bias else 0))
-        total += config.hidden_size * config.router_input_norm + config.num_experts * config.router_expert_scale
+        """Router (its bias and scales), shared experts and their gate, the latent projections, a dense MLP beside
+        the experts and its three norms: what every token of a sparse layer uses."""
+        d, latent, bias = config.hidden_size, config.moe_latent_size, config.mlp_bias
+        total = config.num_experts * (d + (1 if config.router_bias else 0))
+        total += d * config.router_input_norm + config.num_experts * config.router_expert_scale
         if config.parallel_dense_mlp:
-            total += activated_parameters(config, 2, config.intermediate_size)
-            total += 3 * norm_parameters(config, config.hidden_size)
+            total += activated_parameters(config, _up_products(config), config.intermediate_size)
+            total += 3 * norm_parameters(config, d)
         shared = shared_experts_intermediate_size(config)
         if shared:
-            total += activated_parameters(config, 2, shared) + (config.hidden_size if config.shared_expert_gate else 0)
+            total += activated_parameters(config, _up_products(config), shared)
+            total += d if config.shared_expert_gate else 0
+        if latent:
+            total += 2 * d * latent + ((latent + d) if bias else 0)
         return total
 
     def tp_plan(self, config) -> dict[str, str]:
         """transformers' MoE families' plan: experts split inside each expert (`packed_colwise` keeps each
-        half of [gate; up] on its rank), shared experts and dense layers Megatron-split, the router replicated."""
-        plan = mlp_tp_plan("mlp", gated=True) if "dense" in config.mlp_layer_types else {}
+        half of [gate; up] on its rank), shared experts and dense layers Megatron-split, the router replicated.
+        Ungated experts stay whole on every rank (transformers plans none for Nemotron-H's)."""
+        gated = config.moe_mlp_type == "gated"
+        plan = mlp_tp_plan("mlp", gated=gated) if "dense" in config.mlp_layer_types else {}
         if config.parallel_dense_mlp:
-            plan.update(mlp_tp_plan("mlp.dense", gated=True))
-        if not config.mlp_bias:  # experts with biases stay whole on every rank (transformers plans gpt-oss's so)
+            plan.update(mlp_tp_plan("mlp.dense", gated=gated))
+        if not config.mlp_bias and gated:  # experts with biases stay whole on every rank (as transformers' gpt-oss)
             plan.update(EXPERTS_TP_PLAN)
         if config.n_shared_experts:
-            plan.update(mlp_tp_plan("mlp.shared_experts", gated=True))
+            plan.update(mlp_tp_plan("mlp.shared_experts", gated=gated))
         return plan
 
     def ep_plan(self, config) -> dict[str, str]:
         """Whole experts per rank (`grouped_gemm` shards dim 0, the experts' biases too), in this transformers'
         styles (compat.py)."""
-        plan = experts_ep_plan()
+        up = "gate_up_proj" if config.moe_mlp_type == "gated" else "up_proj"
+        plan = {key.replace("gate_up_proj", up): style for key, style in experts_ep_plan().items()}
         if config.mlp_bias:
-            plan.update({"mlp.experts.gate_up_proj_bias": "grouped_gemm", "mlp.experts.down_proj_bias": "grouped_gemm"})
+            plan.update({f"mlp.experts.{up}_bias": "grouped_gemm", "mlp.experts.down_proj_bias": "grouped_gemm"})
         return plan
 
     def fp32_parameters(self, config) -> tuple[str, ...]:

@@ -72,6 +72,16 @@ def recorded_drafts():
         _RECORDING.remove(statistics)
 
 
+def drafting_refusal(config) -> str | None:
+    """Why `generate(use_mtp=True)` cannot draft with this config, or None where it drafts: every layer of its cache
+    must roll back after a rejected draft (transformers' `is_croppable`)."""
+    stuck = sorted({type(layer).__name__ for layer in ModularDecoderCache(config).layers if not layer.is_croppable})
+    if stuck:
+        return (f"`use_mtp` is set, and this model's cache layers ({', '.join(stuck)}) cannot be rolled back after a "
+                "rejected draft: generate without `use_mtp`.")
+    return None
+
+
 def check_use_mtp(config, use_mtp) -> None:
     """`use_mtp=True` needs MTP modules: a `ValueError` naming both otherwise."""
     if use_mtp and not config.num_mtp_layers:
@@ -134,7 +144,7 @@ def _generator_class() -> type:
             if implementation not in _CACHE_IMPLEMENTATIONS:
                 implementation = "dynamic"
             self.mtp_cache = ModularDecoderCache(main_model.mtp.block_config, implementation)
-            self.mtp_cache.activate_past_recording()
+            self.mtp_cache.activate_past_recording(self.draft_tokens)
             self.do_sample = generation_config.do_sample
             self.logits_processor = logits_processor
             self.eos_token_id = getattr(generation_config, "_eos_token_tensor", None)  # read before 5.25

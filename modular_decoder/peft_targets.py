@@ -20,12 +20,13 @@ TABLE_PREFIX = "TRANSFORMERS_MODELS_TO_"
 
 # Llama's module name -> this family's modules in the same role, over every attention and FFN kind. Names PEFT
 # does not find are harmless (a method needs only some of its targets to exist).
-# A linear-attention layer (Gated DeltaNet) makes its queries, keys and values in one projection (`in_proj_qkv`,
-# before its convolution) and projects out by `out_proj` (Qwen3.5's names).
+# A linear-attention layer makes its queries, keys and values in one projection before its convolution (Gated
+# DeltaNet's `in_proj_qkv`; Mamba-2's `in_proj`, which also makes its gate and step sizes: x, B, C are its values,
+# keys and queries) and projects out by `out_proj` (transformers' names).
 LLAMA_TO_OURS = {
-    "q_proj": ("q_proj", "q_b_proj", "in_proj_qkv"),  # MLA's query: `q_proj`, or `q_b_proj` after the query bottleneck
-    "k_proj": ("k_proj", "kv_b_proj", "in_proj_qkv"),  # MLA's per-head keys and values: `kv_b_proj` from the latent
-    "v_proj": ("v_proj", "kv_b_proj", "in_proj_qkv"),
+    "q_proj": ("q_proj", "q_b_proj", "in_proj_qkv", "in_proj"),  # MLA: `q_proj`, or `q_b_proj` after its bottleneck
+    "k_proj": ("k_proj", "kv_b_proj", "in_proj_qkv", "in_proj"),  # MLA's per-head keys and values: `kv_b_proj`
+    "v_proj": ("v_proj", "kv_b_proj", "in_proj_qkv", "in_proj"),
     "o_proj": ("o_proj", "out_proj"),
     # the dense FFN and the shared experts (routed experts are fused 3-D parameters, not modules)
     "gate_proj": ("gate_proj",),

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
 from .compat import rope_validation_view
-from .kinds import LINEAR_ATTENTION, Kind, Registry, require_bool, require_int, require_number, require_unset_unless
+from .kinds import Kind, Registry, attention_layer_type, require_bool, require_int, require_number
 from .split_products import is_fx_proxy
 
 
@@ -113,9 +112,29 @@ class RotaryEmbedding(nn.Module):
         return {layer_type: for_heads(self(x, position_ids, layer_type)) for layer_type in attending}
 
 
+def longrope_switch_length(config) -> int | None:
+    """The length past which LongRoPE's tables switch from the short factors to the long ones (its
+    `original_max_position_embeddings`; the shortest where several layer types use it), None without LongRoPE."""
+    if not config.uses_rope:
+        return None
+    tables = config.rope_parameters.values() if config.rope_is_nested else [config.rope_parameters]
+    lengths = [t.get("original_max_position_embeddings", config.max_position_embeddings)
+               for t in tables if t.get("rope_type") == "longrope"]
+    return min(lengths) if lengths else None
+
+
+def keys_rotated_before_the_switch(config, length: int, cache) -> bool:
+    """Whether a generate step of `length` tokens crosses LongRoPE's switch with keys cached from before it: those
+    were rotated with the short factors, which no longer apply, so the whole text is run again without the cache
+    (once, at the crossing), as transformers' `Phi3ForCausalLM` does."""
+    switch = longrope_switch_length(config)
+    return bool(switch is not None and cache is not None and length > switch and cache.get_seq_length() <= switch)
+
+
 def attending_layer_types(layer_types) -> set[str]:
-    """The layer types present that attend, and so read positions (not `"linear_attention"`)."""
-    return set(layer_types) - {LINEAR_ATTENTION}
+    """The layer types present that attend, and so read positions (not `"linear_attention"`; a hybrid layer's
+    attention)."""
+    return {attention_layer_type(t) for t in layer_types} - {None}
 
 
 def default_rope_parameters(config, device=None, layer_type: str | None = None, **kwargs):
@@ -190,70 +209,10 @@ class AlibiBias(nn.Module):
 class PositionKind(Kind):
     """A value of `position_embedding_type`: where position enters and the fields it reads."""
 
-    def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None, reads: tuple[str, ...] = (),
-                 complete=None):
+    def __init__(self, name: str, fields: tuple[str, ...] = (), validate=None, reads: tuple[str, ...] = ()):
         self.name, self.fields, self.reads = name, fields, reads
         if validate is not None:
             self.validate = validate
-        if complete is not None:
-            self.complete = complete
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention temperature on NoPE layers (Llama 4)
-
-# Llama 4's values (transformers' `Llama4TextConfig` defaults), where tuning is on and they are unset
-FLOOR_SCALE, ATTN_SCALE = 8192, 0.1
-
-
-@dataclass(kw_only=True)
-class NopeTemperatureFields:
-    """Args:
-        attn_temperature_tuning (`bool`): Scale the queries of the NoPE layers (`no_rope_layers`) by
-            1 + `attn_scale` · log(1 + floor((p + 1) / `floor_scale`)) at position p (Llama 4's temperature tuning,
-            arXiv 2501.19399; transformers' field): a NoPE layer's scores otherwise flatten as the context grows.
-            p is the token's position (`position_ids`), so a left-padded row gets what it gets alone (transformers'
-            Llama 4 counts its cache's slots instead, padding included; vLLM counts positions, as here).
-        floor_scale (`int`, *optional*): Tokens per step of that scale (transformers' field). Defaults to Llama 4's
-            8192 with `attn_temperature_tuning`, unset otherwise.
-        attn_scale (`float`, *optional*): The scale's strength (transformers' field). Defaults to Llama 4's 0.1
-            with `attn_temperature_tuning`, unset otherwise.
-    """
-
-    attn_temperature_tuning: bool = False
-    floor_scale: int | None = None
-    attn_scale: float | None = None
-
-
-TEMPERATURE_FIELDS = ("attn_temperature_tuning", "floor_scale", "attn_scale")
-
-
-def nope_temperature(position_ids: torch.Tensor, floor_scale: int, attn_scale: float) -> torch.Tensor:
-    """(B, 1, T, 1) fp32: the query scale of a NoPE layer at each position (`NopeTemperatureFields`)."""
-    positions = position_ids.float()
-    scale = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0  # (B, T)
-    return scale[:, None, :, None]
-
-
-def _complete_rope(config) -> None:
-    if config.attn_temperature_tuning is True:
-        if config.floor_scale is None:
-            config.floor_scale = FLOOR_SCALE
-        if config.attn_scale is None:
-            config.attn_scale = ATTN_SCALE
-
-
-def _validate_temperature(config) -> None:
-    require_bool("attn_temperature_tuning", config.attn_temperature_tuning)
-    require_unset_unless(config, config.attn_temperature_tuning, ("floor_scale", "attn_scale"),
-                         "with `attn_temperature_tuning`")
-    if not config.attn_temperature_tuning:
-        return
-    require_int("floor_scale", config.floor_scale, minimum=1)
-    require_number("attn_scale", config.attn_scale, at_least=0)
-    if config.no_rope_layers is None or all(config.no_rope_layers):
-        raise ValueError("`attn_temperature_tuning` scales the queries of the NoPE layers, and `no_rope_layers` has "
-                         "none (a 0 marks one).")
 
 
 def _validate_learned(config) -> None:
@@ -267,7 +226,6 @@ def _validate_rope(config) -> None:
     require_number("partial_rotary_factor", config.partial_rotary_factor, above=0, at_most=1)
     require_bool("rope_interleaved", config.rope_interleaved)
     _validate_no_rope_layers(config)
-    _validate_temperature(config)
     params = config.rope_parameters
     if not isinstance(params, dict) or not params:
         raise ValueError(f"`rope_parameters` must be a dict with a `rope_type`, got {params!r}.")
@@ -305,7 +263,7 @@ def _validate_no_rope_layers(config) -> None:
     for flag in flags:
         if isinstance(flag, bool) or flag not in (0, 1):
             raise ValueError(f"`no_rope_layers` holds 1 (the layer rotates) or 0 (NoPE) per layer, got {flag!r}.")
-    if not any(flag for flag, layer_type in zip(flags, config.layer_types) if layer_type != LINEAR_ATTENTION):
+    if not any(flag for flag, layer_type in zip(flags, config.layer_types) if attention_layer_type(layer_type)):
         raise ValueError("`no_rope_layers` marks every attention layer NoPE (0): no layer rotates, which is "
                          "`position_embedding_type='none'`.")
 
@@ -379,8 +337,8 @@ def _validate_rope_dict(config, where: str, params, rotary: int) -> None:
 POSITIONS: Registry[PositionKind] = Registry("position_embedding_type", [
     PositionKind("learned", ("learned_position_offset",), _validate_learned),
     PositionKind("sinusoidal"),
-    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved", "no_rope_layers", *TEMPERATURE_FIELDS),
-                 _validate_rope, reads=("rope_parameters",), complete=_complete_rope),
+    PositionKind("rope", ("partial_rotary_factor", "rope_interleaved", "no_rope_layers"), _validate_rope,
+                 reads=("rope_parameters",)),
     PositionKind("alibi"),
     PositionKind("none"),
 ])

@@ -1,7 +1,7 @@
 """Every axis of the design space and its entries, in one place.
 
     ATTENTIONS  `attention_type`           standard (MHA / GQA / MQA), mla, dsa (MLA + lightning indexer)
-    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet (the `"linear_attention"` layers of `layer_types`)
+    LINEAR_ATTENTIONS  `linear_attention_type`  gated_deltanet, mamba2 (the `"linear_attention"` layers of `layer_types`)
     MLPS        `mlp_type`                 dense, gated, moe
     RESIDUAL_STREAMS  `residual_stream`    single, altup
     POSITIONS   `position_embedding_type`  learned, sinusoidal, rope, alibi, none
@@ -25,24 +25,25 @@ from .chunked_attention import CHUNKED_ATTENTION_FEATURE, ChunkedAttentionFields
 from .gated_deltanet import GATED_DELTANET
 from .kinds import AttentionKind, FeatureSet, FeedForwardKind, LinearAttentionKind, Registry
 from .kv_sharing import KVSharingFields
+from .mamba2 import MAMBA2
 from .mla import LATENT_ATTENTION
 from .mlp import DENSE_MLP, GATED_MLP, MlpLayerFields
 from .moe import MIXTURE_OF_EXPERTS, RoutingInputFields
 from .norms import NORMS
 from .per_layer_embeddings import PER_LAYER_EMBEDDINGS, PerLayerEmbeddingFields
-from .positions import POSITIONS, NopeTemperatureFields
+from .positions import POSITIONS
 from .residual_streams import SINGLE_STREAM, ResidualStreamFields, ResidualStreamKind
 from .sparse_attention import SPARSE_LATENT_ATTENTION
 
 ATTENTIONS: Registry[AttentionKind] = Registry("attention_type", [STANDARD_ATTENTION, LATENT_ATTENTION,
                                                                          SPARSE_LATENT_ATTENTION])
 MLPS: Registry[FeedForwardKind] = Registry("mlp_type", [DENSE_MLP, GATED_MLP, MIXTURE_OF_EXPERTS])
-LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET])
+LINEAR_ATTENTIONS: Registry[LinearAttentionKind] = Registry("linear_attention_type", [GATED_DELTANET, MAMBA2])
 RESIDUAL_STREAMS: Registry[ResidualStreamKind] = Registry("residual_stream", [SINGLE_STREAM, ALTUP])
 FEATURES = FeatureSet([CHUNKED_ATTENTION_FEATURE, PER_LAYER_EMBEDDINGS])
 # The config fields that live beside their mechanisms (`@dataclass(kw_only=True)` classes, each documenting its
-# fields): `ModularDecoderConfig`'s bases after `PretrainedConfig`
-FIELD_MIXINS = (ChunkedAttentionFields, NopeTemperatureFields, RoutingInputFields, AttentionShapeFields, KVSharingFields,
+# fields), bases of `ModularDecoderConfig` beside those it names itself
+FIELD_MIXINS = (ChunkedAttentionFields, RoutingInputFields, AttentionShapeFields, KVSharingFields,
                 PerLayerEmbeddingFields, ResidualStreamFields, MlpLayerFields, AltUpFields)
 
 

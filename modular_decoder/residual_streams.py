@@ -115,15 +115,15 @@ class SingleStream(ResidualStreamKind):
 SINGLE_STREAM = SingleStream()
 
 
-def attach_layer_modules(block: nn.Module, config, layer_idx: int, stream: ResidualStreamKind) -> None:
+def attach_layer_modules(block: nn.Module, config, layer_idx: int, stream: ResidualStreamKind, mixes: bool) -> None:
     """Give `block` what its layer adds beside its sublayers: the stream entry's modules, the per-layer embedding's
-    branch (`per_layer_input`, or `None`), the LAUREL branch (`laurel`, or `None`) and the `layer_scalar` buffer (or
-    `None`)."""
+    branch (`per_layer_input`, or `None`), the LAUREL branch beside its token mixer (`laurel`; `None` without one, or
+    in a layer that `mixes` no tokens) and the `layer_scalar` buffer (or `None`)."""
     block.stream = stream
     for name, module in stream.layer_modules(config, layer_idx).items():
         setattr(block, name, module)
     block.per_layer_input = PerLayerInputBranch(config) if PER_LAYER_EMBEDDINGS.in_use(config) else None
-    block.laurel = Laurel(config) if config.laurel_rank else None
+    block.laurel = Laurel(config) if config.laurel_rank and mixes else None
     block.register_buffer("layer_scalar", torch.ones(1) if config.layer_scalar else None)
 
 

@@ -54,6 +54,7 @@ VARIANTS: dict[str, dict] = {
     # Llama 4's attention: chunks of 3 on the RoPE layer, the NoPE layer's temperature, the weightless QK-norm
     "llama4": dict(num_key_value_heads=2, layer_types=["chunked_attention", "full_attention"], attention_chunk_size=3,
                    no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
+                   attn_temperature_offset=1, attn_temperature_layers="nope",
                    qk_norm="weightless", rope_interleaved=True),
     # Gemma 4's: a full layer with its own heads (16 wide, one K/V head, values from its keys), then a layer reading
     # its keys and values; per-layer embeddings, AltUp's streams and LAUREL around both (Gemma 3n's)

@@ -10,7 +10,8 @@ COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layer
               max_position_embeddings=P)
 GPT = dict(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=P)
 MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-SMOLLM3 = dict(num_key_value_heads=2, pad_token_id=None, bos_token_id=1, eos_token_id=2)  # its ids lie past V
+SMOLLM3_IDS = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # for families whose default ids lie past V
+SMOLLM3 = dict(num_key_value_heads=2, **SMOLLM3_IDS)
 
 # name -> (family model_type, config builder); several cases may exercise one family's variants
 CASES: dict[str, tuple[str, callable]] = {
@@ -87,6 +88,39 @@ CASES: dict[str, tuple[str, callable]] = {
         use_sliding_window=True, sliding_window=8, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
 }
 
+# The 2025-26 dense and MoE families. Phi-3 / Phi-4: fused q/k/v and gate/up, a window on every layer; with
+# LongRoPE and partial RoPE past an original length of 16, which a prompt of 12 and 20 new tokens crosses
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.5], "long_factor": [2.0, 6.0]}
+# OLMo 3's long-context releases: YaRN on the full layers only
+OLMO3_ROPE = {"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 16},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+# Ministral 3: YaRN and the query temperature, here stepping every 4 positions
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 4,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                   "llama_4_scaling_beta": 0.5, "max_position_embeddings": P}
+GLM4_MOE = dict(num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=12,
+                n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True)
+CASES.update({
+    "phi3": ("phi3", lambda: tf.Phi3Config(**COMMON, num_key_value_heads=2, sliding_window=8, **SMOLLM3_IDS)),
+    "phi3-longrope": ("phi3", lambda: tf.Phi3Config(
+        **COMMON, num_key_value_heads=2, original_max_position_embeddings=16, rope_parameters=dict(LONGROPE),
+        tie_word_embeddings=True, **SMOLLM3_IDS)),
+    "olmo3": ("olmo3", lambda: tf.Olmo3Config(**{**COMMON, "num_hidden_layers": 4}, sliding_window=8,
+                                               rope_parameters={k: dict(v) for k, v in OLMO3_ROPE.items()})),
+    "olmo3-one-table": ("olmo3", lambda: tf.Olmo3Config(**{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2,
+                                                         sliding_window=8)),
+    "ministral3": ("ministral3", lambda: tf.Ministral3Config(**COMMON, num_key_value_heads=2, head_dim=8,
+                                                             rope_parameters=dict(MINISTRAL3_ROPE))),
+    "minimax_m2": ("minimax_m2", lambda: tf.MiniMaxM2Config(
+        **{**COMMON, "intermediate_size": 24}, num_key_value_heads=2, head_dim=8, num_local_experts=6,
+        num_experts_per_tok=2, rotary_dim=4, **SMOLLM3_IDS)),
+    # GLM-4.5: QK-norm, grouped routing; GLM-4.5-Air: neither (a head_dim other than d / H in both)
+    "glm4_moe": ("glm4_moe", lambda: tf.Glm4MoeConfig(**COMMON, **GLM4_MOE, n_group=4, topk_group=2, use_qk_norm=True)),
+    "glm4_moe-air": ("glm4_moe", lambda: tf.Glm4MoeConfig(**COMMON, **GLM4_MOE, tie_word_embeddings=True)),
+})
+
 # Llama 4: 4 layers, NoPE on the fourth (its temperature floor Llama 4's 8,192), chunks of 4 on the RoPE layers,
 # experts (top-1 sigmoid scaling the input, a shared expert) on every other layer and dense MLPs on the others; then
 # a temperature floor of 4 tokens (these prompts reach it), every layer sparse, biases, Llama 3 RoPE scaling, no
@@ -153,12 +187,71 @@ CASES.update({
         **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS)),
 })
 
+# Mamba-2 hybrids: 4 scan heads of 16 (2 groups of B / C where the case says so), a state of 8, chunks of 8 tokens so
+# that a 12-token prompt crosses chunk boundaries; attention at the second layer
+MAMBA = dict(mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=8, num_key_value_heads=2)
+CASES.update({
+    # Bamba-9B's one group (transformers 5.16.1's class normalises the whole inner width at once, which only one
+    # group makes equal to the grouped norm of Mamba-2 and of transformers 5.25)
+    "bamba": ("bamba", lambda: tf.BambaConfig(**{**COMMON, "num_hidden_layers": 3}, **MAMBA, attn_layer_indices=[1])),
+    "bamba-grouped": ("bamba", lambda: tf.BambaConfig(
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2, attn_layer_indices=[1], mamba_conv_bias=False,
+        tie_word_embeddings=True)),
+    # Granite 4.0-H: no positions, experts narrower than d beside a shared MLP, μP scalings, one group (as Bamba's
+    # case: transformers 5.16.1's class normalises the whole inner width); the dense variant (no experts: the shared
+    # MLP alone) with RoPE and two groups
+    "granitemoehybrid": ("granitemoehybrid", lambda: tf.GraniteMoeHybridConfig(
+        **{**COMMON, "intermediate_size": 24, "num_hidden_layers": 3}, **MAMBA,
+        layer_types=["mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=40, embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5,
+        attention_multiplier=0.3, tie_word_embeddings=True)),
+    "granitemoehybrid-dense": ("granitemoehybrid", lambda: tf.GraniteMoeHybridConfig(
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_n_groups=2, layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=0, shared_intermediate_size=48, position_embedding_type="rope")),
+    # Nemotron-H: one sublayer per layer; ungated relu² experts (a latent width, grouped sigmoid routing, a shared
+    # expert) beside a relu² MLP layer; Nemotron-H-8B's layout (no experts) with biases in the Mamba-2 projections
+    "nemotron_h": ("nemotron_h", lambda: tf.NemotronHConfig(
+        vocab_size=V, hidden_size=D, max_position_embeddings=P, num_attention_heads=H, num_key_value_heads=2,
+        head_dim=8,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
+        intermediate_size=48, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=8,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, moe_shared_expert_intermediate_size=40,
+        moe_latent_size=16, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    "nemotron_h-dense": ("nemotron_h", lambda: tf.NemotronHConfig(
+        vocab_size=V, hidden_size=D, max_position_embeddings=P, num_attention_heads=H, num_key_value_heads=2,
+        head_dim=8,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], intermediate_size=48,
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8, use_bias=True,
+        tie_word_embeddings=True)),
+    # Falcon-H1: attention and Mamba-2 side by side in every layer, its μP multipliers all set, a Mamba-2 width of
+    # its own (`mamba_d_ssm`), the gated norm before the gate (its default); and without the gated norm
+    "falcon_h1": ("falcon_h1", lambda: tf.FalconH1Config(
+        **{**COMMON, "num_hidden_layers": 3}, **MAMBA, mamba_d_ssm=48, mamba_n_groups=2, mamba_rms_norm=True,
+        head_dim=8, lm_head_multiplier=0.25, embedding_multiplier=3.0, mlp_multipliers=[0.7, 1.3], key_multiplier=0.6,
+        attention_in_multiplier=1.5, attention_out_multiplier=0.8, ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9])),
+    "falcon_h1-no-norm": ("falcon_h1", lambda: tf.FalconH1Config(
+        **{**COMMON, "num_hidden_layers": 2}, **MAMBA, mamba_expand=2, mamba_d_ssm=None, tie_word_embeddings=True)),
+})
+
 # The families whose layers hold routed experts (and the cases of each; Llama 4's where its NoPE temperature is 1 at
 # these positions: transformers' class counts a left-padded row's temperature from its cache's slots, test_llama4.py;
 # not Gemma 4's, whose class records router probabilities, not logits: test_gemma4.py)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
-             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss") or name == "qwen3_next"
+             ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "minimax_m2", "glm4_moe")
+             or name == "qwen3_next"
              or name.endswith(("-moe", "-moe-grouped")) and not name.startswith("gemma4") or name == "llama4_text"]
+
+
+def reference_generate(source, ids, **kwargs) -> torch.Tensor:
+    """transformers' `generate` of a source model; with LongRoPE, each step its forward over the whole text
+    (`use_cache=False`): past the switch to the long factors, transformers 5.16's Phi-3 generates tokens through its
+    cache that its own forward does not give (from the fifth step past it, on phi3-longrope), 5.25's are its
+    forward's."""
+    rope = getattr(source.config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        kwargs["use_cache"] = False
+    return source.generate(ids, **kwargs)
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:
@@ -184,16 +277,14 @@ def saved_source(config, path):
     return path
 
 
-def converted_pair(case: str, folder):
-    """(transformers' model of conversion case `case`, eager, weights perturbed; ours converted from its saved folder),
-    both in eval mode."""
+def converted_pair(case: str, path, attn_implementation=None):
+    """(transformers' model of conversion case `case` (with `attn_implementation` where given), ours converted from its
+    checkpoint, the folder `path` holding both), every parameter perturbed, fp32, eval."""
     from modular_decoder import ModularDecoderForCausalLM
     from modular_decoder.conversion import convert
 
-    config = CASES[case][1]()
-    config.architectures = None
-    torch.manual_seed(0)
-    source = perturbed(tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval())
-    source.save_pretrained(folder / "src")
-    convert(folder / "src", folder / "ours", progress=False)
-    return source, ModularDecoderForCausalLM.from_pretrained(folder / "ours").eval()
+    saved_source(CASES[case][1](), path / "theirs")
+    implementation = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    theirs = tf.AutoModelForCausalLM.from_pretrained(path / "theirs", **implementation).eval()
+    convert(path / "theirs", path / "ours", progress=False)
+    return theirs, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval(), path

@@ -29,21 +29,37 @@ def deepseek_v3_config(num_mtp_layers: int = 1, **overrides) -> tf.DeepseekV3Con
     return tf.DeepseekV3Config(**{**fields, **overrides})
 
 
-def save_deepseek_v3_with_mtp(path, num_mtp_layers: int = 1, seed: int = 0, **overrides) -> Path:
-    """Save a random DeepSeek-V3 and `num_mtp_layers` random MTP modules (transformers' `MtpModel` for it) in
-    DeepSeek's file layout; returns `path`."""
+def glm4_moe_config(num_mtp_layers: int = 1, **overrides) -> tf.Glm4MoeConfig:
+    """A tiny GLM-4.5 (QK-norm, partial RoPE, grouped sigmoid routing, a dense first layer)."""
+    from conversion_cases import GLM4_MOE
+
+    fields = dict(**COMMON, **GLM4_MOE, n_group=4, topk_group=2, use_qk_norm=True, num_mtp_layers=num_mtp_layers)
+    return tf.Glm4MoeConfig(**{**fields, **overrides})
+
+
+# family -> (transformers' model class, config builder): the families whose files keep MTP module k as layer
+# `num_hidden_layers + k`, in DeepSeek-V3's layout
+DEEPSEEK_LAYOUT = {"deepseek_v3": (tf.DeepseekV3ForCausalLM, deepseek_v3_config),
+                   "glm4_moe": (tf.Glm4MoeForCausalLM, glm4_moe_config)}
+
+
+def save_deepseek_v3_with_mtp(path, num_mtp_layers: int = 1, seed: int = 0, family: str = "deepseek_v3",
+                              **overrides) -> Path:
+    """Save a random DeepSeek-V3 (or another family of `DEEPSEEK_LAYOUT`) and `num_mtp_layers` random MTP modules
+    (transformers' `MtpModel` for it) in DeepSeek's file layout; returns `path`."""
     from transformers.modeling_layers import MtpModel
 
+    model_class, make_config = DEEPSEEK_LAYOUT[family]
     path, scratch = Path(path), Path(path).parent / (Path(path).name + "-scratch")
     torch.manual_seed(seed)
-    config = deepseek_v3_config(num_mtp_layers, **overrides)
+    config = make_config(num_mtp_layers, **overrides)
     n = config.num_hidden_layers
     # the blocks as transformers initialises and writes layers: a model whose layers n, n+1, ... are the MTP blocks
-    longer = perturbed(tf.DeepseekV3ForCausalLM(
-        deepseek_v3_config(num_mtp_layers, **{**overrides, "num_hidden_layers": n + num_mtp_layers})))
+    longer = perturbed(model_class(make_config(num_mtp_layers,
+                                               **{**overrides, "num_hidden_layers": n + num_mtp_layers})))
     longer.save_pretrained(scratch)
     files = load_file(str(scratch / "model.safetensors"))
-    main = tf.DeepseekV3ForCausalLM(config)
+    main = model_class(config)
     main.load_state_dict({k: v for k, v in longer.state_dict().items()
                           if not (m := re.match(r"model\.layers\.(\d+)\.", k)) or int(m.group(1)) < n})
     mtp = MtpModel(main, num_mtp_layers)
@@ -69,10 +85,11 @@ def save_deepseek_v3_with_mtp(path, num_mtp_layers: int = 1, seed: int = 0, **ov
     return path
 
 
-def mtp_reference(path) -> tf.DeepseekV3ForCausalLM:
-    """transformers' DeepSeek-V3 of `path`, set to find its MTP modules: transformers names DeepSeek-V3's MTP layer
-    by the Hub checkpoint's index (61, `_keys_to_ignore_on_load_unexpected`), which a tiny model's files do not use."""
-    model = tf.DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+def mtp_reference(path, family: str = "deepseek_v3"):
+    """transformers' model of `path` (DeepSeek-V3, or another family of `DEEPSEEK_LAYOUT`), set to find its MTP
+    modules: transformers names the MTP layer by the Hub checkpoint's index (DeepSeek-V3's 61, GLM-4.5's 92 and 46,
+    `_keys_to_ignore_on_load_unexpected`), which a tiny model's files do not use."""
+    model = DEEPSEEK_LAYOUT[family][0].from_pretrained(str(path), dtype=torch.float32).eval()
     n = model.config.num_hidden_layers
     model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n + k}\..*" for k in range(model.config.num_mtp_layers)]
     return model
@@ -90,8 +107,10 @@ def mtp_file_tensors(path, num_hidden_layers: int) -> dict[str, torch.Tensor]:
             if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= num_hidden_layers}
 
 
-def save_trained_deepseek_v3_with_mtp(root, num_mtp_layers: int = 1, steps: int = 60) -> Path:
-    """A tiny DeepSeek-V3 folder (`root / "src"`, the Hub layout) whose model and MTP modules learned to count
+def save_trained_deepseek_v3_with_mtp(root, num_mtp_layers: int = 1, steps: int = 60,
+                                      family: str = "deepseek_v3") -> Path:
+    """A tiny DeepSeek-V3 (or `family`'s, of `DEEPSEEK_LAYOUT`) folder (`root / "src"`, the Hub layout) whose model
+    and MTP modules learned to count
     (each token the previous + 1): drafts are then mostly accepted, as a trained checkpoint's are. Trained through
     this family's own training loss (the LM loss plus the MTP loss) and exported back; a second or two on one
     thread."""
@@ -99,7 +118,7 @@ def save_trained_deepseek_v3_with_mtp(root, num_mtp_layers: int = 1, steps: int 
     from modular_decoder.conversion import convert, export
 
     root = Path(root)
-    random = save_deepseek_v3_with_mtp(root / "random", num_mtp_layers)
+    random = save_deepseek_v3_with_mtp(root / "random", num_mtp_layers, family=family)
     convert(random, root / "random-converted", progress=False)
     model = ModularDecoderForCausalLM.from_pretrained(root / "random-converted").train()
     model.config.mtp_loss_scaling_factor = 1.0
@@ -114,7 +133,7 @@ def save_trained_deepseek_v3_with_mtp(root, num_mtp_layers: int = 1, steps: int 
         optimizer.step()
     model.config.mtp_loss_scaling_factor = 0.1
     model.eval().save_pretrained(root / "trained")
-    return export(root / "trained", root / "src", family="deepseek_v3", progress=False)
+    return export(root / "trained", root / "src", family=family, progress=False)
 
 
 QWEN_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]  # as released: 3:1

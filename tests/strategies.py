@@ -233,9 +233,11 @@ def config_kwargs(draw) -> dict:
             flags = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
             flags[draw(st.sampled_from([i for i, t in enumerate(layer_types) if t != LINEAR]))] = 1
             kw["no_rope_layers"] = flags
-            if not all(flags) and draw(st.booleans()):  # Llama 4's temperature on the NoPE layers' queries
-                kw.update(attn_temperature_tuning=True, floor_scale=draw(st.integers(1, 8)),
-                          attn_scale=draw(st.floats(0.0, 1.0)))
+        if attention_type == "standard" and draw(st.booleans()):  # the query temperature (Llama 4: NoPE layers, p + 1)
+            nope = not all(kw.get("no_rope_layers") or [1])
+            kw.update(attn_temperature_tuning=True, floor_scale=draw(st.integers(1, 8)),
+                      attn_scale=draw(st.floats(0.0, 1.0)), attn_temperature_offset=draw(st.integers(0, 1)),
+                      attn_temperature_layers=draw(st.sampled_from(["all", "nope"] if nope else ["all"])))
         if draw(st.booleans()):  # nested per layer type, each with its own type and base
             kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in attending}
             if draw(st.booleans()):  # a table for a layer type no layer uses is allowed too

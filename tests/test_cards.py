@@ -75,6 +75,7 @@ def test_tags_name_the_variant_choices():
             "sliding-window"} <= set(variant_tags(preset_config("gemma4")))
     assert {"chunked-attention", "nope-layers", "nope-temperature-tuning", "qk-norm-weightless", "router-topk-sigmoid",
             "router-weight-on-input"} <= set(variant_tags(preset_config("llama4")))
+    assert "query-temperature" in variant_tags(preset_config("ministral3"))
     assert not {"attention-sinks", "nope-layers", "clamped-swiglu"} & set(variant_tags(preset_config("llama")))
 
 
@@ -84,8 +85,9 @@ def test_tags_name_the_variant_choices():
                  "laurel_rank", "activation_sparsity_pattern", "num_kv_shared_layers", "value_norm")),
     ("gemma4", ("global_head_dim", "num_kv_shared_layers", "value_norm", "hidden_size_per_layer_input",
                 "vocab_size_per_layer_input", "layer_scalar", "layer_intermediate_sizes")),
-    ("llama4", ("attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale", "qk_norm",
-                "router_type", "apply_router_weight_on_input", "rope_interleaved")),
+    ("llama4", ("attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale",
+                "attn_temperature_offset", "attn_temperature_layers", "qk_norm", "router_type",
+                "apply_router_weight_on_input", "rope_interleaved")),
 ])
 def test_cards_name_the_new_fields(name, fields):
     card = preset_card(name)

@@ -122,16 +122,6 @@ def test_export_refuses_what_the_family_cannot_express(llama_dir, tmp_path):
         assert not (tmp_path / family).exists()
 
 
-def test_a_multimodal_qwen3_5_folder_is_refused_naming_its_text_family():
-    """A published Qwen3.5 folder (`model_type` "qwen3_5": vision tower + language model) is not converted with its
-    vision tower dropped in silence: the refusal names the text family that converts."""
-    from modular_decoder.conversion import get_family
-
-    with pytest.raises(ValueError, match="'qwen3_5' is a multimodal checkpoint.*'qwen3_5_text' converts"):
-        get_family("qwen3_5")
-
-
-
 def test_cli_convert_verify_and_export(llama_dir, tmp_path, capsys):
     assert main(["convert", str(llama_dir), str(tmp_path / "md"), "--verify", "--dtype", "float32"]) == 0
     printed = capsys.readouterr().out
@@ -453,3 +443,19 @@ def test_unwritable_folder_found_late_is_named(llama_dir, tmp_path, monkeypatch)
     message = f"cannot write {tmp_path / 'out'}: its folder {tmp_path} is not writable"
     with pytest.raises(PermissionError, match=message):
         convert(llama_dir, tmp_path / "out", progress=False)
+
+
+def test_the_source_generation_config_converts_and_exports_back(llama_dir, tmp_path):
+    """A release's generation config (several end-of-turn ids, sampling defaults) is what the converted folder
+    generates with, not the one derived from config.json, and goes back on export unchanged."""
+    from transformers import GenerationConfig
+
+    source = GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0, do_sample=True, top_k=5)
+    source.save_pretrained(llama_dir)
+    convert(llama_dir, tmp_path / "md", progress=False)
+    converted = GenerationConfig.from_pretrained(tmp_path / "md")
+    assert (converted.eos_token_id, converted.do_sample, converted.top_k) == ([2, 7], True, 5)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "md").eval()
+    assert model.generation_config.eos_token_id == [2, 7]
+    export(tmp_path / "md", tmp_path / "back", family="llama", progress=False)
+    assert GenerationConfig.from_pretrained(tmp_path / "back").to_diff_dict() == source.to_diff_dict()

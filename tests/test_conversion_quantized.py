@@ -304,3 +304,142 @@ def test_mxfp4_gpt_oss_converts_to_transformers_dequantized_model(tmp_path, dtyp
         ours = ModularDecoderForCausalLM.from_pretrained(out).eval()
         with torch.no_grad():
             torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-4, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------- other FP8 layouts
+
+FP8_CASES["minimax_m2"] = lambda: tf.MiniMaxM2Config(  # MiniMax-M2 as published: 128x128 blocks, per-expert files
+    vocab_size=96, hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=128, num_local_experts=4, num_experts_per_tok=2, rotary_dim=64,
+    max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+
+
+def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 scale per output row, (rows, 1)): compressed-tensors' and fbgemm's channel strategy."""
+    scale = weight.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (weight.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def quantize_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, its one float32 scale, a 0-d tensor): Ministral 3's FP8 (`weight_block_size: null`)."""
+    scale = weight.float().abs().amax().clamp(min=1e-12) / FP8_MAX
+    return (weight.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def quantized_folder(case: str, path: Path, quantize, scale_suffix: str, quantization: dict,
+                     scale_dtype=torch.float32, extra=None) -> Path:
+    """A tiny checkpoint of conversion case `case` (bf16) whose linear weights `quantize` made FP8, each scale saved
+    as `<weight><scale_suffix>` in `scale_dtype`, `extra(name)` adding tensors beside it (activation scales)."""
+    from conversion_cases import CASES
+
+    config = CASES[case][1]()
+    config.architectures = None
+    torch.manual_seed(0)
+    perturbed(AutoModelForCausalLM.from_config(config)).to(torch.bfloat16).save_pretrained(path)
+    weights = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        if is_quantized_linear(name, tensor):
+            weights[name], scale = quantize(tensor)
+            weights[name + scale_suffix] = scale.to(scale_dtype)
+            weights.update((extra or (lambda _: {}))(name))
+        else:
+            weights[name] = tensor
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    saved = json.loads((path / "config.json").read_text())
+    saved.update(quantization_config=quantization, dtype="bfloat16")
+    (path / "config.json").write_text(json.dumps(saved, indent=2))
+    return path
+
+
+PER_TENSOR = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None,
+              "modules_to_not_convert": ["lm_head"]}
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_per_tensor_fp8_converts_to_transformers_dequantized_weights(dtype, tmp_path):
+    """Ministral 3's FP8 (`weight_block_size: null`): one `weight_scale_inv` per tensor and a static
+    `activation_scale` beside it; every converted tensor is transformers' `FineGrainedFP8Config(dequantize=True)`
+    load's, bit for bit."""
+    src = quantized_folder("ministral3", tmp_path / "src", quantize_per_tensor, "_scale_inv", PER_TENSOR,
+                           extra=lambda name: {name[:-len("weight")] + "activation_scale": torch.tensor(0.5)})
+    assert load_file(src / "model.safetensors")["model.layers.0.mlp.up_proj.weight_scale_inv"].dim() == 0
+    out = convert(src, tmp_path / "md", dtype=dtype, progress=False)
+    torch_dtype = torch.float32 if dtype else torch.bfloat16
+    expected = expected_contract(src, reference_state(src, torch_dtype))
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch_dtype and torch.equal(got[name], tensor), name
+    assert "FP8 (`float8_e4m3fn`) with one scale per tensor" in (out / "README.md").read_text()
+
+
+def compressed_tensors(strategy: str, block=None) -> dict:
+    """A compressed-tensors `quantization_config` as llm-compressor writes FP8 (GLM-4.5 -FP8: per channel, dynamic
+    per-token activations)."""
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+               "block_structure": block, "group_size": None}
+    activations = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
+            "ignore": ["lm_head"]}
+
+
+def compressed_tensors_dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """compressed-tensors' own dequantization of a channel- or tensor-scaled weight (`lifecycle.forward._dequantize`):
+    the weight in the scale's dtype times the scale, then the dtype asked for."""
+    return (weight.to(scale.dtype) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_compressed_tensors_channel_fp8_converts_as_compressed_tensors_dequantizes(scale_dtype, tmp_path):
+    """GLM-4.5 -FP8's layout: compressed-tensors 'float-quantized', a `weight_scale` (rows, 1) per linear weight
+    (per-expert files included), bf16 out. Every converted tensor is compressed-tensors' dequantization of its source
+    tensor (float32 or bf16 scales: the same bits, the product of an 8-bit float and a bf16 scale being exact in
+    float32), mapped by the family's rules."""
+    src = quantized_folder("glm4_moe", tmp_path / "src", quantize_per_row, "_scale", compressed_tensors("channel"),
+                           scale_dtype)
+    files = load_file(src / "model.safetensors")
+    assert files["model.layers.1.mlp.experts.0.up_proj.weight_scale"].shape == (12, 1)
+    state = {}
+    for name, tensor in files.items():
+        if tensor.dtype == torch.float8_e4m3fn:
+            state[name] = compressed_tensors_dequantized(tensor, files[name + "_scale"], torch.bfloat16)
+        elif not name.endswith("_scale"):
+            state[name] = tensor
+    out = convert(src, tmp_path / "md", progress=False)
+    for stack in get_family("glm4_moe").experts:  # the files' per-expert tensors, stacked as transformers holds them
+        state = stack.stack(state)
+    expected = expected_contract(src, state)
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], tensor), name
+    assert "one scale per output channel (compressed-tensors)" in (out / "README.md").read_text()
+
+
+def test_compressed_tensors_block_fp8_reads_each_block_with_its_scale(tmp_path):
+    """compressed-tensors' block strategy (`weight_scale` one per 128x128 block) reads as DeepSeek's blocks do: the
+    qwen3 case's tensors equal those of the same weights stored with `weight_scale_inv` under `quant_method: fp8`."""
+    block = fp8_folder("qwen3", tmp_path / "fp8")
+    weights = {name.replace("_scale_inv", "_scale"): t for name, t in load_file(block / "model.safetensors").items()}
+    (tmp_path / "ct").mkdir()
+    save_file(weights, str(tmp_path / "ct" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((block / "config.json").read_text())
+    config["quantization_config"] = compressed_tensors("block", [BLOCK, BLOCK])
+    (tmp_path / "ct" / "config.json").write_text(json.dumps(config))
+    a = load_file(convert(block, tmp_path / "a", progress=False) / "model.safetensors")
+    b = load_file(convert(tmp_path / "ct", tmp_path / "b", progress=False) / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("quantization, named", [
+    ({**compressed_tensors("channel"), "format": "pack-quantized"}, "'pack-quantized'"),
+    ({**compressed_tensors("group"), "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
+                                                                         "strategy": "group"}}}}, "of 4 bits"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "not 2-D"),
+])
+def test_other_fp8_layouts_are_refused_by_name(quantization, named, tmp_path):
+    src = quantized_folder("qwen3", tmp_path / "src", quantize_per_row, "_scale", quantization)
+    with pytest.raises(ValueError, match=named):
+        convert(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
+from conversion_cases import CASES, converted_pair, perturbed
 from decoding import compiled_eager_and_reference, right_padded
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.conversion import convert
+from modular_decoder.hybrid_cache import HybridLayer
 from modular_decoder.recurrent_cache import RecurrentLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,7 +26,7 @@ LINEAR_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_pro
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next", "bamba", "nemotron_h", "falcon_h1"])
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint, the folders), fp32, eval."""
     return _pair(request.param, tmp_path_factory)
@@ -37,14 +38,7 @@ def qwen3_5(tmp_path_factory):
 
 
 def _pair(case: str, tmp_path_factory):
-    config = CASES[case][1]()
-    config.architectures = None
-    torch.manual_seed(0)
-    theirs = perturbed(AutoModelForCausalLM.from_config(config).eval())
-    path = tmp_path_factory.mktemp(case)
-    theirs.save_pretrained(path / "theirs")
-    convert(path / "theirs", path / "ours", progress=False)
-    return theirs, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval(), path
+    return converted_pair(case, tmp_path_factory.mktemp(case))
 
 
 def _packed(documents=DOCUMENTS):
@@ -68,10 +62,10 @@ def test_packed_documents_equal_each_document_alone_in_transformers_class(pair):
             start += len(document)
 
 
-def test_packed_rows_restart_at_row_starts_and_documents(qwen3_5):
+def test_packed_rows_restart_at_row_starts_and_documents(pair):
     """Two rows, each holding two documents: each document computes what it computes alone (a row's start starts
     a document too), and a cache filled by the packed forward holds each row's last document's state."""
-    _, ours, _ = qwen3_5
+    _, ours, _ = pair
     rows = [(DOCUMENTS[1], DOCUMENTS[2][:4]), (DOCUMENTS[2][:2], DOCUMENTS[0][:5])]
     ids = torch.tensor([a + b for a, b in rows])
     positions = torch.tensor([list(range(len(a))) + list(range(len(b))) for a, b in rows])
@@ -84,9 +78,11 @@ def test_packed_rows_restart_at_row_starts_and_documents(qwen3_5):
                                            rtol=1e-5, atol=1e-5)
         last = [ours(torch.tensor([b]), use_cache=True).cache for _, b in rows]
     for index, layer in enumerate(output.cache.layers):
-        if isinstance(layer, RecurrentLayer):
+        if isinstance(layer, (RecurrentLayer, HybridLayer)):
+            layer = layer.recurrent if isinstance(layer, HybridLayer) else layer
             for row in range(len(rows)):
                 alone = last[row].layers[index]
+                alone = alone.recurrent if isinstance(alone, HybridLayer) else alone
                 torch.testing.assert_close(layer.conv_state[row], alone.conv_state[0], rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(layer.recurrent_state[row], alone.recurrent_state[0], rtol=1e-5, atol=1e-6)
 
@@ -123,10 +119,10 @@ def _grads(model, **inputs):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_gradient_checkpointing_and_packing_give_the_same_gradients(qwen3_5):
+def test_gradient_checkpointing_and_packing_give_the_same_gradients(pair):
     """Gradient checkpointing gives the plain gradients; a packed row gives the gradients of the same documents
     padded one per row (the same targets: `DataCollatorWithFlattening` masks each document's first label)."""
-    _, ours, _ = qwen3_5
+    _, ours, _ = pair
     model = ours.train()
     try:
         padded = right_padded([{"input_ids": d} for d in DOCUMENTS[:3]])
@@ -155,10 +151,11 @@ def _train(model, collator, tmp_path, **arguments) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_trainer_padded_and_packed_beside_transformers(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3_5_text", "bamba", "falcon_h1"])
+def test_trainer_padded_and_packed_beside_transformers(case, tmp_path):
     """`Trainer` from the same weights and data: ours on padded batches, and on packed batches with gradient
-    checkpointing, gives transformers' Qwen3.5 loss curve on padded batches."""
-    config = CASES["qwen3_5_text"][1]()
+    checkpointing, gives the loss curve of transformers' class (Qwen3.5, Bamba, Falcon-H1) on padded batches."""
+    config = CASES[case][1]()
     config.architectures = None
     torch.manual_seed(0)
     perturbed(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path / "theirs")
@@ -230,10 +227,15 @@ def test_lora_adapter_moves_between_transformers_class_and_ours(qwen3_5, tmp_pat
 # --- compiled decoding ---------------------------------------------------------------------------
 
 
-def test_compiled_decode_step_gives_eager_and_transformers_tokens(qwen3_5, two_threads):
+@pytest.fixture(scope="module", params=["qwen3_5_text", "falcon_h1"])  # (Falcon-H1: Mamba-2 in hybrid layers)
+def compiled_case(request, tmp_path_factory):
+    return _pair(request.param, tmp_path_factory)
+
+
+def test_compiled_decode_step_gives_eager_and_transformers_tokens(compiled_case, two_threads):
     """`generate(**compiled_decoding())` (a static cache, the decode step compiled with fullgraph=True) on a hybrid:
     the step compiles, and the greedy tokens equal eager decoding and transformers' class through its own cache."""
-    theirs, ours, _ = qwen3_5
+    theirs, ours, _ = compiled_case
     compiled, eager, reference, graphs = compiled_eager_and_reference(ours, theirs, torch.tensor([DOCUMENTS[2]]))
     assert graphs, "generate did not compile the decode step"
     assert torch.equal(compiled, eager)

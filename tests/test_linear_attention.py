@@ -1,8 +1,8 @@
 """Gated DeltaNet layers beside (gated) full attention, against transformers' `Qwen3NextForCausalLM` and
 `Qwen3_5ForCausalLM` with the same weights (through the converter): the kernels against transformers' reference
-kernels, logits and every generate() path through each side's own cache, the cache's state and its arithmetic,
-the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d need CUDA, which the test
-machines lack)."""
+kernels, logits and every generate() path through each side's own cache (drafting: test_hybrid_drafting.py), the
+cache's state and its arithmetic, the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d
+need CUDA, which the test machines lack)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDe
 from modular_decoder import compat, delta_rule
 from modular_decoder.contract import cache_bytes, cache_bytes_per_token, parameter_count, state_bytes_per_sequence
 from modular_decoder.conversion import convert
+from modular_decoder.hybrid_cache import HybridLayer
 from modular_decoder.recurrent_cache import RecurrentLayer
 
-FAMILIES = ["qwen3_next", "qwen3_5_text"]
+# The hybrids of every linear-attention kind (their own kernels and rules: test_mamba2.py for Mamba-2's)
+GATED_DELTANET_FAMILIES = ["qwen3_next", "qwen3_5_text"]
+FAMILIES = GATED_DELTANET_FAMILIES + ["bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"]
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
@@ -31,12 +34,23 @@ GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_i
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint), both fp32 and eval."""
-    family, build = CASES[request.param]
+    return converted_pair(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=GATED_DELTANET_FAMILIES)
+def gated_deltanet_pair(request, tmp_path_factory):
+    return converted_pair(request.param, tmp_path_factory)
+
+
+def converted_pair(case: str, tmp_path_factory):
+    """(transformers' model of conversion case `case`, every weight perturbed, ours converted from its checkpoint),
+    both fp32 and eval."""
+    family, build = CASES[case]
     config = build()
     config.architectures = None
     torch.manual_seed(0)
     source = perturbed(AutoModelForCausalLM.from_config(config).eval())
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(case)
     source.save_pretrained(path / "src")
     convert(path / "src", path / "ours", progress=False)
     return source, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval()
@@ -44,6 +58,17 @@ def pair(request, tmp_path_factory):
 
 def _cache_of(output):
     return getattr(output, compat.CACHE_NAME)
+
+
+def _states(cache) -> list:
+    """The cache's linear-attention states: its linear layers', and a hybrid layer's (`recurrent`)."""
+    return [layer.recurrent if isinstance(layer, HybridLayer) else layer for layer in cache.layers
+            if isinstance(layer, (RecurrentLayer, HybridLayer))]
+
+
+def _key_layers(cache) -> list:
+    """The cache's layers that hold keys (attention layers, hybrid layers)."""
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
 
 
 # --- the kernels --------------------------------------------------------------------------------
@@ -186,8 +211,7 @@ def test_cache_holds_a_constant_state_per_sequence_as_the_contract_says(pair):
         first = cache.payload_bytes()
         assert first == cache_bytes(config, 4, batch_size=2, dtype=torch.float32)
         ours(IDS[:, 4:], cache=cache)
-    linear = [layer for layer in cache.layers if isinstance(layer, RecurrentLayer)]
-    assert sum(layer.payload_bytes() for layer in linear) == 2 * state_bytes_per_sequence(config, torch.float32)
+    assert sum(layer.payload_bytes() for layer in _states(cache)) == 2 * state_bytes_per_sequence(config, torch.float32)
     grown = cache.payload_bytes() - first  # only the full layers grew, by their K/V of 8 tokens
     assert grown == 2 * 8 * cache_bytes_per_token(config, torch.float32)
     assert cache_bytes_per_token(config, torch.float32) == config.attention_layer_count * (
@@ -199,7 +223,7 @@ def test_reorder_select_repeat_and_reset_follow_the_batch(pair):
     _, ours = pair
     with torch.no_grad():
         cache = _cache_of(ours(IDS, use_cache=True))
-    layer = next(layer for layer in cache.layers if isinstance(layer, RecurrentLayer))
+    layer = _states(cache)[0]
     conv, state = layer.conv_state.clone(), layer.recurrent_state.clone()
     cache.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(layer.conv_state, conv.flip(0)) and torch.equal(layer.recurrent_state, state.flip(0))
@@ -209,21 +233,6 @@ def test_reorder_select_repeat_and_reset_follow_the_batch(pair):
     assert torch.equal(layer.recurrent_state, state.flip(0)[[0, 1]])
     cache.reset()
     assert layer.conv_state is None and layer.recurrent_state is None and layer.get_seq_length() == 0
-
-
-def test_assisted_decoding_and_crop_are_refused(pair):
-    _, ours = pair
-    for extra in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=ours)):
-        with pytest.raises(ValueError, match=f"`{next(iter(extra))}` is set: .*cannot be rolled back"):
-            ours.generate(IDS[:1], max_new_tokens=3, **extra)
-    with torch.no_grad():
-        cache = _cache_of(ours(IDS, use_cache=True))
-    keys = [layer.keys.clone() for layer in cache.layers if not isinstance(layer, RecurrentLayer)]
-    with pytest.raises(ValueError, match="cannot be rolled back"):
-        cache.crop(-2)
-    assert all(torch.equal(layer.keys, k) for layer, k in
-               zip([layer for layer in cache.layers if not isinstance(layer, RecurrentLayer)], keys))
-    assert not RecurrentLayer.is_croppable
 
 
 # --- the contract ---------------------------------------------------------------------------------
@@ -295,12 +304,15 @@ def _fake_fla(torch_rule, calls):
     return kernel
 
 
-def test_gpu_kernels_are_dispatched_where_available(pair, monkeypatch):
+def test_gpu_kernels_are_dispatched_where_available(gated_deltanet_pair, monkeypatch):
     """With fla and causal-conv1d reported available (stand-ins that compute what the libraries document) and
     this device counted as theirs, the layers call them (the chunked kernel for prefill, the fused recurrent one
-    and the in-place conv update for decode) and the tokens stay those of the PyTorch path."""
-    _, ours = pair
+    and the in-place conv update for decode) and the tokens stay those of the PyTorch path. While the cache
+    records for prompt lookup, the window is not updated in place (a crop may need it) and the tokens stay greedy's."""
+    _, ours = gated_deltanet_pair
     expected = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
+    grounded = torch.cat([IDS[:1], IDS[:1, :6]], dim=1)  # prompt lookup finds drafts in it
+    greedy = ours.generate(grounded, **GREEDY)
     calls = []
     monkeypatch.setattr(compat, "flash_linear_attention_kernels", lambda: (
         _fake_fla(delta_rule.chunked_gated_delta_rule, calls), _fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
@@ -313,17 +325,21 @@ def test_gpu_kernels_are_dispatched_where_available(pair, monkeypatch):
     try:
         assert delta_rule.kernels_for(torch.device("cpu")).name == "fla+causal-conv1d"
         assert torch.equal(ours.generate(PADDED, attention_mask=MASK, **GREEDY), expected)
+        assert {"chunked_gated_delta_rule", "recurrent_gated_delta_rule", "conv", "conv_update"} <= set(calls)
+        calls.clear()
+        assert torch.equal(ours.generate(grounded, prompt_lookup_num_tokens=3, **GREEDY), greedy)
     finally:
         monkeypatch.undo()
         delta_rule._kernels_for.cache_clear()
-    assert {"chunked_gated_delta_rule", "recurrent_gated_delta_rule", "conv", "conv_update"} <= set(calls)
+    assert {"chunked_gated_delta_rule", "recurrent_gated_delta_rule", "conv"} <= set(calls)
+    assert "conv_update" not in calls
     assert delta_rule.kernels_for(torch.device("cpu")) == delta_rule.TORCH_KERNELS
 
 
-def test_gpu_kernels_take_packed_documents_by_cu_seqlens(pair, monkeypatch):
+def test_gpu_kernels_take_packed_documents_by_cu_seqlens(gated_deltanet_pair, monkeypatch):
     """Packed documents on the GPU path: fla's chunked kernel gets `cu_seqlens` (batch 1), causal-conv1d's
     kernel the row with zeros between documents; each document's logits stay those it has alone."""
-    _, ours = pair
+    _, ours = gated_deltanet_pair
     documents = [IDS[0, :7].tolist(), IDS[1, :3].tolist(), IDS[1, 3:].tolist()]
     ids = torch.tensor([sum(documents, [])])
     positions = torch.tensor([sum((list(range(len(d))) for d in documents), [])])

@@ -31,17 +31,17 @@ CASES_HERE = ["llama4_text", "llama4_text-tuned"]
 @pytest.fixture(scope="module", params=CASES_HERE)
 def pair(request, tmp_path_factory):
     """(transformers' model with perturbed weights, ours converted from its saved folder)."""
-    return converted_pair(request.param, tmp_path_factory.mktemp(request.param))
+    return converted_pair(request.param, tmp_path_factory.mktemp(request.param), "eager")[:2]
 
 
 @pytest.fixture(scope="module")
 def plain_pair(tmp_path_factory):
-    return converted_pair("llama4_text", tmp_path_factory.mktemp("plain"))
+    return converted_pair("llama4_text", tmp_path_factory.mktemp("plain"), "eager")[:2]
 
 
 @pytest.fixture(scope="module")
 def tuned_pair(tmp_path_factory):
-    return converted_pair("llama4_text-tuned", tmp_path_factory.mktemp("tuned"))
+    return converted_pair("llama4_text-tuned", tmp_path_factory.mktemp("tuned"), "eager")[:2]
 
 
 def _tuned(pair) -> bool:

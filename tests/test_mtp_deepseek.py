@@ -1,6 +1,8 @@
-"""DeepSeek-V3 with its multi-token-prediction modules: the folder converts with them and exports back bit for bit,
-and `generate(use_mtp=True)` drafts exactly as transformers' `DeepseekV3ForCausalLM` (its `MtpModel`) does for the
-same weights: every draft, its logits and every token, greedy and sampled, with one and two modules."""
+"""DeepSeek-V3 and GLM-4.5 with their multi-token-prediction modules (DeepSeek's file layout: module k is layer
+`num_hidden_layers + k`): the folder converts with them and exports back bit for bit, and `generate(use_mtp=True)`
+drafts exactly as transformers' `DeepseekV3ForCausalLM` / `Glm4MoeForCausalLM` (its `MtpModel`) does for the same
+weights: every draft, its logits and every token, greedy and sampled, with one and two modules (GLM-4.5: one, as
+released)."""
 
 from __future__ import annotations
 
@@ -21,34 +23,38 @@ from mtp_cases import (deepseek_v3_config, mtp_file_tensors, mtp_reference, save
 PROMPTS = [torch.tensor([[5, 6, 7, 8]]), torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-module", "two-modules"])
+@pytest.fixture(scope="module", params=[("deepseek_v3", 1), ("deepseek_v3", 2), ("glm4_moe", 1)],
+                ids=["one-module", "two-modules", "glm4_moe"])
 def folders(request, tmp_path_factory):
-    """(a DeepSeek-V3 folder in the Hub's layout whose model and MTP modules learned to count, its conversion,
-    the number of modules)."""
-    root = tmp_path_factory.mktemp(f"mtp{request.param}")
+    """(a folder in the Hub's layout whose model and MTP modules learned to count, its conversion, the number of
+    modules, the family)."""
+    family, count = request.param
+    root = tmp_path_factory.mktemp(f"mtp-{family}-{count}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = save_trained_deepseek_v3_with_mtp(root, request.param)
+        src = save_trained_deepseek_v3_with_mtp(root, count, family=family)
         convert(src, root / "ours", progress=False)
     finally:
         torch.set_num_threads(threads)
-    return src, root / "ours", request.param
+    return src, root / "ours", count, family
 
 
 def test_converts_with_the_modules_and_exports_back_bit_for_bit(folders, tmp_path):
-    src, ours, count = folders
+    src, ours, count, family = folders
     config = json.loads((ours / "config.json").read_text())
     assert config["num_mtp_layers"] == count
     model = ModularDecoderForCausalLM.from_pretrained(ours)
     assert len(model.mtp.layers) == count
-    assert model.mtp.layers[0].mtp_block.mlp.experts.gate_up_proj.shape[0] == 16  # MLA + MoE, as the model's last
-    export(ours, tmp_path / "back", family="deepseek_v3", progress=False)
+    # experts, as the model's last layer has (DeepSeek-V3: MLA + MoE)
+    assert model.mtp.layers[0].mtp_block.mlp.experts.gate_up_proj.shape[0] == config["num_experts"]
+    export(ours, tmp_path / "back", family=family, progress=False)
     before, after = mtp_file_tensors(src, 2), mtp_file_tensors(tmp_path / "back", 2)
     assert sorted(before) == sorted(after) and len(before) > 10
     for name, tensor in before.items():
         assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == count
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert exported.get("num_nextn_predict_layers", exported.get("num_mtp_layers")) == count
 
 
 class Recorder:
@@ -71,8 +77,8 @@ class Recorder:
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
 @pytest.mark.parametrize("prompt", [0, 1], ids=["accepted", "rejected"])
 def test_drafts_and_tokens_equal_transformers(folders, sample, prompt, monkeypatch):
-    src, ours, count = folders
-    reference, model = mtp_reference(src), ModularDecoderForCausalLM.from_pretrained(ours).eval()
+    src, ours, count, family = folders
+    reference, model = mtp_reference(src, family), ModularDecoderForCausalLM.from_pretrained(ours).eval()
     recorder = Recorder(monkeypatch)
     kwargs = dict(max_new_tokens=16, do_sample=sample, use_mtp=True)
     if sample:

@@ -23,7 +23,8 @@ COMBINATIONS = {
         BASE, num_key_value_heads=2, residual_stream="altup", altup_num_inputs=3, laurel_rank=4,
         hidden_size_per_layer_input=6, layer_scalar=True, num_kv_shared_layers=2, value_norm=True,
         layer_types=["chunked_attention", "full_attention"] * 2, attention_chunk_size=3, no_rope_layers=[1, 0, 1, 0],
-        attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, qk_norm="weightless", rope_interleaved=True),
+        attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, attn_temperature_offset=1,
+        attn_temperature_layers="nope", qk_norm="weightless", rope_interleaved=True),
     # Gemma 4's experts beside a dense MLP, routed by Llama 4's top-1 sigmoid, on a pre-norm block with LAUREL
     "prenorm_dense_beside_sigmoid_experts": dict(
         BASE, mlp_type="moe", num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16,

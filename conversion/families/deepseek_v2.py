@@ -147,4 +147,8 @@ def from_contract(cfg) -> DeepseekV2Config:
 
 
 FAMILY = Family("deepseek_v2", to_contract, from_contract, mla_rules, config_class=DeepseekV2Config,
-                experts=expert_stacks())
+                experts=expert_stacks(),
+                description="DeepSeek-V2, V2-Lite: MLA, softmax-routed experts plus shared ones",
+                refusals=("rms_norm_eps other than 1e-6", "pretraining_tp > 1", "moe_layer_freq != 1",
+                          "no shared experts", "topk_method other than greedy / group_limited_greedy",
+                          "norm_topk_prob=True"))

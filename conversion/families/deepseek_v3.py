@@ -89,4 +89,8 @@ def rules(src) -> list[Rule]:
 
 
 FAMILY = Family("deepseek_v3", to_contract, from_contract, rules, config_class=DeepseekV3Config,
-                experts=expert_stacks(), mtp_layers=MTP_LAYER)
+                experts=expert_stacks(), mtp_layers=MTP_LAYER,
+                description="DeepSeek-V3 / V3.1, Kimi K2: MLA, sigmoid routing in groups with a correction bias, "
+                            "MTP layer",
+                refusals=("rms_norm_eps other than 1e-6", "pretraining_tp > 1", "moe_layer_freq != 1",
+                          "no shared experts", "an MLP bias"))

@@ -53,4 +53,8 @@ def rules(src):
 
 
 FAMILY = Family("deepseek_v32", to_contract, from_contract, rules, config_class=DeepseekV32Config,
-                experts=expert_stacks(), mtp_layers=MTP_LAYER)
+                experts=expert_stacks(), mtp_layers=MTP_LAYER,
+                description="DeepSeek-V3.2: V3 with DeepSeek Sparse Attention (a lightning indexer picks each "
+                            "query's keys)",
+                refusals=("rms_norm_eps other than 1e-6", "no query latent (`q_lora_rank=None`)",
+                          "dense and sparse layers other than `first_k_dense_replace`", "an MLP bias"))

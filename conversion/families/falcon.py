@@ -79,4 +79,6 @@ def rules(src) -> list:
     ]
 
 
-FAMILY = Family("falcon", to_contract, from_contract, rules, "transformer.", FalconConfig)
+FAMILY = Family("falcon", to_contract, from_contract, rules, "transformer.", FalconConfig,
+                description="Falcon: parallel block, MQA / GQA, fused QKV",
+                refusals=("ALiBi (`alibi=True`)", "new_decoder_architecture without parallel_attn"))

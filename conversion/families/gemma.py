@@ -27,4 +27,5 @@ def from_contract(cfg) -> GemmaConfig:
                        attention_bias=cfg.attention_bias, rope_parameters=source_rope(cfg))
 
 
-FAMILY = Family("gemma", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", GemmaConfig)
+FAMILY = Family("gemma", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", GemmaConfig,
+                description="Gemma: GEGLU, 1 + w norms, embedding scale")

@@ -39,4 +39,5 @@ def sandwich_source(cfg) -> dict:
 
 
 FAMILY = Family("gemma2", sandwich_contract, lambda cfg: Gemma2Config(**sandwich_source(cfg)),
-                lambda src: llama_rules(SANDWICH_NORMS), "model.", Gemma2Config)
+                lambda src: llama_rules(SANDWICH_NORMS), "model.", Gemma2Config,
+                description="Gemma 2: sandwich norms, soft-caps, local and global layers")

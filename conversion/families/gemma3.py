@@ -15,4 +15,7 @@ def to_contract(src) -> dict:
 
 
 FAMILY = Family("gemma3_text", to_contract, lambda cfg: Gemma3TextConfig(**sandwich_source(cfg)),
-                lambda src: llama_rules(SANDWICH_NORMS, qk_norm=True), "model.", Gemma3TextConfig)
+                lambda src: llama_rules(SANDWICH_NORMS, qk_norm=True), "model.", Gemma3TextConfig,
+                description="Gemma 3 text-only folders (270M, 1B): Gemma 2 with QK-norm and a RoPE table per layer "
+                            "type",
+                refusals=("use_bidirectional_attention",))

@@ -67,4 +67,6 @@ def rules(src) -> list:
             + per_layer_embedding_rules())
 
 
-FAMILY = Family("gemma3n_text", to_contract, from_contract, rules, "model.", Gemma3nTextConfig)
+FAMILY = Family("gemma3n_text", to_contract, from_contract, rules, "model.", Gemma3nTextConfig,
+                description="Gemma 3n text model: AltUp residual streams, LAUREL, per-layer embeddings, keys and "
+                            "values shared across layers, activation sparsity")

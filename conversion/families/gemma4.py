@@ -137,4 +137,7 @@ def rules(src) -> list:
     return rules + (per_layer_embedding_rules() if src.hidden_size_per_layer_input else [])
 
 
-FAMILY = Family("gemma4_text", to_contract, from_contract, rules, "model.", Gemma4TextConfig)
+FAMILY = Family("gemma4_text", to_contract, from_contract, rules, "model.", Gemma4TextConfig,
+                description="Gemma 4 text model: per-layer attention shapes, keys and values shared across layers, "
+                            "per-layer embeddings, experts beside the dense MLP",
+                refusals=("bidirectional attention (`use_bidirectional_attention`)",))

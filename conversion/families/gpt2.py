@@ -52,4 +52,6 @@ def rules(src) -> list:
 
 
 FAMILY = Family("gpt2", to_contract, from_contract, rules, "transformer.", GPT2Config,
-                ignore=(".attn.bias", ".attn.masked_bias"))
+                ignore=(".attn.bias", ".attn.masked_bias"),
+                description="GPT-2: pre-norm LayerNorm, learned positions, Conv1D weights, tied head",
+                refusals=("scale_attn_by_inverse_layer_idx", "scale_attn_weights=False", "add_cross_attention"))

@@ -45,4 +45,5 @@ def rules(src) -> list:
 
 
 FAMILY = Family("gpt_neox", to_contract, from_contract, rules, "gpt_neox.", GPTNeoXConfig,
-                ignore=(".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq"), renames={"embed_out.": "lm_head."})
+                ignore=(".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq"), renames={"embed_out.": "lm_head."},
+                description="GPT-NeoX, Pythia: parallel (or serial) block with two norms, partial RoPE, fused QKV")

@@ -68,4 +68,6 @@ def rules(src) -> list:
     return llama_rules(PRE_NORMS, moe=moe) + [rule(f"{attn}.sinks", f"{attn}.sinks")]
 
 
-FAMILY = Family("gpt_oss", to_contract, from_contract, rules, "model.", GptOssConfig)
+FAMILY = Family("gpt_oss", to_contract, from_contract, rules, "model.", GptOssConfig,
+                description="gpt-oss: attention sinks, alternating windows, clamped SwiGLU experts with biases",
+                refusals=("a SwiGLU limit or alpha other than this transformers release's gpt-oss computes",))

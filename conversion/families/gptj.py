@@ -49,4 +49,5 @@ def rules(src) -> list:
 
 
 FAMILY = Family("gptj", to_contract, from_contract, rules, "transformer.", GPTJConfig,
-                ignore=(".attn.bias", ".attn.masked_bias", "embed_positions"))
+                ignore=(".attn.bias", ".attn.masked_bias", "embed_positions"),
+                description="GPT-J: parallel block with one norm, interleaved partial RoPE, head bias")

@@ -52,4 +52,5 @@ FAMILY = Family("granitemoe", to_contract, from_contract, rules, "model.", Grani
     f"{MOE}.input_linear.weight": f"{MOE}.experts.gate_up_proj",
     f"{MOE}.output_linear.weight": f"{MOE}.experts.down_proj",
     f"{MOE}.router.layer.weight": f"{MOE}.router.weight",
-})
+},
+                description="Granite MoE: muP multipliers on embeddings, residuals, attention and logits")

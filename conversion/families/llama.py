@@ -23,4 +23,6 @@ def from_contract(cfg) -> LlamaConfig:
     )
 
 
-FAMILY = Family("llama", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", LlamaConfig)
+FAMILY = Family("llama", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", LlamaConfig,
+                description="Llama 2 / 3, SmolLM2: RMSNorm, SwiGLU, RoPE, GQA",
+                refusals=("pretraining_tp > 1",))

@@ -46,7 +46,8 @@ def to_contract(src) -> dict:
         qk_norm="weightless" if src.use_qk_norm else "none", layer_types=layer_types,
         attention_chunk_size=src.attention_chunk_size if chunked else None,
         no_rope_layers=None if all(flags) else flags, attn_temperature_tuning=tuning,
-        floor_scale=src.floor_scale if tuning else None, attn_scale=src.attn_scale if tuning else None,
+        **(dict(floor_scale=src.floor_scale, attn_scale=src.attn_scale, attn_temperature_offset=1,
+                attn_temperature_layers="nope") if tuning else {}),
         **_experts(src),
     )
 
@@ -78,4 +79,6 @@ def rules(src) -> list:
     return llama_rules(PRE_NORMS, moe=moe, mlp="feed_forward")
 
 
-FAMILY = Family("llama4_text", to_contract, from_contract, rules, "model.", Llama4TextConfig)
+FAMILY = Family("llama4_text", to_contract, from_contract, rules, "model.", Llama4TextConfig,
+                description="Llama 4 text model (Scout, Maverick): chunked attention, NoPE layers with a query "
+                            "temperature, top-1 sigmoid-routed experts beside a shared expert")

@@ -20,4 +20,5 @@ def from_contract(cfg) -> MistralConfig:
                          sliding_window=cfg.sliding_window, rope_parameters=source_rope(cfg))
 
 
-FAMILY = Family("mistral", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", MistralConfig)
+FAMILY = Family("mistral", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", MistralConfig,
+                description="Mistral: Llama's layout with a sliding window")

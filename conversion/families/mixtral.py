@@ -35,4 +35,6 @@ def from_contract(cfg) -> MixtralConfig:
 
 FAMILY = Family("mixtral", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS, moe=moe_rules()), "model.",
                 MixtralConfig, renames={"model.layers.{layer}.block_sparse_moe.": "model.layers.{layer}.mlp."},
-                experts=expert_stacks(gate="w1", up="w3", down="w2"))
+                experts=expert_stacks(gate="w1", up="w3", down="w2"),
+                description="Mixtral: experts in every layer, softmax top-k",
+                refusals=("router_jitter_noise != 0",))

@@ -23,4 +23,5 @@ def from_contract(cfg) -> Olmo2Config:
 
 
 FAMILY = Family("olmo2", to_contract, from_contract, lambda src: llama_rules(OUTPUT_NORMS, qk_norm=True), "model.",
-                Olmo2Config)
+                Olmo2Config,
+                description="OLMo 2: a norm on each sublayer's output, full-width QK-norm")

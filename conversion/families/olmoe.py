@@ -31,4 +31,6 @@ def from_contract(cfg) -> OlmoeConfig:
 
 FAMILY = Family("olmoe", to_contract, from_contract,
                 lambda src: llama_rules(PRE_NORMS, qk_norm=True, moe=moe_rules()), "model.", OlmoeConfig,
-                experts=expert_stacks())
+                experts=expert_stacks(),
+                description="OLMoE: full-width QK-norm, 64 experts",
+                refusals=("clip_qkv",))

@@ -58,4 +58,5 @@ def rules(src) -> list:
 
 
 FAMILY = Family("openai-gpt", to_contract, from_contract, rules, "transformer.", OpenAIGPTConfig,
-                ignore=(".attn.bias", "position_ids"))
+                ignore=(".attn.bias", "position_ids"),
+                description="GPT-1: post-norm blocks, learned positions, GELU, biases", vllm_native=False)

@@ -58,4 +58,7 @@ def rules(src) -> list:
     ]
 
 
-FAMILY = Family("opt", to_contract, from_contract, rules, "model.", OPTConfig)
+FAMILY = Family("opt", to_contract, from_contract, rules, "model.", OPTConfig,
+                description="OPT: learned positions offset by 2, ReLU",
+                refusals=("word_embed_proj_dim != hidden_size", "post-norm blocks", "no final norm",
+                          "LayerNorms without weights"))

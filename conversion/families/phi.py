@@ -39,4 +39,6 @@ def rules(src) -> list:
     ]
 
 
-FAMILY = Family("phi", to_contract, from_contract, rules, "model.", PhiConfig)
+FAMILY = Family("phi", to_contract, from_contract, rules, "model.", PhiConfig,
+                description="Phi 1 / 1.5 / 2: parallel block, partial RoPE, biases",
+                refusals=("qk_layernorm",))

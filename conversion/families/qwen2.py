@@ -23,4 +23,5 @@ def from_contract(cfg) -> Qwen2Config:
                        rope_parameters=source_rope(cfg))
 
 
-FAMILY = Family("qwen2", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", Qwen2Config)
+FAMILY = Family("qwen2", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", Qwen2Config,
+                description="Qwen 2 / 2.5: q/k/v biases")

@@ -36,4 +36,6 @@ def from_contract(cfg) -> Qwen2MoeConfig:
 
 FAMILY = Family("qwen2_moe", to_contract, from_contract,
                 lambda src: llama_rules(PRE_NORMS, moe=moe_rules(shared="shared_expert", shared_gate=True)),
-                "model.", Qwen2MoeConfig, experts=expert_stacks())
+                "model.", Qwen2MoeConfig, experts=expert_stacks(),
+                description="Qwen1.5-MoE, Qwen2-MoE: routed experts plus a gated shared expert",
+                refusals=("a zero-width shared expert",))

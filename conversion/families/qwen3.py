@@ -24,4 +24,5 @@ def from_contract(cfg) -> Qwen3Config:
 
 
 FAMILY = Family("qwen3", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS, qk_norm=True), "model.",
-                Qwen3Config)
+                Qwen3Config,
+                description="Qwen 3: per-head QK-norm")

@@ -35,4 +35,6 @@ def from_contract(cfg) -> Qwen3_5TextConfig:
 
 
 FAMILY = Family("qwen3_5_text", to_contract, from_contract, lambda src: with_mtp(hybrid_rules(fused=False)), "model.",
-                Qwen3_5TextConfig, head=("lm_head.", "mtp."), mtp_layers=MTP_LAYER)
+                Qwen3_5TextConfig, head=("lm_head.", "mtp."), mtp_layers=MTP_LAYER,
+                description="Qwen3.5 text-only folders: Gated DeltaNet hybrid with dense SwiGLU, MTP layer",
+                refusals=("more than one MTP layer", "MTP embeddings of its own"))

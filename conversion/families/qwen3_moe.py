@@ -51,4 +51,5 @@ def from_contract(cfg) -> Qwen3MoeConfig:
 
 FAMILY = Family("qwen3_moe", to_contract, from_contract,
                 lambda src: llama_rules(PRE_NORMS, qk_norm=True, moe=moe_rules()), "model.", Qwen3MoeConfig,
-                experts=expert_stacks())
+                experts=expert_stacks(),
+                description="Qwen3-MoE: Qwen 3's attention with routed experts")

@@ -122,4 +122,6 @@ def source_mtp_fields(cfg) -> dict:
 FAMILY = Family("qwen3_next", to_contract, from_contract,
                 lambda src: with_mtp(hybrid_rules(moe_rules(shared="shared_expert", shared_gate=True))),
                 "model.", Qwen3NextConfig, head=("lm_head.", "mtp."),
-                experts=expert_stacks() + expert_stacks(layers="mtp.layers"), mtp_layers=MTP_LAYER)
+                experts=expert_stacks() + expert_stacks(layers="mtp.layers"), mtp_layers=MTP_LAYER,
+                description="Qwen3-Next: Gated DeltaNet layers 3:1 with gated attention, experts, MTP layer",
+                refusals=("more than one MTP layer", "MTP embeddings of its own"))

@@ -35,4 +35,6 @@ def from_contract(cfg) -> SmolLM3Config:
     )
 
 
-FAMILY = Family("smollm3", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", SmolLM3Config)
+FAMILY = Family("smollm3", to_contract, from_contract, lambda src: llama_rules(PRE_NORMS), "model.", SmolLM3Config,
+                description="SmolLM3: NoPE every fourth layer",
+                refusals=("sliding layers with `use_sliding_window=False`",))

@@ -6,11 +6,13 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from modular_decoder.conversion import FAMILIES
+    from modular_decoder.conversion import FAMILIES, WRAPPERS
 
     parser.add_argument("src", help="a modular_decoder model folder")
     parser.add_argument("out", help="the folder to write in the family's own format")
-    parser.add_argument("--family", required=True, choices=sorted(FAMILIES), help="target transformers model_type")
+    parser.add_argument("--family", required=True, choices=sorted({*FAMILIES, *WRAPPERS}),
+                        help="target transformers model_type (a multimodal release such as gemma3: the language model "
+                             "back beside the parts `convert` kept in SRC/multimodal)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
 

@@ -91,6 +91,10 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         tags.append("chunked-attention")
     if config.linear_attention_kind.in_use(config):
         tags += ["hybrid-linear-attention", f"linear-attention-{config.linear_attention_type}"]
+    if config.block_types is not None and any(kind != "mixer_mlp" for kind in config.block_types):
+        tags.append("single-sublayer-layers")
+    if "hybrid" in config.layer_types:
+        tags.append("parallel-mixers")
     if config.attn_output_gate:
         tags.append("gated-attention")
     if config.attention_sinks:
@@ -98,7 +102,7 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
     if config.no_rope_layers is not None and not all(config.no_rope_layers):
         tags.append("nope-layers")
     if config.attn_temperature_tuning:
-        tags.append("nope-temperature-tuning")
+        tags.append("nope-temperature-tuning" if config.attn_temperature_layers == "nope" else "query-temperature")
     if config.mlp_kind.routed and config.apply_router_weight_on_input:
         tags.append("router-weight-on-input")
     if config.mlp_kind.routed and config.parallel_dense_mlp:

@@ -182,6 +182,51 @@ PRESETS: dict[str, dict] = {
                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536, norm_eps=1e-6,
                     rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}, tie_word_embeddings=True,
                     no_rope_interval=4),
+    # microsoft/phi-4 config.json (Phi3ForCausalLM: fused qkv_proj and gate_up_proj in its files, GQA 40 / 10, no
+    # sliding window, plain RoPE with base 250,000 over the whole head)
+    "phi4": dict(vocab_size=100352, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                 num_attention_heads=40, num_key_value_heads=10, max_position_embeddings=16384, norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 250000.0}, tie_word_embeddings=False),
+    # allenai/Olmo-3-7B-Instruct config.json (OLMo 2's output norms and full-width QK-norm, MHA; three sliding layers
+    # (window 4,096) for each full one; YaRN x8 from 8,192 on the full layers only)
+    "olmo3": dict(vocab_size=100278, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=65536, norm_eps=1e-6, norm_position="output",
+                  qk_norm="full", sliding_window=4096, sliding_window_pattern=4,
+                  rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                                                      "original_max_position_embeddings": 8192,
+                                                      "attention_factor": 1.2079441541679836, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}},
+                  tie_word_embeddings=False),
+    # mistralai/Ministral-3-8B-Instruct-2512 config.json, its `text_config` (Mistral's layout, GQA 32 / 8 of 128,
+    # YaRN x16 from 16,384; the query temperature 1 + 0.1 log(1 + floor(p / 16,384)); the vision tower is not part of
+    # the model)
+    "ministral3": dict(vocab_size=131072, hidden_size=4096, intermediate_size=14336, num_hidden_layers=34,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                       norm_eps=1e-5, rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                                                       "original_max_position_embeddings": 16384, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                       attn_temperature_tuning=True, floor_scale=16384, attn_scale=0.1, tie_word_embeddings=False),
+    # MiniMaxAI/MiniMax-M2 config.json (62 layers, GQA 48 / 8 of 128 with QK-norm over the whole projection, half of
+    # each head rotated (`rotary_dim` 64); 256 experts of width 1,536 in every layer, chosen by sigmoid scores plus a
+    # correction bias, top 8 renormalised; its weights are published in FP8 with 128x128 blocks)
+    "minimax_m2": dict(vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
+                       num_attention_heads=48, num_key_value_heads=8, head_dim=128, max_position_embeddings=196608,
+                       norm_eps=1e-6, qk_norm="full", partial_rotary_factor=0.5,
+                       rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}, tie_word_embeddings=False,
+                       mlp_type="moe", num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1536,
+                       router_type="sigmoid_topk", norm_topk_prob=True, router_aux_loss_coef=0.001),
+    # zai-org/GLM-4.5 config.json (92 layers, GQA 96 / 8 of 128 with q/k/v biases and per-head QK-norm, half of each
+    # head rotated; the first 3 layers dense, then 160 routed experts of width 1,536 (sigmoid scores with the
+    # correction bias, top 8, renormalised, scaled by 2.5) and one shared; its multi-token-prediction layer is not
+    # part of the model)
+    "glm4_5": dict(vocab_size=151552, hidden_size=5120, intermediate_size=12288, num_hidden_layers=92,
+                   num_attention_heads=96, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                   norm_eps=1e-5, attention_bias=True, attention_output_bias=False, qk_norm="head",
+                   partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                   tie_word_embeddings=False, mlp_type="moe", first_dense_layers=3, num_experts=160,
+                   num_experts_per_tok=8, moe_intermediate_size=1536, n_shared_experts=1, router_type="sigmoid_topk",
+                   routed_scaling_factor=2.5, norm_topk_prob=True),
     # meta-llama/Llama-4-Scout-17B-16E config.json, its `text_config` (48 layers: chunks of 8,192 on the RoPE layers,
     # a NoPE full-attention layer every fourth with the temperature tuned (floor 8,192, scale 0.1); Llama 3 RoPE x8
     # on interleaved pairs; the rotated q / k RMS-normed without weight; 16 experts of width 8,192 in every layer, a
@@ -194,7 +239,7 @@ PRESETS: dict[str, dict] = {
                                                 "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                                 "original_max_position_embeddings": 8192},
         attention_chunk_size=8192, no_rope_interval=4, attn_temperature_tuning=True, floor_scale=8192,
-        attn_scale=0.1, tie_word_embeddings=False, mlp_type="moe", num_experts=16, num_experts_per_tok=1,
+        attn_scale=0.1, attn_temperature_offset=1, attn_temperature_layers="nope", tie_word_embeddings=False, mlp_type="moe", num_experts=16, num_experts_per_tok=1,
         moe_intermediate_size=8192, n_shared_experts=1, router_type="topk_sigmoid", norm_topk_prob=False,
         apply_router_weight_on_input=True, router_aux_loss_coef=0.001),
     # google/gemma-4-E2B config.json, its `text_config` (35 layers, four local (window 512) for each global one; global
@@ -229,6 +274,44 @@ PRESETS: dict[str, dict] = {
         sparse_first_layers=10, tie_word_embeddings=True),
 }
 
+# The Mamba-2 hybrids. Their layouts: the attention layers by index (the rest Mamba-2), or Nemotron-H's pattern, a
+# letter per layer (M: Mamba-2, *: attention, -: MLP, E: experts), each layer one sublayer.
+MAMBA2 = dict(linear_attention_type="mamba2", mamba_d_conv=4, mamba_chunk_size=256, mamba_conv_bias=True,
+              mamba_proj_bias=False)
+PRESETS.update({
+    # ibm-ai-platform/Bamba-9B config.json (32 layers, attention at 9, 18 and 27 with RoPE on half of each head;
+    # Mamba-2 with 128 heads of 64, one group, a state of 128)
+    "bamba": dict(MAMBA2, vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=262144, norm_eps=1e-5,
+                  partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  tie_word_embeddings=False, attention_layers=[9, 18, 27], mamba_n_heads=128, mamba_d_head=64,
+                  mamba_n_groups=1, mamba_d_state=128),
+    # ibm-granite/granite-4.0-h-tiny config.json (40 layers, attention without positions at 5, 15, 25 and 35;
+    # 64 experts of 512, top-6, beside a shared MLP of 1,024; Granite's μP multipliers; Mamba-2 with 48 heads of 64)
+    "granite_4_h_tiny": dict(
+        MAMBA2, vocab_size=100352, hidden_size=1536, intermediate_size=1024, num_hidden_layers=40,
+        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=131072, norm_eps=1e-5,
+        position_embedding_type="none", query_pre_attn_scalar=0.0078125 ** -2, embedding_multiplier=12.0,
+        residual_multiplier=0.22, logits_scaling=6.0, tie_word_embeddings=True, attention_layers=[5, 15, 25, 35],
+        mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mlp_type="moe", num_experts=64,
+        num_experts_per_tok=6, moe_intermediate_size=512, router_type="topk_softmax", n_shared_experts=1,
+        shared_expert_intermediate_size=1024, router_aux_loss_coef=0.0),
+    # nvidia/Nemotron-H-8B-Base-8K config.json (52 layers, each one sublayer: 24 Mamba-2 (128 heads of 64, 8 groups,
+    # chunks of 128), 4 attention layers without positions, 24 relu² MLPs)
+    "nemotron_h": dict(
+        MAMBA2, vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, norm_eps=1e-5, mlp_type="dense",
+        hidden_act="relu2", position_embedding_type="none", tie_word_embeddings=False,
+        block_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", mamba_n_heads=128, mamba_d_head=64,
+        mamba_n_groups=8, mamba_d_state=128, mamba_chunk_size=128),
+})
+# The tiny Mamba-2 layer (8 heads of 16 at d = 64, a state of 16, chunks of 16: in_proj 296 wide, a multiple of 8 as
+# PEFT's block methods ask) and Nemotron-H's tiny pattern
+TINY_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
+TINY_BLOCK_PATTERNS = {False: "M*M-", True: "M*ME"}  # by whether the preset has experts
+NEMOTRON_LAYERS = {"M": ("mixer", "linear_attention", "dense"), "*": ("mixer", "full_attention", "dense"),
+                   "-": ("mlp", "full_attention", "dense"), "E": ("mlp", "full_attention", "sparse")}
+
 # deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3's, with DeepSeek Sparse Attention, a lightning indexer of
 # 64 heads of width 128 in every layer choosing each query's 2,048 keys (its multi-token-prediction layer, as V3's,
 # is not part of the model)
@@ -245,6 +328,23 @@ TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 TINY_INDEXER = dict(index_n_heads=8, index_head_dim=16, index_topk=4)
 
 
+# The pre-training length a tiny preset's scaled RoPE (YaRN, LongRoPE, llama3) extends, so that its scaled range is
+# reached within the tiny `max_position_embeddings`
+TINY_ORIGINAL_LENGTH = 32
+
+
+def _tiny_rope(params: dict | None) -> dict | None:
+    """A preset's RoPE dict (flat, or nested by layer type) with each scaled table extending `TINY_ORIGINAL_LENGTH`."""
+    if not params:
+        return params
+    if all(isinstance(table, dict) for table in params.values()):
+        return {key: _tiny_rope(table) for key, table in params.items()}
+    if not params.get("original_max_position_embeddings"):
+        return params
+    return dict(params, original_max_position_embeddings=TINY_ORIGINAL_LENGTH,
+                factor=TINY["max_position_embeddings"] / TINY_ORIGINAL_LENGTH)
+
+
 def _layer_types(num_layers: int, pattern: int | None, sliding_window: int | None) -> list[str] | None:
     """Every `pattern`-th layer global, the rest local (Gemma 2: pattern 2, Gemma 3: 6)."""
     if pattern is None or sliding_window is None:
@@ -255,6 +355,14 @@ def _layer_types(num_layers: int, pattern: int | None, sliding_window: int | Non
 def _hybrid_layer_types(num_layers: int, interval: int) -> list[str]:
     """Qwen3-Next's `full_attention_interval`: every `interval`-th layer full attention, the others linear."""
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+def _block_pattern(pattern: str, experts: bool) -> dict:
+    """Nemotron-H's pattern (a letter per layer) as `block_types`, `layer_types` and, with experts,
+    `mlp_layer_types`."""
+    blocks, mixers, mlps = (list(column) for column in zip(*(NEMOTRON_LAYERS[letter] for letter in pattern)))
+    fields = dict(num_hidden_layers=len(pattern), block_types=blocks, layer_types=mixers)
+    return dict(fields, mlp_layer_types=mlps) if experts else fields
+
+
 def _no_rope_layers(num_layers: int, interval: int | None) -> list[int] | None:
     """SmolLM3's `no_rope_layer_interval`: every `interval`-th layer NoPE (0), the rest RoPE (1)."""
     if interval is None:
@@ -284,6 +392,8 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     no_rope_interval = fields.pop("no_rope_interval", None)
     double_wide = fields.pop("double_wide_shared_mlp", False)
     sparse_first = fields.pop("sparse_first_layers", None)
+    attention_layers = fields.pop("attention_layers", None)
+    block_pattern = fields.pop("block_pattern", None)
     if tiny:
         heads, kv = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
         fields.update(TINY, num_attention_heads=4, num_key_value_heads=4 if kv == heads else (1 if kv == 1 else 2))
@@ -300,9 +410,9 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields.update(TINY_MLA, q_lora_rank=None if fields["q_lora_rank"] is None else 48)
             if fields["attention_type"] == "dsa":
                 fields.update(TINY_INDEXER)
-        if (fields.get("rope_parameters") or {}).get("original_max_position_embeddings"):  # scaled range still reached
-            fields["rope_parameters"] = dict(fields["rope_parameters"], original_max_position_embeddings=32,
-                                             factor=TINY["max_position_embeddings"] / 32)
+        fields["rope_parameters"] = _tiny_rope(fields.get("rope_parameters"))
+        if fields.get("floor_scale"):  # the query temperature steps within the tiny range too, at the RoPE's length
+            fields["floor_scale"] = TINY_ORIGINAL_LENGTH
         if fields.get("mlp_type") == "moe":
             fields.update(TINY_MOE)
             if fields.get("n_group", 1) > 1:
@@ -318,10 +428,8 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["shared_expert_intermediate_size"] = TINY_MOE["moe_intermediate_size"]
         if no_rope_interval is not None:
             no_rope_interval = 2
-        if "attention_chunk_size" in fields:  # chunks, and a temperature floor, these lengths cross
+        if "attention_chunk_size" in fields:  # chunks these lengths cross
             fields["attention_chunk_size"] = 8
-        if fields.get("floor_scale"):
-            fields["floor_scale"] = 16
         if fields.get("num_kv_shared_layers"):  # a local and a global layer, then two reading theirs
             fields.update(num_hidden_layers=4, num_kv_shared_layers=2)
         if fields.get("global_head_dim"):
@@ -332,12 +440,22 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["laurel_rank"] = 8
         if sparse_first:
             sparse_first = 1
+        if fields.get("linear_attention_type") == "mamba2":  # one Mamba-2 layer, then one attention layer
+            fields.update(TINY_MAMBA2, mamba_n_groups=min(fields["mamba_n_groups"], 2))
+            attention_layers = [1] if attention_layers is not None else None
+        if block_pattern is not None:
+            block_pattern = TINY_BLOCK_PATTERNS[fields.get("mlp_type") == "moe"]
+    if block_pattern is not None:
+        fields.update(_block_pattern(block_pattern, fields.get("mlp_type") == "moe"))
+    if attention_layers is not None and "layer_types" not in overrides:
+        fields["layer_types"] = ["full_attention" if i in attention_layers else "linear_attention"
+                                 for i in range(fields["num_hidden_layers"])]
     fields.update(overrides)
-    if "layer_types" not in overrides:
+    if "layer_types" not in overrides and "layer_types" not in fields:
         fields["layer_types"] = _layer_types(fields["num_hidden_layers"], pattern, fields.get("sliding_window"))
         if interval is not None:
             fields["layer_types"] = _hybrid_layer_types(fields["num_hidden_layers"], interval)
-    if "mlp_layer_types" not in overrides:
+    if "mlp_layer_types" not in overrides and "mlp_layer_types" not in fields:
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     if "no_rope_layers" not in overrides:
         fields["no_rope_layers"] = _no_rope_layers(fields["num_hidden_layers"], no_rope_interval)

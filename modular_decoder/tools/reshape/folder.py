@@ -48,6 +48,7 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
 
     from modular_decoder import ModularDecoderConfig
     from modular_decoder.conversion.io import atomic_folder, check_destination, copy_side_files
+    from modular_decoder.conversion.multimodal import copy_kept_release
 
     from .report import render_card, summary
 
@@ -124,6 +125,7 @@ def reshape_folder(src, out, *, calibration=None, sweep_ranks=None, heal_steps: 
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         copy_side_files(src, tmp)
+        copy_kept_release(src, tmp)  # a release's vision tower and processor, so that it exports back
         timing["total"] = time.perf_counter() - start
         report["timing_s"] = {k: round(v, 2) for k, v in timing.items()}
         report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)

@@ -1,0 +1,87 @@
+"""What the recurrent token mixers (Gated DeltaNet, Mamba-2) share: their entry in the family's cache, and their
+short causal convolution over a prompt, a decode step, a cached window or packed documents.
+
+A mixer subclasses `RecurrentMixer` and sets `layer_idx`, `conv1d` (a depthwise `nn.Conv1d` padded by K - 1),
+`conv_kernel_size` (K), `activation_name` and `activation` (applied after the convolution). The convolution runs
+through causal-conv1d's kernels where they run (`kernels.conv`, `kernels.conv_update`) and the module is plain;
+otherwise the module is called, so hooks and adapters on it run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .delta_rule import causal_conv1d
+from .hybrid_cache import HybridLayer
+from .packed_documents import PackedDocuments, convolve_documents, last_document_only
+from .recurrent_cache import RecurrentLayer
+from .split_products import weight_is_readable
+
+# The activations causal-conv1d's kernels apply (any other runs through the module)
+FUSED_ACTIVATIONS = ("silu", "swish")
+
+
+class RecurrentMixer(nn.Module):
+    """Base of a token mixer that keeps a recurrent state and a convolution window in the cache."""
+
+    layer_idx: int
+    conv1d: nn.Conv1d
+    conv_kernel_size: int
+    activation_name: str
+
+    def _state(self, cache) -> RecurrentLayer | None:
+        """This layer's entry of `cache` (the family's `ModularDecoderCache`), or a `ValueError` naming the cache
+        where another kind was passed: a K/V cache has no place for a recurrent state."""
+        if cache is None:
+            return None
+        layers = getattr(cache, "layers", None)
+        layer = layers[self.layer_idx] if isinstance(layers, list) and self.layer_idx < len(layers) else None
+        layer = layer.recurrent if isinstance(layer, HybridLayer) else layer  # a hybrid layer's state
+        if not isinstance(layer, RecurrentLayer):
+            raise ValueError(
+                f"`cache` is a {type(cache).__name__} whose layer {self.layer_idx} cannot hold this "
+                "'linear_attention' layer's state: pass `modular_decoder.ModularDecoderCache(config)` (generate "
+                "builds one by itself)."
+            )
+        return layer
+
+    def _convolve(self, x: torch.Tensor, layer, kernels) -> torch.Tensor:
+        """The short causal convolution of x (B, C, T), continuing the cached window when there is one.
+
+        A decode step on causal-conv1d updates the window in place (not while the cache records: a crop may need the
+        window before it); everything else prepends the cached window (`RecurrentLayer.update_conv_state`) and
+        convolves, through causal-conv1d's kernel where it runs and the module is plain, else by calling the module."""
+        fused = self._fused_conv(kernels)
+        seq = x.shape[-1]
+        if fused and layer is not None and layer.conv_state is not None and seq == 1 and not layer.record_past:
+            layer.count_step()
+            return kernels.conv_update(x, layer.conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                       self.activation_name)
+        if layer is not None:
+            x = layer.update_conv_state(x, conv_kernel_size=self.conv_kernel_size)
+        return self._convolution(x, kernels, fused)[..., -seq:]
+
+    def _convolve_documents(self, x: torch.Tensor, layer, kernels, documents: PackedDocuments) -> torch.Tensor:
+        """The short causal convolution of x (B, C, T) over packed documents, each from zeros
+        (`packed_documents.convolve_documents`); the cache keeps each row's last document's window."""
+        if layer is not None:
+            layer.update_conv_state(last_document_only(x, documents), conv_kernel_size=self.conv_kernel_size)
+        fused = self._fused_conv(kernels)
+        return convolve_documents(x, documents, self.conv_kernel_size,
+                                  lambda row: self._convolution(row, kernels, fused))
+
+    def _fused_conv(self, kernels) -> bool:
+        """Whether causal-conv1d's kernels compute the convolution: where they run, for its activations, on a plain
+        module (otherwise the module is called, so hooks and adapters on it run)."""
+        return (kernels.conv is not None and self.activation_name in FUSED_ACTIVATIONS
+                and weight_is_readable(self.conv1d, nn.Conv1d))
+
+    def _convolution(self, x: torch.Tensor, kernels, fused: bool) -> torch.Tensor:
+        """activation(causal convolution of x (B, C, L)), zero-padded on the left, no cache."""
+        if fused:
+            return kernels.conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation_name)
+        return causal_conv1d(x, self.conv1d, self.activation)
+
+
+__all__ = ["FUSED_ACTIVATIONS", "RecurrentMixer"]
