@@ -62,5 +62,5 @@ def register_linear_attention(kind: LinearAttentionKind, replace: bool = False) 
     return LINEAR_ATTENTIONS.register(kind, replace=replace)
 
 
-__all__ = ["ATTENTIONS", "FEATURES", "FIELD_MIXINS", "RESIDUAL_STREAMS", "LINEAR_ATTENTIONS", "MLPS", "POSITIONS", "NORMS", "register_attention",
-           "register_linear_attention", "register_mlp"]
+__all__ = ["ATTENTIONS", "FEATURES", "FIELD_MIXINS", "RESIDUAL_STREAMS", "LINEAR_ATTENTIONS", "MLPS", "POSITIONS",
+           "NORMS", "register_attention", "register_linear_attention", "register_mlp"]

@@ -288,3 +288,54 @@ def converted_pair(case: str, path, attn_implementation=None):
     theirs = tf.AutoModelForCausalLM.from_pretrained(path / "theirs", **implementation).eval()
     convert(path / "theirs", path / "ours", progress=False)
     return theirs, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval(), path
+
+
+def preset_parameter_counts(name: str, family: str, tiny: bool) -> tuple[int, int, int]:
+    """Preset `name` exported to `family`'s config: the parameters of transformers' class built from it on the meta
+    device, the contract's formula, ours on meta."""
+    from modular_decoder import ModularDecoderForCausalLM, parameter_count, preset_config
+    from modular_decoder.conversion import get_family
+
+    config = preset_config(name, tiny=tiny)
+    with torch.device("meta"):
+        theirs = tf.AutoModelForCausalLM.from_config(get_family(family).from_contract(config))
+        ours = ModularDecoderForCausalLM(config)
+    return sum(p.numel() for p in theirs.parameters()), parameter_count(config)["total"], ours.num_parameters()
+
+
+def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_step=None):
+    """A LoRA adapter on `targets` made on transformers' model in `path / "theirs"` and loaded onto ours in
+    `path / "ours"` (checked: the same modules adapted, the same logits on `ids`), trained one SGD step there (after
+    `before_step(ours)`), saved under `out` and loaded back onto transformers' model (checked: ours' logits).
+    Returns (ours, its logits before the step)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from modular_decoder import ModularDecoderForCausalLM
+
+    def adapted(model) -> set[str]:
+        return {name.rsplit(".", 2)[-2] for name, _ in model.named_modules() if name.endswith(".base_layer")}
+
+    config = LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+    torch.manual_seed(1)
+    theirs = get_peft_model(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), config).eval()
+    theirs.save_pretrained(out / "adapter")
+    ours = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(path / "ours"), out / "adapter",
+                                     is_trainable=True)
+    assert adapted(ours) == adapted(theirs) == set(targets)
+    with torch.no_grad():
+        before = ours(ids).logits
+        torch.testing.assert_close(before, theirs(ids).logits, rtol=1e-5, atol=1e-5)
+    if before_step is not None:
+        before_step(ours)
+    optimizer = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=0.1)
+    ours.train()
+    ours(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    ours.eval()
+    # (the adapter names transformers' folder as its base, whose config.json PEFT's vocabulary check would read
+    # with our config class: nothing was resized, so say so)
+    ours.save_pretrained(out / "trained", save_embedding_layers=False)
+    back = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), out / "trained").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+    return ours, before

@@ -28,7 +28,8 @@ COMBINATIONS = {
     # Gemma 4's experts beside a dense MLP, routed by Llama 4's top-1 sigmoid, on a pre-norm block with LAUREL
     "prenorm_dense_beside_sigmoid_experts": dict(
         BASE, mlp_type="moe", num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16,
-        router_type="topk_sigmoid", norm_topk_prob=False, parallel_dense_mlp=True, router_input_norm=True, router_expert_scale=True, laurel_rank=4),
+        router_type="topk_sigmoid", norm_topk_prob=False, parallel_dense_mlp=True, router_input_norm=True,
+        router_expert_scale=True, laurel_rank=4),
     # AltUp around latent attention (MLA) with chunked local layers
     "mla_altup_chunked": dict(
         BASE, attention_type="mla", q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,

@@ -8,6 +8,9 @@ normed, scaled router with a scale per expert.
 
 transformers holds the global layers' shapes in its `per_layer_config` (made from the `global_head_dim` and
 `num_global_key_value_heads` its config takes); the contract names them as fields.
+`use_bidirectional_attention="vision"` (the larger releases) lets image tokens attend both ways inside the multimodal
+wrapper, where the text model itself is causal: it converts, and a text-only export leaves it unset (a `gemma4`
+release export keeps the release's value); `"all"` is refused.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def _widths(src) -> list[int] | None:
 
 
 def to_contract(src) -> dict:
-    refuse({"use_bidirectional_attention": src.use_bidirectional_attention is not None}, "gemma4")
+    # "vision" makes image tokens attend both ways inside the multimodal wrapper; the text model itself stays causal
+    refuse({"use_bidirectional_attention='all'": src.use_bidirectional_attention == "all"}, "gemma4")
     # the sliding layers' heads, as the fields' global values: the global layers' are read from `per_layer_config`
     src.allow_global_per_layer_attribute_access = True
     per_layer = src.hidden_size_per_layer_input
@@ -140,4 +144,4 @@ def rules(src) -> list:
 FAMILY = Family("gemma4_text", to_contract, from_contract, rules, "model.", Gemma4TextConfig,
                 description="Gemma 4 text model: per-layer attention shapes, keys and values shared across layers, "
                             "per-layer embeddings, experts beside the dense MLP",
-                refusals=("bidirectional attention (`use_bidirectional_attention`)",))
+                refusals=("bidirectional attention (`use_bidirectional_attention='all'`)",))

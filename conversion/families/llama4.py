@@ -14,7 +14,8 @@ from __future__ import annotations
 from transformers import Llama4TextConfig
 
 from ..core import Family, rule
-from .common import PRE_NORMS, llama_rules, rope, router_training, source_rope, source_router_training, source_sizes, sizes
+from .common import (PRE_NORMS, llama_rules, rope, router_training, source_rope, source_router_training,
+                     source_sizes, sizes)
 
 # transformers' Llama 4 values where temperature tuning is off (its fields stay typed)
 TEMPERATURE_DEFAULTS = {"floor_scale": 8192, "attn_scale": 0.1}

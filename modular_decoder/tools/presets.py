@@ -239,7 +239,8 @@ PRESETS: dict[str, dict] = {
                                                 "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                                 "original_max_position_embeddings": 8192},
         attention_chunk_size=8192, no_rope_interval=4, attn_temperature_tuning=True, floor_scale=8192,
-        attn_scale=0.1, attn_temperature_offset=1, attn_temperature_layers="nope", tie_word_embeddings=False, mlp_type="moe", num_experts=16, num_experts_per_tok=1,
+        attn_scale=0.1, attn_temperature_offset=1, attn_temperature_layers="nope", tie_word_embeddings=False,
+        mlp_type="moe", num_experts=16, num_experts_per_tok=1,
         moe_intermediate_size=8192, n_shared_experts=1, router_type="topk_sigmoid", norm_topk_prob=False,
         apply_router_weight_on_input=True, router_aux_loss_coef=0.001),
     # google/gemma-4-E2B config.json, its `text_config` (35 layers, four local (window 512) for each global one; global
