@@ -104,6 +104,27 @@ def _deepseek_moe_config(quick: bool):
     return config
 
 
+def _gpt_oss_config(quick: bool):
+    if quick:
+        return tf.GptOssConfig(**TINY, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=16)
+    # gpt-oss's structure (attention sinks, 128-token windows alternating with full layers, YaRN, GQA 8:1, a
+    # biased router over 32 biased experts of width d with the clamped SwiGLU, top-4) at d=512 x 6
+    return tf.GptOssConfig(vocab_size=32000, hidden_size=512, intermediate_size=512, num_hidden_layers=6,
+                           num_attention_heads=8, num_key_value_heads=1, head_dim=64, num_local_experts=32,
+                           num_experts_per_tok=4, sliding_window=128)
+
+
+def _smollm3_config(quick: bool):
+    if quick:
+        return tf.SmolLM3Config(**TINY, num_key_value_heads=2, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    # SmolLM3's structure (no rotary position in every fourth layer, GQA 3:1, tied embeddings) at SmolLM2-135M's
+    # shape (d=576 x 30, 9 heads): the published SmolLM3-3B is too slow for a CPU suite
+    return tf.SmolLM3Config(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                            num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                            max_position_embeddings=8192, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+
+
 CONFIGS: dict[str, Callable] = {
     "llama": _llama_config,
     "gpt2": _gpt2_config,
@@ -112,9 +133,11 @@ CONFIGS: dict[str, Callable] = {
     "deepseek_v3": _deepseek_v3_config,
     "mixtral": _mixtral_config,
     "deepseek_moe": _deepseek_moe_config,
+    "gpt_oss": _gpt_oss_config,
+    "smollm3": _smollm3_config,
 }
 # The families with routed experts (their roofline counts the active weights only)
-MOE_FAMILIES = ("mixtral", "deepseek_moe")
+MOE_FAMILIES = ("mixtral", "deepseek_moe", "gpt_oss")
 LABELS = {
     "llama": "SmolLM2-135M (real, GGUF Q4_1 -> fp32)",
     "gpt2": "distilgpt2 shape (random)",
@@ -123,6 +146,8 @@ LABELS = {
     "deepseek_v3": "DeepSeek-V3 MLA dense, d=512 x 6 (random)",
     "mixtral": "Mixtral structure, d=512 x 6, 8 experts top-2 (random)",
     "deepseek_moe": "DeepSeek-V3 MoE structure, MLA, d=512 x 6, 64 experts top-6 + 1 shared (random)",
+    "gpt_oss": "gpt-oss structure (sinks, alternating windows), d=512 x 6, 32 experts top-4 (random)",
+    "smollm3": "SmolLM3 structure (NoPE every 4th layer) at SmolLM2-135M's shape (random)",
 }
 # LoRA target modules (transformers' names, ours) covering the same linear maps on both sides: q and v
 # where both have them; the attention output and FFN down projections where transformers fuses QKV
@@ -135,6 +160,8 @@ LORA_TARGETS = {
     "deepseek_v3": (["q_b_proj", "kv_b_proj"], ["q_b_proj", "kv_b_proj"]),
     "mixtral": (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
     "deepseek_moe": (["q_b_proj", "kv_b_proj"], ["q_b_proj", "kv_b_proj"]),
+    "gpt_oss": (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
+    "smollm3": (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
 }
 
 

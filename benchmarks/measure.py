@@ -278,13 +278,16 @@ def decode(model, prompt: torch.Tensor, new_tokens: int, window: int = 8, sample
 
 def inactive_expert_bytes(model) -> int:
     """Bytes of routed experts a batch-1 decode step does not read: in every experts module (3-D
-    `gate_up_proj` / `down_proj`, one slice per expert) all but the `num_experts_per_tok` chosen."""
+    `gate_up_proj` / `down_proj`, one slice per expert, and their per-expert biases where there are any, as
+    gpt-oss's) all but the `num_experts_per_tok` chosen."""
     total = 0
     for module in model.modules():
         params = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
         if all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in params):
             top_k = model.config.get_text_config().num_experts_per_tok
             experts = params[0].shape[0]
+            biases = [getattr(module, name, None) for name in ("gate_up_proj_bias", "down_proj_bias")]
+            params += [b for b in biases if isinstance(b, torch.nn.Parameter)]
             per_expert = sum(p[0].numel() * p.element_size() for p in params)
             total += (experts - min(top_k, experts)) * per_expert
     return total

@@ -103,9 +103,10 @@ def _training_text(base, args):
 
 
 def cases(reference, ours, with_mtp, counts: list[int]) -> dict:
-    """{case: (model, generate keyword arguments)}: `ours_mtp` drafts `counts[0]` tokens per step, `ours_mtp_k{K}`
-    each further K of `counts`; with a draft vocabulary, also the same modules drafting `counts[0]` over the whole
-    vocabulary (`ours_mtp_whole_vocab`, a copy of the model without it)."""
+    """{case: (model, generate keyword arguments)}: `ours_mtp` drafts at most `counts[0]` tokens per step (as many
+    as pay, by the call's measurements: `draft_schedule.py`), `ours_mtp_constant` exactly `counts[0]` every step,
+    `ours_mtp_k{K}` at most each further K of `counts`; with a draft vocabulary, also the same modules drafting at
+    most `counts[0]` over the whole vocabulary (`ours_mtp_whole_vocab`, a copy of the model without it)."""
     from modular_decoder.draft_vocab import set_draft_vocab
 
     layers = ours.config.num_hidden_layers
@@ -114,6 +115,7 @@ def cases(reference, ours, with_mtp, counts: list[int]) -> dict:
         "transformers": (reference, {}),
         "ours": (ours, {}),
         "ours_mtp": (with_mtp, mtp),
+        "ours_mtp_constant": (with_mtp, mtp | {"num_assistant_tokens_schedule": "constant"}),
         **{f"ours_mtp_k{count}": (with_mtp, mtp | {"mtp_draft_tokens": count}) for count in counts[1:]},
         "ours_prompt_lookup": (ours, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
         "ours_early_exit": (ours, {"assistant_early_exit": min(EARLY_EXIT_LAYER, layers - 1)}),
@@ -142,7 +144,7 @@ def decode_case(model, prompt, new_tokens: int, kwargs: dict):
             seconds = time.perf_counter() - start
         return {"tokens_per_s": (new_tokens - 1) / max(seconds - first, 1e-9), "tokens": tokens[0].tolist(),
                 "forwards": drafts.forwards, "drafted": drafts.drafted, "steps": drafts.steps,
-                "accepted_at_least": drafts.accepted_at_least}
+                "drafted_at_least": drafts.drafted_at_least, "accepted_at_least": drafts.accepted_at_least}
     return run
 
 
@@ -179,11 +181,11 @@ def drafting(model, text, hidden, cache, count: int, drafts: int | None = None):
     """One speculative step's `drafts` drafts (default `count`) as a call (the modules' cache cropped back after
     it): the modules drafting after `text` (1, T) but its last `count`+1 tokens, from the model's last hidden states
     `hidden` over `text[:, :-count-1]` (its forward into `cache`), their own cache filled with what comes before."""
-    from modular_decoder.mtp_generation import _generator_class, drafting_tokens
+    from modular_decoder.mtp_generation import DraftingOptions, MtpCandidateGenerator, drafting_options
 
-    with drafting_tokens(drafts or count):
-        generator = _generator_class()(model, model.generation_config, {"cache": cache}, None)
-    drafter, mtp_cache = generator.mtp_model, generator.mtp_cache
+    with drafting_options(DraftingOptions(drafts or count)):
+        generator = MtpCandidateGenerator(model, model.generation_config, {"cache": cache}, None)
+    drafter, mtp_cache = generator.drafter, generator.cache
     prefix = text[:, 1:-count - 1]
     drafter(prefix, hidden[:, :-1], None, torch.arange(1, prefix.shape[1] + 1).unsqueeze(0), mtp_cache)
     last = hidden[:, -1:]
@@ -214,13 +216,16 @@ def table(results: dict) -> str:
     """The printed (and rendered) table: per case the median decode tokens/s over prompts, the ratio to ours plain
     and to transformers, the acceptance and whether every token matched."""
     rows = results["cases"]
-    lines = ["| case | decode tok/s (median over prompts) | vs ours plain | vs transformers | acceptance | same tokens |",
-             "|---|---:|---:|---:|---:|:---:|"]
+    lines = ["| case | decode tok/s (median over prompts) | vs ours plain | vs transformers | acceptance | "
+             "steps that drafted | same tokens |",
+             "|---|---:|---:|---:|---:|---:|:---:|"]
     base, theirs = rows["ours"]["tokens_per_s"], rows["transformers"]["tokens_per_s"]
     for name, row in rows.items():
         acceptance = f"{row['acceptance']:.0%}" if row.get("acceptance") is not None else ""
+        drafting = f"{row['drafting_steps']:.0%}" if row.get("drafting_steps") is not None else ""
         lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f} | "
-                     f"{row['tokens_per_s'] / theirs:.2f} | {acceptance} | {'yes' if row['same_tokens'] else 'NO'} |")
+                     f"{row['tokens_per_s'] / theirs:.2f} | {acceptance} | {drafting} | "
+                     f"{'yes' if row['same_tokens'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     overhead = _generate_overhead(results, parts)
     ceilings = {}
     for count in counts:
-        row = results["cases"][mtp_case(counts, count)]
+        row = results["cases"][ceiling_case(counts, count)]
         ceilings[str(count)] = ceiling(parts, count, row["acceptance"], overhead, row.get("position_acceptance"))
     results.update(label=label, new_tokens=args.new_tokens, repeats=args.repeats, mtp=made, draft_tokens=counts,
                    draft_vocab=with_mtp.config.mtp_draft_vocab_size,
@@ -279,8 +284,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def mtp_case(counts: list[int], count: int) -> str:
-    """The case that drafts `count` tokens per step (`cases`)."""
+    """The case that drafts at most `count` tokens per step (`cases`)."""
     return "ours_mtp" if count == counts[0] else f"ours_mtp_k{count}"
+
+
+def ceiling_case(counts: list[int], count: int) -> str:
+    """The case whose acceptance gives the ceiling of `count` drafts per step: the one drafting `count` every step
+    where there is one."""
+    return "ours_mtp_constant" if count == counts[0] else mtp_case(counts, count)
 
 
 def summarize(runs: dict, new_tokens: int) -> dict:
@@ -304,10 +315,14 @@ def summarize(runs: dict, new_tokens: int) -> dict:
             "prompts": prompts,
         }
         steps = sum(values[case][0].get("steps", 0) for values in runs.values())
-        if steps:  # the share of every prompt's steps that kept at least j drafts, per position j
-            kept = [values[case][0]["accepted_at_least"] for values in runs.values()]
+        if steps:  # per position j, the share of every prompt's steps drafting j drafts that kept at least j
+            kept, tried = ([values[case][0][name] for values in runs.values()]
+                           for name in ("accepted_at_least", "drafted_at_least"))
             per_case[case]["position_acceptance"] = [
-                sum(row[j] for row in kept if j < len(row)) / steps for j in range(max(len(row) for row in kept))]
+                sum(row[j] for row in kept if j < len(row)) / sum(row[j] for row in tried if j < len(row))
+                for j in range(max(len(row) for row in tried))]
+            # the share of the steps after the prefill that drafted (the rest decoded plainly)
+            per_case[case]["drafting_steps"] = steps / sum(values[case][0]["forwards"] - 1 for values in runs.values())
     return {"cases": per_case}
 
 

@@ -523,8 +523,9 @@ def sinks_section(run: dict | None) -> str:
         f"One attention layer of gpt-oss's widths (hidden {shape['hidden_size']}, {shape['num_attention_heads']} query "
         f"heads of {shape['head_dim']} over {shape['num_key_value_heads']} K/V heads), random weights, called directly: "
         "a prefill of T tokens (no mask: SDPA's own causal path) and one decode step against S cached tokens. SDPA "
-        "with sinks takes them as one more key (K and V copied 8 features wider per call); the eager reference with "
-        "them materializes the scores. Median ms of alternating rounds (ratio: against SDPA without sinks) and, in "
+        "with sinks takes them as one more key in a prefill (K and V copied 8 features wider per call) and scores "
+        "the cached keys directly in a decode step (`sinks.few_queries_with_sinks`: no copy); the eager reference "
+        "with them materializes the scores. Median ms of alternating rounds (ratio: against SDPA without sinks) and, in "
         "one untimed call of each, the peak memory above the start (MB).", "",
         "| step | " + " | ".join(f"{label} ms" for _, label in SINK_CASES) + " | SDPA sinks / SDPA | eager sinks / SDPA | "
         + " | ".join(f"{label} peak MB" for _, label in SINK_CASES) + " |",
@@ -565,7 +566,7 @@ def gpu_section(gpu: dict | None) -> str:
     lines = ["## GPU: ours against transformers on one accelerator (bf16)", ""]
     if gpu is None:
         return "\n".join(lines + [
-            "No run of `benchmarks/gpu.py` is recorded yet (no GPU was lent to the sessions since it was written). "
+            "No run of `benchmarks/gpu/` is recorded yet (no GPU was lent to the sessions since it was written). "
             "On a GPU machine:", "", "```bash",
             "python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && "
             "PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out benchmarks/results_gpu.json", "```", "",
@@ -580,7 +581,7 @@ def mtp_section(run: dict | None) -> str:
     lines = ["## Multi-token prediction (SmolLM2-135M, batch 1, CPU fp32)", ""]
     if run is None:
         return not_recorded(lines, "mtp_decode", "results_mtp_decode.json")
-    from .mtp_decode import mtp_case, table as mtp_table
+    from .mtp_decode import ceiling_case, mtp_case, table as mtp_table
 
     made, parts = run["mtp"], run["step_ms"]
     modules = made["num_mtp_layers"]
@@ -598,7 +599,11 @@ def mtp_section(run: dict | None) -> str:
         f"({len(acceptance)} prompts: {', '.join(acceptance)}); each case's decode tokens/s is its median over the "
         "prompts of the median over repeats, the cases alternating in one process. `ours_mtp` drafts "
         f"{counts[0]} token(s) per step with {modules} MTP module(s) {trained} (`generate(use_mtp=True, "
-        f"mtp_draft_tokens=K)`{'; ' + further if further else ''}); prompt lookup drafts "
+        f"mtp_draft_tokens=K)`{'; ' + further if further else ''})"
+        + (", at most: each step drafts as many as pay at the acceptance and step times the call measures "
+           "(none where drafting does not pay; [using.md](using.md#multi-token-prediction)), and "
+           "`ours_mtp_constant` drafts K every step" if "ours_mtp_constant" in run["cases"] else "")
+        + "; prompt lookup drafts "
         "3 tokens, early exit drafts with the first 12 layers. Every case's tokens are compared with ours plain."
         + _draft_vocab_sentence(run), "",
         mtp_table(run), "",
@@ -615,7 +620,8 @@ def mtp_section(run: dict | None) -> str:
         "plain decoding with every draft accepted and at the measured acceptance:", "",
         "| K | steps that kept at least j drafts | tokens per step | every draft accepted | at the measured acceptance |",
         "|---:|---|---:|---:|---:|",
-        *(_ceiling_row(k, run["cases"][mtp_case(counts, k)], run["ceiling"][str(k)]) for k in counts),
+        *(_ceiling_row(k, run["cases"][ceiling_case(counts, k) if ceiling_case(counts, k) in run["cases"]
+                                      else mtp_case(counts, k)], run["ceiling"][str(k)]) for k in counts),
     ]
     return "\n".join(lines)
 
@@ -665,8 +671,9 @@ def conversion_memory_section(run: dict) -> str:
     lines = ["## Converting and exporting checkpoints of several GB (CPU)", "", "```bash",
              f"HF_HUB_OFFLINE=1 .venv/bin/{command_of(run)}", "```", "",
              "Synthetic bf16 checkpoints in the files `save_pretrained` writes for their family (5 GB shards; Mixtral: "
-             "one tensor per expert), converted by `modular_decoder.conversion.convert` and exported back by `export`, "
-             "each in a fresh process: the peak resident memory above the process's level after its imports and a "
+             "one tensor per expert; gpt-oss as published, its experts in MXFP4 with gpt-oss-20b's widths, which "
+             "dequantize to 4x their size), converted by `modular_decoder.conversion.convert` and exported back by "
+             "`export`, each in a fresh process: the peak resident memory above the process's level after its imports and a "
              "warm-up conversion of a tiny checkpoint (`VmHWM`, reset there), and the wall seconds of reading and "
              "writing the whole checkpoint (disk-bound, on a shared machine).", "",
              "| layout | checkpoint | largest tensor | step | peak above the baseline | share of the checkpoint | "
@@ -675,10 +682,44 @@ def conversion_memory_section(run: dict) -> str:
         checkpoint = result["checkpoint"]
         for what in ("convert", "export"):
             row = result[what]
+            converted = (f" (MXFP4 experts; {checkpoint['converted_bytes'] / 1e9:.2f} GB converted)"
+                         if result["layout"] == "gpt_oss" else "")
             lines.append(f"| {result['layout']} ({checkpoint['layers']} layers) | {checkpoint['bytes'] / 1e9:.2f} GB in "
-                         f"{checkpoint['files']} files | {checkpoint['largest_tensor_bytes'] / 2**20:.0f} MiB | {what} | "
+                         f"{checkpoint['files']} files{converted} | "
+                         f"{checkpoint['largest_tensor_bytes'] / 2**20:.0f} MiB | {what} | "
                          f"{row['peak_above_mb']:.0f} MB | {100 * row['peak_fraction_of_checkpoint']:.1f}% | "
                          f"{row['seconds_median']:.0f} |")
+    return "\n".join(lines)
+
+
+# --- benchmarks/results_gpt_oss_smollm3.json: `python -m benchmarks run --families gpt_oss smollm3 ...` -------
+
+def later_families_section(results: dict | None) -> str:
+    """gpt-oss and SmolLM3 against their transformers classes: `run`'s table for the families measured after the
+    seven of results.json (same harness, its own run)."""
+    from . import run
+
+    lines = ["## gpt-oss and SmolLM3 against transformers (CPU, fp32)", ""]
+    if results is None:
+        return not_recorded(lines, "run --families gpt_oss smollm3", "results_gpt_oss_smollm3.json")
+    fams = results["families"]
+    record = results["provenance"]
+    timed = [v["all"] for r in fams.values() for metric in r["metrics"].values() for side, v in metric.items()
+             if side in ("transformers", "ours") and isinstance(v, dict) and len(v.get("all", [])) > 1]
+    lines += [
+        *command_block(results),
+        "The same harness and rules as the section above (`benchmarks/run.py`), for gpt-oss "
+        "(`GptOssForCausalLM`, which has no SDPA path in transformers: eager there, SDPA with sinks here) and "
+        "SmolLM3 (`SmolLM3ForCausalLM`), each against ours with the same weights, "
+        f"{record['machine']['torch_threads']} torch threads; speed only (`--no-memory --no-train`).", "",
+        run.table(results, _run_args(results)), "",
+        f"- Prefill 1x{_run_args(results).prefill}: " + ", ".join(f"{f} {r['metrics']['prefill_1']['ratio']['ours']:.2f}x"
+                                          for f, r in fams.items()) + "; batch-1 decode: "
+        + ", ".join(f"{f} {r['metrics']['decode_1']['ratio']['ours']:.2f}x"
+                    f" ({r['metrics']['decode_1']['ratio']['ours, no split products']:.2f}x without the split products)"
+                    for f, r in fams.items()) + ".",
+        "", spread_note(timed, results),
+    ]
     return "\n".join(lines)
 
 
@@ -693,6 +734,7 @@ class Section:
 
 SECTIONS = (
     Section(("results.json",), families_section),
+    Section(("results_gpt_oss_smollm3.json",), later_families_section, optional=True),
     Section(("results_compiled_decode.json", "results.json"), compiled_section),
     Section(("results_serving.json",), serving_section),
     Section(("results_mla_prefill.json",), mla_prefill_section),
@@ -821,9 +863,18 @@ def benchmark_list() -> str:
     """benchmarks/README.md's table: every registered benchmark, what it measures, the JSON it commits."""
     from .registry import BENCHMARKS
 
+    here = ROOT / "benchmarks"
+
+    def source(module: str) -> str:  # a module, or a package (the GPU matrix)
+        return f"benchmarks/{module}/" if (here / module).is_dir() else f"benchmarks/{module}.py"
+
+    def result(writes: str | None) -> str:
+        if writes is None:
+            return "—"
+        return f"`benchmarks/{writes}`" if (here / writes).exists() else f"none yet (it writes `benchmarks/{writes}`)"
+
     lines = ["| `python -m benchmarks NAME` | measures | committed result |", "|---|---|---|"]
-    lines += [f"| `{b.name}` (`benchmarks/{b.module}.py`) | {b.measures} | "
-              f"{f'`benchmarks/{b.writes}`' if b.writes else '—'} |" for b in BENCHMARKS]
+    lines += [f"| `{b.name}` (`{source(b.module)}`) | {b.measures} | {result(b.writes)} |" for b in BENCHMARKS]
     return "\n".join(lines)
 
 

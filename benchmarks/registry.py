@@ -56,8 +56,9 @@ BENCHMARKS = (
     Benchmark("reshape_mla", "reshape_mla", "SmolLM2-135M converted to MLA (TransMLA's steps) at several ranks: KV "
               "bytes, held-out perplexity, conversion time and memory", "results_reshape_mla.json"),
     Benchmark("conversion_memory", "conversion_memory", "converting and exporting synthetic checkpoints of 8.5 GB "
-              "(Llama and Mixtral layouts, bf16, 5 GB shards) in fresh processes: the peak resident memory above the "
-              "baseline, and the time", "results_conversion_memory.json"),
+              "(Llama and Mixtral layouts, bf16, 5 GB shards; gpt-oss as published, MXFP4 experts, about 8.5 GB "
+              "once converted) in fresh processes: the peak resident memory above the baseline, and the time",
+              "results_conversion_memory.json"),
     Benchmark("sinks", "sinks", "one attention layer of gpt-oss's widths, prefill and a decode step: SDPA with "
               "attention sinks against SDPA without them and eager with them (time, peak memory)", "results_sinks.json"),
     Benchmark("hybrid", "hybrid", "hybrid linear attention: prefill and decode against transformers' "

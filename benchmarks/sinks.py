@@ -1,7 +1,7 @@
 """What attention sinks cost on each CPU backend: one attention layer of gpt-oss's widths (64 query heads of 64 over
-8 K/V heads), a prefill of T tokens and a decode step against S cached tokens, SDPA with sinks (one more key, heads
-8 features wider, K and V copied per call) against SDPA without them and against the eager reference with them
-(time, peak memory; fp32).
+8 K/V heads), a prefill of T tokens and a decode step against S cached tokens, SDPA with sinks (a prefill: one more
+key, heads 8 features wider, K and V copied per call; a decode step: the cached keys scored directly) against SDPA
+without them and against the eager reference with them (time, peak memory; fp32).
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks sinks [--prefill 512 2048] [--contexts 2048 8192]
         [--repeats 3] [--out benchmarks/results_sinks.json]

@@ -254,7 +254,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
             src_cfg, held = _family_config(fam, cfg), {}
         else:
             release_raw, src_cfg, held = _release_config(kept, fam, cfg)
-        _check_round_trip(cfg, ModularDecoderConfig(**{**fam.to_contract(src_cfg), **held}), family)
+        _check_round_trip(cfg, {**fam.to_contract(src_cfg), **held}, family)
         tensors = {k: v for k, v in folder_tensors(src).items() if k not in _NOT_EXPORTED}
         tied = cfg.tie_word_embeddings
         if tied and head in tensors:  # a tied contract's head is the embedding: checked, then not read again
@@ -307,7 +307,7 @@ def _release_config(kept: KeptRelease, family: Family, cfg):
 
     original = ModularDecoderConfig(**kept.manifest["contract"])
     check_fits(kept, cfg, original)
-    changed = bool(_differing_fields(cfg, original))
+    changed = bool(_differing_fields(cfg, original.to_dict()))
     base = family.from_contract(original).to_dict() if changed else None
     new = _family_config(family, cfg).to_dict() if changed else None
     raw = release_config(kept, cfg, original, base, new)
@@ -362,9 +362,10 @@ def _mtp_tensors(plan: list[RuleInstance], produced: dict) -> dict:
 
 
 def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
-    """The tensors `save_pretrained` writes for the family's model tensors `names` (in this order): renamed
-    back to the file's prefixes, stacked experts split into one tensor per expert. Returns ({file name:
-    (dtype, shape)}, {model name: [Sink]})."""
+    """The file tensors `save_pretrained` writes for the family's model tensors `names`, and where each goes.
+
+    In this order: renamed back to the file's prefixes, stacked experts split into one tensor per expert. Returns
+    ({file name: (dtype, shape)}, {model name: [Sink]})."""
     planned, sinks = {}, {}
     for name in names:
         tensor = produced[name]
@@ -384,8 +385,10 @@ def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
 
 
 def check_verify_memory(parameters: int) -> None:
-    """`--verify` runs the source and the converted model side by side in float32: refuse, before converting,
-    where this machine's available memory cannot hold both (it would run out after the whole conversion)."""
+    """Raise a `ValueError` before converting where this machine's memory cannot hold what `--verify` loads.
+
+    `--verify` runs the source and the converted model side by side in float32 (it would run out after the
+    whole conversion)."""
     import psutil
 
     needed = 2 * 4 * parameters
@@ -415,20 +418,39 @@ def _family_config(family: Family, cfg):
         raise ValueError(f"The {family.name} format cannot express this checkpoint: {error}") from error
 
 
-def _differing_fields(cfg, other) -> list[str]:
-    """The contract fields that change the math on which `cfg` and `other` differ."""
-    ours, theirs = cfg.to_dict(), other.to_dict()
+def _differing_fields(cfg, theirs: dict) -> list[str]:
+    """The contract fields that change the math on which `cfg` and `theirs` (another config's `to_dict()`) differ."""
+    ours = cfg.to_dict()
     unread = _NOT_MATH | _unread_fields(cfg)
     return [name for name in type(cfg).declared_fields() if name not in unread and ours.get(name) != theirs.get(name)]
 
 
-def _check_round_trip(cfg, back, family: str) -> None:
-    """Export may not change the math: the family's config must translate back to the same contract."""
-    ours, theirs = cfg.to_dict(), back.to_dict()
-    differ = [f"{name}={ours.get(name)!r} (the {family} config gives {theirs.get(name)!r})"
-              for name in _differing_fields(cfg, back)]
+def _check_round_trip(cfg, back_fields: dict, family: str) -> None:
+    """Export may not change the math: the family's config must translate back (`back_fields`, the contract
+    fields it gives) to the same contract; a `ValueError` names each field it changes."""
+    ours, theirs = cfg.to_dict(), _round_trip(cfg, back_fields)
+    differ = [f"`{name}`={ours.get(name)!r} (the {family} config gives {theirs.get(name)!r})"
+              for name in _differing_fields(cfg, theirs)]
     if differ:
         raise ValueError(f"The {family} format cannot express this checkpoint's " + "; ".join(differ) + ".")
+
+
+def _round_trip(cfg, back_fields: dict) -> dict:
+    """The contract `back_fields` make, as a dict. Where the contract refuses them (sliding layers without the
+    window the family's config cannot hold), the field whose value from `cfg` makes them valid is what the family
+    loses: it comes back as the family gives it, so the refusal names that loss, not the config built to check it."""
+    try:
+        return type(cfg)(**back_fields).to_dict()
+    except ValueError as refusal:
+        ours = cfg.to_dict()
+        for name in type(cfg).declared_fields():
+            if name in ours and ours[name] != back_fields.get(name):
+                try:
+                    back = type(cfg)(**{**back_fields, name: ours[name]})
+                except ValueError:
+                    continue
+                return {**back.to_dict(), name: back_fields.get(name)}
+        raise refusal
 
 
 def _unread_fields(cfg) -> set[str]:

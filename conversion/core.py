@@ -15,7 +15,8 @@ Multi-token-prediction modules are rules too: names with `{mtp}` (module k of th
 `{mtp_layer}` (the layer index the source's files give module k, `num_hidden_layers` + k) expand once per module
 (`mtp_block_rules` re-aims a family's layer rules at a module's block), and a `"duplicate"` rule names a source
 tensor that is a copy of one the model holds once (DeepSeek's MTP layer stores the embedding and the head again):
-conversion reads both, checks them equal and writes nothing (`duplicates`), export writes the copy from the original.
+conversion reads both, checks them equal and writes nothing (`duplicates`), or reads nothing where the files lack
+the copy; export writes the copy from the original.
 
 Conversion streams (`stream.py`): `plan_rules` names, for each rule instance, the tensors it needs
 (`RuleInstance.inputs`) before anything is read; the instances run once on meta-device tensors to plan
@@ -41,10 +42,15 @@ Tensors = list[torch.Tensor]
 
 @dataclass(frozen=True)
 class Transform:
-    """A tensor transform and its exact inverse; both take the tensors and the target contract."""
+    """A tensor transform and its exact inverse; both take the tensors and the target contract.
+
+    `per_expert`: each output's row i of dim 0 depends only on row i of the input (a copy; a rearrangement within
+    each expert of an experts tensor), so a large tensor may go through a slice of rows at a time (`stream.py`).
+    """
 
     forward: Callable[[Tensors, Any], Tensors]
     inverse: Callable[[Tensors, Any], Tensors]
+    per_expert: bool = False
 
 
 def _copy(tensors: Tensors, cfg) -> Tensors:
@@ -143,13 +149,19 @@ def _fuse_grouped_ba(tensors: Tensors, cfg) -> Tensors:
     heads = cfg.linear_num_key_heads
     b, a = (t.reshape(heads, -1, t.shape[-1]) for t in tensors)
     return [torch.cat((b, a), dim=1).reshape(-1, b.shape[-1]).contiguous()]
+
+
 def _deinterleave_gate_up(tensors: Tensors, cfg) -> Tensors:
     """gpt-oss's experts: gate and up columns interleaved (gate 2i, up 2i + 1) along the last axis of its
     (E, d, 2f) products and (E, 2f) biases -> [gate; up] as the contract's (E, 2f, d) and (E, 2f) hold them."""
     out = []
     for t in tensors:
-        halves = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
-        out.append((halves.transpose(1, 2) if t.dim() == 3 else halves).contiguous())
+        width = t.shape[-1] // 2
+        # written once into the result (no concatenated copy to make contiguous again)
+        result = t.new_empty((t.shape[0], 2 * width, t.shape[1]) if t.dim() == 3 else t.shape)
+        for half, columns in enumerate((t[..., 0::2], t[..., 1::2])):
+            result[:, half * width:(half + 1) * width] = columns.transpose(1, 2) if t.dim() == 3 else columns
+        out.append(result)
     return out
 
 
@@ -168,7 +180,7 @@ def _transpose_experts(tensors: Tensors, cfg) -> Tensors:
 
 
 TRANSFORMS: dict[str, Transform] = {
-    "copy": Transform(_copy, _copy),
+    "copy": Transform(_copy, _copy, per_expert=True),
     # forward: [copy, original] -> nothing (`duplicates` checks them equal); inverse: original -> copy
     "duplicate": Transform(lambda tensors, cfg: [], _copy),
     "transpose": Transform(_transpose, _transpose),
@@ -178,8 +190,8 @@ TRANSFORMS: dict[str, Transform] = {
     "split_gate_up": Transform(_split_gate_up, lambda tensors, cfg: [torch.cat(tensors, dim=0)]),
     "split_grouped_qkvz": Transform(_split_grouped_qkvz, _fuse_grouped_qkvz),
     "split_grouped_ba": Transform(_split_grouped_ba, _fuse_grouped_ba),
-    "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up),
-    "transpose_experts": Transform(_transpose_experts, _transpose_experts),
+    "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up, per_expert=True),
+    "transpose_experts": Transform(_transpose_experts, _transpose_experts, per_expert=True),
 }
 
 # Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`)
@@ -296,11 +308,6 @@ def rename(name: str, renames: dict[str, str], inverse: bool = False) -> str:
     return name
 
 
-def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Old name prefixes -> new ones; a prefix may contain `{layer}` (any layer number, kept)."""
-    return {rename(k, renames): v for k, v in state.items()}
-
-
 @dataclass
 class Family:
     """One source family: config translation both ways and a tensor map used both ways.
@@ -370,6 +377,15 @@ def refuse(features: dict[str, bool], family: str) -> None:
             f"This {family} checkpoint uses {', '.join(bad)}, which the modular_decoder contract cannot "
             "express; it cannot be converted without changing what the model computes."
         )
+
+
+def refuse_export(features: dict[str, bool], family: str) -> None:
+    """Raise one `ValueError` naming every contract field, with its value, that `family`'s format cannot express
+    (the export direction of `refuse`)."""
+    bad = [name for name, present in features.items() if present]
+    if bad:
+        raise ValueError(f"The {family} format cannot express this checkpoint's {'; '.join(bad)}; it cannot be "
+                         "exported without changing what the model computes.")
 
 
 def _expand(names: tuple[str, ...], layer: int | None) -> list[str]:
@@ -506,13 +522,12 @@ def plan_rules(rules: list[Rule], names, cfg, direction: str = "forward") -> lis
 
 def _duplicate_instance(r: Rule, copy: str, original: str, names: set, remaining: set, inverse: bool) -> list:
     """A `"duplicate"` rule's instance: forward it consumes the copy (read with the original, which its own rule
-    consumes too), inverse it writes the copy from the original."""
+    consumes too), or nothing where the files lack the copy (the model holds the original only, as transformers'
+    loader reads it); inverse it writes the copy from the original."""
     if inverse:
         return [RuleInstance(r, (original,), (copy,), True)] if original in names or not r.optional else []
     if copy not in remaining:
-        if r.optional:
-            return []
-        raise ValueError(f"Missing tensors {[copy]} (rule {r.src} -> {r.dst}).")
+        return []
     if original not in names:
         raise ValueError(f"Missing tensors {[original]} (rule {r.src} -> {r.dst}).")
     remaining.discard(copy)

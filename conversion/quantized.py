@@ -9,6 +9,7 @@ temporaries stay small whatever the tensor's size.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -143,21 +144,32 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
     """MXFP4 experts as gpt-oss publishes them: `blocks` (E, R, G, 16) bytes, two E2M1 codes each (low nibble
     first), `scales` (E, R, G) E8M0 exponents (2**(byte - 127)) for each group of 32 values. Returns the
-    (E, G * 32, R) tensor transformers' `GptOssExperts` holds (the dequantized (E, R, G * 32) transposed),
-    each value E2M1 * 2**exponent in float32, rounded once to `dtype`."""
+    (E, G * 32, R) tensor transformers' `GptOssExperts` holds, each value E2M1 * 2**exponent in float32, rounded
+    once to `dtype`: a transposed view of the dequantized (E, R, G * 32), whose rows are the stored ones (so a
+    transform that transposes it back, as the contract's layout does, copies rows, not single values)."""
     if blocks.dim() != 4 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
         raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
                          "match ((E, R, G, B) and (E, R, G) expected).")
     experts, rows, groups, width = blocks.shape
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    out = torch.empty(experts, groups * width * 2, rows, dtype=dtype)
+    table = _mxfp4_values(dtype)
+    out = torch.empty(experts, rows, groups * width * 2, dtype=dtype)
     step = max(1, _CHUNK_ELEMENTS // (groups * width * 2))
     for e in range(experts):
         for r0 in range(0, rows, step):
             r1 = min(r0 + step, rows)
-            packed = blocks[e, r0:r1].to(torch.uint8)
-            values = torch.stack((lut[(packed & 0x0F).long()], lut[(packed >> 4).long()]), dim=-1)  # (r, G, B, 2)
-            exponents = scales[e, r0:r1].to(torch.int32) - 127
-            values = torch.ldexp(values.reshape(r1 - r0, groups, width * 2), exponents[..., None])
-            out[e, :, r0:r1] = values.reshape(r1 - r0, groups * width * 2).t().to(dtype)
-    return out
+            # one look-up per byte: (its scale, the byte) -> its two values, already scaled and rounded
+            index = blocks[e, r0:r1].to(torch.int32)
+            index |= scales[e, r0:r1].to(torch.int32)[..., None] << 8
+            torch.index_select(table, 0, index.reshape(-1), out=out[e, r0:r1].view(-1, 2))
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _mxfp4_values(dtype: torch.dtype) -> torch.Tensor:
+    """(256 * 256, 2): for scale byte s and packed byte b, at s * 256 + b, the low and high nibble's E2M1 values
+    times 2**(s - 127), in float32 (`ldexp`, as transformers' `convert_moe_packed_tensors` scales), rounded to
+    `dtype`."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    pairs = torch.stack((lut.repeat(16), lut.repeat_interleave(16)), dim=-1)  # byte b -> (low nibble, high nibble)
+    exponents = torch.arange(256, dtype=torch.int32) - 127
+    return torch.ldexp(pairs.expand(256, 256, 2), exponents[:, None, None]).to(dtype).reshape(-1, 2)

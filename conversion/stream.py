@@ -3,23 +3,26 @@
 Two passes. The first runs every rule instance on tensors that hold no data (the meta device), so
 the produced names and shapes are known, and checked against the target model, before a byte is
 read. The second reads what each instance needs, applies its transform, and writes the results at
-their planned places (`tensor_files.ShardedWriter`). A `copy` of a large tensor that can be read a
-block of rows at a time (a stacked experts tensor, a plain stored tensor) goes through in blocks, so
-no step holds more than a block, whatever the tensor's size.
+their planned places (`tensor_files.ShardedWriter`). A large tensor that can be read a block of rows at a
+time (a stacked experts tensor, a dequantized one, a plain stored tensor), under a transform that works row by
+row of dim 0 (a copy; gpt-oss's experts rearranged within each expert: `Transform.per_expert`), goes through in
+blocks, so no step holds more than a block and what the transform makes of it, whatever the tensor's size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .core import RuleInstance
+from .core import TRANSFORMS, RuleInstance
 from .sources import SourceTensor
 from .tensor_files import ShardedWriter
 
-# A `copy` larger than this goes through in blocks of rows of about this size (at least one row).
+# A tensor larger than this (as read, or as produced) goes through in blocks of rows of about this size (at least
+# one row), where its transform allows
 BLOCK_BYTES = 64 * 2**20
 
 
@@ -55,16 +58,16 @@ def write_plan(plan: list[RuleInstance], tensors: dict[str, SourceTensor], cfg, 
     tensors finished."""
     for instance in plan:
         source = tensors[instance.inputs[0]]
-        row_bytes = source.nbytes // source.shape[0] if source.shape and source.shape[0] else 0
-        if (instance.rule.transform == "copy" and len(instance.inputs) == 1 and source.read_rows is not None
-                and row_bytes and source.nbytes > BLOCK_BYTES):
-            step = max(1, BLOCK_BYTES // row_bytes)
+        step = _rows_per_block(instance, source)
+        if step:
+            read_bytes = source.nbytes // source.shape[0]
             for first in range(0, source.shape[0], step):
                 block = source.read_rows(first, min(first + step, source.shape[0]))
-                _write(writer, sinks[instance.outputs[0]], block, dtype, first)
+                for name, tensor in instance.apply([block], cfg).items():
+                    _write(writer, sinks[name], tensor, dtype, first)
                 if progress is not None:
-                    progress(block.shape[0] * row_bytes, 0)
-                del block  # before the next block is read: one block alive at a time
+                    progress(block.shape[0] * read_bytes, 0)
+                del block, tensor  # before the next block is read: one block alive at a time
             if progress is not None:
                 progress(0, len(source.files))
             continue
@@ -73,6 +76,18 @@ def write_plan(plan: list[RuleInstance], tensors: dict[str, SourceTensor], cfg, 
         if progress is not None:
             progress(sum(tensors[name].nbytes for name in instance.inputs),
                      sum(len(tensors[name].files) for name in instance.inputs))
+
+
+def _rows_per_block(instance: RuleInstance, source: SourceTensor) -> int:
+    """How many rows of dim 0 each step reads, where `instance` goes through in blocks; 0 where it goes whole."""
+    if not (TRANSFORMS[instance.rule.transform].per_expert and len(instance.inputs) == 1
+            and source.read_rows is not None and source.shape and source.shape[0]):
+        return 0
+    # the larger of what a row reads (a stored tensor) and what it becomes (a dequantized one, 4x its MXFP4 bytes)
+    row_bytes = max(source.nbytes // source.shape[0], math.prod(source.shape[1:]) * source.dtype.itemsize)
+    if row_bytes * source.shape[0] <= BLOCK_BYTES:
+        return 0
+    return max(1, BLOCK_BYTES // row_bytes)
 
 
 def _write(writer: ShardedWriter, sinks: list[Sink], tensor: torch.Tensor, dtype, first_row: int | None = None):

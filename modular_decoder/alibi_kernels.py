@@ -33,7 +33,9 @@ def flex_attention_with_alibi(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """FlexAttention with ALiBi as a `score_mod`: score − slope_h · (q_idx + T_k − T_q − kv_idx), the
+    """Flex attention with ALiBi slopes (and attention sinks, or sinks alone).
+
+    ALiBi is a `score_mod`: score − slope_h · (q_idx + T_k − T_q − kv_idx), the
     distance with the queries aligned to the last keys, as `AlibiBias` and the flash kernel take it.
     Order of operations as in `eager_attention`: scale, soft-cap, bias, mask. The mask is
     transformers' BlockMask (padding, packing, window, causal).

@@ -283,7 +283,9 @@ class StandardKind(AttentionKind):
         return "mqa" if config.num_key_value_heads == 1 else "gqa"
 
     def tp_plan(self, config) -> dict[str, str]:
-        """Heads split across ranks: q/k/v column-parallel, o row-parallel. A norm over the whole q / k
+        """The tensor-parallel plan: heads split across ranks.
+
+        q/k/v column-parallel, o row-parallel. A norm over the whole q / k
         projection (`qk_norm="full"`) needs all heads, so q/k/v then gather and o splits its input, as
         transformers plans OLMo 2 and OLMoE. With attention sinks, none: every rank holds the whole attention."""
         if config.qk_norm == "full":

@@ -1,6 +1,7 @@
-"""The base class of every attention kind's module: what the attention backends read from a layer
-(its config and index, the score scale, the soft-cap and window of its layer type, causality, the
-RoPE pair layout, the attention sinks) and the keyword arguments of the one attention call each kind makes.
+"""The base class of every attention kind's module, and the one attention call each kind makes.
+
+It holds what the attention backends read from a layer (its config and index, the score scale, the soft-cap and
+window of its layer type, causality, the RoPE pair layout, the attention sinks) and the call's keyword arguments.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class AttentionLayer(nn.Module):
         self.register_parameter("sinks", sinks)
 
     def scores_through(self, interface, kwargs: dict):
-        """The function that scores this layer: `interface` (the backend `attn_implementation` names), or this
-        family's own where a backend takes ALiBi slopes (flex, flash-attn 2) or sinks (sdpa, flex, flash) only
-        through it."""
+        """The attention function this layer calls.
+
+        `interface` (the backend `attn_implementation` names), or this family's own where a backend takes ALiBi
+        slopes (flex, flash-attn 2) or sinks (sdpa, flex, flash) only through it."""
         backend = canonical_backend(self.config._attn_implementation)
         if "alibi_slopes" in kwargs:  # flex / flash-attn 2 take ALiBi as slopes (flex takes the sinks too)
             return ALIBI_SLOPE_FUNCTIONS[backend]

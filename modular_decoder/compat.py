@@ -1,6 +1,8 @@
-"""What this family needs from transformers beyond its public model API, in one place: the oldest
-release it runs on, what differs between the releases it supports (`MIN_TRANSFORMERS` to the newest 5.x),
-and the private parts of transformers it uses. In the order of this file:
+"""Everything that differs between the transformers releases this family runs on, and the transformers internals
+it uses, in one place.
+
+The oldest release it runs on, what differs between the releases it supports (`MIN_TRANSFORMERS` to the newest
+5.x), and the private parts of transformers it uses. In the order of this file:
 
 1. The version floor: `MIN_TRANSFORMERS`, checked when the config and modeling modules load.
 2. What differs between the supported releases, one shim each, with the releases it is for: the cache's
@@ -14,8 +16,7 @@ and the private parts of transformers it uses. In the order of this file:
    flex-attention helpers that only `alibi_kernels.py` calls (an upstream rename then breaks that one
    backend with a clear error, not every load), the Hub flash kernels, the experts-kernel decorator
    (whose absence only removes transformers' alternative kernels), the linear-attention kernels of
-   `flash-linear-attention` and `causal-conv1d` where transformers' own availability checks pass, and the
-   multi-token-prediction drafter `generate(use_mtp=True)` runs (`mtp_candidate_generator`).
+   `flash-linear-attention` and `causal-conv1d` where transformers' own availability checks pass.
 4. transformers' private state that has no public accessor, read or written through one named function
    each: the selected attention and experts kernels, the static-cache length `generate` keeps, the flag
    that lets `generate` compile on a CPU, and the validators `config.validate()` runs.
@@ -25,7 +26,13 @@ transformers' own models do, have the same signatures and call sites on 5.16.1 t
 tests exercise each): `PreTrainedModel._check_and_adjust_attn_implementation` (refuses a backend that
 cannot honour the config before a kernel is picked), `PreTrainedModel._can_set_experts_implementation`
 (transformers guesses it from the modeling file's source; the experts live in `experts.py`) and
-`GenerationMixin._prepare_cache_for_generation` (builds this family's cache).
+`GenerationMixin._prepare_cache_for_generation` (builds this family's cache) and
+`GenerationMixin._get_candidate_generator` (returns `mtp_generation.MtpCandidateGenerator` for `use_mtp=True`:
+transformers has no public way to give assisted decoding a drafter). That drafter subclasses transformers'
+public `CandidateGenerator` and is called by the assisted-decoding loop with the model's outputs
+(`requires_model_outputs`, `model_kwargs_overrides`, `get_candidates(..., model_outputs=, is_first_iteration=,
+n_last_matches=)`), the same on 5.16.1 to 5.25. `GENERATION_HOOKS` names each of these;
+`tests/test_mtp_draft_schedule.py` fails when one moves.
 """
 
 from __future__ import annotations
@@ -46,7 +53,9 @@ MIN_TRANSFORMERS = "5.16.1"
 
 def check_transformers_version(version: str | None = None) -> None:
     """Raise `ImportError` naming the required version when the installed transformers (or `version`) is
-    older than `MIN_TRANSFORMERS`. The config and modeling modules call it first, so a saved folder loaded
+    older than `MIN_TRANSFORMERS`.
+
+    The config and modeling modules call it first, so a saved folder loaded
     with `trust_remote_code=True` on an older transformers fails with this one message."""
     from packaging.version import Version  # a dependency of transformers itself
 
@@ -81,17 +90,18 @@ CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).paramet
 
 
 def accepts_past_key_values(forward):
-    """Decorate a forward taking `cache=` so that it also takes `past_key_values=` (PEFT's prefix tuning
-    passes that name): transformers' deprecation shim from 5.24, where it is the old name; a silent
-    rename before, where it is the name transformers itself (generate) passes. Both at once are refused
-    (`refuse_two_caches`), where the shim would drop `past_key_values` in silence."""
+    """Decorate a forward taking `cache=` so that it also takes `past_key_values=`.
+
+    PEFT's prefix tuning passes that name: transformers' deprecation shim from 5.24, where it is the old name; a silent
+    rename before, where it is the name transformers itself (generate) passes. Both at once run on one of them
+    (`one_cache`), where the shim would drop `past_key_values` in silence."""
     if CACHE_NAME == "cache":
         shimmed = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
 
         @functools.wraps(forward)
         def checked(*args, **kwargs):
             if kwargs.get("past_key_values") is not None and kwargs.get("cache") is not None:
-                refuse_two_caches(kwargs["past_key_values"], kwargs["cache"])
+                kwargs["cache"] = one_cache(kwargs.pop("past_key_values"), kwargs["cache"])
             return shimmed(*args, **kwargs)
 
         return checked
@@ -107,20 +117,36 @@ def accepts_past_key_values(forward):
     return renamed
 
 
-def refuse_two_caches(past_key_values, cache) -> None:
-    """A forward given a cache under both names: from transformers 5.24 `generate` passes its own as `cache`, and
-    PEFT 0.21's prompt learning adds its virtual-token prefix as `past_key_values` (prefix tuning), which the
-    cache in use does not hold. transformers' own models keep `cache` and ignore the prefix in silence
-    (docs/using.md, "PEFT"); refused here, naming what happened."""
-    if past_key_values is cache:
-        return
+def one_cache(past_key_values, cache):
+    """The cache a forward given one under both names runs on. From transformers 5.24 `generate` passes its own as
+    `cache`, and PEFT 0.21's prefix tuning hands its virtual-token prefix over as `past_key_values` at the first
+    step (a cache holding the prefix), as it did when generate passed `past_key_values`: where `cache` is still
+    empty, the prefix's cache is the one to run on and to return, as before 5.24 (transformers' own models keep
+    `cache` and ignore the prefix in silence: docs/using.md, "PEFT"). The same object under both names (what
+    `with_old_cache_name` lets PEFT see) is one cache. Two different caches holding tokens are refused."""
+    if past_key_values is cache or not _holds_tokens(cache):
+        return past_key_values
     held = past_key_values.get_seq_length() if hasattr(past_key_values, "get_seq_length") else None
     prefix = f"a prefix of {int(held)} tokens" if held is not None else "a prefix"
     raise ValueError(
-        f"`past_key_values` ({prefix}, as PEFT's prefix tuning passes its virtual tokens) came beside `cache` (the "
-        "cache `generate` passes): the cache in use does not hold that prefix, so it would be ignored. Pass one "
-        "cache; PEFT's prefix tuning cannot generate on transformers >= 5.24 (docs/using.md, PEFT)."
+        f"`past_key_values` ({prefix}, as PEFT's prefix tuning passes its virtual tokens) came beside a `cache` that "
+        "already holds tokens: one of them would be ignored. Pass one cache."
     )
+
+
+def _holds_tokens(cache) -> bool:
+    return bool(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else True
+
+
+def with_old_cache_name(model, model_inputs: dict) -> dict:
+    """A generation step's inputs (`prepare_inputs_for_generation`'s) with the cache also under `past_key_values`,
+    from 5.24, where a wrapper replaced the model's `prepare_inputs_for_generation`: PEFT 0.21's prompt learning
+    reads the cache under that name to add its virtual tokens (or prefix) at the first step only; not finding it,
+    it adds them again at every step."""
+    if CACHE_NAME == "cache" and "prepare_inputs_for_generation" in vars(model) \
+            and model_inputs.get("cache") is not None and model_inputs.get("past_key_values") is None:
+        model_inputs["past_key_values"] = model_inputs["cache"]
+    return model_inputs
 
 
 def generate_cache_kwarg(kwargs: dict) -> dict:
@@ -170,7 +196,9 @@ def _nested_rope_before_5_18(config, params) -> list[str]:
 
 
 def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
-    """`convert_rope_params_to_dict` for a `rope_parameters` nested by layer type on transformers 5.16-5.17,
+    """Read a `rope_parameters` nested by layer type as transformers 5.18 does, on 5.16-5.17.
+
+    `convert_rope_params_to_dict` for a `rope_parameters` nested by layer type on transformers 5.16-5.17,
     which put the `rope_theta` / `partial_rotary_factor` defaults beside the nested dicts (a nested dict then
     reads as a flat one with unknown keys; only transformers' own nested models override this). As 5.18 does,
     the defaults go into each nested dict. Returns the remaining `kwargs`, or `None` where transformers'
@@ -193,7 +221,9 @@ def convert_nested_rope_params(config, kwargs: dict) -> dict | None:
 
 
 def standardize_nested_rope_params(config) -> bool:
-    """`standardize_rope_params` for a `rope_parameters` nested by layer type on transformers 5.16-5.17, whose
+    """Fill in a `rope_parameters` nested by layer type as transformers 5.18 does, on 5.16-5.17.
+
+    `standardize_rope_params` for a `rope_parameters` nested by layer type on transformers 5.16-5.17, whose
     own reads a dict for every type in `_rope_type_labels` (a KeyError where the config nests only the types
     its layers have, e.g. `full_attention` alone). Fills in what 5.18 fills in for each nested dict; `False`
     where transformers' own is right (5.18 on, or a flat dict)."""
@@ -218,11 +248,12 @@ def _fill_nested_tables(config, nested: list[str], theta, factor=None) -> None:
 
 
 def rope_validation_view(view) -> None:
-    """Makes `view` (a shallow copy of a config) safe for transformers' `validate_rope`, which writes
-    `rope_type` into the dicts it checks: `view` gets its own copy of `rope_parameters`. Before 5.18 the
-    release takes a dict nested by layer type as nested only where its keys are among `layer_types`
-    (otherwise it checks the whole dict as one flat dict, writing a `rope_type` beside the nested ones), so
-    the view's `layer_types` are the nested keys."""
+    """Make `view` (a shallow copy of a config) safe to pass to transformers' `validate_rope`.
+
+    `validate_rope` writes `rope_type` into the dicts it checks: `view` gets its own copy of `rope_parameters`.
+    Before 5.18 the release takes a dict nested by layer type as nested only where its keys are among `layer_types`
+    (otherwise it checks the whole dict as one flat dict, writing a `rope_type` beside the nested ones), so the
+    view's `layer_types` are the nested keys."""
     view.rope_parameters = copy.deepcopy(view.rope_parameters)
     nested = _nested_rope_before_5_18(view, view.rope_parameters)
     if nested:
@@ -311,8 +342,16 @@ DynamicLayer, DynamicSlidingWindowLayer = (
      type("DynamicSlidingWindowLayer", (_EmptiedOnReset, _SlidingLayer), {"__module__": __name__})))
 
 
+def is_croppable(layer) -> bool:
+    """Whether a cache layer rolls back after a rejected draft: its `is_croppable` (5.2x), else whether it has a
+    `crop` (5.16's layers do not say; its static layers have none)."""
+    return getattr(layer, "is_croppable", hasattr(layer, "crop"))
+
+
 def drafting_generation_config(generation_config) -> None:
-    """A draft model's `generate` threads its own cache between rounds: from 5.24 transformers' candidate generator
+    """The generation config a draft model of this family runs with: the main model's `cache_implementation` cleared.
+
+    A draft model's `generate` threads its own cache between rounds: from 5.24 transformers' candidate generator
     clears the main model's `cache_implementation` on the draft's config; 5.16-5.2x left it there, and the draft's
     second round failed ("Passing both `cache_implementation` ... and `past_key_values`"), so assisted decoding
     with an int8 (or any named) cache failed. Cleared here on every release, for a draft of this family."""
@@ -341,6 +380,15 @@ def create_masks_for_generate(**kwargs):
         return masking_utils.create_masks_for_generate(**kwargs)
     finally:
         masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING["chunked_attention"] = chunked
+
+
+# The private parts of transformers' `GenerationMixin` this family relies on for `generate(use_mtp=True)`: the
+# methods it overrides, and the words of the assisted-decoding loop's call to a drafter that reads model outputs
+GENERATION_HOOKS = {
+    "overridden": ("_prepare_cache_for_generation", "_get_candidate_generator"),
+    "assisted_loop": ("_assisted_decoding", ("requires_model_outputs", "model_kwargs_overrides", "model_outputs=",
+                                             "is_first_iteration=", "n_last_matches=", "update_candidate_strategy")),
+}
 
 
 def drafted_tokens_per_step(candidate_generator) -> int | None:
@@ -451,29 +499,14 @@ def experts_kernels():
     return getattr(module, "use_experts_implementation", None)
 
 
-def mtp_candidate_generator():
-    """transformers' `MTPCandidateGenerator` (generation/candidate_generator.py, on 5.16.1 to 5.25), which
-    `generate(use_mtp=True)` drafts with; `mtp_generation.py` subclasses it with this family's own modules.
-
-    What differs between the releases stays in transformers' own `get_candidates` and decoding loop: before
-    5.25 the generator crops its drafts after an end-of-sequence token (reading `eos_token_id` off itself) and
-    reads `model_kwargs["attention_mask"]` unconditionally; from 5.25 the loop crops them and passes
-    `recurrent_states_to_keep` when it activates the cache's past recording.
-    """
-    module = importlib.import_module("transformers.generation.candidate_generator")
-    if not hasattr(module, "MTPCandidateGenerator"):
-        raise ImportError("This transformers version has no `MTPCandidateGenerator`: `generate(use_mtp=True)` needs "
-                          "the transformers version pyproject.toml names.")
-    return module.MTPCandidateGenerator
-
-
 # --- 4. transformers' private state, through one named function each ---------------------------------
 
 
 def attn_implementation(config) -> str | None:
-    """The attention backend `config` selects (`config._attn_implementation`: transformers has no public
-    getter; its own model code, and ours in `attention.py`, `mla.py` and `alibi_kernels.py`, read that
-    attribute directly)."""
+    """The attention backend `config` selects.
+
+    It is `config._attn_implementation`: transformers has no public getter; its own model code, and ours in
+    `attention.py`, `mla.py` and `alibi_kernels.py`, read that attribute directly."""
     return config._attn_implementation
 
 
@@ -484,8 +517,9 @@ def experts_implementation(config) -> str | None:
 
 
 def static_cache_length(model, length: int) -> int:
-    """The length of a static cache `generate` builds for `model`: never shorter than an earlier call's, so
-    a compiled decode step sees the same shapes call after call. transformers' `_prepare_static_cache`
+    """The length of a static cache `generate` builds for `model`: never shorter than an earlier call's.
+
+    So a compiled decode step sees the same shapes call after call. transformers' `_prepare_static_cache`
     keeps that length on the model as `_previous_max_cache_length`; this reads and updates the same
     attribute, so our cache and transformers' agree whichever built the last one."""
     length = max(length, getattr(model, "_previous_max_cache_length", -1))
@@ -494,9 +528,10 @@ def static_cache_length(model, length: int) -> int:
 
 
 def compile_on_all_devices(compile_config):
-    """Mark a `CompileConfig` so that `generate` compiles its decode step on any device, CPUs included
-    (transformers does it by itself on accelerators only; `CompileConfig._compile_all_devices` is the
-    flag it reads, with no public setter)."""
+    """Mark a `CompileConfig` so that `generate` compiles its decode step on any device, CPUs included.
+
+    transformers does it by itself on accelerators only; `CompileConfig._compile_all_devices` is the flag it
+    reads, with no public setter."""
     compile_config._compile_all_devices = True
     return compile_config
 

@@ -1,4 +1,4 @@
-"""The architecture contract: one config whose fields span the decoder-only design space.
+"""The model's configuration: one config whose fields span the decoder-only design space.
 
 Every field that changes the math is explicit, serialized in ``config.json`` and validated at
 construction: a bad combination raises ``ValueError`` naming the field and the allowed values,
@@ -432,9 +432,11 @@ class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupField
 
     @classmethod
     def declared_fields(cls) -> dict[str, object]:
-        """Field -> annotation, for the fields this class, its subclasses and its field mixins declare (a mechanism's
-        fields live in a `@dataclass(kw_only=True)` mixin in its own module, documented there), not transformers'
-        `PretrainedConfig`'s. The whole MRO is read, so that a subclass keeps the checks."""
+        """Every field this family declares, with its type annotation (not transformers' `PretrainedConfig`'s).
+
+        The fields of this class, its subclasses and its field mixins (a mechanism's fields live in a
+        `@dataclass(kw_only=True)` mixin in its own module, documented there). The whole MRO is read, so that a
+        subclass keeps the checks."""
         declared = {}
         for klass in reversed(cls.__mro__):
             if klass not in PretrainedConfig.__mro__:
@@ -443,8 +445,10 @@ class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupField
 
     @classmethod
     def integer_fields(cls) -> list[str]:
-        """The declared fields (`declared_fields`) typed `int` (or `int | None`): kinds read them to derive others
-        (MLA's `head_dim` from `kv_lora_rank`), so a string or a float must be refused under its own name first."""
+        """The declared fields (`declared_fields`) typed `int` (or `int | None`).
+
+        Kinds read them to derive others (MLA's `head_dim` from `kv_lora_rank`), so a string or a float must be
+        refused under its own name first."""
         return [name for name, kind in cls.declared_fields().items()  # strings here, types in a subclass
                 if kind in ("int", "int | None", int, int | None) and FIELD_RULES.get(name) is not _token_ids]
 
@@ -598,7 +602,7 @@ class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupField
         return bool(self.rope_parameters) and all(key in ATTENTION_LAYER_TYPES for key in self.rope_parameters)
 
     def validate_contract(self) -> None:
-        """Check every contract field and their combinations; raises `ValueError` naming the field.
+        """Check every field and their combinations; raises `ValueError` naming the field.
 
         General fields follow `FIELD_RULES`; each variant field is checked by its registry, whose
         chosen entry checks the fields it owns, and whose other entries' fields must keep their

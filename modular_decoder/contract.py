@@ -1,10 +1,10 @@
-"""The contract's arithmetic: parameter counts and KV-cache bytes from the config alone.
+"""Parameter counts and KV-cache bytes, computed from the config alone.
 
 A `"linear_attention"` layer caches no tokens: its state has a fixed size per sequence
 (`state_bytes_per_sequence`), so `cache_bytes_per_token` counts the attention layers only and
 `cache_bytes` adds the states once per sequence.
 
-These follow the seed's formulas, written independently of the modules (each attention and
+These follow the textbook formulas, written independently of the modules (each attention and
 feed-forward kind states its own formula next to its module, without building it), so tests can
 compare them with `model.num_parameters()` and with what a filled cache actually stores.
 """
@@ -76,10 +76,11 @@ def block_norm_count(config: ModularDecoderConfig, layer_idx: int | None = None)
 
 
 def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
-    """Parameters by component, tied weights counted once; `total` is their sum, `active` the parameters
-    one token's forward uses (the total less the routed experts it is not sent to and the multi-token-prediction
-    modules, which the forward does not run; the embedding table and head count whole, as published "active"
-    counts do)."""
+    """Parameters by component, tied weights counted once.
+
+    `total` is their sum, `active` the parameters one token's forward uses (the total less the routed experts it is
+    not sent to and the multi-token-prediction modules, which the forward does not run; the embedding table and head
+    count whole, as published "active" counts do)."""
     d, v = config.hidden_size, config.vocab_size
     parts = {"embedding": v * d}
     if config.position_embedding_type == "learned":
@@ -145,10 +146,11 @@ def layer_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int
 
 def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,
                           quantization: str | None = None) -> int:
-    """The seed's formula summed over the attention layers: 2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for
-    MLA, L·(d_c + d_R + D_I)·b for DSA (its indexer's keys), each layer with its own heads where they differ (Gemma 4's
-    full layers). Linear-attention layers add nothing per token (`state_bytes_per_sequence`), nor do layers that read
-    another layer's keys and values (`num_kv_shared_layers`).
+    """KV-cache bytes one token adds, summed over the attention layers.
+
+    2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for MLA, L·(d_c + d_R + D_I)·b for DSA (its indexer's keys), each
+    layer with its own heads where they differ (Gemma 4's full layers). Linear-attention layers add nothing per token
+    (`state_bytes_per_sequence`), nor do layers that read another layer's keys and values (`num_kv_shared_layers`).
 
     Sliding-window layers count per token only until they hold their window; `cache_bytes` gives
     the exact total at a given context length.
@@ -157,17 +159,20 @@ def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int
 
 
 def state_bytes_per_sequence(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16) -> int:
-    """What the linear-attention layers cache per sequence, whatever its length: per layer the convolution's
-    window K·(2·H_k·d_k + H_v·d_v)·b and the fp32 recurrent state 4·H_v·d_k·d_v (Gated DeltaNet); 0 without them."""
+    """Bytes the linear-attention layers cache per sequence, whatever its length.
+
+    Per layer the convolution's window K·(2·H_k·d_k + H_v·d_v)·b and the fp32 recurrent state 4·H_v·d_k·d_v (Gated
+    DeltaNet); 0 without them."""
     if not linear_layer_count(config):
         return 0
     return linear_layer_count(config) * config.linear_attention_kind.state_bytes(config, _dtype_bytes(dtype))
 
 
 def cached_tokens(config: ModularDecoderConfig, layer_type: str, context: int) -> int:
-    """Tokens a layer keeps between decode steps: all of them, the last `sliding_window - 1` for a sliding layer
-    (`attention_chunk_size - 1` for a chunked one; the next query brings it back to a full window), none for a
-    linear-attention layer (it keeps a state instead)."""
+    """Tokens a layer keeps between decode steps.
+
+    All of them, the last `sliding_window - 1` for a sliding layer (`attention_chunk_size - 1` for a chunked one; the
+    next query brings it back to a full window), none for a linear-attention layer (it keeps a state instead)."""
     if (window := layer_window(config, layer_type)) is not None:  # sliding, chunked (the chunk: `chunked_attention`)
         return min(context, window - 1)
     if layer_type == LINEAR_ATTENTION:
@@ -191,7 +196,7 @@ def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: to
 
 
 def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bfloat16) -> str:
-    """A markdown table of every contract field, parameters by component and cache cost."""
+    """A markdown table of the config's fields that change the math, parameters by component and cache cost."""
     declared = list(vars(ModularDecoderConfig)["__annotations__"])  # the class's own fields, then its mixins'
     fields = sorted(dataclasses.fields(ModularDecoderConfig),
                     key=lambda f: declared.index(f.name) if f.name in declared else len(declared))

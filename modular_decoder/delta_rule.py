@@ -50,7 +50,9 @@ def _heads_first_fp32(query, key, value, g, beta):
 
 
 def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None):
-    """The rule token by token. query/key (B, T, H_k, d_k), value (B, T, H_v, d_v), g/beta (B, T, H_v),
+    """The gated delta rule, one token at a time (what a decode step runs).
+
+    query/key (B, T, H_k, d_k), value (B, T, H_v, d_v), g/beta (B, T, H_v),
     initial_state (B, H_v, d_k, d_v) or None. Returns the output (B, T, H_v, d_v) in value's dtype and the
     final state (B, H_v, d_k, d_v) in fp32."""
     dtype = value.dtype
@@ -113,9 +115,10 @@ def chunked_gated_delta_rule(query, key, value, g, beta, initial_state=None, chu
 
 
 def chunked_gated_delta_rule_by_document(query, key, value, g, beta, documents):
-    """The chunked rule over one row (batch 1) of packed documents, each from a zero state (`documents`: a
-    `packed_documents.PackedDocuments`). Returns the output (1, T, H_v, d_v) and each document's final state
-    (N, H_v, d_k, d_v), as fla's kernels with `cu_seqlens` do."""
+    """The chunked rule over one row (batch 1) of packed documents, each from a zero state.
+
+    `documents`: a `packed_documents.PackedDocuments`. Returns the output (1, T, H_v, d_v) and each document's final
+    state (N, H_v, d_k, d_v), as fla's kernels with `cu_seqlens` do."""
     outputs, states = [], []
     for start, end in zip(documents.bounds[:-1], documents.bounds[1:]):
         out, state = chunked_gated_delta_rule(*(x[:, start:end] for x in (query, key, value, g, beta)))
@@ -150,9 +153,11 @@ _CAUSAL_CONV1D_DEVICES = ("cuda",)
 
 
 def kernels_for(device: torch.device) -> Kernels:
-    """The kernels for tensors on `device`: fla's chunked and fused recurrent gated delta rule and causal-conv1d's
-    convolutions where transformers says they are available (`is_flash_linear_attention_available`,
-    `is_causal_conv1d_available`) and `device` is one they run on; the PyTorch functions otherwise."""
+    """The gated delta rule's kernels for tensors on `device`: fla's and causal-conv1d's where they run, else PyTorch's.
+
+    fla's chunked and fused recurrent gated delta rule and causal-conv1d's convolutions where transformers says they
+    are available (`is_flash_linear_attention_available`, `is_causal_conv1d_available`) and `device` is one they run
+    on; the PyTorch functions otherwise."""
     return _kernels_for(device.type)
 
 

@@ -35,8 +35,10 @@ def check_draft_vocab(token_ids, vocab_size: int) -> torch.LongTensor:
 
 
 def set_draft_vocab(model, token_ids) -> None:
-    """Make `model`'s MTP modules draft among `token_ids` (ranked most frequent first, e.g. by
-    `modular_decoder.tools.reshape.draft_vocab.rank_by_prediction`); `None`: the whole vocabulary again. Sets
+    """Make `model`'s MTP modules draft among `token_ids` only (`None`: the whole vocabulary again).
+
+    `token_ids` are ranked most frequent first, e.g. by
+    `modular_decoder.tools.reshape.draft_vocab.rank_by_prediction`. Sets
     `config.mtp_draft_vocab_size` and the buffer `mtp.draft_vocab`, which `save_pretrained` then writes.
     A PEFT-wrapped model is set through its base model."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model

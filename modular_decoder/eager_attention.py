@@ -1,7 +1,8 @@
-"""The eager reference attention: softmax(softcap(q·kᵀ·scale) + bias + mask)·v, written out, that every
-backend is tested against (with attention sinks, each head's sink logit joins the softmax as one more column
-whose probability is dropped), and its parts for attention that scores the keys itself (MLA's absorbed
-path): K/V head repetition, scores to probabilities, and the mask a backend received made explicit.
+"""The eager reference attention that every backend is tested against, and its parts.
+
+softmax(softcap(q·kᵀ·scale) + bias + mask)·v, written out (with attention sinks, each head's sink logit joins the
+softmax as one more column whose probability is dropped), and its parts for attention that scores the keys itself
+(MLA's absorbed path): K/V head repetition, scores to probabilities, and the mask a backend received made explicit.
 
 Every backend is a plain function with transformers' attention signature
 `fn(module, query, key, value, attention_mask, *, scaling, dropout, sliding_window, softcap, ...)`
@@ -113,9 +114,10 @@ def explicit_mask(
     sliding_window: int | None,
     implementation: str,
 ) -> torch.Tensor | None:
-    """The mask backend `implementation` received, as the 4-D mask `attention_probs` takes, for
-    attention that scores the keys itself (MLA's absorbed path), so it attends to exactly the keys
-    the backend would.
+    """The mask a backend received, made explicit (4-D), for attention that scores the keys itself.
+
+    As `attention_probs` takes it, for MLA's absorbed path, so it attends to exactly the keys backend
+    `implementation` would.
 
     - 4-D (eager, sdpa): already explicit; sliced to the keys.
     - `None`: one query sees every key; several are causal, aligned as the backend aligns them

@@ -1,7 +1,7 @@
-"""The routed experts of a sparse layer: E gated MLPs stored as two 3-D parameters (transformers' v5
-layout), each run once on the tokens routed to it, and transformers' experts kernels
-(`experts_implementation=`: "grouped_mm", "batched_mm", ...) on the same weights wherever this
-transformers has them.
+"""The routed experts of a sparse layer: E gated MLPs stored as two 3-D parameters (transformers' v5 layout).
+
+Each expert runs once on the tokens routed to it; transformers' experts kernels (`experts_implementation=`:
+"grouped_mm", "batched_mm", ...) run on the same weights wherever this transformers has them.
 
     mlp.experts.gate_up_proj             (E, 2·f, d)   [gate; up] of every expert, concatenated
     mlp.experts.down_proj                (E, d, f)

@@ -1,5 +1,7 @@
-"""Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5, chosen per layer by `layer_types`
-(`"linear_attention"`) and `linear_attention_type="gated_deltanet"` (`GATED_DELTANET`, its registry entry).
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5.
+
+Chosen per layer by `layer_types` (`"linear_attention"`) and `linear_attention_type="gated_deltanet"`
+(`GATED_DELTANET`, its registry entry).
 
     x ── in_proj_qkv ── causal conv (K taps) ── act ──┬─ q, k (H_k heads of d_k), v (H_v heads of d_v)
      ├── in_proj_b ── σ ──────────────────────────────┤ β (write strength, per value head)

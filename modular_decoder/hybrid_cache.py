@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .compat import is_croppable
 from .recurrent_cache import RecurrentLayer
 
 
@@ -34,7 +35,7 @@ class HybridLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        return all(part.is_croppable for part in self.parts)
+        return all(is_croppable(part) for part in self.parts)
 
     @property
     def is_sliding(self) -> bool:
@@ -89,7 +90,8 @@ class HybridLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         for part in self.parts:
-            part.crop(tokens_to_remove)
+            if part.is_initialized:  # (transformers 5.16's attention layers fail to crop before their first update)
+                part.crop(tokens_to_remove)
 
     def activate_past_recording(self, *args, **kwargs) -> None:
         for part in self.parts:

@@ -63,8 +63,9 @@ class Registry(dict, Generic[Entry]):
                 setattr(config, name, unused)
 
     def forget_formerly_written(self, config_class, config_dict: dict) -> None:
-        """Drop from a saved config's dict the values earlier versions wrote into every config.json for fields
-        the chosen entry does not read (so folders saved by those versions load). Only saved files are read
+        """Drop from a saved config's dict the unread values earlier versions wrote, so their folders load.
+
+        Earlier versions wrote into every config.json fields the chosen entry does not read. Only saved files are read
         this way: a config built with such a value is refused by `check` like any other setting nothing reads."""
         value = config_dict.get(self.field, field_default(config_class, self.field))
         if not (isinstance(value, str) and value in self):
@@ -259,8 +260,10 @@ def attention_layer_type(layer_type: str) -> str | None:
 
 
 class LinearAttentionKind(Kind):
-    """A value of `linear_attention_type`: the module the `"linear_attention"` layers of `layer_types` build (as
-    `linear_attn`, transformers' name), their cache layer and arithmetic. Its fields apply only where some layer
+    """A value of `linear_attention_type`: the module its layers build, their cache layer and arithmetic.
+
+    The `"linear_attention"` layers of `layer_types` build the module (as `linear_attn`, transformers' name). Its
+    fields apply only where some layer
     is a linear-attention layer; elsewhere they keep their defaults (`validate` refuses a setting nothing reads)."""
 
     module: type[nn.Module]

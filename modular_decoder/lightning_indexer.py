@@ -39,7 +39,9 @@ def query_block(batch: int, heads: int, keys: int, budget: int = INDEX_SCORE_BYT
 
 
 def halves_layout(table: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """A cos/sin table (..., rot) in the halves layout: [f_0 .. f_{rot/2-1}, f_0 .. f_{rot/2-1}]. The model's
+    """A cos/sin table (..., rot) in the halves layout, which the indexer rotates by.
+
+    The halves layout is [f_0 .. f_{rot/2-1}, f_0 .. f_{rot/2-1}]. The model's
     table is in the pair layout when `rope_interleaved` (f_0, f_0, f_1, f_1, ...); the indexer rotates halves."""
     if not interleaved:
         return table

@@ -251,7 +251,9 @@ class MultiHeadLatentAttention(AttentionLayer):
 
 
 def check_latent_cache(cache, layer_idx: int, latent_dim: int) -> None:
-    """Refuse a cache whose layer already holds per-head keys rather than latents: a prefix of per-head K/V, as
+    """Raise a `ValueError` for a cache whose layer holds per-head keys, which MLA cannot attend to.
+
+    Such a cache holds per-head keys rather than latents: a prefix of per-head K/V, as
     PEFT's prefix tuning builds it (`PrefixTuningConfig`), or a static cache pre-allocated with per-head shapes (as
     ExecuTorch's recipe sizes it from the config), which MLA cannot attend to (its cache holds one latent
     per token, `kv_lora_rank` wide; the keys are made from it). Only another cache class than this package's
@@ -271,7 +273,9 @@ def check_latent_cache(cache, layer_idx: int, latent_dim: int) -> None:
 
 
 def check_expansion_of_cached_tokens(kv_b_proj: nn.Module) -> None:
-    """Refuse a `kv_b_proj` whose output depends on where a token sits in the call: PEFT's activated LoRA (aLoRA)
+    """Raise a `ValueError` for a `kv_b_proj` whose output depends on where a token sits in the call.
+
+    PEFT's activated LoRA (aLoRA)
     adapts the call's last tokens from its invocation sequence on, which holds where each call's tokens are new
     (transformers' models project each token once and cache the result), but the latent cache re-expands every
     cached token through `kv_b_proj` at each step, so past the prompt the window would slide onto other tokens: a
@@ -367,7 +371,9 @@ class LatentKind(AttentionKind):
         return (config.kv_lora_rank + config.qk_rope_head_dim) * element_bytes
 
     def tp_plan(self, config) -> dict[str, str]:
-        """transformers' DeepSeek-V2 plan: the per-head projections (q, q_b, kv_b) column-parallel, o
+        """The tensor-parallel plan, transformers' DeepSeek-V2 one.
+
+        The per-head projections (q, q_b, kv_b) column-parallel, o
         row-parallel, the joint latent projection by its own style; q_a and the latent norms replicated. With
         attention sinks, none: the per-head sinks are no module a style splits, so every rank holds the attention."""
         if config.attention_sinks:

@@ -73,9 +73,11 @@ def sparsified_activation(config, layer_idx: int | None):
 
 
 def activation(name: str) -> nn.Module:
-    """`ACT2FN[name]`, with any parameters and buffers it has (PReLU, xIELU) in the dtype the model is
-    being built in: transformers' xIELU makes them bfloat16 whatever the model's dtype, so an fp32
-    model would compute them in bf16 after a save / load, and load fp32 checkpoint values rounded."""
+    """The activation function `name` (`ACT2FN`), its parameters in the dtype the model is built in.
+
+    Any parameters and buffers it has (PReLU, xIELU) follow the model's dtype: transformers' xIELU makes them
+    bfloat16 whatever the model's dtype, so an fp32 model would compute them in bf16 after a save / load, and load
+    fp32 checkpoint values rounded."""
     act = ACT2FN[name]
     return act.to(torch.get_default_dtype()) if isinstance(act, nn.Module) else act
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .compat import (  # isort: skip
     accepts_past_key_values, attn_implementation, cache_of, create_masks_for_generate, drafted_tokens_per_step,
     drafting_generation_config, drafts_grow, generate_cache_kwarg, slice_logits_to_keep, static_cache_length,
-    with_cache,
+    with_cache, with_old_cache_name,
 )
 
 import torch  # noqa: E402
@@ -41,8 +41,8 @@ from .kv_sharing import kv_sources
 from .mamba2 import GroupedGatedRMSNorm, Mamba2
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
-from .mtp_generation import (check_draft_tokens, check_use_mtp, drafting_refusal, drafting_tokens,
-                             mtp_candidate_generator_for)
+from .mtp_generation import (MtpCandidateGenerator, check_draft_tokens, check_static_drafting, check_use_mtp,
+                             drafting_options, drafting_refusal, options_of, static_cache_room)
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
 from .per_layer_embeddings import PER_LAYER_EMBEDDINGS, PerLayerEmbeddings
@@ -53,11 +53,13 @@ from .routers import TopKRouter, router_losses
 from .split_products import project
 
 def linear_attention_mask(config, inputs_embeds, attention_mask, position_ids=None, **cache_kwarg) -> torch.Tensor | None:
-    """The mask of a `"linear_attention"` layer: the columns of a 2-D `attention_mask` that hold the new tokens
-    (which the layer multiplies its input by, so padding writes nothing into its state), or `None` where there is
-    no padding to remove: no 2-D mask, or a one-token step (a generated token is never padding). Unlike
-    transformers' `create_recurrent_attention_mask`, it reads no values (no host sync) and finds the new tokens'
-    columns by the cache's count, so a mask padded to a static cache's length works too."""
+    """The padding mask a linear-attention layer multiplies its input by (`None`: nothing to remove).
+
+    The columns of a 2-D `attention_mask` that hold the new tokens (which the layer multiplies its input by, so
+    padding writes nothing into its state), or `None` where there is no padding to remove: no 2-D mask, or a
+    one-token step (a generated token is never padding). Unlike transformers' `create_recurrent_attention_mask`, it
+    reads no values (no host sync) and finds the new tokens' columns by the cache's count, so a mask padded to a
+    static cache's length works too."""
     seq = inputs_embeds.shape[1]
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or seq == 1:
         return None
@@ -114,8 +116,9 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         return chosen
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save weights, config and the code files; `auto_map` names all three Auto classes so the
-        folder loads with `trust_remote_code=True` where this package is not installed (the config
+        """Save weights, config and the code files, so the folder loads where this package is not installed.
+
+        `auto_map` names all three Auto classes, so the folder loads with `trust_remote_code=True` (the config
         class through this module too: `ModularDecoderConfig.to_dict` says why)."""
         module = "modeling_modular_decoder"
         self.config.auto_map = {
@@ -472,9 +475,11 @@ def _checked_lookup(lookup: nn.Module, ids: torch.Tensor, check) -> torch.Tensor
 
 @dataclass
 class ModularDecoderCausalLMOutput(MoeCausalLMOutputWithPast):
-    """transformers' MoE causal-LM output (`aux_loss`, `router_logits` beside the usual fields), plus
-    `z_loss`: the router z-loss, returned with the router logits, and `mtp_loss`: the multi-token-prediction
-    modules' loss, returned with `labels`.
+    """The causal-LM output: logits, loss, cache, and the router and MTP losses.
+
+    transformers' MoE causal-LM output (`aux_loss`, `router_logits` beside the usual fields), plus `z_loss`: the
+    router z-loss, returned with the router logits, and `mtp_loss`: the multi-token-prediction modules' loss,
+    returned with `labels`.
 
     `aux_loss` (the router kind's balance loss: Switch's for softmax routers, DeepSeek-V3's sequence-wise
     one for sigmoid routers), `z_loss` (softmax routers only) and `mtp_loss` (the mean of the MTP modules'
@@ -630,7 +635,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         return router_losses(outputs.router_logits, self.config, mask, outputs.last_hidden_state.shape[0])
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
-        """transformers' `generate`, with the prompt (`input_ids`, `attention_mask`, `inputs_embeds`)
+        """transformers' `generate`, the prompt checked first; `use_mtp=True` drafts with the model's MTP modules.
+
+        The prompt (`input_ids`, `attention_mask`, `inputs_embeds`) is
         checked first: an empty or 1-D prompt or a mask that does not fit it raises a `ValueError`.
         The steps then skip re-reading the mask's values (generate only appends ones to it). A cache
         passed as `cache=` is used on every transformers release (before 5.24 generate calls it
@@ -641,9 +648,9 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         `config.mtp_draft_tokens`, else one per module); a model without them raises a `ValueError`."""
         kwargs = generate_cache_kwarg(kwargs)
         use_mtp = kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None)
-        draft_tokens = kwargs.pop("mtp_draft_tokens", None)
+        options = options_of(kwargs, (kwargs.get("generation_config"), self.generation_config))
         check_use_mtp(self.config, use_mtp)
-        check_draft_tokens(self.config, use_mtp, draft_tokens)
+        check_draft_tokens(self.config, use_mtp, options.draft_tokens)
         if use_mtp and (refusal := drafting_refusal(self.config)) is not None:
             raise ValueError(refusal)
         check_generate_inputs(
@@ -652,7 +659,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             attention_mask=kwargs.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
         )
-        with generating(), drafting_tokens(draft_tokens):
+        with generating(), drafting_options(options):
             return super().generate(inputs, *args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
@@ -663,7 +670,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         if keys_rotated_before_the_switch(self.config, input_ids.shape[1], kwargs.get(name)):
             kwargs.update({name: None, "next_sequence_length": None} if "next_sequence_length" in kwargs
                           else {name: None})
-        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        return with_old_cache_name(self, inputs)  # where PEFT's prompt learning replaced this method on the model
 
     # generate() reads this method's parameters (whether it forwards `inputs_embeds`, which model kwargs it uses)
     prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
@@ -676,7 +684,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         nothing)."""
         if generation_config.use_mtp and generation_config.assistant_early_exit is None \
                 and generation_config.prompt_lookup_num_tokens is None:
-            generator = mtp_candidate_generator_for(self, generation_config, model_kwargs, logits_processor)
+            generator = MtpCandidateGenerator(self, generation_config, model_kwargs, logits_processor)
         else:
             generator = super()._get_candidate_generator(generation_config, input_ids, inputs_tensor,
                                                          logits_processor, model_kwargs, *args, **kwargs)
@@ -694,7 +702,12 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         (a hook of transformers' `GenerationMixin`: see compat.py)."""
         drafting_generation_config(generation_config)
         implementation = generation_config.cache_implementation
+        drafting = generation_mode == "assisted_generation"
+        if drafting:  # a step writes its drafts into the cache before verifying them
+            max_cache_length += static_cache_room(generation_config, self.config)
         if cache_of(model_kwargs) is not None or generation_config.use_cache is False:
+            if drafting and cache_of(model_kwargs) is not None:
+                check_static_drafting(cache_of(model_kwargs), max_cache_length)
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
@@ -713,6 +726,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
+        if drafting:
+            check_static_drafting(cache, max_cache_length)
         if generation_config.is_assistant:
             # A draft model's cache is cropped after each verification (of at most its `num_assistant_tokens`
             # drafts), also past a sliding window or a recurrent state

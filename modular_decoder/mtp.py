@@ -32,9 +32,11 @@ from .norms import build_norm
 
 
 def mtp_block_config(config):
-    """The config the MTP modules' blocks are built from: `num_mtp_layers` layers, each of the last layer's kinds
-    (every per-layer field holds the last layer's entry once per module), so that block k caches as layer k of a
-    cache built from this config (transformers' `get_mtp_config` does the same with `mtp_layer_types`)."""
+    """The config the MTP modules' blocks are built from: one layer per module, of the last layer's kinds.
+
+    `num_mtp_layers` layers (every per-layer field holds the last layer's entry once per module), so that block k
+    caches as layer k of a cache built from this config (transformers' `get_mtp_config` does the same with
+    `mtp_layer_types`)."""
     block_config = copy.deepcopy(config)
     count = config.num_mtp_layers
     for name in PER_LAYER_FIELDS:
@@ -89,7 +91,9 @@ class MultiTokenPredictor(nn.Module):
 
     def depths(self, model, hidden: torch.Tensor, token_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
                position_ids: torch.Tensor, packed: bool):
-        """Each module's output over the whole sequence (no cache), in order: module k reads the previous one's
+        """Each module's output over the whole sequence (no cache), in order.
+
+        Module k reads the previous one's
         (the model's last hidden state `hidden` (B, T, d) for k = 0) and the token embeddings `token_embeds`
         (B, T, d) and positions k+1 places ahead; its last k+1 positions read zeros (nothing is ahead of them)."""
         for depth, layer in enumerate(self.layers):
@@ -210,10 +214,12 @@ class MtpDrafter:
 
 
 def forget_last(layer, count: int) -> None:
-    """Remove the last `count` tokens' entries from a cache layer that records its past, leaving it as it was
-    before they were written. A sliding layer recording its past keeps every entry until a crop, so removing the
-    entries is enough (its own `crop` would also cut it to the window, and transformers' generator may later crop
-    more of it, which then needs the entries before the window); any other layer is cropped as transformers does."""
+    """Remove the last `count` tokens' entries from a cache layer that records its past.
+
+    It is left as it was before they were written. A sliding layer recording its past keeps every entry until a
+    crop, so removing the entries is enough (its own `crop` would also cut it to the window, and transformers'
+    generator may later crop more of it, which then needs the entries before the window); any other layer is cropped
+    as transformers does."""
     if count <= 0 or not getattr(layer, "is_initialized", False):
         return
     if getattr(layer, "is_sliding", False) and getattr(layer, "record_past", False):

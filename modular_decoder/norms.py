@@ -74,7 +74,7 @@ def norm_parameters(config, width: int) -> int:
 
 
 def build_norm(config, dim: int | None = None) -> nn.Module:
-    """The norm the contract asks for, over `dim` features (default: the hidden size)."""
+    """The norm the config asks for, over `dim` features (default: the hidden size)."""
     return NORMS[config.norm_type](
         dim or config.hidden_size, eps=config.norm_eps, bias=config.norm_bias, unit_offset=config.norm_unit_offset
     )

@@ -1,5 +1,7 @@
-"""Documents packed in one row (transformers' `DataCollatorWithFlattening`: `position_ids` restarting, no
-`attention_mask`, no cache), as a layer with a state sees them: each document starts from an empty state.
+"""Documents packed in one row, for layers that carry a state: each document starts from an empty state.
+
+Packed as transformers' `DataCollatorWithFlattening` packs them: `position_ids` restarting, no `attention_mask`,
+no cache.
 
 Attention layers keep documents apart with transformers' packed-sequence masks (`find_packed_sequence_indices`:
 a document starts wherever a position is not the previous one plus one). A linear-attention layer carries a
@@ -62,9 +64,10 @@ def packed_documents(position_ids: torch.Tensor, batch: int) -> PackedDocuments 
 
 
 def convolve_documents(x: torch.Tensor, documents: PackedDocuments, kernel_size: int, convolve) -> torch.Tensor:
-    """`convolve` (a causal convolution of (1, C, L), zero-padded on the left) applied to each document of x
-    (B, C, T) on its own: one call over the flattened row with `kernel_size - 1` zeros before every document,
-    read back at the documents' columns. Returns (B, C, T)."""
+    """A causal convolution applied to each document of x (B, C, T) on its own.
+
+    `convolve` (a causal convolution of (1, C, L), zero-padded on the left), one call over the flattened row with
+    `kernel_size - 1` zeros before every document, read back at the documents' columns. Returns (B, C, T)."""
     batch, channels, seq = x.shape
     gap = kernel_size - 1
     flat = x.transpose(0, 1).reshape(1, channels, batch * seq)

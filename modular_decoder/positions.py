@@ -282,7 +282,9 @@ ROPE_TYPES = ("default", *sorted(ROPE_INIT_FUNCTIONS))
 
 
 def transformers_rope_check(config) -> None:
-    """transformers' own RoPE validation (`validate_rope`: the keys each rope type needs), on a view of
+    """Check `rope_parameters` with transformers' own RoPE validation.
+
+    `validate_rope` (the keys each rope type needs), on a view of
     `config` whose `head_dim` is the attention kind's RoPE head, as `RotaryEmbedding` builds its tables
     (MLA rotates `qk_rope_head_dim`; its unused `head_dim` may be odd)."""
     view = copy.copy(config)

@@ -114,8 +114,10 @@ def router_z_loss(router_logits: Sequence[torch.Tensor], attention_mask: torch.T
 
 
 def track_expert_load(model: nn.Module) -> int:
-    """Start counting, in every training forward, the (token, slot) assignments of each router that has a
-    correction bias (DeepSeek-V3's sigmoid routers): `router.expert_load` (E,), read and cleared by
+    """Start counting how many tokens each expert takes, for DeepSeek-V3's bias update (`update_router_bias`).
+
+    In every training forward, the (token, slot) assignments of each router that has a correction bias
+    (DeepSeek-V3's sigmoid routers): `router.expert_load` (E,), read and cleared by
     `update_router_bias`. Off until called, so training without the bias update pays nothing. Every routed
     token counts (padding too: it occupies its experts); a forward recomputed by gradient checkpointing counts
     again, which scales every count alike. Returns the number of routers tracked."""
@@ -135,7 +137,9 @@ def record_expert_load(load: torch.Tensor, indices: torch.Tensor) -> None:
 
 @torch.no_grad()
 def update_router_bias(model: nn.Module, step_size: float) -> int:
-    """DeepSeek-V3's auxiliary-loss-free load balancing, one step: every tracked router (`track_expert_load`)
+    """Move each router's correction bias by one step of DeepSeek-V3's auxiliary-loss-free load balancing.
+
+    Every tracked router (`track_expert_load`)
     moves the correction bias of each expert down by `step_size` (γ) if the expert took more than the mean
     load over the step's training forwards, up by γ if less, and clears the counts.
 

@@ -1,6 +1,7 @@
-"""The routers of the mixture-of-experts kind (`router_type`): the selection functions, the router kinds
-that pair each with its training losses, the `TopKRouter` module every sparse layer holds, and
-`router_losses`, what one forward's router logits add to the language-model loss.
+"""The routers that pick each token's experts (`router_type`).
+
+The selection functions, the router kinds that pair each with its training losses, the `TopKRouter` module every
+sparse layer holds, and `router_losses`, what one forward's router logits add to the language-model loss.
 
     softmax_topk   softmax over all experts, keep the k largest (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2)
     sigmoid_topk   independent sigmoid scores, chosen with a correction bias (DeepSeek-V3 `noaux_tc`)

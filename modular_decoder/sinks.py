@@ -1,5 +1,7 @@
-"""Attention sinks (`attention_sinks`, gpt-oss): a learned logit per query head that joins every softmax's
-denominator, so a head can give part of its attention (or all of it, where every key is masked) to nothing:
+"""Attention sinks (`attention_sinks`, gpt-oss) on every backend: a learned logit per head in each softmax.
+
+The logit joins every softmax's denominator, so a head can give part of its attention (or all of it, where every
+key is masked) to nothing:
 
     p_ij = exp(s_ij) / (exp(sink_h) + Σ_j' exp(s_ij'))        out_i = Σ_j p_ij · v_j
 
@@ -14,7 +16,10 @@ computes the same function, without the (T_q x T_k) scores that its kernel avoid
   1 there and zeros elsewhere, every real key zeros there (their scores are unchanged), and the sink's value
   is zero. A mask gets one more column that keeps the sink; without a mask (SDPA's own causal alignment,
   top-left), one zero query row goes in front as well, so that query i + 1 sees the sink and keys 0..i, and its
-  output is dropped. Cost: K and V are copied once into the wider layout per call (no score matrix).
+  output is dropped. Cost: K and V are copied once into the wider layout per call (no score matrix). A step of a
+  few queries (decode, a speculative verify step) skips that copy of the whole cache, which would cost more than
+  its attention: its scores, a few rows, are computed directly (`few_queries_with_sinks`), each group of query
+  heads against its K/V head, the sink added to each softmax's denominator.
 - flex (`alibi_kernels.flex_attention_with_alibi`, with or without ALiBi slopes): the kernel returns the
   log-sum-exp L of each row's scores; the output is renormalised by exp(L) / (exp(L) + exp(sink)) =
   σ(L - sink), as transformers' flex path does on GPUs (torch's compiled flex on CPU cannot return it).
@@ -42,6 +47,10 @@ SINK_KERNEL_ARGUMENTS = ("s_aux", "learnable_sink")
 # Features added per head for the sink's score: one block that keeps the width a multiple of 8 elements (16
 # bytes in half precision), which torch's flash and memory-efficient SDPA kernels need on GPUs
 SINK_FEATURES = 8
+# A step of at most this many queries, whose fp32 scores take at most `FEW_QUERY_SCORES` elements, scores its keys
+# directly instead of copying K and V into SDPA's wider layout (decode steps: benchmarks/results_sinks.json)
+FEW_QUERIES = 8
+FEW_QUERY_SCORES = 1 << 24
 
 
 def sink_parameters(config) -> int:
@@ -67,11 +76,16 @@ def sdpa_attention_with_sinks(
     position_bias: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA function on q/k/v widened by `SINK_FEATURES` so that a sink key in front of the keys
-    scores exactly `s_aux` (the module docstring says how). query (B, H, T_q, D), key (B, H_kv, T_k, D),
+    """SDPA attention with sinks: transformers' SDPA function, the sink as one more key.
+
+    q/k/v are widened by `SINK_FEATURES` so that a sink key in front of the keys scores exactly `s_aux` (the
+    module docstring says how). query (B, H, T_q, D), key (B, H_kv, T_k, D),
     value (B, H_kv, T_k, D_v) -> ((B, T_q, H, D_v), None)."""
     head_dim, v_dim, q_len = query.shape[-1], value.shape[-1], query.shape[2]
     scaling = head_dim**-0.5 if scaling is None else scaling  # SDPA would take the widened width's
+    if (q_len <= FEW_QUERIES and (attention_mask is not None or q_len == 1) and not kwargs.get("dropout")
+            and query.shape[0] * query.shape[1] * q_len * key.shape[2] <= FEW_QUERY_SCORES):
+        return few_queries_with_sinks(query, key, value, attention_mask, scaling, s_aux, position_bias), None
     width = max(head_dim, v_dim) + SINK_FEATURES
     width += -width % SINK_FEATURES
     sink_query = (s_aux.to(query.dtype) / scaling).view(1, -1, 1, 1).expand(*query.shape[:3], 1)  # (B, H, T_q, 1)
@@ -97,8 +111,39 @@ def sdpa_attention_with_sinks(
     return out[:, int(leading_query):, :, :v_dim], None  # (B, T_q, H, D_v)
 
 
+def few_queries_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float, s_aux: torch.Tensor,
+                           position_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with sinks for a step of a few queries, without copying the keys and values.
+
+    query (B, H, T, D), key (B, H_kv, S, D), value (B, H_kv, S, D_v), a boolean or additive mask (B or 1, 1, T,
+    >= S) or None (every key visible), a bias (B or 1, H, T, >= S) or None -> (B, T, H, D_v). Each K/V head's group
+    of query heads is one matrix product against its keys (no repeated K/V); the softmax, in fp32, has the sink in
+    its denominator.
+    """
+    batch, heads, q_len, _ = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, group * q_len, -1)  # head h = kv_head * group + j, as `repeat_kv`
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float().mul_(scaling)
+    scores = scores.view(batch, kv_heads, group, q_len, kv_len)  # (B, H_kv, g, T, S)
+    if position_bias is not None:
+        scores = scores + position_bias[..., :kv_len].float().view(position_bias.shape[0], kv_heads, group, q_len, kv_len)
+    if attention_mask is not None:
+        mask = attention_mask[..., :kv_len].unsqueeze(2)  # (B, 1, 1, T, S)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    sink = s_aux.float().view(1, kv_heads, group, 1, 1)
+    top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # finite: the sink is
+    weights = (scores - top).exp_()
+    weights = weights.div_(weights.sum(-1, keepdim=True) + (sink - top).exp())
+    out = torch.matmul(weights.to(value.dtype).view(batch, kv_heads, group * q_len, kv_len), value)
+    return out.view(batch, heads, q_len, -1).transpose(1, 2)  # (B, T, H, D_v)
+
+
 def renormalize_with_sinks(out: torch.Tensor, lse: torch.Tensor, s_aux: torch.Tensor) -> torch.Tensor:
-    """A softmax-weighted output (B, H, T, D) and its rows' log-sum-exp L (B, H, T) -> the output with each head's
+    """Add each head's sink to the softmax of an attention output, from its rows' log-sum-exp.
+
+    A softmax-weighted output (B, H, T, D) and its rows' log-sum-exp L (B, H, T) -> the output with each head's
     sink in the denominator: out · exp(L) / (exp(L) + exp(sink)) = out · σ(L - sink) (0 where L = -inf)."""
     factor = torch.sigmoid(lse.float() - s_aux.float().view(1, -1, 1))  # (B, H, T)
     return (out * factor.unsqueeze(-1).to(out.dtype)).to(out.dtype)
@@ -116,8 +161,10 @@ def _takes_sinks(kernel) -> bool:
 def flash_attention_with_sinks(
     interface, module: nn.Module, query, key, value, attention_mask, s_aux: torch.Tensor | None = None, **kwargs
 ):
-    """transformers' flash path (`interface`), which passes `s_aux` to the kernel where it takes sinks, after
-    checking that the kernel loaded for this implementation does (transformers would drop them in silence)."""
+    """Flash attention with sinks, refused where the loaded kernel takes none.
+
+    transformers' flash path (`interface`) passes `s_aux` to the kernel where it takes sinks, after checking that
+    the kernel loaded for this implementation does (transformers would drop them in silence)."""
     implementation = module.config._attn_implementation
     (flash_fn, varlen_fn, *_), _ = internals("flash").lazy_import_flash_attention(implementation)
     # transformers reads the kernel's keywords off its varlen function, for both of its paths
@@ -130,7 +177,9 @@ def flash_attention_with_sinks(
 
 
 def sink_function(backend: str, interface):
-    """The function that computes attention with sinks on declared `backend` (`canonical_backend`): this family's
+    """The function that computes attention with sinks on `backend`.
+
+    On declared `backend` (`canonical_backend`): this family's
     for SDPA and the flash kernels (module docstring; flex: `alibi_kernels.flex_attention_with_alibi`, which the
     attention layer picks); `interface` itself elsewhere (the eager reference, vLLM's attention, a backend the
     user registered: each is handed `s_aux`, as transformers' models hand it)."""
@@ -141,5 +190,5 @@ def sink_function(backend: str, interface):
     return interface
 
 
-__all__ = ["SINK_FEATURES", "flash_attention_with_sinks", "renormalize_with_sinks", "sdpa_attention_with_sinks",
-           "sink_function", "sink_parameters"]
+__all__ = ["SINK_FEATURES", "flash_attention_with_sinks", "few_queries_with_sinks", "renormalize_with_sinks",
+           "sdpa_attention_with_sinks", "sink_function", "sink_parameters"]

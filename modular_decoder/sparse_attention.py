@@ -1,5 +1,7 @@
-"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2-Exp): multi-head latent attention whose every query attends only
-to the `index_topk` keys its lightning indexer ranks highest (`lightning_indexer.py`), `attention_type="dsa"`.
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2-Exp, `attention_type="dsa"`): MLA over a few keys per query.
+
+Multi-head latent attention whose every query attends only to the `index_topk` keys its lightning indexer ranks
+highest (`lightning_indexer.py`).
 
 The cache holds what MLA's does, the latent and the rotary key of every token, plus one indexer key per token
 (`latent_cache.DynamicIndexedLatentLayer` / `StaticIndexedLatentLayer`): selection saves attention work, not cache.
@@ -60,7 +62,9 @@ def restrict(mask: torch.Tensor | None, selected: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """cache (B, S, D), indices (B, T, k) -> (B, T, k, D), each query's chosen rows: one `index_select` over the rows
+    """Each query's chosen rows of a cache: cache (B, S, D), indices (B, T, k) -> (B, T, k, D).
+
+    One `index_select` over the rows
     of the cache's storage (a copy per row, not an index computed per element as advanced indexing does) where its
     rows are laid out one after another, as every cache layer here stores them."""
     batch, length, width = cache.shape
@@ -94,8 +98,10 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         cache=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """MLA's projections (`MultiHeadLatentAttention.forward`, which vLLM rewrites and this kind does not run
-        there), the indexer's keys cached beside the latent, then the selected keys scored (module docstring)."""
+        """MLA's projections, the indexer's keys cached beside the latent, then the selected keys scored.
+
+        The projections are `MultiHeadLatentAttention.forward`'s (which vLLM rewrites and this kind does not run
+        there); the scoring: the module docstring."""
         del position_bias  # config validation rules out ALiBi with MLA
         batch, seq = hidden_states.shape[:2]
         q_latent = self.q_a_layernorm(self.q_a_proj(hidden_states))  # the indexer's queries start here too
@@ -156,10 +162,11 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         return self.gathered_attention(q_nope, q_rot, latents, k_rot, indices, mask), None
 
     def sparse_expanded(self, q_nope, q_rot, latents, k_rot, attention_mask, select, kwargs):
-        """Per-head keys and values through `kv_b_proj` (which this path calls: adapters and hooks apply), scored by
-        the backend. A step whose queries choose fewer keys in all than the cache holds (a decode step under an
-        adapter, or on flex) expands only the chosen ones (`gathered_expanded`); otherwise every cached key is
-        expanded, as on MLA's expanded path, and the selection is a mask, `SELECTION_MASK_BYTES` of it per block
+        """Attention over per-head keys and values made by `kv_b_proj` (adapters and hooks apply).
+
+        Scored by the backend. A step whose queries choose fewer keys in all than the cache holds (a decode step
+        under an adapter, or on flex) expands only the chosen ones (`gathered_expanded`); otherwise every cached key
+        is expanded, as on MLA's expanded path, and the selection is a mask, `SELECTION_MASK_BYTES` of it per block
         of queries (eager, the reference, in one block)."""
         batch, _, q_len, _ = q_nope.shape
         kv_len = latents.shape[-2]
@@ -184,9 +191,11 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         return out, weights[0] if len(weights) == 1 or weights[0] is None else torch.cat(weights, dim=2)
 
     def gathered_expanded(self, queries, latents, k_rot, indices, mask, kwargs) -> torch.Tensor:
-        """Each query's chosen keys gathered, up-projected through `kv_b_proj` and scored by the backend, each query
-        its own batch row: queries (B, H, T, d_qk), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R), indices (B, T, k),
-        mask (B, 1, T, S) or None -> (B, T, H, d_v). Expands T·k latents instead of the S cached ones."""
+        """Each query's chosen keys gathered, up-projected through `kv_b_proj` and scored by the backend.
+
+        Each query is its own batch row: queries (B, H, T, d_qk), latents (B, 1, S, d_c), k_rot (B, 1, S, d_R),
+        indices (B, T, k), mask (B, 1, T, S) or None -> (B, T, H, d_v). Expands T·k latents instead of the S cached
+        ones."""
         batch, heads, q_len, _ = queries.shape
         chosen_latents = gather_rows(latents[:, 0], indices).flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_c)
         chosen_rot = gather_rows(k_rot[:, 0], indices).flatten(0, 1).unsqueeze(1)  # (B·T, 1, k, d_R)

@@ -65,7 +65,10 @@ _exporting = getattr(torch.compiler, "is_exporting", torch.compiler.is_compiling
 
 
 def set_split_products(enabled: bool) -> None:
-    """Turn the split products on or off for this process (`MODULAR_DECODER_SPLIT_PRODUCTS`)."""
+    """Turn on or off, for this process, splitting few-row products across the CPU cores.
+
+    The environment variable `MODULAR_DECODER_SPLIT_PRODUCTS` sets it at import.
+    """
     global _enabled
     _enabled = bool(enabled)
 
@@ -154,7 +157,9 @@ def _split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def is_bare_linear(layer: nn.Module, module_type: type[nn.Module] = nn.Linear) -> bool:
-    """Whether calling `layer` runs nothing but `nn.Linear.forward` (or `module_type`'s): a plain `nn.Linear` (a
+    """Whether calling `layer` runs nothing but `nn.Linear.forward` (or `module_type`'s).
+
+    That is, a plain `nn.Linear` (a
     parametrization changes its type) with no forward or backward hooks, its own or global, and no
     instance-level `forward` (accelerate's wrappers)."""
     return (
@@ -172,8 +177,9 @@ def is_bare_linear(layer: nn.Module, module_type: type[nn.Module] = nn.Linear) -
 
 
 def weight_is_readable(layer: nn.Module, module_type: type[nn.Module] = nn.Linear) -> bool:
-    """Whether a path may compute from `layer.weight` (and `layer.bias`) in place of calling `layer`, as
-    absorbed MLA does: a bare linear (or bare `module_type`, e.g. a convolution a fused kernel reads) whose weight
+    """Whether a path may compute from `layer.weight` (and `layer.bias`) in place of calling `layer`.
+
+    As absorbed MLA does: a bare linear (or bare `module_type`, e.g. a convolution a fused kernel reads) whose weight
     and bias are plain tensors (not a DTensor, a quantized or other tensor subclass), so that any product of them
     is what `layer(x)` computes."""
     return (
@@ -184,14 +190,18 @@ def weight_is_readable(layer: nn.Module, module_type: type[nn.Module] = nn.Linea
 
 
 def is_fx_proxy(x) -> bool:
-    """Whether `x` is a symbolic tracer's stand-in (`torch.fx.Proxy`) rather than a value. vLLM's Transformers
+    """Whether `x` is a symbolic tracer's stand-in (`torch.fx.Proxy`) rather than a value.
+
+    vLLM's Transformers
     backend fx-traces our modules with proxies to recognise projections, norms and the MLA chain: a shortcut
     must then take the plain path (module calls, the explicit formula) and attention the cache-free path."""
     return isinstance(x, torch.fx.Proxy)
 
 
 def takes_split_branch(layer: nn.Module, x) -> bool:
-    """Whether a forward with two branches takes the one through `project`: the split is on, `x` is an fp32
+    """Whether a forward with two branches takes the one through `project` (few-row products split across cores).
+
+    The split is on, `x` is an fp32
     CPU value (not a tracer's proxy) and `layer` (the linear that branch ends with) is bare. The cheap tests
     come first: on an accelerator or in half precision every forward takes the plain branch, with no
     per-product checks (a decode step has ~7 products a layer). The other branch calls each module plainly
@@ -203,8 +213,9 @@ def takes_split_branch(layer: nn.Module, x) -> bool:
 
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)`; a bare `nn.Linear` on an fp32 CPU input goes through `linear` (a few rows run on all
-    cores). Anything else (PEFT or quantised layers, hooked or wrapped modules, a tracer's proxy `x`, an
+    """`layer(x)`, a few rows of a bare `nn.Linear` on an fp32 CPU input run on all cores (`linear`).
+
+    Anything else (PEFT or quantised layers, hooked or wrapped modules, a tracer's proxy `x`, an
     accelerator or half-precision input) is called as usual."""
     return linear(x, layer.weight, layer.bias) if takes_split_branch(layer, x) else layer(x)
 

@@ -62,6 +62,10 @@ VARIANTS: dict[str, dict] = {
                            attention_k_eq_v=True, value_norm=True, num_kv_shared_layers=1,
                            rope_parameters={"full_attention": dict(_ROPE)}, hidden_size_per_layer_input=4,
                            residual_stream="altup", altup_num_inputs=2, laurel_rank=4),
+    # Falcon-H1's μP: multipliers on the attention's input, keys and output and on the gated MLP's gate and output
+    # (vLLM's fused attention and MLP would drop them)
+    "mup_sublayers": dict(num_key_value_heads=2, mlp_type="gated", attention_in_multiplier=0.5, key_multiplier=1.5,
+                          attention_out_multiplier=2.0, mlp_multipliers=[0.7, 1.3]),
 }
 
 

@@ -13,11 +13,10 @@ import pytest
 import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
-from transformers.generation import candidate_generator
 
 from conversion_cases import COMMON, MLA, perturbed
 from modular_decoder.mtp import token_embeddings
-from modular_decoder.mtp_generation import recorded_drafts
+from modular_decoder.mtp_generation import MtpCandidateGenerator, recorded_drafts
 
 MTP_PARTS = ("enorm", "hnorm", "eh_proj", "post_norm")
 
@@ -242,9 +241,11 @@ def reference_drafts(model, verified: torch.Tensor, drafted: torch.Tensor) -> to
 
 def drafted_steps(model, prompt, **kwargs):
     """generate(use_mtp=True, ...)'s output, each drafting step's (verified text, drafts, their logits), and its
-    statistics."""
+    statistics; every step drafts unless `num_assistant_tokens_schedule` says otherwise (`constant` by default here,
+    so that the steps do not depend on this machine's timings)."""
     steps = []
-    original = candidate_generator.MTPCandidateGenerator.get_candidates
+    original = MtpCandidateGenerator.get_candidates
+    kwargs.setdefault("num_assistant_tokens_schedule", "constant")
 
     def recorded(generator, input_ids, *args, **kw):
         candidates, logits = original(generator, input_ids, *args, **kw)
@@ -253,6 +254,6 @@ def drafted_steps(model, prompt, **kwargs):
         return candidates, logits
 
     with pytest.MonkeyPatch.context() as patch, recorded_drafts() as statistics:
-        patch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", recorded)
+        patch.setattr(MtpCandidateGenerator, "get_candidates", recorded)
         output = model.generate(prompt, use_mtp=True, **kwargs)
     return output, steps, statistics

@@ -43,7 +43,7 @@ LINEAR = "linear_attention"
 # fails when an entry is added to a registry and not here.
 ATTENTION_TYPES = ("standard", "mla", "dsa")
 MLP_TYPES = ("dense", "gated", "moe")
-LINEAR_ATTENTION_TYPES = ("gated_deltanet",)
+LINEAR_ATTENTION_TYPES = ("gated_deltanet", "mamba2")
 LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_conv_kernel_dim")
 POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
@@ -181,7 +181,8 @@ def config_kwargs(draw) -> dict:
         if attention_type in LATENT_TYPES and all(linear):
             linear[linear.index(True)] = False
         layer_types = kw["layer_types"] = [LINEAR if lin else t for lin, t in zip(linear, layer_types)]
-        kw.update(draw(linear_fields()))
+        kw["linear_attention_type"] = draw(st.sampled_from(LINEAR_ATTENTION_TYPES))
+        kw.update(draw(mamba2_fields() if kw["linear_attention_type"] == "mamba2" else linear_fields()))
     if "chunked_attention" not in layer_types:  # every chunked layer made linear: no chunk size to set
         kw.pop("attention_chunk_size", None)
     attending = sorted(set(layer_types) - {LINEAR})
@@ -351,6 +352,21 @@ def linear_fields(draw) -> dict:
                          ("linear_conv_kernel_dim", st.integers(1, 4))):
         if draw(st.booleans()):
             kw[name] = draw(values)
+    return kw
+
+
+@st.composite
+def mamba2_fields(draw) -> dict:
+    """The Mamba-2 layers' sizes, chunked scan (chunks shorter than a sequence), norm, gate and step clamp."""
+    groups = draw(st.integers(1, 2))
+    kw = dict(mamba_n_groups=groups, mamba_n_heads=groups * draw(st.integers(1, 2)),
+              mamba_d_head=draw(st.integers(1, 6)), mamba_d_state=draw(st.integers(1, 6)), mamba_d_conv=draw(st.integers(1, 4)),
+              mamba_chunk_size=draw(st.integers(1, MAX_SEQ)), mamba_conv_bias=draw(st.booleans()),
+              mamba_proj_bias=draw(st.booleans()), mamba_rms_norm=draw(st.booleans()))
+    kw["mamba_norm_before_gate"] = kw["mamba_rms_norm"] and draw(st.booleans())
+    if draw(st.booleans()):
+        low = draw(st.floats(0.0, 0.5))
+        kw["time_step_limit"] = [low, low + draw(st.floats(0.1, 10.0))]
     return kw
 
 

@@ -188,6 +188,8 @@ def test_refused_pairs_are_the_expected_ones():
         ("dsa", "flash_attention_2"), ("dsa", "flash_attention_3"), ("dsa", "flash_attention_4"), ("dsa", "vllm"),
         # vLLM's backend pages attention's K/V only: a linear layer's recurrent state has no place there
         ("hybrid", "vllm"),
+        # vLLM's fused attention and MLP drop the μP multipliers
+        ("mup_sublayers", "vllm"),
     }
 
 

@@ -571,7 +571,7 @@ def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_p
     assert conversion_memory.main(["--smoke", "--scratch", str(tmp_path), "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["provenance"]["command"].startswith("python -m benchmarks conversion_memory --smoke")
-    assert [result["layout"] for result in record["results"]] == ["llama", "mixtral"]
+    assert [result["layout"] for result in record["results"]] == ["llama", "mixtral", "gpt_oss"]
     for result in record["results"]:
         for what in ("convert", "export"):
             assert len(result[what]["runs"]) == 1 and result[what]["runs"][0]["method"] in ("VmHWM", "sampled")

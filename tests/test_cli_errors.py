@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -420,3 +421,25 @@ def test_an_unknown_option_gets_the_command_s_usage_and_the_option_meant(capsys,
     unknown = next(arg for arg in argv if arg.startswith("--"))
     assert last.startswith(f"{usage.removeprefix('usage: ')}: error: unrecognized arguments: {unknown}")
     assert (meant in last) if meant else "did you mean" not in last
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize(("changes", "blamed"), [
+    # Qwen3-Next's and Qwen3.5's configs have no sliding window: the round trip loses it
+    (dict(layer_types=["linear_attention", "sliding_attention"], sliding_window=4), r"`sliding_window`=4"),
+    # their MTP layer is a full-attention layer, one module sharing `mtp.fc`
+    (dict(layer_types=["full_attention", "linear_attention"], num_mtp_layers=1),
+     r"`num_mtp_layers`=1 after a last layer of `layer_types` 'linear_attention'"),
+    (dict(num_mtp_layers=2), r"`num_mtp_layers`=2"),
+], ids=["sliding-window", "mtp-after-linear-layer", "two-mtp-modules"])
+def test_export_names_what_the_target_format_cannot_express(capsys, tmp_path, family, changes, blamed):
+    """A refusal on export blames the target format and names the contract field it cannot hold (not a check of the
+    config built for the round trip, not the contract)."""
+    from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
+
+    config = ModularDecoderConfig(**{**preset_config("qwen3_5", tiny=True).to_dict(), **changes})
+    ModularDecoderForCausalLM(config).save_pretrained(tmp_path / "md")
+    message = user_error(capsys, ["export", str(tmp_path / "md"), str(tmp_path / "out"), "--family", family])
+    assert message.startswith(f"The {family} format cannot express this checkpoint's "), message
+    assert re.search(blamed, message) and "contract cannot" not in message, message
+    assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ quantized as published converted end to end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -148,21 +149,63 @@ def test_fp8_fused_experts_read_as_the_published_per_expert_layout(tmp_path):
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_fp8_blocks_cut_short_by_the_shape_take_their_own_scale():
-    """DeepSeek-V3's `kv_a_proj_with_mqa` is (576, 7168): its last row block holds 64 rows. Each block is scaled by
-    its own entry, as DeepSeek's `weight_dequant` does (transformers 5.25 derives the block from the scale grid and
-    refuses this shape). Reference: a loop over the blocks."""
-    torch.manual_seed(0)
-    weight = (torch.randn(3, 192, 200) * 50).to(torch.float8_e4m3fn)
-    scale_inv = torch.rand(3, 2, 2)
-    got = dequantize_fp8(weight, scale_inv, (128, 128), torch.float32)
-    for e in range(3):
-        for i in range(2):
-            for j in range(2):
-                block = weight[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float() * scale_inv[e, i, j]
-                assert torch.equal(got[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128], block)
+def test_fp8_scales_that_do_not_fit_the_weight_are_refused_by_name():
+    weight = torch.randn(3, 192, 200).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"kv_a: its scales have shape \(3, 2, 1\), but .* needs \(3, 2, 2\)"):
-        dequantize_fp8(weight, scale_inv[..., :1], (128, 128), torch.float32, "kv_a")
+        dequantize_fp8(weight, torch.rand(3, 2, 1), (128, 128), torch.float32, "kv_a")
+
+
+def deepseek_weight_dequant(x: torch.Tensor, s: torch.Tensor, block_size: int = 128) -> torch.Tensor:
+    """DeepSeek's reference `weight_dequant` (DeepSeek-V3's inference/kernel.py), written element by element: its
+    Triton program (pid_m, pid_n) loads rows pid_m * B... and columns pid_n * B... of x (masked where the shape ends),
+    multiplies them in float32 by s[pid_m * cdiv(N, B) + pid_n] (s flat, row-major) and stores them in the default
+    dtype (bf16 in its fp8_cast_bf16.py)."""
+    rows, cols = x.shape
+    per_row = math.ceil(cols / block_size)
+    index = (torch.arange(rows)[:, None] // block_size) * per_row + torch.arange(cols)[None, :] // block_size
+    return (x.to(torch.float32) * s.reshape(-1)[index]).to(torch.bfloat16)
+
+
+# DeepSeek-V3's kv_a_proj_with_mqa (576 = 512 + 64 rows: four blocks of 128 and one of 64), a 192-row weight (one
+# block of 128 and one of 64; transformers reads its (2, 2) grid as blocks of 96), and columns cut short too
+PARTIAL_BLOCKS = [(576, 320), (192, 256), (192, 200), (130, 1)]
+
+
+@pytest.mark.parametrize("shape", PARTIAL_BLOCKS, ids=lambda shape: "x".join(map(str, shape)))
+def test_fp8_partial_blocks_follow_deepseeks_weight_dequant(shape):
+    """A block cut short by the weight's shape takes its own scale, as DeepSeek's `weight_dequant` computes it (an
+    independent transcription of its kernel above): bit for bit, alone and in a fused experts tensor."""
+    torch.manual_seed(0)
+    rows, cols = shape
+    grid = (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+    weight, scale_inv = quantize_fp8(torch.randn(2, rows, cols) * 0.02)
+    assert tuple(scale_inv.shape) == (2, *grid)
+    for e in range(2):
+        expected = deepseek_weight_dequant(weight[e], scale_inv[e])
+        assert torch.equal(dequantize_fp8(weight[e], scale_inv[e], (BLOCK, BLOCK), torch.bfloat16), expected)
+        assert torch.equal(dequantize_fp8(weight, scale_inv, (BLOCK, BLOCK), torch.bfloat16)[e], expected)
+
+
+def test_transformers_fp8_dequantize_reads_partial_blocks_otherwise():
+    """What docs/upstream.md reports (a test that fails when transformers changes it, so the page is rewritten):
+    transformers' `Fp8Dequantize` derives the block from the scale grid, rows // grid rows: a 192-row weight with
+    DeepSeek's (2, 2) grid is read as blocks of 96 rows (rows 96-127 get the second row block's scale), and DeepSeek-V3's
+    576-row `kv_a_proj_with_mqa` (5 scale rows) is refused."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(0)
+    dequantize = Fp8Dequantize(None)._dequantize_one
+    weight, scale_inv = quantize_fp8(torch.randn(1, 192, 256) * 0.02)
+    weight, scale_inv = weight[0], scale_inv[0]
+    theirs = dequantize(weight, scale_inv, output_dtype=torch.bfloat16)
+    ours = deepseek_weight_dequant(weight, scale_inv)
+    assert torch.equal(theirs[:96], ours[:96]) and torch.equal(theirs[128:], ours[128:])
+    assert not torch.equal(theirs[96:128], ours[96:128])
+    as_96 = (weight.float().reshape(2, 96, 2, 128) * scale_inv[:, None, :, None]).reshape(192, 256)
+    assert torch.equal(theirs, as_96.to(torch.bfloat16))
+    weight, scale_inv = quantize_fp8(torch.randn(1, 576, 256) * 0.02)
+    with pytest.raises(ValueError, match=r"Weight shape \(576, 256\) not divisible by scale grid \(5, 2\)"):
+        dequantize(weight[0], scale_inv[0], output_dtype=torch.bfloat16)
 
 
 def test_fp8_byte_scales_are_powers_of_two():
@@ -304,6 +347,44 @@ def test_mxfp4_gpt_oss_converts_to_transformers_dequantized_model(tmp_path, dtyp
         ours = ModularDecoderForCausalLM.from_pretrained(out).eval()
         with torch.no_grad():
             torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_mxfp4_experts_convert_and_export_one_slice_of_experts_at_a_time(tmp_path, monkeypatch):
+    """An experts tensor larger than a block (`stream.BLOCK_BYTES`, made one expert's size here) is read,
+    dequantized, de-interleaved and written a slice of experts at a time, both ways: no step sees a layer's whole
+    (E, ...) tensor. The folders written are those of the whole-tensor path, byte for byte."""
+    from modular_decoder.conversion import core, export, sources, stream
+
+    src = mxfp4_folder(tmp_path / "gpt-oss")
+    whole = convert(src, tmp_path / "whole", progress=False)
+    whole_back = export(whole, tmp_path / "whole-back", family="gpt_oss", progress=False)
+    dequantized, rearranged = [], []
+    original = sources.dequantize_mxfp4
+
+    def counted(blocks, scales, dtype, name="weight"):
+        dequantized.append((name, blocks.shape[0]))
+        return original(blocks, scales, dtype, name)
+
+    def recorded(transform):
+        def wrapped(fn):
+            def call(tensors, cfg):
+                rearranged.extend(tuple(t.shape) for t in tensors if t.dim() == 3 and t.device.type != "meta")
+                return fn(tensors, cfg)
+            return call
+        return dataclasses.replace(transform, forward=wrapped(transform.forward), inverse=wrapped(transform.inverse))
+
+    monkeypatch.setattr(sources, "dequantize_mxfp4", counted)
+    for name in ("interleaved_gate_up", "transpose_experts"):
+        monkeypatch.setitem(core.TRANSFORMS, name, recorded(core.TRANSFORMS[name]))
+    monkeypatch.setattr(stream, "BLOCK_BYTES", 64 * 64 * 2)  # one expert's down product in bf16 (its (64, 64))
+    sliced = convert(src, tmp_path / "sliced", progress=False)
+    assert len(dequantized) == 2 * 2 * 4 and {experts for _, experts in dequantized} == {1}  # layers, tensors, E
+    converted = len(rearranged)
+    assert converted == 2 * 2 * 4 and {shape[0] for shape in rearranged} == {1}
+    sliced_back = export(sliced, tmp_path / "sliced-back", family="gpt_oss", progress=False)
+    assert len(rearranged) - converted == 2 * 2 * 4 and {shape[0] for shape in rearranged} == {1}
+    for a, b in ((whole, sliced), (whole_back, sliced_back)):
+        assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
 # --------------------------------------------------------------------------------------------- other FP8 layouts

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation import candidate_generator
 
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
 from modular_decoder.draft_vocab import draft_logits, set_draft_vocab
+from modular_decoder.mtp_generation import MtpCandidateGenerator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 64
@@ -125,7 +125,7 @@ class Drafts:
 
     def __init__(self, monkeypatch):
         self.steps = []
-        original = candidate_generator.MTPCandidateGenerator.get_candidates
+        original = MtpCandidateGenerator.get_candidates
 
         def recorded(generator, input_ids, *args, **kwargs):
             ids, logits = original(generator, input_ids, *args, **kwargs)
@@ -133,7 +133,7 @@ class Drafts:
                 self.steps.append((ids[:, input_ids.shape[1]:].clone(), logits.clone()))
             return ids, logits
 
-        monkeypatch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", recorded)
+        monkeypatch.setattr(MtpCandidateGenerator, "get_candidates", recorded)
 
     def in_subset(self, subset) -> bool:
         return bool(self.steps) and all(torch.isin(ids, subset).all() and torch.isinf(logits[..., _outside(subset, logits)]).all()

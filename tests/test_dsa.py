@@ -372,6 +372,27 @@ def test_earliest_key_wins_a_tie():
                        distinct.topk(7).indices.sort().values)
 
 
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_a_query_scoring_every_key_zero_decodes_as_the_full_forward(backend, monkeypatch):
+    """A token whose embedding is all zero (a zeroed pad row) has an all-zero indexer query in the first layer: it
+    scores every key 0, a tie among all of them. Earliest keys win, so each decode step keeps the keys the uncached
+    forward keeps; `torch.topk` (transformers' choice) picks other keys for the decode step's row than for the same
+    row with the later keys masked, and the logits part."""
+    model = _model(backend, max_position_embeddings=32)
+    zero = 96
+    with torch.no_grad():
+        model.model.embed_tokens.weight[zero] = 0
+    ids = _ids(1, 14, seed=5)
+    ids[0, [9, 11, 13]] = zero  # decode steps, each with more than `index_topk` keys before it
+    chunks = [8, 1, 1, 1, 1, 1, 1]
+    with torch.no_grad():
+        cached, full = steps_against_full(model, ids, torch.ones_like(ids), chunks)
+        torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+        monkeypatch.setattr(lightning_indexer, "top_k_earliest", lambda scores, k: scores.topk(k, dim=-1).indices)
+        cached, full = steps_against_full(model, ids, torch.ones_like(ids), chunks)
+    assert (cached - full).abs().amax() > 1e-2
+
+
 # --- cache, contract and refusals ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("implementation", ["dynamic", "static"])

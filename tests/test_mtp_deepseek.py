@@ -15,7 +15,7 @@ from transformers.generation import candidate_generator
 
 from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.conversion import convert, export
-from modular_decoder.mtp_generation import recorded_drafts
+from modular_decoder.mtp_generation import MtpCandidateGenerator, recorded_drafts
 from mtp_cases import (deepseek_v3_config, mtp_file_tensors, mtp_reference, save_deepseek_v3_with_mtp,
                        save_trained_deepseek_v3_with_mtp)
 
@@ -58,20 +58,22 @@ def test_converts_with_the_modules_and_exports_back_bit_for_bit(folders, tmp_pat
 
 
 class Recorder:
-    """Every draft the MTP candidate generators return, by generator class (ours subclasses transformers')."""
+    """Every draft the MTP candidate generators return: transformers' and ours."""
 
     def __init__(self, monkeypatch):
         self.calls: dict[str, list] = {}
-        original = candidate_generator.MTPCandidateGenerator.get_candidates
+        for name, generator_class in (("transformers", candidate_generator.MTPCandidateGenerator),
+                                      ("ours", MtpCandidateGenerator)):
+            monkeypatch.setattr(generator_class, "get_candidates", self._recording(name, generator_class.get_candidates))
 
+    def _recording(self, name, original):
         def recorded(generator, input_ids, *args, **kwargs):
             ids, logits = original(generator, input_ids, *args, **kwargs)
             if logits is not None:
-                mine = "ours" if "ModularDecoder" in type(generator).__name__ else "transformers"
-                self.calls.setdefault(mine, []).append((ids[:, input_ids.shape[1]:].clone(), logits.clone()))
+                self.calls.setdefault(name, []).append((ids[:, input_ids.shape[1]:].clone(), logits.clone()))
             return ids, logits
 
-        monkeypatch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", recorded)
+        return recorded
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
@@ -80,7 +82,8 @@ def test_drafts_and_tokens_equal_transformers(folders, sample, prompt, monkeypat
     src, ours, count, family = folders
     reference, model = mtp_reference(src, family), ModularDecoderForCausalLM.from_pretrained(ours).eval()
     recorder = Recorder(monkeypatch)
-    kwargs = dict(max_new_tokens=16, do_sample=sample, use_mtp=True)
+    # every step drafts (transformers' generator does; ours by default drafts where it pays on this machine)
+    kwargs = dict(max_new_tokens=16, do_sample=sample, use_mtp=True, num_assistant_tokens_schedule="constant")
     if sample:
         kwargs.update(top_k=0, top_p=1.0, temperature=1.0)
     outputs = {}
@@ -128,4 +131,29 @@ def test_files_that_disagree_with_the_config_are_refused(tmp_path):
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="shared_head.head.weight` should be a copy of `lm_head.weight"):
         convert(src, tmp_path / "out2", progress=False)
-    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+    del tensors["model.layers.2.shared_head.head.weight"]  # without it, the embedding's copy is still checked
+    tensors["model.layers.2.embed_tokens.weight"] = tensors["model.layers.2.embed_tokens.weight"] * 2
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="embed_tokens.weight` should be a copy of `model.embed_tokens.weight"):
+        convert(src, tmp_path / "out3", progress=False)
+    assert not any((tmp_path / name).exists() for name in ("out", "out2", "out3"))
+
+
+@pytest.mark.parametrize("dropped", [("embed_tokens",), ("shared_head.head",), ("embed_tokens", "shared_head.head")])
+def test_a_folder_without_the_modules_copies_of_embedding_and_head_reads_the_main_ones(tmp_path, dropped):
+    """DeepSeek's files repeat the embedding and the head in each MTP module (`model.layers.{n + k}.embed_tokens`,
+    `.shared_head.head`); transformers' `MtpModel` uses the main ones, so a folder without the copies converts to the
+    same model, and export writes them back (DeepSeek's published layout: vLLM's DeepSeek MTP loads each module's
+    head from its `shared_head.head`)."""
+    src = save_deepseek_v3_with_mtp(tmp_path / "src", 2)
+    full = convert(src, tmp_path / "full", progress=False)
+    tensors = load_file(str(src / "model.safetensors"))
+    removed = [f"model.layers.{n}.{part}.weight" for n in (2, 3) for part in dropped]
+    save_file({k: v for k, v in tensors.items() if k not in removed}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    stripped = convert(src, tmp_path / "stripped", progress=False)
+    assert (stripped / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    back = export(stripped, tmp_path / "back", family="deepseek_v3", progress=False)
+    written = load_file(str(back / "model.safetensors"))
+    assert sorted(written) == sorted(tensors)
+    assert all(torch.equal(written[name], tensor) for name, tensor in tensors.items())

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
+from peft import (CPTConfig, LoraConfig, PeftModel, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig,
+                  get_peft_model)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modular_decoder import PRESETS, ModularDecoderForCausalLM, preset_config
+from modular_decoder.compat import CACHE_NAME
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -206,30 +208,61 @@ def test_prefix_tuning_matches_llama():
             assert (got - model(ids).logits).abs().max() > 1e-2  # the prefix is attended to
 
 
-def test_prefix_tuning_generate_is_refused_where_llama_ignores_the_prefix():
-    """PEFT 0.21's prefix tuning passes its prefix to `generate` as `past_key_values`; from transformers 5.24
-    `generate` passes its own cache as `cache`, and transformers' Llama keeps that one: its first-step scores are
-    the base model's, the prefix ignored in silence. Ours refuses the two caches in one line saying so. (When
-    PEFT or transformers changes this, the Llama half fails: then let ours generate with the prefix.)"""
-    ids = _counting_batch(1, 6)
-    prefix = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+PROMPT_LEARNING = {
+    "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    "p_tuning": lambda: PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=16),
+    "cpt": lambda: CPTConfig(task_type="CAUSAL_LM", cpt_token_ids=[5, 6, 7, 8], cpt_mask=[1, 1, 1, 1],
+                             cpt_tokens_type_mask=[1, 2, 2, 3]),
+    "prefix_tuning": lambda: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+}
+
+
+def _greedy_through(adapted, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy tokens recomputed token by token through the adapted model's forward, without a cache (PEFT adds its
+    virtual tokens, or prefix, to each whole text)."""
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = adapted(input_ids=ids, attention_mask=mask).logits[:, -1]
+            ids = torch.cat((ids, logits.argmax(-1, keepdim=True)), dim=1)
+            mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("method", list(PROMPT_LEARNING))
+def test_prompt_learning_generates_as_its_uncached_forward(method):
+    """Prompt tuning, P-tuning, CPT and prefix tuning in `generate`: the virtual tokens (or the prefix) once, before
+    the text, as PEFT's forward reads them: the greedy tokens of the adapted model's forward recomputed without a
+    cache, which transformers' Llama with the same weights gives too (its forward, and its `generate` on
+    transformers before 5.24, where PEFT finds generate's cache under `past_key_values`). On 5.24 onwards PEFT
+    does not find it there: Llama's `generate` adds the virtual tokens again at every step, and drops a prefix."""
     model = ModularDecoderForCausalLM(preset_config("llama", tiny=True)).eval()
     llama = _llama_twin(model)
+    torch.manual_seed(0)
+    ours, theirs = get_peft_model(model, PROMPT_LEARNING[method]()), get_peft_model(llama, PROMPT_LEARNING[method]())
     with torch.no_grad():
-        plain = llama.generate(ids, max_new_tokens=1, do_sample=False, output_scores=True,
-                               return_dict_in_generate=True).scores[0]
-        theirs, ours = get_peft_model(llama, prefix), get_peft_model(model, prefix)
-        for param in theirs.prompt_encoder.parameters():
-            param.mul_(50)  # a prefix strong enough to change the scores
-        assert (theirs(input_ids=ids).logits[:, -1] - plain).abs().max() > 1e-2  # the forward attends to it
-        first = theirs.generate(input_ids=ids, max_new_tokens=1, do_sample=False, output_scores=True,
-                                return_dict_in_generate=True).scores[0]
-        torch.testing.assert_close(first, plain)  # generate does not
-        with pytest.raises(ValueError) as error:
-            ours.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
-    message = str(error.value)
-    assert "\n" not in message and message.startswith("`past_key_values` (a prefix of 4 tokens")
-    assert "would be ignored" in message
+        for param in ours.prompt_encoder.parameters():
+            param.mul_(20 if method == "prefix_tuning" else 1)  # a prefix strong enough to change the tokens
+    theirs.prompt_encoder.load_state_dict(ours.prompt_encoder.state_dict())
+    ids = _counting_batch(2, 6)
+    padded = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    for prompt, mask in ((ids, torch.ones_like(ids)), (padded, (padded != 0).long())):
+        expected = _greedy_through(ours, prompt, mask, 6)
+        with torch.no_grad():
+            got = ours.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(got, expected), method
+    # transformers' Llama: its uncached forward gives the same tokens (unpadded: without position ids, which PEFT
+    # drops, Llama counts padding as positions)
+    assert torch.equal(_greedy_through(theirs, ids, torch.ones_like(ids), 6),
+                       _greedy_through(ours, ids, torch.ones_like(ids), 6))
+    with torch.no_grad():
+        base = model.generate(ids, max_new_tokens=6, do_sample=False)
+        llama_generate = theirs.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                         do_sample=False)
+    assert not torch.equal(_greedy_through(ours, ids, torch.ones_like(ids), 6), base)  # the adapter changes them
+    if CACHE_NAME != "cache":
+        assert torch.equal(llama_generate, _greedy_through(ours, ids, torch.ones_like(ids), 6))
+    elif method == "prefix_tuning":
+        assert torch.equal(llama_generate, base)  # transformers' Llama drops the prefix (when this fails: fixed)
 
 
 def test_prefix_tuning_on_mla_is_refused_at_the_first_forward():
@@ -238,11 +271,12 @@ def test_prefix_tuning_on_mla_is_refused_at_the_first_forward():
     what to use instead."""
     model = ModularDecoderForCausalLM(preset_config("deepseek_v3", tiny=True)).eval()
     adapted = get_peft_model(model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
-    with torch.no_grad(), pytest.raises(ValueError) as error:
-        adapted(input_ids=_counting_batch(1, 6))
-    message = str(error.value)
-    assert "\n" not in message and message.startswith("MLA (`attention_type='mla'`) cannot attend to per-head keys")
-    assert "`PromptTuningConfig`" in message and "LoRA" in message
+    for run in (lambda ids: adapted(input_ids=ids), lambda ids: adapted.generate(input_ids=ids, max_new_tokens=2)):
+        with torch.no_grad(), pytest.raises(ValueError) as error:
+            run(_counting_batch(1, 6))
+        message = str(error.value)
+        assert "\n" not in message and message.startswith("MLA (`attention_type='mla'`) cannot attend to per-head keys")
+        assert "`PromptTuningConfig`" in message and "LoRA" in message
 
 
 def _greedy_without_cache(model, ids: torch.Tensor, steps: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from modular_decoder.registries import ATTENTIONS, LINEAR_ATTENTIONS
 
 peft = pytest.importorskip("peft")
 from peft import get_peft_model  # noqa: E402
-from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING  # noqa: E402
+from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,6 +112,30 @@ def test_every_llama_table_has_our_entry_in_our_names():
     for name, table in tables.items():
         assert table[MODEL_TYPE] == translated(table["llama"]), name
         assert set(table["llama"]) <= set(LLAMA_TO_OURS), f"{name}: a Llama target this family does not translate"
+
+
+def test_peft_reads_its_defaults_where_peft_targets_writes_them(monkeypatch):
+    """PEFT offers no public way to give a custom `model_type` default targets: each method reads them from its
+    module-level table in `peft.utils.constants` by `model.config.to_dict()["model_type"]`, the config asked right
+    before the look-up. This fails when PEFT moves any of that (docs/contract.md)."""
+    import inspect
+
+    from peft.tuners.lora import LoraModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    model = _ours("standard")
+    tables = peft_target_tables()
+    lora = tables["TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"]
+    assert LoraModel.target_module_mapping is lora  # the method reads the table in place
+    assert 'target_module_mapping.get(model_config["model_type"])' in inspect.getsource(
+        LoraModel._prepare_adapter_config)
+    monkeypatch.delitem(lora, MODEL_TYPE)
+    assert BaseTuner.get_model_config(model)["model_type"] == MODEL_TYPE  # PEFT's read of the config...
+    assert lora[MODEL_TYPE] == translated(lora["llama"])  # ...registers the entry before the look-up
+    for tuner in {config for config in PEFT_TYPE_TO_TUNER_MAPPING.values()}:
+        mapping = getattr(tuner, "target_module_mapping", None)
+        if isinstance(mapping, dict) and mapping.get("llama"):  # every method with Llama defaults reads a table
+            assert any(mapping is table for table in tables.values()), tuner.__name__
 
 
 @pytest.mark.parametrize("kind", sorted(KIND_PRESETS))

@@ -73,9 +73,9 @@ SHIPPED = {
     "mla.py", "mlp.py", "moe.py", "routers.py", "experts.py", "router_losses.py", "norms.py", "positions.py",
     "registries.py", "split_products.py", "input_checks.py", "checkpoint_checks.py", "peft_targets.py", "tuning.py",
     "sparse_attention.py", "lightning_indexer.py", "gated_deltanet.py", "delta_rule.py", "recurrent_cache.py",
-    "mtp.py", "mtp_generation.py", "packed_documents.py", "draft_vocab.py", "query_temperature.py", "mamba2.py",
-    "mamba2_scan.py", "recurrent_mixer.py", "hybrid_cache.py", "mup.py", "attention_shapes.py", "kv_sharing.py",
-    "per_layer_embeddings.py", "residual_streams.py", "altup.py", "laurel.py",
+    "mtp.py", "mtp_generation.py", "draft_schedule.py", "packed_documents.py", "draft_vocab.py", "query_temperature.py",
+    "mamba2.py", "mamba2_scan.py", "recurrent_mixer.py", "hybrid_cache.py", "mup.py", "attention_shapes.py",
+    "kv_sharing.py", "per_layer_embeddings.py", "residual_streams.py", "altup.py", "laurel.py",
 }
 
 

@@ -61,22 +61,51 @@ def _sdpa_calls(monkeypatch) -> list[dict]:
 
 def test_sdpa_keeps_its_causal_path_and_widens_by_one_aligned_block(monkeypatch):
     """An unpadded prefill: SDPA gets no mask and `is_causal` (one leading query keeps the sink in its
-    top-left causal mask), heads 8 features wider; a decode step: one query and the mask transformers made
-    (one column longer, for the sink), nothing more."""
+    top-left causal mask), heads 8 features wider; a decode step scores the cached keys directly, not widened
+    (no copy of the cache), nor through SDPA."""
+    import modular_decoder.sinks as sinks
+
     model = make_model("sinks_sliding", "sdpa")
-    calls = _sdpa_calls(monkeypatch)
+    calls, direct = _sdpa_calls(monkeypatch), []
+    few_queries = sinks.few_queries_with_sinks
+    monkeypatch.setattr(sinks, "few_queries_with_sinks",
+                        lambda q, k, *args: direct.append((tuple(q.shape), tuple(k.shape))) or few_queries(q, k, *args))
     ids = torch.randint(0, 97, (1, 4))  # within the window: no layer needs a mask
     with torch.no_grad():
         out = model(ids, use_cache=True)
+        layers = len(calls)
         model(ids[:, :1], cache=out.cache)
-    prefill, decode = calls[: len(calls) // 2], calls[len(calls) // 2:]
     head_dim = model.config.head_dim
-    for call in prefill:
+    assert layers == model.config.num_hidden_layers and len(calls) == layers and len(direct) == layers
+    for call in calls:
         assert call["mask"] is None and call["is_causal"] and call["q"][-2:] == (5, head_dim + 8)
-    for call in decode:
-        # (transformers may fold a single query's GQA group into the query axis: its width is what counts)
-        assert call["q"][-1] == head_dim + 8 and call["k"][-2:] == (6, head_dim + 8) and not call["is_causal"]
-        assert call["mask"] is None or call["mask"].shape[-2:] == (1, 6)
+    for q, k in direct:
+        assert q[-2:] == (1, head_dim) and k[-2:] == (5, head_dim)
+
+
+def test_a_few_queries_score_directly_as_eager():
+    """Decode and verify steps (up to `FEW_QUERIES` queries, a mask or one query) score the cached keys directly:
+    equal to eager with a bool mask, an additive one, a bias, and a fully masked row (which attends to nothing)."""
+    import modular_decoder.sinks as sinks
+    from modular_decoder.eager_attention import eager_attention
+
+    torch.manual_seed(0)
+    module = make_model("sinks_sliding").model.layers[0].self_attn
+    q, k, v, s_aux = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 6), torch.randn(4)
+    keep = torch.rand(2, 1, 3, 11) > 0.3  # longer than the keys, as a static cache's mask is
+    keep[1, :, 2] = False
+    additive = torch.zeros(2, 1, 3, 11).masked_fill(~keep, torch.finfo(torch.float32).min)
+    bias = torch.randn(1, 4, 3, 11)
+    for mask, position_bias in [(keep, None), (additive, None), (keep, bias)]:
+        got = sinks.few_queries_with_sinks(q, k, v, mask, 0.3, s_aux, position_bias)
+        want, _ = eager_attention(module, q, k, v, mask[..., :9], scaling=0.3, s_aux=s_aux,
+                                  position_bias=None if position_bias is None else position_bias[..., :9])
+        torch.testing.assert_close(got, want, **TOL)
+        assert torch.equal(sdpa_attention_with_sinks(module, q, k, v, mask, scaling=0.3, s_aux=s_aux,
+                                                     position_bias=position_bias)[0], got)
+    assert torch.equal(got[1, 2], torch.zeros(4, 6))
+    one, _ = eager_attention(module, q[:, :, :1], k, v, None, scaling=0.3, s_aux=s_aux)
+    torch.testing.assert_close(sinks.few_queries_with_sinks(q[:, :, :1], k, v, None, 0.3, s_aux), one, **TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

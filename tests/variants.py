@@ -103,8 +103,8 @@ AXES: dict[str, dict[str, dict]] = {
                                  local_rope_theta=100.0),
         "chunked": dict(attention_chunk_size=3, layer_types=["chunked_attention", "full_attention"]),  # Llama 4
     },
-    # the token mixer of the second layer: attention, attention with the output gate, or Gated DeltaNet (its
-    # sizes derived, or explicit with grouped value heads and a 3-tap convolution) after an attention layer
+    # the token mixer of the second layer: attention, attention with the output gate, Gated DeltaNet (its
+    # sizes derived, or explicit with grouped value heads and a 3-tap convolution) or Mamba-2 after an attention layer
     "mixer": {
         "attention": {},
         "gated_attention": dict(attn_output_gate=True),
@@ -112,6 +112,10 @@ AXES: dict[str, dict[str, dict]] = {
         "linear_gva_gated": dict(second_layer="linear_attention", attn_output_gate=True, linear_num_key_heads=2,
                                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                                  linear_conv_kernel_dim=3),
+        # Mamba-2 (grouped B and C, chunks shorter than the test's sequences, its dt clamp)
+        "mamba2": dict(second_layer="linear_attention", linear_attention_type="mamba2", mamba_n_heads=4,
+                       mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
+                       time_step_limit=[0.0, 5.0]),
     },
     # Gemma 3n / Gemma 4 on any layout: the second (full) layer reading the first's keys and values, whose values come
     # from its keys (one K/V head) and are normed; per-layer embeddings with a scalar per layer
@@ -130,6 +134,7 @@ AXES: dict[str, dict[str, dict]] = {
         "embed_norm": dict(embedding_norm=True, tie_word_embeddings=False),
         "dropout_cfg": dict(attention_dropout=0.1, hidden_dropout=0.1),
         "mup_scales": dict(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0),  # Granite
+        "mup_sublayers": dict(attention_in_multiplier=0.5, key_multiplier=1.5, attention_out_multiplier=2.0),  # Falcon-H1
     },
 }
 

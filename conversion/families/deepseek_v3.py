@@ -8,6 +8,10 @@ layers in the Hub files (DeepSeek-V3's layer 61): `enorm`, `hnorm`, `eh_proj`, a
 model class skips them and its `MtpModel` loads them for `generate(use_mtp=True)`; they convert to the contract's
 `mtp.layers.{k}` (`mtp_rules`, which deepseek_v32 reuses) when the files hold them, and a folder without them
 converts with `num_mtp_layers=0`.
+
+The copies of the embedding and the head are checked equal to the model's own where the files hold them, and not
+needed where they do not (transformers' `MtpModel` uses the main ones too). Export writes them: DeepSeek's published
+layout has them, and vLLM's and SGLang's DeepSeek MTP loaders read each module's head from `shared_head.head`.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def v3_source_fields(cfg, attention_type: str = "mla", family: str = "DeepSeek-V
 def mtp_rules(layer_rules: list[Rule], tied: bool) -> list[Rule]:
     """DeepSeek's MTP module k (`model.layers.{num_hidden_layers + k}`) -> `mtp.layers.{k}`: its block by the
     family's own layer rules, the parts transformers' `MtpLayer` names alike, `shared_head.norm` as `post_norm`,
-    and the copies of the embedding and the head checked and dropped (written back on export)."""
+    and the copies of the embedding and the head checked and dropped, where the files hold them (written on export)."""
     src, dst = MTP_LAYER.rstrip("."), "mtp.layers.{mtp}"
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     return [

@@ -30,7 +30,7 @@ def from_contract(cfg) -> Qwen3_5TextConfig:
     return Qwen3_5TextConfig(
         **source_sizes(cfg), rms_norm_eps=cfg.norm_eps, hidden_act=cfg.hidden_act, attention_bias=cfg.attention_bias,
         layer_types=cfg.layer_types, rope_parameters=source_rope(cfg), **source_linear_fields(cfg),
-        **source_mtp_fields(cfg),
+        **source_mtp_fields(cfg, "qwen3_5_text"),
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from transformers import Qwen3NextConfig
 
-from ..core import Family, in_layers, mtp_block_rules, refuse, rule
+from ..core import Family, in_layers, mtp_block_rules, refuse, refuse_export, rule
 from .common import (PRE_NORMS, expert_stacks, linear, llama_rules, moe_rules, norm, rope, source_rope, source_sizes,
                      sizes)
 from .qwen3_moe import qwen_moe_fields, qwen_moe_source_fields
@@ -110,13 +110,21 @@ def from_contract(cfg) -> Qwen3NextConfig:
     return Qwen3NextConfig(
         **source_sizes(cfg), rms_norm_eps=cfg.norm_eps, hidden_act=cfg.hidden_act, attention_bias=cfg.attention_bias,
         layer_types=cfg.layer_types, rope_parameters=source_rope(cfg), **source_linear_fields(cfg), **experts,
-        **source_mtp_fields(cfg),
+        **source_mtp_fields(cfg, "qwen3_next"),
     )
 
 
-def source_mtp_fields(cfg) -> dict:
-    """The inverse of `mtp_contract` (an extra field of transformers' config, written to config.json)."""
-    return {"mtp_num_hidden_layers": cfg.num_mtp_layers} if cfg.num_mtp_layers else {}
+def source_mtp_fields(cfg, family: str) -> dict:
+    """The inverse of `mtp_contract` (an extra field of transformers' config, written to config.json); refuses the
+    modules the format cannot hold: more than one (they share one `mtp.fc` and `mtp.norm`), or modules built of a
+    last layer that is not full attention (its MTP layer attends fully)."""
+    count, last = cfg.num_mtp_layers, cfg.layer_types[-1]
+    refuse_export({f"`num_mtp_layers`={count} (one module at most: the modules would share `mtp.fc` and `mtp.norm`)":
+                       count > 1,
+                   f"`num_mtp_layers`={count} after a last layer of `layer_types` {last!r} (its MTP layer is a "
+                   "full-attention layer; the modules are built of the last layer's kind)":
+                       count == 1 and last != "full_attention"}, family)
+    return {"mtp_num_hidden_layers": count} if count else {}
 
 
 FAMILY = Family("qwen3_next", to_contract, from_contract,

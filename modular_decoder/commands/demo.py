@@ -1,5 +1,7 @@
-"""The main job on the embedded default: convert the bundled SmolLM2-135M-Instruct GGUF into a
-modular_decoder checkpoint, load it with `AutoModelForCausalLM`, generate, print the contract."""
+"""`modular-decoder demo`: convert the bundled SmolLM2-135M-Instruct GGUF, load it, generate, print its config.
+
+The GGUF becomes a modular_decoder checkpoint, loaded with `AutoModelForCausalLM`; the config is printed as the
+table of its fields, parameters and cache cost."""
 
 from __future__ import annotations
 

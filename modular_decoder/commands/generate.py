@@ -59,9 +59,10 @@ def check_generation_arguments(args: argparse.Namespace) -> None:
 
 
 def load_checkpoint(folder: Path, args: argparse.Namespace | None = None, chat: bool = False):
-    """Model (eval mode) and tokenizer from a checkpoint folder; with `args`, their values are checked
-    first; with `chat`, that the tokenizer has a chat template. The path, the options and
-    `from_pretrained`'s checks of the checkpoint are the user's input (`user_input`): their errors are
+    """Model (eval mode) and tokenizer from a checkpoint folder.
+
+    With `args`, their values are checked first; with `chat`, that the tokenizer has a chat template. The path, the
+    options and `from_pretrained`'s checks of the checkpoint are the user's input (`user_input`): their errors are
     one line."""
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +87,9 @@ def load_checkpoint(folder: Path, args: argparse.Namespace | None = None, chat: 
 
 def load_tokenizer(folder: Path, tokenizer_folder: Path | None = None,
                    remedy: str = "pass `--tokenizer DIR` with the folder of the tokenizer the model was trained with"):
-    """The tokenizer from `tokenizer_folder` (`--tokenizer`), else from the checkpoint `folder`; a folder
+    """The tokenizer from `tokenizer_folder` (`--tokenizer`), else from the checkpoint `folder`.
+
+    A folder
     holding none of TOKENIZER_FILES is refused with what to do (`remedy`, a command's own way to get one, or
     saving one beside the weights), before tokenizers' own error."""
     from transformers import AutoTokenizer

@@ -1,4 +1,6 @@
-"""`modular-decoder plot cache`: KV-cache bytes against context length, saved as a PNG.
+"""`modular-decoder plot`: KV-cache bytes against context length, or a reshape run's perplexity, as a PNG.
+
+`modular-decoder plot cache`: KV-cache bytes against context length, saved as a PNG.
 `modular-decoder plot reshape REPORT.json`: a reshape run's held-out perplexity against KV-cache bytes per
 token (the source, the result, after healing, and every rank of an MLA sweep).
 

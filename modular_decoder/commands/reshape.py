@@ -1,4 +1,6 @@
-"""`modular-decoder reshape SRC OUT [--kv-heads N] [--attention mla --kv-lora-rank R [--rope-dim D]
+"""`modular-decoder reshape`: move a trained checkpoint to another architecture, with a report of what it cost.
+
+`modular-decoder reshape SRC OUT [--kv-heads N] [--attention mla --kv-lora-rank R [--rope-dim D]
 [--sweep-ranks R1,R2,...]] [--experts E --top-k K [--shared-experts S] [--fine-grained G]] [--drop-layers N]
 [--add-mtp K] [--draft-vocab N] [--calibration FILE] [--heal-steps S]`: move a trained checkpoint to another point of the design space
 (`modular_decoder.tools.reshape`), with a report of what it bought and cost."""

@@ -1,5 +1,6 @@
-"""`modular-decoder validate PATH | --preset NAME [--tiny]`: shapes, causality, backends, cached decoding,
-cache bytes, positions and speed checked on a checkpoint or preset (`modular_decoder.tools.validate`)."""
+"""`modular-decoder validate PATH | --preset NAME [--tiny]`: check a checkpoint or preset end to end.
+
+Shapes, causality, backends, cached decoding, cache bytes, positions and speed (`modular_decoder.tools.validate`)."""
 
 from __future__ import annotations
 

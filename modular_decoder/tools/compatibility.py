@@ -20,7 +20,7 @@ INPUT_LAYOUTS = {
 BACKEND_NOTES: dict[str, str] = {
     "sdpa": "GQA without repeating K/V only when there is no mask (torch's `enable_gqa`); "
     "ALiBi as an additive bias; sinks as one more key whose score is the sink (K and V copied 8 features wider "
-    "per call)",
+    "per call), except in a step of at most 8 queries (decode), which scores its keys directly",
     "flex_attention": "no attention dropout while training (transformers raises); on CPU torch compiles it "
     "(about a minute the first time); ALiBi as a `score_mod` from the slopes; sinks by the kernel's "
     "log-sum-exp, which torch's compiled CPU kernel does not return (a ValueError names them there)",

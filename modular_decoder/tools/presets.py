@@ -1,4 +1,4 @@
-"""Named presets: the published layouts as small dicts of contract overrides.
+"""Named presets: the published layouts as small dicts of config overrides.
 
 Each names the `config.json` it follows. `preset_config(name, tiny=True)` keeps the layout (every
 switch) and shrinks the sizes, for tests and experiments.
@@ -379,11 +379,12 @@ def _mlp_layer_types(num_layers: int, first_dense: int | None) -> list[str] | No
 
 
 def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderConfig:
-    """The contract of preset `name`; `tiny=True` keeps every switch and shrinks the sizes
-    (2 layers, d=64, 4 heads keeping MHA / GQA / MQA, vocabulary 128; MLA widths of a 64-wide model and a DSA
-    indexer of 8 heads of 16 keeping 4 keys per query; 8 experts of width 32, top-2, one dense layer first where
-    the preset has dense layers; NoPE on the second layer where the preset has NoPE layers; a hybrid's
-    linear-attention layer then its full layer, with 2 key heads of 16)."""
+    """The config of preset `name`; `tiny=True` keeps every switch and shrinks the sizes.
+
+    Tiny: 2 layers, d=64, 4 heads keeping MHA / GQA / MQA, vocabulary 128; MLA widths of a 64-wide model and a
+    DSA indexer of 8 heads of 16 keeping 4 keys per query; 8 experts of width 32, top-2, one dense layer first
+    where the preset has dense layers; NoPE on the second layer where the preset has NoPE layers; a hybrid's
+    linear-attention layer then its full layer, with 2 key heads of 16."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
     fields = dict(PRESETS[name])
