@@ -149,8 +149,8 @@ def valid(choice: dict[str, str]) -> bool:
     if choice.get("topology") == "laurel" and choice.get("placement", "pre") not in ("pre", "sandwich"):
         return False  # (a branch of the attention's normed input)
     # the sharing layer reads the first layer of its type: both full attention
-    if choice.get("topology") == "shared_kv" and (choice.get("window", "full") != "full"
-                                                  or choice.get("mixer", "attention").startswith("linear")):
+    recurrent = AXES["mixer"][choice.get("mixer", "attention")].get("second_layer") == "linear_attention"
+    if choice.get("topology") == "shared_kv" and (choice.get("window", "full") != "full" or recurrent):
         return False
     if choice.get("window") == "mixed_local_base" and not positions.startswith("rope"):
         return False
