@@ -45,6 +45,7 @@ SMOKE_WIDTHS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2
                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
 LAYERS = ["linear_attention"] * 3 + ["full_attention"]
 REFERENCE = "transformers Qwen3Next"
+PREFILL_PIECE = 4096  # tokens per forward when a linear layer's cache is filled
 OURS = "ours"
 
 
@@ -57,10 +58,11 @@ def reference_config(widths: dict) -> Qwen3NextConfig:
 
 
 @torch.inference_mode()
-def side_by_side(folder: Path, widths: dict, prompt: int, new_tokens: int, repeats: int) -> dict:
-    """Prefill and decode tokens/s of transformers' Qwen3Next and ours with the same weights, alternating."""
-    save_pair(reference_config(widths), folder)
-    models = dict(zip((REFERENCE, OURS), load_pair(folder)))
+def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: int, reference: str = REFERENCE) -> dict:
+    """Prefill and decode tokens/s of transformers' class for `config` (named `reference`) and ours with the same
+    weights, alternating."""
+    save_pair(config, folder)
+    models = dict(zip((reference, OURS), load_pair(folder)))
     generator = torch.Generator().manual_seed(0)
     vocab = models[OURS].config.vocab_size
     long, short = (torch.randint(0, vocab, (1, n), generator=generator) for n in (prompt, 16))
@@ -76,10 +78,10 @@ def side_by_side(folder: Path, widths: dict, prompt: int, new_tokens: int, repea
 
     rounds = measure.alternating({name: round_of(name) for name in models}, repeats, warmup=0)
     result = {"prompt": prompt, "new_tokens": new_tokens,
-              "max_logit_diff": (logits[OURS] - logits[REFERENCE]).abs().max().item()}
+              "max_logit_diff": (logits[OURS] - logits[reference]).abs().max().item()}
     for key in ("prefill", "decode"):
         values = {name: [r[key] for r in rounds[name]] for name in models}
-        ratios = [ours / theirs for ours, theirs in zip(values[OURS], values[REFERENCE])]
+        ratios = [ours / theirs for ours, theirs in zip(values[OURS], values[reference])]
         result[key] = {"tokens_per_s": values, "median_tokens_per_s": {n: statistics.median(v) for n, v in values.items()},
                        "ratios": ratios, "median_ratio": statistics.median(ratios)}
     return result
@@ -100,11 +102,13 @@ def one_layer_models(widths: dict) -> dict:
 
 
 def filled_cache(kind: str, model, context: int) -> ModularDecoderCache:
-    """A cache holding `context` tokens: the linear layer's by a real prefill, the full layer's random K/V."""
+    """A cache holding `context` tokens: a linear layer's by a real prefill, the full layer's random K/V."""
     config = model.config
     cache = ModularDecoderCache(config)
-    if kind == "linear_attention":
-        model(torch.randint(0, config.vocab_size, (1, context)), cache=cache, logits_to_keep=1)
+    if kind != "full_attention":  # a real prefill, in pieces (the same state, bounded memory)
+        tokens = torch.randint(0, config.vocab_size, (1, context))
+        for start in range(0, context, PREFILL_PIECE):
+            model(tokens[:, start:start + PREFILL_PIECE], cache=cache, logits_to_keep=1)
     else:
         keys = torch.randn(1, config.num_key_value_heads, context, config.head_dim)
         cache.update(keys, torch.randn_like(keys), 0)
@@ -112,10 +116,10 @@ def filled_cache(kind: str, model, context: int) -> ModularDecoderCache:
 
 
 @torch.inference_mode()
-def flat_in_context(widths: dict, contexts: list[int], repeats: int, steps: int = 10) -> list[dict]:
-    """Per layer kind and context: the median time of one decode step (the mean of `steps` steps per repeat, every
-    kind and context alternating in one loop, so load drift reaches each alike) and the cache's bytes."""
-    models = one_layer_models(widths)
+def flat_in_context(models: dict, contexts: list[int], repeats: int, steps: int = 10) -> list[dict]:
+    """Per layer kind (`models`: one-layer models by kind, "full_attention" the attention layer's) and context: the
+    median time of one decode step (the mean of `steps` steps per repeat, every kind and context alternating in one
+    loop, so load drift reaches each alike) and the cache's bytes."""
     token = torch.tensor([[7]])
     caches = {(kind, context): filled_cache(kind, model, context) for context in contexts
               for kind, model in models.items()}
@@ -140,20 +144,33 @@ def flat_in_context(widths: dict, contexts: list[int], repeats: int, steps: int 
     return rows
 
 
+def side_rows(side: dict, reference: str = REFERENCE, label: str = "") -> list[str]:
+    """The prefill and decode rows of one side-by-side result: the sides' median tokens/s and ratio (median and
+    range over the repeats)."""
+    rows = []
+    for key in ("prefill", "decode"):
+        medians, ratios = side[key]["median_tokens_per_s"], side[key]["ratios"]
+        rows.append(f"| {label}{key} | {medians[reference]:.1f} | {medians[OURS]:.1f} | "
+                    f"{side[key]['median_ratio']:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
+    return rows
+
+
+def context_rows(rows: list[dict]) -> list[str]:
+    """Each layer kind's decode step and cache bytes per context (markdown)."""
+    lines = ["| cached tokens | layer | decode step (ms) | cache bytes |", "|---:|---|---:|---:|"]
+    for row in rows:
+        for kind, ms in row["step_ms"].items():
+            lines.append(f"| {row['context']:,} | {kind} | {ms:.2f} | {row['cache_bytes'][kind]:,} |")
+    return lines
+
+
 def report(result: dict) -> str:
     """The two tables (markdown): the sides' tokens/s and ratio (median and range over the repeats), and each layer
     kind's decode step and cache bytes per context."""
     side = result["side_by_side"]
     lines = [f"| 1 x {side['prompt']} prefill / batch-1 decode of {side['new_tokens']} | {REFERENCE} tok/s | ours "
-             "tok/s | ours / it (median; range) |", "|---|---:|---:|---:|"]
-    for key in ("prefill", "decode"):
-        medians, ratios = side[key]["median_tokens_per_s"], side[key]["ratios"]
-        lines.append(f"| {key} | {medians[REFERENCE]:.1f} | {medians[OURS]:.1f} | {side[key]['median_ratio']:.2f}x "
-                     f"({min(ratios):.2f}-{max(ratios):.2f}) |")
-    lines += ["", "| cached tokens | layer | decode step (ms) | cache bytes |", "|---:|---|---:|---:|"]
-    for row in result["flat_in_context"]:
-        for kind, ms in row["step_ms"].items():
-            lines.append(f"| {row['context']:,} | {kind} | {ms:.2f} | {row['cache_bytes'][kind]:,} |")
+             "tok/s | ours / it (median; range) |", "|---|---:|---:|---:|", *side_rows(side), "",
+             *context_rows(result["flat_in_context"])]
     return "\n".join(lines)
 
 
@@ -168,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     prompt, new_tokens = (32, 4) if args.smoke else (args.prompt, args.new_tokens)
     contexts = [64, 256] if args.smoke else args.contexts
     with tempfile.TemporaryDirectory() as tmp:
-        result = {"widths": widths, "side_by_side": side_by_side(Path(tmp), widths, prompt, new_tokens, args.repeats)}
-    result["flat_in_context"] = flat_in_context(widths, contexts, args.repeats)
+        result = {"widths": widths, "side_by_side": side_by_side(Path(tmp), reference_config(widths), prompt,
+                                                                 new_tokens, args.repeats)}
+    result["flat_in_context"] = flat_in_context(one_layer_models(widths), contexts, args.repeats)
     print(f"largest logit difference of the prefill: {result['side_by_side']['max_logit_diff']:.1e}")
     print(report(result))
     harness.write_result(args.out, result, run)

@@ -447,6 +447,44 @@ def hybrid_section(run: dict) -> str:
     ])
 
 
+# --- benchmarks/results_mamba2.json: `python -m benchmarks mamba2 --out ...` ------------------------------------
+
+def mamba2_section(run: dict) -> str:
+    from .mamba2 import report  # the tables, as the benchmark prints them
+
+    sizes, widths, families = run["sizes"], run["layer_widths"], run["families"]
+    rows = run["flat_in_context"]
+    first, last = rows[0], rows[-1]
+    growth = {kind: last["step_ms"][kind] / first["step_ms"][kind] for kind in first["step_ms"]}
+    repeats = len(next(iter(families.values()))["prefill"]["ratios"])
+    diff = max(side["max_logit_diff"] for side in families.values())
+    return "\n".join([
+        "## Mamba-2 hybrids (CPU, fp32)", "",
+        *command_block(run),
+        f"Each family's layout at hidden {sizes['hidden']:,} (Mamba-2 of {sizes['mamba_heads']} heads of "
+        f"{sizes['mamba_head_dim']}, one group, a state of {sizes['state']}, chunks of {sizes['chunk']}; attention of "
+        f"{sizes['heads']} heads of {sizes['head_dim']} over 2 K/V heads; an FFN of {sizes['ffn']:,}): Bamba and "
+        "Granite 4.0-H (dense, no positions) with three Mamba-2 layers for one attention layer, Nemotron-H as eight "
+        "one-sublayer layers of the same mixers, Falcon-H1 with both mixers side by side in four layers. Made by each "
+        "transformers class and converted, both sides loaded with `from_pretrained` and run on the PyTorch paths (no "
+        "`mamba_ssm` or `causal-conv1d` on a CPU: transformers runs its `torch_forward`, ours `mamba2_scan.py`). "
+        f"Sides alternating in one process, {repeats} repeats, {run['provenance']['machine']['torch_threads']} torch "
+        f"thread(s); the largest logit difference of any prefill is {diff:.1e}. Below, one decode step of a one-layer "
+        f"model of each kind at hidden {widths['hidden_size']:,} (Mamba-2 of {widths['mamba_n_heads']} heads of "
+        f"{widths['mamba_d_head']} and a state of {widths['mamba_d_state']}, its state filled by a real prefill; "
+        f"attention of {widths['num_attention_heads']} heads of {widths['head_dim']} over "
+        f"{widths['num_key_value_heads']} K/V heads, its cache random keys and values) and the bytes its cache holds.",
+        "",
+        report(run), "",
+        f"From {first['context']:,} to {last['context']:,} cached tokens the Mamba-2 layer's step changes "
+        f"{growth['mamba2']:.2f}x and its state not at all ({last['cache_bytes']['mamba2']:,} bytes: the convolution "
+        f"window and the fp32 state); the full-attention layer's step {growth['full_attention']:.2f}x and its cache "
+        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x "
+        f"({last['cache_bytes']['full_attention'] / last['cache_bytes']['mamba2']:.1f}x the Mamba-2 state at "
+        f"{last['context']:,} tokens).",
+    ])
+
+
 def variant_table(heads: list[str], rows: list[tuple[list[str], dict]], variants: list[str]) -> list[str]:
     """A table of ms per variant: the `heads` columns, then one column per variant; each row its own cells and
     {variant: summary}, shown as the median ± half the spread over the repeats."""
@@ -742,6 +780,7 @@ SECTIONS = (
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
     Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_hybrid.json",), hybrid_section),
+    Section(("results_mamba2.json",), mamba2_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_split_slices.json",), split_slices_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),

@@ -64,6 +64,9 @@ BENCHMARKS = (
     Benchmark("hybrid", "hybrid", "hybrid linear attention: prefill and decode against transformers' "
               "Qwen3NextForCausalLM, and one decode step of a Gated DeltaNet layer beside a full-attention layer at "
               "1k and 16k cached tokens (time, cache bytes)", "results_hybrid.json"),
+    Benchmark("mamba2", "mamba2", "the Mamba-2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1): prefill and "
+              "decode against each transformers class, and one decode step of a Mamba-2 layer beside a full-attention "
+              "layer from 1k to 16k cached tokens (time, state bytes against KV bytes)", "results_mamba2.json"),
     Benchmark("gpu", "gpu", "the GPU matrix (bf16, one accelerator): prefill, eager and compiled generate, MLA "
               "decode and chunked prefill, training steps, diagnostics; `--smoke` runs its code paths on the CPU",
               "results_gpu.json"),

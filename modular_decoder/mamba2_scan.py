@@ -75,6 +75,7 @@ def chunked_scan(x, dt, A, B, C, D, initial_state=None, chunk_size: int = CHUNK_
     """
     batch, length, heads, width = x.shape
     groups, size = B.shape[-2], B.shape[-1]
+    chunk_size = max(1, min(chunk_size, length))  # a shorter sequence is one chunk of its length: no padded tokens
     pad = (chunk_size - length % chunk_size) % chunk_size
     x, dt, B, C = x.float(), dt.float(), B.float(), C.float()
     skip = D.float()[:, None] * x

@@ -564,6 +564,23 @@ def test_hybrid_smoke_measures_both_sides_and_both_layer_kinds(tmp_path):
     assert last["cache_bytes"]["full_attention"] == 4 * first["cache_bytes"]["full_attention"]  # 256 / 64 tokens
 
 
+def test_mamba2_smoke_measures_each_family_and_both_layer_kinds(tmp_path):
+    """`python -m benchmarks mamba2 --smoke`: each Mamba-2 family against its transformers class with the same logits,
+    and the decode step of a Mamba-2 layer and a full-attention layer at each context, the state the same size at
+    both."""
+    from benchmarks import mamba2
+
+    out = tmp_path / "mamba2.json"
+    assert mamba2.main(["--smoke", "--repeats", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["families"]) == {"bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"}
+    for side in record["families"].values():
+        assert side["max_logit_diff"] < 1e-4 and side["decode"]["median_ratio"] > 0
+    first, last = record["flat_in_context"]
+    assert first["cache_bytes"]["mamba2"] == last["cache_bytes"]["mamba2"] > 0
+    assert last["cache_bytes"]["full_attention"] == 4 * first["cache_bytes"]["full_attention"]  # 256 / 64 tokens
+
+
 def test_conversion_memory_smoke_measures_convert_and_export_and_cleans_up(tmp_path):
     from benchmarks import conversion_memory
 

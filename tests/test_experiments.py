@@ -165,6 +165,20 @@ def test_ablation_hybrid_axis(tmp_path):
     assert "+0.76%" in table and f"train on {ablation.SEQ}-token sequences" in table
 
 
+def test_ablation_mamba2_hybrid_matches_the_base_parameters():
+    """The Mamba-2 3:1 hybrid: the Gated DeltaNet hybrid's layer pattern with Mamba-2 mixers, within 1% of the base's
+    parameters (the built model's count equals the contract's), a short run trains it, and the page names the mixer."""
+    name = "Mamba-2 3:1 hybrid"
+    config, deltanet = ablation.config_for(name), ablation.config_for("Gated DeltaNet 3:1 hybrid")
+    assert config.layer_types == deltanet.layer_types and config.linear_attention_type == "mamba2"
+    base = ablation.parameter_count(ablation.config_for(ablation.HYBRID_BASELINE))["total"]
+    row = ablation.train(name, tokens=1024, seed=0)
+    assert row["params"] == ablation.parameter_count(config)["total"]
+    assert 0 < row["params"] - base < 0.01 * base and row["held_out_loss"] == row["held_out_loss"]  # not NaN
+    text = ablation.hybrid_arithmetic([name])
+    assert "3 Mamba-2 layers (4-tap convolution) of 67,468 parameters" in text and "+0.71%" in text
+
+
 def test_hybrid_comparison_calls_a_changing_sign_noise():
     def rows(name, losses):
         return {"name": name, "runs": [{"seed": s, "held_out_loss": loss} for s, loss in enumerate(losses)]}

@@ -105,6 +105,19 @@ def test_chunked_scan_holds_no_sequence_by_sequence_tensor():
     assert max(max(shape[-2:], default=0) for shape in mode.shapes if len(shape) >= 2) >= 64
 
 
+def test_a_sequence_shorter_than_the_chunk_is_one_unpadded_chunk():
+    """Shorter than `chunk_size`: one chunk of the sequence's length (no padded tokens in the (chunk x chunk) blocks),
+    equal to the token-by-token recurrence."""
+    inputs, _, _, state = _scan_inputs(9)
+    inputs["dt"] = torch.rand(2, 9, 6)
+    with _LargestTensor() as mode:
+        out, final = mamba2_scan.chunked_scan(**inputs, initial_state=state, chunk_size=256)
+    assert max(max(shape[-2:], default=0) for shape in mode.shapes if len(shape) >= 2) < 256
+    expected, expected_state = mamba2_scan.recurrent_scan(**inputs, initial_state=state)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, expected_state, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("norm_before_gate", [False, True])
 def test_grouped_gated_norm_equals_transformers_norms(norm_before_gate):
     """Gate then norm per group (Bamba / Granite / Nemotron-H, transformers 5.25's `BambaRMSNormGated`) and norm per
@@ -309,7 +322,8 @@ def test_without_an_accelerator_transformers_reports_no_gpu_kernels():
 
 @pytest.mark.parametrize("name, family, total", [("bamba", "bamba", 9_780_235_392),
                                                  ("granite_4_h_tiny", "granitemoehybrid", 6_939_037_248),
-                                                 ("nemotron_h", "nemotron_h", 8_100_852_736)])
+                                                 ("nemotron_h", "nemotron_h", 8_100_852_736),
+                                                 ("falcon_h1", "falcon_h1", 7_585_513_568)])
 @pytest.mark.parametrize("tiny", [False, True])
 def test_presets_have_the_parameters_of_their_family_class(name, family, total, tiny):
     """Each preset (and its tiny form) exported to its family's config and built by transformers' class on the meta

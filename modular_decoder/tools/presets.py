@@ -305,6 +305,15 @@ PRESETS.update({
         hidden_act="relu2", position_embedding_type="none", tie_word_embeddings=False,
         block_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", mamba_n_heads=128, mamba_d_head=64,
         mamba_n_groups=8, mamba_d_state=128, mamba_chunk_size=128),
+    # tiiuae/Falcon-H1-7B-Base's sizes (transformers' Falcon-H1 documentation table and the release's config.json:
+    # 44 layers, each attention (12 heads of 128 over 2 K/V heads) and Mamba-2 (24 heads of 128, one group, a state
+    # of 256, chunks of 128) side by side on the same input, a SwiGLU of 12,288). Its μP multipliers and RoPE base are
+    # the release's training choices and leave every shape alone: here transformers' FalconH1Config defaults (all 1)
+    "falcon_h1": dict(
+        MAMBA2, vocab_size=130048, hidden_size=3072, intermediate_size=12288, num_attention_heads=12,
+        num_key_value_heads=2, head_dim=128, num_hidden_layers=44, max_position_embeddings=262144, norm_eps=1e-5,
+        mlp_type="gated", hidden_act="silu", tie_word_embeddings=False, hybrid_layers=True, mamba_n_heads=24,
+        mamba_d_head=128, mamba_n_groups=1, mamba_d_state=256, mamba_chunk_size=128, mamba_rms_norm=False),
 })
 # The tiny Mamba-2 layer (8 heads of 16 at d = 64, a state of 16, chunks of 16: in_proj 296 wide, a multiple of 8 as
 # PEFT's block methods ask) and Nemotron-H's tiny pattern
@@ -396,6 +405,7 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     sparse_first = fields.pop("sparse_first_layers", None)
     attention_layers = fields.pop("attention_layers", None)
     block_pattern = fields.pop("block_pattern", None)
+    hybrid_layers = fields.pop("hybrid_layers", False)  # every layer attention and Mamba-2 side by side
     if tiny:
         heads, kv = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
         fields.update(TINY, num_attention_heads=4, num_key_value_heads=4 if kv == heads else (1 if kv == 1 else 2))
@@ -449,6 +459,8 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             block_pattern = TINY_BLOCK_PATTERNS[fields.get("mlp_type") == "moe"]
     if block_pattern is not None:
         fields.update(_block_pattern(block_pattern, fields.get("mlp_type") == "moe"))
+    if hybrid_layers:
+        fields["layer_types"] = ["hybrid"] * fields["num_hidden_layers"]
     if attention_layers is not None and "layer_types" not in overrides:
         fields["layer_types"] = ["full_attention" if i in attention_layers else "linear_attention"
                                  for i in range(fields["num_hidden_layers"])]

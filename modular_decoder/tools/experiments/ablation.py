@@ -17,8 +17,10 @@ Hybrid vs full attention at matched tokens: Gated DeltaNet linear-attention laye
 (3:1, Qwen3-Next's and Qwen3.5's pattern) or every 2nd layer (1:1), against the base's full attention in every
 layer. The linear layers have 2 key and 4 value heads of the base's head width (Qwen3-Next's grouped value
 heads), which nearly matches an attention layer's parameters (`hybrid_arithmetic` gives the difference); a
-control keeps the 3:1 pattern with a one-tap convolution (no token mixing before the delta rule). Their
-rows are compared with the base seed by seed (`hybrid_comparison`): the runs of one seed share data,
+control keeps the 3:1 pattern with a one-tap convolution (no token mixing before the delta rule). A Mamba-2 3:1
+hybrid puts Mamba-2 mixers in the same layers (expand 1: 4 heads of the base's head width, one group of state width
+64, a 4-tap convolution; Mamba-2's usual expand 2 would hold about 1.5 times an attention layer's parameters). The
+hybrids' rows are compared with the base seed by seed (`hybrid_comparison`): the runs of one seed share data,
 initialisation seed and batch order, so the paired difference is the measure, not the overlap of ranges.
 
 Reported per variant: parameters (total and active), final training loss (mean of the last tenth of
@@ -52,12 +54,19 @@ MOE = dict(mlp_type="moe", hidden_act="silu", output_router_logits=True, router_
 # Gated DeltaNet layers of 2 key / 4 value heads of the base's head width: 67,624 parameters against attention's 65,536
 LINEAR = dict(linear_attention_type="gated_deltanet", linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=D // HEADS, linear_value_head_dim=D // HEADS)
+# Mamba-2 layers at expand 1 (4 heads of the base's head width, one group, state width 64, 4 taps): 67,468
+# parameters against attention's 65,536
+MAMBA2 = dict(linear_attention_type="mamba2", mamba_n_heads=HEADS, mamba_d_head=D // HEADS, mamba_n_groups=1,
+              mamba_d_state=64, mamba_d_conv=4)
+# the linear-attention kind's name in the page's prose
+MIXER_NAMES = {"gated_deltanet": "Gated DeltaNet", "mamba2": "Mamba-2"}
 
 
-def hybrid(full_attention_interval: int) -> dict:
-    """Linear-attention layers with full attention every `full_attention_interval`-th layer (Qwen3-Next's rule)."""
-    return dict(LINEAR, layer_types=["full_attention" if (i + 1) % full_attention_interval == 0 else
-                                     "linear_attention" for i in range(LAYERS)])
+def hybrid(full_attention_interval: int, mixer: dict = LINEAR) -> dict:
+    """`mixer`'s linear-attention layers with full attention every `full_attention_interval`-th layer (Qwen3-Next's
+    rule)."""
+    return dict(mixer, layer_types=["full_attention" if (i + 1) % full_attention_interval == 0 else
+                                    "linear_attention" for i in range(LAYERS)])
 
 
 # name -> overrides of BASE (one axis each)
@@ -82,6 +91,7 @@ VARIANTS: dict[str, dict] = {
     # the 3:1 hybrid without the short convolution's token mixing (one tap: a per-channel scale): what the
     # delta rule brings alone
     "Gated DeltaNet 3:1 hybrid, 1-tap conv": dict(hybrid(4), linear_conv_kernel_dim=1),
+    "Mamba-2 3:1 hybrid": hybrid(4, MAMBA2),
 }
 # the dense variant the MoE rows are matched to (active parameters, tokens)
 MOE_BASELINE = "SwiGLU (8d/3)"
@@ -251,16 +261,26 @@ def hybrid_arithmetic(names: list[str]) -> str:
         config = config_for(name)
         counts, linear = parameter_count(config), config.layer_types.count("linear_attention")
         per_layer = counts["linear_attention"] // linear
-        parts.append(f"{name}: layers {', '.join(t.split('_')[0] for t in config.layer_types)}; {linear} Gated "
-                     f"DeltaNet layer{'s' if linear > 1 else ''} ({config.linear_conv_kernel_dim}-tap convolution) of "
+        mixer, taps = _mixer_of(config)
+        parts.append(f"{name}: layers {', '.join(t.split('_')[0] for t in config.layer_types)}; {linear} {mixer} "
+                     f"layer{'s' if linear > 1 else ''} ({taps}-tap convolution) of "
                      f"{per_layer:,} parameters in place of attention's "
                      f"{attention:,} ({counts['total'] - base_total:+,} in all, "
                      f"{100 * (counts['total'] - base_total) / base_total:+.2f}%); cache "
                      f"{cache_bytes_per_token(config):,} bytes/token against {cache_bytes_per_token(base):,}, plus "
                      f"{state_bytes_per_sequence(config):,} bytes per sequence whatever its length")
-    return (f"Hybrids against {HYBRID_BASELINE} (every layer full attention; linear layers: "
+    return (f"Hybrids against {HYBRID_BASELINE} (every layer full attention; Gated DeltaNet layers: "
             f"{LINEAR['linear_num_key_heads']} key and {LINEAR['linear_num_value_heads']} value heads of "
-            f"{LINEAR['linear_key_head_dim']}): " + "; ".join(parts) + ".")
+            f"{LINEAR['linear_key_head_dim']}; Mamba-2 layers: {MAMBA2['mamba_n_heads']} heads of "
+            f"{MAMBA2['mamba_d_head']}, {MAMBA2['mamba_n_groups']} group of state width {MAMBA2['mamba_d_state']}): "
+            + "; ".join(parts) + ".")
+
+
+def _mixer_of(config: ModularDecoderConfig) -> tuple[str, int]:
+    """A hybrid's linear-attention kind as the page names it, and its convolution's taps."""
+    kind = config.linear_attention_type
+    taps = config.mamba_d_conv if kind == "mamba2" else config.linear_conv_kernel_dim
+    return MIXER_NAMES.get(kind, kind), taps
 
 
 def hybrid_comparison(results: list[dict]) -> str:
@@ -363,7 +383,8 @@ def page(results: list[dict], tokens: int, command: str, image: str, record: dic
         "`modular-decoder experiment gradnorm` and `experiment ffn-budget` reproduce the other seed measurements.",
         *(["", f"The hybrid rows train on {SEQ}-token sequences: they measure what replacing attention layers costs "
             "or gains in quality at short context, not the long-context memory and speed a constant state buys "
-            "(the cache columns give that arithmetic). Their linear layers run the PyTorch chunked delta rule on "
-            "the CPU; flash-linear-attention's kernels, which a GPU would run, are not timed here."] if hybrids
+            "(the cache columns give that arithmetic). Their linear layers run the PyTorch chunked forms (the delta "
+            "rule, Mamba-2's chunked scan) on the CPU; the kernels a GPU would run (flash-linear-attention, "
+            "mamba_ssm) are not timed here."] if hybrids
            else []),
     ])
