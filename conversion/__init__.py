@@ -62,6 +62,9 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_moe_text": "modular_decoder.conversion.families.qwen3_5_moe",
     "olmo_hybrid": "modular_decoder.conversion.families.olmo_hybrid",
     "kimi_linear": "modular_decoder.conversion.families.kimi_linear",
+    "llama4_text": "modular_decoder.conversion.families.llama4",
+    "gemma4_text": "modular_decoder.conversion.families.gemma4",
+    "gemma3n_text": "modular_decoder.conversion.families.gemma3n",
 }
 
 

@@ -222,7 +222,8 @@ TRANSFORMS: dict[str, Transform] = {
 }
 
 # Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`)
-MIXERS = {"attention": ("full_attention", "sliding_attention"), "linear_attention": ("linear_attention",)}
+MIXERS = {"attention": ("full_attention", "sliding_attention", "chunked_attention"),
+          "linear_attention": ("linear_attention",)}
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,19 @@
 
 Most 2025-26 releases ship their language model inside a multimodal folder (a vision tower, a projector, a processor
 and a wrapper class such as `Gemma3ForConditionalGeneration`). `convert` reads such a folder's language model through
-its text family (`gemma3_text`, `mistral`, `qwen3_5_text`, `qwen3_5_moe_text`) and writes everything else, untouched,
-into OUT's `multimodal/` folder: the release's `config.json`, every other tensor under its own name (copied file
-tensor by file tensor, never through a model), the processor, tokenizer and other files, and `modular_decoder.json`
-(which release, which text family, where its files keep the language model, the contract it converted to). `export
---family <release>` writes the language model back under the release's names beside those tensors, so that the
-wrapper class loads the folder.
+its text family (`gemma3_text`, `mistral`, `qwen3_5_text`, `qwen3_5_moe_text`,
+`gemma4_text`, `llama4_text`) and writes everything else,
+untouched, into OUT's `multimodal/` folder: the release's `config.json`, every other tensor under its own name (copied
+file tensor by file tensor, never through a model), the processor, tokenizer and other files, and
+`modular_decoder.json` (which release, which text family, where its files keep the language model, the contract it
+converted to). `export --family <release>` writes the language model back under the release's names beside those
+tensors, so that the wrapper class loads the folder.
 
 A release is one `Wrapper` entry: its `model_type`, the text families its `text_config` may name, and where its files
 keep the language model (`layouts`). transformers reads two layouts: the Llava-era one (`language_model.model.*`,
 `language_model.lm_head.*`), which its "llava" conversion mapping renames on load and writes back on save (Gemma 3,
-Mistral 3), and the modules' own names (`model.language_model.*`, `lm_head.*`: Qwen3.5, Gemma 4).
+Mistral 3; Llama 4's wrapper holds its language model under these names itself), and the modules' own names
+(`model.language_model.*`, `lm_head.*`: Qwen3.5, Gemma 4).
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ WRAPPERS: dict[str, Wrapper] = {
     # Mistral Small 3.1 / 3.2 (`mistral`), Ministral 3 (`ministral3`)
     "mistral3": Wrapper("mistral3", ("mistral", "ministral3"), (LLAVA, MODULES)),
     "qwen3_5_moe": Wrapper("qwen3_5_moe", ("qwen3_5_moe_text",), (QWEN3_5,)),
-    "gemma4": Wrapper("gemma4", ("gemma4_text",), (MODULES,), waits_for="its text family"),
-    "llama4": Wrapper("llama4", ("llama4_text",), (LLAVA,), waits_for="its text family"),
+    "gemma4": Wrapper("gemma4", ("gemma4_text",), (MODULES,)),
+    "llama4": Wrapper("llama4", ("llama4_text",), (LLAVA,)),
 }
 
 

@@ -10,6 +10,11 @@ scaling; 1 elsewhere, where it is a plain sum).
 the feed-forward alone (Nemotron-H, whose every layer is one sublayer), each with the norms of its placement.
 A hybrid layer's mixers (`kinds.HYBRID`: attention and the linear-attention kind, Falcon-H1's) both read the same
 normed input, and their outputs are summed: mix(x) = Attn(x) + LinAttn(x).
+
+A block's call runs its sublayers through the residual stream's entry (`residual_streams.py`: one stream, or several
+around them), which also adds what the layer holds beside its sublayers (a per-layer embedding's branch, a layer
+scalar): `DecoderBlock.sublayers` runs `mix` and `ffn` (a subclass's own `forward` becomes its `sublayers`), and
+`DecoderBlock.forward` is the join.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .kinds import HYBRID, LINEAR_ATTENTION, mixer_layer_types, require_bool, require_choice
 from .norms import build_norm
-from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS
+from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS
+from .laurel import join_attention
+from .residual_streams import attach_layer_modules
 
 # `block_types` values -> the sublayers of such a layer
 BLOCK_TYPES = {"mixer_mlp": ("mixer", "mlp"), "mixer": ("mixer",), "mlp": ("mlp",)}
@@ -90,6 +97,18 @@ class DecoderBlock(GradientCheckpointingLayer):
     parallel: bool = False
     reads: tuple[str, ...] = ()  # config fields only some blocks read (the contract table shows those of this one)
 
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's `forward` (its diagram) is its `sublayers`; the call goes through the residual stream (and
+        transformers' gradient checkpointing then wraps that call, the layer's outermost)."""
+        if "forward" in vars(cls):
+            cls.sublayers = vars(cls)["forward"]
+            cls.forward = DecoderBlock.forward
+        super().__init_subclass__(**kwargs)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The layer: `sublayers` joined to the residual stream(s) `x` by the `residual_stream` entry."""
+        return self.stream.join(self, x, **kwargs)
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         sublayers = layer_sublayers(config, layer_idx)
@@ -104,8 +123,20 @@ class DecoderBlock(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout)
         m = config.residual_multiplier
         self.residual = _add if m == 1.0 else partial(_add_scaled, m)
+        attach_layer_modules(self, config, layer_idx, RESIDUAL_STREAMS.of(config), mixes=bool(self.mixers))
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def init_own_weights(self, init, std: float) -> None:
+        """A fresh layer scalar is 1 (the model's `_init_weights` asks every module that has this method)."""
+        if self.layer_scalar is not None:
+            init.ones_(self.layer_scalar)
+
+    def join_attention(self, x: torch.Tensor, branch: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The attention sublayer's output joined to the stream: the residual addition, with LAUREL's branch of the
+        normed input `normed` where the layer has one (`laurel.py`)."""
+        return join_attention(self, x, branch, normed)
+
+    def sublayers(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The layer's sublayers on one stream: the token mixer's, then the feed-forward's (those it has)."""
         if self.mixers:
             x = self.mix(x, **kwargs)
         if self.mlp is not None:
@@ -129,8 +160,10 @@ class DecoderBlock(GradientCheckpointingLayer):
                       for name, layer_type in self.mixers)
         return self.dropout(out) if self.training else out  # (eval dropout is the identity: skip the call)
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.mlp(x)
+    def feed_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The FFN of `x` (the block's normed FFN input); one that also reads the layer's residual input `residual`
+        (the experts beside a dense MLP, `moe.ParallelDenseMoeBlock`) is given it."""
+        out = self.mlp(x, residual) if getattr(self.mlp, "reads_residual", False) else self.mlp(x)
         return self.dropout(out) if self.training else out
 
 
@@ -153,10 +186,11 @@ class PreNormBlock(DecoderBlock):
     norm_position = "pre"
 
     def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.residual(x, self.attend(self.pre_attn_norm(x), **kwargs))
+        normed = self.pre_attn_norm(x)
+        return self.join_attention(x, self.attend(normed, **kwargs), normed)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.residual(x, self.feed_forward(self.pre_mlp_norm(x)))
+        return self.residual(x, self.feed_forward(self.pre_mlp_norm(x), x))
 
 
 class PostNormBlock(DecoderBlock):
@@ -187,10 +221,11 @@ class SandwichNormBlock(DecoderBlock):
     norm_position = "sandwich"
 
     def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.residual(x, self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs)))
+        normed = self.pre_attn_norm(x)
+        return self.join_attention(x, self.post_attn_norm(self.attend(normed, **kwargs)), normed)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x))))
+        return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x), x)))
 
 
 class OutputNormBlock(DecoderBlock):

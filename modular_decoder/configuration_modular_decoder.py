@@ -16,6 +16,7 @@ from .compat import (  # isort: skip
 from transformers import PretrainedConfig  # noqa: E402
 
 from .blocks import BlockFields, LayerNormPositionFields, mixing_layer_types, validate_block  # noqa: E402
+from .chunked_attention import CHUNKED_ATTENTION  # noqa: E402
 from .gated_deltanet import GatedDeltaNetFields  # noqa: E402
 from .kinds import HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
 from .mamba2 import Mamba2Fields  # noqa: E402
@@ -25,16 +26,18 @@ from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
 from .query_temperature import QueryTemperatureFields  # noqa: E402
-from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS  # noqa: E402
+from .registries import (ATTENTIONS, FEATURES, FIELD_MIXINS, LINEAR_ATTENTIONS, MLPS, POSITIONS,  # noqa: E402
+                         RESIDUAL_STREAMS)
 from .mla import LatentAttentionFields  # noqa: E402
 from .short_conv import ShortConvFields  # noqa: E402
 
 # The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", CHUNKED_ATTENTION)
 LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "linear_attention", HYBRID)
 # Config fields that hold one entry per layer: a multi-token-prediction module is built from a config whose
 # lists hold the last layer's entry once per module (`mtp.mtp_block_config`). A new per-layer field goes here.
-PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers", "block_types")
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers", "block_types", "layer_intermediate_sizes",
+                    "activation_sparsity_pattern")
 # `mtp_loss_scaling_factor` where unset and `num_mtp_layers` > 0: DeepSeek-V3's λ for the last 4.8T of its
 # 14.8T training tokens (0.3 before; arXiv 2412.19437, §4.2)
 MTP_LOSS_SCALING_FACTOR = 0.1
@@ -104,7 +107,7 @@ FIELD_RULES = {
 
 class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormFields, Mamba2Fields, MupFields,
                            QueryTemperatureFields, LatentAttentionFields, GatedDeltaNetFields, ShortConvFields,
-                           PretrainedConfig):
+                           *FIELD_MIXINS, PretrainedConfig):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:
@@ -156,7 +159,8 @@ class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormField
         router_type (`str`): `"softmax_topk"` (softmax over all experts, keep the k largest: Mixtral, Qwen,
             OLMoE, DeepSeek-V2), `"sigmoid_topk"` (independent sigmoid scores, chosen on score + a
             load-balancing correction bias, weighted by the unbiased scores: DeepSeek-V3) or `"topk_softmax"`
-            (keep the k largest logits, softmax over those k: gpt-oss; no groups, `norm_topk_prob` stays True).
+            (keep the k largest logits, softmax over those k: gpt-oss; no groups, `norm_topk_prob` stays True) or
+            `"topk_sigmoid"` (keep the k largest logits, a sigmoid of each: Llama 4; no groups).
         router_bias (`bool`): A learned bias on the router logits (`mlp.gate.bias`, gpt-oss).
         norm_topk_prob (`bool`): Renormalise the k kept weights to sum to 1 (Mixtral, Qwen3-MoE,
             DeepSeek-V3: yes; Qwen2-MoE, OLMoE, DeepSeek-V2: no).
@@ -222,19 +226,20 @@ class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormField
         attention_bias (`bool`): Biases on the q, k and v projections.
         attention_output_bias (`bool`, *optional*): Bias on the output projection. Defaults to
             `attention_bias` (Qwen 2 sets q/k/v biases but none on the output).
-        qk_norm (`str`): `"none"`, `"head"` (a norm over each head's d_h, Qwen 3 / Gemma 3) or `"full"`
-            (over the whole projected q and k, OLMo 2).
+        qk_norm (`str`): `"none"`, `"head"` (a norm over each head's d_h, Qwen 3 / Gemma 3), `"full"`
+            (over the whole projected q and k, OLMo 2) or `"weightless"` (an RMS norm without weight of each rotated
+            head, on the layers that rotate: Llama 4's L2 norm).
         attn_output_gate (`bool`): Gate the attention output per head and channel, o·σ(x W_g), before `o_proj`
             (Qwen3-Next / Qwen3.5's full layers). `q_proj` then projects to 2·H·d_h: each head's query, then its
             gate (transformers' layout). Standard attention only.
         sliding_window (`int`, *optional*): Window of the `"sliding_attention"` layers.
         layer_types (`list[str]`, *optional*): One of `"full_attention"` / `"sliding_attention"` /
-            `"linear_attention"` / `"hybrid"` per layer. Defaults to all sliding when `sliding_window` is set, else
-            all full. A `"linear_attention"` layer mixes tokens through a recurrent state instead of attention (the
-            kind `linear_attention_type` names; Qwen3-Next and Qwen3.5 have three for every full layer): it reads no
-            positions, and its cache holds a fixed-size state per sequence. A `"hybrid"` layer runs full attention
-            and the linear-attention kind side by side on the same normed input and adds their outputs (Falcon-H1;
-            transformers' value); its cache holds K/V and a state.
+            `"chunked_attention"` (`attention_chunk_size`) / `"linear_attention"` / `"hybrid"` per layer. Defaults to
+            all sliding when `sliding_window` is set, else all full. A `"linear_attention"` layer mixes tokens through
+            a recurrent state instead of attention (the kind `linear_attention_type` names; Qwen3-Next and Qwen3.5 have
+            three for every full layer): it reads no positions, and its cache holds a fixed-size state per sequence. A
+            `"hybrid"` layer runs full attention and the linear-attention kind side by side on the same normed input
+            and adds their outputs (Falcon-H1; transformers' value); its cache holds K/V and a state.
         linear_attention_type (`str`): The linear-attention layers' kind: `"gated_deltanet"` (Gated DeltaNet,
             Qwen3-Next / Qwen3.5 / OLMo hybrid) or another kind of `registries.LINEAR_ATTENTIONS`, whose fields live
             beside it (`"kda"`: Kimi Delta Attention, Kimi Linear, Gated DeltaNet's fields; `"short_conv"`: LFM2's
@@ -425,7 +430,7 @@ class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormField
             self.layer_types = list(self.layer_types)
         else:
             raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS):  # each chosen kind fills its own derived defaults
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS, FEATURES):  # their defaults
             registry.complete(self)
         if self.mtp_loss_scaling_factor is None:
             self.mtp_loss_scaling_factor = MTP_LOSS_SCALING_FACTOR if self.num_mtp_layers else 0.0
@@ -634,7 +639,7 @@ class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormField
         if not self.num_mtp_layers and self.mtp_draft_tokens is not None:
             raise ValueError(f"`mtp_draft_tokens`={self.mtp_draft_tokens} sets the tokens MTP modules draft per step, "
                              "and `num_mtp_layers`=0: set `num_mtp_layers` or leave it unset.")
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS):
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS, RESIDUAL_STREAMS, FEATURES):
             registry.check(self)
 
     def _validate_layer_types(self) -> None:

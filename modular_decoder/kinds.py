@@ -147,8 +147,9 @@ class AttentionKind(Kind):
         """`head_dim` where the config leaves it unset (`None`: hidden_size / num_attention_heads)."""
         return None
 
-    def rope_head_dim(self, config) -> int:
-        """The head width RoPE sees (transformers' init functions apply `partial_rotary_factor` to it)."""
+    def rope_head_dim(self, config, layer_type: str | None = None) -> int:
+        """The head width RoPE sees (transformers' init functions apply `partial_rotary_factor` to it); with
+        `layer_type`, that of a layer of that type (its own RoPE table)."""
         raise NotImplementedError
 
     def rotary_dim(self, config) -> int:
@@ -179,6 +180,14 @@ class AttentionKind(Kind):
         """Bytes one layer caches per token (`quantization="int8"` where the kind supports it)."""
         raise NotImplementedError
 
+    def layer_parameters(self, config, layer_idx: int) -> int:
+        """Parameters of layer `layer_idx`'s attention, where a kind's layers differ (`parameters` otherwise)."""
+        return self.parameters(config)
+
+    def layer_bytes_per_token(self, config, element_bytes: int, quantization: str | None, layer_idx: int) -> int:
+        """Bytes layer `layer_idx` caches per token, where a kind's layers differ (`bytes_per_token` otherwise)."""
+        return self.bytes_per_token(config, element_bytes, quantization)
+
     def describe(self, config) -> str:
         """A short tag for cards and tables (`mha`, `gqa`, `mqa`, `mla`, ...)."""
         return self.name
@@ -192,6 +201,45 @@ class AttentionKind(Kind):
         """transformers tensor-parallel styles of the attention's modules, keyed by their names in a block
         (`"self_attn.q_proj"`); the config prefixes them with `layers.*.`."""
         return {}
+
+
+class Feature(Kind):
+    """A mechanism a config switches on through its own fields rather than by choosing among alternatives
+    (chunked attention: `attention_chunk_size`). Its `validate` checks its fields wherever it is off too (they
+    must then keep their defaults), and `in_use` says whether the config uses it (the contract table shows its
+    fields only then, except `switch`, the field that turns it on where setting that alone is allowed)."""
+
+    switch: str | None = None
+
+    def in_use(self, config) -> bool:
+        raise NotImplementedError
+
+
+class FeatureSet(tuple):
+    """The `Feature`s a config may switch on; the config completes and checks each, as it does a registry's
+    chosen entry."""
+
+    def complete(self, config) -> None:
+        for feature in self:
+            feature.complete(config)
+
+    def check(self, config) -> None:
+        for feature in self:
+            feature.validate(config)
+
+    def forget_formerly_written(self, config_class, config_dict: dict) -> None:
+        """Nothing: no release wrote these fields into every config.json."""
+
+
+def require_unset_unless(config, used: bool, fields, why: str) -> None:
+    """Raise `ValueError` naming the first of `fields` that differs from its default while `used` is false: a
+    setting nothing would read (`why` says what reads it)."""
+    if used:
+        return
+    for name in fields:
+        value = getattr(config, name)
+        if value != field_default(config, name):
+            raise ValueError(f"`{name}`={value!r} only applies {why}; leave it unset.")
 
 
 LINEAR_ATTENTION = "linear_attention"  # the `layer_types` value of a linear-attention layer (transformers' own)
@@ -342,4 +390,4 @@ def require_choice(name: str, value, allowed) -> None:
 
 __all__ = ["require_int", "require_number", "require_bool", "require_choice", "Registry", "Kind", "AttentionKind",
            "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "HYBRID", "field_default", "mixer_layer_types",
-           "attention_layer_type"]
+           "attention_layer_type", "Feature", "FeatureSet", "require_unset_unless"]

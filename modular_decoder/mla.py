@@ -344,7 +344,7 @@ class LatentKind(AttentionKind):
                 f"`qk_rope_head_dim`, got `partial_rotary_factor`={config.partial_rotary_factor}."
             )
 
-    def rope_head_dim(self, config) -> int:
+    def rope_head_dim(self, config, layer_type: str | None = None) -> int:
         return config.qk_rope_head_dim
 
     def default_head_dim(self, config) -> int | None:

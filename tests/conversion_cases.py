@@ -123,6 +123,54 @@ CASES.update({
     "glm4_moe-air": ("glm4_moe", lambda: tf.Glm4MoeConfig(**COMMON, **GLM4_MOE, tie_word_embeddings=True)),
 })
 
+# Llama 4: 4 layers, NoPE on the fourth (its temperature floor Llama 4's 8,192), chunks of 4 on the RoPE layers,
+# experts (top-1 sigmoid scaling the input, a shared expert) on every other layer and dense MLPs on the others; then
+# a temperature floor of 4 tokens (these prompts reach it), every layer sparse, biases, Llama 3 RoPE scaling, no
+# QK-norm
+LLAMA4 = dict(**{**COMMON, "num_hidden_layers": 4, "intermediate_size": 24}, num_key_value_heads=2, head_dim=8,
+              intermediate_size_mlp=48, num_local_experts=4, attention_chunk_size=4, pad_token_id=None)
+CASES.update({
+    "llama4_text": ("llama4_text", lambda: tf.Llama4TextConfig(**LLAMA4, interleave_moe_layer_step=2)),
+    "llama4_text-tuned": ("llama4_text", lambda: tf.Llama4TextConfig(
+        **LLAMA4, interleave_moe_layer_step=1, floor_scale=4, attn_scale=0.5, use_qk_norm=False, attention_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "high_freq_factor": 4.0,
+                         "low_freq_factor": 1.0, "original_max_position_embeddings": 16})),
+})
+
+# Gemma 4: local / global layers (windows of 4), the global ones with heads twice as wide, one K/V head and their values
+# from the key projection, proportional RoPE on a quarter of their pairs; the last two layers reading the keys and
+# values of layers 3 and 2 with MLPs twice as wide; per-layer embeddings of width 8; a soft-capped head. Then experts
+# beside the dense MLP in every layer (4 experts, top-2, a normed router with a scale per expert), no sharing
+GEMMA4 = dict(**{**COMMON, "num_hidden_layers": 6}, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+              sliding_window=4, hidden_size_per_layer_input=8, vocab_size_per_layer_input=V,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                           "sliding_attention", "full_attention"])
+CASES.update({
+    "gemma4_text": ("gemma4_text", lambda: tf.Gemma4TextConfig(
+        **GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0)),
+    "gemma4_text-moe": ("gemma4_text", lambda: tf.Gemma4TextConfig(
+        **{**GEMMA4, "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+           "hidden_size_per_layer_input": 0}, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=16)),
+})
+
+# Gemma 3n: AltUp's 3 streams around every layer, LAUREL beside attention (rank 4), per-layer embeddings of width 8,
+# local / global layers (windows of 4), the last two layers reading layers 1 and 2's keys and values, the Gaussian
+# top-k on the first two layers' gates, a soft-capped head. Then 4 streams and the second of them active, no
+# sparsity, MLPs of their own widths, and a per-layer table smaller than the vocabulary (ids past it look up row 0, as
+# transformers does from 5.17; 5.16.1's class fails on them with an IndexError)
+GEMMA3N = dict(**{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=8, sliding_window=4,
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=V, laurel_rank=4,
+               layer_types=["sliding_attention", "full_attention"] * 2)
+CASES.update({
+    "gemma3n_text": ("gemma3n_text", lambda: tf.Gemma3nTextConfig(
+        **GEMMA3N, altup_num_inputs=3, num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.8, 0.0, 0.0])),
+    "gemma3n_text-four-streams": ("gemma3n_text", lambda: tf.Gemma3nTextConfig(
+        **{**GEMMA3N, "intermediate_size": [64, 48, 64, 32], "vocab_size_per_layer_input": 80}, altup_num_inputs=4,
+        altup_active_idx=1, num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * 4)),
+})
+
 # Hybrid linear attention: Gated DeltaNet layers (2 key heads, 4 value heads: each key head serves two) beside
 # gated full attention; Qwen3-Next with experts in every other layer and a dense one
 HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
@@ -239,12 +287,14 @@ def skip_without_class(case: str) -> None:
         pytest.skip(f"transformers {tf.__version__} has no {FAMILY_CLASSES[family]} ({family})")
 
 
-# The families whose layers hold routed experts (and the cases of each)
+# The families whose layers hold routed experts (and the cases of each; Llama 4's where its NoPE temperature is 1 at
+# these positions: transformers' class counts a left-padded row's temperature from its cache's slots, test_llama4.py;
+# not Gemma 4's, whose class records router probabilities, not logits: test_gemma4.py)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "minimax_m2", "glm4_moe",
               "qwen3_5_moe_text", "kimi_linear")
              or name == "qwen3_next"
-             or name.endswith(("-moe", "-moe-grouped"))]
+             or name.endswith(("-moe", "-moe-grouped")) and not name.startswith("gemma4") or name == "llama4_text"]
 
 
 def reference_generate(source, ids, **kwargs) -> torch.Tensor:
@@ -323,13 +373,65 @@ def _kimi_linear_published(tensors: dict, config) -> dict:
 PUBLISHED_LAYOUTS = {"olmo_hybrid": _olmo_hybrid_published, "kimi_linear": _kimi_linear_published}
 
 
-def converted_pair(case: str, path):
-    """(transformers' model of conversion case `case`, ours converted from its checkpoint, the folder `path` holding
-    both), every parameter perturbed, fp32, eval."""
+def converted_pair(case: str, path, attn_implementation=None):
+    """(transformers' model of conversion case `case` (with `attn_implementation` where given), ours converted from its
+    checkpoint, the folder `path` holding both), every parameter perturbed, fp32, eval."""
     from modular_decoder import ModularDecoderForCausalLM
     from modular_decoder.conversion import convert
 
     saved_source(CASES[case][1](), path / "theirs")
-    theirs = tf.AutoModelForCausalLM.from_pretrained(path / "theirs").eval()
+    implementation = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    theirs = tf.AutoModelForCausalLM.from_pretrained(path / "theirs", **implementation).eval()
     convert(path / "theirs", path / "ours", progress=False)
     return theirs, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval(), path
+
+
+def preset_parameter_counts(name: str, family: str, tiny: bool) -> tuple[int, int, int]:
+    """Preset `name` exported to `family`'s config: the parameters of transformers' class built from it on the meta
+    device, the contract's formula, ours on meta."""
+    from modular_decoder import ModularDecoderForCausalLM, parameter_count, preset_config
+    from modular_decoder.conversion import get_family
+
+    config = preset_config(name, tiny=tiny)
+    with torch.device("meta"):
+        theirs = tf.AutoModelForCausalLM.from_config(get_family(family).from_contract(config))
+        ours = ModularDecoderForCausalLM(config)
+    return sum(p.numel() for p in theirs.parameters()), parameter_count(config)["total"], ours.num_parameters()
+
+
+def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_step=None):
+    """A LoRA adapter on `targets` made on transformers' model in `path / "theirs"` and loaded onto ours in
+    `path / "ours"` (checked: the same modules adapted, the same logits on `ids`), trained one SGD step there (after
+    `before_step(ours)`), saved under `out` and loaded back onto transformers' model (checked: ours' logits).
+    Returns (ours, its logits before the step)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from modular_decoder import ModularDecoderForCausalLM
+
+    def adapted(model) -> set[str]:
+        return {name.rsplit(".", 2)[-2] for name, _ in model.named_modules() if name.endswith(".base_layer")}
+
+    config = LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+    torch.manual_seed(1)
+    theirs = get_peft_model(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), config).eval()
+    theirs.save_pretrained(out / "adapter")
+    ours = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(path / "ours"), out / "adapter",
+                                     is_trainable=True)
+    assert adapted(ours) == adapted(theirs) == set(targets)
+    with torch.no_grad():
+        before = ours(ids).logits
+        torch.testing.assert_close(before, theirs(ids).logits, rtol=1e-5, atol=1e-5)
+    if before_step is not None:
+        before_step(ours)
+    optimizer = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=0.1)
+    ours.train()
+    ours(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    ours.eval()
+    # (the adapter names transformers' folder as its base, whose config.json PEFT's vocabulary check would read
+    # with our config class: nothing was resized, so say so)
+    ours.save_pretrained(out / "trained", save_embedding_layers=False)
+    back = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), out / "trained").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+    return ours, before

@@ -166,6 +166,11 @@ def config_kwargs(draw) -> dict:
         kw["sliding_window"] = window
         if draw(st.integers(0, 2)):  # mostly an explicit per-layer list (local/global mixes)
             kw["layer_types"] = draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=layers, max_size=layers))
+    elif draw(st.integers(0, 3)) == 0 and attention_type != "dsa":  # Llama 4's chunks (never beside sliding layers)
+        kw["attention_chunk_size"] = draw(st.integers(2, MAX_SEQ))
+        kw["layer_types"] = draw(st.lists(st.sampled_from(["chunked_attention", "full_attention"]), min_size=layers,
+                                          max_size=layers))
+        kw["layer_types"][draw(st.integers(0, layers - 1))] = "chunked_attention"
     elif draw(st.booleans()):
         kw["layer_types"] = ["full_attention"] * layers
     layer_types = kw.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
@@ -178,6 +183,8 @@ def config_kwargs(draw) -> dict:
         layer_types = kw["layer_types"] = [LINEAR if lin else t for lin, t in zip(linear, layer_types)]
         kw["linear_attention_type"] = draw(st.sampled_from(LINEAR_ATTENTION_TYPES))
         kw.update(draw(LINEAR_KIND_FIELDS[kw["linear_attention_type"]]()))
+    if "chunked_attention" not in layer_types:  # every chunked layer made linear: no chunk size to set
+        kw.pop("attention_chunk_size", None)
     attending = sorted(set(layer_types) - {LINEAR})
 
     # attention kind
@@ -204,6 +211,8 @@ def config_kwargs(draw) -> dict:
         rope_width = _head_dim(kw)
         rotary = None
     kw["position_embedding_type"] = position
+    if kw.get("qk_norm") == "weightless" and position != "rope":  # (Llama 4's norm of the rotated heads)
+        kw["qk_norm"] = "none"
 
     # positions
     if position == "learned" and draw(st.booleans()):
@@ -225,6 +234,11 @@ def config_kwargs(draw) -> dict:
             flags = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
             flags[draw(st.sampled_from([i for i, t in enumerate(layer_types) if t != LINEAR]))] = 1
             kw["no_rope_layers"] = flags
+        if attention_type == "standard" and draw(st.booleans()):  # the query temperature (Llama 4: NoPE layers, p + 1)
+            nope = not all(kw.get("no_rope_layers") or [1])
+            kw.update(attn_temperature_tuning=True, floor_scale=draw(st.integers(1, 8)),
+                      attn_scale=draw(st.floats(0.0, 1.0)), attn_temperature_offset=draw(st.integers(0, 1)),
+                      attn_temperature_layers=draw(st.sampled_from(["all", "nope"] if nope else ["all"])))
         if draw(st.booleans()):  # nested per layer type, each with its own type and base
             kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in attending}
             if draw(st.booleans()):  # a table for a layer type no layer uses is allowed too
@@ -254,8 +268,36 @@ def config_kwargs(draw) -> dict:
     kw["eos_token_id"] = draw(st.none() | st.integers(0, vocab - 1)
                               | st.lists(st.integers(0, vocab - 1), min_size=1, max_size=2))
 
-    # multi-token prediction (the modules are built from the last layer's kinds)
-    kw["num_mtp_layers"] = draw(st.sampled_from([0, 0, 1, 2]))
+    # Gemma 3n / Gemma 4: per-layer embeddings, a scalar per layer; with standard attention, normed values, the last
+    # layers reading earlier layers' keys and values, the full layers' values from their keys and their own K/V heads
+    topology = {}
+    if draw(st.integers(0, 3)) == 0:
+        topology["hidden_size_per_layer_input"] = draw(st.integers(1, 8))
+    if draw(st.integers(0, 3)) == 0:
+        topology["layer_scalar"] = True
+    if draw(st.integers(0, 3)) == 0:  # AltUp's streams
+        topology.update(residual_stream="altup", altup_num_inputs=draw(st.integers(2, 4)))
+        topology["altup_active_idx"] = draw(st.integers(0, topology["altup_num_inputs"] - 1))
+        topology["altup_correct_scale"] = draw(st.booleans())
+    if kw["norm_position"] in ("pre", "sandwich") and not kw.get("parallel_block") and draw(st.integers(0, 3)) == 0:
+        topology["laurel_rank"] = draw(st.integers(1, 8))
+    if attention_type == "standard":
+        topology["value_norm"] = draw(st.booleans())
+        if "full_attention" in layer_types and draw(st.integers(0, 2)) == 0:
+            topology["attention_k_eq_v"] = True
+            heads = [h for h in range(1, kw["num_attention_heads"] + 1) if kw["num_attention_heads"] % h == 0]
+            topology["num_global_key_value_heads"] = draw(st.sampled_from(heads))
+        shareable = [n for n in range(1, layers) if LINEAR not in layer_types[layers - n:]
+                     and set(layer_types[layers - n:]) <= set(layer_types[:layers - n])]
+        if shareable and draw(st.integers(0, 2)) == 0:
+            topology["num_kv_shared_layers"] = draw(st.sampled_from(shareable))
+    kw.update(topology)
+
+    # multi-token prediction (the modules are built from the last layer's kinds; none beside per-layer embeddings or
+    # shared keys and values)
+    kw["num_mtp_layers"] = 0 if {"hidden_size_per_layer_input", "num_kv_shared_layers", "residual_stream"} & set(
+        topology) else draw(
+        st.sampled_from([0, 0, 1, 2]))
     if kw["num_mtp_layers"] and draw(st.booleans()):
         kw["mtp_loss_scaling_factor"] = draw(st.floats(0.0, 1.0))
     if kw["num_mtp_layers"] and draw(st.booleans()):
@@ -265,8 +307,9 @@ def config_kwargs(draw) -> dict:
 
 @st.composite
 def moe_fields(draw, layers: int) -> dict:
-    """The mixture-of-experts fields: experts, routing (softmax, gpt-oss's softmax over the kept logits, or
-    DeepSeek-V3's sigmoid with groups; a router bias), shared experts (optionally Qwen2-MoE's gate), gpt-oss's
+    """The mixture-of-experts fields: experts, routing (softmax, gpt-oss's softmax over the kept logits,
+    DeepSeek-V3's sigmoid with groups or Llama 4's sigmoid of the kept logits, weighing outputs or inputs; a router
+    bias), shared experts (optionally Qwen2-MoE's gate), gpt-oss's
     expert biases and clamped SwiGLU, and which layers are sparse."""
     experts = draw(st.sampled_from([2, 4, 6, 8]))
     kw = dict(num_experts=experts, num_experts_per_tok=draw(st.integers(1, min(3, experts))),
@@ -283,8 +326,11 @@ def moe_fields(draw, layers: int) -> dict:
         kw["swiglu_limit"] = draw(st.floats(0.1, 8.0))
         if draw(st.booleans()):
             kw["swiglu_alpha"] = draw(st.floats(0.5, 2.0))
-    router = draw(st.integers(0, 2))
-    if router == 1:  # gpt-oss: softmax over the kept logits (no groups, always normalised)
+    router = draw(st.integers(0, 3))
+    kw["apply_router_weight_on_input"] = draw(st.booleans())  # Llama 4: the weight scales the expert's input
+    if router == 3:  # Llama 4: a sigmoid of each kept logit (no groups)
+        kw["router_type"] = "topk_sigmoid"
+    elif router == 1:  # gpt-oss: softmax over the kept logits (no groups, always normalised)
         kw.update(router_type="topk_softmax", norm_topk_prob=True)
     elif router == 2:  # sigmoid scores, a correction bias, group-limited top-k, a routed scale
         groups = draw(st.sampled_from([g for g in (1, 2) if experts % g == 0 and experts // g >= 2]))

@@ -8,15 +8,13 @@ decode step."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from conversion_cases import CASES, converted_pair, perturbed, save_published, skip_without_class
-from decoding import recording_backend, right_padded
+from conversion_cases import CASES, converted_pair, lora_round_trip, perturbed, save_published, skip_without_class
+from decoding import compiled_eager_and_reference, recording_backend, right_padded
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from modular_decoder import ModularDecoderForCausalLM, compiled_decoding
+from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.conversion import convert
 from modular_decoder.hybrid_cache import HybridLayer
 from modular_decoder.recurrent_cache import RecurrentLayer
@@ -216,32 +214,12 @@ def test_lora_adapter_moves_between_transformers_class_and_ours(qwen3_5, tmp_pat
     the same), loads onto ours with its logits; trained a step on ours, it loads back onto theirs with ours; and
     packed documents compute as alone under it. (PEFT adapts no depthwise `conv1d` at its default rank, on either
     side: rank must divide its groups.)"""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
     _, _, path = qwen3_5
     ids = torch.tensor([DOCUMENTS[2] + DOCUMENTS[1]])
-    config = LoraConfig(r=4, target_modules=LINEAR_TARGETS + ATTENTION_TARGETS, init_lora_weights=False)
-    torch.manual_seed(1)
-    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(path / "theirs"), config).eval()
-    theirs.save_pretrained(tmp_path / "adapter")
-    ours = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(path / "ours"), tmp_path / "adapter",
-                                     is_trainable=True)
-    assert _adapted(ours) == set(LINEAR_TARGETS + ATTENTION_TARGETS)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=1e-5, atol=1e-5)
-    optimizer = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=0.1)
-    ours.train()
-    ours(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    ours.eval()
-    # (the adapter names transformers' folder as its base, whose config.json PEFT's vocabulary check would read
-    # with our config class: nothing was resized, so say so)
-    ours.save_pretrained(tmp_path / "trained", save_embedding_layers=False)
-    back = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path / "theirs"), tmp_path / "trained").eval()
+    ours, _ = lora_round_trip(path, LINEAR_TARGETS + ATTENTION_TARGETS, ids, tmp_path)
     batch = _packed([DOCUMENTS[2], DOCUMENTS[1]])
     with torch.no_grad():
         logits = ours(ids).logits
-        torch.testing.assert_close(back(ids).logits, logits, rtol=1e-5, atol=1e-5)
         packed = ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         alone = ours(torch.tensor([DOCUMENTS[1]])).logits
     torch.testing.assert_close(packed[:, len(DOCUMENTS[2]):], alone, rtol=1e-5, atol=1e-5)
@@ -261,18 +239,7 @@ def test_compiled_decode_step_gives_eager_and_transformers_tokens(compiled_case,
     each recurrent kind: the step compiles, and the greedy tokens equal eager decoding and transformers' class
     through its own cache."""
     theirs, ours, _ = compiled_case
-    prompt = torch.tensor([DOCUMENTS[2]])
-    graphs = []
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            arguments = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-            compiled = ours.generate(prompt, **arguments, **compiled_decoding(backend=recording_backend(graphs)))
-            eager = ours.generate(prompt, **arguments)
-            reference = theirs.generate(prompt, **arguments)
-    finally:
-        torch._dynamo.reset()
+    compiled, eager, reference, graphs = compiled_eager_and_reference(ours, theirs, torch.tensor([DOCUMENTS[2]]))
     assert graphs, "generate did not compile the decode step"
     assert torch.equal(compiled, eager)
     assert torch.equal(compiled, reference)

@@ -589,6 +589,29 @@ def test_gpt_oss_and_smollm3_match_their_classes_on_the_oldest_and_newest_releas
 
 
 @pytest.mark.slow
+def test_llama4_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
+    """Llama 4's chunked RoPE layers and NoPE layer, the weightless QK-norm, interleaved RoPE, the top-1 sigmoid router
+    scaling the expert's input beside a shared expert, dense layers between (its static cache: chunks as rings)."""
+    _family_on_oldest_and_newest("llama4_text", tmp_path)
+
+
+@pytest.mark.slow
+def test_gemma3n_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
+    """Gemma 3n's AltUp streams, LAUREL, per-layer embeddings, shared keys and values (5.16 leaves the sharing
+    layers out of its cache, 5.25 gives them an empty slot), activation sparsity."""
+    _family_on_oldest_and_newest("gemma3n_text", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gemma4_text", "gemma4_text-moe"])
+def test_gemma4_matches_its_class_on_the_oldest_and_newest_release(case, tmp_path):
+    """Gemma 4's global layers (their own heads, values from their keys, proportional RoPE; transformers keeps their
+    shape in `per_layer_config`), shared keys and values, per-layer embeddings, layer scalars; experts beside the
+    dense MLP."""
+    _family_on_oldest_and_newest(case, tmp_path)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["phi3", "olmo3", "ministral3", "minimax_m2", "glm4_moe"])
 def test_2025_26_dense_and_moe_families_match_their_classes_on_the_oldest_and_newest_release(case, tmp_path):
     """Phi-3's fused projections and window, OLMo 3's sliding layers and per-type RoPE, Ministral 3's query

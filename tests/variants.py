@@ -40,6 +40,10 @@ AXES: dict[str, dict[str, dict]] = {
         "moe_gpt_oss": dict(mlp_type="moe", hidden_act="silu", num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, router_type="topk_softmax", router_bias=True, mlp_bias=True,
                             swiglu_limit=1.0),
+        # Llama 4: a sigmoid of the one kept logit scaling the expert's input, a shared expert, a dense layer first
+        "moe_llama4": dict(mlp_type="moe", mlp_layer_types=["dense", "sparse"], num_experts=4, num_experts_per_tok=1,
+                           moe_intermediate_size=16, n_shared_experts=1, router_type="topk_sigmoid",
+                           norm_topk_prob=False, apply_router_weight_on_input=True),
         "moe_sigmoid_grouped": dict(mlp_type="moe", mlp_layer_types=["sparse", "dense"], num_experts=8,
                                     num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2,
                                     router_type="sigmoid_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5),
@@ -82,7 +86,8 @@ AXES: dict[str, dict[str, dict]] = {
         "qkv_only": dict(attention_bias=True, attention_output_bias=False),
         "all": dict(attention_bias=True, mlp_bias=True, lm_head_bias=True),
     },
-    "qk_norm": {"none": dict(qk_norm="none"), "head": dict(qk_norm="head"), "full": dict(qk_norm="full")},
+    "qk_norm": {"none": dict(qk_norm="none"), "head": dict(qk_norm="head"), "full": dict(qk_norm="full"),
+                "weightless": dict(qk_norm="weightless")},  # Llama 4: of the rotated heads, on the layers that rotate
     "softcap": {
         "none": {},
         "attn": dict(attn_logit_softcapping=5.0),
@@ -96,6 +101,7 @@ AXES: dict[str, dict[str, dict]] = {
         "mixed": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
         "mixed_local_base": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                  local_rope_theta=100.0),
+        "chunked": dict(attention_chunk_size=3, layer_types=["chunked_attention", "full_attention"]),  # Llama 4
     },
     # the token mixer of the second layer: attention, attention with the output gate, Gated DeltaNet (its
     # sizes derived, or explicit with grouped value heads and a 3-tap convolution), Mamba-2, KDA or a short
@@ -117,6 +123,16 @@ AXES: dict[str, dict[str, dict]] = {
                     linear_allow_neg_eigval=True),
         "short_conv": dict(second_layer="linear_attention", linear_attention_type="short_conv", conv_bias=True),
     },
+    # Gemma 3n / Gemma 4 on any layout: the second (full) layer reading the first's keys and values, whose values come
+    # from its keys (one K/V head) and are normed; per-layer embeddings with a scalar per layer
+    "topology": {
+        "plain": {},
+        "shared_kv": dict(num_kv_shared_layers=1, attention_k_eq_v=True, num_global_key_value_heads=1,
+                          value_norm=True),
+        "per_layer_embeddings": dict(hidden_size_per_layer_input=8, layer_scalar=True),
+        "altup": dict(residual_stream="altup", altup_num_inputs=3, hidden_size_per_layer_input=4),  # Gemma 3n
+        "laurel": dict(laurel_rank=4),
+    },
     "ends": {
         "tied": dict(tie_word_embeddings=True),
         "untied": dict(tie_word_embeddings=False),
@@ -134,6 +150,14 @@ BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_laye
 
 def valid(choice: dict[str, str]) -> bool:
     positions = choice.get("positions", "rope")
+    if choice.get("qk_norm") == "weightless" and not positions.startswith("rope"):  # it norms the rotated heads
+        return False
+    if choice.get("topology") == "laurel" and choice.get("placement", "pre") not in ("pre", "sandwich"):
+        return False  # (a branch of the attention's normed input)
+    # the sharing layer reads the first layer of its type: both full attention
+    recurrent = AXES["mixer"][choice.get("mixer", "attention")].get("second_layer") == "linear_attention"
+    if choice.get("topology") == "shared_kv" and (choice.get("window", "full") != "full" or recurrent):
+        return False
     if choice.get("window") == "mixed_local_base" and not positions.startswith("rope"):
         return False
     # dynamic/longrope rescale with the longest position seen, so per-layer-type tables are not

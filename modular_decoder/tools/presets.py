@@ -258,6 +258,52 @@ PRESETS: dict[str, dict] = {
         linear_value_head_dim=128, linear_conv_kernel_dim=4, mlp_type="moe", first_dense_layers=1, num_experts=256,
         num_experts_per_tok=8, moe_intermediate_size=1024, n_shared_experts=1, router_type="sigmoid_topk",
         norm_topk_prob=True, routed_scaling_factor=2.446),
+    # meta-llama/Llama-4-Scout-17B-16E config.json, its `text_config` (48 layers: chunks of 8,192 on the RoPE layers,
+    # a NoPE full-attention layer every fourth with the temperature tuned (floor 8,192, scale 0.1); Llama 3 RoPE x8
+    # on interleaved pairs; the rotated q / k RMS-normed without weight; 16 experts of width 8,192 in every layer, a
+    # top-1 sigmoid router scaling the expert's input, one shared expert of the same width; the vision tower is not
+    # part of the model)
+    "llama4": dict(
+        vocab_size=202048, hidden_size=5120, intermediate_size=16384, num_hidden_layers=48, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, norm_eps=1e-5, qk_norm="weightless",
+        rope_interleaved=True, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                "original_max_position_embeddings": 8192},
+        attention_chunk_size=8192, no_rope_interval=4, attn_temperature_tuning=True, floor_scale=8192,
+        attn_scale=0.1, attn_temperature_offset=1, attn_temperature_layers="nope", tie_word_embeddings=False,
+        mlp_type="moe", num_experts=16, num_experts_per_tok=1,
+        moe_intermediate_size=8192, n_shared_experts=1, router_type="topk_sigmoid", norm_topk_prob=False,
+        apply_router_weight_on_input=True, router_aux_loss_coef=0.001),
+    # google/gemma-4-E2B config.json, its `text_config` (35 layers, four local (window 512) for each global one; global
+    # layers with heads of 512 and proportional RoPE on a quarter of their pairs (base 1M), local ones of 256 (base
+    # 10k), one K/V head; the last 20 layers read the keys and values of the last local and global layer before
+    # them, with MLPs twice as wide (`use_double_wide_mlp`); per-layer embeddings of 256; a scalar per layer; the
+    # vision and audio towers are not part of the model)
+    "gemma4": dict(
+        vocab_size=262144, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=256, global_head_dim=512, max_position_embeddings=131072, norm_eps=1e-6,
+        norm_position="sandwich", hidden_act="gelu_pytorch_tanh", embedding_multiplier=math.sqrt(1536),
+        qk_norm="head", value_norm=True, query_pre_attn_scalar=1.0, sliding_window=512, sliding_window_pattern=5,
+        rope_parameters={"full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                            "partial_rotary_factor": 0.25},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        final_logit_softcapping=30.0, num_kv_shared_layers=20, double_wide_shared_mlp=True,
+        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, layer_scalar=True,
+        tie_word_embeddings=True),
+    # google/gemma-3n-E2B config.json, its `text_config` (30 layers, four local (window 512) for each global one, heads
+    # of 256, 2 K/V heads; AltUp's 4 streams around every layer, LAUREL of rank 64 beside attention, per-layer
+    # embeddings of 256; the last 10 layers read the keys and values of the last local and global layer before them;
+    # the first 10 layers' gates sparsified to 95 %; the vision and audio towers are not part of the model)
+    "gemma3n": dict(
+        vocab_size=262400, hidden_size=2048, intermediate_size=8192, num_hidden_layers=30, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, max_position_embeddings=32768, norm_eps=1e-6, norm_position="sandwich",
+        hidden_act="gelu_pytorch_tanh", embedding_multiplier=math.sqrt(2048), qk_norm="head", value_norm=True,
+        query_pre_attn_scalar=1.0, sliding_window=512, sliding_window_pattern=5,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        final_logit_softcapping=30.0, num_kv_shared_layers=10, hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144, residual_stream="altup", altup_num_inputs=4, laurel_rank=64,
+        sparse_first_layers=10, tie_word_embeddings=True),
 }
 
 # The Mamba-2 hybrids. Their layouts: the attention layers by index (the rest Mamba-2), or Nemotron-H's pattern, a
@@ -392,6 +438,8 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     first_dense = fields.pop("first_dense_layers", None)
     interval = fields.pop("full_attention_interval", None)
     no_rope_interval = fields.pop("no_rope_interval", None)
+    double_wide = fields.pop("double_wide_shared_mlp", False)
+    sparse_first = fields.pop("sparse_first_layers", None)
     attention_layers = fields.pop("attention_layers", None)
     block_pattern = fields.pop("block_pattern", None)
     hybrid_layers = fields.pop("hybrid_layers", False)  # every layer attention and Mamba-2 side by side
@@ -433,6 +481,18 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["shared_expert_intermediate_size"] = TINY_MOE["moe_intermediate_size"]
         if no_rope_interval is not None:
             no_rope_interval = 2
+        if "attention_chunk_size" in fields:  # chunks these lengths cross
+            fields["attention_chunk_size"] = 8
+        if fields.get("num_kv_shared_layers"):  # a local and a global layer, then two reading theirs
+            fields.update(num_hidden_layers=4, num_kv_shared_layers=2)
+        if fields.get("global_head_dim"):
+            fields["global_head_dim"] = 2 * TINY["hidden_size"] // 4
+        if fields.get("hidden_size_per_layer_input"):
+            fields.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY["vocab_size"])
+        if fields.get("laurel_rank"):
+            fields["laurel_rank"] = 8
+        if sparse_first:
+            sparse_first = 1
         if fields.get("linear_attention_type") == "mamba2":  # one Mamba-2 layer, then one attention layer
             fields.update(TINY_MAMBA2, mamba_n_groups=min(fields["mamba_n_groups"], 2))
         if block_pattern is not None:
@@ -453,4 +513,13 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     if "no_rope_layers" not in overrides:
         fields["no_rope_layers"] = _no_rope_layers(fields["num_hidden_layers"], no_rope_interval)
+    if sparse_first and "activation_sparsity_pattern" not in overrides:  # Gemma 3n: the first layers' gates, 95 %
+        fields["activation_sparsity_pattern"] = [0.95 * (i < sparse_first) for i in range(fields["num_hidden_layers"])]
+    if double_wide and "layer_intermediate_sizes" not in overrides:  # the layers reading shared keys: twice as wide
+        layers, shared = fields["num_hidden_layers"], fields["num_kv_shared_layers"]
+        fields["layer_intermediate_sizes"] = [fields["intermediate_size"] * (1 + (i >= layers - shared))
+                                              for i in range(layers)]
+    if fields.get("attention_chunk_size") and "layer_types" not in overrides:  # Llama 4: chunks where RoPE turns
+        fields["layer_types"] = ["chunked_attention" if rotates else "full_attention"
+                                 for rotates in fields["no_rope_layers"] or [1] * fields["num_hidden_layers"]]
     return ModularDecoderConfig(**fields)
