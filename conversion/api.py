@@ -13,7 +13,7 @@ from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mt
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
 from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, copy_plan, copy_release_files,
-                         effective_tie, get_wrapper, open_kept, open_release, parameters, parsed_config,
+                         effective_tie, open_kept, open_release, parameters, parsed_config,
                          release_config, with_kept_tensors, write_manifest, write_release_files)
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
                       quantization_of)
@@ -126,9 +126,7 @@ def _source_config(src: Path):
     raw = read_json_file(src / "config.json")
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{src / 'config.json'} has no `model_type`, so its family is unknown.")
-    if raw["model_type"] in WRAPPERS:
-        get_wrapper(raw["model_type"])  # a release whose text family does not convert yet is refused by name
-    else:
+    if raw["model_type"] not in WRAPPERS:
         get_family(raw["model_type"])  # an unknown family is refused by name before transformers is asked
     return AutoConfig.from_pretrained(str(src))
 

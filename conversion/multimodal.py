@@ -60,14 +60,12 @@ class Wrapper:
             checkpoint of the family uses}; a folder uses exactly one, and export writes the one it was read from.
         unapplied: Text config fields the wrapper class does not apply though the text class does (Gemma 3's wrapper
             computes no final logit softcap): a release that sets one is refused, its function being ambiguous.
-        waits_for: Why the release does not convert yet (its text family is being built); `None` once it does.
     """
 
     model_type: str
     text_families: tuple[str, ...]
     layouts: tuple[dict[str, str], ...]
     unapplied: tuple[str, ...] = ()
-    waits_for: str | None = None
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -82,13 +80,8 @@ WRAPPERS: dict[str, Wrapper] = {
 
 
 def get_wrapper(model_type: str) -> Wrapper:
-    """The release entry for config `model_type`; a `ValueError` naming what a waiting one waits for."""
-    wrapper = WRAPPERS[model_type]
-    if wrapper.waits_for is not None:
-        raise ValueError(f"{model_type!r} is a multimodal release whose language model ({wrapper.text_families[0]!r}) "
-                         f"modular_decoder does not convert yet ({wrapper.waits_for} is being built); it is not "
-                         "converted without it.")
-    return wrapper
+    """The release entry for config `model_type`."""
+    return WRAPPERS[model_type]
 
 
 @dataclass

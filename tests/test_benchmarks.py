@@ -480,13 +480,14 @@ def test_mtp_decode_smoke_renders(capsys, tmp_path):
     out = tmp_path / "mtp.json"
     assert mtp_decode.main(["--smoke", "--repeats", "1", "--draft-tokens", "3", "1", "--out", str(out)]) == 0
     run = json.loads(out.read_text())
-    assert set(run["cases"]) == {"transformers", "ours", "ours_mtp", "ours_mtp_k1", "ours_prompt_lookup",
-                                 "ours_early_exit"}
+    assert set(run["cases"]) == {"transformers", "ours", "ours_mtp", "ours_mtp_constant", "ours_mtp_k1",
+                                 "ours_prompt_lookup", "ours_early_exit"}
     assert all(case["same_tokens"] for case in run["cases"].values()) and run["draft_tokens"] == [3, 1]
     for case, count in (("ours_mtp", 3), ("ours_mtp_k1", 1)):
         mtp = run["cases"][case]
         assert mtp["acceptance"] is not None and len(mtp["position_acceptance"]) == count
-        assert run["ceiling"][str(count)]["tokens_per_step"] == 1 + sum(mtp["position_acceptance"])
+        steady = run["cases"][mtp_decode.ceiling_case(run["draft_tokens"], count)]  # drafting `count` every step
+        assert run["ceiling"][str(count)]["tokens_per_step"] == 1 + sum(steady["position_acceptance"])
         assert f"drafts_{count}" in run["step_ms"]
     assert {f"forward_{k}_tokens" for k in range(1, 5)} <= set(run["step_ms"])  # the verification of 3 drafts
     printed = capsys.readouterr().out
