@@ -474,6 +474,35 @@ def deepseek_v4_section(run: dict | None) -> str:
     ])
 
 
+# --- benchmarks/results_mixers.json: `python -m benchmarks mixers --out ...` ------------------------------------
+
+def mixers_section(run: dict | None) -> str:
+    lines = ["## Recurrent mixers: LFM2, OLMo hybrid, Qwen3.5-MoE, Kimi Linear (CPU, fp32)", ""]
+    if run is None:
+        return not_recorded(lines, "mixers", "results_mixers.json")
+    from .mixers import report  # the tables, as the benchmark prints them
+
+    widths, rows = run["widths"], run["flat_in_context"]
+    first, last = rows[0], rows[-1]
+    growth = ", ".join(f"{kind} {last['step_ms'][kind] / first['step_ms'][kind]:.2f}x"
+                       for kind in first["step_ms"])
+    repeats = len(next(iter(run["side_by_side"].values()))["prefill"]["ratios"]) if run["side_by_side"] else 0
+    return "\n".join(lines + [
+        *command_block(run),
+        f"Each family's layout at hidden {widths['hidden_size']:,} (4 layers, its linear layers and one full layer; "
+        "`benchmarks/mixers.py` names the widths), made by its transformers class and converted, both sides loaded "
+        "with `from_pretrained` and run on the PyTorch paths (no `flash-linear-attention` or `causal-conv1d` on a "
+        f"CPU). Sides alternating in one process, {repeats} repeats, {run['provenance']['machine']['torch_threads']} "
+        "torch thread(s). Then one decode step of a one-layer model of each mixer and of the full-attention layer, "
+        "and the bytes each cache holds; last, each preset's cache at its published sizes in bf16 (the contract's "
+        "arithmetic), against the same model with every layer attending.", "",
+        report(run), "",
+        f"From {first['context']:,} to {last['context']:,} cached tokens each layer's step changes: {growth}; the "
+        "mixers' caches not at all (a state per sequence), the full-attention layer's "
+        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x.",
+    ])
+
+
 # --- benchmarks/results_mamba2.json: `python -m benchmarks mamba2 --out ...` ------------------------------------
 
 def mamba2_section(run: dict) -> str:
@@ -808,6 +837,7 @@ SECTIONS = (
     Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_hybrid.json",), hybrid_section),
     Section(("results_deepseek_v4.json",), deepseek_v4_section, optional=True),
+    Section(("results_mixers.json",), mixers_section, optional=True),
     Section(("results_mamba2.json",), mamba2_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_split_slices.json",), split_slices_section, optional=True),

@@ -68,6 +68,10 @@ BENCHMARKS = (
               "DeepseekV4ForCausalLM, the compressed caches' bytes per token against transformers' at 4k and 32k, "
               "and one decode step from 8k to 64k cached tokens against the same model with a window only",
               "results_deepseek_v4.json"),
+    Benchmark("mixers", "mixers", "the recurrent mixers (LFM2's short convolution, OLMo hybrid's and Qwen3.5-MoE's "
+              "Gated DeltaNet, Kimi Linear's KDA): prefill and decode against each transformers class, one decode step "
+              "of each mixer beside full attention from 1k to 16k cached tokens, prompt lookup against plain decoding "
+              "on each family, state bytes against K/V bytes", "results_mixers.json"),
     Benchmark("mamba2", "mamba2", "the Mamba-2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1): prefill and "
               "decode against each transformers class, and one decode step of a Mamba-2 layer beside a full-attention "
               "layer from 1k to 16k cached tokens (time, state bytes against KV bytes)", "results_mamba2.json"),

@@ -59,6 +59,13 @@ FAMILIES: dict[str, str] = {
     "ministral3": "modular_decoder.conversion.families.ministral3",
     "minimax_m2": "modular_decoder.conversion.families.minimax_m2",
     "glm4_moe": "modular_decoder.conversion.families.glm4_moe",
+    "lfm2": "modular_decoder.conversion.families.lfm2",
+    "qwen3_5_moe_text": "modular_decoder.conversion.families.qwen3_5_moe",
+    "olmo_hybrid": "modular_decoder.conversion.families.olmo_hybrid",
+    "kimi_linear": "modular_decoder.conversion.families.kimi_linear",
+    "llama4_text": "modular_decoder.conversion.families.llama4",
+    "gemma4_text": "modular_decoder.conversion.families.gemma4",
+    "gemma3n_text": "modular_decoder.conversion.families.gemma3n",
 }
 
 

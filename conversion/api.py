@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from . import get_family
-from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mtp_layers, duplicates, is_mtp_rule,
-                   plan_rules, refuse_tensors, rename)
+from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mtp_layers, duplicates, file_name,
+                   is_mtp_rule, plan_rules, refuse_tensors)
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
 from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, copy_plan, copy_release_files,
-                         effective_tie, get_wrapper, open_kept, open_release, parameters, parsed_config,
+                         effective_tie, open_kept, open_release, parameters, parsed_config,
                          release_config, with_kept_tensors, write_manifest, write_release_files)
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
                       quantization_of)
@@ -126,9 +126,7 @@ def _source_config(src: Path):
     raw = read_json_file(src / "config.json")
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{src / 'config.json'} has no `model_type`, so its family is unknown.")
-    if raw["model_type"] in WRAPPERS:
-        get_wrapper(raw["model_type"])  # a release whose text family does not convert yet is refused by name
-    else:
+    if raw["model_type"] not in WRAPPERS:
         get_family(raw["model_type"])  # an unknown family is refused by name before transformers is asked
     return AutoConfig.from_pretrained(str(src))
 
@@ -272,7 +270,7 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
     expected.update(_mtp_tensors(plan, produced))  # written beside the model's, which does not hold them
     check_shapes(produced, expected, f"exporting to {fam.name}")
     dtype = produced[their_embed_key].dtype
-    planned, sinks = file_tensors(expected, produced, fam)
+    planned, sinks = file_tensors(expected, produced, fam, src_cfg)
     total = model.num_parameters()
     if kept is not None:
         plan, tensors, planned, sinks, kept_parameters = with_kept_tensors(kept, plan, tensors, planned, sinks)
@@ -368,24 +366,33 @@ def _mtp_tensors(plan: list[RuleInstance], produced: dict) -> dict:
     return {name: produced[name].shape for name in made}
 
 
-def file_tensors(names, produced: dict[str, torch.Tensor], family: Family):
+def file_tensors(names, produced: dict[str, torch.Tensor], family: Family, config=None):
     """The file tensors `save_pretrained` writes for the family's model tensors `names`, and where each goes.
 
-    In this order: renamed back to the file's prefixes, stacked experts split into one tensor per expert. Returns
+    In this order: renamed back to the file's prefixes, stacked experts split into one tensor per expert, the tensors
+    the files keep in parts (`family.split`, sized by the family's `config`) in those parts. Returns
     ({file name: (dtype, shape)}, {model name: [Sink]})."""
     planned, sinks = {}, {}
     for name in names:
         tensor = produced[name]
+        parts = next((p for split in family.split if (p := split.pieces(name, config)) is not None), None)
+        if parts is not None:
+            sinks[name] = []
+            for file, rows in parts:
+                file = file_name(file, family, config)
+                planned[file] = (tensor.dtype, (rows.stop - rows.start, *tensor.shape[1:]))
+                sinks[name].append(Sink(file, rows=rows))
+            continue
         pieces = next((p for stack in family.experts if (p := stack.pieces(name, tuple(tensor.shape))) is not None),
                       None)
         if pieces is None:
-            file = rename(name, family.renames, inverse=True)
+            file = file_name(name, family, config)
             planned[file] = (tensor.dtype, tuple(tensor.shape))
             sinks[name] = [Sink(file)]
             continue
         sinks[name] = []
         for file, expert, rows in pieces:
-            file = rename(file, family.renames, inverse=True)
+            file = file_name(file, family, config)
             planned[file] = (tensor.dtype, (rows.stop - rows.start, *tensor.shape[2:]))
             sinks[name].append(Sink(file, expert, rows))
     return planned, sinks

@@ -151,6 +151,31 @@ def _fuse_grouped_ba(tensors: Tensors, cfg) -> Tensors:
     return [torch.cat((b, a), dim=1).reshape(-1, b.shape[-1]).contiguous()]
 
 
+def _linear_qkv_widths(cfg) -> list[int]:
+    """(H_k·d_k, H_k·d_k, H_v·d_v): the query, key and value rows of the contract's linear-attention layers."""
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    return [key, key, cfg.linear_num_value_heads * cfg.linear_value_head_dim]
+
+
+def _fuse_linear_qkv(tensors: Tensors, cfg) -> Tensors:
+    """Separate query, key and value tensors of a linear-attention layer (projections, or their three short
+    convolutions, as OLMo hybrid's and Kimi Linear's files hold them), stacked along dim 0 into one."""
+    return [torch.cat(tensors, dim=0).contiguous()]
+
+
+def _split_linear_qkv(tensors: Tensors, cfg) -> Tensors:
+    return [t.contiguous() for t in torch.split(tensors[0], _linear_qkv_widths(cfg), dim=0)]
+
+
+def _flatten_heads(tensors: Tensors, cfg) -> Tensors:
+    """A per-head parameter stored (1, 1, H, 1), to broadcast over (B, T, H, d) (Kimi Linear's `A_log`) -> (H,)."""
+    return [t.reshape(-1).contiguous() for t in tensors]
+
+
+def _unflatten_heads(tensors: Tensors, cfg) -> Tensors:
+    return [t.reshape(1, 1, -1, 1).contiguous() for t in tensors]
+
+
 def _deinterleave_gate_up(tensors: Tensors, cfg) -> Tensors:
     """gpt-oss's experts: gate and up columns interleaved (gate 2i, up 2i + 1) along the last axis of its
     (E, d, 2f) products and (E, 2f) biases -> [gate; up] as the contract's (E, 2f, d) and (E, 2f) hold them."""
@@ -190,13 +215,15 @@ TRANSFORMS: dict[str, Transform] = {
     "split_gate_up": Transform(_split_gate_up, lambda tensors, cfg: [torch.cat(tensors, dim=0)]),
     "split_grouped_qkvz": Transform(_split_grouped_qkvz, _fuse_grouped_qkvz),
     "split_grouped_ba": Transform(_split_grouped_ba, _fuse_grouped_ba),
+    "fuse_linear_qkv": Transform(_fuse_linear_qkv, _split_linear_qkv),
+    "flatten_heads": Transform(_flatten_heads, _unflatten_heads),
     "interleaved_gate_up": Transform(_deinterleave_gate_up, _interleave_gate_up, per_expert=True),
     "transpose_experts": Transform(_transpose_experts, _transpose_experts, per_expert=True),
 }
 
 # Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`): DeepSeek-V4's compressed
 # layers attend as the others do, and hold their compressor (CSA: and its indexer) beside
-MIXERS = {"attention": ("full_attention", "sliding_attention", "compressed_sparse_attention",
+MIXERS = {"attention": ("full_attention", "sliding_attention", "chunked_attention", "compressed_sparse_attention",
                         "heavily_compressed_attention"),
           "linear_attention": ("linear_attention",),
           "compressed": ("compressed_sparse_attention", "heavily_compressed_attention"),
@@ -297,6 +324,46 @@ class ExpertStack:
                 for e in range(shape[0]) for j, part in enumerate(self.parts)]
 
 
+@dataclass(frozen=True)
+class SplitTensor:
+    """How a checkpoint file stores one tensor of the transformers model in parts along dim 0 (transformers'
+    `WeightConverter` with `Concatenate(dim=0)`: OLMo hybrid's and Kimi Linear's three short convolutions): `parts`
+    (templates with `{layer}`) make `dst`, in that order; `widths(config)` is each part's rows for the family's
+    config, which export writes."""
+
+    parts: tuple[str, ...]
+    dst: str
+    widths: Callable[[Any], list[int]]
+
+    def _pattern(self, part: str) -> re.Pattern:
+        return re.compile(re.escape(part).replace(re.escape("{layer}"), r"(?P<layer>\d+)") + "$")
+
+    def groups(self, names) -> dict[str, list[str]]:
+        """{model name: its part names, in order} for every layer whose parts `names` holds; a layer holding some of
+        them only is refused, naming what it lacks."""
+        names = set(names)
+        layers = sorted({int(m["layer"]) for part in self.parts for n in names if (m := self._pattern(part).match(n))})
+        groups = {}
+        for layer in layers:
+            group = [part.format(layer=layer) for part in self.parts]
+            missing = [name for name in group if name not in names]
+            if missing:
+                raise ValueError(f"Parts of {self.dst.format(layer=layer)} are missing: {missing}.")
+            groups[self.dst.format(layer=layer)] = group
+        return groups
+
+    def pieces(self, name: str, config) -> list[tuple[str, slice]] | None:
+        """Where export writes the model's tensor `name`: [(file name, rows of dim 0)]; None if it is not this one's."""
+        match = self._pattern(self.dst).match(name)
+        if match is None:
+            return None
+        bounds = [0]
+        for width in self.widths(config):
+            bounds.append(bounds[-1] + width)
+        return [(part.format(layer=int(match["layer"])), slice(a, b))
+                for part, a, b in zip(self.parts, bounds[:-1], bounds[1:], strict=True)]
+
+
 def rename(name: str, renames: dict[str, str], inverse: bool = False) -> str:
     """One name through old -> new prefixes (new -> old with `inverse`); a prefix may contain `{layer}`
     (any layer number, kept)."""
@@ -310,6 +377,33 @@ def rename(name: str, renames: dict[str, str], inverse: bool = False) -> str:
         elif name.startswith(old):
             name = new + name[len(old):]
     return name
+
+
+def file_name(name: str, family: "Family", config) -> str:
+    """The file name export writes for the model's tensor `name`: `family.renames` backwards, each where it holds
+    (`family.renamed_layers`, by the family `config`'s layer lists)."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    layer = int(match[1]) if match else None
+    renames = {old: new for old, new in family.renames.items()
+               if old not in family.renamed_layers or _layer_is(config, layer, family.renamed_layers[old])}
+    return rename(name, renames, inverse=True)
+
+
+def _layer_is(config, layer: int | None, kind: str) -> bool:
+    """Whether layer `layer` of the family `config` mixes tokens as `kind` (a `MIXERS` key) or has a `kind` ("sparse" /
+    "dense") feed-forward."""
+    if layer is None:
+        return False
+    if kind in MIXERS:
+        types = getattr(config, "layer_types", None) or []
+        return layer < len(types) and types[layer] in MIXERS[kind]
+    types = getattr(config, "mlp_layer_types", None) or []
+    return layer < len(types) and types[layer] == kind
+
+
+def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Old name prefixes -> new ones; a prefix may contain `{layer}` (any layer number, kept)."""
+    return {rename(k, renames): v for k, v in state.items()}
 
 
 @dataclass
@@ -349,6 +443,12 @@ class Family:
             a folder vLLM serves natively (tests/test_families_table.py checks it against vLLM's registry).
         refusals: What a checkpoint of this family may hold that `convert` refuses by name (`refuse`), one phrase
             each, for the table (tensor prefixes refused are `refused`'s).
+        split: Tensors of the model the files keep in parts (see `SplitTensor`), read after `experts`.
+        renamed_layers: Renames (keys of `renames`) that hold for some layers only -> which: a mixer (a `MIXERS`
+            key, by `layer_types`) or "sparse" / "dense" (by `mlp_layer_types`). Reading renames every match;
+            export gives back the file's name only in those layers (OLMo hybrid's files name a linear layer's norms
+            otherwise than an attention layer's, Kimi Linear's a sparse layer's MLP otherwise than a dense one's,
+            which their models name alike).
     """
 
     name: str
@@ -369,6 +469,8 @@ class Family:
     mtp_drafts: bool = True
     vllm_native: bool = True
     refusals: tuple[str, ...] = ()
+    split: tuple[SplitTensor, ...] = ()
+    renamed_layers: dict[str, str] = field(default_factory=dict)
 
 
 def refuse_tensors(names, family: Family) -> None:

@@ -2,17 +2,19 @@
 
 Most 2025-26 releases ship their language model inside a multimodal folder (a vision tower, a projector, a processor
 and a wrapper class such as `Gemma3ForConditionalGeneration`). `convert` reads such a folder's language model through
-its text family (`gemma3_text`, `mistral`, `qwen3_5_text`) and writes everything else, untouched, into OUT's
-`multimodal/` folder: the release's `config.json`, every other tensor under its own name (copied file tensor by file
-tensor, never through a model), the processor, tokenizer and other files, and `modular_decoder.json` (which release,
-which text family, where its files keep the language model, the contract it converted to). `export --family
-<release>` writes the language model back under the release's names beside those tensors, so that the wrapper class
-loads the folder.
+its text family (`gemma3_text`, `mistral`, `qwen3_5_text`, `qwen3_5_moe_text`,
+`gemma4_text`, `llama4_text`) and writes everything else,
+untouched, into OUT's `multimodal/` folder: the release's `config.json`, every other tensor under its own name (copied
+file tensor by file tensor, never through a model), the processor, tokenizer and other files, and
+`modular_decoder.json` (which release, which text family, where its files keep the language model, the contract it
+converted to). `export --family <release>` writes the language model back under the release's names beside those
+tensors, so that the wrapper class loads the folder.
 
 A release is one `Wrapper` entry: its `model_type`, the text families its `text_config` may name, and where its files
 keep the language model (`layouts`). transformers reads two layouts: the Llava-era one (`language_model.model.*`,
 `language_model.lm_head.*`), which its "llava" conversion mapping renames on load and writes back on save (Gemma 3,
-Mistral 3), and the modules' own names (`model.language_model.*`, `lm_head.*`: Qwen3.5, Gemma 4).
+Mistral 3; Llama 4's wrapper holds its language model under these names itself), and the modules' own names
+(`model.language_model.*`, `lm_head.*`: Qwen3.5, Gemma 4).
 """
 
 from __future__ import annotations
@@ -58,14 +60,12 @@ class Wrapper:
             checkpoint of the family uses}; a folder uses exactly one, and export writes the one it was read from.
         unapplied: Text config fields the wrapper class does not apply though the text class does (Gemma 3's wrapper
             computes no final logit softcap): a release that sets one is refused, its function being ambiguous.
-        waits_for: Why the release does not convert yet (its text family is being built); `None` once it does.
     """
 
     model_type: str
     text_families: tuple[str, ...]
     layouts: tuple[dict[str, str], ...]
     unapplied: tuple[str, ...] = ()
-    waits_for: str | None = None
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -73,20 +73,15 @@ WRAPPERS: dict[str, Wrapper] = {
     "gemma3": Wrapper("gemma3", ("gemma3_text",), (LLAVA, MODULES), unapplied=("final_logit_softcapping",)),
     # Mistral Small 3.1 / 3.2 (`mistral`), Ministral 3 (`ministral3`)
     "mistral3": Wrapper("mistral3", ("mistral", "ministral3"), (LLAVA, MODULES)),
-    "qwen3_5_moe": Wrapper("qwen3_5_moe", ("qwen3_5_moe_text",), (QWEN3_5,), waits_for="its text family"),
-    "gemma4": Wrapper("gemma4", ("gemma4_text",), (MODULES,), waits_for="its text family"),
-    "llama4": Wrapper("llama4", ("llama4_text",), (LLAVA,), waits_for="its text family"),
+    "qwen3_5_moe": Wrapper("qwen3_5_moe", ("qwen3_5_moe_text",), (QWEN3_5,)),
+    "gemma4": Wrapper("gemma4", ("gemma4_text",), (MODULES,)),
+    "llama4": Wrapper("llama4", ("llama4_text",), (LLAVA,)),
 }
 
 
 def get_wrapper(model_type: str) -> Wrapper:
-    """The release entry for config `model_type`; a `ValueError` naming what a waiting one waits for."""
-    wrapper = WRAPPERS[model_type]
-    if wrapper.waits_for is not None:
-        raise ValueError(f"{model_type!r} is a multimodal release whose language model ({wrapper.text_families[0]!r}) "
-                         f"modular_decoder does not convert yet ({wrapper.waits_for} is being built); it is not "
-                         "converted without it.")
-    return wrapper
+    """The release entry for config `model_type`."""
+    return WRAPPERS[model_type]
 
 
 @dataclass

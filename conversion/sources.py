@@ -226,7 +226,19 @@ def model_tensors(tensors: dict[str, SourceTensor], family: Family) -> dict[str,
     for stack in family.experts:
         for dst, group in stack.groups(named).items():
             named[dst] = stacked(dst, [[named.pop(name) for name in part] for part in group])
+    for split in family.split:
+        for dst, group in split.groups(named).items():
+            named[dst] = concatenated(dst, [named.pop(name) for name in group])
     return {name: t for name, t in named.items() if not any(name.endswith(suffix) for suffix in family.ignore)}
+
+
+def concatenated(name: str, parts: list[SourceTensor]) -> SourceTensor:
+    """One tensor from parts stacked along dim 0 (a `core.SplitTensor`)."""
+    odd = [p.name for p in parts if (p.shape[1:], p.dtype) != (parts[0].shape[1:], parts[0].dtype)]
+    if odd:
+        raise ValueError(f"Parts of {name} differ in shape or dtype: {odd} against {parts[0].name}.")
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    return _combined(name, parts, shape, parts[0].dtype, lambda: torch.cat([p.read() for p in parts]))
 
 
 def stacked(name: str, parts: list[list[SourceTensor]]) -> SourceTensor:

@@ -42,8 +42,9 @@ def produce(instance: RuleInstance, tensors: dict[str, SourceTensor], cfg) -> di
 
 @dataclass(frozen=True)
 class Sink:
-    """Where (part of) a produced tensor is written: the whole of it under `file`, or, for an experts tensor
-    saved one tensor per expert, expert `expert`'s rows `rows` (of dim 1)."""
+    """Where (part of) a produced tensor is written: the whole of it under `file`; for an experts tensor saved one
+    tensor per expert, expert `expert`'s rows `rows` (of dim 1); for a tensor the files keep in parts along dim 0,
+    its rows `rows` (of dim 0, `expert` None)."""
 
     file: str
     expert: int | None = None
@@ -94,6 +95,14 @@ def _write(writer: ShardedWriter, sinks: list[Sink], tensor: torch.Tensor, dtype
     if dtype is not None and tensor.is_floating_point():
         tensor = tensor.to(dtype)
     for sink in sinks:
+        if sink.expert is None and sink.rows is not None:  # a part of dim 0 (`core.SplitTensor`)
+            start = first_row or 0
+            low, high = max(sink.rows.start, start), min(sink.rows.stop, start + tensor.shape[0])
+            if low < high:
+                whole = (low, high) == (sink.rows.start, sink.rows.stop)
+                writer.write(sink.file, tensor[low - start:high - start].contiguous(),
+                             None if whole else low - sink.rows.start)
+            continue
         if sink.expert is None:
             writer.write(sink.file, tensor, first_row)
             continue

@@ -65,9 +65,7 @@ def releases_table() -> str:
     rows = ["| release `model_type` | its language model converts through | status |", "|---|---|---|"]
     for name, wrapper in WRAPPERS.items():
         through = ", ".join(f"`{family}`" for family in wrapper.text_families)
-        status = "converts, and exports back into the release" if wrapper.waits_for is None else (
-            f"refused by name until {wrapper.waits_for} lands")
-        rows.append(f"| `{name}` | {through} | {status} |")
+        rows.append(f"| `{name}` | {through} | converts, and exports back into the release |")
     return "\n".join(rows)
 
 
@@ -96,7 +94,7 @@ def page() -> str:
         "A release folder as published (a vision tower, a projector and a processor beside the language model) "
         "converts its language model through a text family above and keeps everything else, untouched, in "
         "`OUT/multimodal/`; `export OUT BACK --family <release>` writes the folder back "
-        "([using.md](using.md#multimodal-releases-gemma-3-mistral-3-qwen35-folders)).",
+        "([using.md](using.md#multimodal-releases-gemma-3-mistral-3-qwen35-gemma-4-llama-4-folders)).",
         "",
         releases_table(),
         "",

@@ -9,12 +9,16 @@ by `modular_decoder.tools.compatibility` (not shipped).
 from __future__ import annotations
 
 from .compat import flash_kernel_fallbacks
+from .attention_shapes import shapes_vary
+from .chunked_attention import CHUNKED_ATTENTION
 from .mup import ATTENTION_MULTIPLIERS
 
 # Contract features a config may need, and the field that asks for each.
 FEATURE_FIELDS = {
     "gqa": "num_key_value_heads < num_attention_heads",
     "sliding_window": "sliding_window / layer_types",
+    # Keys cut into chunks (Llama 4): a mask flash kernels cannot take (transformers refuses them for Llama 4)
+    "chunked_attention": "attention_chunk_size / layer_types 'chunked_attention'",
     "softcap": "attn_logit_softcapping",
     "scale": "query_pre_attn_scalar",
     "alibi": "position_embedding_type='alibi'",
@@ -41,13 +45,18 @@ FEATURE_FIELDS = {
     # and SDPA take such masks; flash kernels and FlexAttention's block masks do not (transformers' class: eager only)
     "shared_kv": "attention_type='shared_kv' (one key = value head, a window and compressed entries per layer)",
     "hash_routing": "num_hash_layers (experts looked up by token id)",
+    # What an engine paging each layer's keys and values in one shape cannot hold (Gemma 3n / Gemma 4)
+    "layer_shapes": "global_head_dim / num_global_key_value_heads / attention_k_eq_v",
+    "kv_sharing": "num_kv_shared_layers (layers attending to earlier layers' keys and values)",
+    # The model's own inputs beside the tokens' embeddings (an engine embedding the tokens itself passes no ids)
+    "per_layer_inputs": "hidden_size_per_layer_input (per-layer embeddings)",
+    "residual_streams": "residual_stream other than 'single'",
 }
 # The families an export serves natively on vLLM, by linear-attention kind (the end of the `--family` hint)
-NATIVE_HYBRID_FAMILIES = {"gated_deltanet": "qwen3_next` (or `qwen3_5_text`)",
+NATIVE_HYBRID_FAMILIES = {"gated_deltanet": "qwen3_next` (or `qwen3_5_text`, `qwen3_5_moe_text`, `olmo_hybrid`)",
+                          "kda": "kimi_linear`", "short_conv": "lfm2`",
                           "mamba2": "nemotron_h` (or `granitemoehybrid`, `falcon_h1`, as its layout allows; vLLM 0.23 "
                                     "dropped Bamba's class)"}
-# ... and by a feature the Transformers backend lacks that vLLM's own class of the family serves
-NATIVE_FEATURE_FAMILIES = {"shared_kv": "deepseek_v4`"}
 
 FEATURE_FIELDS["mup"] = ("attention_in_multiplier, key_multiplier, attention_out_multiplier or mlp_multipliers "
                          "(μP multipliers vLLM's fused attention and MLP drop)")
@@ -63,9 +72,9 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # argument, and take sinks where the loaded kernel does (vLLM's FA3 `s_aux`, FA4 `learnable_sink`: checked
     # when called, `sinks.flash_attention_with_sinks`)
     # flash kernels take no arbitrary mask, so no per-query selection of keys
-    "flash_attention_2": ALL_FEATURES - {"sinks", "key_selection", "shared_kv"},
-    "flash_attention_3": ALL_FEATURES - {"alibi", "key_selection", "shared_kv"},
-    "flash_attention_4": ALL_FEATURES - {"alibi", "key_selection", "shared_kv"},
+    "flash_attention_2": ALL_FEATURES - {"sinks", "key_selection", "chunked_attention", "shared_kv"},
+    "flash_attention_3": ALL_FEATURES - {"alibi", "key_selection", "chunked_attention", "shared_kv"},
+    "flash_attention_4": ALL_FEATURES - {"alibi", "key_selection", "chunked_attention", "shared_kv"},
     # vLLM's Transformers modeling backend (`LLM(folder, model_impl="transformers")`) sets this
     # implementation while it builds the model: its attention never receives ALiBi slopes or a bias, its
     # latent (MLA) attention has no cap, window or sink and sizes its cache by `head_dim`, its lm_head multiplies by
@@ -73,10 +82,13 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     # says, with no bias (its gpt-oss forms apply to gpt-oss's own architecture only). (Its per-head attention
     # takes the sinks it finds passed as `s_aux=self.sinks`.) Its latent attention attends to every key: no
     # indexer, no indexer cache. It pages only attention's K/V: a linear-attention layer's recurrent state has no
-    # place in it (its own Qwen3-Next / Qwen3.5 classes hold one: serve an exported folder).
+    # place in it (its own Qwen3-Next / Qwen3.5 classes hold one: serve an exported folder). It gives a layer a
+    # sliding window or none, never chunks (its own Llama 4 class has them: serve an exported folder).
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
                             "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
-                            "router_bias", "key_selection", "linear_attention", "mup", "shared_kv", "hash_routing"},
+                            "router_bias", "key_selection", "linear_attention", "mup", "chunked_attention",
+                            "layer_shapes", "kv_sharing", "per_layer_inputs", "residual_streams", "shared_kv",
+                            "hash_routing"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -100,6 +112,16 @@ def required_features(config) -> set[str]:
         needed.add("gqa")
     if "sliding_attention" in config.layer_types:
         needed.add("sliding_window")
+    if CHUNKED_ATTENTION in config.layer_types:
+        needed.add("chunked_attention")
+    if config.attention_type == "standard" and (shapes_vary(config) or config.attention_k_eq_v):
+        needed.add("layer_shapes")
+    if getattr(config, "num_kv_shared_layers", 0):
+        needed.add("kv_sharing")
+    if config.hidden_size_per_layer_input:
+        needed.add("per_layer_inputs")
+    if config.residual_stream != "single":
+        needed.add("residual_streams")
     if config.attn_logit_softcapping is not None:
         needed.add("softcap")
     if config.query_pre_attn_scalar is not None:
@@ -136,12 +158,26 @@ def vllm_passes_sinks() -> bool:
     return callable(getattr(AttentionFuser, "sinks", None))
 
 
+# What else vLLM cannot serve through its Transformers backend -> the export families it serves with its own classes
+# (the first feature missing that names one; a residual stream by its entry: hyper-connections alone have no family)
+NATIVE_FAMILIES = {
+    "shared_kv": "deepseek_v4`",
+    "chunked_attention": "llama4_text`",
+    "residual_streams": {"altup": "gemma3n_text`"},
+    "layer_shapes": "gemma4_text`",
+    "kv_sharing": "gemma4_text` (or `gemma3n_text`)",
+    "per_layer_inputs": "gemma4_text` (or `gemma3n_text`)",
+}
+
+
 def native_export_hint(config, missing: set[str]) -> str:
     """The end of vLLM's refusal naming the family to export to, where vLLM's own class of it serves the config."""
     if "linear_attention" in missing:
-        families = NATIVE_HYBRID_FAMILIES.get(config.linear_attention_type, "")
+        families = NATIVE_HYBRID_FAMILIES.get(config.linear_attention_type)
     else:
-        families = next((family for feature, family in NATIVE_FEATURE_FAMILIES.items() if feature in missing), "")
+        families = next((NATIVE_FAMILIES[feature] for feature in NATIVE_FAMILIES if feature in missing), None)
+        if isinstance(families, dict):
+            families = families.get(config.residual_stream)
     return (f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family {families}"
             if families else "")
 
@@ -152,8 +188,9 @@ def check_backend(config, backend: str) -> None:
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
         if canonical_backend(backend) == "vllm":
+            kind = f" (`linear_attention_type={config.linear_attention_type!r}`)" if "linear_attention" in missing else ""
             raise ValueError(
-                f"vLLM's Transformers modeling backend cannot serve {fields} of this config (it would compute "
+                f"vLLM's Transformers modeling backend cannot serve {fields}{kind} of this config (it would compute "
                 f"different results); generate with transformers instead{native_export_hint(config, missing)}."
             )
         usable = [name for name in BACKEND_FEATURES if not required_features(config) - BACKEND_FEATURES[name]]

@@ -12,9 +12,12 @@ A hybrid layer's mixers (`kinds.HYBRID`: attention and the linear-attention kind
 normed input, and their outputs are summed: mix(x) = Attn(x) + LinAttn(x).
 
 A block's call runs its sublayers through the residual stream's entry (`residual_streams.py`: one stream, or several
-around each branch): `DecoderBlock.forward` is the join, `sublayers` the layer on one stream. A serial block whose
-residuals add its branches (pre, sandwich, output) also names the two branches, what each `(+)` adds
-(`attention_branch`, `feed_forward_branch`), which hyper-connections run between their own mixes.
+around them), which also adds what the layer holds beside its sublayers (a per-layer embedding's branch, a layer
+scalar): `DecoderBlock.sublayers` runs `mix` and `ffn` (a subclass's own `forward` becomes its `sublayers`), and
+`DecoderBlock.forward` is the join. A serial block whose residuals add its branches (pre, sandwich, output:
+`SerialBlock`) draws each branch as what goes in and what comes out of its sublayer (`attn_in` / `attn_out`,
+`mlp_in` / `mlp_out`), so a stream that mixes around each branch (hyper-connections) runs the branches alone
+(`attention_branch`, `feed_forward_branch`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .kinds import HYBRID, LINEAR_ATTENTION, mixer_layer_types, require_bool, require_choice
 from .norms import build_norm
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS
+from .laurel import join_attention
 from .residual_streams import attach_layer_modules
 
 # `block_types` values -> the sublayers of such a layer
@@ -74,6 +78,19 @@ def layer_mixers(config, layer_idx: int) -> list[tuple[object, str]]:
             for t in mixer_layer_types(config.layer_types[layer_idx])]
 
 
+@dataclass(kw_only=True)
+class LayerNormPositionFields:
+    r"""Where the norms of each layer type sit, where they differ.
+
+    Args:
+        linear_attention_norm_position (`str`, *optional*): `norm_position` of the `"linear_attention"` layers of
+            `layer_types` (OLMo hybrid: `"pre"` beside attention layers of `"output"`). Defaults to `norm_position`.
+            Serial blocks only.
+    """
+
+    linear_attention_norm_position: str | None = None
+
+
 class DecoderBlock(GradientCheckpointingLayer):
     """Shared construction; subclasses name the norms they use in `NORMS`, the placement they implement
     (`norm_position`, `parallel`) and their two sublayers (`mix`, `ffn`); a layer runs those it has."""
@@ -82,6 +99,18 @@ class DecoderBlock(GradientCheckpointingLayer):
     norm_position: str = ""
     parallel: bool = False
     reads: tuple[str, ...] = ()  # config fields only some blocks read (the contract table shows those of this one)
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's `forward` (its diagram) is its `sublayers`; the call goes through the residual stream (and
+        transformers' gradient checkpointing then wraps that call, the layer's outermost)."""
+        if "forward" in vars(cls):
+            cls.sublayers = vars(cls)["forward"]
+            cls.forward = DecoderBlock.forward
+        super().__init_subclass__(**kwargs)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The layer: `sublayers` joined to the residual stream(s) `x` by the `residual_stream` entry."""
+        return self.stream.join(self, x, **kwargs)
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -98,14 +127,20 @@ class DecoderBlock(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout)
         m = config.residual_multiplier
         self.residual = _add if m == 1.0 else partial(_add_scaled, m)
-        attach_layer_modules(self, config, layer_idx, RESIDUAL_STREAMS.of(config))
+        attach_layer_modules(self, config, layer_idx, RESIDUAL_STREAMS.of(config), mixes=bool(self.mixers))
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        """The layer: its sublayers joined to the residual stream(s) `x` by the `residual_stream` entry."""
-        return self.stream.join(self, x, **kwargs)
+    def init_own_weights(self, init, std: float) -> None:
+        """A fresh layer scalar is 1 (the model's `_init_weights` asks every module that has this method)."""
+        if self.layer_scalar is not None:
+            init.ones_(self.layer_scalar)
+
+    def join_attention(self, x: torch.Tensor, branch: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The attention sublayer's output joined to the stream: the residual addition, with LAUREL's branch of the
+        normed input `normed` where the layer has one (`laurel.py`)."""
+        return join_attention(self, x, branch, normed)
 
     def sublayers(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
-        """The layer on one stream: its token mixer, then its feed-forward, those it has."""
+        """The layer's sublayers on one stream: the token mixer's, then the feed-forward's (those it has)."""
         if self.mixers:
             x = self.mix(x, **kwargs)
         if self.mlp is not None:
@@ -129,9 +164,14 @@ class DecoderBlock(GradientCheckpointingLayer):
                       for name, layer_type in self.mixers)
         return self.dropout(out) if self.training else out  # (eval dropout is the identity: skip the call)
 
-    def feed_forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The feed-forward on `x`; `input_ids` reach a layer that routes by token id (`num_hash_layers`)."""
-        out = self.mlp(x, input_ids) if self.mlp_reads_tokens else self.mlp(x)
+    def feed_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, input_ids=None) -> torch.Tensor:
+        """The FFN of `x` (the block's normed FFN input); one that also reads the layer's residual input `residual`
+        (the experts beside a dense MLP, `moe.ParallelDenseMoeBlock`) is given it, one that routes by token id
+        (`num_hash_layers`) the tokens `input_ids`."""
+        if getattr(self.mlp, "reads_residual", False):
+            out = self.mlp(x, residual)
+        else:
+            out = self.mlp(x, input_ids) if self.mlp_reads_tokens else self.mlp(x)
         return self.dropout(out) if self.training else out
 
 
@@ -144,17 +184,32 @@ def _add_scaled(multiplier: float, x: torch.Tensor, branch: torch.Tensor) -> tor
 
 
 class SerialBlock(DecoderBlock):
-    """x ─┬─ attention_branch ─(+)─┬─ feed_forward_branch ─(+)─>   (each subclass draws its branches)
-          └─────────────────────┘└────────────────────────┘"""
+    """x ─┬─ attn_in ─ attn ─ attn_out ─(+)─┬─ mlp_in ─ mlp ─ mlp_out ─(+)─>   (each subclass draws its branches)
+          └─────────────────────────────┘   └──────────────────────────┘"""
+
+    def attn_in(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def attn_out(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def mlp_out(self, out: torch.Tensor) -> torch.Tensor:
+        return out
 
     def attention_branch(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        raise NotImplementedError
+        """What the attention sublayer's `(+)` adds to `x`."""
+        return self.attn_out(self.attend(self.attn_in(x), **kwargs))
 
     def feed_forward_branch(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
-        raise NotImplementedError
+        """What the feed-forward sublayer's `(+)` adds to `x`."""
+        return self.mlp_out(self.feed_forward(self.mlp_in(x), x, input_ids))
 
     def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.residual(x, self.attention_branch(x, **kwargs))
+        normed = self.attn_in(x)
+        return self.join_attention(x, self.attn_out(self.attend(normed, **kwargs)), normed)
 
     def ffn(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
         return self.residual(x, self.feed_forward_branch(x, input_ids))
@@ -170,11 +225,11 @@ class PreNormBlock(SerialBlock):
     NORMS = ("pre_attn_norm", "pre_mlp_norm")
     norm_position = "pre"
 
-    def attention_branch(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.attend(self.pre_attn_norm(x), **kwargs)
+    def attn_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_attn_norm(x)
 
-    def feed_forward_branch(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
-        return self.feed_forward(self.pre_mlp_norm(x), input_ids)
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_mlp_norm(x)
 
 
 class PostNormBlock(DecoderBlock):
@@ -191,7 +246,7 @@ class PostNormBlock(DecoderBlock):
         return self.post_attn_norm(self.residual(x, self.attend(x, **kwargs)))
 
     def ffn(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
-        return self.post_mlp_norm(self.residual(x, self.feed_forward(x, input_ids)))
+        return self.post_mlp_norm(self.residual(x, self.feed_forward(x, x, input_ids)))
 
 
 class SandwichNormBlock(SerialBlock):
@@ -204,11 +259,17 @@ class SandwichNormBlock(SerialBlock):
     NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
     norm_position = "sandwich"
 
-    def attention_branch(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.post_attn_norm(self.attend(self.pre_attn_norm(x), **kwargs))
+    def attn_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_attn_norm(x)
 
-    def feed_forward_branch(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
-        return self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x), input_ids))
+    def attn_out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.post_attn_norm(out)
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_mlp_norm(x)
+
+    def mlp_out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.post_mlp_norm(out)
 
 
 class OutputNormBlock(SerialBlock):
@@ -221,11 +282,11 @@ class OutputNormBlock(SerialBlock):
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "output"
 
-    def attention_branch(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.post_attn_norm(self.attend(x, **kwargs))
+    def attn_out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.post_attn_norm(out)
 
-    def feed_forward_branch(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
-        return self.post_mlp_norm(self.feed_forward(x, input_ids))
+    def mlp_out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.post_mlp_norm(out)
 
 
 class ParallelBlock(DecoderBlock):
@@ -246,11 +307,11 @@ class ParallelBlock(DecoderBlock):
         super().__init__(config, layer_idx)
         self.pre_mlp_norm = build_norm(config) if config.parallel_norms == "separate" else None
 
-    def sublayers(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
         attn_in = self.pre_attn_norm(x)
         mlp_in = attn_in if self.pre_mlp_norm is None else self.pre_mlp_norm(x)
         mixed = self.residual(x, self.attend(attn_in, **kwargs))
-        return self.residual(mixed, self.feed_forward(mlp_in, input_ids))
+        return self.residual(mixed, self.feed_forward(mlp_in, x, input_ids))
 
 
 BLOCKS: dict[str, type[DecoderBlock]] = {
@@ -264,13 +325,23 @@ NORM_POSITIONS = tuple(dict.fromkeys(block.norm_position for block in BLOCKS.val
 PARALLEL_NORMS = ("shared", "separate")
 
 
-def block_class(config) -> type[DecoderBlock]:
-    """The block implementing `norm_position` (serial, or parallel with `parallel_block`)."""
+def layer_norm_position(config, layer_idx: int | None = None) -> str:
+    """The `norm_position` of layer `layer_idx` (`linear_attention_norm_position` for a linear-attention layer where
+    set), or the attention layers' where no layer is named."""
+    own = config.linear_attention_norm_position
+    if layer_idx is not None and own is not None and config.layer_types[layer_idx] == LINEAR_ATTENTION:
+        return own
+    return config.norm_position
+
+
+def block_class(config, layer_idx: int | None = None) -> type[DecoderBlock]:
+    """The block implementing layer `layer_idx`'s norm position (`layer_norm_position`), serial or parallel with
+    `parallel_block`; the attention layers' where no layer is named."""
+    position = layer_norm_position(config, layer_idx)
     for block in BLOCKS.values():
-        if block.norm_position == config.norm_position and block.parallel == config.parallel_block:
+        if block.norm_position == position and block.parallel == config.parallel_block:
             return block
-    raise ValueError(f"`parallel_block={config.parallel_block}` has no block with `norm_position`="
-                     f"{config.norm_position!r}.")
+    raise ValueError(f"`parallel_block={config.parallel_block}` has no block with `norm_position`={position!r}.")
 
 
 def validate_block(config) -> None:
@@ -278,6 +349,14 @@ def validate_block(config) -> None:
     require_choice("norm_position", config.norm_position, NORM_POSITIONS)
     require_bool("parallel_block", config.parallel_block)
     require_choice("parallel_norms", config.parallel_norms, PARALLEL_NORMS)
+    if config.linear_attention_norm_position is not None:
+        require_choice("linear_attention_norm_position", config.linear_attention_norm_position, NORM_POSITIONS)
+        if LINEAR_ATTENTION not in config.layer_types or config.parallel_block:
+            raise ValueError(
+                f"`linear_attention_norm_position`={config.linear_attention_norm_position!r} places the norms of "
+                "serial blocks of 'linear_attention' layers: "
+                + ("`parallel_block` is set." if config.parallel_block else "`layer_types` has none; leave it unset.")
+            )
     if config.parallel_block:
         positions = [b.norm_position for b in BLOCKS.values() if b.parallel]
         if config.norm_position not in positions:

@@ -31,8 +31,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLayer
 
 from .blocks import mixing_layer_types
+from .chunked_attention import layer_window
 from .hybrid_cache import EmptyLayer, HybridLayer
 from .kinds import LINEAR_ATTENTION
+from .kv_sharing import SharedKVLayer, kv_sources
 from .recurrent_cache import RecurrentLayer
 
 IMPLEMENTATIONS = ("dynamic", "static", "int8")
@@ -85,7 +87,10 @@ class ModularDecoderCache(Cache):
             # distances computed from slot indices would be wrong.
             raise ValueError("ALiBi with a static sliding-window cache is not supported; use the dynamic cache.")
         self.config = config
-        layers = [self._layer(config, types, implementation, max_cache_len) for types in mixing_layer_types(config)]
+        self.kv_sources = kv_sources(config)  # a layer that reads another's keys and values holds nothing
+        layers = [SharedKVLayer(source) if source is not None else self._layer(config, types, implementation,
+                                                                                 max_cache_len)
+                  for types, source in zip(mixing_layer_types(config), self.kv_sources)]
         Cache.__init__(self, layers=layers, **kwargs)  # the layers are ours, not the ones DynamicCache / StaticCache pick
 
     @staticmethod
@@ -160,9 +165,11 @@ class ModularDecoderCache(Cache):
         return self.layers[index].get_mask_sizes(query_length)
 
     def _attention_layer(self, layer_idx: int, prefer_full: bool) -> int:
-        """`layer_idx`, or where it holds no K/V (a linear-attention layer, a layer without a mixer), the first
-        full-attention layer (with `prefer_full`), else the first attention layer, else the first linear-attention
-        layer (which counts the tokens it has seen)."""
+        """`layer_idx` (where it reads another layer's keys and values, that layer), or where it holds no K/V (a
+        linear-attention layer, a layer without a mixer), the first full-attention layer (with `prefer_full`), else
+        the first attention layer, else the first linear-attention layer (which counts the tokens it has seen)."""
+        if self.kv_sources[layer_idx] is not None:
+            return self.kv_sources[layer_idx]
         if _attends(self.layers[layer_idx]):
             return layer_idx
         attending = [i for i, layer in enumerate(self.layers) if _attends(layer)]
@@ -177,9 +184,11 @@ class ModularDecoderCache(Cache):
         ring counts `sliding_window - 1` of its `sliding_window` slots, since the oldest is overwritten
         by the next token before any query reads it.
         """
-        return sum(self._payload(part) for layer in self.layers for part in _parts(layer))
+        return sum(self._payload(part, layer_window(self.config, layer_type))
+                   for layer, types in zip(self.layers, mixing_layer_types(self.config))
+                   for part, layer_type in zip(_parts(layer), types))
 
-    def _payload(self, layer) -> int:
+    def _payload(self, layer, window: int | None) -> int:
         if not getattr(layer, "is_initialized", False):
             return 0
         if hasattr(layer, "payload_bytes"):  # a recurrent state, compressed entries: the layer counts its own
@@ -189,8 +198,8 @@ class ModularDecoderCache(Cache):
             return sum(_tensor_bytes(t) for t in tensors)
         slots = layer.keys.shape[-2]
         held = min(int(layer.get_seq_length()), slots)
-        if getattr(layer, "is_sliding", False):
-            held = min(held, self.config.sliding_window - 1)
+        if getattr(layer, "is_sliding", False):  # (sliding or chunked: its window)
+            held = min(held, window - 1)
         return held * (sum(_tensor_bytes(t) for t in tensors) // max(slots, 1))
 
     def allocated_bytes(self) -> int:
@@ -205,8 +214,9 @@ class ModularDecoderCache(Cache):
 
 
 def _attends(layer) -> bool:
-    """Whether a cache layer holds K/V (an attention layer's or a hybrid layer's), not only a state or nothing."""
-    return not isinstance(layer, (RecurrentLayer, EmptyLayer))
+    """Whether a cache layer holds K/V (an attention layer's or a hybrid layer's), not only a state or nothing (a
+    layer reading another's keys and values holds none)."""
+    return not isinstance(layer, (RecurrentLayer, EmptyLayer, SharedKVLayer))
 
 
 def _parts(layer) -> tuple:

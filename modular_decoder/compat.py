@@ -10,7 +10,8 @@ The oldest release it runs on, what differs between the releases it supports (`M
    parameters on 5.16-5.17, the expert-parallel styles (5.19 on / before), `slice_logits_to_keep` (5.21 on),
    what a sliding cache layer recording its past returns (`DynamicSlidingWindowLayer`, the window from 5.19),
    what a dynamic cache layer holds after `reset` (`DynamicLayer`, nothing from 5.19), the cache a draft
-   model is asked to build (`drafting_generation_config`, none from 5.24).
+   model is asked to build (`drafting_generation_config`, none from 5.24), the chunked masks `generate` builds
+   for a static cache (`create_masks_for_generate`: 5.16's passes its chunked builder an argument it refuses).
 3. transformers' private helpers, looked up when first used, never at import: the flash- and
    flex-attention helpers that only `alibi_kernels.py` calls (an upstream rename then breaks that one
    backend with a clear error, not every load), the Hub flash kernels, the experts-kernel decorator
@@ -358,6 +359,29 @@ def drafting_generation_config(generation_config) -> None:
         generation_config.cache_implementation = None
 
 
+def create_masks_for_generate(**kwargs):
+    """transformers' `create_masks_for_generate` (what `generate` builds the masks of a static cache with; a hook
+    of `GenerationMixin` a model may define). 5.16's passes `block_sequence_ids` to every layer type's builder and
+    its chunked builder (`chunked_attention` layers) does not take it: on such a release it runs with that builder
+    taking it (text has no blocks: `None`), for this call only."""
+    from transformers import masking_utils
+
+    chunked = masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get("chunked_attention")
+    if chunked is None or "block_sequence_ids" in inspect.signature(chunked).parameters:
+        return masking_utils.create_masks_for_generate(**kwargs)
+
+    def without_blocks(*args, block_sequence_ids=None, **inner):
+        if block_sequence_ids is not None:
+            raise ValueError("This transformers' chunked attention mask takes no `block_sequence_ids`.")
+        return chunked(*args, **inner)
+
+    masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING["chunked_attention"] = without_blocks
+    try:
+        return masking_utils.create_masks_for_generate(**kwargs)
+    finally:
+        masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING["chunked_attention"] = chunked
+
+
 # The private parts of transformers' `GenerationMixin` this family relies on for `generate(use_mtp=True)`: the
 # methods it overrides, and the words of the assisted-decoding loop's call to a drafter that reads model outputs
 GENERATION_HOOKS = {
@@ -429,6 +453,20 @@ def flash_linear_attention_kernels():
         return None
     module = importlib.import_module("fla.ops.gated_delta_rule")
     return module.chunk_gated_delta_rule, module.fused_recurrent_gated_delta_rule
+
+
+def fla_kda_kernels():
+    """fla's `(chunk_kda, fused_recurrent_kda)` (Kimi Delta Attention) where transformers' own check finds fla usable
+    and the installed fla has them (releases before KDA do not), else `None`."""
+    from transformers.utils import is_flash_linear_attention_available
+
+    if not is_flash_linear_attention_available():
+        return None
+    try:
+        module = importlib.import_module("fla.ops.kda")
+        return module.chunk_kda, module.fused_recurrent_kda
+    except (ImportError, AttributeError):
+        return None
 
 
 def causal_conv1d_kernels():

@@ -107,7 +107,7 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(rate, projected))
         self.kv_norm = build_norm(config, width)
 
-    def init_parameters(self, init, std: float) -> None:
+    def init_own_weights(self, init, std: float) -> None:
         init.zeros_(self.position_bias)  # as transformers' DeepSeek-V4
 
     @property

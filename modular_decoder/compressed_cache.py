@@ -1,7 +1,7 @@
 """Cache layers of shared key = value attention (`attention_type="shared_kv"`, DeepSeek-V4): one tensor per token
 serves as its key and its value, so it is stored once; and the compressed entries of its CSA / HCA layers.
 
-- `SharedKVLayer` (full layers) and `SharedKVSlidingLayer` (the window of every other layer): transformers' growing
+- `KeyValueLayer` (full layers) and `KeyValueSlidingLayer` (the window of every other layer): transformers' growing
   and sliding layers holding the key; the values they keep have no features (the key is returned for both).
 - `CompressedLayer` (`"compressed_sparse_attention"` / `"heavily_compressed_attention"` layers, as transformers'
   `DeepseekV4CSACache` / `DeepseekV4HCACache`): the window, and per pooled stream (the compressor's, CSA's indexer's)
@@ -50,7 +50,7 @@ def _featureless(states: torch.Tensor) -> torch.Tensor:
     return states[..., :0]
 
 
-class SharedKVLayer(GrowingLayer):
+class KeyValueLayer(GrowingLayer):
     """A full layer's keys, which are also its values (`GrowingLayer`: pre-allocated growth)."""
 
     payload_tensors = ("keys",)
@@ -60,7 +60,7 @@ class SharedKVLayer(GrowingLayer):
         return keys, keys
 
 
-class SharedKVSlidingLayer(DynamicSlidingWindowLayer):
+class KeyValueSlidingLayer(DynamicSlidingWindowLayer):
     """The last `sliding_window - 1` tokens' keys, which are also their values."""
 
     payload_tensors = ("keys",)
@@ -70,7 +70,7 @@ class SharedKVSlidingLayer(DynamicSlidingWindowLayer):
         return keys, keys
 
 
-class CompressedLayer(SharedKVSlidingLayer):
+class CompressedLayer(KeyValueSlidingLayer):
     """The window and the compressed entries of a CSA or HCA layer (module docstring)."""
 
     is_croppable = False
@@ -164,5 +164,5 @@ class CompressedLayer(SharedKVSlidingLayer):
         raise ValueError(ROLLBACK_ERROR)
 
 
-__all__ = ["CompressedLayer", "ROLLBACK_ARGUMENTS", "ROLLBACK_ERROR", "SharedKVLayer", "SharedKVSlidingLayer",
+__all__ = ["CompressedLayer", "ROLLBACK_ARGUMENTS", "ROLLBACK_ERROR", "KeyValueLayer", "KeyValueSlidingLayer",
            "refuse_rollback_decoding"]

@@ -15,10 +15,10 @@ from .compat import (  # isort: skip
 
 from transformers import PretrainedConfig  # noqa: E402
 
-from .blocks import BlockFields, mixing_layer_types, validate_block  # noqa: E402
+from .blocks import BlockFields, LayerNormPositionFields, mixing_layer_types, validate_block  # noqa: E402
+from .chunked_attention import CHUNKED_ATTENTION  # noqa: E402
 from .compressed_attention import COMPRESSED_LAYER_TYPES  # noqa: E402
-from .experts import ClampedSwiGLUFields  # noqa: E402
-from .hyper_connections import HyperConnectionFields  # noqa: E402
+from .gated_deltanet import GatedDeltaNetFields  # noqa: E402
 from .kinds import HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
 from .mamba2 import Mamba2Fields  # noqa: E402
 from .moe import ExpertFormFields  # noqa: E402
@@ -27,18 +27,19 @@ from .norms import NORMS  # noqa: E402
 from .peft_targets import PEFT_LORA_TARGET_MODULES, register_peft_defaults  # noqa: E402
 from .positions import require_rope_dicts, transformers_rope_check  # noqa: E402
 from .query_temperature import QueryTemperatureFields  # noqa: E402
-from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS  # noqa: E402
-from .residual_streams import ResidualStreamFields  # noqa: E402
-from .routers import HashRoutingFields  # noqa: E402
-from .shared_kv_attention import SharedKVFields  # noqa: E402
+from .registries import (ATTENTIONS, FEATURES, FIELD_MIXINS, LINEAR_ATTENTIONS, MLPS, POSITIONS,  # noqa: E402
+                         RESIDUAL_STREAMS)
+from .mla import LatentAttentionFields  # noqa: E402
+from .short_conv import ShortConvFields  # noqa: E402
 
 # The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead.
 # The compressed ones (DeepSeek-V4's CSA / HCA) are those of the attention kinds that build them (`shared_kv`).
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", *COMPRESSED_LAYER_TYPES)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", CHUNKED_ATTENTION, *COMPRESSED_LAYER_TYPES)
 LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "linear_attention", HYBRID)
 # Config fields that hold one entry per layer: a multi-token-prediction module is built from a config whose
 # lists hold the last layer's entry once per module (`mtp.mtp_block_config`). A new per-layer field goes here.
-PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers", "block_types")
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "no_rope_layers", "block_types", "layer_intermediate_sizes",
+                    "activation_sparsity_pattern")
 # `mtp_loss_scaling_factor` where unset and `num_mtp_layers` > 0: DeepSeek-V3's λ for the last 4.8T of its
 # 14.8T training tokens (0.3 before; arXiv 2412.19437, §4.2)
 MTP_LOSS_SCALING_FACTOR = 0.1
@@ -106,9 +107,9 @@ FIELD_RULES = {
 }
 
 
-class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupFields, QueryTemperatureFields,
-                           HashRoutingFields, ClampedSwiGLUFields, SharedKVFields, ResidualStreamFields,
-                           HyperConnectionFields, PretrainedConfig):
+class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormFields, Mamba2Fields, MupFields,
+                           QueryTemperatureFields, LatentAttentionFields, GatedDeltaNetFields, ShortConvFields,
+                           *FIELD_MIXINS, PretrainedConfig):
     r"""Configuration of a modular decoder-only transformer.
 
     Args:
@@ -160,7 +161,8 @@ class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupField
         router_type (`str`): `"softmax_topk"` (softmax over all experts, keep the k largest: Mixtral, Qwen,
             OLMoE, DeepSeek-V2), `"sigmoid_topk"` (independent sigmoid scores, chosen on score + a
             load-balancing correction bias, weighted by the unbiased scores: DeepSeek-V3) or `"topk_softmax"`
-            (keep the k largest logits, softmax over those k: gpt-oss; no groups, `norm_topk_prob` stays True).
+            (keep the k largest logits, softmax over those k: gpt-oss; no groups, `norm_topk_prob` stays True) or
+            `"topk_sigmoid"` (keep the k largest logits, a sigmoid of each: Llama 4; no groups).
         router_bias (`bool`): A learned bias on the router logits (`mlp.gate.bias`, gpt-oss).
         norm_topk_prob (`bool`): Renormalise the k kept weights to sum to 1 (Mixtral, Qwen3-MoE,
             DeepSeek-V3: yes; Qwen2-MoE, OLMoE, DeepSeek-V2: no).
@@ -205,7 +207,8 @@ class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupField
         q_lora_rank (`int`, *optional*): MLA query bottleneck width; `None` projects queries directly.
         kv_lora_rank (`int`, *optional*): MLA joint KV latent width d_c.
         qk_nope_head_dim (`int`, *optional*): MLA per-head content (non-rotary) q/k width.
-        qk_rope_head_dim (`int`, *optional*): MLA shared rotary key width d_R.
+        qk_rope_head_dim (`int`, *optional*): MLA shared rotary key width d_R (with `position_embedding_type="none"`
+            the decoupled key is kept and never rotated: Kimi Linear's NoPE latent attention).
         v_head_dim (`int`, *optional*): MLA per-head value width.
         kv_latent_norm (`bool`): Whether MLA's joint KV latent passes through an RMSNorm (`kv_a_layernorm`,
             as DeepSeek always does). `False` keeps the latent a linear function of the hidden state, which is
@@ -225,31 +228,34 @@ class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupField
         attention_bias (`bool`): Biases on the q, k and v projections.
         attention_output_bias (`bool`, *optional*): Bias on the output projection. Defaults to
             `attention_bias` (Qwen 2 sets q/k/v biases but none on the output).
-        qk_norm (`str`): `"none"`, `"head"` (a norm over each head's d_h, Qwen 3 / Gemma 3) or `"full"`
-            (over the whole projected q and k, OLMo 2).
+        qk_norm (`str`): `"none"`, `"head"` (a norm over each head's d_h, Qwen 3 / Gemma 3), `"full"`
+            (over the whole projected q and k, OLMo 2) or `"weightless"` (an RMS norm without weight of each rotated
+            head, on the layers that rotate: Llama 4's L2 norm).
         attn_output_gate (`bool`): Gate the attention output per head and channel, o·σ(x W_g), before `o_proj`
             (Qwen3-Next / Qwen3.5's full layers). `q_proj` then projects to 2·H·d_h: each head's query, then its
             gate (transformers' layout). Standard attention only.
         sliding_window (`int`, *optional*): Window of the `"sliding_attention"` layers.
         layer_types (`list[str]`, *optional*): One of `"full_attention"` / `"sliding_attention"` /
-            `"linear_attention"` / `"hybrid"` per layer. Defaults to all sliding when `sliding_window` is set, else
-            all full. A `"linear_attention"` layer mixes tokens through a recurrent state instead of attention (the
-            kind `linear_attention_type` names; Qwen3-Next and Qwen3.5 have three for every full layer): it reads no
-            positions, and its cache holds a fixed-size state per sequence. A `"hybrid"` layer runs full attention
-            and the linear-attention kind side by side on the same normed input and adds their outputs (Falcon-H1;
-            transformers' value); its cache holds K/V and a state.
+            `"chunked_attention"` (`attention_chunk_size`) / `"linear_attention"` / `"hybrid"` per layer. Defaults to
+            all sliding when `sliding_window` is set, else all full. A `"linear_attention"` layer mixes tokens through
+            a recurrent state instead of attention (the kind `linear_attention_type` names; Qwen3-Next and Qwen3.5 have
+            three for every full layer): it reads no positions, and its cache holds a fixed-size state per sequence. A
+            `"hybrid"` layer runs full attention and the linear-attention kind side by side on the same normed input
+            and adds their outputs (Falcon-H1; transformers' value); its cache holds K/V and a state.
         linear_attention_type (`str`): The linear-attention layers' kind: `"gated_deltanet"` (Gated DeltaNet,
-            Qwen3-Next / Qwen3.5) or another kind of `registries.LINEAR_ATTENTIONS`, whose fields live beside it
-            (`"mamba2"`: `mamba2.Mamba2Fields`). The fields below up to `linear_conv_kernel_dim` are Gated
-            DeltaNet's and apply only when `layer_types` has linear layers (left unset otherwise).
+            Qwen3-Next / Qwen3.5 / OLMo hybrid) or another kind of `registries.LINEAR_ATTENTIONS`, whose fields live
+            beside it (`"kda"`: Kimi Delta Attention, Kimi Linear, Gated DeltaNet's fields; `"short_conv"`: LFM2's
+            gated short convolution, `short_conv.ShortConvFields`; `"mamba2"`: `mamba2.Mamba2Fields`). The fields
+            below up to `linear_conv_kernel_dim` are Gated DeltaNet's (and KDA's; `"short_conv"` reads the last) and
+            apply only when `layer_types` has linear layers (left unset otherwise).
         linear_num_key_heads (`int`, *optional*): Query/key heads H_k of the linear layers. Defaults to H.
         linear_num_value_heads (`int`, *optional*): Value heads H_v, a multiple of H_k (each key head serves
             H_v / H_k of them). Defaults to H.
         linear_key_head_dim (`int`, *optional*): Query/key head width d_k. Defaults to d_h.
         linear_value_head_dim (`int`, *optional*): Value head width d_v (the state is d_k x d_v per value head).
             Defaults to d_h.
-        linear_conv_kernel_dim (`int`, *optional*): Taps K of the short causal convolution over q, k and v.
-            Defaults to 4.
+        linear_conv_kernel_dim (`int`, *optional*): Taps K of the short causal convolution (over q, k and v; over
+            B ⊙ x with `"short_conv"`). Defaults to 4 (3 with `"short_conv"`).
         attn_logit_softcapping (`float`, *optional*): Scores become c·tanh(s/c) (Gemma 2).
         attention_sinks (`bool`): A learned logit per query head (`self_attn.sinks`) joins every softmax's
             denominator: probability mass that attends to nothing, so a head may attend to no key (gpt-oss).
@@ -426,7 +432,7 @@ class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupField
             self.layer_types = list(self.layer_types)
         else:
             raise ValueError(f"`layer_types` must be a list with one entry per layer, got {self.layer_types!r}.")
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS):  # each fills its own defaults
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS, FEATURES):  # their defaults
             registry.complete(self)
         if self.mtp_loss_scaling_factor is None:
             self.mtp_loss_scaling_factor = MTP_LOSS_SCALING_FACTOR if self.num_mtp_layers else 0.0
@@ -635,7 +641,7 @@ class ModularDecoderConfig(BlockFields, ExpertFormFields, Mamba2Fields, MupField
         if not self.num_mtp_layers and self.mtp_draft_tokens is not None:
             raise ValueError(f"`mtp_draft_tokens`={self.mtp_draft_tokens} sets the tokens MTP modules draft per step, "
                              "and `num_mtp_layers`=0: set `num_mtp_layers` or leave it unset.")
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS, RESIDUAL_STREAMS):
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, POSITIONS, MLPS, RESIDUAL_STREAMS, FEATURES):
             registry.check(self)
 
     def _validate_layer_types(self) -> None:

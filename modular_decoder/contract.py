@@ -15,19 +15,30 @@ import dataclasses
 
 import torch
 
-from .blocks import BLOCKS, block_class, layer_sublayers, mixing_layer_types
+from .blocks import BLOCKS, block_class, layer_norm_position, layer_sublayers, mixing_layer_types
+from .chunked_attention import CHUNKED_ATTENTION, layer_window
 from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
-from .kinds import HYBRID, LINEAR_ATTENTION, attention_layer_type
+from .kinds import HYBRID, LINEAR_ATTENTION
+from .laurel import laurel_parameters
+from .mtp import mtp_block_config
+from .per_layer_embeddings import PER_LAYER_EMBEDDINGS
 from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
-from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS
+from .registries import ATTENTIONS, FEATURES, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS
 
 BLOCK_NORMS = {"pre": 2, "post": 2, "sandwich": 4, "output": 2}
 
 
-def attention_parameters(config: ModularDecoderConfig) -> int:
-    """One layer's attention (the attention kind's formula: standard 2·d·H·d_h + 2·d·H_kv·d_h + ...)."""
-    return config.attention_kind.parameters(config)
+def attention_parameters(config: ModularDecoderConfig, layer_idx: int | None = None) -> int:
+    """One layer's attention (the attention kind's formula: standard 2·d·H·d_h + 2·d·H_kv·d_h + ...); layer
+    `layer_idx`'s where layers differ (a full layer's own heads, a layer reading another's keys and values)."""
+    kind = config.attention_kind
+    return kind.parameters(config) if layer_idx is None else kind.layer_parameters(config, layer_idx)
+
+
+def attention_layers(config: ModularDecoderConfig) -> list[int]:
+    """The layers that attend (alone or in a hybrid layer; not linear-attention or feed-forward-only layers)."""
+    return [i for i, types in enumerate(mixing_layer_types(config)) if any(t != LINEAR_ATTENTION for t in types)]
 
 
 def linear_attention_parameters(config: ModularDecoderConfig) -> int:
@@ -58,10 +69,11 @@ def active_mlp_parameters(config: ModularDecoderConfig, layer_idx: int = 0) -> i
 
 
 def block_norm_count(config: ModularDecoderConfig, layer_idx: int | None = None) -> int:
-    """The norms of a block (of layer `layer_idx`: half of them where `block_types` gives it one sublayer)."""
+    """The norms of a block (of layer `layer_idx`, at its norm position: half of them where `block_types` gives it
+    one sublayer; where no layer is named, an attention layer's)."""
     if config.parallel_block:
         return 2 if config.parallel_norms == "separate" else 1
-    whole = BLOCK_NORMS[config.norm_position]
+    whole = BLOCK_NORMS[layer_norm_position(config, layer_idx)]
     return whole if layer_idx is None else whole * len(layer_sublayers(config, layer_idx)) // 2
 
 
@@ -79,13 +91,16 @@ def parameter_count(config: ModularDecoderConfig) -> dict[str, int]:
         parts["embedding_norm"] = norm_parameters(config, d)
     layers = config.num_hidden_layers
     if config.attention_layer_count:
-        kind = config.attention_kind  # each attending mixer built (none in a `block_types` feed-forward-only layer)
-        parts["attention"] = sum(kind.layer_parameters(config, t) for types in mixing_layer_types(config)
-                                 for t in types if t != LINEAR_ATTENTION)
+        parts["attention"] = sum(attention_parameters(config, i) for i in attention_layers(config))
     if linear_layer_count(config):
         parts["linear_attention"] = linear_layer_count(config) * linear_attention_parameters(config)
     parts["mlp"] = sum(mlp_parameters(config, i) for i in feed_forward_layers(config))
     parts["block_norms"] = sum(block_norm_count(config, i) for i in range(layers)) * norm_parameters(config, d)
+    embeddings, branch = PER_LAYER_EMBEDDINGS.parameters(config)
+    if embeddings:
+        parts["per_layer_embeddings"] = embeddings + layers * branch
+    if config.laurel_rank:  # beside each token mixer
+        parts["laurel"] = sum(map(bool, mixing_layer_types(config))) * laurel_parameters(config)
     stream = RESIDUAL_STREAMS.of(config)
     if stream.model_parameters(config) or stream.layer_parameters(config):
         parts["residual_stream"] = stream.model_parameters(config) + layers * stream.layer_parameters(config)
@@ -106,10 +121,9 @@ def mtp_module_parameters(config: ModularDecoderConfig) -> int:
     """One multi-token-prediction module: three norms (`enorm`, `hnorm`, `post_norm`), the 2d -> d projection and a
     block of the last layer's kinds (its embedding and head are the model's)."""
     d = config.hidden_size
-    last = config.layer_types[-1]
-    block = (config.attention_kind.layer_parameters(config, attention_layer_type(last) or last)
-             + mlp_parameters(config, config.num_hidden_layers - 1)
-             + block_norm_count(config) * norm_parameters(config, d))
+    last = config.num_hidden_layers - 1
+    block = (attention_parameters(mtp_block_config(config), 0)  # its layer, of the last layer's kinds
+             + mlp_parameters(config, last) + block_norm_count(config, last) * norm_parameters(config, d))
     return 3 * norm_parameters(config, d) + 2 * d * d + block
 
 
@@ -118,28 +132,33 @@ def _dtype_bytes(dtype: torch.dtype | int) -> int:
 
 
 def layer_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,
-                          quantization: str | None = None) -> int:
-    """One layer's cached bytes per token: 2·H_kv·d_h·b for K/V, (d_c + d_R)·b for an MLA latent.
+                          quantization: str | None = None, layer_idx: int | None = None) -> int:
+    """One layer's cached bytes per token: 2·H_kv·d_h·b for K/V, (d_c + d_R)·b for an MLA latent; layer
+    `layer_idx`'s where layers differ (a full layer's own heads; nothing where it reads another layer's keys).
 
     `quantization="int8"`: 2·H_kv·(d_h + b), one int8 code per element plus one b-byte scale per
     head and token (b is then the scale's dtype).
     """
     if quantization not in (None, "int8"):
         raise ValueError(f"`quantization`={quantization!r} is not one of [None, 'int8'].")
-    return config.attention_kind.bytes_per_token(config, _dtype_bytes(dtype), quantization)
+    kind, element_bytes = config.attention_kind, _dtype_bytes(dtype)
+    if layer_idx is None:
+        return kind.bytes_per_token(config, element_bytes, quantization)
+    return kind.layer_bytes_per_token(config, element_bytes, quantization, layer_idx)
 
 
 def cache_bytes_per_token(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16,
                           quantization: str | None = None) -> int:
     """KV-cache bytes one token adds, summed over the attention layers.
 
-    2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for MLA, L·(d_c + d_R + D_I)·b for DSA (its indexer's keys).
-    Linear-attention layers add nothing per token (`state_bytes_per_sequence`).
+    2·L·H_kv·d_h·b for K/V layers, L·(d_c + d_R)·b for MLA, L·(d_c + d_R + D_I)·b for DSA (its indexer's keys), each
+    layer with its own heads where they differ (Gemma 4's full layers). Linear-attention layers add nothing per token
+    (`state_bytes_per_sequence`), nor do layers that read another layer's keys and values (`num_kv_shared_layers`).
 
     Sliding-window layers count per token only until they hold their window; `cache_bytes` gives
     the exact total at a given context length.
     """
-    return config.attention_layer_count * layer_bytes_per_token(config, dtype, quantization)
+    return sum(layer_bytes_per_token(config, dtype, quantization, i) for i in attention_layers(config))
 
 
 def state_bytes_per_sequence(config: ModularDecoderConfig, dtype: torch.dtype | int = torch.bfloat16) -> int:
@@ -155,11 +174,10 @@ def state_bytes_per_sequence(config: ModularDecoderConfig, dtype: torch.dtype | 
 def cached_tokens(config: ModularDecoderConfig, layer_type: str, context: int) -> int:
     """Tokens a layer keeps between decode steps.
 
-    All of them, the last `sliding_window - 1`
-    for a sliding layer (the next query brings it back to a full window), none for a linear-attention
-    layer (it keeps a state instead)."""
-    if layer_type == "sliding_attention":
-        return min(context, config.sliding_window - 1)
+    All of them, the last `sliding_window - 1` for a sliding layer (`attention_chunk_size - 1` for a chunked one; the
+    next query brings it back to a full window), none for a linear-attention layer (it keeps a state instead)."""
+    if (window := layer_window(config, layer_type)) is not None:  # sliding, chunked (the chunk: `chunked_attention`)
+        return min(context, window - 1)
     if layer_type == LINEAR_ATTENTION:
         return 0
     return context
@@ -170,9 +188,11 @@ def cache_bytes(config: ModularDecoderConfig, context: int, batch_size: int = 1,
     """Exact payload of a cache holding `context` tokens for `batch_size` sequences (linear-attention states
     included, once per sequence)."""
     kind, element = config.attention_kind, _dtype_bytes(dtype)
-    layers = sum(kind.cached_bytes(config, t, context, element, quantization)
-                 for types in mixing_layer_types(config) for t in types if t != LINEAR_ATTENTION)
-    return batch_size * (layers + state_bytes_per_sequence(config, dtype))
+    payload = sum(kind.cached_bytes(config, i, layer_type, cached_tokens(config, layer_type, context), context, element,
+                                    quantization)
+                  for i, types in enumerate(mixing_layer_types(config)) for layer_type in types
+                  if layer_type != LINEAR_ATTENTION)
+    return batch_size * (payload + state_bytes_per_sequence(config, dtype))
 
 
 def breakeven_context(config: ModularDecoderConfig, weight_bytes: int, dtype: torch.dtype | int = torch.bfloat16) -> float:
@@ -201,7 +221,7 @@ def contract_table(config: ModularDecoderConfig, dtype: torch.dtype = torch.bflo
 
 
 _PARAMETER_ROWS = {"active": "active per token", "linear_attention": "linear attention", "mtp": "MTP modules",
-                   "residual_stream": "residual streams"}
+                   "per_layer_embeddings": "per-layer embeddings", "residual_stream": "residual streams"}
 
 
 def _applies(config: ModularDecoderConfig, name: str) -> bool:
@@ -214,13 +234,16 @@ def _applies(config: ModularDecoderConfig, name: str) -> bool:
         return bool(config.num_mtp_layers)
     if name in QUERY_TEMPERATURE_FIELDS:  # shown where the queries are scaled
         return bool(config.attn_temperature_tuning)
-    if name == LINEAR_ATTENTIONS.field:
+    if name in (LINEAR_ATTENTIONS.field, "linear_attention_norm_position"):
         return config.linear_attention_kind.in_use(config)
     for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS):
         owners = [entry for entry in registry.values() if name in getattr(entry, "fields", ())]
         if owners:
             chosen = registry.of(config)
             return chosen in owners and getattr(chosen, "in_use", lambda _: True)(config)
+    features = [feature for feature in FEATURES if name in feature.fields]
+    if features:
+        return any(feature.in_use(config) or name == feature.switch for feature in features)
     return name not in _unread(config)
 
 
@@ -239,8 +262,8 @@ def _unread(config: ModularDecoderConfig) -> set[str]:
 
 # per-layer lists shown as counts and a one-letter pattern
 _PATTERNS = {
-    "layer_types": {"sliding_attention": "S", "full_attention": "F", LINEAR_ATTENTION: "L", HYBRID: "H",
-                    "compressed_sparse_attention": "C", "heavily_compressed_attention": "X"},
+    "layer_types": {"sliding_attention": "S", "full_attention": "F", CHUNKED_ATTENTION: "C", LINEAR_ATTENTION: "L",
+                    HYBRID: "H", "compressed_sparse_attention": "A", "heavily_compressed_attention": "X"},
     "block_types": {"mixer_mlp": "B", "mixer": "M", "mlp": "F"},
     "mlp_layer_types": {"sparse": "S", "dense": "D"},
     "no_rope_layers": {1: "R", 0: "N"},

@@ -37,7 +37,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _heads_first_fp32(query, key, value, g, beta):
+def heads_first_fp32(query, key, value, g, beta):
     """(B, T, H, D) -> (B, H, T, D) in fp32, q/k repeated to the value heads (each q/k head serves
     H_v / H_k consecutive value heads), q and k L2-normalised and q scaled by d_k^-1/2."""
     groups = value.shape[2] // key.shape[2]
@@ -52,22 +52,39 @@ def _heads_first_fp32(query, key, value, g, beta):
 def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None):
     """The gated delta rule, one token at a time (what a decode step runs).
 
-    query/key (B, T, H_k, d_k), value (B, T, H_v, d_v), g/beta (B, T, H_v),
-    initial_state (B, H_v, d_k, d_v) or None. Returns the output (B, T, H_v, d_v) in value's dtype and the
-    final state (B, H_v, d_k, d_v) in fp32."""
+    query/key (B, T, H_k, d_k), value (B, T, H_v, d_v), g/beta (B, T, H_v) (or g per key channel, (B, T, H_v, d_k):
+    KDA's decay, `kda_rule.py`), initial_state (B, H_v, d_k, d_v) or None. Returns the output (B, T, H_v, d_v) in
+    value's dtype and the final state (B, H_v, d_k, d_v) in fp32."""
     dtype = value.dtype
-    q, k, v, g, beta = _heads_first_fp32(query, key, value, g, beta)
+    q, k, v, g, beta = heads_first_fp32(query, key, value, g, beta)
     batch, heads, length, _ = v.shape
     state = (torch.zeros(batch, heads, k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
              if initial_state is None else initial_state.to(torch.float32))
     out = torch.empty_like(v)
+    per_channel = g.dim() == 4  # (B, H, T, d_k): KDA's decay of each key channel
     for t in range(length):
-        state = state * g[:, :, t].exp()[..., None, None]
+        decay = g[:, :, t].exp()
+        state = state * (decay[..., None] if per_channel else decay[..., None, None])
         remembered = (state * k[:, :, t, :, None]).sum(dim=-2)  # (B, H, d_v): what the state recalls for k_t
         delta = (v[:, :, t] - remembered) * beta[:, :, t, None]
         state = state + k[:, :, t, :, None] * delta[:, :, None, :]
         out[:, :, t] = (state * q[:, :, t, :, None]).sum(dim=-2)
     return out.transpose(1, 2).contiguous().to(dtype), state
+
+
+def in_chunks(query, key, value, g, beta, chunk_size: int) -> tuple[torch.Tensor, ...]:
+    """The rule's inputs heads first in fp32 (`heads_first_fp32`), padded to whole chunks and cut into them: each
+    (B, H, N, C, ...). The padding tokens neither write (β = 0) nor decay (g = 0); their outputs are dropped."""
+    q, k, v, g, beta = heads_first_fp32(query, key, value, g, beta)
+    length = v.shape[2]
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    chunked = []
+    for x in (q, k, v, g, beta):
+        per_token = x.dim() == 3  # β, and Gated DeltaNet's g: one value per head and token
+        if pad:
+            x = F.pad(x, (0, pad) if per_token else (0, 0, 0, pad))
+        chunked.append(x.reshape(*x.shape[:2], -1, chunk_size, *x.shape[3:]))
+    return tuple(chunked)
 
 
 def chunked_gated_delta_rule(query, key, value, g, beta, initial_state=None, chunk_size: int = CHUNK_SIZE):
@@ -78,17 +95,8 @@ def chunked_gated_delta_rule(query, key, value, g, beta, initial_state=None, chu
     [β v, β k ∘ exp(γ)], solved once for both right-hand sides; the chunk's output is its read of the carried
     state plus the causal (q kᵀ ∘ D) product with the corrected values, and the state moves on by one product.
     """
-    dtype = value.dtype
-    q, k, v, g, beta = _heads_first_fp32(query, key, value, g, beta)
-    batch, heads, length, d_v = v.shape
-    d_k = k.shape[-1]
-    pad = (chunk_size - length % chunk_size) % chunk_size
-    if pad:  # zero tokens at the end: no write (β = 0), no decay (g = 0); their outputs are dropped
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    chunks = (length + pad) // chunk_size
-    q, k, v = (x.reshape(batch, heads, chunks, chunk_size, x.shape[-1]) for x in (q, k, v))
-    g, beta = (x.reshape(batch, heads, chunks, chunk_size) for x in (g, beta))
+    length, d_v, d_k = value.shape[1], value.shape[-1], key.shape[-1]
+    q, k, v, g, beta = in_chunks(query, key, value, g, beta, chunk_size)  # (B, H, N, C, ...)
 
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).triu(1)
     gamma = g.cumsum(dim=-1)  # (B, H, N, C): log-decay from the chunk's start
@@ -103,7 +111,16 @@ def chunked_gated_delta_rule(query, key, value, g, beta, initial_state=None, chu
     k = k * (gamma[..., -1:] - gamma).exp()[..., None]
     chunk_decay = gamma[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
 
-    state = (torch.zeros(batch, heads, d_k, d_v, dtype=torch.float32, device=v.device)
+    return carry_state(q, k, inner, new_values, decayed_keys, chunk_decay, initial_state, length, value.dtype)
+
+
+def carry_state(q, k, inner, new_values, decayed_keys, chunk_decay, initial_state, length: int, dtype):
+    """The chunks in order, carrying the state: chunk n reads the state (its queries `q` decayed from the chunk's
+    start), adds its own causal part (`inner` x the values corrected by what the state already recalls), and moves
+    the state on (decayed by `chunk_decay`, plus its keys decayed to the chunk's end, `k`). Inputs (B, H, N, C, ...);
+    returns the output (B, T, H, d_v) in `dtype` and the final state (B, H, d_k, d_v) in fp32."""
+    batch, heads, chunks, _, d_v = new_values.shape
+    state = (torch.zeros(batch, heads, k.shape[-1], d_v, dtype=torch.float32, device=new_values.device)
              if initial_state is None else initial_state.to(torch.float32))
     out = torch.empty_like(new_values)
     for n in range(chunks):
@@ -114,17 +131,26 @@ def chunked_gated_delta_rule(query, key, value, g, beta, initial_state=None, chu
     return out.transpose(1, 2).contiguous().to(dtype), state
 
 
-def chunked_gated_delta_rule_by_document(query, key, value, g, beta, documents):
-    """The chunked rule over one row (batch 1) of packed documents, each from a zero state.
+def by_document(rule: Callable) -> Callable:
+    """A chunked rule run over one row (batch 1) of packed documents, each from a zero state.
 
-    `documents`: a `packed_documents.PackedDocuments`. Returns the output (1, T, H_v, d_v) and each document's final
-    state (N, H_v, d_k, d_v), as fla's kernels with `cu_seqlens` do."""
-    outputs, states = [], []
-    for start, end in zip(documents.bounds[:-1], documents.bounds[1:]):
-        out, state = chunked_gated_delta_rule(*(x[:, start:end] for x in (query, key, value, g, beta)))
-        outputs.append(out)
-        states.append(state)
-    return torch.cat(outputs, dim=1), torch.cat(states)
+    The returned function takes (query, key, value, g, beta, documents), `documents` a
+    `packed_documents.PackedDocuments`, and returns the output (1, T, H_v, d_v) and each document's final state
+    (N, H_v, d_k, d_v), as fla's kernels with `cu_seqlens` do."""
+
+    def run(query, key, value, g, beta, documents):
+        outputs, states = [], []
+        for start, end in zip(documents.bounds[:-1], documents.bounds[1:]):
+            out, state = rule(*(x[:, start:end] for x in (query, key, value, g, beta)))
+            outputs.append(out)
+            states.append(state)
+        return torch.cat(outputs, dim=1), torch.cat(states)
+
+    run.__name__ = f"{rule.__name__}_by_document"
+    return run
+
+
+chunked_gated_delta_rule_by_document = by_document(chunked_gated_delta_rule)
 
 
 def causal_conv1d(x: torch.Tensor, conv: torch.nn.Conv1d, activation: Callable) -> torch.Tensor:
@@ -163,18 +189,24 @@ def kernels_for(device: torch.device) -> Kernels:
 
 @functools.lru_cache(maxsize=None)
 def _kernels_for(device_type: str) -> Kernels:
-    from .compat import causal_conv1d_kernels, flash_linear_attention_kernels
+    return build_kernels(device_type, TORCH_KERNELS, "flash_linear_attention_kernels")
 
-    chunked = recurrent = conv = conv_update = documents = None
+
+def build_kernels(device_type: str, torch_kernels: Kernels, fla_kernels: str) -> Kernels:
+    """`torch_kernels` with fla's (`compat.<fla_kernels>()`: the chunked and the fused recurrent kernel, or None)
+    and causal-conv1d's where they are available and run on `device_type`."""
+    from . import compat
+
+    chunked, recurrent, documents, conv, conv_update = (torch_kernels.chunked, torch_kernels.recurrent,
+                                                        torch_kernels.chunked_documents, None, None)
     names = []
-    if device_type in _FLA_DEVICES and (fla := flash_linear_attention_kernels()) is not None:
+    if device_type in _FLA_DEVICES and (fla := getattr(compat, fla_kernels)()) is not None:
         chunked, recurrent, documents = _fla_rule(fla[0]), _fla_rule(fla[1]), _fla_documents_rule(fla[0])
         names.append("fla")
-    if device_type in _CAUSAL_CONV1D_DEVICES and (conv1d := causal_conv1d_kernels()) is not None:
+    if device_type in _CAUSAL_CONV1D_DEVICES and (conv1d := compat.causal_conv1d_kernels()) is not None:
         conv, conv_update = conv1d
         names.append("causal-conv1d")
-    return Kernels(chunked or chunked_gated_delta_rule, recurrent or recurrent_gated_delta_rule, conv, conv_update,
-                   "+".join(names) or "torch", documents or chunked_gated_delta_rule_by_document)
+    return Kernels(chunked, recurrent, conv, conv_update, "+".join(names) or "torch", documents)
 
 
 def _fla_rule(kernel: Callable) -> Callable:
@@ -207,5 +239,5 @@ def _fla_documents_rule(kernel: Callable) -> Callable:
     return by_document
 
 
-__all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "chunked_gated_delta_rule", "causal_conv1d", "kernels_for",
-           "chunked_gated_delta_rule_by_document", "l2norm", "recurrent_gated_delta_rule"]
+__all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "build_kernels", "by_document", "carry_state", "causal_conv1d", "chunked_gated_delta_rule",
+           "chunked_gated_delta_rule_by_document", "kernels_for", "l2norm", "recurrent_gated_delta_rule"]

@@ -1,22 +1,26 @@
-"""Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5.
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next, Qwen3.5 (and Qwen3.5-MoE) and OLMo hybrid.
 
 Chosen per layer by `layer_types` (`"linear_attention"`) and `linear_attention_type="gated_deltanet"`
 (`GATED_DELTANET`, its registry entry).
 
     x ── in_proj_qkv ── causal conv (K taps) ── act ──┬─ q, k (H_k heads of d_k), v (H_v heads of d_v)
-     ├── in_proj_b ── σ ──────────────────────────────┤ β (write strength, per value head)
+     ├── in_proj_b ── σ (·2 with linear_allow_neg_eigval) ┤ β (write strength, per value head)
      ├── in_proj_a ── -exp(A_log)·softplus(a + dt_bias) ┤ g (log-decay, per value head)
      │                                        gated delta rule (delta_rule.py) ── o
      └── in_proj_z ──────────────────── norm(o) · silu(z), per head ── out_proj ──>
 
-The convolution applies `hidden_act` (SiLU in both families), as transformers' classes do. Each q/k head serves
+The convolution applies `hidden_act` (SiLU in every family), as transformers' classes do. Each q/k head serves
 H_v / H_k consecutive value heads. The output norm is an RMSNorm over each value head with a plain weight (it
-does not follow `norm_unit_offset`: Qwen's block norms are zero-centred, this one is not), gated by SiLU(z).
+does not follow `norm_unit_offset`: Qwen's block norms are zero-centred, this one is not), gated by SiLU(z), with
+epsilon `linear_norm_eps` (OLMo hybrid's is fla's 1e-5 beside block norms of 1e-6). With `linear_allow_neg_eigval`
+β lies in (0, 2) (OLMo hybrid; "Unlocking State-Tracking in Linear RNNs Through Negative Eigenvalues",
+arXiv 2411.12537): the transition I - β·k·kᵀ may then have a negative eigenvalue.
 
 Parameters keep transformers' names for Qwen3.5 (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `conv1d`,
 `dt_bias`, `A_log`, `norm`, `out_proj`): one projection per quantity, so PEFT targets read plainly. Qwen3-Next's
-fused `in_proj_qkvz` / `in_proj_ba` (interleaved per key head) are the same rows in another order; conversion moves
-them (`conversion/families/qwen3_next.py`), bit for bit both ways.
+fused `in_proj_qkvz` / `in_proj_ba` (interleaved per key head) and OLMo hybrid's separate `q_proj` / `k_proj` /
+`v_proj` (and its three convolutions) are the same rows in another order; conversion moves them
+(`conversion/families/`), bit for bit both ways.
 
 A multi-token step (prefill, chunked prefill, a prompt continuing a cache) runs the chunked rule; a one-token step
 against a cached state runs the recurrent update. While the cache records for a rollback (drafting), the tokens a
@@ -30,25 +34,44 @@ computes alone, whatever `hidden_act`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
 from .delta_rule import kernels_for
-from .kinds import LinearAttentionKind, require_int
+from .kinds import LinearAttentionKind, require_bool, require_int, require_number
 from .packed_documents import PackedDocuments
-from .recurrent_cache import RecurrentLayer, run_recurrence
+from .recurrent_cache import RecurrentLayer
 from .recurrent_mixer import RecurrentMixer
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim (plain weight, computed in fp32 and cast back), then · SiLU(gate) in fp32, as
-    transformers' `Qwen3NextRMSNormGated`."""
+@dataclass(kw_only=True)
+class GatedDeltaNetFields:
+    r"""The delta-rule layers' options (Gated DeltaNet and KDA).
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    Args:
+        linear_allow_neg_eigval (`bool`): β = 2·σ(b) instead of σ(b): the state transition I - β·k·kᵀ may have a
+            negative eigenvalue (transformers' OLMo hybrid name; arXiv 2411.12537).
+        linear_norm_eps (`float`, *optional*): Epsilon of the gated RMSNorm on each value head's output. Defaults to
+            `norm_eps` (Qwen's; OLMo hybrid's is 1e-5, fla's default, beside block norms of 1e-6).
+    """
+
+    linear_allow_neg_eigval: bool = False
+    linear_norm_eps: float | None = None
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim (plain weight, computed in fp32 and cast back), then · act(gate) in fp32: SiLU as
+    transformers' `Qwen3NextRMSNormGated`, sigmoid as its `KimiLinearRMSNormGated`."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
         self.eps = eps
+        self.activation = activation
+        self.gate = F.silu if activation == "silu" else torch.sigmoid
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -56,10 +79,14 @@ class GatedRMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * x32.to(dtype)
-        return (out * F.silu(gate.float())).to(dtype)
+        return (out * self.gate(gate.float())).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, activation={self.activation}"
+
+
+def output_norm_eps(config) -> float:
+    return config.linear_norm_eps if config.linear_norm_eps is not None else config.norm_eps
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -75,8 +102,8 @@ class GatedDeltaNet(RecurrentMixer):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = config.linear_conv_kernel_dim
-        self.activation_name = config.hidden_act
-        self.activation = ACT2FN[config.hidden_act]
+        self.activation_name, self.activation = config.hidden_act, ACT2FN[config.hidden_act]
+        self.beta_scale = 2.0 if config.linear_allow_neg_eigval else 1.0
         d = config.hidden_size
         self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(d, self.value_dim, bias=False)
@@ -86,7 +113,7 @@ class GatedDeltaNet(RecurrentMixer):
                                 padding=self.conv_kernel_size - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log_())
-        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=output_norm_eps(config))
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
@@ -98,16 +125,12 @@ class GatedDeltaNet(RecurrentMixer):
         batch, seq = hidden_states.shape[:2]
         layer = self._state(cache)
         kernels = kernels_for(hidden_states.device)
-        mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)  # (B, C, T)
-        if documents is None:
-            qkv = self._convolve(mixed, layer, kernels).transpose(1, 2)
-        else:
-            qkv = self._convolve_documents(mixed, layer, kernels, documents).transpose(1, 2)
-        query, key, value = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        qkv = self._convolve_any(self.in_proj_qkv(hidden_states).transpose(1, 2), layer, kernels, documents)
+        query, key, value = qkv.transpose(1, 2).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         query = query.reshape(batch, seq, -1, self.head_k_dim)  # (B, T, H_k, d_k)
         key = key.reshape(batch, seq, -1, self.head_k_dim)  # (B, T, H_k, d_k)
         value = value.reshape(batch, seq, -1, self.head_v_dim)  # (B, T, H_v, d_v)
-        beta = self.in_proj_b(hidden_states).sigmoid()  # (B, T, H_v)
+        beta = self.in_proj_b(hidden_states).sigmoid() * self.beta_scale  # (B, T, H_v)
         # fp32: in half precision -exp(A_log) could overflow to -inf
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
         if attention_mask is not None:  # a padded position neither writes (β = 0) nor decays (g = 0) the state
@@ -117,28 +140,20 @@ class GatedDeltaNet(RecurrentMixer):
         out = self.norm(out, z).reshape(batch, seq, -1)  # (B, T, H_v·d_v)
         return self.out_proj(out), None
 
-    def _delta_rule(self, inputs: tuple, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
-        """The gated delta rule over (query, key, value, g, beta): recurrent for a one-token step on a cached state,
-        chunked otherwise (`recurrent_cache.run_recurrence`, which also records the states a crop may restore), or
-        document by document; the cache keeps the new state."""
-        if documents is None:  # (B, T, H_v, d_v); the state (B, H_v, d_k, d_v) and, while recording, per token
-            return run_recurrence(layer, kernels.chunked, kernels.recurrent, inputs)
-        # the rows end to end as one row of documents; each row's last document's state is its state
-        batch, seq = inputs[0].shape[:2]
-        flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
-        out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
-        if layer is not None:
-            layer.update_recurrent_state(states[documents.last])
-        return out.reshape(batch, seq, *out.shape[2:])
+    def init_scan_parameters(self, init) -> None:
+        """As transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)."""
+        init.ones_(self.dt_bias)
+        init.copy_(self.A_log, torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
 
 
 class GatedDeltaNetKind(LinearAttentionKind):
-    """`linear_attention_type="gated_deltanet"`: Qwen3-Next's / Qwen3.5's Gated DeltaNet."""
+    """`linear_attention_type="gated_deltanet"`: the Gated DeltaNet of Qwen3-Next, Qwen3.5 and OLMo hybrid."""
 
     name = "gated_deltanet"
     module = GatedDeltaNet
-    fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-              "linear_conv_kernel_dim")
+    sizes = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+             "linear_conv_kernel_dim")
+    fields = (*sizes, "linear_allow_neg_eigval", "linear_norm_eps")
 
     def complete(self, config) -> None:
         """Defaults where a config with linear layers leaves them unset: H key and value heads of d_h, 4 taps."""
@@ -148,7 +163,7 @@ class GatedDeltaNetKind(LinearAttentionKind):
                     "linear_num_value_heads": config.num_attention_heads,
                     "linear_key_head_dim": config.head_dim, "linear_value_head_dim": config.head_dim,
                     "linear_conv_kernel_dim": 4}
-        for name, value in defaults.items():
+        for name, value in defaults.items():  # (`linear_norm_eps` stays None: `norm_eps`)
             if getattr(config, name) is None:
                 setattr(config, name, value)
 
@@ -156,8 +171,10 @@ class GatedDeltaNetKind(LinearAttentionKind):
         super().validate(config)
         if not self.in_use(config):
             return
-        for name in self.fields:
+        for name in self.sizes:
             require_int(name, getattr(config, name), minimum=1)
+        require_bool("linear_allow_neg_eigval", config.linear_allow_neg_eigval)
+        require_number("linear_norm_eps", config.linear_norm_eps, above=0, optional=True)
         if config.linear_num_value_heads % config.linear_num_key_heads:
             raise ValueError(
                 f"`linear_num_value_heads`={config.linear_num_value_heads} must be a multiple of "
@@ -195,4 +212,5 @@ class GatedDeltaNetKind(LinearAttentionKind):
 GATED_DELTANET = GatedDeltaNetKind()
 
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "GATED_DELTANET"]
+__all__ = ["GatedDeltaNet", "GatedDeltaNetFields", "GatedDeltaNetKind", "GatedRMSNorm", "GATED_DELTANET",
+           "output_norm_eps"]

@@ -77,7 +77,7 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
 
-    def init_parameters(self, init, std: float) -> None:  # as transformers' DeepSeek-V4
+    def init_own_weights(self, init, std: float) -> None:  # as transformers' DeepSeek-V4
         init.normal_(self.fn, mean=0.0, std=std)
         init.zeros_(self.base)
         init.ones_(self.scale)
@@ -109,7 +109,7 @@ class HyperHead(nn.Module):
         self.base = nn.Parameter(torch.empty(n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
-    def init_parameters(self, init, std: float) -> None:
+    def init_own_weights(self, init, std: float) -> None:
         init.normal_(self.fn, mean=0.0, std=std)
         init.zeros_(self.base)
         init.ones_(self.scale)
@@ -140,6 +140,7 @@ class HyperConnections(ResidualStreamKind):
             config.hc_eps = HC_EPS
 
     def validate(self, config) -> None:
+        super().validate(config)
         if config.hc_mult is None:
             raise ValueError("`residual_stream='hyper_connections'` needs `hc_mult`, the number of streams.")
         require_int("hc_mult", config.hc_mult, minimum=1)
@@ -156,6 +157,14 @@ class HyperConnections(ResidualStreamKind):
         if config.num_mtp_layers:
             raise ValueError("`num_mtp_layers` with `residual_stream='hyper_connections'` is not supported: the MTP "
                              "modules' blocks read one stream.")
+        beside = [f"`{field}`" for field, value in (("layer_scalar", config.layer_scalar),
+                                                    ("laurel_rank", config.laurel_rank),
+                                                    ("hidden_size_per_layer_input", config.hidden_size_per_layer_input))
+                  if value]
+        if beside:
+            raise ValueError(f"{', '.join(beside)} with `residual_stream='hyper_connections'` are not supported: they "
+                             "join one stream around the layer's sublayers, where hyper-connections mix their streams "
+                             "around each branch.")
         if config.block_types is not None and any(kind != "mixer_mlp" for kind in config.block_types):
             raise ValueError("`block_types` with one sublayer per layer and `residual_stream='hyper_connections'` "
                              "are not supported together: each layer mixes its streams around both of its sublayers.")
@@ -166,7 +175,8 @@ class HyperConnections(ResidualStreamKind):
     def layer_modules(self, config, layer_idx: int) -> dict[str, nn.Module]:
         return {"attn_hc": HyperConnection(config), "ffn_hc": HyperConnection(config)}
 
-    def join(self, block, x, input_ids=None, **kwargs) -> torch.Tensor:
+    def join(self, block, x, input_ids=None, per_layer_input=None, **kwargs) -> torch.Tensor:
+        del per_layer_input  # refused with hyper-connections (`validate`)
         x = block.attn_hc(x, lambda h: block.attention_branch(h, **kwargs))
         return block.ffn_hc(x, lambda h: block.feed_forward_branch(h, input_ids))
 

@@ -139,7 +139,7 @@ class AttentionKind(Kind):
     # `ModularDecoderCache` implementations this kind stores (see `cache_layer`)
     cache_implementations: tuple[str, ...] = ("dynamic", "static")
     # the attending values of `layer_types` its layers may take
-    layer_types: tuple[str, ...] = ("full_attention", "sliding_attention")
+    layer_types: tuple[str, ...] = ("full_attention", "sliding_attention", "chunked_attention")
 
     def build(self, config, layer_idx: int) -> nn.Module:
         """The attention of layer `layer_idx`."""
@@ -149,8 +149,9 @@ class AttentionKind(Kind):
         """`head_dim` where the config leaves it unset (`None`: hidden_size / num_attention_heads)."""
         return None
 
-    def rope_head_dim(self, config) -> int:
-        """The head width RoPE sees (transformers' init functions apply `partial_rotary_factor` to it)."""
+    def rope_head_dim(self, config, layer_type: str | None = None) -> int:
+        """The head width RoPE sees (transformers' init functions apply `partial_rotary_factor` to it); with
+        `layer_type`, that of a layer of that type (its own RoPE table)."""
         raise NotImplementedError
 
     def rotary_dim(self, config) -> int:
@@ -177,20 +178,24 @@ class AttentionKind(Kind):
         """Parameters of one layer's attention, from the config alone."""
         raise NotImplementedError
 
-    def layer_parameters(self, config, layer_type: str) -> int:
-        """Parameters of the attention of a layer of `layer_type` (the same for every type unless a kind differs)."""
-        return self.parameters(config)
-
     def bytes_per_token(self, config, element_bytes: int, quantization: str | None = None) -> int:
         """Bytes one layer caches per token (`quantization="int8"` where the kind supports it)."""
         raise NotImplementedError
 
-    def cached_bytes(self, config, layer_type: str, context: int, element_bytes: int,
-                     quantization: str | None = None) -> int:
-        """One sequence's bytes in a layer of `layer_type` after `context` tokens: `bytes_per_token` for each token
-        it keeps (the last `sliding_window` - 1 on a sliding layer)."""
-        kept = min(context, config.sliding_window - 1) if layer_type == "sliding_attention" else context
-        return self.bytes_per_token(config, element_bytes, quantization) * kept
+    def layer_parameters(self, config, layer_idx: int) -> int:
+        """Parameters of layer `layer_idx`'s attention, where a kind's layers differ (`parameters` otherwise)."""
+        return self.parameters(config)
+
+    def layer_bytes_per_token(self, config, element_bytes: int, quantization: str | None, layer_idx: int) -> int:
+        """Bytes layer `layer_idx` caches per token, where a kind's layers differ (`bytes_per_token` otherwise)."""
+        return self.bytes_per_token(config, element_bytes, quantization)
+
+    def cached_bytes(self, config, layer_idx: int, layer_type: str, kept_tokens: int, context: int,
+                     element_bytes: int, quantization: str | None = None) -> int:
+        """One sequence's bytes in layer `layer_idx` (of `layer_type`) after `context` tokens, of which its window
+        keeps `kept_tokens` (`contract.cached_tokens`): `layer_bytes_per_token` for each (a kind that keeps more
+        than its tokens' keys, e.g. compressed entries, counts them here)."""
+        return self.layer_bytes_per_token(config, element_bytes, quantization, layer_idx) * kept_tokens
 
     def rollback_error(self, config) -> str | None:
         """Why this config's cache cannot be rolled back to an earlier token (assisted decoding refused), or None."""
@@ -209,6 +214,45 @@ class AttentionKind(Kind):
         """transformers tensor-parallel styles of the attention's modules, keyed by their names in a block
         (`"self_attn.q_proj"`); the config prefixes them with `layers.*.`."""
         return {}
+
+
+class Feature(Kind):
+    """A mechanism a config switches on through its own fields rather than by choosing among alternatives
+    (chunked attention: `attention_chunk_size`). Its `validate` checks its fields wherever it is off too (they
+    must then keep their defaults), and `in_use` says whether the config uses it (the contract table shows its
+    fields only then, except `switch`, the field that turns it on where setting that alone is allowed)."""
+
+    switch: str | None = None
+
+    def in_use(self, config) -> bool:
+        raise NotImplementedError
+
+
+class FeatureSet(tuple):
+    """The `Feature`s a config may switch on; the config completes and checks each, as it does a registry's
+    chosen entry."""
+
+    def complete(self, config) -> None:
+        for feature in self:
+            feature.complete(config)
+
+    def check(self, config) -> None:
+        for feature in self:
+            feature.validate(config)
+
+    def forget_formerly_written(self, config_class, config_dict: dict) -> None:
+        """Nothing: no release wrote these fields into every config.json."""
+
+
+def require_unset_unless(config, used: bool, fields, why: str) -> None:
+    """Raise `ValueError` naming the first of `fields` that differs from its default while `used` is false: a
+    setting nothing would read (`why` says what reads it)."""
+    if used:
+        return
+    for name in fields:
+        value = getattr(config, name)
+        if value != field_default(config, name):
+            raise ValueError(f"`{name}`={value!r} only applies {why}; leave it unset.")
 
 
 LINEAR_ATTENTION = "linear_attention"  # the `layer_types` value of a linear-attention layer (transformers' own)
@@ -359,4 +403,4 @@ def require_choice(name: str, value, allowed) -> None:
 
 __all__ = ["require_int", "require_number", "require_bool", "require_choice", "Registry", "Kind", "AttentionKind",
            "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "HYBRID", "field_default", "mixer_layer_types",
-           "attention_layer_type"]
+           "attention_layer_type", "Feature", "FeatureSet", "require_unset_unless"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicIndexedLayer, StaticIndexedLayer, StaticLayer, StaticSlidingWindowLayer
 
+from .chunked_attention import layer_window
 from .compat import DynamicSlidingWindowLayer
 from .growing_cache import GrowingLayer, is_prefix_view
 
@@ -128,11 +129,11 @@ def indexed_latent_layer(implementation: str, max_cache_len: int | None = None):
 
 def latent_layer(layer_type: str, implementation: str, config, max_cache_len: int | None = None):
     """The latent layer for a layer of `layer_type` in a `"dynamic"` or `"static"` cache."""
-    sliding = layer_type == "sliding_attention"
+    window = layer_window(config, layer_type)  # sliding and chunked layers keep a window
     if implementation == "dynamic":
-        return DynamicSlidingLatentLayer(sliding_window=config.sliding_window) if sliding else DynamicLatentLayer()
-    if sliding:
-        return StaticSlidingLatentLayer(max_cache_len=max_cache_len, sliding_window=config.sliding_window)
+        return DynamicSlidingLatentLayer(sliding_window=window) if window else DynamicLatentLayer()
+    if window:
+        return StaticSlidingLatentLayer(max_cache_len=max_cache_len, sliding_window=window)
     return StaticLatentLayer(max_cache_len=max_cache_len)
 
 

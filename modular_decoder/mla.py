@@ -37,6 +37,7 @@ checkpoints convert by a near-identity map and PEFT targets read naturally.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .attention import linear_parameters
 from .attention_layer import AttentionLayer
 from .eager_attention import attention_probs, eager_attention, explicit_mask
-from .kinds import AttentionKind, require_bool, require_int
+from .kinds import AttentionKind, require_bool, require_int, require_number
 from .latent_cache import LatentLayerMixin, latent_layer
 from .split_products import is_fx_proxy, project, weight_is_readable
 from .norms import build_norm, norm_parameters
@@ -62,6 +63,19 @@ DECODE_MODES = ("auto", "absorbed", "expanded")
 # `scoring_path` and `absorbed_attention` read; `tuning.py` names the measurements behind them)
 ABSORBED_MAX_NEW_TOKENS = Tuning.absorbed_max_new_tokens
 ABSORBED_QUERY_BLOCK = Tuning.absorbed_query_block
+
+
+@dataclass(kw_only=True)
+class LatentAttentionFields:
+    r"""Latent attention's options beside its widths.
+
+    Args:
+        latent_norm_eps (`float`, *optional*): Epsilon of the latent norms (`q_a_layernorm`, `kv_a_layernorm`).
+            Defaults to `norm_eps`. transformers builds DeepSeek's and Kimi Linear's with 1e-6 whatever their block
+            norms' (Kimi Linear's: 1e-5). MLA (and DSA) only.
+    """
+
+    latent_norm_eps: float | None = None
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -100,11 +114,12 @@ class MultiHeadLatentAttention(AttentionLayer):
             self.q_proj = nn.Linear(d, h * self.qk_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=bias)
-            self.q_a_layernorm = build_norm(config, config.q_lora_rank)
+            self.q_a_layernorm = build_norm(config, config.q_lora_rank, config.latent_norm_eps)
             self.q_b_proj = nn.Linear(config.q_lora_rank, h * self.qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.latent_dim + self.rope_dim, bias=bias)
         # Identity without the latent norm: same module chain, no parameters (see `kv_latent_norm`)
-        self.kv_a_layernorm = build_norm(config, self.latent_dim) if config.kv_latent_norm else nn.Identity()
+        self.kv_a_layernorm = (build_norm(config, self.latent_dim, config.latent_norm_eps) if config.kv_latent_norm
+                               else nn.Identity())
         # No bias here: it is what makes W_UK / W_UV absorbable into the query / output.
         self.kv_b_proj = nn.Linear(self.latent_dim, h * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=config.attention_output_bias)
@@ -137,9 +152,10 @@ class MultiHeadLatentAttention(AttentionLayer):
         q_nope, q_rot = q.unflatten(-1, (-1, self.qk_dim)).transpose(1, 2).split([self.nope_dim, self.rope_dim], dim=-1)
         latents = self.kv_a_layernorm(latents).unsqueeze(1)  # (B, 1, T, d_c)
         k_rot = k_rot.unsqueeze(1)  # (B, 1, T, d_R): one rotary key shared by all heads
-        cos, sin = position_embeddings
-        q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
-        k_rot = apply_rotary(k_rot, cos, sin, self.interleaved)
+        if position_embeddings is not None:  # (`position_embedding_type="none"`: the decoupled key, unrotated)
+            cos, sin = position_embeddings
+            q_rot = apply_rotary(q_rot, cos, sin, self.interleaved)
+            k_rot = apply_rotary(k_rot, cos, sin, self.interleaved)
         if cache is not None and not is_fx_proxy(cache):
             check_latent_cache(cache, self.layer_idx, self.latent_dim)
             latents, k_rot = cache.update(latents, k_rot, self.layer_idx)
@@ -295,8 +311,11 @@ class LatentKind(AttentionKind):
 
     name = "mla"
     module = MultiHeadLatentAttention
-    fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_latent_norm")
+    fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_latent_norm",
+              "latent_norm_eps")
     reads = ()  # every head reads the latent: no `head_dim` or `num_key_value_heads`
+    # "none": NoPE, the decoupled key kept but never rotated (Kimi Linear's full layers)
+    positions: tuple[str, ...] = ("rope", "none")
 
     def validate(self, config) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -305,13 +324,14 @@ class LatentKind(AttentionKind):
             require_int(name, getattr(config, name), minimum=1)
         require_int("q_lora_rank", config.q_lora_rank, minimum=1, optional=True)
         require_bool("kv_latent_norm", config.kv_latent_norm)
-        if config.position_embedding_type != "rope":
+        require_number("latent_norm_eps", config.latent_norm_eps, above=0, optional=True)
+        if config.position_embedding_type not in self.positions:
             raise ValueError(
                 f"`attention_type={self.name!r}` carries position only in its decoupled rotary key: it needs "
-                f"`position_embedding_type='rope'`, got {config.position_embedding_type!r} (ALiBi and "
-                "absolute positions cannot reach the absorbed latent scores)."
+                f"`position_embedding_type` in {list(self.positions)}, got {config.position_embedding_type!r} (ALiBi "
+                "and absolute positions cannot reach the absorbed latent scores)."
             )
-        if config.qk_rope_head_dim % 2:
+        if config.qk_rope_head_dim % 2 and config.position_embedding_type == "rope":
             raise ValueError(f"`qk_rope_head_dim` must be even, got {config.qk_rope_head_dim}.")
         if isinstance(config.no_rope_layers, list) and 0 in config.no_rope_layers:
             raise ValueError(
@@ -324,7 +344,7 @@ class LatentKind(AttentionKind):
                 f"`qk_rope_head_dim`, got `partial_rotary_factor`={config.partial_rotary_factor}."
             )
 
-    def rope_head_dim(self, config) -> int:
+    def rope_head_dim(self, config, layer_type: str | None = None) -> int:
         return config.qk_rope_head_dim
 
     def default_head_dim(self, config) -> int | None:
@@ -396,5 +416,5 @@ def set_decode_mode(model: nn.Module, mode: str) -> None:
             module.decode_mode = mode
 
 
-__all__ = ["MultiHeadLatentAttention", "LATENT_ATTENTION", "mla_softmax_scale", "set_decode_mode", "DECODE_MODES",
+__all__ = ["LatentAttentionFields", "MultiHeadLatentAttention", "LATENT_ATTENTION", "mla_softmax_scale", "set_decode_mode", "DECODE_MODES",
            "ABSORBED_MAX_NEW_TOKENS", "ABSORBED_QUERY_BLOCK"]

@@ -1,18 +1,75 @@
 """Feed-forward sublayers, chosen by `config.mlp_type` through `registries.MLPS` (entries below).
 
 Module names follow the Llama convention (`up_proj`, `gate_proj`, `down_proj`) so PEFT's usual
-`target_modules` work on every variant.
+`target_modules` work on every variant. The dense and gated kinds may give each layer its own width
+(`layer_intermediate_sizes`: Gemma 4 doubles the layers that read shared keys and values) and sparsify the
+activation's input on chosen layers (`activation_sparsity_pattern`, Gemma 3n), fields in `MlpLayerFields`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kinds import FeedForwardKind, require_bool, require_choice
+from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
 from .mup import validate_mlp_multipliers
 from .split_products import project, takes_split_branch
+
+
+@dataclass(kw_only=True)
+class MlpLayerFields:
+    """Args:
+        layer_intermediate_sizes (`list[int]`, *optional*): The dense or gated MLP's width d_f of each layer (Gemma 4
+            makes the layers that read shared keys and values twice as wide, `use_double_wide_mlp`; Gemma 3n lists
+            one per layer). `None`: `intermediate_size` in every layer.
+        activation_sparsity_pattern (`list[float]`, *optional*): Per layer, a target sparsity s in [0, 1) of the
+            activation's input (Gemma 3n's field): where s > 0, the input u keeps only what exceeds
+            mean(u) + std(u)·Φ⁻¹(s) over its features, relu(u - that), before the activation (a Gaussian top-k).
+            `None`: no layer sparsified.
+    """
+
+    layer_intermediate_sizes: list[int] | None = None
+    activation_sparsity_pattern: list[float] | None = None
+
+
+def layer_width(config, layer_idx: int) -> int:
+    """The dense or gated MLP's width in layer `layer_idx`."""
+    widths = config.layer_intermediate_sizes
+    return widths[layer_idx] if widths is not None else config.intermediate_size
+
+
+def layer_sparsity(config, layer_idx: int) -> float:
+    pattern = config.activation_sparsity_pattern
+    return pattern[layer_idx] if pattern is not None else 0.0
+
+
+class GaussianTopK(nn.Module):
+    """relu(u - (mean(u) + std(u)·Φ⁻¹(s))) over the last dim: keeps about the top 1 - s of a Gaussian's values
+    (Gemma 3n's `_gaussian_topk`, its arithmetic: Φ⁻¹ in fp32, cast to the input's dtype)."""
+
+    def __init__(self, sparsity: float):
+        super().__init__()
+        self.sparsity = sparsity
+        zero, one, target = (torch.tensor(v, dtype=torch.float32, device="cpu") for v in (0.0, 1.0, sparsity))
+        self.multiplier = float(torch.distributions.Normal(zero, one).icdf(target))  # (on the CPU, also under meta)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        cutoff = u.mean(-1, keepdim=True) + u.std(-1, keepdim=True, unbiased=False) * torch.tensor(
+            self.multiplier).to(u.dtype)
+        return nn.functional.relu(u - cutoff)
+
+    def extra_repr(self) -> str:
+        return f"sparsity={self.sparsity}"
+
+
+def sparsified_activation(config, layer_idx: int | None):
+    """The activation, after a Gaussian top-k of its input where layer `layer_idx` is sparsified."""
+    act = activation(config.hidden_act)
+    sparsity = layer_sparsity(config, layer_idx) if layer_idx is not None else 0.0
+    return nn.Sequential(GaussianTopK(sparsity), act) if sparsity > 0 else act
 
 
 def activation(name: str) -> nn.Module:
@@ -28,13 +85,12 @@ def activation(name: str) -> nn.Module:
 class DenseMLP(nn.Module):
     """act(x W_up) W_down: GPT-1/2, OPT, GPT-J, NeoX, Falcon, BLOOM, Phi. 2·d·d_f weights."""
 
-    def __init__(self, config, intermediate_size: int | None = None):
+    def __init__(self, config, intermediate_size: int | None = None, layer_idx: int | None = None):
         super().__init__()
-        # `intermediate_size` overrides the config's width (an MoE block's shared experts)
         d, f = config.hidden_size, intermediate_size or config.intermediate_size
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
-        self.act_fn = activation(config.hidden_act)
+        self.act_fn = sparsified_activation(config, layer_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(self.down_proj, self.act_fn(project(self.up_proj, x)))
@@ -43,14 +99,15 @@ class DenseMLP(nn.Module):
 class GatedMLP(nn.Module):
     """(act(x W_gate) ⊙ x W_up) W_down: GLU / ReGLU / GEGLU / SwiGLU by `hidden_act`. 3·d·d_f weights."""
 
-    def __init__(self, config, intermediate_size: int | None = None):
+    def __init__(self, config, intermediate_size: int | None = None, layer_idx: int | None = None):
         super().__init__()
-        # `intermediate_size` overrides the config's width (an MoE block's shared experts)
+        # `intermediate_size` overrides the config's width (a layer's own, an MoE block's shared experts); `layer_idx`
+        # picks the layer's activation sparsity
         d, f = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
-        self.act_fn = activation(config.hidden_act)
+        self.act_fn = sparsified_activation(config, layer_idx)
         # μP (mup.py; Falcon-H1): the gate before its activation, the output
         self.gate_multiplier, self.down_multiplier = config.mlp_multipliers or (1.0, 1.0)
         self.scaled = (self.gate_multiplier, self.down_multiplier) != (1.0, 1.0)
@@ -79,17 +136,34 @@ class ActivatedKind(FeedForwardKind):
     up_projections: int
 
     def __init__(self, name: str, module: type[nn.Module], up_projections: int, fields: tuple[str, ...] = ()):
-        self.name, self.module, self.up_projections, self.fields = name, module, up_projections, fields
+        # every such kind: `MlpLayerFields` (a width and an activation sparsity per layer)
+        self.name, self.module, self.up_projections = name, module, up_projections
+        self.fields = ("layer_intermediate_sizes", "activation_sparsity_pattern", *fields)
+
+    def build(self, config, layer_idx: int) -> nn.Module:
+        return self.module(config, layer_width(config, layer_idx), layer_idx)
 
     def validate(self, config) -> None:
         require_choice("hidden_act", config.hidden_act, ACT2FN)
         require_bool("mlp_bias", config.mlp_bias)
+        for name, check in (("layer_intermediate_sizes", lambda v: require_int("layer_intermediate_sizes[...]", v,
+                                                                              minimum=1)),
+                            ("activation_sparsity_pattern", lambda v: require_number(
+                                "activation_sparsity_pattern[...]", v, at_least=0, below=1))):
+            values = getattr(config, name)
+            if values is None:
+                continue
+            if not isinstance(values, list) or len(values) != config.num_hidden_layers:
+                raise ValueError(f"`{name}` must list one value per layer (`num_hidden_layers`="
+                                 f"{config.num_hidden_layers}), got {values!r}.")
+            for value in values:
+                check(value)
         if "mlp_multipliers" in self.fields:
             validate_mlp_multipliers(config)
 
     def parameters(self, config, layer_idx: int = 0) -> int:
-        """Dense 2·d·d_f, gated 3·d·d_f (+ biases)."""
-        return activated_parameters(config, self.up_projections, config.intermediate_size)
+        """Dense 2·d·d_f, gated 3·d·d_f (+ biases), d_f the layer's width."""
+        return activated_parameters(config, self.up_projections, layer_width(config, layer_idx))
 
     def tp_plan(self, config) -> dict[str, str]:
         """Column-parallel up (and gate) projections, row-parallel down projection."""

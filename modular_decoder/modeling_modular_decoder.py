@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 # first: importing compat checks the transformers version (a saved folder loads its config through this module)
 from .compat import (  # isort: skip
-    accepts_past_key_values, attn_implementation, cache_of, drafted_tokens_per_step, drafting_generation_config,
-    drafts_grow, generate_cache_kwarg, slice_logits_to_keep, static_cache_length, with_cache, with_old_cache_name,
+    accepts_past_key_values, attn_implementation, cache_of, create_masks_for_generate, drafted_tokens_per_step,
+    drafting_generation_config, drafts_grow, generate_cache_kwarg, slice_logits_to_keep, static_cache_length,
+    with_cache, with_old_cache_name,
 )
 
 import torch  # noqa: E402
@@ -30,22 +31,26 @@ from .backend_features import BOTTOM_RIGHT_CAUSAL, canonical_backend, check_back
 from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint
+from .chunked_attention import CHUNKED_ATTENTION, CHUNKED_ATTENTION_FEATURE
 from .compressed_attention import COMPRESSED_LAYER_TYPES
 from .compressed_cache import refuse_rollback_decoding
 from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
-from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from .gated_deltanet import GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .kinds import LINEAR_ATTENTION, attention_layer_type, mixer_layer_types
-from .mamba2 import GroupedGatedRMSNorm, Mamba2
+from .kv_sharing import kv_sources
+from .mamba2 import GroupedGatedRMSNorm
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
 from .mtp_generation import (MtpCandidateGenerator, check_draft_tokens, check_static_drafting, check_use_mtp,
                              drafting_options, drafting_refusal, options_of, static_cache_room)
 from .norms import LayerNorm, RMSNorm, build_norm
 from .packed_documents import PackedDocuments, packed_documents
+from .per_layer_embeddings import PER_LAYER_EMBEDDINGS, PerLayerEmbeddings
 from .positions import (ABSOLUTE_POSITIONS, AlibiBias, LearnedPositions, RotaryEmbedding, attending_layer_types,
                         keys_rotated_before_the_switch, rotary_layers)
+from .recurrent_mixer import RecurrentMixer
 from .registries import RESIDUAL_STREAMS
 from .routers import TopKRouter, router_losses
 from .split_products import project
@@ -68,7 +73,7 @@ def linear_attention_mask(config, inputs_embeds, attention_mask, position_ids=No
 # (a compressed layer attends to a window, then to its entries, which it masks itself: `compressed_attention.py`)
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
                  **dict.fromkeys(COMPRESSED_LAYER_TYPES, create_sliding_window_causal_mask),
-                 LINEAR_ATTENTION: linear_attention_mask}
+                 CHUNKED_ATTENTION: CHUNKED_ATTENTION_FEATURE.mask_builder, LINEAR_ATTENTION: linear_attention_mask}
 
 
 class ModularDecoderPreTrainedModel(PreTrainedModel):
@@ -154,9 +159,6 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if init_moe_weights(module, std, init):
             return
-        if hasattr(module, "init_parameters"):  # a mechanism's module that initialises its own parameters
-            module.init_parameters(init, std)
-            return
         if isinstance(module, (RMSNorm, LayerNorm)):
             # `1 + w` norms start at w = 0 so that they start as the identity scale
             init.zeros_(module.weight) if module.unit_offset else init.ones_(module.weight)
@@ -170,10 +172,7 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
             init.copy_(module.slopes, AlibiBias(self.config).slopes)
         elif isinstance(module, AttentionLayer) and module.sinks is not None:
             init.normal_(module.sinks, mean=0.0, std=std)  # as transformers' gpt-oss
-        elif isinstance(module, GatedDeltaNet):  # as transformers' Qwen3-Next: dt_bias 1, A ~ U(0.01, 16)
-            init.ones_(module.dt_bias)
-            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
-        elif isinstance(module, Mamba2):  # Mamba-2's own: A ~ U(1, 16), D = 1, dt_bias from steps in [1e-3, 0.1]
+        elif isinstance(module, RecurrentMixer):  # a recurrent mixer's own parameters (its kind's rule)
             module.init_scan_parameters(init)
         elif isinstance(module, (GatedRMSNorm, GroupedGatedRMSNorm)):
             init.ones_(module.weight)
@@ -186,6 +185,9 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         elif hasattr(module, "inv_freq"):  # sinusoidal table
             fresh = ABSOLUTE_POSITIONS["sinusoidal"](self.config)
             init.copy_(module.inv_freq, fresh.inv_freq)
+        if hasattr(module, "init_own_weights"):  # a mechanism's own tensors (a layer scalar, AltUp's coefficients,
+            # hyper-connections, compressors' position biases)
+            module.init_own_weights(init, std)
 
 
 class ModularDecoderModel(ModularDecoderPreTrainedModel):
@@ -202,8 +204,8 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         self.alibi = AlibiBias(config) if config.position_embedding_type == "alibi" else None
         # the stream(s) the layers join their outputs to, made from the embedded input (`residual_streams.py`)
         self.residual_stream = RESIDUAL_STREAMS.of(config).model_module(config)
-        block = block_class(config)
-        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
+        self.per_layer_embeddings = PerLayerEmbeddings(config) if PER_LAYER_EMBEDDINGS.in_use(config) else None
+        self.layers = nn.ModuleList(block_class(config, i)(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = build_norm(config) if config.final_norm else None
         self.gradient_checkpointing = False
         self.post_init()
@@ -249,12 +251,14 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if position_ids is None:
             position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_seen)
 
-        hidden = self.residual_stream(self._embed(inputs_embeds, position_ids))
+        hidden = self._embed(inputs_embeds, position_ids)
+        layer_inputs = self._layer_inputs(input_ids, hidden)
         masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self._rotary_tables(hidden, position_ids)
         layer_kwargs = self._alibi_kwargs(hidden, cache)
         if (documents := self._linear_documents(packed_positions, attention_mask, inputs_embeds)) is not None:
             layer_kwargs[LINEAR_ATTENTION] = {"documents": documents}
+        hidden = self.residual_stream(hidden)  # the stream(s) the layers join (`residual_streams.py`)
 
         # the first `num_hidden_layers` as transformers' models run them: its assistant early exit drafts with
         # the model itself after lowering that number
@@ -268,12 +272,27 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 input_ids=input_ids,
                 cache=cache,
                 **layer_kwargs_of(layer_kwargs, layer_type),
+                **layer_inputs[layer_idx],
                 **kwargs,
             )
         hidden = self.residual_stream(hidden, leaving=True)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return MoeModelOutputWithPast(last_hidden_state=hidden, **with_cache(cache if use_cache else None))
+
+    def _layer_inputs(self, input_ids, hidden: torch.Tensor) -> list[dict]:
+        """What each layer takes beside the stream: its per-layer embedding (`per_layer_input`), and for layers that
+        share keys and values, this forward's dict of them (`shared_kv`, `kv_sharing.py`)."""
+        inputs = [{} for _ in range(self.config.num_hidden_layers)]
+        if self.per_layer_embeddings is not None:
+            for layer_input, embedding in zip(inputs, self.per_layer_embeddings(input_ids, hidden).unbind(2)):
+                layer_input["per_layer_input"] = embedding
+        sources = kv_sources(self.config)
+        if any(source is not None for source in sources):
+            shared, sharing = {}, set(sources) | {i for i, source in enumerate(sources) if source is not None}
+            for layer_idx in sharing - {None}:
+                inputs[layer_idx]["shared_kv"] = shared
+        return inputs
 
     def _check_inputs(self, input_ids, attention_mask, inputs_embeds, cache) -> None:
         """Exactly one of ids or embeddings, and each input what it claims (`input_checks.check_inputs`)."""
@@ -483,6 +502,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    # the masks generate() builds for a static cache (a hook of transformers' `GenerationMixin`: see compat.py)
+    create_masks_for_generate = staticmethod(create_masks_for_generate)
 
     def __init__(self, config: ModularDecoderConfig):
         super().__init__(config)

@@ -51,6 +51,7 @@ from .compat import experts_ep_plan
 from .experts import Experts, clamped_swiglu
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
 from .mlp import DenseMLP, GatedMLP, activated_parameters, mlp_tp_plan
+from .norms import build_norm, norm_parameters
 from .routers import AUX_LOSS_COEF, ROUTERS, TopKRouter
 
 # transformers' own values for `mlp_layer_types` (`configuration_utils.ALLOWED_MLP_LAYER_TYPES`),
@@ -81,11 +82,34 @@ class ExpertFormFields:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(kw_only=True)
+class RoutingInputFields:
+    """Args:
+        apply_router_weight_on_input (`bool`): Each routed expert sees its token scaled by the routing weight,
+            Σ_k E_{i_k}(w_k · x), instead of weighing the expert's output, Σ_k w_k · E_{i_k}(x) (Llama 4; vLLM's
+            name). With gated experts the two differ. `mlp_type="moe"` only.
+        parallel_dense_mlp (`bool`): Each sparse layer also runs a dense gated MLP of `intermediate_size` beside the
+            experts, each branch with its own norms (Gemma 4): the dense MLP takes the block's normed input and
+            ends in `post_dense_norm`; the router takes the layer's residual input, the experts that input normed
+            by `pre_experts_norm`, ending in `post_experts_norm`; the branches add. Blocks with a pre-FFN norm
+            (`norm_position` pre or sandwich) only.
+        router_input_norm (`bool`): The router reads the RMS-normed input times a learned `scale` and d^-1/2
+            (Gemma 4; `mlp.gate.scale`).
+        router_expert_scale (`bool`): Each kept routing weight times its expert's learned scale (Gemma 4;
+            `mlp.gate.per_expert_scale`).
+    """
+
+    apply_router_weight_on_input: bool = False
+    parallel_dense_mlp: bool = False
+    router_input_norm: bool = False
+    router_expert_scale: bool = False
+
+
 class SparseMoeBlock(nn.Module):
     """The feed-forward of a `"sparse"` layer: router, routed experts, optional (gated) shared experts.
 
     x ─┬─ gate ── top-k (w, i) ──┐
-       ├─ experts ── Σ w·E_i(x) ─(+)─>
+       ├─ experts ── Σ w·E_i(x) ─(+)─>          (`apply_router_weight_on_input`: Σ E_i(w·x))
        └─ shared_experts [· σ(shared_expert_gate x)] ─┘
     """
 
@@ -104,13 +128,16 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = mlp(config, intermediate_size=shared) if shared else None
         use_gate = shared and config.shared_expert_gate
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if use_gate else None
+        self.weight_on_input = config.apply_router_weight_on_input
 
     def forward(self, hidden_states: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`token_ids` (B, T): the tokens of `hidden_states` (B, T, d), which a hash router routes by."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (N, d)
         _, weights, indices = self.gate(x, token_ids)
-        if self.latent:
+        if self.weight_on_input:
+            out = self._routed_on_input(x, weights, indices)
+        elif self.latent:
             out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), indices, weights))
         else:
             out = self.experts(x, indices, weights)
@@ -120,6 +147,44 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out.view(shape)
+
+    def _routed_on_input(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Σ_k E_{i_k}(w_k · x): one row per (token, kept expert), scaled by its weight in the activations' dtype
+        (as Llama 4 casts its scores), through the experts with unit weights (their kernels, and vLLM's fused
+        experts, which take this call, weigh outputs only), summed per token."""
+        tokens, top_k = indices.shape
+        scaled = (x.unsqueeze(1) * weights.to(x.dtype).unsqueeze(-1)).reshape(tokens * top_k, -1)  # (N·k, d)
+        ones = weights.new_ones(tokens * top_k, 1)
+        out = self.experts(scaled, indices.reshape(-1, 1), ones)  # (N·k, d)
+        return out.view(tokens, top_k, -1).sum(dim=1)
+
+
+class ParallelDenseMoeBlock(nn.Module):
+    """A sparse layer with a dense MLP beside its experts (`parallel_dense_mlp`, Gemma 4); takes the block's normed
+    input x and its residual input r:
+
+    x ─ dense ─ post_dense_norm ──────────────────────────────────────┐
+    r ─┬─ gate ── top-k (w, i) ──────────────────────┐                (+)─>
+       └─ pre_experts_norm ─ experts ── Σ w·E_i ─ post_experts_norm ─┘
+    """
+
+    reads_residual = True
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = EXPERT_FORMS[config.moe_mlp_type](config)
+        self.post_dense_norm = build_norm(config)
+        self.gate = TopKRouter(config)
+        self.pre_experts_norm = build_norm(config)
+        self.experts = Experts(config)
+        self.post_experts_norm = build_norm(config)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        dense = self.post_dense_norm(self.dense(hidden_states))
+        r = residual.reshape(-1, residual.shape[-1])  # (N, d)
+        _, weights, indices = self.gate(r)
+        routed = self.experts(self.pre_experts_norm(r), indices, weights).view(residual.shape)
+        return dense + self.post_experts_norm(routed)
 
 
 class ClampedGatedMLP(GatedMLP):
@@ -166,6 +231,9 @@ def init_moe_weights(module: nn.Module, std: float, init) -> bool:
             init.normal_(module.bias, mean=0.0, std=std)  # as transformers' gpt-oss
         if module.e_score_correction_bias is not None:
             init.zeros_(module.e_score_correction_bias)
+        for scale in (module.scale, module.per_expert_scale):  # (Gemma 4's start at 1)
+            if scale is not None:
+                init.ones_(scale)
     else:
         return False
     return True
@@ -180,6 +248,7 @@ MOE_FIELDS = (
     "shared_expert_intermediate_size", "shared_expert_gate", "router_type", "router_bias", "norm_topk_prob", "n_group",
     "topk_group", "routed_scaling_factor", "router_aux_loss_coef", "router_z_loss_coef", "output_router_logits",
     "swiglu_limit", "swiglu_alpha", "swiglu_up_offset", "num_hash_layers", *ExpertFormFields.__dataclass_fields__,
+    *RoutingInputFields.__dataclass_fields__,
 )
 
 # gpt-oss's sigmoid gain in its clamped SwiGLU (transformers' `GptOssConfig.swiglu_alpha` default; 5.16-5.19 fix it)
@@ -228,8 +297,10 @@ class MixtureOfExpertsKind(FeedForwardKind):
             config.router_aux_loss_coef = router.default_aux_loss_coef
 
     def reads_for(self, config) -> tuple[str, ...]:
-        """`mlp_bias` (experts' biases), and `intermediate_size` only where a `"dense"` layer holds a gated MLP."""
-        return ("intermediate_size", "mlp_bias") if "dense" in (config.mlp_layer_types or ()) else ("mlp_bias",)
+        """`mlp_bias` (experts' biases), and `intermediate_size` only where a layer holds a gated MLP (a `"dense"`
+        one, or the dense MLP beside the experts)."""
+        dense = "dense" in (config.mlp_layer_types or ()) or config.parallel_dense_mlp
+        return ("intermediate_size", "mlp_bias") if dense else ("mlp_bias",)
 
     def validate(self, config) -> None:
         self._validate_layer_types(config)
@@ -263,6 +334,21 @@ class MixtureOfExpertsKind(FeedForwardKind):
                 f"{config.router_type!r}: the z-loss bounds a softmax router's normaliser; leave it at 0."
             )
         require_bool("output_router_logits", config.output_router_logits)
+        for name in ("apply_router_weight_on_input", "parallel_dense_mlp", "router_input_norm", "router_expert_scale"):
+            require_bool(name, getattr(config, name))
+        if config.parallel_dense_mlp and (config.parallel_block or config.norm_position not in ("pre", "sandwich")):
+            raise ValueError("`parallel_dense_mlp` runs the dense MLP on the block's normed FFN input and the experts "
+                             "on its residual input: it needs a serial block with a pre-FFN norm (`norm_position` "
+                             f"'pre' or 'sandwich'), got `norm_position`={config.norm_position!r}"
+                             f"{' with `parallel_block`' if config.parallel_block else ''}.")
+        if config.parallel_dense_mlp and (config.n_shared_experts or config.apply_router_weight_on_input
+                                          or config.moe_latent_size):
+            raise ValueError("`parallel_dense_mlp` layers hold no shared experts or latent projections and weigh the "
+                             "experts' outputs: leave `n_shared_experts` and `moe_latent_size` unset and "
+                             "`apply_router_weight_on_input` False.")
+        if config.apply_router_weight_on_input and config.moe_latent_size:
+            raise ValueError("`apply_router_weight_on_input` scales each expert's input, and `moe_latent_size` gives the "
+                             "experts a latent input: set one or the other.")
         require_choice("hidden_act", config.hidden_act, ACT2FN)
         require_bool("mlp_bias", config.mlp_bias)
         require_choice("moe_mlp_type", config.moe_mlp_type, EXPERT_FORMS)
@@ -289,6 +375,9 @@ class MixtureOfExpertsKind(FeedForwardKind):
     @staticmethod
     def _validate_hash_layers(config) -> None:
         require_int("num_hash_layers", config.num_hash_layers, minimum=0, maximum=config.num_hidden_layers)
+        if config.num_hash_layers and config.parallel_dense_mlp:
+            raise ValueError("`num_hash_layers` with `parallel_dense_mlp` is not supported: the experts beside a dense "
+                             "MLP are routed by their router, not by token id.")
         hashed = config.mlp_layer_types[: config.num_hash_layers]
         if "dense" in hashed:
             raise ValueError(f"`num_hash_layers`={config.num_hash_layers} routes the first layers by token id, and "
@@ -353,10 +442,10 @@ class MixtureOfExpertsKind(FeedForwardKind):
         return needed
 
     def build(self, config, layer_idx: int) -> nn.Module:
-        """`SparseMoeBlock` for a `"sparse"` layer, an MLP of `intermediate_size` (of `moe_mlp_type`'s form) for a
-        `"dense"` one."""
+        """`SparseMoeBlock` (`ParallelDenseMoeBlock` with `parallel_dense_mlp`) for a `"sparse"` layer, an MLP of
+        `intermediate_size` (of `moe_mlp_type`'s form) for a `"dense"` one."""
         if config.mlp_layer_types[layer_idx] == "sparse":
-            return SparseMoeBlock(config, layer_idx)
+            return ParallelDenseMoeBlock(config) if config.parallel_dense_mlp else SparseMoeBlock(config, layer_idx)
         return EXPERT_FORMS[config.moe_mlp_type](config)
 
     def parameters(self, config, layer_idx: int) -> int:
@@ -380,10 +469,14 @@ class MixtureOfExpertsKind(FeedForwardKind):
 
     @staticmethod
     def _always(config) -> int:
-        """Router (and its bias), shared experts and their gate, the latent projections: what every token of a
-        sparse layer uses."""
+        """Router (its bias and scales), shared experts and their gate, the latent projections, a dense MLP beside
+        the experts and its three norms: what every token of a sparse layer uses."""
         d, latent, bias = config.hidden_size, config.moe_latent_size, config.mlp_bias
         total = config.num_experts * (d + (1 if config.router_bias else 0))
+        total += d * config.router_input_norm + config.num_experts * config.router_expert_scale
+        if config.parallel_dense_mlp:
+            total += activated_parameters(config, _up_products(config), config.intermediate_size)
+            total += 3 * norm_parameters(config, d)
         shared = shared_experts_intermediate_size(config)
         if shared:
             total += activated_parameters(config, _up_products(config), shared)
@@ -398,6 +491,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
         Ungated experts stay whole on every rank (transformers plans none for Nemotron-H's)."""
         gated = config.moe_mlp_type == "gated"
         plan = mlp_tp_plan("mlp", gated=gated) if "dense" in config.mlp_layer_types else {}
+        if config.parallel_dense_mlp:
+            plan.update(mlp_tp_plan("mlp.dense", gated=gated))
         if not config.mlp_bias and gated:  # experts with biases stay whole on every rank (as transformers' gpt-oss)
             plan.update(EXPERTS_TP_PLAN)
         if config.n_shared_experts:
@@ -430,6 +525,8 @@ __all__ = [
     "MOE_FIELDS",
     "ClampedGatedMLP",
     "MixtureOfExpertsKind",
+    "ParallelDenseMoeBlock",
+    "RoutingInputFields",
     "SparseMoeBlock",
     "init_moe_weights",
     "shared_experts_intermediate_size",

@@ -61,7 +61,7 @@ class MtpLayer(nn.Module):
         self.enorm = build_norm(config)
         self.hnorm = build_norm(config)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.mtp_block = block_class(block_config)(block_config, depth)
+        self.mtp_block = block_class(block_config, depth)(block_config, depth)
         self.post_norm = build_norm(config)
 
     def forward(self, token_embeds: torch.Tensor, previous_hidden: torch.Tensor, **block_kwargs) -> torch.Tensor:

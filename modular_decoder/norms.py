@@ -73,8 +73,8 @@ def norm_parameters(config, width: int) -> int:
     return NORMS[config.norm_type].parameter_count(config, width)
 
 
-def build_norm(config, dim: int | None = None) -> nn.Module:
-    """The norm the config asks for, over `dim` features (default: the hidden size)."""
-    return NORMS[config.norm_type](
-        dim or config.hidden_size, eps=config.norm_eps, bias=config.norm_bias, unit_offset=config.norm_unit_offset
-    )
+def build_norm(config, dim: int | None = None, eps: float | None = None) -> nn.Module:
+    """The norm the config asks for, over `dim` features (default: the hidden size), with epsilon `eps` (default:
+    `norm_eps`)."""
+    return NORMS[config.norm_type](dim or config.hidden_size, eps=config.norm_eps if eps is None else eps,
+                                   bias=config.norm_bias, unit_offset=config.norm_unit_offset)

@@ -73,7 +73,9 @@ class RotaryEmbedding(nn.Module):
             for layer_type in sorted(attending_layer_types(config.layer_types)):
                 params = config.rope_parameters[layer_type]
                 self.rope_type[layer_type] = params["rope_type"]
-                inv_freq, scaling = self._init_fn(params["rope_type"])(rope_config, None, layer_type=layer_type)
+                type_config = copy.copy(rope_config)  # a layer type may have its own head width (Gemma 4's global)
+                type_config.head_dim = config.attention_kind.rope_head_dim(config, layer_type)
+                inv_freq, scaling = self._init_fn(params["rope_type"])(type_config, None, layer_type=layer_type)
                 self.register_buffer(f"{layer_type}_inv_freq", inv_freq, persistent=False)
                 self.register_buffer(f"{layer_type}_original_inv_freq", inv_freq.clone(), persistent=False)
                 setattr(self, f"{layer_type}_attention_scaling", scaling)
@@ -318,7 +320,7 @@ def _validate_rope_dict(config, where: str, params, rotary: int) -> None:
     if "rope_theta" not in params:
         raise ValueError(f"`{where}` needs `rope_theta`.")
     factor = params.get("partial_rotary_factor", config.partial_rotary_factor)
-    if factor != config.partial_rotary_factor:
+    if factor != config.partial_rotary_factor and rope_type != "proportional":  # (its own: a whole-head table)
         raise ValueError(f"`{where}['partial_rotary_factor']`={factor} differs from `partial_rotary_factor`="
                          f"{config.partial_rotary_factor}; set one value.")
     for key, value in params.items():

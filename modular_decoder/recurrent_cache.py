@@ -3,9 +3,10 @@
 A layer holds `number_of_states` slots (transformers' `state_idx`); each slot may hold a short convolution's window
 (the last K inputs of a depthwise causal convolution, (B, channels, K), in the model's dtype, as transformers keeps
 it) and a recurrent state (any shape with the batch first, e.g. Gated DeltaNet's (B, H_v, d_k, d_v) or Mamba-2's
-(B, H, head_dim, d_state), kept in the dtype the mixer gives). Gated DeltaNet and Mamba-2 use slot 0 for both, Kimi
-Delta Attention three slots for its q/k/v convolutions and slot 0 for its state, LFM2's short convolution slot 0 for a
-window only. Its size does not grow with the context: `contract.state_bytes_per_sequence` states it.
+(B, H, head_dim, d_state), kept in the dtype the mixer gives). Gated DeltaNet, Mamba-2 and Kimi Delta Attention use
+slot 0 for both (KDA's q/k/v convolutions are one depthwise convolution over their concatenated channels: one
+window), LFM2's short convolution slot 0 for a window only. Its size does not grow with the context:
+`contract.state_bytes_per_sequence` states it.
 
 `RecurrentLayer` is transformers' own `LinearAttentionLayer` (the class its hybrid caches hold on every release this
 family supports), so `Cache.is_linear`, the mask builders and generate's checks treat it as theirs; it implements

@@ -1,10 +1,12 @@
-"""What the recurrent token mixers (Gated DeltaNet, Mamba-2) share: their entry in the family's cache, and their
-short causal convolution over a prompt, a decode step, a cached window or packed documents.
+"""What the recurrent token mixers (Gated DeltaNet, KDA, LFM2's short convolution, Mamba-2) share: their entry in the
+family's cache, their short causal convolution over a prompt, a decode step, a cached window or packed documents, and
+a delta rule's recurrence through the cache.
 
 A mixer subclasses `RecurrentMixer` and sets `layer_idx`, `conv1d` (a depthwise `nn.Conv1d` padded by K - 1),
-`conv_kernel_size` (K), `activation_name` and `activation` (applied after the convolution). The convolution runs
-through causal-conv1d's kernels where they run (`kernels.conv`, `kernels.conv_update`) and the module is plain;
-otherwise the module is called, so hooks and adapters on it run.
+`conv_kernel_size` (K), `activation_name` and `activation` (applied after the convolution; `None` and the identity for
+none, as LFM2's). The convolution runs through causal-conv1d's kernels where they run (`kernels.conv`,
+`kernels.conv_update`) and the module is plain; otherwise the module is called, so hooks and adapters on it run.
+The model's `_init_weights` calls `init_scan_parameters(init)` for the mixer's own parameters (A_log, dt_bias, ...).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from torch import nn
 from .delta_rule import causal_conv1d
 from .hybrid_cache import HybridLayer
 from .packed_documents import PackedDocuments, convolve_documents, last_document_only
-from .recurrent_cache import RecurrentLayer
+from .recurrent_cache import RecurrentLayer, run_recurrence
 from .split_products import weight_is_readable
 
-# The activations causal-conv1d's kernels apply (any other runs through the module)
-FUSED_ACTIVATIONS = ("silu", "swish")
+# The activations causal-conv1d's kernels apply (None: none; any other runs through the module)
+FUSED_ACTIVATIONS = (None, "silu", "swish")
 
 
 class RecurrentMixer(nn.Module):
@@ -28,7 +30,7 @@ class RecurrentMixer(nn.Module):
     layer_idx: int
     conv1d: nn.Conv1d
     conv_kernel_size: int
-    activation_name: str
+    activation_name: str | None
 
     def _state(self, cache) -> RecurrentLayer | None:
         """This layer's entry of `cache` (the family's `ModularDecoderCache`), or a `ValueError` naming the cache
@@ -71,6 +73,12 @@ class RecurrentMixer(nn.Module):
         return convolve_documents(x, documents, self.conv_kernel_size,
                                   lambda row: self._convolution(row, kernels, fused))
 
+    def _convolve_any(self, x: torch.Tensor, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
+        """`_convolve`, or `_convolve_documents` where the rows hold packed documents."""
+        if documents is None:
+            return self._convolve(x, layer, kernels)
+        return self._convolve_documents(x, layer, kernels, documents)
+
     def _fused_conv(self, kernels) -> bool:
         """Whether causal-conv1d's kernels compute the convolution: where they run, for its activations, on a plain
         module (otherwise the module is called, so hooks and adapters on it run)."""
@@ -83,5 +91,27 @@ class RecurrentMixer(nn.Module):
             return kernels.conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation_name)
         return causal_conv1d(x, self.conv1d, self.activation)
 
+    def _delta_rule(self, inputs: tuple, layer, kernels, documents: PackedDocuments | None) -> torch.Tensor:
+        """A delta rule (Gated DeltaNet's, KDA's) over (query, key, value, g, beta): recurrent for a one-token step on
+        a cached state, chunked otherwise (`recurrent_cache.run_recurrence`, which also records the states a crop may
+        restore), or document by document; the cache keeps the new state."""
+        if documents is None:  # (B, T, H_v, d_v); the state (B, H_v, d_k, d_v) and, while recording, per token
+            return run_recurrence(layer, kernels.chunked, kernels.recurrent, inputs)
+        # the rows end to end as one row of documents; each row's last document's state is its state
+        batch, seq = inputs[0].shape[:2]
+        flat = (x.reshape(1, batch * seq, *x.shape[2:]) for x in inputs)
+        out, states = kernels.chunked_documents(*flat, documents)  # (1, B·T, H_v, d_v), (N, H_v, d_k, d_v)
+        if layer is not None:
+            layer.update_recurrent_state(states[documents.last])
+        return out.reshape(batch, seq, *out.shape[2:])
 
-__all__ = ["FUSED_ACTIVATIONS", "RecurrentMixer"]
+    def init_scan_parameters(self, init) -> None:
+        """Initialise this module's own parameters (not its submodules'), with transformers' `initialization`
+        helpers (`init`). Nothing by default."""
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+__all__ = ["FUSED_ACTIVATIONS", "RecurrentMixer", "identity"]

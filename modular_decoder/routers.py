@@ -7,6 +7,7 @@ sparse layer holds, and `router_losses`, what one forward's router logits add to
     sigmoid_topk   independent sigmoid scores, chosen with a correction bias (DeepSeek-V3 `noaux_tc`)
     sqrtsoftplus_topk   the same with √softplus scores (DeepSeek-V4)
     topk_softmax   keep the k largest logits, softmax over those k (gpt-oss)
+    topk_sigmoid   keep the k largest logits, a sigmoid of each (Llama 4)
 
 A layer among the first `num_hash_layers` routes by token id instead (DeepSeek-V4's hash routing, `hash_select`):
 a fixed table `tid2eid` names each token's k experts, and the router kind's scores weigh them.
@@ -134,6 +135,29 @@ def topk_softmax(
     return values.float().softmax(dim=-1) * routed_scaling_factor, indices
 
 
+def topk_sigmoid(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the k largest logits, weigh each kept expert by the sigmoid of its logit (Llama 4's `Llama4Router`;
+    there k = 1, and `apply_router_weight_on_input` scales the expert's input by it instead of its output).
+
+    Returns fp32 weights (N, k) and expert ids (N, k). (No groups: the config refuses them with this router.)
+    """
+    del correction_bias, n_group, topk_group
+    values, indices = logits.topk(top_k, dim=-1)  # (N, k) each
+    weights = values.float().sigmoid()
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * routed_scaling_factor, indices
+
+
 def _switch_balance_loss(router_logits, config, attention_mask, batch_size):
     # f_i counts the experts the router chose (with groups, not the plain top-k): its selection, run again
     select = selection(config)
@@ -185,6 +209,12 @@ ROUTERS: dict[str, RouterKind] = {
     "topk_softmax": RouterKind(topk_softmax, score_correction_bias=False, min_experts_per_group=1,
                                balance_loss=_switch_balance_loss, default_aux_loss_coef=AUX_LOSS_COEF, z_loss=True,
                                groups=False, renormalizes=False),
+    # Llama 4's router: transformers' class computes no balance loss; Switch's over its logits, weighted as
+    # Llama4TextConfig's `router_aux_loss_coef` default (0.001), where router logits are returned. Its scores are
+    # no softmax, so no z-loss.
+    "topk_sigmoid": RouterKind(topk_sigmoid, score_correction_bias=False, min_experts_per_group=1,
+                               balance_loss=_switch_balance_loss, default_aux_loss_coef=AUX_LOSS_COEF, z_loss=False,
+                               groups=False),
 }
 
 
@@ -224,7 +254,9 @@ class TopKRouter(nn.Module):
     expert ids).
 
     The logits are computed in the dtype of `weight`: a model that keeps its routers in fp32 (as
-    DeepSeek-V3's checkpoints do) routes in fp32 whatever the activations' dtype. Once
+    DeepSeek-V3's checkpoints do) routes in fp32 whatever the activations' dtype. With `router_input_norm` the router
+    reads RMS(x)-normed x times a learned `scale` (d) and d^-1/2; with `router_expert_scale` each kept weight is
+    multiplied by its expert's learned `per_expert_scale` (Gemma 4's router). Once
     `router_losses.track_expert_load` is called, training forwards count each expert's assignments in
     `expert_load` (for the correction bias update; a plain attribute, never saved).
     """
@@ -242,6 +274,11 @@ class TopKRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", bias)
         logit_bias = nn.Parameter(torch.empty(config.num_experts, dtype=dtype)) if config.router_bias else None
         self.register_parameter("bias", logit_bias)  # transformers' gpt-oss name (`mlp.router.bias` there)
+        scale = nn.Parameter(torch.empty(config.hidden_size)) if config.router_input_norm else None
+        self.register_parameter("scale", scale)  # (Gemma 4's names)
+        per_expert = nn.Parameter(torch.empty(config.num_experts)) if config.router_expert_scale else None
+        self.register_parameter("per_expert_scale", per_expert)
+        self.eps, self.input_scale = config.norm_eps, config.hidden_size ** -0.5
         self.expert_load: torch.Tensor | None = None
         self.select = selection(config)
         # hash routing: each token id's k experts, a fixed table saved with the weights (transformers' name)
@@ -255,6 +292,10 @@ class TopKRouter(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`token_ids` (the tokens of `hidden_states`' rows, any shape of N ids): what a hash router looks its
         experts up by; other routers ignore them."""
+        if self.scale is not None:  # RMS-normed (no weight, fp32), times the learned scale and d^-1/2
+            x32 = hidden_states.float()
+            normed = (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).type_as(hidden_states)
+            hidden_states = normed * self.scale * self.input_scale
         logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)  # (N, E)
         if self.tid2eid is not None:
             if token_ids is None:
@@ -263,6 +304,8 @@ class TopKRouter(nn.Module):
             weights, indices = self.hash_select(logits, self.tid2eid[token_ids.reshape(-1)])
         else:
             weights, indices = self.select(logits, self.e_score_correction_bias)  # (N, k) each
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale[indices]
         if self.training and self.expert_load is not None:
             record_expert_load(self.expert_load, indices)
         return logits, weights, indices
@@ -295,6 +338,6 @@ def router_losses(
     return total, aux, z
 
 
-__all__ = ["AUX_LOSS_COEF", "HashRoutingFields", "ROUTERS", "SEQUENCE_AUX_LOSS_COEF", "RouterKind", "TopKRouter", "router_losses",
-           "selection", "biased_topk", "hash_select", "sigmoid_topk", "softmax_topk", "sqrt_softplus", "sqrtsoftplus_topk",
-           "topk_softmax"]
+__all__ = ["AUX_LOSS_COEF", "HashRoutingFields", "ROUTERS", "SEQUENCE_AUX_LOSS_COEF", "RouterKind", "TopKRouter",
+           "router_losses", "selection", "biased_topk", "hash_select", "sigmoid_topk", "softmax_topk", "sqrt_softplus",
+           "sqrtsoftplus_topk", "topk_sigmoid", "topk_softmax"]

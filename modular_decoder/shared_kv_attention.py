@@ -32,7 +32,7 @@ from .attention import linear_parameters
 from .attention_layer import AttentionLayer
 from .compressed_attention import (COMPRESSED_LAYER_TYPES, COMPRESSED_SPARSE, WindowCompression, documents,
                                    real_tokens)
-from .compressed_cache import ROLLBACK_ERROR, CompressedLayer, SharedKVLayer, SharedKVSlidingLayer
+from .compressed_cache import ROLLBACK_ERROR, CompressedLayer, KeyValueLayer, KeyValueSlidingLayer
 from .eager_attention import eager_attention, explicit_mask
 from .kinds import AttentionKind, require_int
 from .norms import build_norm, norm_parameters
@@ -88,7 +88,7 @@ class GroupedLinear(nn.Module):
         y = torch.bmm(x.reshape(-1, self.groups, width).transpose(0, 1), w).transpose(0, 1)  # (N, g, m / g)
         return y.reshape(*x.shape[:-1], -1)
 
-    def init_parameters(self, init, std: float) -> None:
+    def init_own_weights(self, init, std: float) -> None:
         init.normal_(self.weight, mean=0.0, std=std)
 
 
@@ -336,7 +336,7 @@ class SharedKVKind(AttentionKind):
             raise ValueError(f"`index_head_dim`={config.index_head_dim} must be at least the rotated width "
                              f"{config.rotary_dim}: the indexer rotates that many of its last features.")
 
-    def rope_head_dim(self, config) -> int:
+    def rope_head_dim(self, config, layer_type: str | None = None) -> int:
         return config.head_dim
 
     def backend_features(self, config) -> set[str]:
@@ -348,8 +348,8 @@ class SharedKVKind(AttentionKind):
             tail = (2 if layer_type == COMPRESSED_SPARSE else 1) * rate - 1
             return CompressedLayer(sliding_window=config.sliding_window, rate=rate, tail_length=tail)
         if layer_type == "sliding_attention":
-            return SharedKVSlidingLayer(sliding_window=config.sliding_window)
-        return SharedKVLayer()
+            return KeyValueSlidingLayer(sliding_window=config.sliding_window)
+        return KeyValueLayer()
 
     def rollback_error(self, config) -> str | None:
         return ROLLBACK_ERROR if any(t in COMPRESSED_LAYER_TYPES for t in config.layer_types) else None
@@ -369,11 +369,12 @@ class SharedKVKind(AttentionKind):
             out = linear_parameters(width, d, False)
         return q + d * hd + norm_parameters(config, hd) + out + sink_parameters(config)
 
-    def layer_parameters(self, config, layer_type: str) -> int:
+    def layer_parameters(self, config, layer_idx: int | None) -> int:
         """`parameters`, plus a compressed layer's compressor: C and Z projections (2·D wide with overlap), a
         position bias per slot and the entries' norm; CSA's indexer the same at `index_head_dim`, its query
         projection from the query latent and its per-head weights."""
         total = self.parameters(config)
+        layer_type = None if layer_idx is None else config.layer_types[layer_idx]
         if layer_type not in COMPRESSED_LAYER_TYPES:
             return total
         rate, d = config.compress_rates[layer_type], config.hidden_size
@@ -395,19 +396,17 @@ class SharedKVKind(AttentionKind):
             raise ValueError(f"`quantization={quantization!r}` applies to per-head K/V, not to a shared key = value.")
         return config.head_dim * element_bytes
 
-    def cached_bytes(self, config, layer_type: str, context: int, element_bytes: int,
-                     quantization: str | None = None) -> int:
+    def cached_bytes(self, config, layer_idx: int, layer_type: str, kept_tokens: int, context: int,
+                     element_bytes: int, quantization: str | None = None) -> int:
         """One sequence's bytes in a layer of `layer_type` after `context` tokens: the key = value of the tokens
-        its window keeps (all of them on a full layer), and a compressed layer's entries of the windows completed,
-        d_h·b each (+ D_I·b for CSA's indexer)."""
+        its window keeps (all of them on a full layer; a compressed layer's window is `sliding_window`), and a
+        compressed layer's entries of the windows completed, d_h·b each (+ D_I·b for CSA's indexer)."""
         per_token = self.bytes_per_token(config, element_bytes, quantization)
-        if layer_type == "full_attention":
-            return per_token * context
+        if layer_type not in COMPRESSED_LAYER_TYPES:
+            return per_token * kept_tokens
         total = per_token * min(context, config.sliding_window - 1)
-        if layer_type in COMPRESSED_LAYER_TYPES:
-            width = config.head_dim + (config.index_head_dim if layer_type == COMPRESSED_SPARSE else 0)
-            total += context // config.compress_rates[layer_type] * width * element_bytes
-        return total
+        width = config.head_dim + (config.index_head_dim if layer_type == COMPRESSED_SPARSE else 0)
+        return total + context // config.compress_rates[layer_type] * width * element_bytes
 
     def describe(self, config) -> str:
         return "shared-kv"

@@ -259,6 +259,7 @@ class SparseLatentKind(LatentKind):
     name = "dsa"
     module = SparseLatentAttention
     fields = LatentKind.fields + INDEX_FIELDS
+    positions = ("rope",)  # the indexer rotates its keys and queries
 
     def validate(self, config) -> None:
         super().validate(config)

@@ -51,6 +51,17 @@ VARIANTS: dict[str, dict] = {
     # gated full-attention layer; packed documents restart the linear layer's state
     "hybrid": dict(num_key_value_heads=2, layer_types=["linear_attention", "full_attention"], attn_output_gate=True,
                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
+    # Llama 4's attention: chunks of 3 on the RoPE layer, the NoPE layer's temperature, the weightless QK-norm
+    "llama4": dict(num_key_value_heads=2, layer_types=["chunked_attention", "full_attention"], attention_chunk_size=3,
+                   no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
+                   attn_temperature_offset=1, attn_temperature_layers="nope",
+                   qk_norm="weightless", rope_interleaved=True),
+    # Gemma 4's: a full layer with its own heads (16 wide, one K/V head, values from its keys), then a layer reading
+    # its keys and values; per-layer embeddings, AltUp's streams and LAUREL around both (Gemma 3n's)
+    "gemma_topology": dict(num_key_value_heads=2, global_head_dim=16, num_global_key_value_heads=1,
+                           attention_k_eq_v=True, value_norm=True, num_kv_shared_layers=1,
+                           rope_parameters={"full_attention": dict(_ROPE)}, hidden_size_per_layer_input=4,
+                           residual_stream="altup", altup_num_inputs=2, laurel_rank=4),
     # Falcon-H1's μP: multipliers on the attention's input, keys and output and on the gated MLP's gate and output
     # (vLLM's fused attention and MLP would drop them)
     "mup_sublayers": dict(num_key_value_heads=2, mlp_type="gated", attention_in_multiplier=0.5, key_multiplier=1.5,

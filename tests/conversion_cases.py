@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers as tf
 
@@ -133,6 +135,54 @@ CASES.update({
     "glm4_moe-air": ("glm4_moe", lambda: tf.Glm4MoeConfig(**COMMON, **GLM4_MOE, tie_word_embeddings=True)),
 })
 
+# Llama 4: 4 layers, NoPE on the fourth (its temperature floor Llama 4's 8,192), chunks of 4 on the RoPE layers,
+# experts (top-1 sigmoid scaling the input, a shared expert) on every other layer and dense MLPs on the others; then
+# a temperature floor of 4 tokens (these prompts reach it), every layer sparse, biases, Llama 3 RoPE scaling, no
+# QK-norm
+LLAMA4 = dict(**{**COMMON, "num_hidden_layers": 4, "intermediate_size": 24}, num_key_value_heads=2, head_dim=8,
+              intermediate_size_mlp=48, num_local_experts=4, attention_chunk_size=4, pad_token_id=None)
+CASES.update({
+    "llama4_text": ("llama4_text", lambda: tf.Llama4TextConfig(**LLAMA4, interleave_moe_layer_step=2)),
+    "llama4_text-tuned": ("llama4_text", lambda: tf.Llama4TextConfig(
+        **LLAMA4, interleave_moe_layer_step=1, floor_scale=4, attn_scale=0.5, use_qk_norm=False, attention_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "high_freq_factor": 4.0,
+                         "low_freq_factor": 1.0, "original_max_position_embeddings": 16})),
+})
+
+# Gemma 4: local / global layers (windows of 4), the global ones with heads twice as wide, one K/V head and their values
+# from the key projection, proportional RoPE on a quarter of their pairs; the last two layers reading the keys and
+# values of layers 3 and 2 with MLPs twice as wide; per-layer embeddings of width 8; a soft-capped head. Then experts
+# beside the dense MLP in every layer (4 experts, top-2, a normed router with a scale per expert), no sharing
+GEMMA4 = dict(**{**COMMON, "num_hidden_layers": 6}, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+              sliding_window=4, hidden_size_per_layer_input=8, vocab_size_per_layer_input=V,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                           "sliding_attention", "full_attention"])
+CASES.update({
+    "gemma4_text": ("gemma4_text", lambda: tf.Gemma4TextConfig(
+        **GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0)),
+    "gemma4_text-moe": ("gemma4_text", lambda: tf.Gemma4TextConfig(
+        **{**GEMMA4, "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+           "hidden_size_per_layer_input": 0}, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=16)),
+})
+
+# Gemma 3n: AltUp's 3 streams around every layer, LAUREL beside attention (rank 4), per-layer embeddings of width 8,
+# local / global layers (windows of 4), the last two layers reading layers 1 and 2's keys and values, the Gaussian
+# top-k on the first two layers' gates, a soft-capped head. Then 4 streams and the second of them active, no
+# sparsity, MLPs of their own widths, and a per-layer table smaller than the vocabulary (ids past it look up row 0, as
+# transformers does from 5.17; 5.16.1's class fails on them with an IndexError)
+GEMMA3N = dict(**{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=8, sliding_window=4,
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=V, laurel_rank=4,
+               layer_types=["sliding_attention", "full_attention"] * 2)
+CASES.update({
+    "gemma3n_text": ("gemma3n_text", lambda: tf.Gemma3nTextConfig(
+        **GEMMA3N, altup_num_inputs=3, num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.8, 0.0, 0.0])),
+    "gemma3n_text-four-streams": ("gemma3n_text", lambda: tf.Gemma3nTextConfig(
+        **{**GEMMA3N, "intermediate_size": [64, 48, 64, 32], "vocab_size_per_layer_input": 80}, altup_num_inputs=4,
+        altup_active_idx=1, num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * 4)),
+})
+
 # Hybrid linear attention: Gated DeltaNet layers (2 key heads, 4 value heads: each key head serves two) beside
 # gated full attention; Qwen3-Next with experts in every other layer and a dense one
 HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
@@ -149,6 +199,10 @@ CASES.update({
         tie_word_embeddings=True)),
     "qwen3_5_text": ("qwen3_5_text", lambda: tf.Qwen3_5TextConfig(
         **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS)),
+    # Qwen3.5-MoE: experts in every layer beside a sigmoid-gated shared expert
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", lambda: tf.Qwen3_5MoeTextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, **HYBRID, layer_types=HYBRID_LAYERS, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=40)),
 })
 
 # Mamba-2 hybrids: 4 scan heads of 16 (2 groups of B / C where the case says so), a state of 8, chunks of 8 tokens so
@@ -198,12 +252,61 @@ CASES.update({
         **{**COMMON, "num_hidden_layers": 2}, **MAMBA, mamba_expand=2, mamba_d_ssm=None, tie_word_embeddings=True)),
 })
 
-# The families whose layers hold routed experts (and the cases of each)
+# LFM2: gated short convolutions beside GQA attention with QK-norm (its feed-forward width derived as the released
+# models derive it, 2/3 of 96 rounded up to 16: 64); with biases on the convolutions, untied and the width as given
+LFM2_LAYERS = ["conv", "full_attention", "conv", "conv"]
+CASES.update({
+    "lfm2": ("lfm2", lambda: tf.Lfm2Config(**{**COMMON, "num_hidden_layers": 4, "intermediate_size": 96},
+                                           num_key_value_heads=2, layer_types=LFM2_LAYERS, block_multiple_of=16)),
+    "lfm2-bias": ("lfm2", lambda: tf.Lfm2Config(
+        **{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2, layer_types=LFM2_LAYERS[::-1], conv_bias=True,
+        conv_L_cache=4, block_auto_adjust_ff_dim=False, tie_word_embeddings=False)),
+})
+
+# OLMo hybrid: Gated DeltaNet (β in (0, 2), values twice as wide as keys) in pre-norm layers beside output-norm
+# attention with QK-norm over the whole projection; NoPE as released, and with RoPE on the full layer
+OLMO_HYBRID = dict(**{**COMMON, "num_hidden_layers": 4}, layer_types=HYBRID_LAYERS, linear_num_key_heads=2,
+                   linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16, pad_token_id=None,
+                   eos_token_id=None)
+CASES.update({
+    "olmo_hybrid": ("olmo_hybrid", lambda: tf.OlmoHybridConfig(
+        **OLMO_HYBRID, rope_parameters={"rope_type": "default", "rope_theta": None})),
+    "olmo_hybrid-rope": ("olmo_hybrid", lambda: tf.OlmoHybridConfig(
+        **OLMO_HYBRID, num_key_value_heads=2, linear_allow_neg_eigval=False, tie_word_embeddings=True)),
+})
+
+# Kimi Linear (transformers 5.17 onwards): KDA layers beside NoPE latent attention, a dense first layer then DeepSeek-V3's
+# experts (grouped sigmoid routing, a shared expert); block norms of 1e-5 beside latent norms of 1e-6
+KIMI = dict(**{**COMMON, "num_hidden_layers": 4}, **MLA, num_key_value_heads=H, layer_types=HYBRID_LAYERS,
+            linear_num_heads=2, linear_head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12,
+            n_shared_experts=1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+CASES.update({
+    "kimi_linear": ("kimi_linear", lambda: tf.KimiLinearConfig(**KIMI, q_lora_rank=None, n_group=4, topk_group=2)),
+    "kimi_linear-q-lora": ("kimi_linear", lambda: tf.KimiLinearConfig(
+        **{**KIMI, "layer_types": HYBRID_LAYERS[::-1]}, q_lora_rank=12, routed_scaling_factor=1.5,
+        tie_word_embeddings=True)),
+})
+# Families whose transformers class came after the oldest supported release: their cases skip where it lacks it
+FAMILY_CLASSES = {"kimi_linear": "KimiLinearConfig"}
+
+
+def skip_without_class(case: str) -> None:
+    """`pytest.skip` naming the release where transformers has no class for `case`'s family."""
+    import pytest
+
+    family = CASES[case][0]
+    if family in FAMILY_CLASSES and not hasattr(tf, FAMILY_CLASSES[family]):
+        pytest.skip(f"transformers {tf.__version__} has no {FAMILY_CLASSES[family]} ({family})")
+
+
+# The families whose layers hold routed experts (and the cases of each; Llama 4's where its NoPE temperature is 1 at
+# these positions: transformers' class counts a left-padded row's temperature from its cache's slots, test_llama4.py;
+# not Gemma 4's, whose class records router probabilities, not logits: test_gemma4.py)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "minimax_m2", "glm4_moe",
-              "deepseek_v4")
+              "qwen3_5_moe_text", "kimi_linear", "deepseek_v4")
              or name == "qwen3_next"
-             or name.endswith(("-moe", "-moe-grouped"))]
+             or name.endswith(("-moe", "-moe-grouped")) and not name.startswith("gemma4") or name == "llama4_text"]
 
 
 def reference_generate(source, ids, **kwargs) -> torch.Tensor:
@@ -235,20 +338,114 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
 
 def saved_source(config, path):
     """A tiny random source checkpoint saved by transformers' own class, every parameter perturbed
-    (`--verify`, exports and conversions compare it)."""
+    (`--verify`, exports and conversions compare it), in the layout the family publishes (`save_published`)."""
     config.architectures = None
     torch.manual_seed(0)
-    perturbed(tf.AutoModelForCausalLM.from_config(config)).save_pretrained(path)
+    save_published(perturbed(tf.AutoModelForCausalLM.from_config(config)), path)
     return path
 
 
-def converted_pair(case: str, path):
-    """(transformers' model of conversion case `case`, ours converted from its checkpoint, the folder `path` holding
-    both), every parameter perturbed, fp32, eval."""
+def save_published(model, path):
+    """`model.save_pretrained(path)`, then the files moved to the layout the family's released checkpoints have where
+    transformers' `save_pretrained` writes another (OLMo hybrid, Kimi Linear: see their modules in
+    conversion/families/). transformers' class loads either."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(path)
+    published = PUBLISHED_LAYOUTS.get(model.config.model_type)
+    if published is not None:
+        files = Path(path) / "model.safetensors"
+        save_file(published(load_file(str(files)), model.config), str(files), metadata={"format": "pt"})
+    return path
+
+
+def _olmo_hybrid_published(tensors: dict, config) -> dict:
+    """The three convolutions of H_k·d_k, H_k·d_k and H_v·d_v rows; an attention layer's first norm by its own name."""
+    key = config.linear_num_key_heads * config.linear_key_head_dim
+    widths = [key, key, config.linear_num_value_heads * config.linear_value_head_dim]
+    for i, layer_type in enumerate(config.layer_types):
+        layer = f"model.layers.{i}."
+        if layer_type == "linear_attention":
+            names = [f"{layer}linear_attn.{x}_conv1d.weight" for x in "qkv"]
+            stacked = torch.cat([tensors.pop(name) for name in names])
+            tensors.update(zip(names, (t.contiguous() for t in stacked.split(widths))))
+        else:
+            tensors[f"{layer}post_attention_layernorm.weight"] = tensors.pop(f"{layer}feedforward_layer_norm.weight")
+    return tensors
+
+
+def _kimi_linear_published(tensors: dict, config) -> dict:
+    """A dense layer's MLP as `mlp` (transformers writes `block_sparse_moe` in every layer)."""
+    for i, kind in enumerate(config.mlp_layer_types):
+        if kind == "dense":
+            old = f"model.layers.{i}.block_sparse_moe."
+            for name in [n for n in tensors if n.startswith(old)]:
+                tensors[f"model.layers.{i}.mlp." + name[len(old):]] = tensors.pop(name)
+    return tensors
+
+
+PUBLISHED_LAYOUTS = {"olmo_hybrid": _olmo_hybrid_published, "kimi_linear": _kimi_linear_published}
+
+
+def converted_pair(case: str, path, attn_implementation=None):
+    """(transformers' model of conversion case `case` (with `attn_implementation` where given), ours converted from its
+    checkpoint, the folder `path` holding both), every parameter perturbed, fp32, eval."""
     from modular_decoder import ModularDecoderForCausalLM
     from modular_decoder.conversion import convert
 
     saved_source(CASES[case][1](), path / "theirs")
-    theirs = tf.AutoModelForCausalLM.from_pretrained(path / "theirs").eval()
+    implementation = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    theirs = tf.AutoModelForCausalLM.from_pretrained(path / "theirs", **implementation).eval()
     convert(path / "theirs", path / "ours", progress=False)
     return theirs, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval(), path
+
+
+def preset_parameter_counts(name: str, family: str, tiny: bool) -> tuple[int, int, int]:
+    """Preset `name` exported to `family`'s config: the parameters of transformers' class built from it on the meta
+    device, the contract's formula, ours on meta."""
+    from modular_decoder import ModularDecoderForCausalLM, parameter_count, preset_config
+    from modular_decoder.conversion import get_family
+
+    config = preset_config(name, tiny=tiny)
+    with torch.device("meta"):
+        theirs = tf.AutoModelForCausalLM.from_config(get_family(family).from_contract(config))
+        ours = ModularDecoderForCausalLM(config)
+    return sum(p.numel() for p in theirs.parameters()), parameter_count(config)["total"], ours.num_parameters()
+
+
+def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_step=None):
+    """A LoRA adapter on `targets` made on transformers' model in `path / "theirs"` and loaded onto ours in
+    `path / "ours"` (checked: the same modules adapted, the same logits on `ids`), trained one SGD step there (after
+    `before_step(ours)`), saved under `out` and loaded back onto transformers' model (checked: ours' logits).
+    Returns (ours, its logits before the step)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from modular_decoder import ModularDecoderForCausalLM
+
+    def adapted(model) -> set[str]:
+        return {name.rsplit(".", 2)[-2] for name, _ in model.named_modules() if name.endswith(".base_layer")}
+
+    config = LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+    torch.manual_seed(1)
+    theirs = get_peft_model(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), config).eval()
+    theirs.save_pretrained(out / "adapter")
+    ours = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(path / "ours"), out / "adapter",
+                                     is_trainable=True)
+    assert adapted(ours) == adapted(theirs) == set(targets)
+    with torch.no_grad():
+        before = ours(ids).logits
+        torch.testing.assert_close(before, theirs(ids).logits, rtol=1e-5, atol=1e-5)
+    if before_step is not None:
+        before_step(ours)
+    optimizer = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=0.1)
+    ours.train()
+    ours(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    ours.eval()
+    # (the adapter names transformers' folder as its base, whose config.json PEFT's vocabulary check would read
+    # with our config class: nothing was resized, so say so)
+    ours.save_pretrained(out / "trained", save_embedding_layers=False)
+    back = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), out / "trained").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+    return ours, before

@@ -97,3 +97,24 @@ def right_padded(features: list[dict]) -> dict:
         ids[row, : len(feature["input_ids"])] = torch.tensor(feature["input_ids"])
         mask[row, : len(feature["input_ids"])] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def compiled_eager_and_reference(ours, reference, prompt: torch.Tensor, new_tokens: int = 8):
+    """Greedy tokens of `ours` through `generate(**compiled_decoding())` (a static cache, the decode step compiled with
+    fullgraph=True), of `ours` eager and of `reference` (transformers' class), and whether the step compiled."""
+    import warnings
+
+    from modular_decoder import compiled_decoding
+
+    graphs = []
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            arguments = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            compiled = ours.generate(prompt, **arguments, **compiled_decoding(backend=recording_backend(graphs)))
+            eager = ours.generate(prompt, **arguments)
+            tokens = reference.generate(prompt, **arguments)
+    finally:
+        torch._dynamo.reset()
+    return compiled, eager, tokens, bool(graphs)

@@ -139,7 +139,8 @@ QWEN_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full
 
 
 # The families whose files keep an MTP module in Qwen3-Next's layout, and transformers' model class of each
-QWEN_MTP_CLASSES = {"qwen3_next": tf.Qwen3NextForCausalLM, "qwen3_5_text": tf.Qwen3_5ForCausalLM}
+QWEN_MTP_CLASSES = {"qwen3_next": tf.Qwen3NextForCausalLM, "qwen3_5_text": tf.Qwen3_5ForCausalLM,
+                    "qwen3_5_moe_text": tf.Qwen3_5MoeForCausalLM}
 
 
 def save_qwen3_next_with_mtp(path, seed: int = 0, family: str = "qwen3_next") -> Path:

@@ -41,15 +41,16 @@ LINEAR = "linear_attention"
 
 # What the strategy knows how to draw for each registry; `test_strategies_cover_every_registry_entry`
 # fails when an entry is added to a registry and not here.
-ATTENTION_TYPES = ("standard", "mla", "dsa")
+ATTENTION_TYPES = ("standard", "mla", "dsa", "shared_kv")
 MLP_TYPES = ("dense", "gated", "moe")
-LINEAR_ATTENTION_TYPES = ("gated_deltanet", "mamba2")
+LINEAR_ATTENTION_TYPES = ("gated_deltanet", "mamba2", "kda", "short_conv")
 LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_conv_kernel_dim")
 POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's lightning indexer
 LATENT_TYPES = ("mla", "dsa")
+COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")  # shared_kv's CSA / HCA layers
 REGISTRIES = {"attention_type": (ATTENTIONS, ATTENTION_TYPES), "mlp_type": (MLPS, MLP_TYPES),
               "position_embedding_type": (POSITIONS, POSITION_TYPES), "norm_type": (NORMS, tuple(NORMS)),
               "linear_attention_type": (LINEAR_ATTENTIONS, LINEAR_ATTENTION_TYPES)}
@@ -110,6 +111,8 @@ def _heads(draw, attention_type: str) -> dict:
         kv = draw(st.sampled_from(divisors + [None]))  # None: MHA by default
         if kv is not None:
             out["num_key_value_heads"] = kv
+    elif attention_type == "shared_kv":  # DeepSeek-V4: one key = value head
+        out["num_key_value_heads"] = 1
     if draw(st.booleans()):  # d_h derived from the hidden size
         out["hidden_size"] = heads * draw(st.integers(1, MAX_HIDDEN // heads))
     else:
@@ -166,9 +169,19 @@ def config_kwargs(draw) -> dict:
         kw["sliding_window"] = window
         if draw(st.integers(0, 2)):  # mostly an explicit per-layer list (local/global mixes)
             kw["layer_types"] = draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=layers, max_size=layers))
+    elif draw(st.integers(0, 3)) == 0 and attention_type in ("standard", "mla"):  # Llama 4's chunks (not beside
+        # sliding layers)
+        kw["attention_chunk_size"] = draw(st.integers(2, MAX_SEQ))
+        kw["layer_types"] = draw(st.lists(st.sampled_from(["chunked_attention", "full_attention"]), min_size=layers,
+                                          max_size=layers))
+        kw["layer_types"][draw(st.integers(0, layers - 1))] = "chunked_attention"
     elif draw(st.booleans()):
         kw["layer_types"] = ["full_attention"] * layers
     layer_types = kw.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
+    if attention_type == "shared_kv" and window is not None and draw(st.booleans()):  # DeepSeek-V4's CSA / HCA
+        compressed = draw(st.lists(st.sampled_from((None, *COMPRESSED)), min_size=layers, max_size=layers))
+        layer_types = kw["layer_types"] = [c or t for c, t in zip(compressed, layer_types)]
+        kw["compress_rates"] = {t: draw(st.integers(1, 4)) for t in COMPRESSED if t in layer_types}
     # a hybrid: some layers (all, without MLA / DSA, whose rotary key needs an attention layer) linear attention
     if draw(st.integers(0, 2)) == 0 and (attention_type not in LATENT_TYPES or layers > 1):
         linear = draw(st.lists(st.booleans(), min_size=layers, max_size=layers))
@@ -177,7 +190,9 @@ def config_kwargs(draw) -> dict:
             linear[linear.index(True)] = False
         layer_types = kw["layer_types"] = [LINEAR if lin else t for lin, t in zip(linear, layer_types)]
         kw["linear_attention_type"] = draw(st.sampled_from(LINEAR_ATTENTION_TYPES))
-        kw.update(draw(mamba2_fields() if kw["linear_attention_type"] == "mamba2" else linear_fields()))
+        kw.update(draw(LINEAR_KIND_FIELDS[kw["linear_attention_type"]]()))
+    if "chunked_attention" not in layer_types:  # every chunked layer made linear: no chunk size to set
+        kw.pop("attention_chunk_size", None)
     attending = sorted(set(layer_types) - {LINEAR})
 
     # attention kind
@@ -195,6 +210,19 @@ def config_kwargs(draw) -> dict:
             kw["kv_latent_norm"] = False  # the linear latent of a converted standard attention
         position = "rope"
         rope_width, rotary = kw["qk_rope_head_dim"], kw["qk_rope_head_dim"]
+    elif attention_type == "shared_kv":  # a query latent, a grouped output projection (each optional); no ALiBi
+        sparse = COMPRESSED[0] in layer_types
+        q_lora_rank = draw(st.integers(1, 16)) if sparse else draw(st.none() | st.integers(1, 16))
+        if q_lora_rank is not None:
+            kw["q_lora_rank"] = q_lora_rank
+        if draw(st.booleans()):
+            heads = kw["num_attention_heads"]
+            kw.update(o_groups=draw(st.sampled_from([g for g in range(1, heads + 1) if heads % g == 0])),
+                      o_lora_rank=draw(st.integers(1, 16)))
+        position = draw(st.sampled_from([p for p in POSITION_TYPES if p != "alibi"] if attending
+                                        else ("learned", "sinusoidal", "none")))
+        rope_width = _head_dim(kw)
+        rotary = None
     else:
         kw["qk_norm"] = draw(st.sampled_from(QK_NORMS))
         if draw(st.booleans()):
@@ -204,6 +232,8 @@ def config_kwargs(draw) -> dict:
         rope_width = _head_dim(kw)
         rotary = None
     kw["position_embedding_type"] = position
+    if kw.get("qk_norm") == "weightless" and position != "rope":  # (Llama 4's norm of the rotated heads)
+        kw["qk_norm"] = "none"
 
     # positions
     if position == "learned" and draw(st.booleans()):
@@ -225,6 +255,11 @@ def config_kwargs(draw) -> dict:
             flags = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
             flags[draw(st.sampled_from([i for i, t in enumerate(layer_types) if t != LINEAR]))] = 1
             kw["no_rope_layers"] = flags
+        if attention_type == "standard" and draw(st.booleans()):  # the query temperature (Llama 4: NoPE layers, p + 1)
+            nope = not all(kw.get("no_rope_layers") or [1])
+            kw.update(attn_temperature_tuning=True, floor_scale=draw(st.integers(1, 8)),
+                      attn_scale=draw(st.floats(0.0, 1.0)), attn_temperature_offset=draw(st.integers(0, 1)),
+                      attn_temperature_layers=draw(st.sampled_from(["all", "nope"] if nope else ["all"])))
         if draw(st.booleans()):  # nested per layer type, each with its own type and base
             kw["rope_parameters"] = {t: draw(rope_dict(rotary, max_positions)) for t in attending}
             if draw(st.booleans()):  # a table for a layer type no layer uses is allowed too
@@ -234,9 +269,13 @@ def config_kwargs(draw) -> dict:
         # else: no dict, the default rope with the default base
 
     # attention details
-    kw["attention_bias"] = draw(st.booleans())
-    kw["attention_output_bias"] = draw(st.sampled_from([None, True, False]))
-    kw["attn_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
+    if attention_type != "shared_kv":  # (no biases and no cap on shared key = value attention)
+        kw["attention_bias"] = draw(st.booleans())
+        kw["attention_output_bias"] = draw(st.sampled_from([None, True, False]))
+        kw["attn_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
+    elif COMPRESSED[0] in layer_types:  # CSA's indexer, wide enough for the rotated features it rotates
+        kw.update(index_n_heads=draw(st.integers(1, 4)), index_topk=draw(st.integers(1, MAX_SEQ + 1)),
+                  index_head_dim=(rotary if position == "rope" else 1) + draw(st.integers(0, 6)))
     kw["attention_sinks"] = draw(st.booleans())
     kw["final_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
     kw["query_pre_attn_scalar"] = draw(st.none() | st.floats(1.0, 64.0))
@@ -254,8 +293,36 @@ def config_kwargs(draw) -> dict:
     kw["eos_token_id"] = draw(st.none() | st.integers(0, vocab - 1)
                               | st.lists(st.integers(0, vocab - 1), min_size=1, max_size=2))
 
-    # multi-token prediction (the modules are built from the last layer's kinds)
-    kw["num_mtp_layers"] = draw(st.sampled_from([0, 0, 1, 2]))
+    # Gemma 3n / Gemma 4: per-layer embeddings, a scalar per layer; with standard attention, normed values, the last
+    # layers reading earlier layers' keys and values, the full layers' values from their keys and their own K/V heads
+    topology = {}
+    if draw(st.integers(0, 3)) == 0:
+        topology["hidden_size_per_layer_input"] = draw(st.integers(1, 8))
+    if draw(st.integers(0, 3)) == 0:
+        topology["layer_scalar"] = True
+    if draw(st.integers(0, 3)) == 0:  # AltUp's streams
+        topology.update(residual_stream="altup", altup_num_inputs=draw(st.integers(2, 4)))
+        topology["altup_active_idx"] = draw(st.integers(0, topology["altup_num_inputs"] - 1))
+        topology["altup_correct_scale"] = draw(st.booleans())
+    if kw["norm_position"] in ("pre", "sandwich") and not kw.get("parallel_block") and draw(st.integers(0, 3)) == 0:
+        topology["laurel_rank"] = draw(st.integers(1, 8))
+    if attention_type == "standard":
+        topology["value_norm"] = draw(st.booleans())
+        if "full_attention" in layer_types and draw(st.integers(0, 2)) == 0:
+            topology["attention_k_eq_v"] = True
+            heads = [h for h in range(1, kw["num_attention_heads"] + 1) if kw["num_attention_heads"] % h == 0]
+            topology["num_global_key_value_heads"] = draw(st.sampled_from(heads))
+        shareable = [n for n in range(1, layers) if LINEAR not in layer_types[layers - n:]
+                     and set(layer_types[layers - n:]) <= set(layer_types[:layers - n])]
+        if shareable and draw(st.integers(0, 2)) == 0:
+            topology["num_kv_shared_layers"] = draw(st.sampled_from(shareable))
+    kw.update(topology)
+
+    # multi-token prediction (the modules are built from the last layer's kinds; none beside per-layer embeddings or
+    # shared keys and values)
+    kw["num_mtp_layers"] = 0 if {"hidden_size_per_layer_input", "num_kv_shared_layers", "residual_stream"} & set(
+        topology) else draw(
+        st.sampled_from([0, 0, 1, 2]))
     if kw["num_mtp_layers"] and draw(st.booleans()):
         kw["mtp_loss_scaling_factor"] = draw(st.floats(0.0, 1.0))
     if kw["num_mtp_layers"] and draw(st.booleans()):
@@ -265,8 +332,9 @@ def config_kwargs(draw) -> dict:
 
 @st.composite
 def moe_fields(draw, layers: int) -> dict:
-    """The mixture-of-experts fields: experts, routing (softmax, gpt-oss's softmax over the kept logits, or
-    DeepSeek-V3's sigmoid with groups; a router bias), shared experts (optionally Qwen2-MoE's gate), gpt-oss's
+    """The mixture-of-experts fields: experts, routing (softmax, gpt-oss's softmax over the kept logits,
+    DeepSeek-V3's sigmoid with groups or Llama 4's sigmoid of the kept logits, weighing outputs or inputs; a router
+    bias), shared experts (optionally Qwen2-MoE's gate), gpt-oss's
     expert biases and clamped SwiGLU, and which layers are sparse."""
     experts = draw(st.sampled_from([2, 4, 6, 8]))
     kw = dict(num_experts=experts, num_experts_per_tok=draw(st.integers(1, min(3, experts))),
@@ -283,8 +351,11 @@ def moe_fields(draw, layers: int) -> dict:
         kw["swiglu_limit"] = draw(st.floats(0.1, 8.0))
         if draw(st.booleans()):
             kw["swiglu_alpha"] = draw(st.floats(0.5, 2.0))
-    router = draw(st.integers(0, 2))
-    if router == 1:  # gpt-oss: softmax over the kept logits (no groups, always normalised)
+    router = draw(st.integers(0, 3))
+    kw["apply_router_weight_on_input"] = draw(st.booleans())  # Llama 4: the weight scales the expert's input
+    if router == 3:  # Llama 4: a sigmoid of each kept logit (no groups)
+        kw["router_type"] = "topk_sigmoid"
+    elif router == 1:  # gpt-oss: softmax over the kept logits (no groups, always normalised)
         kw.update(router_type="topk_softmax", norm_topk_prob=True)
     elif router == 2:  # sigmoid scores, a correction bias, group-limited top-k, a routed scale
         groups = draw(st.sampled_from([g for g in (1, 2) if experts % g == 0 and experts // g >= 2]))
@@ -295,18 +366,27 @@ def moe_fields(draw, layers: int) -> dict:
 
 
 @st.composite
-def linear_fields(draw) -> dict:
-    """The linear-attention layers' sizes (each unset one takes its default from the attention's)."""
+def linear_fields(draw, one_value_head_per_key_head: bool = False) -> dict:
+    """The delta-rule layers' sizes (each unset one takes its default from the attention's) and options (OLMo
+    hybrid's negative eigenvalues); KDA has one value head per key head."""
     kw = {}
     key_heads = draw(st.integers(1, 2))
     if draw(st.booleans()):
         kw["linear_num_key_heads"] = key_heads
-        kw["linear_num_value_heads"] = key_heads * draw(st.integers(1, 2))
+        kw["linear_num_value_heads"] = key_heads * (1 if one_value_head_per_key_head else draw(st.integers(1, 2)))
+    elif one_value_head_per_key_head:  # the defaults (from the attention's heads) may differ
+        kw["linear_num_key_heads"] = kw["linear_num_value_heads"] = key_heads
     for name, values in (("linear_key_head_dim", st.integers(1, 8)), ("linear_value_head_dim", st.integers(1, 8)),
-                         ("linear_conv_kernel_dim", st.integers(1, 4))):
+                         ("linear_conv_kernel_dim", st.integers(1, 4)), ("linear_allow_neg_eigval", st.booleans())):
         if draw(st.booleans()):
             kw[name] = draw(values)
     return kw
+
+
+@st.composite
+def short_conv_fields(draw) -> dict:
+    """LFM2's gated short convolution: its window and biases."""
+    return dict(linear_conv_kernel_dim=draw(st.integers(1, 4)), conv_bias=draw(st.booleans()))
 
 
 @st.composite
@@ -322,6 +402,11 @@ def mamba2_fields(draw) -> dict:
         low = draw(st.floats(0.0, 0.5))
         kw["time_step_limit"] = [low, low + draw(st.floats(0.1, 10.0))]
     return kw
+
+
+# The fields each linear-attention kind draws
+LINEAR_KIND_FIELDS = {"gated_deltanet": linear_fields, "kda": lambda: linear_fields(one_value_head_per_key_head=True),
+                      "short_conv": short_conv_fields, "mamba2": mamba2_fields}
 
 
 def configs() -> st.SearchStrategy[ModularDecoderConfig]:
@@ -366,7 +451,7 @@ def _bad_number(out_of_range, optional: bool):
 def _break_rope(draw, kw: dict) -> tuple[dict, str]:
     """A rope dict missing a key its type needs, of an unknown type, with a bad value, or not a dict."""
     params = kw.get("rope_parameters")
-    nested = isinstance(params, dict) and set(params) <= set(LAYER_TYPES) and params
+    nested = isinstance(params, dict) and set(params) <= {*LAYER_TYPES, "chunked_attention", *COMPRESSED} and params
     if nested:  # any table, also one for a layer type no layer has
         key = draw(st.sampled_from(sorted(params)))
         target = params[key]
@@ -510,7 +595,9 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
         broken[field] = draw(st.sampled_from(bad))
     elif kind == "mla_position":
         field = "position_embedding_type"
-        broken[field] = draw(st.sampled_from(["learned", "sinusoidal", "alibi", "none"]))
+        # (MLA without positions is Kimi Linear's NoPE latent attention; DSA's indexer rotates)
+        broken[field] = draw(st.sampled_from(["learned", "sinusoidal", "alibi"]
+                                             + (["none"] if kw["attention_type"] == "dsa" else [])))
         broken.pop("rope_parameters", None)
         broken.pop("rope_interleaved", None)
         broken.pop("partial_rotary_factor", None)
@@ -541,12 +628,13 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
             broken[field] = draw(st.sampled_from([0.3, 1.0]))
     elif kind == "linear_field":
         field = draw(st.sampled_from(LINEAR_FIELDS))
-        if LINEAR in (kw.get("layer_types") or ()):
+        reads = LINEAR_ATTENTIONS[kw.get("linear_attention_type", "gated_deltanet")].fields
+        if LINEAR in (kw.get("layer_types") or ()) and field in reads:
             broken[field] = draw(st.sampled_from([0, -1, "4", 2.5, True]))
             if field == "linear_num_value_heads":  # not a multiple of the key heads
                 key_heads = broken.setdefault("linear_num_key_heads", 2)
                 broken[field] = draw(st.sampled_from([0, -1, "4", key_heads + 1] if key_heads > 1 else [0, -1, "4"]))
-        else:  # only linear-attention layers read it
+        else:  # only linear-attention layers of a kind that reads it read it
             broken[field] = draw(st.sampled_from([1, 4, 16]))
     else:  # pragma: no cover
         raise AssertionError(kind)

@@ -480,13 +480,14 @@ def test_mtp_decode_smoke_renders(capsys, tmp_path):
     out = tmp_path / "mtp.json"
     assert mtp_decode.main(["--smoke", "--repeats", "1", "--draft-tokens", "3", "1", "--out", str(out)]) == 0
     run = json.loads(out.read_text())
-    assert set(run["cases"]) == {"transformers", "ours", "ours_mtp", "ours_mtp_k1", "ours_prompt_lookup",
-                                 "ours_early_exit"}
+    assert set(run["cases"]) == {"transformers", "ours", "ours_mtp", "ours_mtp_constant", "ours_mtp_k1",
+                                 "ours_prompt_lookup", "ours_early_exit"}
     assert all(case["same_tokens"] for case in run["cases"].values()) and run["draft_tokens"] == [3, 1]
     for case, count in (("ours_mtp", 3), ("ours_mtp_k1", 1)):
         mtp = run["cases"][case]
         assert mtp["acceptance"] is not None and len(mtp["position_acceptance"]) == count
-        assert run["ceiling"][str(count)]["tokens_per_step"] == 1 + sum(mtp["position_acceptance"])
+        steady = run["cases"][mtp_decode.ceiling_case(run["draft_tokens"], count)]  # drafting `count` every step
+        assert run["ceiling"][str(count)]["tokens_per_step"] == 1 + sum(steady["position_acceptance"])
         assert f"drafts_{count}" in run["step_ms"]
     assert {f"forward_{k}_tokens" for k in range(1, 5)} <= set(run["step_ms"])  # the verification of 3 drafts
     printed = capsys.readouterr().out
@@ -562,6 +563,28 @@ def test_hybrid_smoke_measures_both_sides_and_both_layer_kinds(tmp_path):
     first, last = record["flat_in_context"]
     assert first["cache_bytes"]["linear_attention"] == last["cache_bytes"]["linear_attention"]
     assert last["cache_bytes"]["full_attention"] == 4 * first["cache_bytes"]["full_attention"]  # 256 / 64 tokens
+
+
+def test_mixers_smoke_measures_each_family_each_mixer_and_the_presets(tmp_path):
+    """`python -m benchmarks mixers --smoke`: each family's side with transformers' logits, each mixer's decode step
+    with a cache that does not grow (the full layer's does), prompt lookup beside plain decoding, and the presets' state
+    and K/V bytes."""
+    from benchmarks import mixers
+
+    out = tmp_path / "mixers.json"
+    assert mixers.main(["--smoke", "--repeats", "1", "--families", "lfm2", "kimi_linear", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["side_by_side"]) <= {"lfm2", "kimi_linear"} and "lfm2" in record["side_by_side"]
+    for side in record["side_by_side"].values():
+        assert side["max_logit_diff"] < 1e-4 and side["decode"]["median_ratio"] > 0
+    first, last = record["flat_in_context"]
+    for kind in ("gated_deltanet", "kda", "short_conv"):
+        assert first["cache_bytes"][kind] == last["cache_bytes"][kind] > 0
+    assert last["cache_bytes"]["full_attention"] == 4 * first["cache_bytes"]["full_attention"]
+    assert [row["preset"] for row in record["state_against_kv"]] == list(mixers.PRESETS)
+    assert set(record["drafting"]) == set(record["side_by_side"])
+    for row in record["drafting"].values():  # prompt lookup decodes plain greedy's tokens
+        assert row["same_tokens"] and row["median_tokens_per_s"]["prompt_lookup"] > 0
 
 
 def test_mamba2_smoke_measures_each_family_and_both_layer_kinds(tmp_path):

@@ -69,11 +69,25 @@ def test_tags_name_the_variant_choices():
     assert {"attention-sinks", "sliding-window", "router-topk-softmax", "clamped-swiglu"} <= set(
         variant_tags(preset_config("gpt_oss")))
     assert "nope-layers" in variant_tags(preset_config("smollm3"))
+    assert {"residual-stream-altup", "laurel", "activation-sparsity", "kv-sharing", "per-layer-embeddings"} <= set(
+        variant_tags(preset_config("gemma3n")))
+    assert {"per-layer-attention-shapes", "kv-sharing", "per-layer-embeddings", "layer-scalars",
+            "sliding-window"} <= set(variant_tags(preset_config("gemma4")))
+    assert {"chunked-attention", "nope-layers", "nope-temperature-tuning", "qk-norm-weightless", "router-topk-sigmoid",
+            "router-weight-on-input"} <= set(variant_tags(preset_config("llama4")))
+    assert "query-temperature" in variant_tags(preset_config("ministral3"))
     assert not {"attention-sinks", "nope-layers", "clamped-swiglu"} & set(variant_tags(preset_config("llama")))
 
 
 @pytest.mark.parametrize("name, fields", [
     ("gpt_oss", ("attention_sinks", "router_type", "router_bias", "mlp_bias", "swiglu_limit", "swiglu_alpha")),
+    ("gemma3n", ("residual_stream", "altup_num_inputs", "altup_active_idx", "altup_coef_clip", "altup_correct_scale",
+                 "laurel_rank", "activation_sparsity_pattern", "num_kv_shared_layers", "value_norm")),
+    ("gemma4", ("global_head_dim", "num_kv_shared_layers", "value_norm", "hidden_size_per_layer_input",
+                "vocab_size_per_layer_input", "layer_scalar", "layer_intermediate_sizes")),
+    ("llama4", ("attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale",
+                "attn_temperature_offset", "attn_temperature_layers", "qk_norm", "router_type",
+                "apply_router_weight_on_input", "rope_interleaved")),
 ])
 def test_cards_name_the_new_fields(name, fields):
     card = preset_card(name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed, reference_generate
+from conversion_cases import CASES, perturbed, reference_generate, save_published, skip_without_class
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -20,12 +20,13 @@ def make_source(case: str, path):
     """A random source checkpoint; every parameter perturbed so that no norm is the identity and a
     swapped tensor could not go unnoticed, and so is every saved buffer (DeepSeek-V3's router
     correction bias, which starts at zero)."""
+    skip_without_class(case)
     family, build = CASES[case]
     config = build()
     config.architectures = None
     torch.manual_seed(0)
     model = perturbed(AutoModelForCausalLM.from_config(config).eval())
-    model.save_pretrained(path)
+    save_published(model, path)
     return family, model
 
 

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed, reference_generate
+from conversion_cases import CASES, perturbed, preset_parameter_counts, reference_generate
 from transformers import AutoModelForCausalLM
 
 from modular_decoder.conversion import convert
@@ -116,12 +116,5 @@ def test_preset_parameters_equal_the_family_class_on_meta(name, tiny):
     """The preset exported to its family's config (`from_contract`) and built by transformers' own class on the meta
     device has exactly the contract's parameter count and ours (Phi-4: 14,659,507,200; GLM-4.5 without its MTP
     layer: 352,797,814,784)."""
-    from modular_decoder import ModularDecoderForCausalLM, parameter_count, preset_config
-    from modular_decoder.conversion import get_family
-
-    config = preset_config(name, tiny=tiny)
-    their_config = get_family(PRESET_FAMILIES[name]).from_contract(config)
-    with torch.device("meta"):
-        theirs = AutoModelForCausalLM.from_config(their_config)
-        ours = ModularDecoderForCausalLM(config)
-    assert sum(p.numel() for p in theirs.parameters()) == parameter_count(config)["total"] == ours.num_parameters()
+    theirs, count, ours = preset_parameter_counts(name, PRESET_FAMILIES[name], tiny)
+    assert theirs == count == ours

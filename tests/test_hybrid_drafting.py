@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from conversion_cases import converted_pair
+from conversion_cases import converted_pair, skip_without_class
 from transformers.generation import candidate_generator
 
 from modular_decoder import ModularDecoderCache, ModularDecoderForCausalLM, compat, delta_rule, preset_config
@@ -34,10 +34,14 @@ DRAFTING = {
 }
 
 
-# (Nemotron-H: Mamba-2 layers; Falcon-H1: Mamba-2 beside attention in hybrid layers, whose cache layer holds both)
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text", "nemotron_h", "falcon_h1"])
+# (Nemotron-H: Mamba-2 layers; Falcon-H1: Mamba-2 beside attention in hybrid layers, whose cache layer holds both;
+# LFM2: a window-only short convolution; Kimi Linear: KDA's three convolutions in one window, beside latent attention;
+# OLMo hybrid: Gated DeltaNet with negative eigenvalues; Qwen3.5-MoE: Gated DeltaNet beside experts)
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text", "nemotron_h", "falcon_h1", "lfm2", "kimi_linear",
+                                        "olmo_hybrid", "qwen3_5_moe_text"])
 def pair(request, tmp_path_factory):
     """(transformers' model, ours converted from its checkpoint, the folder)."""
+    skip_without_class(request.param)
     return converted_pair(request.param, tmp_path_factory.mktemp(request.param))
 
 
@@ -85,7 +89,8 @@ RULES = {
     "gated_deltanet": (_delta_rule_inputs, delta_rule.chunked_gated_delta_rule, delta_rule.recurrent_gated_delta_rule),
     "decaying_sum": (_decaying_inputs, _decaying_sum, _decaying_sum),
 }
-# slot -> (conv window width or None, rule or None): Gated DeltaNet, Kimi-like (three windows, one state), window only
+# slot -> (conv window width or None, rule or None): Gated DeltaNet, several slots (three windows as transformers'
+# Kimi Linear keeps them, two states), a window only
 MIXERS = {
     "gated_deltanet": {0: (KERNEL, "gated_deltanet")},
     "three_slots": {0: (KERNEL, "decaying_sum"), 1: (2, None), 2: (3, "gated_deltanet")},
@@ -279,8 +284,8 @@ def test_transformers_prompt_lookup_needs_one_more_recorded_state(pair, monkeypa
     token) gives its greedy tokens, which are ours. If this starts failing on its first assert, transformers fixed
     it: update docs/using.md."""
     theirs, ours, _ = pair
-    if ours.config.linear_attention_type != "gated_deltanet":
-        pytest.skip("transformers' Mamba-2 classes keep greedy's tokens under prompt lookup on this prompt")
+    if ours.config.linear_attention_type not in ("gated_deltanet", "kda"):
+        pytest.skip("transformers' Mamba-2 and LFM2 classes keep greedy's tokens under prompt lookup on this prompt")
     greedy = theirs.generate(PROMPT, **GREEDY)
     assert not torch.equal(theirs.generate(PROMPT, prompt_lookup_num_tokens=3, **GREEDY), greedy)
     monkeypatch.setattr(candidate_generator.PromptLookupCandidateGenerator, "num_drafting_tokens",

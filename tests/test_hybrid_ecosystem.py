@@ -1,5 +1,6 @@
-"""Hybrid models (Gated DeltaNet layers beside gated full attention) in the ecosystem, each client beside
-transformers' `Qwen3_5ForCausalLM` / `Qwen3NextForCausalLM` with the same weights (converted by
+"""Hybrid models (Gated DeltaNet layers beside gated full attention; and LFM2's short convolutions, OLMo hybrid's Gated
+DeltaNet, Kimi Linear's KDA beside NoPE latent attention) in the ecosystem, each client beside transformers' own class
+(`Qwen3_5ForCausalLM`, `Qwen3NextForCausalLM`, `Lfm2ForCausalLM`, ...) with the same weights (converted by
 `modular_decoder.conversion`): packed documents (each computed as alone: the linear layers restart their state at
 every document), `Trainer` on padded and on packed batches, gradient checkpointing, PEFT LoRA on the linear
 layers' projections (default targets; an adapter moving between transformers' class and ours) and the compiled
@@ -7,15 +8,13 @@ decode step."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from conversion_cases import CASES, converted_pair, perturbed
-from decoding import recording_backend, right_padded
+from conversion_cases import CASES, converted_pair, lora_round_trip, perturbed, save_published, skip_without_class
+from decoding import compiled_eager_and_reference, recording_backend, right_padded
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from modular_decoder import ModularDecoderForCausalLM, compiled_decoding
+from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.conversion import convert
 from modular_decoder.hybrid_cache import HybridLayer
 from modular_decoder.recurrent_cache import RecurrentLayer
@@ -40,6 +39,7 @@ def qwen3_5(tmp_path_factory):
 
 
 def _pair(case: str, tmp_path_factory):
+    skip_without_class(case)
     return converted_pair(case, tmp_path_factory.mktemp(case))
 
 
@@ -153,14 +153,16 @@ def _train(model, collator, tmp_path, **arguments) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-@pytest.mark.parametrize("case", ["qwen3_5_text", "bamba", "falcon_h1"])
+@pytest.mark.parametrize("case", ["qwen3_5_text", "bamba", "falcon_h1", "lfm2", "olmo_hybrid", "kimi_linear"])
 def test_trainer_padded_and_packed_beside_transformers(case, tmp_path):
     """`Trainer` from the same weights and data: ours on padded batches, and on packed batches with gradient
-    checkpointing, gives the loss curve of transformers' class (Qwen3.5, Bamba, Falcon-H1) on padded batches."""
+    checkpointing, gives the loss curve of transformers' class (Qwen3.5, Bamba, Falcon-H1, LFM2, OLMo hybrid, Kimi
+    Linear) on padded batches."""
+    skip_without_class(case)
     config = CASES[case][1]()
     config.architectures = None
     torch.manual_seed(0)
-    perturbed(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path / "theirs")
+    save_published(perturbed(AutoModelForCausalLM.from_config(config)), tmp_path / "theirs")
     convert(tmp_path / "theirs", tmp_path / "ours", progress=False)
     theirs = _train(AutoModelForCausalLM.from_pretrained(tmp_path / "theirs"), right_padded, tmp_path / "a")
     padded = _train(ModularDecoderForCausalLM.from_pretrained(tmp_path / "ours"), right_padded, tmp_path / "b")
@@ -178,15 +180,33 @@ def _adapted(peft_model) -> set[str]:
     return {name.rsplit(".", 2)[-2] for name, _ in peft_model.named_modules() if name.endswith(".base_layer")}
 
 
-def test_lora_defaults_adapt_the_linear_layers(qwen3_5):
+# The modules `LoraConfig()` adapts (PEFT's Llama default, q_proj and v_proj, in this family's names) on each kind
+LORA_DEFAULTS = {"qwen3_5_text": {"q_proj", "v_proj", "in_proj_qkv"}, "lfm2": {"q_proj", "v_proj", "in_proj"},
+                 "olmo_hybrid": {"q_proj", "v_proj", "in_proj_qkv"},
+                 "kimi_linear": {"q_proj", "v_proj", "kv_b_proj"}}  # KDA's q/v_proj, latent attention's q/kv_b_proj
+
+
+@pytest.mark.parametrize("case", sorted(LORA_DEFAULTS))
+def test_lora_defaults_adapt_the_linear_layers(case, tmp_path_factory):
     """`LoraConfig()` with no targets: PEFT's default for Llama (q_proj, v_proj), which on a hybrid also adapts the
-    linear layers' q/k/v projection (`in_proj_qkv`; `peft_targets.py`)."""
+    linear layers' projection of their queries and values (`in_proj_qkv`, the short convolution's `in_proj`, KDA's
+    own `q_proj` / `v_proj`; `peft_targets.py`); one step trains them and the adapted model's cached decoding gives
+    its uncached logits."""
     from peft import LoraConfig, get_peft_model
 
-    _, ours, path = qwen3_5
-    model = ModularDecoderForCausalLM.from_pretrained(path / "ours")
-    adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))
-    assert _adapted(adapted) == {"q_proj", "v_proj", "in_proj_qkv"}
+    _, _, path = _pair(case, tmp_path_factory)
+    model = get_peft_model(ModularDecoderForCausalLM.from_pretrained(path / "ours"),
+                           LoraConfig(task_type="CAUSAL_LM", init_lora_weights=False))
+    assert _adapted(model) == LORA_DEFAULTS[case]
+    assert any(".linear_attn." in name for name, _ in model.named_modules() if name.endswith(".base_layer"))
+    ids = torch.tensor([DOCUMENTS[2] + DOCUMENTS[1]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        prefix = model(input_ids=ids[:, :5], use_cache=True)
+        steps, cache = [prefix.logits], prefix.cache
+        for t in range(5, ids.shape[1]):
+            steps.append(model(input_ids=ids[:, t:t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_adapter_moves_between_transformers_class_and_ours(qwen3_5, tmp_path):
@@ -194,32 +214,12 @@ def test_lora_adapter_moves_between_transformers_class_and_ours(qwen3_5, tmp_pat
     the same), loads onto ours with its logits; trained a step on ours, it loads back onto theirs with ours; and
     packed documents compute as alone under it. (PEFT adapts no depthwise `conv1d` at its default rank, on either
     side: rank must divide its groups.)"""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
     _, _, path = qwen3_5
     ids = torch.tensor([DOCUMENTS[2] + DOCUMENTS[1]])
-    config = LoraConfig(r=4, target_modules=LINEAR_TARGETS + ATTENTION_TARGETS, init_lora_weights=False)
-    torch.manual_seed(1)
-    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(path / "theirs"), config).eval()
-    theirs.save_pretrained(tmp_path / "adapter")
-    ours = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(path / "ours"), tmp_path / "adapter",
-                                     is_trainable=True)
-    assert _adapted(ours) == set(LINEAR_TARGETS + ATTENTION_TARGETS)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=1e-5, atol=1e-5)
-    optimizer = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=0.1)
-    ours.train()
-    ours(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    ours.eval()
-    # (the adapter names transformers' folder as its base, whose config.json PEFT's vocabulary check would read
-    # with our config class: nothing was resized, so say so)
-    ours.save_pretrained(tmp_path / "trained", save_embedding_layers=False)
-    back = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path / "theirs"), tmp_path / "trained").eval()
+    ours, _ = lora_round_trip(path, LINEAR_TARGETS + ATTENTION_TARGETS, ids, tmp_path)
     batch = _packed([DOCUMENTS[2], DOCUMENTS[1]])
     with torch.no_grad():
         logits = ours(ids).logits
-        torch.testing.assert_close(back(ids).logits, logits, rtol=1e-5, atol=1e-5)
         packed = ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         alone = ours(torch.tensor([DOCUMENTS[1]])).logits
     torch.testing.assert_close(packed[:, len(DOCUMENTS[2]):], alone, rtol=1e-5, atol=1e-5)
@@ -229,27 +229,17 @@ def test_lora_adapter_moves_between_transformers_class_and_ours(qwen3_5, tmp_pat
 # --- compiled decoding ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "falcon_h1"])  # (Falcon-H1: Mamba-2 in hybrid layers)
-def compiled_case(request, tmp_path_factory):
-    return _pair(request.param, tmp_path_factory)
+@pytest.fixture(scope="module", params=["qwen3_5_text", "falcon_h1", "lfm2", "kimi_linear"])
+def compiled_case(request, tmp_path_factory):  # (Falcon-H1: Mamba-2 in hybrid layers; LFM2, Kimi Linear: the
+    return _pair(request.param, tmp_path_factory)  # short convolution and KDA beside NoPE latent attention)
 
 
 def test_compiled_decode_step_gives_eager_and_transformers_tokens(compiled_case, two_threads):
-    """`generate(**compiled_decoding())` (a static cache, the decode step compiled with fullgraph=True) on a hybrid:
-    the step compiles, and the greedy tokens equal eager decoding and transformers' class through its own cache."""
+    """`generate(**compiled_decoding())` (a static cache, the decode step compiled with fullgraph=True) on a hybrid of
+    each recurrent kind: the step compiles, and the greedy tokens equal eager decoding and transformers' class
+    through its own cache."""
     theirs, ours, _ = compiled_case
-    prompt = torch.tensor([DOCUMENTS[2]])
-    graphs = []
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            arguments = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-            compiled = ours.generate(prompt, **arguments, **compiled_decoding(backend=recording_backend(graphs)))
-            eager = ours.generate(prompt, **arguments)
-            reference = theirs.generate(prompt, **arguments)
-    finally:
-        torch._dynamo.reset()
+    compiled, eager, reference, graphs = compiled_eager_and_reference(ours, theirs, torch.tensor([DOCUMENTS[2]]))
     assert graphs, "generate did not compile the decode step"
     assert torch.equal(compiled, eager)
     assert torch.equal(compiled, reference)

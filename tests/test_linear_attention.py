@@ -1,28 +1,34 @@
-"""Gated DeltaNet layers beside (gated) full attention, against transformers' `Qwen3NextForCausalLM` and
-`Qwen3_5ForCausalLM` with the same weights (through the converter): the kernels against transformers' reference
+"""Linear-attention layers beside full attention, against transformers' own classes with the same weights (through
+the converter): Gated DeltaNet (`Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `OlmoHybridForCausalLM`) and every
+other kind of the registry through a family that has it (`FAMILIES`). The kernels against transformers' reference
 kernels, logits and every generate() path through each side's own cache (drafting: test_hybrid_drafting.py), the
 cache's state and its arithmetic, the refusals, and the GPU kernel dispatch (with stand-ins: fla and causal-conv1d
-need CUDA, which the test machines lack)."""
+need CUDA, which the test machines lack). tests/test_mixers.py has what is particular to KDA and the short
+convolution, test_mamba2.py Mamba-2's kernels and rules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import CASES, perturbed
-from torch.utils._python_dispatch import TorchDispatchMode
+from conversion_cases import CASES, perturbed, save_published, skip_without_class
+from kernel_stand_ins import TensorShapes, fake_causal_conv1d_fn, fake_causal_conv1d_update, fake_fla
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as reference
 
 from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
-from modular_decoder import compat, delta_rule
+from modular_decoder import compat, delta_rule, kda_rule
 from modular_decoder.contract import cache_bytes, cache_bytes_per_token, parameter_count, state_bytes_per_sequence
 from modular_decoder.conversion import convert
 from modular_decoder.hybrid_cache import HybridLayer
 from modular_decoder.recurrent_cache import RecurrentLayer
 
-# The hybrids of every linear-attention kind (their own kernels and rules: test_mamba2.py for Mamba-2's)
-GATED_DELTANET_FAMILIES = ["qwen3_next", "qwen3_5_text"]
-FAMILIES = GATED_DELTANET_FAMILIES + ["bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"]
+# The hybrids of every linear-attention kind (their own kernels and rules: test_mamba2.py for Mamba-2's,
+# test_mixers.py for KDA's); those whose kernels are fla's and causal-conv1d's (`delta_rule.build_kernels`)
+DELTA_RULE_FAMILIES = ["qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "lfm2"]
+FAMILIES = DELTA_RULE_FAMILIES + ["bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"]
+# the fla kernels each kind calls (besides causal-conv1d's)
+FLA_CALLS = {"gated_deltanet": {"chunked_gated_delta_rule", "recurrent_gated_delta_rule"},
+             "kda": {"chunked_kda", "recurrent_gated_delta_rule"}, "short_conv": set()}
 IDS = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
 PADDED = IDS.clone()
 PADDED[1, :5] = 0
@@ -37,21 +43,22 @@ def pair(request, tmp_path_factory):
     return converted_pair(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=GATED_DELTANET_FAMILIES)
-def gated_deltanet_pair(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=DELTA_RULE_FAMILIES)
+def delta_rule_pair(request, tmp_path_factory):
     return converted_pair(request.param, tmp_path_factory)
 
 
 def converted_pair(case: str, tmp_path_factory):
     """(transformers' model of conversion case `case`, every weight perturbed, ours converted from its checkpoint),
-    both fp32 and eval."""
+    both fp32 and eval; skipped where this transformers has no class for it."""
+    skip_without_class(case)
     family, build = CASES[case]
     config = build()
     config.architectures = None
     torch.manual_seed(0)
     source = perturbed(AutoModelForCausalLM.from_config(config).eval())
     path = tmp_path_factory.mktemp(case)
-    source.save_pretrained(path / "src")
+    save_published(source, path / "src")
     convert(path / "src", path / "ours", progress=False)
     return source, ModularDecoderForCausalLM.from_pretrained(path / "ours").eval()
 
@@ -74,20 +81,22 @@ def _key_layers(cache) -> list:
 # --- the kernels --------------------------------------------------------------------------------
 
 
-def _rule_inputs(length: int, seed: int = 0):
+def _rule_inputs(length: int, seed: int = 0, beta_scale: float = 1.0):
     torch.manual_seed(seed)
     batch, key_heads, value_heads, d_k, d_v = 2, 2, 4, 16, 8
     return dict(query=torch.randn(batch, length, key_heads, d_k), key=torch.randn(batch, length, key_heads, d_k),
                 value=torch.randn(batch, length, value_heads, d_v), g=-torch.rand(batch, length, value_heads) * 2,
-                beta=torch.rand(batch, length, value_heads)), torch.randn(batch, value_heads, d_k, d_v)
+                beta=torch.rand(batch, length, value_heads) * beta_scale), torch.randn(batch, value_heads, d_k, d_v)
 
 
 @pytest.mark.parametrize("length", [1, 5, 64, 130])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_kernels_equal_transformers_reference_kernels(length, with_state):
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_kernels_equal_transformers_reference_kernels(length, with_state, beta_scale):
     """Both rules equal transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` (grouped
-    value heads, a chunk boundary crossed or not, from a zero or a given state), and each other."""
-    inputs, state = _rule_inputs(length)
+    value heads, a chunk boundary crossed or not, from a zero or a given state, β in (0, 1) or, with negative
+    eigenvalues allowed as OLMo hybrid's, in (0, 2)), and each other."""
+    inputs, state = _rule_inputs(length, beta_scale=beta_scale)
     state = state if with_state else None
     ours_chunked = delta_rule.chunked_gated_delta_rule(**inputs, initial_state=state)
     ours_recurrent = delta_rule.recurrent_gated_delta_rule(**inputs, initial_state=state)
@@ -100,26 +109,11 @@ def test_kernels_equal_transformers_reference_kernels(length, with_state):
         torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the shape of every tensor an operator returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor):
-                self.shapes.append(tuple(tensor.shape))
-        return out
-
-
 def test_chunked_rule_holds_no_sequence_by_sequence_tensor():
     """O(T·C) per head: over 1,024 tokens no intermediate has two dimensions as long as the sequence (no query x
     key matrix), only (chunk x chunk) blocks."""
     inputs, _ = _rule_inputs(1024)
-    with _LargestTensor() as mode:
+    with TensorShapes() as mode:
         delta_rule.chunked_gated_delta_rule(**inputs)
     assert not [shape for shape in mode.shapes if sum(dim >= 1024 for dim in shape) >= 2]
     assert max(max(shape[-2:], default=0) for shape in mode.shapes if len(shape) >= 2) >= delta_rule.CHUNK_SIZE
@@ -195,6 +189,8 @@ def test_static_and_int8_caches_give_the_dynamic_tokens(pair):
     _, ours = pair
     dynamic = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
     assert torch.equal(ours.generate(PADDED, attention_mask=MASK, cache_implementation="static", **GREEDY), dynamic)
+    if "int8" not in ours.config.attention_kind.cache_implementations:  # MLA's latent (Kimi Linear's full layers)
+        return
     quantized = ours.generate(PADDED, attention_mask=MASK, cache_implementation="quantized", **GREEDY)
     assert quantized.shape == dynamic.shape  # int8 K/V on the full layers; the states stay in the model's dtype
 
@@ -214,8 +210,9 @@ def test_cache_holds_a_constant_state_per_sequence_as_the_contract_says(pair):
     assert sum(layer.payload_bytes() for layer in _states(cache)) == 2 * state_bytes_per_sequence(config, torch.float32)
     grown = cache.payload_bytes() - first  # only the full layers grew, by their K/V of 8 tokens
     assert grown == 2 * 8 * cache_bytes_per_token(config, torch.float32)
-    assert cache_bytes_per_token(config, torch.float32) == config.attention_layer_count * (
-        2 * config.num_key_value_heads * config.head_dim * 4)
+    per_layer = (2 * config.num_key_value_heads * config.head_dim if config.attention_type == "standard"
+                 else config.kv_lora_rank + config.qk_rope_head_dim)  # K/V, or MLA's latent and decoupled key
+    assert cache_bytes_per_token(config, torch.float32) == config.attention_layer_count * per_layer * 4
     assert cache.get_seq_length() == IDS.shape[1]
 
 
@@ -224,13 +221,18 @@ def test_reorder_select_repeat_and_reset_follow_the_batch(pair):
     with torch.no_grad():
         cache = _cache_of(ours(IDS, use_cache=True))
     layer = _states(cache)[0]
-    conv, state = layer.conv_state.clone(), layer.recurrent_state.clone()
+
+    def states():  # the conv window, and the recurrent state where the kind has one (LFM2's has none)
+        return [t for t in (layer.conv_state, layer.recurrent_state) if t is not None]
+
+    before = [t.clone() for t in states()]
+    assert before and (layer.recurrent_state is not None or ours.config.linear_attention_type == "short_conv")
     cache.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(layer.conv_state, conv.flip(0)) and torch.equal(layer.recurrent_state, state.flip(0))
+    assert all(torch.equal(now, then.flip(0)) for now, then in zip(states(), before, strict=True))
     cache.batch_repeat_interleave(2)
-    assert torch.equal(layer.recurrent_state, state.flip(0).repeat_interleave(2, dim=0))
+    assert all(torch.equal(now, then.flip(0).repeat_interleave(2, dim=0)) for now, then in zip(states(), before))
     cache.batch_select_indices(torch.tensor([0, 3]))
-    assert torch.equal(layer.recurrent_state, state.flip(0)[[0, 1]])
+    assert all(torch.equal(now, then.flip(0)) for now, then in zip(states(), before, strict=True))
     cache.reset()
     assert layer.conv_state is None and layer.recurrent_state is None and layer.get_seq_length() == 0
 
@@ -268,104 +270,80 @@ def test_presets_follow_their_checkpoints():
 # --- the GPU kernels' dispatch, with stand-ins ----------------------------------------------------
 
 
-def _fake_causal_conv1d_fn(x, weight, bias=None, activation=None):
-    """causal-conv1d's `causal_conv1d_fn` as its documentation states it (x (B, C, T), weight (C, K))."""
-    width = weight.shape[1]
-    out = torch.nn.functional.conv1d(torch.nn.functional.pad(x, (width - 1, 0)), weight.unsqueeze(1), bias,
-                                     groups=x.shape[1])
-    return torch.nn.functional.silu(out) if activation in ("silu", "swish") else out
+def _use_stand_ins(monkeypatch, calls: list) -> None:
+    """fla (Gated DeltaNet's and KDA's kernels) and causal-conv1d reported available and this device counted as
+    theirs, as stand-ins that compute what the libraries document and record their calls in `calls`."""
+    monkeypatch.setattr(compat, "flash_linear_attention_kernels", lambda: (
+        fake_fla(delta_rule.chunked_gated_delta_rule, calls), fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
+    monkeypatch.setattr(compat, "fla_kda_kernels", lambda: (
+        fake_fla(kda_rule.chunked_kda, calls), fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
+    monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
+        lambda *a, **k: calls.append("conv") or fake_causal_conv1d_fn(*a, **k),
+        lambda *a, **k: calls.append("conv_update") or fake_causal_conv1d_update(*a, **k)))
+    monkeypatch.setattr(delta_rule, "_FLA_DEVICES", ("cpu",))
+    monkeypatch.setattr(delta_rule, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
+    _clear_kernel_caches()
 
 
-def _fake_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
-    """causal-conv1d's `causal_conv1d_update`: shifts x into `conv_state` in place and convolves the window."""
-    full = torch.cat([conv_state, x], dim=-1)
-    conv_state.copy_(full[..., -conv_state.shape[-1]:])
-    out = torch.nn.functional.conv1d(full, weight.unsqueeze(1), bias, groups=x.shape[1])[..., -x.shape[-1]:]
-    return torch.nn.functional.silu(out) if activation in ("silu", "swish") else out
+def _clear_kernel_caches() -> None:
+    delta_rule._kernels_for.cache_clear()
+    kda_rule._kda_kernels_for.cache_clear()
 
 
-def _fake_fla(torch_rule, calls):
-    """An fla gated-delta-rule kernel: equal head counts, L2 norm in the kernel when asked."""
-
-    def kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-               cu_seqlens=None):
-        assert q.shape[2] == v.shape[2] and use_qk_l2norm_in_kernel and output_final_state
-        assert all(t.is_contiguous() for t in (q, k, v, g, beta))
-        calls.append(torch_rule.__name__)
-        if cu_seqlens is None:
-            return torch_rule(q, k, v, g, beta, initial_state)
-        # varlen: batch 1, each sequence of `cu_seqlens` from its own (here zero) state, one final state each
-        assert q.shape[0] == 1 and initial_state is None and cu_seqlens.dtype == torch.long
-        calls.append("cu_seqlens")
-        bounds = cu_seqlens.tolist()
-        parts = [torch_rule(*(x[:, a:b] for x in (q, k, v, g, beta))) for a, b in zip(bounds[:-1], bounds[1:])]
-        return torch.cat([o for o, _ in parts], dim=1), torch.cat([s for _, s in parts])
-
-    return kernel
-
-
-def test_gpu_kernels_are_dispatched_where_available(gated_deltanet_pair, monkeypatch):
+def test_gpu_kernels_are_dispatched_where_available(delta_rule_pair, monkeypatch):
     """With fla and causal-conv1d reported available (stand-ins that compute what the libraries document) and
     this device counted as theirs, the layers call them (the chunked kernel for prefill, the fused recurrent one
-    and the in-place conv update for decode) and the tokens stay those of the PyTorch path. While the cache
-    records for prompt lookup, the window is not updated in place (a crop may need it) and the tokens stay greedy's."""
-    _, ours = gated_deltanet_pair
+    and the in-place conv update for decode, those of the layer's kind) and the tokens stay those of the PyTorch
+    path. While the cache records for prompt lookup, the window is not updated in place (a crop may need it) and the
+    tokens stay greedy's."""
+    _, ours = delta_rule_pair
     expected = ours.generate(PADDED, attention_mask=MASK, **GREEDY)
     grounded = torch.cat([IDS[:1], IDS[:1, :6]], dim=1)  # prompt lookup finds drafts in it
     greedy = ours.generate(grounded, **GREEDY)
+    fla = FLA_CALLS[ours.config.linear_attention_type]
     calls = []
-    monkeypatch.setattr(compat, "flash_linear_attention_kernels", lambda: (
-        _fake_fla(delta_rule.chunked_gated_delta_rule, calls), _fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
-    monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
-        lambda *a, **k: calls.append("conv") or _fake_causal_conv1d_fn(*a, **k),
-        lambda *a, **k: calls.append("conv_update") or _fake_causal_conv1d_update(*a, **k)))
-    monkeypatch.setattr(delta_rule, "_FLA_DEVICES", ("cpu",))
-    monkeypatch.setattr(delta_rule, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
-    delta_rule._kernels_for.cache_clear()
+    _use_stand_ins(monkeypatch, calls)
     try:
         assert delta_rule.kernels_for(torch.device("cpu")).name == "fla+causal-conv1d"
         assert torch.equal(ours.generate(PADDED, attention_mask=MASK, **GREEDY), expected)
-        assert {"chunked_gated_delta_rule", "recurrent_gated_delta_rule", "conv", "conv_update"} <= set(calls)
+        assert fla | {"conv", "conv_update"} <= set(calls)
         calls.clear()
         assert torch.equal(ours.generate(grounded, prompt_lookup_num_tokens=3, **GREEDY), greedy)
     finally:
         monkeypatch.undo()
-        delta_rule._kernels_for.cache_clear()
-    assert {"chunked_gated_delta_rule", "recurrent_gated_delta_rule", "conv"} <= set(calls)
+        _clear_kernel_caches()
+    assert fla | {"conv"} <= set(calls)
     assert "conv_update" not in calls
     assert delta_rule.kernels_for(torch.device("cpu")) == delta_rule.TORCH_KERNELS
 
 
-def test_gpu_kernels_take_packed_documents_by_cu_seqlens(gated_deltanet_pair, monkeypatch):
+def test_gpu_kernels_take_packed_documents_by_cu_seqlens(delta_rule_pair, monkeypatch):
     """Packed documents on the GPU path: fla's chunked kernel gets `cu_seqlens` (batch 1), causal-conv1d's
     kernel the row with zeros between documents; each document's logits stay those it has alone."""
-    _, ours = gated_deltanet_pair
+    _, ours = delta_rule_pair
     documents = [IDS[0, :7].tolist(), IDS[1, :3].tolist(), IDS[1, 3:].tolist()]
     ids = torch.tensor([sum(documents, [])])
     positions = torch.tensor([sum((list(range(len(d))) for d in documents), [])])
     with torch.no_grad():
         alone = [ours(torch.tensor([d])).logits[0] for d in documents]
     calls = []
-    monkeypatch.setattr(compat, "flash_linear_attention_kernels", lambda: (
-        _fake_fla(delta_rule.chunked_gated_delta_rule, calls), _fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
-    monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
-        lambda *a, **k: calls.append("conv") or _fake_causal_conv1d_fn(*a, **k), _fake_causal_conv1d_update))
-    monkeypatch.setattr(delta_rule, "_FLA_DEVICES", ("cpu",))
-    monkeypatch.setattr(delta_rule, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
-    delta_rule._kernels_for.cache_clear()
+    _use_stand_ins(monkeypatch, calls)
     try:
         with torch.no_grad():
             packed = ours(input_ids=ids, position_ids=positions).logits[0]
     finally:
         monkeypatch.undo()
-        delta_rule._kernels_for.cache_clear()
-    assert {"cu_seqlens", "conv"} <= set(calls)
+        _clear_kernel_caches()
+    assert {"cu_seqlens" for _ in FLA_CALLS[ours.config.linear_attention_type]} | {"conv"} <= set(calls)
+    assert "conv_update" not in calls
     torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-5)
 
 
 def test_without_an_accelerator_transformers_reports_no_gpu_kernels():
     """What this machine has: transformers' own availability checks say no, so the PyTorch path runs."""
     assert compat.flash_linear_attention_kernels() is None and compat.causal_conv1d_kernels() is None
+    assert compat.fla_kda_kernels() is None
+    assert delta_rule.kernels_for(torch.device("cpu")).name == kda_rule.kda_kernels_for(torch.device("cpu")).name
     assert delta_rule.kernels_for(torch.device("cpu")).name == "torch"
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_cases import perturbed
+from conversion_cases import perturbed, preset_parameter_counts
 from test_hybrid_ecosystem import DOCUMENTS
 from test_linear_attention import (GREEDY, IDS, MASK, PADDED, _fake_causal_conv1d_fn, _fake_causal_conv1d_update,
                                    _LargestTensor, _states, converted_pair)
@@ -328,18 +328,8 @@ def test_without_an_accelerator_transformers_reports_no_gpu_kernels():
 def test_presets_have_the_parameters_of_their_family_class(name, family, total, tiny):
     """Each preset (and its tiny form) exported to its family's config and built by transformers' class on the meta
     device has the contract's parameter count and ours; the full ones the totals of their releases."""
-    from transformers import AutoModelForCausalLM
-
-    from modular_decoder import preset_config
-    from modular_decoder.contract import parameter_count
-    from modular_decoder.conversion import get_family
-
-    config = preset_config(name, tiny=tiny)
-    with torch.device("meta"):
-        theirs = AutoModelForCausalLM.from_config(get_family(family).from_contract(config))
-        ours = ModularDecoderForCausalLM(config)
-    count = parameter_count(config)["total"]
-    assert sum(p.numel() for p in theirs.parameters()) == count == ours.num_parameters()
+    theirs, count, ours = preset_parameter_counts(name, family, tiny)
+    assert theirs == count == ours
     assert tiny or count == total
 
 

@@ -193,7 +193,6 @@ def test_parameter_count_matches_formula(q_lora_rank, norm_type):
         (dict(position_embedding_type="alibi"), "position_embedding_type"),
         (dict(position_embedding_type="learned"), "position_embedding_type"),
         (dict(position_embedding_type="sinusoidal"), "position_embedding_type"),
-        (dict(position_embedding_type="none"), "position_embedding_type"),
         (dict(qk_norm="head"), "qk_norm"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
         (dict(qk_rope_head_dim=5), "qk_rope_head_dim"),

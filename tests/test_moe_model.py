@@ -27,7 +27,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # preset -> (transformers family, published total). The totals are those of the family's class on the
 # meta device (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 without its multi-token-prediction layer).
 FAMILY_OF = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe", "deepseek_v2_lite": "deepseek_v2",
-             "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
+             "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "llama4": "llama4_text"}
+# dense presets whose families' classes count their parameters as ours do (per-layer shapes, shared keys and values,
+# per-layer embeddings)
+DENSE_FAMILY_OF = {"gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
 PUBLISHED_TOTALS = {"mixtral": 46_702_792_704, "qwen3_moe": 30_532_122_624, "deepseek_v3": 671_026_404_352}
 # the rounded "active" figures their model cards publish
 PUBLISHED_ACTIVE = {"mixtral": 12.9e9, "qwen3_moe": 3.3e9, "deepseek_v3": 37e9}
@@ -45,12 +48,12 @@ def test_published_totals_and_active_parameters(name):
     assert abs(counts["active"] - PUBLISHED_ACTIVE[name]) < 0.05 * PUBLISHED_ACTIVE[name]
 
 
-@pytest.mark.parametrize("name", list(FAMILY_OF))
+@pytest.mark.parametrize("name", list(FAMILY_OF) + list(DENSE_FAMILY_OF))
 def test_total_equals_the_family_class_on_meta(name):
     """The preset exported to its family's config (the conversion's `from_contract`) and built by
     transformers' own class has exactly the contract's parameter count."""
     config = preset_config(name)
-    their_config = get_family(FAMILY_OF[name]).from_contract(config)
+    their_config = get_family({**FAMILY_OF, **DENSE_FAMILY_OF}[name]).from_contract(config)
     with torch.device("meta"):
         theirs = AutoModelForCausalLM.from_config(their_config)
         ours = ModularDecoderForCausalLM(config)
@@ -87,7 +90,8 @@ def test_router_logits_and_losses_match_the_family(case, implementation, tmp_pat
     """Same weights, a left-padded batch with labels: logits, every sparse layer's router logits,
     `aux_loss` and the loss (CE + router_aux_loss_coef · aux) equal transformers' class."""
     source, ours = _source_and_ours(case, tmp_path)
-    source.set_experts_implementation(implementation)
+    if source._can_set_experts_implementation():  # (Llama 4's experts run every token through every expert)
+        source.set_experts_implementation(implementation)
     ours.set_experts_implementation(implementation)
     ids, mask, positions, labels = _padded_batch()
     kwargs = dict(attention_mask=mask, position_ids=positions, labels=labels, output_router_logits=True)
@@ -114,6 +118,11 @@ def test_router_logits_and_losses_match_the_family(case, implementation, tmp_pat
         # transformers trains DeepSeek-V3 with no balance loss; ours adds its sequence-wise one (its formula is
         # tested in test_router_training.py), weighted by the paper's α
         assert ours.config.router_aux_loss_coef == 0.0001
+        router_loss = ours.config.router_aux_loss_coef * got.aux_loss
+    elif ours.config.router_type == "topk_sigmoid":
+        # transformers' Llama 4 adds no balance loss; ours adds Switch's over the router logits, weighted by its
+        # config's `router_aux_loss_coef` (0.001), as the other top-k routers do
+        assert ours.config.router_aux_loss_coef == 0.001
         router_loss = ours.config.router_aux_loss_coef * got.aux_loss
     else:  # DeepSeek-V2: transformers adds none, and neither do we (its own loss is of another form)
         assert ours.config.router_aux_loss_coef == 0.0

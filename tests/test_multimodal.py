@@ -1,7 +1,7 @@
-"""Multimodal releases (Gemma 3, Mistral 3, Qwen3.5 folders) made with transformers' own wrapper classes and a tiny
-vision tower: the language model converts with the wrapper class's text logits and greedy tokens, the rest is kept
-untouched in `multimodal/`, and `export --family <release>` writes every tensor of the release back bit for bit, which
-the wrapper class loads with the same logits. A changed language model (LoRA merged; a layer dropped by `reshape`)
+"""Multimodal releases (Gemma 3, Mistral 3, Qwen3.5, Gemma 4, Llama 4 folders) made with transformers' own wrapper
+classes and a tiny vision tower: the language model converts with the wrapper class's text logits and greedy tokens,
+the rest is kept untouched in `multimodal/`, and `export --family <release>` writes every tensor of the release back
+bit for bit, which the wrapper class loads with the same logits. A changed language model (LoRA merged; a layer dropped by `reshape`)
 exports back into the release; a width the kept vision tower cannot feed is refused."""
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ PROMPT = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 80, 33, 7], [9, 1, 64, 1
 PROCESSOR = {"image_processor_type": "SiglipImageProcessor", "size": {"height": 28, "width": 28}}
 
 
-def _qwen3_5_text() -> dict:
-    """Qwen3.5's text model as the hybrid conversion cases build it, 3:1 as released, with its MTP module declared."""
-    text = TEXT_CASES["qwen3_5_text"][1]().to_dict()
+def _qwen3_5_text(family: str = "qwen3_5_text") -> dict:
+    """Qwen3.5's (or Qwen3.5-MoE's: `family`) text model as the hybrid conversion cases build it, 3:1 as released,
+    with its MTP module declared."""
+    text = TEXT_CASES[family][1]().to_dict()
     text.update(layer_types=QWEN_LAYERS, num_hidden_layers=len(QWEN_LAYERS), mtp_num_hidden_layers=1,
                 max_position_embeddings=128)
     return text
@@ -55,6 +56,11 @@ RELEASES = {
         image_token_index=94, spatial_merge_size=2),
     "qwen3_5": lambda: tf.Qwen3_5Config(
         text_config=_qwen3_5_text(),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=D, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
+        image_token_id=94, video_token_id=95, vision_start_token_id=92, vision_end_token_id=93),
+    "qwen3_5_moe": lambda: tf.Qwen3_5MoeConfig(
+        text_config=_qwen3_5_text("qwen3_5_moe_text"),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=D, patch_size=4,
                            spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
         image_token_id=94, video_token_id=95, vision_start_token_id=92, vision_end_token_id=93),
@@ -80,6 +86,20 @@ RELEASES["mistral3-ministral3"] = lambda: tf.Mistral3Config(
     vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                        num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
     image_token_index=94, spatial_merge_size=2)
+# Gemma 4: its text model as the conversion cases build it (per-layer embeddings, shared keys and values, k = v) beside
+# a one-layer vision tower, no audio tower; Llama 4: chunked attention and a NoPE layer, experts every other layer
+TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+RELEASES["gemma4"] = lambda: tf.Gemma4Config(
+    text_config=TEXT_CASES["gemma4_text"][1]().to_dict(), audio_config=None,
+    vision_config=dict(TINY_VISION, num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64,
+                       pooling_kernel_size=2),
+    boi_token_id=89, eoi_token_id=90, image_token_id=91, video_token_id=92, boa_token_id=93, eoa_token_index=94,
+    audio_token_id=95)
+RELEASES["llama4"] = lambda: tf.Llama4Config(
+    text_config=TEXT_CASES["llama4_text"][1]().to_dict(),
+    vision_config=dict(TINY_VISION, image_size=28, patch_size=14, vision_output_dim=D, projector_input_dim=D,
+                       projector_output_dim=D),
+    boi_token_index=92, eoi_token_index=93, image_token_index=94)
 # case -> what its folder is: as transformers' `save_pretrained` writes the release, or as a published one differs
 CASES = {
     "gemma3": "the Llava-era names transformers writes (`language_model.model.*`), tied head",
@@ -88,6 +108,9 @@ CASES = {
     "mistral3": "an untied head beside a config.json without `tie_word_embeddings` (its default, true), as published",
     "mistral3-ministral3": "Ministral 3's language model (`ministral3`: the query temperature) inside a mistral3 folder",
     "qwen3_5": "an MTP module in the files (`mtp.*`), which the wrapper class skips",
+    "qwen3_5_moe": "Qwen3.5-MoE's language model (experts beside a gated shared expert) and its MTP module",
+    "gemma4": "the modules' own names, a tied head, per-layer embeddings in the language model",
+    "llama4": "the Llava-era names as Llama 4's wrapper holds them, an untied head",
 }
 
 
@@ -112,8 +135,8 @@ def make_release(case: str, path: Path) -> Path:
         config = json.loads((path / "config.json").read_text())
         del config["tie_word_embeddings"]
         (path / "config.json").write_text(json.dumps(config, indent=2))
-    if case == "qwen3_5":
-        holder = save_qwen3_next_with_mtp(path.parent / "mtp-holder", family="qwen3_5_text")
+    if case in ("qwen3_5", "qwen3_5_moe"):
+        holder = save_qwen3_next_with_mtp(path.parent / "mtp-holder", family=case + "_text")
         tensors = load_file(weights)
         tensors.update({k: v for k, v in load_file(holder / "model.safetensors").items() if k.startswith("mtp.")})
         save_file(tensors, weights, metadata={"format": "pt"})
@@ -151,8 +174,8 @@ def test_release_converts_and_exports_back_bit_for_bit(case, tmp_path):
         expected = release(input_ids=PROMPT).logits
         torch.testing.assert_close(ours(PROMPT).logits, expected, atol=1e-5, rtol=0)
     assert torch.equal(greedy(ours, PROMPT[:1]), greedy(release, PROMPT[:1]))
-    assert ours.config.tie_word_embeddings == (case.startswith("gemma3"))
-    assert ours.config.num_mtp_layers == (1 if case == "qwen3_5" else 0)
+    assert ours.config.tie_word_embeddings == (case.startswith(("gemma3", "gemma4")))
+    assert ours.config.num_mtp_layers == (1 if case.startswith("qwen3_5") else 0)
 
     kept = tmp_path / "md" / KEPT_FOLDER
     source_files = non_weight_files(src)
@@ -174,9 +197,10 @@ def test_release_converts_and_exports_back_bit_for_bit(case, tmp_path):
         assert torch.equal(wrapper(tmp_path / "back")(input_ids=PROMPT).logits, expected)
 
 
-def test_a_left_padded_batch_gives_the_wrappers_tokens(tmp_path):
-    """Gemma 3's wrapper on a left-padded batch (its mask per layer kind, positions from the mask) against ours."""
-    src = make_release("gemma3", tmp_path / "src")
+@pytest.mark.parametrize("case", ["gemma3", "gemma4", "llama4"])
+def test_a_left_padded_batch_gives_the_wrappers_tokens(case, tmp_path):
+    """The wrapper on a left-padded batch (its mask per layer kind, positions from the mask) against ours."""
+    src = make_release(case, tmp_path / "src")
     convert(src, tmp_path / "md", progress=False)
     ids = PROMPT.clone()
     mask = torch.ones_like(ids)
@@ -276,11 +300,6 @@ def _edited(src: Path, out: Path, **changes) -> Path:
 
 
 def test_releases_that_do_not_convert_are_refused_by_name(tmp_path):
-    waiting = tmp_path / "gemma4"
-    waiting.mkdir()
-    (waiting / "config.json").write_text(json.dumps({"model_type": "gemma4"}))
-    with pytest.raises(ValueError, match="'gemma4' is a multimodal release whose language model \\('gemma4_text'\\)"):
-        convert(waiting, tmp_path / "out", progress=False)
     with pytest.raises(ValueError, match="'qwen3_5' is a multimodal release, not a text family"):
         get_family("qwen3_5")
     gemma3 = make_release("gemma3", tmp_path / "src")

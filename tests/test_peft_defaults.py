@@ -45,6 +45,12 @@ def linear_kind_preset(kind: str) -> str | None:
 
 KIND_PRESETS = {kind: kind_preset(kind) for kind in sorted(ATTENTIONS)}
 KIND_PRESETS.update({f"linear_attention:{kind}": linear_kind_preset(kind) for kind in sorted(LINEAR_ATTENTIONS)})
+# the residual topologies: chunked / NoPE layers and input-scaled experts; shared K/V and per-layer embeddings;
+# AltUp's streams and LAUREL
+KIND_PRESETS.update({f"topology:{name}": name for name in ("llama4", "gemma4", "gemma3n")})
+# Methods whose default config fails on the family's own transformers class too: ShadowPEFT's one-layer copy of the
+# backbone keeps `num_kv_shared_layers`, which Gemma4ForCausalLM / Gemma3nForCausalLM refuse as ours do
+FAILS_ON_THE_FAMILY_CLASS = {("SHADOW", "topology:gemma4"), ("SHADOW", "topology:gemma3n")}
 
 
 def methods() -> list[str]:
@@ -149,6 +155,9 @@ def test_each_method_s_default_config_works_where_it_works_on_llama(method, kind
         pytest.skip(f"{method} reads each layer's output as one stream; hyper-connections' layers hold several "
                     "(as transformers' DeepSeek-V4's do)")
     result = _run(_ours(kind), method)
+    if (method, kind) in FAILS_ON_THE_FAMILY_CLASS:
+        assert isinstance(result, Exception)
+        pytest.skip(f"{method}'s default config fails on the family's own transformers class too")
     assert not isinstance(result, Exception), f"{method} works on Llama, not on ours ({kind}): {result!r}"
     (llama_model, llama_base, llama_init), (ours_model, ours_base, ours_init) = reference, result
     config = ours_model.peft_config["default"]

@@ -68,14 +68,15 @@ def test_trust_remote_code_without_package(preset, tmp_path):
 # relative imports, and nothing else (no CLI, tools, conversion, presets or contract arithmetic).
 SHIPPED = {
     "configuration_modular_decoder.py", "modeling_modular_decoder.py", "attention.py", "attention_layer.py",
-    "backend_features.py", "eager_attention.py", "alibi_kernels.py", "sinks.py", "blocks.py",
+    "chunked_attention.py", "backend_features.py", "eager_attention.py", "alibi_kernels.py", "sinks.py", "blocks.py",
     "cache.py", "compat.py", "growing_cache.py", "int8_cache.py", "kinds.py", "latent_cache.py",
     "mla.py", "mlp.py", "moe.py", "routers.py", "experts.py", "router_losses.py", "norms.py", "positions.py",
     "registries.py", "split_products.py", "input_checks.py", "checkpoint_checks.py", "peft_targets.py", "tuning.py",
     "sparse_attention.py", "lightning_indexer.py", "gated_deltanet.py", "delta_rule.py", "recurrent_cache.py",
     "mtp.py", "mtp_generation.py", "draft_schedule.py", "packed_documents.py", "draft_vocab.py", "query_temperature.py",
-    "mamba2.py", "mamba2_scan.py", "recurrent_mixer.py", "hybrid_cache.py", "mup.py", "shared_kv_attention.py",
-    "compressed_attention.py", "compressed_cache.py", "residual_streams.py", "hyper_connections.py",
+    "mamba2.py", "mamba2_scan.py", "recurrent_mixer.py", "hybrid_cache.py", "mup.py", "short_conv.py", "kda.py",
+    "kda_rule.py", "attention_shapes.py", "kv_sharing.py", "per_layer_embeddings.py", "residual_streams.py", "altup.py",
+    "laurel.py", "shared_kv_attention.py", "compressed_attention.py", "compressed_cache.py", "hyper_connections.py",
 }
 
 

@@ -357,7 +357,12 @@ def test_the_vllm_row_refuses_what_vllm_would_serve_wrong():
         "swiglu_limit": preset_config("gpt_oss", tiny=True),
         "mlp_bias with mlp_type='moe'": preset_config("mixtral", tiny=True, mlp_bias=True),
         "router_bias": preset_config("mixtral", tiny=True, router_bias=True),
-        "layer_types with 'linear_attention'": preset_config("qwen3_next", tiny=True),
+        "layer_types with 'linear_attention'.* \\(`linear_attention_type='gated_deltanet'`\\).*--family qwen3_next":
+            preset_config("qwen3_next", tiny=True),
+        "layer_types with 'linear_attention'.* \\(`linear_attention_type='short_conv'`\\).*--family lfm2":
+            preset_config("lfm2", tiny=True),
+        "layer_types with 'linear_attention'.* \\(`linear_attention_type='kda'`\\).*--family kimi_linear":
+            preset_config("kimi_linear", tiny=True),
         "layer_types with 'linear_attention' or 'hybrid'": preset_config("bamba", tiny=True),
         "μP multipliers": preset_config("llama", tiny=True, mlp_multipliers=[1.0, 0.5]),
     }

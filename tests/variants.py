@@ -40,6 +40,10 @@ AXES: dict[str, dict[str, dict]] = {
         "moe_gpt_oss": dict(mlp_type="moe", hidden_act="silu", num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, router_type="topk_softmax", router_bias=True, mlp_bias=True,
                             swiglu_limit=1.0),
+        # Llama 4: a sigmoid of the one kept logit scaling the expert's input, a shared expert, a dense layer first
+        "moe_llama4": dict(mlp_type="moe", mlp_layer_types=["dense", "sparse"], num_experts=4, num_experts_per_tok=1,
+                           moe_intermediate_size=16, n_shared_experts=1, router_type="topk_sigmoid",
+                           norm_topk_prob=False, apply_router_weight_on_input=True),
         "moe_sigmoid_grouped": dict(mlp_type="moe", mlp_layer_types=["sparse", "dense"], num_experts=8,
                                     num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2,
                                     router_type="sigmoid_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5),
@@ -86,7 +90,8 @@ AXES: dict[str, dict[str, dict]] = {
         "qkv_only": dict(attention_bias=True, attention_output_bias=False),
         "all": dict(attention_bias=True, mlp_bias=True, lm_head_bias=True),
     },
-    "qk_norm": {"none": dict(qk_norm="none"), "head": dict(qk_norm="head"), "full": dict(qk_norm="full")},
+    "qk_norm": {"none": dict(qk_norm="none"), "head": dict(qk_norm="head"), "full": dict(qk_norm="full"),
+                "weightless": dict(qk_norm="weightless")},  # Llama 4: of the rotated heads, on the layers that rotate
     "softcap": {
         "none": {},
         "attn": dict(attn_logit_softcapping=5.0),
@@ -100,9 +105,11 @@ AXES: dict[str, dict[str, dict]] = {
         "mixed": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
         "mixed_local_base": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                  local_rope_theta=100.0),
+        "chunked": dict(attention_chunk_size=3, layer_types=["chunked_attention", "full_attention"]),  # Llama 4
     },
     # the token mixer of the second layer: attention, attention with the output gate, Gated DeltaNet (its
-    # sizes derived, or explicit with grouped value heads and a 3-tap convolution) or Mamba-2 after an attention layer
+    # sizes derived, or explicit with grouped value heads and a 3-tap convolution), Mamba-2, KDA or a short
+    # convolution after an attention layer
     "mixer": {
         "attention": {},
         "gated_attention": dict(attn_output_gate=True),
@@ -119,11 +126,23 @@ AXES: dict[str, dict[str, dict]] = {
                                      o_lora_rank=8, second_layer="compressed_sparse_attention", sliding_window=4,
                                      compress_rates={"compressed_sparse_attention": 2}, index_n_heads=4,
                                      index_head_dim=8, index_topk=2),
+        # Kimi Delta Attention (a decay per key channel, negative eigenvalues) and LFM2's short convolution (biased)
+        "kda": dict(second_layer="linear_attention", linear_attention_type="kda", linear_num_key_heads=2,
+                    linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                    linear_allow_neg_eigval=True),
+        "short_conv": dict(second_layer="linear_attention", linear_attention_type="short_conv", conv_bias=True),
     },
-    # how a layer's output joins the residual stream: one stream, or DeepSeek-V4's hyper-connections
-    "stream": {
-        "single": {},
-        "hyper": dict(residual_stream="hyper_connections", hc_mult=2, hc_sinkhorn_iters=3),
+    # Gemma 3n / Gemma 4 on any layout: the second (full) layer reading the first's keys and values, whose values come
+    # from its keys (one K/V head) and are normed; per-layer embeddings with a scalar per layer; the residual
+    # stream's entries (AltUp, DeepSeek-V4's hyper-connections)
+    "topology": {
+        "plain": {},
+        "shared_kv": dict(num_kv_shared_layers=1, attention_k_eq_v=True, num_global_key_value_heads=1,
+                          value_norm=True),
+        "per_layer_embeddings": dict(hidden_size_per_layer_input=8, layer_scalar=True),
+        "altup": dict(residual_stream="altup", altup_num_inputs=3, hidden_size_per_layer_input=4),  # Gemma 3n
+        "laurel": dict(laurel_rank=4),
+        "hyper_connections": dict(residual_stream="hyper_connections", hc_mult=2, hc_sinkhorn_iters=3),
     },
     "ends": {
         "tied": dict(tie_word_embeddings=True),
@@ -143,14 +162,24 @@ BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_laye
 def valid(choice: dict[str, str]) -> bool:
     positions = choice.get("positions", "rope")
     # hyper-connections mix streams around each branch of a serial block whose residual adds it
-    if choice.get("stream") == "hyper" and (choice.get("placement", "pre").startswith(("post", "parallel"))
-                                           or choice.get("ends") == "mup_scales"):
+    if choice.get("topology") == "hyper_connections" and (
+            choice.get("placement", "pre").startswith(("post", "parallel")) or choice.get("ends") == "mup_scales"):
         return False
-    # shared key = value attention: no biases, no QK-norm, no ALiBi, no score cap (its fields' rules)
+    # shared key = value attention: no biases, no QK-norm, no ALiBi, no score cap, no chunks (its fields' rules); its
+    # layers read no other layer's keys
     if choice.get("mixer") == "shared_kv_compressed" and (
             choice.get("bias", "none") == "qkv_only" or choice.get("bias") == "all" or choice.get("qk_norm", "none") != "none"
             or positions == "alibi" or choice.get("softcap") in ("attn", "both_scaled")
-            or choice.get("window") == "mixed_local_base"):
+            or choice.get("window") in ("mixed_local_base", "chunked") or choice.get("topology") == "shared_kv"
+            or choice.get("ends") == "mup_sublayers"):  # (μP's attention multipliers: standard attention's)
+        return False
+    if choice.get("qk_norm") == "weightless" and not positions.startswith("rope"):  # it norms the rotated heads
+        return False
+    if choice.get("topology") == "laurel" and choice.get("placement", "pre") not in ("pre", "sandwich"):
+        return False  # (a branch of the attention's normed input)
+    # the sharing layer reads the first layer of its type: both full attention
+    recurrent = AXES["mixer"][choice.get("mixer", "attention")].get("second_layer") == "linear_attention"
+    if choice.get("topology") == "shared_kv" and (choice.get("window", "full") != "full" or recurrent):
         return False
     if choice.get("window") == "mixed_local_base" and not positions.startswith("rope"):
         return False
@@ -188,8 +217,11 @@ def pairwise_choices(seed: int = 0, minimum: int = 40) -> list[dict[str, str]]:
                     uncovered.add(((a, va), (b, vb)))
     chosen: list[dict[str, str]] = []
     while uncovered or len(chosen) < minimum:
-        best, best_gain = None, -1
-        for _ in range(200):
+        best, best_gain, tries = None, -1, 0
+        while tries < 200 or best is None:  # 200 candidates, more where none of them was valid
+            tries += 1
+            if tries > 100_000:
+                raise AssertionError(f"no valid config holds the uncovered pairs {sorted(uncovered)[:3]}")
             cand = {axis: rng.choice(list(AXES[axis])) for axis in axes}
             # seed the candidate with one uncovered pair so progress is guaranteed
             if uncovered:

@@ -47,12 +47,13 @@ def norm(src: str, dst: str) -> list[Rule]:
 
 
 def llama_rules(norms: dict[str, str], qk_norm: bool = False, attention: list[Rule] | None = None,
-                moe: list[Rule] | None = None) -> list[Rule]:
+                moe: list[Rule] | None = None, mlp: str = "mlp") -> list[Rule]:
     """The `model.layers.{layer}.self_attn.q_proj` layout shared by Llama, Mistral, Qwen, Gemma, OLMo 2
     and (with its own `attention` rules) DeepSeek.
 
     `norms` maps each source block norm to the contract's norm named by where it sits. The gated MLP
-    maps the contract's dense layers; `moe` (see `moe_rules`) its sparse ones.
+    (the source's `model.layers.{layer}.<mlp>`: Llama 4 names it `feed_forward`) maps the contract's dense layers;
+    `moe` (see `moe_rules`) its sparse ones.
     """
     src, dst = "model.layers.{layer}", "model.layers.{layer}"
     rules = [rule("model.embed_tokens.weight", "model.embed_tokens.weight")]
@@ -66,13 +67,20 @@ def llama_rules(norms: dict[str, str], qk_norm: bool = False, attention: list[Ru
     rules += attention
     for proj in ("gate_proj", "up_proj", "down_proj"):
         rules += [Rule(r.src, r.dst, r.transform, r.optional, "dense")
-                  for r in linear(f"{src}.mlp.{proj}", f"{dst}.mlp.{proj}")]
+                  for r in linear(f"{src}.{mlp}.{proj}", f"{dst}.mlp.{proj}")]
     rules += moe or []
     for name, ours in norms.items():
         rules += norm(f"{src}.{name}", f"{dst}.{ours}")
     rules += norm("model.norm", "model.final_norm")
     rules.append(rule("lm_head.weight", "lm_head.weight", optional=True))
     return rules
+
+
+def gated_mlp(names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), module: str = "mlp") -> list[Rule]:
+    """A layer's gated MLP whose gate, up and down projections the source names `names` in `module`."""
+    layer = "model.layers.{layer}"
+    return [r for theirs, ours in zip(names, ("gate_proj", "up_proj", "down_proj"))
+            for r in linear(f"{layer}.{module}.{theirs}", f"{layer}.mlp.{ours}")]
 
 
 PRE_NORMS = {"input_layernorm": "pre_attn_norm", "post_attention_layernorm": "pre_mlp_norm"}
@@ -91,8 +99,9 @@ def rope(src) -> dict:
 
 def source_rope(cfg) -> dict:
     params = cfg.rope_parameters
-    if cfg.rope_is_nested:
-        return {k: {kk: vv for kk, vv in v.items() if kk != "partial_rotary_factor"} for k, v in params.items()}
+    if cfg.rope_is_nested:  # (a table's own factor kept: proportional RoPE's, Gemma 4)
+        return {k: {kk: vv for kk, vv in v.items() if kk != "partial_rotary_factor" or vv != cfg.partial_rotary_factor}
+                for k, v in params.items()}
     out = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
     if cfg.partial_rotary_factor != 1.0:
         out["partial_rotary_factor"] = cfg.partial_rotary_factor

@@ -106,16 +106,20 @@ def mla_rules(src, correction_bias: bool = False) -> list[Rule]:
     """`model.layers.{layer}.self_attn.kv_a_proj_with_mqa` etc.: the same names on both sides, in
     the Llama-style layout for everything else; routed and shared experts in the sparse layers
     (with V3's `e_score_correction_bias`)."""
+    moe = moe_rules(shared="shared_experts", correction_bias=correction_bias) if has_experts(src) else []
+    return llama_rules(PRE_NORMS, attention=mla_attention_rules(src.q_lora_rank), moe=moe)
+
+
+def mla_attention_rules(q_lora_rank: int | None) -> list[Rule]:
+    """A latent attention layer's tensors, DeepSeek's names on both sides (`self_attn.kv_a_proj_with_mqa`, ...)."""
     attn = "model.layers.{layer}.self_attn"
-    q_parts = ["q_proj"] if src.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+    q_parts = ["q_proj"] if q_lora_rank is None else ["q_a_proj", "q_b_proj"]
     attention = []
     for proj in q_parts + ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]:
         attention += linear(f"{attn}.{proj}", f"{attn}.{proj}")
-    if src.q_lora_rank is not None:
+    if q_lora_rank is not None:
         attention += norm(f"{attn}.q_a_layernorm", f"{attn}.q_a_layernorm")
-    attention += norm(f"{attn}.kv_a_layernorm", f"{attn}.kv_a_layernorm")
-    moe = moe_rules(shared="shared_experts", correction_bias=correction_bias) if has_experts(src) else []
-    return llama_rules(PRE_NORMS, attention=attention, moe=moe)
+    return attention + norm(f"{attn}.kv_a_layernorm", f"{attn}.kv_a_layernorm")
 
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")

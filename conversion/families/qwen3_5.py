@@ -20,10 +20,13 @@ from .qwen3_next import (MTP_LAYER, hybrid_fields, hybrid_rules, mtp_contract, s
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
+def text_rope_fields(src) -> dict:
+    """The rotary dict of a text model: the multimodal section keys dropped (equal positions make them plain RoPE)."""
+    return {"rope_parameters": {k: v for k, v in rope(src)["rope_parameters"].items() if k not in MROPE_KEYS}}
+
+
 def to_contract(src) -> dict:
-    fields = hybrid_fields(src)
-    fields["rope_parameters"] = {k: v for k, v in rope(src)["rope_parameters"].items() if k not in MROPE_KEYS}
-    return dict(fields, mlp_type="gated", **mtp_contract(src, "qwen3_5_text"))
+    return dict(hybrid_fields(src), **text_rope_fields(src), mlp_type="gated", **mtp_contract(src, "qwen3_5_text"))
 
 
 def from_contract(cfg) -> Qwen3_5TextConfig:

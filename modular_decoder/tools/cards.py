@@ -14,6 +14,7 @@ from string import Template
 
 import yaml
 
+from modular_decoder.attention_shapes import shapes_vary
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
 from modular_decoder.contract import contract_table
 from modular_decoder.tools.presets import PRESETS, preset_config
@@ -101,6 +102,8 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         tags.append(f"residual-{config.residual_stream}")
     if config.mlp_kind.routed and config.num_hash_layers:
         tags.append("hash-routing")
+    if "chunked_attention" in config.layer_types:
+        tags.append("chunked-attention")
     if config.linear_attention_kind.in_use(config):
         tags += ["hybrid-linear-attention", f"linear-attention-{config.linear_attention_type}"]
     if config.block_types is not None and any(kind != "mixer_mlp" for kind in config.block_types):
@@ -113,6 +116,18 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         tags.append("attention-sinks")
     if config.no_rope_layers is not None and not all(config.no_rope_layers):
         tags.append("nope-layers")
+    if config.attn_temperature_tuning:
+        tags.append("nope-temperature-tuning" if config.attn_temperature_layers == "nope" else "query-temperature")
+    if config.mlp_kind.routed and config.apply_router_weight_on_input:
+        tags.append("router-weight-on-input")
+    if config.mlp_kind.routed and config.parallel_dense_mlp:
+        tags.append("dense-mlp-beside-experts")
+    tags += [tag for tag, used in (
+        ("per-layer-attention-shapes", config.attention_type == "standard" and shapes_vary(config)),
+        ("k-eq-v", config.attention_k_eq_v), ("kv-sharing", config.num_kv_shared_layers),
+        ("per-layer-embeddings", config.hidden_size_per_layer_input), ("layer-scalars", config.layer_scalar),
+        ("laurel", config.laurel_rank), ("activation-sparsity", any(config.activation_sparsity_pattern or ())),
+        (f"residual-stream-{config.residual_stream}", config.residual_stream != "single")) if used]
     if config.mlp_kind.routed and config.swiglu_limit is not None:
         tags.append("clamped-swiglu")
     if config.attn_logit_softcapping or config.final_logit_softcapping:

@@ -165,6 +165,16 @@ PRESETS: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0}, tie_word_embeddings=False,
         full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    # allenai/Olmo-Hybrid-7B (transformers' `OlmoHybridConfig` defaults, which it documents as that checkpoint's: 32
+    # layers, three Gated DeltaNet (30 heads, keys of 96, values of 192, β in (0, 2)) in pre-norm blocks for each
+    # output-norm full-attention layer with QK-norm over the whole projection; NoPE, as released)
+    "olmo_hybrid": dict(
+        vocab_size=100352, hidden_size=3840, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=30,
+        max_position_embeddings=65536, norm_eps=1e-6, norm_position="output", qk_norm="full",
+        position_embedding_type="none", tie_word_embeddings=False, full_attention_interval=4,
+        linear_attention_norm_position="pre", linear_num_key_heads=30, linear_num_value_heads=30,
+        linear_key_head_dim=96, linear_value_head_dim=192, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+        linear_norm_eps=1e-5),
     # openai/gpt-oss-20b config.json (24 layers, sliding (128) and full alternating from a sliding one; 64 query heads
     # of 64 over 8 K/V heads with biases and a sink per head; YaRN x32 from 4,096; 32 experts of width 2,880 in every
     # layer, a biased router keeping the top 4 logits and softmaxing over them, experts with biases and the SwiGLU
@@ -228,6 +238,73 @@ PRESETS: dict[str, dict] = {
                    tie_word_embeddings=False, mlp_type="moe", first_dense_layers=3, num_experts=160,
                    num_experts_per_tok=8, moe_intermediate_size=1536, n_shared_experts=1, router_type="sigmoid_topk",
                    routed_scaling_factor=2.5, norm_topk_prob=True),
+    # LiquidAI/LFM2-1.2B config.json (16 layers: gated short convolutions of 3 taps, GQA 32 / 8 with per-head QK-norm
+    # at layers 2, 5, 8, 10, 12, 14 (`full_attn_idxs`); SwiGLU of width 8,192, what its `block_ff_dim` 12,288 builds
+    # with `block_auto_adjust_ff_dim`: 2/3 of it, a multiple of 256; tied)
+    "lfm2": dict(
+        vocab_size=65536, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=128000, norm_eps=1e-5, qk_norm="head",
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
+        attention_layers=[2, 5, 8, 10, 12, 14], linear_attention_type="short_conv", linear_conv_kernel_dim=3),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json (27 layers: Kimi Delta Attention (32 heads of 128) with
+    # latent attention without RoPE at layers 3, 7, 11, 15, 19, 23, 26 (its `full_attn_layers`, 1-based: 4, ..., 27),
+    # MLA's latent norms at 1e-6 beside block norms at 1e-5; a dense first layer, then 256 experts of width 1,024,
+    # top-8 by sigmoid scores (one group), renormalised and scaled by 2.446, and one shared expert)
+    "kimi_linear": dict(
+        vocab_size=163840, hidden_size=2304, intermediate_size=9216, num_hidden_layers=27, num_attention_heads=32,
+        max_position_embeddings=1048576, norm_eps=1e-5, position_embedding_type="none", attention_type="mla",
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        latent_norm_eps=1e-6, tie_word_embeddings=False, attention_layers=[3, 7, 11, 15, 19, 23, 26],
+        linear_attention_type="kda", linear_num_key_heads=32, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, mlp_type="moe", first_dense_layers=1, num_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=1024, n_shared_experts=1, router_type="sigmoid_topk",
+        norm_topk_prob=True, routed_scaling_factor=2.446),
+    # meta-llama/Llama-4-Scout-17B-16E config.json, its `text_config` (48 layers: chunks of 8,192 on the RoPE layers,
+    # a NoPE full-attention layer every fourth with the temperature tuned (floor 8,192, scale 0.1); Llama 3 RoPE x8
+    # on interleaved pairs; the rotated q / k RMS-normed without weight; 16 experts of width 8,192 in every layer, a
+    # top-1 sigmoid router scaling the expert's input, one shared expert of the same width; the vision tower is not
+    # part of the model)
+    "llama4": dict(
+        vocab_size=202048, hidden_size=5120, intermediate_size=16384, num_hidden_layers=48, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, norm_eps=1e-5, qk_norm="weightless",
+        rope_interleaved=True, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                "original_max_position_embeddings": 8192},
+        attention_chunk_size=8192, no_rope_interval=4, attn_temperature_tuning=True, floor_scale=8192,
+        attn_scale=0.1, attn_temperature_offset=1, attn_temperature_layers="nope", tie_word_embeddings=False,
+        mlp_type="moe", num_experts=16, num_experts_per_tok=1,
+        moe_intermediate_size=8192, n_shared_experts=1, router_type="topk_sigmoid", norm_topk_prob=False,
+        apply_router_weight_on_input=True, router_aux_loss_coef=0.001),
+    # google/gemma-4-E2B config.json, its `text_config` (35 layers, four local (window 512) for each global one; global
+    # layers with heads of 512 and proportional RoPE on a quarter of their pairs (base 1M), local ones of 256 (base
+    # 10k), one K/V head; the last 20 layers read the keys and values of the last local and global layer before
+    # them, with MLPs twice as wide (`use_double_wide_mlp`); per-layer embeddings of 256; a scalar per layer; the
+    # vision and audio towers are not part of the model)
+    "gemma4": dict(
+        vocab_size=262144, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=256, global_head_dim=512, max_position_embeddings=131072, norm_eps=1e-6,
+        norm_position="sandwich", hidden_act="gelu_pytorch_tanh", embedding_multiplier=math.sqrt(1536),
+        qk_norm="head", value_norm=True, query_pre_attn_scalar=1.0, sliding_window=512, sliding_window_pattern=5,
+        rope_parameters={"full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                            "partial_rotary_factor": 0.25},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        final_logit_softcapping=30.0, num_kv_shared_layers=20, double_wide_shared_mlp=True,
+        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, layer_scalar=True,
+        tie_word_embeddings=True),
+    # google/gemma-3n-E2B config.json, its `text_config` (30 layers, four local (window 512) for each global one, heads
+    # of 256, 2 K/V heads; AltUp's 4 streams around every layer, LAUREL of rank 64 beside attention, per-layer
+    # embeddings of 256; the last 10 layers read the keys and values of the last local and global layer before them;
+    # the first 10 layers' gates sparsified to 95 %; the vision and audio towers are not part of the model)
+    "gemma3n": dict(
+        vocab_size=262400, hidden_size=2048, intermediate_size=8192, num_hidden_layers=30, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, max_position_embeddings=32768, norm_eps=1e-6, norm_position="sandwich",
+        hidden_act="gelu_pytorch_tanh", embedding_multiplier=math.sqrt(2048), qk_norm="head", value_norm=True,
+        query_pre_attn_scalar=1.0, sliding_window=512, sliding_window_pattern=5,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        final_logit_softcapping=30.0, num_kv_shared_layers=10, hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144, residual_stream="altup", altup_num_inputs=4, laurel_rank=64,
+        sparse_first_layers=10, tie_word_embeddings=True),
 }
 
 # The Mamba-2 hybrids. Their layouts: the attention layers by index (the rest Mamba-2), or Nemotron-H's pattern, a
@@ -306,6 +383,11 @@ PRESETS["deepseek_v4"] = dict(
     num_experts=256, num_experts_per_tok=6, moe_intermediate_size=2048, n_shared_experts=1,
     router_type="sqrtsoftplus_topk", routed_scaling_factor=1.5, num_hash_layers=3, swiglu_limit=10.0, swiglu_alpha=1.0,
     swiglu_up_offset=0.0, router_aux_loss_coef=0.001)
+# Qwen/Qwen3.5-35B-A3B config.json, its `text_config`: Qwen3-Next's layout at 40 layers, with 256 experts, top-8 (a
+# shared expert of width 512 beside them, in every layer; the vision tower and the multi-token-prediction module are
+# not part of the model)
+PRESETS["qwen3_5_moe"] = dict(PRESETS["qwen3_next"], vocab_size=248320, num_hidden_layers=40, num_experts=256,
+                              num_experts_per_tok=8)
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128)
 # Tiny latent attention (every width a quarter of a 64-wide model's) and tiny experts: 8 of width 32, top-2,
@@ -378,7 +460,7 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     Tiny: 2 layers, d=64, 4 heads keeping MHA / GQA / MQA, vocabulary 128; MLA widths of a 64-wide model and a
     DSA indexer of 8 heads of 16 keeping 4 keys per query; 8 experts of width 32, top-2, one dense layer first
     where the preset has dense layers; NoPE on the second layer where the preset has NoPE layers; a hybrid's
-    linear-attention layer then its full layer, with 2 key heads of 16."""
+    linear-attention layer then its full layer, with 2 key heads of 16 and values in the preset's ratios."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
     fields = copy.deepcopy(PRESETS[name])  # the config standardises its rope dicts in place
@@ -387,6 +469,8 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     interval = fields.pop("full_attention_interval", None)
     no_rope_interval = fields.pop("no_rope_interval", None)
     compressed = fields.pop("compressed_layers", False)
+    double_wide = fields.pop("double_wide_shared_mlp", False)
+    sparse_first = fields.pop("sparse_first_layers", None)
     attention_layers = fields.pop("attention_layers", None)
     block_pattern = fields.pop("block_pattern", None)
     hybrid_layers = fields.pop("hybrid_layers", False)  # every layer attention and Mamba-2 side by side
@@ -415,11 +499,15 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
                 fields.update(n_group=4, topk_group=2)
         if first_dense:
             first_dense = 1
-        if interval is not None:  # one linear and one full layer; 2 key heads, value heads in the preset's ratio
+        if interval is not None:  # one linear and one full layer
             interval = 2
+        if attention_layers is not None:  # one linear layer, then one attention layer
+            attention_layers = [1]
+        if fields.get("linear_num_key_heads"):  # 2 key heads, value heads and widths in the preset's ratios
             ratio = fields["linear_num_value_heads"] // fields["linear_num_key_heads"]
+            widths = fields["linear_value_head_dim"] // fields["linear_key_head_dim"]  # OLMo hybrid's values: 2x
             fields.update(linear_num_key_heads=2, linear_num_value_heads=2 * ratio, linear_key_head_dim=16,
-                          linear_value_head_dim=16)
+                          linear_value_head_dim=16 * widths)
         if fields.get("shared_expert_intermediate_size"):
             fields["shared_expert_intermediate_size"] = TINY_MOE["moe_intermediate_size"]
         if no_rope_interval is not None:
@@ -428,9 +516,20 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields.update(num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=48, o_groups=2,
                           o_lora_rank=16, partial_rotary_factor=0.5, num_hash_layers=1, **TINY_INDEXER,
                           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
+        if "attention_chunk_size" in fields:  # chunks these lengths cross
+            fields["attention_chunk_size"] = 8
+        if fields.get("num_kv_shared_layers"):  # a local and a global layer, then two reading theirs
+            fields.update(num_hidden_layers=4, num_kv_shared_layers=2)
+        if fields.get("global_head_dim"):
+            fields["global_head_dim"] = 2 * TINY["hidden_size"] // 4
+        if fields.get("hidden_size_per_layer_input"):
+            fields.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY["vocab_size"])
+        if fields.get("laurel_rank"):
+            fields["laurel_rank"] = 8
+        if sparse_first:
+            sparse_first = 1
         if fields.get("linear_attention_type") == "mamba2":  # one Mamba-2 layer, then one attention layer
             fields.update(TINY_MAMBA2, mamba_n_groups=min(fields["mamba_n_groups"], 2))
-            attention_layers = [1] if attention_layers is not None else None
         if block_pattern is not None:
             block_pattern = TINY_BLOCK_PATTERNS[fields.get("mlp_type") == "moe"]
     if block_pattern is not None:
@@ -453,4 +552,13 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     if "no_rope_layers" not in overrides:
         fields["no_rope_layers"] = _no_rope_layers(fields["num_hidden_layers"], no_rope_interval)
+    if sparse_first and "activation_sparsity_pattern" not in overrides:  # Gemma 3n: the first layers' gates, 95 %
+        fields["activation_sparsity_pattern"] = [0.95 * (i < sparse_first) for i in range(fields["num_hidden_layers"])]
+    if double_wide and "layer_intermediate_sizes" not in overrides:  # the layers reading shared keys: twice as wide
+        layers, shared = fields["num_hidden_layers"], fields["num_kv_shared_layers"]
+        fields["layer_intermediate_sizes"] = [fields["intermediate_size"] * (1 + (i >= layers - shared))
+                                              for i in range(layers)]
+    if fields.get("attention_chunk_size") and "layer_types" not in overrides:  # Llama 4: chunks where RoPE turns
+        fields["layer_types"] = ["chunked_attention" if rotates else "full_attention"
+                                 for rotates in fields["no_rope_layers"] or [1] * fields["num_hidden_layers"]]
     return ModularDecoderConfig(**fields)

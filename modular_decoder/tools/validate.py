@@ -46,6 +46,7 @@ from modular_decoder import compat, contract
 from modular_decoder.backend_features import BACKEND_FEATURES, missing_features
 from modular_decoder.cache import ModularDecoderCache
 from modular_decoder.checkpoint_checks import read_json_file, read_safetensors_header
+from modular_decoder.chunked_attention import layer_window
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
 from modular_decoder.experts import experts_kernels_available
 from modular_decoder.modeling_modular_decoder import ModularDecoderForCausalLM
@@ -212,6 +213,12 @@ def _component(name: str) -> str:
         return "linear_attention"
     if ".mlp." in name:
         return "mlp"
+    if ".per_layer_embeddings." in name or ".per_layer_input." in name:
+        return "per_layer_embeddings"
+    if ".residual_stream." in name or ".altup." in name:
+        return "residual_stream"
+    if ".laurel." in name:
+        return "laurel"
     return "block_norms"
 
 
@@ -329,7 +336,7 @@ def _check_causality(ctx: _Context) -> str:
 
     # packed documents: positions restart, no mask; a document sees nothing of the one before it
     measured.append(_packed_documents(ctx, ids, measured))
-    if "sliding_attention" in config.layer_types:
+    if {"sliding_attention", "chunked_attention"} & set(config.layer_types):
         measured.append(_sliding_windows(ctx))
     return ", ".join(measured)
 
@@ -376,16 +383,20 @@ def _capture_attention_inputs(ctx: _Context, ids: torch.Tensor) -> dict[int, tup
 
 
 def _sliding_windows(ctx: _Context) -> str:
-    """Per sliding layer: a change at position p reaches exactly positions [p, p + window)."""
-    window = ctx.config.sliding_window
+    """Per sliding layer: a change at position p reaches exactly positions [p, p + window); per chunked layer
+    (`attention_chunk_size` C), exactly the rest of its chunk, [p, C)."""
+    layer_type = "sliding_attention" if "sliding_attention" in ctx.config.layer_types else "chunked_attention"
+    window = layer_window(ctx.config, layer_type)
     seq = max(ctx.seq_len, 2 * window + 4)
     ids = ctx.ids(1, seq)
     p = 2
+    if layer_type == "chunked_attention":
+        window = window - p  # the chunk of position p (the first) ends at C
     worst_outside, weakest_inside = 0.0, float("inf")
     for idx, (hidden, kwargs) in _capture_attention_inputs(ctx, ids).items():
-        if ctx.config.layer_types[idx] != "sliding_attention":
-            continue
         attn = ctx.model.model.layers[idx].self_attn
+        if ctx.config.layer_types[idx] != layer_type or getattr(attn, "kv_source", None) is not None:
+            continue  # (a layer reading another's keys: its window is its source's)
         changed = hidden.clone()
         changed[:, p] += torch.randn(changed[:, p].shape, generator=ctx.generator).to(changed)
         kwargs = dict(kwargs, cache=None)
@@ -394,9 +405,11 @@ def _sliding_windows(ctx: _Context) -> str:
         delta = (a - b).abs().amax(dim=(0, 2))  # per position
         worst_outside = max(worst_outside, delta[:p].max().item(), delta[p + window :].max().item())
         weakest_inside = min(weakest_inside, delta[p : p + window].min().item())
-    text = f"window {window}: outside {worst_outside:.1e}, inside min {weakest_inside:.1e}"
+    reach = f"window {window}" if layer_type == "sliding_attention" else f"chunk {window + p}"
+    text = f"{reach}: outside {worst_outside:.1e}, inside min {weakest_inside:.1e}"
     if worst_outside > 0 or weakest_inside == 0:
-        raise CheckFailed(text, "a sliding layer sees outside its window or not all of it")
+        raise CheckFailed(text, f"a {layer_type.split('_')[0]} layer sees outside its {reach.split()[0]} or not all "
+                                "of it")
     return text
 
 
@@ -508,8 +521,9 @@ def _implementations(config) -> list[str]:
 
 def check_cache_bytes(ctx: _Context) -> str:
     config = ctx.config
-    lengths = sorted({1, ctx.seq_len // 2, ctx.seq_len} | (
-        {config.sliding_window - 1, config.sliding_window, config.sliding_window + 3} if config.sliding_window else set()))
+    windows = {layer_window(config, layer_type) for layer_type in config.layer_types} - {None}
+    lengths = sorted({1, ctx.seq_len // 2, ctx.seq_len}
+                     | {n for window in windows for n in (window - 1, window, window + 3)})
     lengths = [n for n in lengths if n >= 1]
     mismatches, cases = [], 0
     for batch in (1, 3):
