@@ -190,6 +190,11 @@ def test_refused_pairs_are_the_expected_ones():
         ("hybrid", "vllm"),
         # vLLM's fused attention and MLP drop the μP multipliers
         ("mup_sublayers", "vllm"),
+        # chunked attention: the flash kernels take a window, not chunks; vLLM's backend gives a layer a window or none
+        ("llama4", "flash_attention_2"), ("llama4", "flash_attention_3"), ("llama4", "flash_attention_4"),
+        ("llama4", "vllm"),
+        # vLLM's backend allocates one head shape for every layer's cache and pages every layer's keys
+        ("gemma_topology", "vllm"),
     }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments
 
@@ -188,8 +188,11 @@ def test_every_draft_equals_the_modules_without_a_cache_and_tokens_stay_greedy(c
     the modules compute from the verified text without a cache, and the tokens are plain greedy decoding's."""
     config, seed, ids = case
     # no EOS: every step drafts (a drawn EOS may end decoding at its first token)
-    config = ModularDecoderConfig(**{**config.to_dict(), "num_mtp_layers": config.num_mtp_layers or 1,
-                                     "eos_token_id": None})
+    try:
+        config = ModularDecoderConfig(**{**config.to_dict(), "num_mtp_layers": config.num_mtp_layers or 1,
+                                         "eos_token_id": None})
+    except ValueError:  # a topology MTP modules do not join (AltUp, per-layer embeddings: refused by name there)
+        assume(False)
     model = _scrambled(config, seed)
     new_tokens = 4
     # within MAX_SEQ with the last step's drafts: past it a drawn length-dependent RoPE (dynamic, longrope) changes
