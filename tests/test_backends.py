@@ -190,11 +190,10 @@ def test_refused_pairs_are_the_expected_ones():
         ("hybrid", "vllm"),
         # vLLM's fused attention and MLP drop the μP multipliers
         ("mup_sublayers", "vllm"),
-        # Llama 4's chunks: flash kernels take a window, not chunks; vLLM's backend gives a layer a window or none
+        # chunked attention: the flash kernels take a window, not chunks; vLLM's backend gives a layer a window or none
         ("llama4", "flash_attention_2"), ("llama4", "flash_attention_3"), ("llama4", "flash_attention_4"),
         ("llama4", "vllm"),
-        # vLLM's backend pages one head shape for every layer, has no place for shared keys, per-layer inputs or
-        # several residual streams
+        # vLLM's backend allocates one head shape for every layer's cache and pages every layer's keys
         ("gemma_topology", "vllm"),
         # shared key = value attention masks its windows and entries per query: eager and SDPA only
         ("deepseek_v4", "flex_attention"), ("deepseek_v4", "flash_attention_2"), ("deepseek_v4", "flash_attention_3"),

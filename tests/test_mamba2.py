@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conversion_cases import perturbed, preset_parameter_counts
+from kernel_stand_ins import TensorShapes, fake_causal_conv1d_fn, fake_causal_conv1d_update
 from test_hybrid_ecosystem import DOCUMENTS
-from test_linear_attention import (GREEDY, IDS, MASK, PADDED, _fake_causal_conv1d_fn, _fake_causal_conv1d_update,
-                                   _LargestTensor, _states, converted_pair)
+from test_linear_attention import GREEDY, IDS, MASK, PADDED, _states, converted_pair
 from transformers.models.bamba import modeling_bamba as bamba
 from transformers.models.falcon_h1 import modeling_falcon_h1 as falcon_h1
 
@@ -99,7 +99,7 @@ def test_chunked_scan_holds_no_sequence_by_sequence_tensor():
     (chunk x chunk) blocks."""
     inputs, _, _, _ = _scan_inputs(1024)
     inputs["dt"] = torch.rand(2, 1024, 6)
-    with _LargestTensor() as mode:
+    with TensorShapes() as mode:
         mamba2_scan.chunked_scan(**inputs, chunk_size=64)
     assert not [shape for shape in mode.shapes if sum(dim >= 1024 for dim in shape) >= 2]
     assert max(max(shape[-2:], default=0) for shape in mode.shapes if len(shape) >= 2) >= 64
@@ -110,7 +110,7 @@ def test_a_sequence_shorter_than_the_chunk_is_one_unpadded_chunk():
     equal to the token-by-token recurrence."""
     inputs, _, _, state = _scan_inputs(9)
     inputs["dt"] = torch.rand(2, 9, 6)
-    with _LargestTensor() as mode:
+    with TensorShapes() as mode:
         out, final = mamba2_scan.chunked_scan(**inputs, initial_state=state, chunk_size=256)
     assert max(max(shape[-2:], default=0) for shape in mode.shapes if len(shape) >= 2) < 256
     expected, expected_state = mamba2_scan.recurrent_scan(**inputs, initial_state=state)
@@ -265,8 +265,8 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(compat, "mamba_ssm_kernels", lambda: (_fake_mamba_chunk_scan_combined(calls),
                                                               _fake_selective_state_update(calls)))
     monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
-        lambda *a, **k: calls.append("conv") or _fake_causal_conv1d_fn(*a, **k),
-        lambda *a, **k: calls.append("conv_update") or _fake_causal_conv1d_update(*a, **k)))
+        lambda *a, **k: calls.append("conv") or fake_causal_conv1d_fn(*a, **k),
+        lambda *a, **k: calls.append("conv_update") or fake_causal_conv1d_update(*a, **k)))
     monkeypatch.setattr(mamba2_scan, "_MAMBA_SSM_DEVICES", ("cpu",))
     monkeypatch.setattr(mamba2_scan, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
     mamba2_scan._kernels_for.cache_clear()

@@ -187,12 +187,13 @@ def test_every_draft_equals_the_modules_without_a_cache_and_tokens_stay_greedy(c
     each step's drafts (one per module, or the drawn `mtp_draft_tokens`, past the modules the last one again) are what
     the modules compute from the verified text without a cache, and the tokens are plain greedy decoding's."""
     config, seed, ids = case
-    # the axes MTP modules refuse (per-layer embeddings, layers reading others' keys, several residual streams)
-    assume(not (config.hidden_size_per_layer_input or getattr(config, "num_kv_shared_layers", 0)
-                or config.residual_stream != "single"))
     # no EOS: every step drafts (a drawn EOS may end decoding at its first token)
-    config = ModularDecoderConfig(**{**config.to_dict(), "num_mtp_layers": config.num_mtp_layers or 1,
-                                     "eos_token_id": None})
+    try:
+        config = ModularDecoderConfig(**{**config.to_dict(), "num_mtp_layers": config.num_mtp_layers or 1,
+                                         "eos_token_id": None})
+    except ValueError:  # a topology MTP modules do not join (AltUp, per-layer embeddings: refused by name there)
+        assume(False)
+    assume(config.attention_kind.rollback_error(config) is None)  # (DeepSeek-V4's compressed cache: MTP refused)
     model = _scrambled(config, seed)
     new_tokens = 4
     # within MAX_SEQ with the last step's drafts: past it a drawn length-dependent RoPE (dynamic, longrope) changes

@@ -61,6 +61,8 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
     wrapped = {name.rsplit(".", 1)[-1] for name, module in peft_model.named_modules() if hasattr(module, "lora_A")}
     if config.attention_type in ("mla", "dsa"):  # DeepSeek's own projection names, of which TARGETS holds these
         expected = {"o_proj"} | ({"q_proj"} if config.q_lora_rank is None else set())
+        if config.linear_attention_type == "kda" and "linear_attention" in config.layer_types:  # Kimi Linear
+            expected |= {"q_proj", "k_proj", "v_proj"}  # KDA's own projections, beside the latent attention
     else:
         expected = {"q_proj", "k_proj", "v_proj", "o_proj"}
     if config.mlp_type == "dense":
