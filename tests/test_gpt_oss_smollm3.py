@@ -107,6 +107,19 @@ def _trainer_losses(model, collator, folder) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+def assert_trainer_matches(source, ours, folder, reference_packs: bool) -> None:
+    """`Trainer` on transformers' class and on ours from the same weights: three steps of right-padded batches give
+    the same losses, and ours with the same documents packed in one row (`DataCollatorWithFlattening`) gives them
+    too; so does the reference packed where its mask reads `position_ids` (`reference_packs`)."""
+    packed = DataCollatorWithFlattening(return_position_ids=True)
+    theirs_padded = _trainer_losses(source, _padded, folder / "theirs_padded")
+    assert len(theirs_padded) == 3
+    assert _trainer_losses(ours, _padded, folder / "ours_padded") == pytest.approx(theirs_padded, rel=1e-5)
+    assert _trainer_losses(ours, packed, folder / "ours_packed") == pytest.approx(theirs_padded, rel=1e-5)
+    if reference_packs:
+        assert _trainer_losses(source, packed, folder / "theirs_packed") == pytest.approx(theirs_padded, rel=1e-5)
+
+
 def test_trainer_steps_equal_transformers_classes_padded_and_packed(pair, tmp_path):
     """`Trainer` on ours and on transformers' class from the same weights, with right-padded batches and with the
     same documents packed into one row (`DataCollatorWithFlattening`): the same loss at every step. Packed documents
@@ -114,10 +127,4 @@ def test_trainer_steps_equal_transformers_classes_padded_and_packed(pair, tmp_pa
     from `position_ids` as ours does, its gpt-oss does not (its mask ignores `position_ids`: it attends across the
     documents of a row), so there the padded run is the reference."""
     source, ours = pair
-    packed = DataCollatorWithFlattening(return_position_ids=True)
-    theirs_padded = _trainer_losses(source, _padded, tmp_path / "theirs_padded")
-    assert len(theirs_padded) == 3
-    assert _trainer_losses(ours, _padded, tmp_path / "ours_padded") == pytest.approx(theirs_padded, rel=1e-5)
-    assert _trainer_losses(ours, packed, tmp_path / "ours_packed") == pytest.approx(theirs_padded, rel=1e-5)
-    if not isinstance(source.config, GptOssConfig):
-        assert _trainer_losses(source, packed, tmp_path / "theirs_packed") == pytest.approx(theirs_padded, rel=1e-5)
+    assert_trainer_matches(source, ours, tmp_path, reference_packs=not isinstance(source.config, GptOssConfig))

@@ -103,6 +103,12 @@ def test_kernels_equal_transformers_reference_kernels(length, with_state, beta_s
     kwargs = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
     theirs_chunked = reference.torch_chunk_gated_delta_rule(*inputs.values(), **kwargs)
     theirs_recurrent = reference.torch_recurrent_gated_delta_rule(*inputs.values(), **kwargs)
+    assert_rules_agree(ours_chunked, ours_recurrent, theirs_chunked, theirs_recurrent)
+
+
+def assert_rules_agree(ours_chunked, ours_recurrent, theirs_chunked, theirs_recurrent) -> None:
+    """Ours chunked = transformers' chunked, ours recurrent = transformers' recurrent, and ours chunked = ours
+    recurrent: outputs and final states (each rule returns both)."""
     for ours, theirs in ((ours_chunked, theirs_chunked), (ours_recurrent, theirs_recurrent),
                          (ours_chunked, ours_recurrent)):
         torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-5)

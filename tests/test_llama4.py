@@ -16,8 +16,7 @@ import torch
 from conversion_cases import converted_pair
 from decoding import compiled_eager_and_reference
 from family_parity import assert_greedy_tokens_match, assert_logits_match
-from test_gpt_oss_smollm3 import IDS, _padded, _trainer_losses, left_padded
-from transformers import DataCollatorWithFlattening
+from test_gpt_oss_smollm3 import IDS, assert_trainer_matches, left_padded
 
 from modular_decoder import ModularDecoderForCausalLM
 from modular_decoder.backend_features import check_backend
@@ -112,12 +111,7 @@ def test_trainer_steps_equal_transformers_class_padded_and_packed(plain_pair, tm
     right-padded batches; ours with the documents packed in one row (each chunked from its own start) gives the
     padded losses, and so does transformers' class."""
     source, ours = plain_pair
-    packed = DataCollatorWithFlattening(return_position_ids=True)
-    theirs_padded = _trainer_losses(source, _padded, tmp_path / "theirs_padded")
-    assert len(theirs_padded) == 3
-    assert _trainer_losses(ours, _padded, tmp_path / "ours_padded") == pytest.approx(theirs_padded, rel=1e-5)
-    assert _trainer_losses(ours, packed, tmp_path / "ours_packed") == pytest.approx(theirs_padded, rel=1e-5)
-    assert _trainer_losses(source, packed, tmp_path / "theirs_packed") == pytest.approx(theirs_padded, rel=1e-5)
+    assert_trainer_matches(source, ours, tmp_path, reference_packs=True)
 
 
 def test_compiled_decode_step_gives_eager_and_transformers_tokens(tuned_pair, two_threads):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conversion_cases import CASES, perturbed, save_published, skip_without_class
 from kernel_stand_ins import TensorShapes
+from test_linear_attention import assert_rules_agree
 from transformers import AutoModelForCausalLM
 
 from modular_decoder import ModularDecoderCache, ModularDecoderConfig, ModularDecoderForCausalLM, preset_config
@@ -236,10 +237,7 @@ def test_kda_rules_equal_transformers_reference_kernels(length, with_state):
     ours_recurrent = delta_rule.recurrent_gated_delta_rule(**inputs, initial_state=state)
     theirs_chunked = reference.chunk_kimi_delta_attention(*inputs.values(), **kwargs)
     theirs_recurrent = reference.recurrent_kimi_delta_attention(*inputs.values(), **kwargs)
-    for ours, theirs in ((ours_chunked, theirs_chunked), (ours_recurrent, theirs_recurrent),
-                         (ours_chunked, ours_recurrent)):
-        torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
+    assert_rules_agree(ours_chunked, ours_recurrent, theirs_chunked, theirs_recurrent)
 
 
 def test_chunked_kda_holds_no_sequence_by_sequence_tensor():
