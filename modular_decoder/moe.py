@@ -22,7 +22,7 @@ experts kernels and PEFT's `target_parameters` apply unchanged:
     mlp.shared_experts.{gate,up,down}_proj.weight      one gated MLP of width n_shared·f_shared
     mlp.shared_expert_gate.weight        (1, d)        `shared_expert_gate=True` only
 
-The router (`TopKRouter`, its selection functions and losses) is in `routers.py`, the routed experts
+The router (`TopKRouter` or `HashRouter`, its selection functions and losses) is in `routers.py`, the routed experts
 (`Experts`, transformers' experts kernels) in `experts.py`; this module holds the block that joins
 them with the shared experts, and the kind's registry entry: completion, validation, parameter counts
 and parallelism plans.
@@ -52,7 +52,7 @@ from .experts import Experts, clamped_swiglu
 from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
 from .mlp import DenseMLP, GatedMLP, activated_parameters, mlp_tp_plan
 from .norms import build_norm, norm_parameters
-from .routers import AUX_LOSS_COEF, ROUTERS, TopKRouter
+from .routers import AUX_LOSS_COEF, ROUTERS, HashRouter, Router, TopKRouter
 
 # transformers' own values for `mlp_layer_types` (`configuration_utils.ALLOWED_MLP_LAYER_TYPES`),
 # which it checks whenever a config is saved
@@ -115,7 +115,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        self.gate = TopKRouter(config, hashed=layer_idx < config.num_hash_layers)
+        self.gate = (HashRouter if layer_idx < config.num_hash_layers else TopKRouter)(config)
         self.routes_by_token = self.gate.tid2eid is not None  # the block then passes the tokens' ids
         latent = config.moe_latent_size
         if latent is not None:
@@ -225,7 +225,7 @@ def init_moe_weights(module: nn.Module, std: float, init) -> bool:
         for bias in (getattr(module, f"{module.up_name}_bias"), module.down_proj_bias):
             if bias is not None:
                 init.zeros_(bias)
-    elif isinstance(module, TopKRouter):
+    elif isinstance(module, Router):
         init.normal_(module.weight, mean=0.0, std=std)
         if module.bias is not None:
             init.normal_(module.bias, mean=0.0, std=std)  # as transformers' gpt-oss

@@ -1,7 +1,7 @@
 """The routers that pick each token's experts (`router_type`).
 
-The selection functions, the router kinds that pair each with its training losses, the `TopKRouter` module every
-sparse layer holds, and `router_losses`, what one forward's router logits add to the language-model loss.
+The selection functions, the router kinds that pair each with its training losses, the router module every
+sparse layer holds (`TopKRouter`; `HashRouter` in the layers routed by token id), and `router_losses`, what one forward's router logits add to the language-model loss.
 
     softmax_topk   softmax over all experts, keep the k largest (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2)
     sigmoid_topk   independent sigmoid scores, chosen with a correction bias (DeepSeek-V3 `noaux_tc`)
@@ -249,7 +249,7 @@ class HashRoutingFields:
 # ---------------------------------------------------------------------------------------------
 
 
-class TopKRouter(nn.Module):
+class Router(nn.Module):
     """Router logits x·Wᵀ (+ b with `router_bias`), then the `router_type` selection. Returns (logits, weights,
     expert ids).
 
@@ -261,8 +261,11 @@ class TopKRouter(nn.Module):
     `expert_load` (for the correction bias update; a plain attribute, never saved).
     """
 
-    def __init__(self, config, hashed: bool = False):
+    hashed = False  # whether the experts come from the token-id table `tid2eid` (`HashRouter`)
+
+    def __init__(self, config):
         super().__init__()
+        hashed = self.hashed
         kind = ROUTERS[config.router_type]
         self.num_experts = config.num_experts  # read by transformers' expert-parallel router style (< 5.19)
         # a sigmoid router stays fp32 (`fp32_parameters`) also when built under a half default dtype (`from_config`)
@@ -311,6 +314,19 @@ class TopKRouter(nn.Module):
         return logits, weights, indices
 
 
+class TopKRouter(Router):
+    """The router of a sparse layer that chooses its experts by score: its logits are the model's `router_logits`
+    (the balance loss reads them)."""
+
+
+class HashRouter(Router):
+    """The router of a layer among the first `num_hash_layers`: the token-id table picks the experts, the scores only
+    weigh them. Its logits are left out of `router_logits` and the balance loss, as transformers' DeepSeek-V4
+    records only its learned routers': a balance loss would push the scores toward a choice the table makes."""
+
+    hashed = True
+
+
 # ---------------------------------------------------------------------------------------------
 # What a forward's router logits add to the loss (the functions live in router_losses.py)
 # ---------------------------------------------------------------------------------------------
@@ -338,6 +354,6 @@ def router_losses(
     return total, aux, z
 
 
-__all__ = ["AUX_LOSS_COEF", "HashRoutingFields", "ROUTERS", "SEQUENCE_AUX_LOSS_COEF", "RouterKind", "TopKRouter",
-           "router_losses", "selection", "biased_topk", "hash_select", "sigmoid_topk", "softmax_topk", "sqrt_softplus",
+__all__ = ["AUX_LOSS_COEF", "HashRouter", "HashRoutingFields", "ROUTERS", "Router", "RouterKind", "SEQUENCE_AUX_LOSS_COEF",
+           "TopKRouter", "router_losses", "selection", "biased_topk", "hash_select", "sigmoid_topk", "softmax_topk", "sqrt_softplus",
            "sqrtsoftplus_topk", "topk_sigmoid", "topk_softmax"]
