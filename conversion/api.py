@@ -12,9 +12,10 @@ from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mt
                    is_mtp_rule, plan_rules, refuse_tensors)
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
-from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, copy_plan, copy_release_files,
-                         effective_tie, open_kept, open_release, parameters, parsed_config,
-                         release_config, with_kept_tensors, write_manifest, write_release_files)
+from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, check_wrapper_builds, copy_plan,
+                         copy_release_files, describe_ids_embedded_apart, effective_tie, ids_embedded_apart, open_kept,
+                         open_release, parameters, parsed_config, release_config, with_kept_tensors, write_manifest,
+                         write_release_files)
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
                       quantization_of)
 from .stream import Sink, plan_shapes, produce, write_plan
@@ -201,6 +202,8 @@ def convert(
         check_shapes({k: v for k, v in produced.items() if not (tied and k == head)}, expected, f"converting {src}")
         if verify:
             check_verify_memory(model.num_parameters())
+            if release is not None:
+                check_wrapper_builds(release.wrapper)
         plan = _tied_head(plan, tensors, cfg, tied, embed, head, "source")
     planned = {k: (torch_dtype if produced[k].is_floating_point() else produced[k].dtype, tuple(produced[k].shape))
                for k in expected}  # in the model's order, as `save_pretrained` shards it
@@ -338,9 +341,12 @@ def _card_description(base_model: str | None, quantization: dict | None, dtype: 
         text += f", published as {describe_quantization(quantization)}, dequantized to {str(dtype).split('.')[1]}"
     text += (" and" if quantization is not None else ",") + " converted to the modular_decoder family."
     if release is not None:
-        text += f" The release's vision tower, projector, processor and config are kept as published in `{KEPT_FOLDER}/`"
+        text += f" Everything else in the release (its vision or audio towers, projectors, processor and config) is kept as published in `{KEPT_FOLDER}/`"
         text += "." if quantization is not None else \
             f"; `modular-decoder export THIS BACK --family {release.wrapper.model_type}` writes the release back."
+        apart = ids_embedded_apart(release.wrapper, release.config)
+        if apart:
+            text += " " + describe_ids_embedded_apart(release.wrapper, apart)
     if dropped:
         text += f" Not converted: {'; '.join(dropped)}."
     return text
