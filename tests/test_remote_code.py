@@ -76,7 +76,7 @@ SHIPPED = {
     "mtp.py", "mtp_generation.py", "draft_schedule.py", "packed_documents.py", "draft_vocab.py", "query_temperature.py",
     "mamba2.py", "mamba2_scan.py", "recurrent_mixer.py", "hybrid_cache.py", "mup.py", "short_conv.py", "kda.py",
     "kda_rule.py", "attention_shapes.py", "kv_sharing.py", "per_layer_embeddings.py", "residual_streams.py", "altup.py",
-    "laurel.py",
+    "laurel.py", "kv_assistant.py",
 }
 
 
