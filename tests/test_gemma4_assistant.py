@@ -2,7 +2,7 @@
 and hidden state our model hands it equal those transformers' `Gemma4ForCausalLM` hands it, so every draft (its ids
 and logits) and every token of `generate(assistant_model=...)` is transformers' own with the same assistant, and the
 tokens are plain greedy decoding's; with the sharing layers' sources and, without sharing, each type's last layer;
-a left-padded row; what the assistant cannot read refused by name; the private parts of transformers' generate this
+a left-padded row; sampling from the same seed; our int8 cache; what the assistant cannot read refused by name; the private parts of transformers' generate this
 relies on where `compat.GENERATION_HOOKS` names them. test_transformers_versions.py runs this file on the oldest and
 newest declared release.
 
@@ -146,6 +146,20 @@ def test_a_left_padded_row_drafts_as_transformers(trio, monkeypatch):
     their_tokens, their_steps = drafted(theirs, assistant, ids, monkeypatch, **kwargs)
     assert_same_drafts(steps, their_steps)
     assert torch.equal(tokens, their_tokens) and torch.equal(tokens, greedy(ours, ids, **kwargs))
+
+
+def test_sampling_and_the_int8_cache(trio, monkeypatch):
+    """Sampling: the tokens transformers' Gemma 4 samples with the assistant from the same seed (its loop accepts drafts
+    by speculative sampling, from the drafts' logits). Our int8 cache: its own greedy tokens with the assistant."""
+    theirs, ours, assistant = trio
+    sampled = []
+    for model in (ours, theirs):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            sampled.append(model.generate(PROMPT, assistant_model=assistant, max_new_tokens=NEW, do_sample=True))
+    assert torch.equal(*sampled)
+    int8 = dict(cache_implementation="quantized")
+    assert torch.equal(drafted(ours, assistant, PROMPT, monkeypatch, **int8)[0], greedy(ours, PROMPT, **int8))
 
 
 def test_what_the_assistant_cannot_read_is_refused_by_name(trio):
