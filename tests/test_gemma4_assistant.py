@@ -135,6 +135,7 @@ def test_drafts_and_tokens_are_transformers_and_greedy(trio, monkeypatch):
     assert max(length for length, _, _ in steps) > 2 * ours.config.sliding_window
 
 
+@pytest.mark.parametrize("trio", ["gemma4_text"], indirect=True)
 def test_a_left_padded_row_drafts_as_transformers(trio, monkeypatch):
     """A prompt left-padded by three (transformers drafts for one row at a time): the same drafts and tokens as
     transformers' Gemma 4 with the assistant, and ours' greedy tokens for that row."""
@@ -148,6 +149,7 @@ def test_a_left_padded_row_drafts_as_transformers(trio, monkeypatch):
     assert torch.equal(tokens, their_tokens) and torch.equal(tokens, greedy(ours, ids, **kwargs))
 
 
+@pytest.mark.parametrize("trio", ["gemma4_text"], indirect=True)
 def test_sampling_and_the_int8_cache(trio, monkeypatch):
     """Sampling: the tokens transformers' Gemma 4 samples with the assistant from the same seed (its loop accepts drafts
     by speculative sampling, from the drafts' logits). Our int8 cache: its own greedy tokens with the assistant."""
