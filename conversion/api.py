@@ -341,7 +341,8 @@ def _card_description(base_model: str | None, quantization: dict | None, dtype: 
         text += f", published as {describe_quantization(quantization)}, dequantized to {str(dtype).split('.')[1]}"
     text += (" and" if quantization is not None else ",") + " converted to the modular_decoder family."
     if release is not None:
-        text += f" Everything else in the release (its vision or audio towers, projectors, processor and config) is kept as published in `{KEPT_FOLDER}/`"
+        text += (" Everything else in the release (its vision or audio towers, projectors, processor and config) is "
+                 f"kept as published in `{KEPT_FOLDER}/`")
         text += "." if quantization is not None else \
             f"; `modular-decoder export THIS BACK --family {release.wrapper.model_type}` writes the release back."
         apart = ids_embedded_apart(release.wrapper, release.config)

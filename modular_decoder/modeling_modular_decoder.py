@@ -39,7 +39,8 @@ from .experts import experts_kernels_available
 from .gated_deltanet import GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .kinds import LINEAR_ATTENTION, attention_layer_type, mixer_layer_types
-from .kv_sharing import kv_sources
+from .kv_assistant import check_kv_assistant, drafter_kv, kv_assistant_drafter, reads_model_kv
+from .kv_sharing import drafter_kv_layers, kv_sources
 from .mamba2 import GroupedGatedRMSNorm
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
@@ -190,6 +191,18 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
             module.init_own_weights(init, std)
 
 
+@dataclass
+class ModularDecoderModelOutput(MoeModelOutputWithPast):
+    """The base model's output: transformers' MoE output, and the keys and values a drafter reads.
+
+    `shared_kv_states` (with `return_shared_kv_states=True`, which transformers' assisted decoding passes for its
+    Gemma 4 assistant; else `None`): per attention type, the (keys, values) (B, H_kv, T_kv, D) that the last layer of
+    that type computing its own attended to in this forward, as transformers' Gemma 4 returns them
+    (`kv_assistant.py`)."""
+
+    shared_kv_states: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
 class ModularDecoderModel(ModularDecoderPreTrainedModel):
     """Embeddings (+ absolute positions, multiplier, optional norm), the blocks, the final norm."""
 
@@ -228,7 +241,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
+    ) -> ModularDecoderModelOutput:
         """Embeds, runs every block with the masks / positions of its layer type, and norms.
 
         `position_ids` default to counting the real tokens of a 2-D `attention_mask` (so left
@@ -252,7 +265,9 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_seen)
 
         hidden = self._embed(inputs_embeds, position_ids)
-        layer_inputs = self._layer_inputs(input_ids, hidden)
+        # `return_shared_kv_states`: hand a drafter the keys and values it reads (transformers' name; kv_assistant.py)
+        hand_over = kwargs.pop("return_shared_kv_states", False)
+        layer_inputs = self._layer_inputs(input_ids, hidden, hand_over)
         masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self._rotary_tables(hidden, position_ids)
         layer_kwargs = self._alibi_kwargs(hidden, cache)
@@ -278,20 +293,24 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         hidden = self.residual_stream(hidden, leaving=True)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
-        return MoeModelOutputWithPast(last_hidden_state=hidden, **with_cache(cache if use_cache else None))
+        return ModularDecoderModelOutput(last_hidden_state=hidden, **with_cache(cache if use_cache else None),
+                                         shared_kv_states=drafter_kv(self.config, layer_inputs, hand_over))
 
-    def _layer_inputs(self, input_ids, hidden: torch.Tensor) -> list[dict]:
+    def _layer_inputs(self, input_ids, hidden: torch.Tensor, hand_over: bool = False) -> list[dict]:
         """What each layer takes beside the stream: its per-layer embedding (`per_layer_input`), and for layers that
-        share keys and values, this forward's dict of them (`shared_kv`, `kv_sharing.py`)."""
+        share keys and values, or hand them to a drafter (`hand_over`), this forward's dict of them (`shared_kv`,
+        `kv_sharing.py`)."""
         inputs = [{} for _ in range(self.config.num_hidden_layers)]
         if self.per_layer_embeddings is not None:
             for layer_input, embedding in zip(inputs, self.per_layer_embeddings(input_ids, hidden).unbind(2)):
                 layer_input["per_layer_input"] = embedding
         sources = kv_sources(self.config)
-        if any(source is not None for source in sources):
-            shared, sharing = {}, set(sources) | {i for i, source in enumerate(sources) if source is not None}
-            for layer_idx in sharing - {None}:
-                inputs[layer_idx]["shared_kv"] = shared
+        sharing = set(sources) | {i for i, source in enumerate(sources) if source is not None}
+        if hand_over:
+            sharing |= set(drafter_kv_layers(self.config).values())
+        shared = {}
+        for layer_idx in sharing - {None}:
+            inputs[layer_idx]["shared_kv"] = shared
         return inputs
 
     def _check_inputs(self, input_ids, attention_mask, inputs_embeds, cache) -> None:
@@ -489,10 +508,12 @@ class ModularDecoderCausalLMOutput(MoeCausalLMOutputWithPast):
     one for sigmoid routers), `z_loss` (softmax routers only) and `mtp_loss` (the mean of the MTP modules'
     cross-entropies) are the unweighted losses; `loss` (with `labels`) already holds
     `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss + mtp_loss_scaling_factor · mtp_loss`.
+    `shared_kv_states`: the base model's (`ModularDecoderModelOutput`), for a drafter that reads them.
     """
 
     z_loss: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None
+    shared_kv_states: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
@@ -588,6 +609,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits,
             z_loss=z_loss,
             mtp_loss=mtp_loss,
+            shared_kv_states=outputs.shared_kv_states,
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -654,6 +676,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         use_mtp = kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None)
         options = options_of(kwargs, (kwargs.get("generation_config"), self.generation_config))
         check_use_mtp(self.config, use_mtp)
+        check_kv_assistant(self.config, kwargs.get("assistant_model"))
         check_draft_tokens(self.config, use_mtp, options.draft_tokens)
         if use_mtp and (refusal := drafting_refusal(self.config)) is not None:
             raise ValueError(refusal)
@@ -683,17 +706,23 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
     prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 *args, **kwargs):
-        """With `use_mtp`, the candidate generator that drafts with this model's own MTP modules; otherwise
-        transformers' choice (a hook of transformers' `GenerationMixin`: see compat.py). The cache is told how many
-        tokens a step drafts, which its linear-attention layers record to roll back (transformers 5.16-5.24 tell it
-        nothing)."""
-        if generation_config.use_mtp and generation_config.assistant_early_exit is None \
-                and generation_config.prompt_lookup_num_tokens is None:
+                                 assistant_model=None, *args, **kwargs):
+        """With `use_mtp`, the candidate generator that drafts with this model's own MTP modules; with transformers'
+        Gemma 4 assistant, transformers' drafter for it, reading this model's keys and values (`kv_assistant.py`);
+        otherwise transformers' choice (a hook of transformers' `GenerationMixin`: see compat.py). The cache is told
+        how many tokens a step drafts, which its linear-attention layers record to roll back (transformers 5.16-5.24
+        tell it nothing)."""
+        transformers_first = generation_config.assistant_early_exit is not None \
+            or generation_config.prompt_lookup_num_tokens is not None
+        if generation_config.use_mtp and not transformers_first:
             generator = MtpCandidateGenerator(self, generation_config, model_kwargs, logits_processor)
+        elif reads_model_kv(assistant_model) and not transformers_first:
+            generator = kv_assistant_drafter(self, assistant_model, generation_config, input_ids, inputs_tensor,
+                                             logits_processor, model_kwargs)
         else:
             generator = super()._get_candidate_generator(generation_config, input_ids, inputs_tensor,
-                                                         logits_processor, model_kwargs, *args, **kwargs)
+                                                         logits_processor, model_kwargs, assistant_model, *args,
+                                                         **kwargs)
         if isinstance(cache := cache_of(model_kwargs), ModularDecoderCache):
             drafts = drafted_tokens_per_step(generator)
             if drafts_grow(generator):  # at most the tokens left to generate
@@ -742,4 +771,4 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
 
 
 __all__ = ["ModularDecoderPreTrainedModel", "ModularDecoderModel", "ModularDecoderForCausalLM",
-           "ModularDecoderCausalLMOutput"]
+           "ModularDecoderCausalLMOutput", "ModularDecoderModelOutput"]

@@ -77,6 +77,7 @@ SHIPPED = {
     "mamba2.py", "mamba2_scan.py", "recurrent_mixer.py", "hybrid_cache.py", "mup.py", "short_conv.py", "kda.py",
     "kda_rule.py", "attention_shapes.py", "kv_sharing.py", "per_layer_embeddings.py", "residual_streams.py", "altup.py",
     "laurel.py", "shared_kv_attention.py", "compressed_attention.py", "compressed_cache.py", "hyper_connections.py",
+    "kv_assistant.py",
 }
 
 

@@ -658,6 +658,16 @@ def test_gemma4_matches_its_class_on_the_oldest_and_newest_release(case, tmp_pat
 
 
 @pytest.mark.slow
+def test_gemma4_assistant_drafts_as_with_its_class_on_the_oldest_and_newest_release(tmp_path):
+    """transformers' Gemma 4 assistant drafting for a converted Gemma 4 (`kv_assistant.py`): every draft and token of
+    transformers' Gemma 4 with the same assistant, on each release (5.16's drafter takes the prompt and the model's
+    keyword arguments, 5.25's takes them as `**kwargs`; 5.16's first draft reads the prompt's first hidden state, 5.25's
+    its last): every case of test_gemma4_assistant.py passes on each."""
+    for version in _oldest_and_newest():
+        _project_tests_pass_on(version, ("test_gemma4_assistant.py",), tmp_path, expected=9)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["phi3", "olmo3", "ministral3", "minimax_m2", "glm4_moe"])
 def test_2025_26_dense_and_moe_families_match_their_classes_on_the_oldest_and_newest_release(case, tmp_path):
     """Phi-3's fused projections and window, OLMo 3's sliding layers and per-type RoPE, Ministral 3's query
