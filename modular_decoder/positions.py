@@ -230,7 +230,7 @@ def _validate_rope(config) -> None:
     one 0 / 1 per layer."""
     require_number("partial_rotary_factor", config.partial_rotary_factor, above=0, at_most=1)
     require_bool("rope_interleaved", config.rope_interleaved)
-    _validate_no_rope_layers(config)
+    validate_no_rope_layers(config)
     params = config.rope_parameters
     if not isinstance(params, dict) or not params:
         raise ValueError(f"`rope_parameters` must be a dict with a `rope_type`, got {params!r}.")
@@ -257,7 +257,7 @@ def _validate_rope(config) -> None:
         raise ValueError(f"`rope_parameters` is incomplete: {error.args[0]}") from None
 
 
-def _validate_no_rope_layers(config) -> None:
+def validate_no_rope_layers(config) -> None:
     """`None` (every layer rotates) or transformers' SmolLM3 list: 1 for a RoPE layer, 0 for a NoPE one, per layer."""
     flags = config.no_rope_layers
     if flags is None:
