@@ -18,7 +18,8 @@ from transformers import PretrainedConfig  # noqa: E402
 from .blocks import BlockFields, LayerNormPositionFields, mixing_layer_types, validate_block  # noqa: E402
 from .chunked_attention import CHUNKED_ATTENTION  # noqa: E402
 from .gated_deltanet import GatedDeltaNetFields  # noqa: E402
-from .kinds import HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
+from .kinds import (HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int,  # noqa: E402
+                    require_number, require_per_layer)
 from .mamba2 import Mamba2Fields  # noqa: E402
 from .moe import ExpertFormFields  # noqa: E402
 from .mup import MupFields  # noqa: E402
@@ -643,9 +644,7 @@ class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormField
             registry.check(self)
 
     def _validate_layer_types(self) -> None:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"`layer_types` has {len(self.layer_types)} entries for "
-                             f"`num_hidden_layers`={self.num_hidden_layers}.")
+        require_per_layer("layer_types", self.layer_types, self)
         for layer_type in self.layer_types:
             require_choice("layer_types[...]", layer_type, LAYER_TYPES)
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
