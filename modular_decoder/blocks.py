@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .kinds import HYBRID, LINEAR_ATTENTION, mixer_layer_types, require_bool, require_choice
+from .kinds import HYBRID, LINEAR_ATTENTION, mixer_layer_types, require_bool, require_choice, require_per_layer
 from .norms import build_norm
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS
 from .laurel import join_attention
@@ -376,9 +376,7 @@ def validate_block_types(config) -> None:
     kinds = config.block_types
     if kinds is None:
         return
-    if not isinstance(kinds, list) or len(kinds) != config.num_hidden_layers:
-        raise ValueError(f"`block_types` must list one entry per layer (`num_hidden_layers`="
-                         f"{config.num_hidden_layers}), got {kinds!r}.")
+    require_per_layer("block_types", kinds, config)
     for kind in kinds:
         require_choice("block_types[...]", kind, BLOCK_TYPES)
     if all(kind == "mlp" for kind in kinds):

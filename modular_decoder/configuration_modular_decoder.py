@@ -19,7 +19,8 @@ from .blocks import BlockFields, LayerNormPositionFields, mixing_layer_types, va
 from .chunked_attention import CHUNKED_ATTENTION  # noqa: E402
 from .compressed_attention import COMPRESSED_LAYER_TYPES  # noqa: E402
 from .gated_deltanet import GatedDeltaNetFields  # noqa: E402
-from .kinds import HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
+from .kinds import (HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int,  # noqa: E402
+                    require_number, require_per_layer)
 from .mamba2 import Mamba2Fields  # noqa: E402
 from .moe import ExpertFormFields  # noqa: E402
 from .mup import MupFields  # noqa: E402
@@ -645,9 +646,7 @@ class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormField
             registry.check(self)
 
     def _validate_layer_types(self) -> None:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"`layer_types` has {len(self.layer_types)} entries for "
-                             f"`num_hidden_layers`={self.num_hidden_layers}.")
+        require_per_layer("layer_types", self.layer_types, self)
         for layer_type in self.layer_types:
             require_choice("layer_types[...]", layer_type, LAYER_TYPES)
         kind = ATTENTIONS.get(self.attention_type) if isinstance(self.attention_type, str) else None

@@ -396,11 +396,18 @@ def require_bool(name: str, value, optional: bool = False) -> None:
         raise ValueError(f"`{name}` must be true or false, got {value!r}.")
 
 
+def require_per_layer(name: str, value, config, what: str = "one entry") -> None:
+    """A list of one entry per layer (`config.num_hidden_layers` of them); `what` says what each entry is."""
+    layers = config.num_hidden_layers
+    if not isinstance(value, list) or len(value) != layers:
+        raise ValueError(f"`{name}` must list {what} per layer (`num_hidden_layers`={layers}), got {value!r}.")
+
+
 def require_choice(name: str, value, allowed) -> None:
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"`{name}`={value!r} is not one of the allowed values {sorted(allowed)}.")
 
 
-__all__ = ["require_int", "require_number", "require_bool", "require_choice", "Registry", "Kind", "AttentionKind",
-           "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "HYBRID", "field_default", "mixer_layer_types",
-           "attention_layer_type", "Feature", "FeatureSet", "require_unset_unless"]
+__all__ = ["require_int", "require_number", "require_bool", "require_choice", "require_per_layer", "Registry", "Kind",
+           "AttentionKind", "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "HYBRID", "field_default",
+           "mixer_layer_types", "attention_layer_type", "Feature", "FeatureSet", "require_unset_unless"]

@@ -49,7 +49,7 @@ from transformers.activations import ACT2FN
 
 from .compat import experts_ep_plan
 from .experts import Experts, clamped_swiglu
-from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
+from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number, require_per_layer
 from .mlp import DenseMLP, GatedMLP, activated_parameters, mlp_tp_plan
 from .norms import build_norm, norm_parameters
 from .routers import AUX_LOSS_COEF, ROUTERS, HashRouter, Router, TopKRouter
@@ -394,9 +394,7 @@ class MixtureOfExpertsKind(FeedForwardKind):
     @staticmethod
     def _validate_layer_types(config) -> None:
         kinds = config.mlp_layer_types
-        if not isinstance(kinds, list) or len(kinds) != config.num_hidden_layers:
-            raise ValueError(f"`mlp_layer_types` must list one entry per layer (`num_hidden_layers`="
-                             f"{config.num_hidden_layers}), got {kinds!r}.")
+        require_per_layer("mlp_layer_types", kinds, config)
         for kind in kinds:
             require_choice("mlp_layer_types[...]", kind, MLP_LAYER_TYPES)
         if "sparse" not in kinds:

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
 from .compat import rope_validation_view
-from .kinds import Kind, Registry, attention_layer_type, require_bool, require_int, require_number
+from .kinds import Kind, Registry, attention_layer_type, require_bool, require_int, require_number, require_per_layer
 from .split_products import is_fx_proxy
 
 
@@ -262,9 +262,7 @@ def validate_no_rope_layers(config) -> None:
     flags = config.no_rope_layers
     if flags is None:
         return
-    if not isinstance(flags, list) or len(flags) != config.num_hidden_layers:
-        raise ValueError(f"`no_rope_layers` must list one 1 (RoPE) or 0 (NoPE) per layer (`num_hidden_layers`="
-                         f"{config.num_hidden_layers}), got {flags!r}.")
+    require_per_layer("no_rope_layers", flags, config, "one 1 (RoPE) or 0 (NoPE)")
     for flag in flags:
         if isinstance(flag, bool) or flag not in (0, 1):
             raise ValueError(f"`no_rope_layers` holds 1 (the layer rotates) or 0 (NoPE) per layer, got {flag!r}.")

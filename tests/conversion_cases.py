@@ -413,14 +413,16 @@ def preset_parameter_counts(name: str, family: str, tiny: bool) -> tuple[int, in
     return sum(p.numel() for p in theirs.parameters()), parameter_count(config)["total"], ours.num_parameters()
 
 
-def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_step=None):
+def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_step=None, family: str | None = None):
     """A LoRA adapter on `targets` made on transformers' model in `path / "theirs"` and loaded onto ours in
     `path / "ours"` (checked: the same modules adapted, the same logits on `ids`), trained one SGD step there (after
     `before_step(ours)`), saved under `out` and loaded back onto transformers' model (checked: ours' logits).
-    Returns (ours, its logits before the step)."""
+    With `family`, the adapter goes through `modular-decoder convert` on its way to ours and `export --family` back
+    (the family names some modules otherwise than ours). Returns (ours, its logits before the step)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from modular_decoder import ModularDecoderForCausalLM
+    from modular_decoder.commands import main
 
     def adapted(model) -> set[str]:
         return {name.rsplit(".", 2)[-2] for name, _ in model.named_modules() if name.endswith(".base_layer")}
@@ -429,8 +431,11 @@ def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_ste
     torch.manual_seed(1)
     theirs = get_peft_model(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), config).eval()
     theirs.save_pretrained(out / "adapter")
-    ours = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(path / "ours"), out / "adapter",
-                                     is_trainable=True)
+    if family is not None:
+        assert main(["convert", str(out / "adapter"), str(out / "adapter-ours"),
+                     "--adapter-base", str(path / "theirs")]) == 0
+    ours = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(path / "ours"),
+                                     out / ("adapter" if family is None else "adapter-ours"), is_trainable=True)
     assert adapted(ours) == adapted(theirs) == set(targets)
     with torch.no_grad():
         before = ours(ids).logits
@@ -445,7 +450,11 @@ def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_ste
     # (the adapter names transformers' folder as its base, whose config.json PEFT's vocabulary check would read
     # with our config class: nothing was resized, so say so)
     ours.save_pretrained(out / "trained", save_embedding_layers=False)
-    back = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), out / "trained").eval()
+    if family is not None:
+        assert main(["export", str(out / "trained"), str(out / "trained-theirs"), "--family", family,
+                     "--adapter-base", str(path / "ours")]) == 0
+    back = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"),
+                                     out / ("trained" if family is None else "trained-theirs")).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
     return ours, before
