@@ -504,7 +504,9 @@ def topologies_section(run: dict | None) -> str:
         "cache bytes per token of the published Gemma 3n and Gemma 4 E2B layouts in bf16, both sides built on the meta "
         "device (real shapes, no memory) and run through their own caches, a prefill of C tokens and one decode step: "
         "every tensor each cache layer holds, each storage once, at its allocated size (ours' payload: what the next "
-        "step attends to; no sharing: the contract's arithmetic with `num_kv_shared_layers=0`).", "",
+        "step attends to; no sharing: the contract's arithmetic with `num_kv_shared_layers=0`). A prefill keeping the "
+        "last position's logits runs the layers that share keys and values on that position only: transformers' Gemma "
+        "4 and ours (`kept_positions.py`, on Gemma 3n too), not transformers' Gemma 3n.", "",
         report(run),
     ])
 
@@ -871,8 +873,8 @@ SECTIONS = (
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
     Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_hybrid.json",), hybrid_section),
-    Section(("results_deepseek_v4.json",), deepseek_v4_section, optional=True),
-    Section(("results_topologies.json",), topologies_section, optional=True),
+    Section(("results_deepseek_v4.json",), deepseek_v4_section),
+    Section(("results_topologies.json",), topologies_section),
     Section(("results_mixers.json",), mixers_section, optional=True),
     Section(("results_mamba2.json",), mamba2_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
