@@ -97,7 +97,7 @@ def test_no_cut_where_every_position_is_read_or_the_backend_takes_no_cut_mask(mo
     ids = prompt(1, 8, vocab=model.config.vocab_size, seed=7)
     cases = [("sdpa", {"output_hidden_states": True}), ("eager", {"output_attentions": True}),
              ("sdpa", {"output_router_logits": True})]
-    if torch.__version__ >= "2.5":
+    if model.config.residual_stream == "single":  # (one layout: flex compiles its kernel, seconds)
         cases.append(("flex_attention", {}))
     for backend, kwargs in cases:
         model.set_attn_implementation(backend)
