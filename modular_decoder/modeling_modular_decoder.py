@@ -39,6 +39,7 @@ from .experts import experts_kernels_available
 from .gated_deltanet import GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .kinds import LINEAR_ATTENTION, attention_layer_type, mixer_layer_types
+from .kept_positions import keep_last, kept_positions_from
 from .kv_assistant import check_kv_assistant, drafter_kv, kv_assistant_drafter, reads_model_kv
 from .kv_sharing import drafter_kv_layers, kv_sources
 from .mamba2 import GroupedGatedRMSNorm
@@ -240,9 +241,11 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> ModularDecoderModelOutput:
-        """Embeds, runs every block with the masks / positions of its layer type, and norms.
+        """Embeds, runs every block with the masks / positions of its layer type, and norms. With an integer
+        `logits_to_keep`, the layers that cache nothing run on the positions kept only (`kept_positions.py`).
 
         `position_ids` default to counting the real tokens of a 2-D `attention_mask` (so left
         padding does not shift positions), else to the cache length onwards. Packed documents
@@ -274,11 +277,16 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if (documents := self._linear_documents(packed_positions, attention_mask, inputs_embeds)) is not None:
             layer_kwargs[LINEAR_ATTENTION] = {"documents": documents}
         hidden = self.residual_stream(hidden)  # the stream(s) the layers join (`residual_streams.py`)
+        cut_from = kept_positions_from(self, logits_to_keep, inputs_embeds.shape[1], masks, cache, kwargs)
 
         # the first `num_hidden_layers` as transformers' models run them: its assistant early exit drafts with
         # the model itself after lowering that number
         for layer_idx, block in enumerate(self.layers[: self.config.num_hidden_layers]):
             layer_type = self.config.layer_types[layer_idx]
+            if layer_idx == cut_from:
+                hidden, masks, rotary, position_ids, input_ids, layer_inputs = keep_last(
+                    logits_to_keep, RESIDUAL_STREAMS.of(self.config).position_dim, hidden, masks, rotary,
+                    position_ids, input_ids, layer_inputs)
             hidden = block(
                 hidden,
                 attention_mask=layer_masks(masks, layer_type),
@@ -585,6 +593,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
+            # (the model runs its last layers on these positions only where none of the others is read)
+            logits_to_keep=0 if labels is not None else logits_to_keep,
             **kwargs,
         )
         logits = self._logits(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))

@@ -58,6 +58,8 @@ class ResidualStreamFields:
 class ResidualStreamKind(Kind):
     """A value of `residual_stream`: the model's and each layer's parts, and the join."""
 
+    position_dim = 1  # the positions' dim in the stream(s) the layers pass on ((B, T, d); (B, T, n, d))
+
     def validate(self, config) -> None:
         require_bool("layer_scalar", config.layer_scalar)
         require_int("laurel_rank", config.laurel_rank, minimum=0)
