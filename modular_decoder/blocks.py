@@ -163,7 +163,8 @@ class DecoderBlock(GradientCheckpointingLayer):
     def feed_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The FFN of `x` (the block's normed FFN input); one that also reads the layer's residual input `residual`
         (the experts beside a dense MLP, `moe.ParallelDenseMoeBlock`) is given it."""
-        out = self.mlp(x, residual) if getattr(self.mlp, "reads_residual", False) else self.mlp(x)
+        # (read on the class: a module's own missing attribute raises inside torch before `getattr` defaults)
+        out = self.mlp(x, residual) if getattr(type(self.mlp), "reads_residual", False) else self.mlp(x)
         return self.dropout(out) if self.training else out
 
 

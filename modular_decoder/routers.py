@@ -34,6 +34,12 @@ def _keep_best_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_gro
     return scores.masked_fill(~keep, fill)
 
 
+def scaled(weights: torch.Tensor, factor: float) -> torch.Tensor:
+    """The routing weights times `routed_scaling_factor` (no multiplication by 1: a decode step's router is a few
+    small operations, each of which costs microseconds)."""
+    return weights if factor == 1.0 else weights * factor
+
+
 def softmax_topk(
     logits: torch.Tensor,
     correction_bias: torch.Tensor | None,
@@ -58,7 +64,7 @@ def softmax_topk(
     weights, indices = choice.topk(top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * routed_scaling_factor, indices
+    return scaled(weights, routed_scaling_factor), indices
 
 
 def sigmoid_topk(
@@ -86,7 +92,7 @@ def sigmoid_topk(
     weights = scores.gather(1, indices)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # as DeepSeek-V3: no 0/0
-    return weights * routed_scaling_factor, indices
+    return scaled(weights, routed_scaling_factor), indices
 
 
 def topk_softmax(
@@ -106,7 +112,7 @@ def topk_softmax(
     """
     del correction_bias, norm_topk_prob, n_group, topk_group  # none apply (weights sum to 1 by construction)
     values, indices = logits.topk(top_k, dim=-1)  # (N, k) each
-    return values.float().softmax(dim=-1) * routed_scaling_factor, indices
+    return scaled(values.float().softmax(dim=-1), routed_scaling_factor), indices
 
 
 def topk_sigmoid(
@@ -129,7 +135,7 @@ def topk_sigmoid(
     weights = values.float().sigmoid()
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * routed_scaling_factor, indices
+    return scaled(weights, routed_scaling_factor), indices
 
 
 def _switch_balance_loss(router_logits, config, attention_mask, batch_size):
@@ -236,7 +242,10 @@ class TopKRouter(nn.Module):
             x32 = hidden_states.float()
             normed = (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).type_as(hidden_states)
             hidden_states = normed * self.scale * self.input_scale
-        logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)  # (N, E)
+        weight = self.weight
+        if hidden_states.dtype != weight.dtype:  # a router kept in fp32
+            hidden_states = hidden_states.to(weight.dtype)
+        logits = F.linear(hidden_states, weight, self.bias)  # (N, E)
         weights, indices = self.select(logits, self.e_score_correction_bias)  # (N, k) each
         if self.per_expert_scale is not None:
             weights = weights * self.per_expert_scale[indices]
