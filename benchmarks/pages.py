@@ -653,23 +653,26 @@ def sinks_section(run: dict | None) -> str:
         *command_block(run),
         f"One attention layer of gpt-oss's widths (hidden {shape['hidden_size']}, {shape['num_attention_heads']} query "
         f"heads of {shape['head_dim']} over {shape['num_key_value_heads']} K/V heads), random weights, called directly: "
-        "a prefill of T tokens (no mask: SDPA's own causal path) and one decode step against S cached tokens. SDPA "
-        "with sinks takes them as one more key in a prefill (K and V copied 8 features wider per call) and scores "
-        "the cached keys directly in a decode step (`sinks.few_queries_with_sinks`: no copy); the eager reference "
-        "with them materializes the scores. Median ms of alternating rounds (ratio: against SDPA without sinks) and, in "
-        "one untimed call of each, the peak memory above the start (MB).", "",
+        "a prefill of T tokens (no mask: SDPA's own causal path) and one decode step against S cached tokens, the whole "
+        "layer (its projections dominate) and its attention alone (the function the layer calls, on one query against "
+        "S cached keys and values). SDPA with sinks takes them as one more key in a prefill (K and V copied 8 features "
+        "wider per call) and scores the cached keys directly in a decode step (`sinks.few_queries_with_sinks`: no copy, "
+        "each K/V head against its group of query heads); the eager reference with them materializes the scores. "
+        f"Median ms of alternating rounds (a decode round: the mean of {run.get('steps', 1)} calls; ratio: against SDPA "
+        "without sinks) and, in one untimed call of each, the peak memory above the start (MB).", "",
         "| step | " + " | ".join(f"{label} ms" for _, label in SINK_CASES) + " | SDPA sinks / SDPA | eager sinks / SDPA | "
         + " | ".join(f"{label} peak MB" for _, label in SINK_CASES) + " |",
         "|---|" + "---:|" * (2 * len(SINK_CASES) + 2),
     ]
-    for kind, label in (("prefill", "prefill {} tokens"), ("decode", "decode step, {} cached")):
-        for size, row in run[kind].items():
+    for kind, label in (("prefill", "prefill {} tokens"), ("decode", "decode step, {} cached"),
+                        ("decode_attention", "its attention alone, {} cached")):
+        for size, row in run.get(kind, {}).items():
             lines.append(f"| {label.format(f'{int(size):,}')} | "
                          + " | ".join(f"{1e3 * row[case]['seconds']:.2f}" for case, _ in SINK_CASES)
                          + f" | {row['ratios']['sdpa_sinks']:.2f}x | {row['ratios']['eager_sinks']:.2f}x | "
                          + " | ".join(f"{row[case]['peak_mb']:.1f}" for case, _ in SINK_CASES) + " |")
-    timed = [row[case]["all_seconds"] for kind in ("prefill", "decode") for row in run[kind].values()
-             for case, _ in SINK_CASES]
+    timed = [row[case]["all_seconds"] for kind in ("prefill", "decode", "decode_attention")
+             for row in run.get(kind, {}).values() for case, _ in SINK_CASES]
     return "\n".join(lines + ["", spread_note(timed, run)])
 
 
@@ -842,16 +845,23 @@ def later_families_section(results: dict | None) -> str:
         "The same harness and rules as the section above (`benchmarks/run.py`), for gpt-oss "
         "(`GptOssForCausalLM`, which has no SDPA path in transformers: eager there, SDPA with sinks here) and "
         "SmolLM3 (`SmolLM3ForCausalLM`), each against ours with the same weights, "
-        f"{record['machine']['torch_threads']} torch threads; speed only (`--no-memory --no-train`).", "",
+        f"{record['machine']['torch_threads']} torch threads"
+        + (" (the split products need two: the ablation columns are not timed)"
+           if record['machine']['torch_threads'] == 1 else "") + "; speed only (`--no-memory --no-train`).", "",
         run.table(results, _run_args(results)), "",
         f"- Prefill 1x{_run_args(results).prefill}: " + ", ".join(f"{f} {r['metrics']['prefill_1']['ratio']['ours']:.2f}x"
                                           for f, r in fams.items()) + "; batch-1 decode: "
-        + ", ".join(f"{f} {r['metrics']['decode_1']['ratio']['ours']:.2f}x"
-                    f" ({r['metrics']['decode_1']['ratio']['ours, no split products']:.2f}x without the split products)"
-                    for f, r in fams.items()) + ".",
+        + ", ".join(f"{f} {r['metrics']['decode_1']['ratio']['ours']:.2f}x" + _without_split(r) for f, r in fams.items())
+        + ".",
         "", spread_note(timed, results),
     ]
     return "\n".join(lines)
+
+
+def _without_split(result: dict) -> str:
+    """The note " (N.NNx without the split products)" where the run timed that ablation (more than one thread)."""
+    ratio = result["metrics"]["decode_1"]["ratio"].get("ours, no split products")
+    return "" if ratio is None else f" ({ratio:.2f}x without the split products)"
 
 
 @dataclass(frozen=True)

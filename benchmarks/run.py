@@ -78,6 +78,12 @@ ROWS = {
 # Rows measured for transformers and ours only: the split products engage neither in training nor
 # in loading, so the ablation column would repeat ours.
 PAIR = MODELS[:2]
+
+
+def timed_models() -> tuple[str, ...]:
+    """The models the speed rows time: all three, or with one torch thread (`--threads 1`) transformers and ours only,
+    since the split products then never engage (`split_products`) and the ablation would time ours twice."""
+    return MODELS if torch.get_num_threads() > 1 else PAIR
 TRAIN_ROWS = {
     "train_full": ("train full FT tok/s (fwd+bwd+AdamW, {TB}x{TS})", True),
     "train_lora": ("train LoRA tok/s (fwd+bwd+AdamW, r=8, {lora})", True),
@@ -162,12 +168,13 @@ def measure_family(reference, ours, args, experts: dict | None = None) -> dict:
         for model in (reference, ours):  # warm-up: first-call allocations, lazy inits (short calls)
             prefill(model, long[:1, :32])
             decode(model, short[:1], 4)
-        samples = alternating({name: partial(prefill_round, name) for name in MODELS},
+        names = timed_models()
+        samples = alternating({name: partial(prefill_round, name) for name in names},
                               args.repeats * args.prefill_samples, warmup=0, label="prefill")
-        decodes = alternating({name: partial(decode_round, name) for name in MODELS}, args.repeats, warmup=0,
+        decodes = alternating({name: partial(decode_round, name) for name in names}, args.repeats, warmup=0,
                               label="decode")
-        values = {key: {name: [] for name in MODELS} for key in ROWS}
-        for name in MODELS:
+        values = {key: {name: [] for name in names} for key in ROWS}
+        for name in names:
             for repeat in range(args.repeats):
                 chunk = samples[name][repeat * args.prefill_samples:(repeat + 1) * args.prefill_samples]
                 for key in ("prefill_1", "prefill_4"):
@@ -335,7 +342,7 @@ def table(results: dict, args) -> str:
             lines.append(f"| | experts_implementation ({how}): {used} | | | | | |")
         bound = result["roofline_b1_tok_s"]
         shares = " | ".join(f"{100 * result['metrics']['decode_1'][name]['median'] / bound:.0f}% of it"
-                            for name in MODELS)
+                            if name in result["metrics"]["decode_1"] else "—" for name in MODELS)
         if result.get("moe"):
             what = (f"b1 roofline (read the active weights once: {result['step_mb']:.0f} of "
                     f"{result['weights_mb']:.0f} MB/step = {1e3 / bound:.1f} ms) {bound:.1f} tok/s")

@@ -45,12 +45,13 @@ class AttentionLayer(nn.Module):
 
         `interface` (the backend `attn_implementation` names), or this family's own where a backend takes ALiBi
         slopes (flex, flash-attn 2) or sinks (sdpa, flex, flash) only through it."""
+        slopes, sinks = "alibi_slopes" in kwargs, self.sinks is not None
+        if not (slopes or sinks):  # (the common case: no backend name to read)
+            return interface
         backend = canonical_backend(self.config._attn_implementation)
-        if "alibi_slopes" in kwargs:  # flex / flash-attn 2 take ALiBi as slopes (flex takes the sinks too)
+        if slopes or backend == "flex_attention":  # flex / flash-attn 2 take ALiBi as slopes (flex takes the sinks too)
             return ALIBI_SLOPE_FUNCTIONS[backend]
-        if self.sinks is not None:
-            return ALIBI_SLOPE_FUNCTIONS[backend] if backend == "flex_attention" else sink_function(backend, interface)
-        return interface
+        return sink_function(backend, interface)
 
     def score_kwargs(self, kwargs: dict) -> dict:
         """What a backend takes beside q, k, v, the mask and `scaling`: the dropout while training, this

@@ -168,7 +168,8 @@ class DecoderBlock(GradientCheckpointingLayer):
         """The FFN of `x` (the block's normed FFN input); one that also reads the layer's residual input `residual`
         (the experts beside a dense MLP, `moe.ParallelDenseMoeBlock`) is given it, one that routes by token id
         (`num_hash_layers`) the tokens `input_ids`."""
-        if getattr(self.mlp, "reads_residual", False):
+        # (read on the class: a module's own missing attribute raises inside torch before `getattr` defaults)
+        if getattr(type(self.mlp), "reads_residual", False):
             out = self.mlp(x, residual)
         else:
             out = self.mlp(x, input_ids) if self.mlp_reads_tokens else self.mlp(x)

@@ -58,21 +58,30 @@ def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None):
 
     query/key (B, T, H_k, d_k), value (B, T, H_v, d_v), g/beta (B, T, H_v) (or g per key channel, (B, T, H_v, d_k):
     KDA's decay, `kda_rule.py`), initial_state (B, H_v, d_k, d_v) or None. Returns the output (B, T, H_v, d_v) in
-    value's dtype and the final state (B, H_v, d_k, d_v) in fp32."""
+    value's dtype and the final state (B, H_v, d_k, d_v) in fp32, a new tensor (`initial_state` is not written).
+
+    The state's reads (kᵀS, qᵀS) are batched products and its write (S += k ⊗ δ) one in-place batched product: three
+    passes over the state per token and one elementwise (the decay), where the same formula as elementwise
+    products and sums makes about eight and a temporary the state's size for each (transformers' reference)."""
     dtype = value.dtype
     q, k, v, g, beta = heads_first_fp32(query, key, value, g, beta)
-    batch, heads, length, _ = v.shape
-    state = (torch.zeros(batch, heads, k.shape[-1], v.shape[-1], dtype=v.dtype, device=v.device)
+    batch, heads, length, d_k = k.shape
+    d_v = v.shape[-1]
+    state = (torch.zeros(batch, heads, d_k, d_v, dtype=v.dtype, device=v.device)
              if initial_state is None else initial_state.to(v.dtype))
     out = torch.empty_like(v)
-    per_channel = g.dim() == 4  # (B, H, T, d_k): KDA's decay of each key channel
+    decays = g.exp()  # (B, H, T) or, KDA's, (B, H, T, d_k)
+    decays = decays[..., None] if decays.dim() == 4 else decays[..., None, None]
+    rows = batch * heads  # the batched products' batch: one (d_k x d_v) state per sequence and head
     for t in range(length):
-        decay = g[:, :, t].exp()
-        state = state * (decay[..., None] if per_channel else decay[..., None, None])
-        remembered = (state * k[:, :, t, :, None]).sum(dim=-2)  # (B, H, d_v): what the state recalls for k_t
+        # decayed into a new tensor at the first token (the caller's state stays as it was), in place after it
+        state = (state * decays[:, :, t]).contiguous() if t == 0 else state.mul_(decays[:, :, t])
+        states = state.view(rows, d_k, d_v)
+        k_t = k[:, :, t].reshape(rows, 1, d_k)
+        remembered = torch.bmm(k_t, states).view(batch, heads, d_v)  # what the state recalls for k_t
         delta = (v[:, :, t] - remembered) * beta[:, :, t, None]
-        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
-        out[:, :, t] = (state * q[:, :, t, :, None]).sum(dim=-2)
+        states.baddbmm_(k_t.transpose(1, 2), delta.reshape(rows, 1, d_v))  # S += k_t ⊗ δ
+        out[:, :, t] = torch.bmm(q[:, :, t].reshape(rows, 1, d_k), states).view(batch, heads, d_v)
     return out.transpose(1, 2).contiguous().to(dtype), state
 
 
@@ -163,6 +172,16 @@ def causal_conv1d(x: torch.Tensor, conv: torch.nn.Conv1d, activation: Callable) 
     return activation(conv(x)[..., : x.shape[-1]])
 
 
+def causal_conv1d_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The depthwise causal convolution's output at x's last column, (B, C, 1), from x's last K columns (x: (B, C,
+    T >= K), weight (C, 1, K) as `nn.Conv1d` holds it): a decode step's one output, a dot product per channel, as
+    one batched product (a convolution call with its padded outputs costs several times as much at these sizes)."""
+    batch, channels, taps = x.shape[0], x.shape[1], weight.shape[-1]
+    window = x[..., -taps:].transpose(0, 1)  # (C, B, K)
+    out = torch.bmm(window, weight.view(channels, taps, 1)).transpose(0, 1)  # (B, C, 1)
+    return out if bias is None else out + bias[:, None]
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The functions a Gated DeltaNet layer computes with on one device (see `kernels_for`)."""
@@ -243,5 +262,6 @@ def _fla_documents_rule(kernel: Callable) -> Callable:
     return by_document
 
 
-__all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "build_kernels", "by_document", "carry_state", "causal_conv1d", "chunked_gated_delta_rule",
+__all__ = ["CHUNK_SIZE", "Kernels", "TORCH_KERNELS", "build_kernels", "by_document", "carry_state", "causal_conv1d", "causal_conv1d_last",
+           "chunked_gated_delta_rule",
            "chunked_gated_delta_rule_by_document", "kernels_for", "l2norm", "recurrent_gated_delta_rule"]

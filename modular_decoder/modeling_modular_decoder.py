@@ -279,22 +279,23 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         hidden = self.residual_stream(hidden)  # the stream(s) the layers join (`residual_streams.py`)
         cut_from = kept_positions_from(self, logits_to_keep, inputs_embeds.shape[1], masks, cache, kwargs)
 
+        layer_types = self.config.layer_types
+        by_type = layer_type_kwargs(layer_types, masks, layer_kwargs)
         # the first `num_hidden_layers` as transformers' models run them: its assistant early exit drafts with
         # the model itself after lowering that number
         for layer_idx, block in enumerate(self.layers[: self.config.num_hidden_layers]):
-            layer_type = self.config.layer_types[layer_idx]
             if layer_idx == cut_from:
                 hidden, masks, rotary, position_ids, input_ids, layer_inputs = keep_last(
                     logits_to_keep, RESIDUAL_STREAMS.of(self.config).position_dim, hidden, masks, rotary,
                     position_ids, input_ids, layer_inputs)
+                by_type = layer_type_kwargs(layer_types, masks, layer_kwargs)  # (the masks of the kept positions)
             hidden = block(
                 hidden,
-                attention_mask=layer_masks(masks, layer_type),
                 position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
                 input_ids=input_ids,
                 cache=cache,
-                **layer_kwargs_of(layer_kwargs, layer_type),
+                **by_type[layer_types[layer_idx]],
                 **layer_inputs[layer_idx],
                 **kwargs,
             )
@@ -312,6 +313,8 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         if self.per_layer_embeddings is not None:
             for layer_input, embedding in zip(inputs, self.per_layer_embeddings(input_ids, hidden).unbind(2)):
                 layer_input["per_layer_input"] = embedding
+        if not self.config.num_kv_shared_layers and not hand_over:  # (no layer reads another's: the common case)
+            return inputs
         sources = kv_sources(self.config)
         sharing = set(sources) | {i for i, source in enumerate(sources) if source is not None}
         if hand_over:
@@ -370,7 +373,7 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
                 position_ids=packed_positions,
                 **with_cache(mask_cache),
             )
-            for layer_type in {t for layer_type in self.config.layer_types for t in mixer_layer_types(layer_type)}
+            for layer_type in {t for layer_type in set(self.config.layer_types) for t in mixer_layer_types(layer_type)}
         }
 
     @staticmethod
@@ -433,16 +436,18 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             hidden = hidden + self.embed_positions(position_ids).to(hidden.dtype)
         if self.embed_norm is not None:
             hidden = self.embed_norm(hidden)
-        return self.embed_dropout(hidden)
+        return self.embed_dropout(hidden) if self.training else hidden  # (eval dropout is the identity: skip the call)
 
     def _rotary_tables(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list:
         """The rotary (cos, sin) of each layer, its layer type's (`None` without rotary positions, and on the
         NoPE layers of `no_rope_layers`)."""
         if self.rotary_emb is None:
             return [None] * self.config.num_hidden_layers
-        tables = self.rotary_emb.tables(hidden, position_ids, self.config.layer_types)
-        return [tables.get(attention_layer_type(layer_type)) if rotates else None  # none for a linear-attention layer
-                for layer_type, rotates in zip(self.config.layer_types, rotary_layers(self.config))]
+        layer_types = self.config.layer_types
+        tables = self.rotary_emb.tables(hidden, position_ids, layer_types)
+        of_type = {t: tables.get(attention_layer_type(t)) for t in set(layer_types)}  # none for linear attention
+        return [of_type[layer_type] if rotates else None
+                for layer_type, rotates in zip(layer_types, rotary_layers(self.config))]
 
     def _alibi_kwargs(self, hidden: torch.Tensor, cache) -> dict:
         """ALiBi per layer type: the slopes for backends that take them (flex, flash), else the
@@ -471,6 +476,12 @@ def layer_masks(masks: dict, layer_type: str):
 def layer_kwargs_of(kwargs_by_type: dict, layer_type: str) -> dict:
     """The extra keyword arguments of a layer of `layer_type`: those of each of its mixers' layer types."""
     return {key: value for t in mixer_layer_types(layer_type) for key, value in kwargs_by_type.get(t, {}).items()}
+
+
+def layer_type_kwargs(layer_types: list[str], masks: dict, kwargs_by_type: dict) -> dict[str, dict]:
+    """{layer type: its mask and extra keyword arguments}, gathered once per type rather than once per layer."""
+    return {layer_type: dict(attention_mask=layer_masks(masks, layer_type),
+                             **layer_kwargs_of(kwargs_by_type, layer_type)) for layer_type in set(layer_types)}
 
 
 def new_token_columns(mask: torch.Tensor, past_seen: int | torch.Tensor, seq: int) -> torch.Tensor:
@@ -621,6 +632,11 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             mtp_loss=mtp_loss,
             shared_kv_states=outputs.shared_kv_states,
         )
+
+    # computed once: generate reads it at every step of a model registered for the Auto classes (transformers'
+    # `is_remote_code`, which this family is), and building it from the decorated function costs more than the rest
+    # of that step's input preparation
+    forward.__signature__ = inspect.signature(forward)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head: `lm_head(hidden) / logits_scaling`, soft-capped to (-cap, cap) by `cap * tanh(x / cap)`."""

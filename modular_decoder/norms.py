@@ -24,10 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.unit_offset and not is_fx_proxy(x) and x.dtype == self.weight.dtype == torch.float32:
-            # Same math in one call (bit-equal in fp32): a decode step runs two norms per layer. (A tracer's
-            # proxy takes the formula below, which vLLM's fx matcher recognises as an RMSNorm.)
-            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        weight = self.weight
+        if not is_fx_proxy(x) and x.dtype == weight.dtype == torch.float32:
+            # Same math in one call (bit-equal in fp32, the scale 1 + w included): a decode step runs two norms per
+            # layer. (A tracer's proxy takes the formula below, which vLLM's fx matcher recognises as an RMSNorm.)
+            return nn.functional.rms_norm(x, weight.shape, 1.0 + weight if self.unit_offset else weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

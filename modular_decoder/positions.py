@@ -134,7 +134,7 @@ def keys_rotated_before_the_switch(config, length: int, cache) -> bool:
 def attending_layer_types(layer_types) -> set[str]:
     """The layer types present that attend, and so read positions (not `"linear_attention"`; a hybrid layer's
     attention)."""
-    return {attention_layer_type(t) for t in layer_types} - {None}
+    return {attention_layer_type(t) for t in set(layer_types)} - {None}
 
 
 def default_rope_parameters(config, device=None, layer_type: str | None = None, **kwargs):

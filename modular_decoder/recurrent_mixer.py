@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .delta_rule import causal_conv1d
+from .delta_rule import causal_conv1d, causal_conv1d_last
 from .hybrid_cache import HybridLayer
 from .packed_documents import PackedDocuments, convolve_documents, last_document_only
 from .recurrent_cache import RecurrentLayer, run_recurrence
@@ -53,7 +53,9 @@ class RecurrentMixer(nn.Module):
 
         A decode step on causal-conv1d updates the window in place (not while the cache records: a crop may need the
         window before it); everything else prepends the cached window (`RecurrentLayer.update_conv_state`) and
-        convolves, through causal-conv1d's kernel where it runs and the module is plain, else by calling the module."""
+        convolves, through causal-conv1d's kernel where it runs and the module is plain, else by calling the module;
+        a one-token step on a cached window of a plain module computes its one output from the weight
+        (`causal_conv1d_last`)."""
         fused = self._fused_conv(kernels)
         seq = x.shape[-1]
         if fused and layer is not None and layer.conv_state is not None and seq == 1 and not layer.record_past:
@@ -62,6 +64,9 @@ class RecurrentMixer(nn.Module):
                                        self.activation_name)
         if layer is not None:
             x = layer.update_conv_state(x, conv_kernel_size=self.conv_kernel_size)
+        if (not fused and seq == 1 and x.shape[-1] >= self.conv_kernel_size
+                and weight_is_readable(self.conv1d, nn.Conv1d)):
+            return self.activation(causal_conv1d_last(x, self.conv1d.weight, self.conv1d.bias))
         return self._convolution(x, kernels, fused)[..., -seq:]
 
     def _convolve_documents(self, x: torch.Tensor, layer, kernels, documents: PackedDocuments) -> torch.Tensor:

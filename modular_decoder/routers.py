@@ -38,6 +38,12 @@ def _keep_best_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_gro
     return scores.masked_fill(~keep, fill)
 
 
+def scaled(weights: torch.Tensor, factor: float) -> torch.Tensor:
+    """The routing weights times `routed_scaling_factor` (no multiplication by 1: a decode step's router is a few
+    small operations, each of which costs microseconds)."""
+    return weights if factor == 1.0 else weights * factor
+
+
 def softmax_topk(
     logits: torch.Tensor,
     correction_bias: torch.Tensor | None,
@@ -62,7 +68,7 @@ def softmax_topk(
     weights, indices = choice.topk(top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * routed_scaling_factor, indices
+    return scaled(weights, routed_scaling_factor), indices
 
 
 def biased_topk(
@@ -92,7 +98,7 @@ def biased_topk(
     weights = scores.gather(1, indices)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # as DeepSeek-V3: no 0/0
-    return weights * routed_scaling_factor, indices
+    return scaled(weights, routed_scaling_factor), indices
 
 
 def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
@@ -132,7 +138,7 @@ def topk_softmax(
     """
     del correction_bias, norm_topk_prob, n_group, topk_group  # none apply (weights sum to 1 by construction)
     values, indices = logits.topk(top_k, dim=-1)  # (N, k) each
-    return values.float().softmax(dim=-1) * routed_scaling_factor, indices
+    return scaled(values.float().softmax(dim=-1), routed_scaling_factor), indices
 
 
 def topk_sigmoid(
@@ -155,7 +161,7 @@ def topk_sigmoid(
     weights = values.float().sigmoid()
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * routed_scaling_factor, indices
+    return scaled(weights, routed_scaling_factor), indices
 
 
 def _switch_balance_loss(router_logits, config, attention_mask, batch_size):
@@ -299,7 +305,10 @@ class Router(nn.Module):
             x32 = hidden_states.float()
             normed = (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).type_as(hidden_states)
             hidden_states = normed * self.scale * self.input_scale
-        logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)  # (N, E)
+        weight = self.weight
+        if hidden_states.dtype != weight.dtype:  # a router kept in fp32
+            hidden_states = hidden_states.to(weight.dtype)
+        logits = F.linear(hidden_states, weight, self.bias)  # (N, E)
         if self.tid2eid is not None:
             if token_ids is None:
                 raise ValueError("Hash routing (`num_hash_layers`) picks each token's experts by its id: pass "

@@ -21,7 +21,8 @@ Four questions, one predicate each:
     is_fx_proxy(x)              is `x` a symbolic tracer's stand-in rather than a value
 
 and `takes_split_branch(layer, x)`, the branch test of a forward that routes its linears through
-`project` (the split on, an fp32 CPU value, `is_bare_linear` with a weight of at least `tuning().min_split_weight`).
+`project` (the split on, more than one thread, an fp32 CPU value, `is_bare_linear` with a weight of at least
+`tuning().min_split_weight`).
 
 The split engages only where it is measured to pay and computes what `F.linear` computes: fp32 input,
 weight and bias, all on the CPU, plain tensors (never a DTensor, a quantized or other tensor subclass,
@@ -89,6 +90,9 @@ def _splits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     `F.linear`'s product up to rounding order and measured to pay (module docstring), else 1."""
     if not _enabled or torch.jit.is_tracing():  # TorchScript's tracer (and ONNX's export through it): F.linear
         return 1
+    parts = _threads()
+    if parts < 2:  # one thread: nothing to split over (tested first, it is the cheapest)
+        return 1
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return 1  # a width F.linear refuses raises there, with its own message
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -107,8 +111,7 @@ def _splits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         return 1  # autograd sees F.linear
     if torch.is_autocast_enabled("cpu") or _exporting():
         return 1  # autocast's dtype, and export, see F.linear
-    parts = _threads()
-    if parts < 2 or not weight.is_contiguous() or weight.shape[0] % parts:
+    if not weight.is_contiguous() or weight.shape[0] % parts:
         return 1
     return parts if rows == 1 else _cache_sized(parts, weight)
 
@@ -201,13 +204,13 @@ def is_fx_proxy(x) -> bool:
 def takes_split_branch(layer: nn.Module, x) -> bool:
     """Whether a forward with two branches takes the one through `project` (few-row products split across cores).
 
-    The split is on, `x` is an fp32
-    CPU value (not a tracer's proxy) and `layer` (the linear that branch ends with) is bare. The cheap tests
-    come first: on an accelerator or in half precision every forward takes the plain branch, with no
-    per-product checks (a decode step has ~7 products a layer). The other branch calls each module plainly
+    The split is on, torch
+    runs more than one thread, `x` is an fp32 CPU value (not a tracer's proxy) and `layer` (the linear that branch
+    ends with) is bare. The cheap tests come first: with one thread, on an accelerator or in half precision every
+    forward takes the plain branch, with no per-product checks (a decode step has ~7 products a layer). The other branch calls each module plainly
     (`forward`'s own source is what vLLM's fusers read under its trace)."""
     return (
-        _enabled and not is_fx_proxy(x) and x.dtype is torch.float32 and x.device.type == "cpu"
+        _enabled and _threads() > 1 and not is_fx_proxy(x) and x.dtype is torch.float32 and x.device.type == "cpu"
         and is_bare_linear(layer) and layer.weight.numel() >= tuning().min_split_weight
     )
 

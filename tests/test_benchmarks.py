@@ -24,7 +24,8 @@ def test_suite_quick_writes_table_and_json(tmp_path, capsys):
         assert family["roofline_b1_tok_s"] > 0
         for key in run.ROWS:
             row = family["metrics"][key]
-            for model in run.MODELS:
+            assert set(row) - {"ratio"} == set(run.timed_models())
+            for model in run.timed_models():
                 assert len(row[model]["all"]) == 1
             if run.ROWS[key][1]:  # a rate: positive on both sides
                 assert row["transformers"]["median"] > 0 and row["ours"]["median"] > 0
@@ -45,6 +46,19 @@ def test_suite_quick_writes_table_and_json(tmp_path, capsys):
     assert "| family | metric |" in table and "decode b2 tok/s" in table
     assert "read the active weights once" in table
     assert "experts_implementation (each side calibrated per phase, same candidates and rounds): transformers prefill `" in table
+
+
+def test_one_thread_times_no_split_products_ablation():
+    """With one torch thread the split products never engage, so `run` times transformers and ours only (the
+    ablation would be ours again); with two, all three."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert run.timed_models() == run.PAIR
+        torch.set_num_threads(2)
+        assert run.timed_models() == run.MODELS
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_choose_experts_picks_the_best_median_of_interleaved_rounds(monkeypatch):
@@ -626,13 +640,15 @@ def test_sinks_smoke_times_every_case_at_every_size(tmp_path):
     out = tmp_path / "sinks.json"
     assert sinks.main(["--smoke", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
-    for phase in ("prefill", "decode"):
+    for phase in ("prefill", "decode", "decode_attention"):
         (row,) = record[phase].values()
         assert set(row["ratios"]) == {"sdpa_sinks", "eager_sinks"}
         assert all(row[case]["seconds"] > 0 for case in sinks.CASES)
     page = pages.sinks_section(record)  # docs/benchmarks.md's section: one row per step, the recorded ratios
     assert "| prefill 16 tokens |" in page and "| decode step, 32 cached |" in page
+    assert "| its attention alone, 32 cached |" in page
     assert f"{record['decode']['32']['ratios']['eager_sinks']:.2f}x" in page
+    assert f"{record['decode_attention']['32']['ratios']['sdpa_sinks']:.2f}x" in page
 
 
 def test_topologies_smoke_measures_each_family_and_the_sharing_caches(tmp_path):
