@@ -116,7 +116,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.gate = (HashRouter if layer_idx < config.num_hash_layers else TopKRouter)(config)
-        self.routes_by_token = self.gate.tid2eid is not None  # the block then passes the tokens' ids
+        self.routes_by_token = isinstance(self.gate, HashRouter)  # the block then passes the tokens' ids
         latent = config.moe_latent_size
         if latent is not None:
             self.fc1_latent_proj = nn.Linear(config.hidden_size, latent, bias=config.mlp_bias)

@@ -95,10 +95,17 @@ def biased_topk(
         group_scores = choice.view(choice.shape[0], n_group, -1).topk(2, dim=-1).values.sum(dim=-1)  # (N, G)
         choice = _keep_best_groups(choice, group_scores, topk_group, fill=float("-inf"))
     indices = choice.topk(top_k, dim=-1).indices
+    return chosen_scores(scores, indices, norm_topk_prob, routed_scaling_factor), indices
+
+
+def chosen_scores(scores: torch.Tensor, indices: torch.Tensor, norm_topk_prob: bool,
+                  routed_scaling_factor: float) -> torch.Tensor:
+    """The scores (N, E) of the chosen experts `indices` (N, k), renormalised with `norm_topk_prob` (as DeepSeek-V3:
+    no 0/0) and scaled: the weights of a router whose scores weigh experts chosen apart from them."""
     weights = scores.gather(1, indices)
     if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # as DeepSeek-V3: no 0/0
-    return scaled(weights, routed_scaling_factor), indices
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return scaled(weights, routed_scaling_factor)
 
 
 def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
@@ -115,10 +122,7 @@ def hash_select(affinity, logits: torch.Tensor, indices: torch.Tensor, *, norm_t
     """Hash routing (DeepSeek-V4's first layers): the experts are given, `indices` (N, k) looked up by token id;
     they are weighted by their `affinity`(logits) scores, renormalised and scaled as the router kind does.
     Returns fp32 weights (N, k) and the expert ids."""
-    weights = affinity(logits.float()).gather(1, indices)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, indices
+    return chosen_scores(affinity(logits.float()), indices, norm_topk_prob, routed_scaling_factor), indices
 
 
 def topk_softmax(
@@ -267,18 +271,16 @@ class Router(nn.Module):
     `expert_load` (for the correction bias update; a plain attribute, never saved).
     """
 
-    hashed = False  # whether the experts come from the token-id table `tid2eid` (`HashRouter`)
+    corrected = True  # whether the kind's correction bias moves the choice (not where a table makes it)
 
     def __init__(self, config):
         super().__init__()
-        hashed = self.hashed
         kind = ROUTERS[config.router_type]
         self.num_experts = config.num_experts  # read by transformers' expert-parallel router style (< 5.19)
         # a sigmoid router stays fp32 (`fp32_parameters`) also when built under a half default dtype (`from_config`)
         dtype = torch.float32 if kind.score_correction_bias else None
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
-        # (a hash router's choice is its table: no correction bias)
-        corrected = kind.score_correction_bias and not hashed
+        corrected = kind.score_correction_bias and self.corrected
         bias = torch.zeros(config.num_experts, dtype=torch.float32) if corrected else None
         self.register_buffer("e_score_correction_bias", bias)
         logit_bias = nn.Parameter(torch.empty(config.num_experts, dtype=dtype)) if config.router_bias else None
@@ -290,12 +292,6 @@ class Router(nn.Module):
         self.eps, self.input_scale = config.norm_eps, config.hidden_size ** -0.5
         self.expert_load: torch.Tensor | None = None
         self.select = selection(config)
-        # hash routing: each token id's k experts, a fixed table saved with the weights (transformers' name)
-        table = torch.zeros(config.vocab_size, config.num_experts_per_tok, dtype=torch.long) if hashed else None
-        self.register_buffer("tid2eid", table)
-        if hashed:
-            self.hash_select = partial(hash_select, kind.affinity, norm_topk_prob=config.norm_topk_prob,
-                                       routed_scaling_factor=config.routed_scaling_factor)
 
     def forward(self, hidden_states: torch.Tensor, token_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -309,13 +305,7 @@ class Router(nn.Module):
         if hidden_states.dtype != weight.dtype:  # a router kept in fp32
             hidden_states = hidden_states.to(weight.dtype)
         logits = F.linear(hidden_states, weight, self.bias)  # (N, E)
-        if self.tid2eid is not None:
-            if token_ids is None:
-                raise ValueError("Hash routing (`num_hash_layers`) picks each token's experts by its id: pass "
-                                 "`input_ids`, not `inputs_embeds`.")
-            weights, indices = self.hash_select(logits, self.tid2eid[token_ids.reshape(-1)])
-        else:
-            weights, indices = self.select(logits, self.e_score_correction_bias)  # (N, k) each
+        weights, indices = self.choose(logits, token_ids)  # (N, k) each
         if self.per_expert_scale is not None:
             weights = weights * self.per_expert_scale[indices]
         if self.training and self.expert_load is not None:
@@ -323,9 +313,17 @@ class Router(nn.Module):
         return logits, weights, indices
 
 
+    def choose(self, logits: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 weights (N, k), expert ids (N, k)) of the logits (N, E) of the tokens `token_ids`."""
+        raise NotImplementedError
+
+
 class TopKRouter(Router):
     """The router of a sparse layer that chooses its experts by score: its logits are the model's `router_logits`
     (the balance loss reads them)."""
+
+    def choose(self, logits: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.select(logits, self.e_score_correction_bias)
 
 
 class HashRouter(Router):
@@ -333,7 +331,21 @@ class HashRouter(Router):
     weigh them. Its logits are left out of `router_logits` and the balance loss, as transformers' DeepSeek-V4
     records only its learned routers': a balance loss would push the scores toward a choice the table makes."""
 
-    hashed = True
+    corrected = False  # (the choice is the table's: no correction bias)
+
+    def __init__(self, config):
+        super().__init__(config)
+        # each token id's k experts, a fixed table saved with the weights (transformers' name)
+        self.register_buffer("tid2eid", torch.zeros(config.vocab_size, config.num_experts_per_tok, dtype=torch.long))
+        self.hash_select = partial(hash_select, ROUTERS[config.router_type].affinity,
+                                   norm_topk_prob=config.norm_topk_prob,
+                                   routed_scaling_factor=config.routed_scaling_factor)
+
+    def choose(self, logits: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if token_ids is None:
+            raise ValueError("Hash routing (`num_hash_layers`) picks each token's experts by its id: pass "
+                             "`input_ids`, not `inputs_embeds`.")
+        return self.hash_select(logits, self.tid2eid[token_ids.reshape(-1)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +375,7 @@ def router_losses(
     return total, aux, z
 
 
-__all__ = ["AUX_LOSS_COEF", "HashRouter", "HashRoutingFields", "ROUTERS", "Router", "RouterKind", "SEQUENCE_AUX_LOSS_COEF",
-           "TopKRouter", "router_losses", "selection", "biased_topk", "hash_select", "sigmoid_topk", "softmax_topk", "sqrt_softplus",
-           "sqrtsoftplus_topk", "topk_sigmoid", "topk_softmax"]
+__all__ = ["AUX_LOSS_COEF", "HashRouter", "HashRoutingFields", "ROUTERS", "Router", "RouterKind",
+           "SEQUENCE_AUX_LOSS_COEF", "TopKRouter", "biased_topk", "chosen_scores", "hash_select", "router_losses",
+           "selection", "sigmoid_topk", "softmax_topk", "sqrt_softplus", "sqrtsoftplus_topk", "topk_sigmoid",
+           "topk_softmax"]
