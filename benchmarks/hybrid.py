@@ -60,7 +60,7 @@ def reference_config(widths: dict) -> Qwen3NextConfig:
 @torch.inference_mode()
 def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: int, reference: str = REFERENCE) -> dict:
     """Prefill and decode tokens/s of transformers' class for `config` (named `reference`) and ours with the same
-    weights, alternating."""
+    weights, alternating, and each decode's median step (`decode_median_step`)."""
     save_pair(config, folder)
     models = dict(zip((reference, OURS), load_pair(folder)))
     generator = torch.Generator().manual_seed(0)
@@ -72,8 +72,9 @@ def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: in
 
     def round_of(name: str):
         def run() -> dict:
-            return {"prefill": measure.prefill(models[name], long)["tokens_per_s"],
-                    "decode": measure.decode(models[name], short, new_tokens)["tokens_per_s"]}
+            prefill = measure.prefill(models[name], long)["tokens_per_s"]
+            decode = measure.decode(models[name], short, new_tokens)
+            return {"prefill": prefill, "decode": decode["tokens_per_s"], "decode_step_ms": decode["step_ms_median"]}
         return run
 
     rounds = measure.alternating({name: round_of(name) for name in models}, repeats, warmup=0)
@@ -84,6 +85,11 @@ def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: in
         ratios = [ours / theirs for ours, theirs in zip(values[OURS], values[reference])]
         result[key] = {"tokens_per_s": values, "median_tokens_per_s": {n: statistics.median(v) for n, v in values.items()},
                        "ratios": ratios, "median_ratio": statistics.median(ratios)}
+    # the same decodes by their median step (ratio: its step / ours, so above 1 ours is faster, as above)
+    steps = {name: [r["decode_step_ms"] for r in rounds[name]] for name in models}
+    ratios = [theirs / ours for ours, theirs in zip(steps[OURS], steps[reference])]
+    result["decode_median_step"] = {"step_ms": steps, "median_step_ms": {n: statistics.median(v) for n, v in steps.items()},
+                                    "ratios": ratios, "median_ratio": statistics.median(ratios)}
     return result
 
 

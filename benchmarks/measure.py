@@ -259,8 +259,9 @@ def prefill(model, prompt: torch.Tensor, sample_memory: bool = False) -> dict:
 def decode(model, prompt: torch.Tensor, new_tokens: int, window: int = 8, sample_memory: bool = False,
            **generate_kwargs) -> dict:
     """Greedy generate of exactly `new_tokens`; decode tokens/s from the steps after the prompt's
-    forward, and the median step time over the first and last `window` steps. `sample_memory=True` measures the
-    peak memory above the start (`peak_mb`, `PeakMemory`; NaN otherwise): a separate, untimed run."""
+    forward, the median step time over all of them (`step_ms_median`: what a burst of other work on a shared machine,
+    which stretches a few steps, moves least) and over the first and last `window` steps. `sample_memory=True`
+    measures the peak memory above the start (`peak_mb`, `PeakMemory`; NaN otherwise): a separate, untimed run."""
     clock = _StepClock()
     with (PeakMemory(prompt.device) if sample_memory else _NoPeak()) as memory:
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
@@ -270,6 +271,7 @@ def decode(model, prompt: torch.Tensor, new_tokens: int, window: int = 8, sample
     window = max(1, min(window, len(steps) // 2))
     return {
         "tokens_per_s": prompt.shape[0] * len(steps) / sum(steps),
+        "step_ms_median": 1e3 * statistics.median(steps),
         "step_ms_start": 1e3 * sorted(steps[:window])[window // 2],
         "step_ms_end": 1e3 * sorted(steps[-window:])[window // 2],
         "peak_mb": memory.above_mb,
