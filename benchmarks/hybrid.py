@@ -60,7 +60,8 @@ def reference_config(widths: dict) -> Qwen3NextConfig:
 @torch.inference_mode()
 def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: int, reference: str = REFERENCE) -> dict:
     """Prefill and decode tokens/s of transformers' class for `config` (named `reference`) and ours with the same
-    weights, alternating, and each decode's median step (`decode_median_step`)."""
+    weights, alternating; each decode's median step (`decode_median_step`); and decode steps of the two taken in
+    turn (`decode_interleaved`, `measure.interleaved_decode_steps`)."""
     save_pair(config, folder)
     models = dict(zip((reference, OURS), load_pair(folder)))
     generator = torch.Generator().manual_seed(0)
@@ -90,6 +91,14 @@ def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: in
     ratios = [theirs / ours for ours, theirs in zip(steps[OURS], steps[reference])]
     result["decode_median_step"] = {"step_ms": steps, "median_step_ms": {n: statistics.median(v) for n, v in steps.items()},
                                     "ratios": ratios, "median_ratio": statistics.median(ratios)}
+    # and the two models stepping in turn, `repeats` x `new_tokens` steps each (ratio per pair of adjacent steps)
+    times = measure.interleaved_decode_steps(models, short, repeats * new_tokens)
+    ratios = [theirs / ours for ours, theirs in zip(times[OURS], times[reference])]
+    result["decode_interleaved"] = {"steps": len(ratios),
+                                    "median_step_ms": {n: 1e3 * statistics.median(v) for n, v in times.items()},
+                                    "median_ratio": statistics.median(ratios),
+                                    "quartile_ratios": statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1
+                                    else ratios * 2}
     return result
 
 

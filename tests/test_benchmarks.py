@@ -591,7 +591,8 @@ def test_mixers_smoke_measures_each_family_each_mixer_and_the_presets(tmp_path):
     assert set(record["side_by_side"]) <= {"lfm2", "kimi_linear"} and "lfm2" in record["side_by_side"]
     for side in record["side_by_side"].values():
         assert side["max_logit_diff"] < 1e-4 and side["decode"]["median_ratio"] > 0
-        assert side["decode_median_step"]["median_ratio"] > 0
+        assert side["decode_median_step"]["median_ratio"] > 0 and side["decode_interleaved"]["median_ratio"] > 0
+        assert side["decode_interleaved"]["steps"] == 4  # 1 repeat x 4 new tokens
     first, last = record["flat_in_context"]
     for kind in ("gated_deltanet", "kda", "short_conv"):
         assert first["cache_bytes"][kind] == last["cache_bytes"][kind] > 0
