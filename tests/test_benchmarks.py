@@ -24,8 +24,9 @@ def test_suite_quick_writes_table_and_json(tmp_path, capsys):
         assert family["roofline_b1_tok_s"] > 0
         for key in run.ROWS:
             row = family["metrics"][key]
-            assert set(row) - {"ratio"} == set(run.timed_models())
-            for model in run.timed_models():
+            models = run.PAIR if key == "step_turns_1" else run.timed_models()  # (steps in turn: the pair)
+            assert set(row) - {"ratio"} == set(models)
+            for model in models:
                 assert len(row[model]["all"]) == 1
             if run.ROWS[key][1]:  # a rate: positive on both sides
                 assert row["transformers"]["median"] > 0 and row["ours"]["median"] > 0
