@@ -58,12 +58,16 @@ def reference_config(widths: dict) -> Qwen3NextConfig:
 
 
 @torch.inference_mode()
-def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: int, reference: str = REFERENCE) -> dict:
+def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: int, reference: str = REFERENCE,
+                 backends: tuple[str, str] = ("sdpa", "sdpa")) -> dict:
     """Prefill and decode tokens/s of transformers' class for `config` (named `reference`) and ours with the same
-    weights, alternating; each decode's median step (`decode_median_step`); and decode steps of the two taken in
-    turn (`decode_interleaved`, `measure.interleaved_decode_steps`)."""
+    weights, alternating (`backends`: transformers' attention implementation, ours), the prefill's largest logit
+    difference and whether the sides decode the same greedy tokens; each decode's median step (`decode_median_step`);
+    and decode steps of the two taken in turn (`decode_interleaved`, `measure.interleaved_decode_steps`)."""
     save_pair(config, folder)
-    models = dict(zip((reference, OURS), load_pair(folder)))
+    models = dict(zip((reference, OURS), load_pair(folder, attn_implementation=None)))
+    for model, backend in zip(models.values(), backends):
+        model.set_attn_implementation(backend)
     generator = torch.Generator().manual_seed(0)
     vocab = models[OURS].config.vocab_size
     long, short = (torch.randint(0, vocab, (1, n), generator=generator) for n in (prompt, 16))
@@ -79,8 +83,11 @@ def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: in
         return run
 
     rounds = measure.alternating({name: round_of(name) for name in models}, repeats, warmup=0)
-    result = {"prompt": prompt, "new_tokens": new_tokens,
-              "max_logit_diff": (logits[OURS] - logits[reference]).abs().max().item()}
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    tokens = [model.generate(short, attention_mask=torch.ones_like(short), **greedy) for model in models.values()]
+    result = {"prompt": prompt, "new_tokens": new_tokens, "backends": dict(zip(models, backends)),
+              "max_logit_diff": (logits[OURS] - logits[reference]).abs().max().item(),
+              "same_greedy_tokens": bool(torch.equal(*tokens))}
     for key in ("prefill", "decode"):
         values = {name: [r[key] for r in rounds[name]] for name in models}
         ratios = [ours / theirs for ours, theirs in zip(values[OURS], values[reference])]
@@ -189,11 +196,23 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = harness.parser("hybrid", __doc__)
+def side_by_side_parser(name: str, doc: str | None, contexts: list[int] | None = None,
+                        families: dict | None = None):
+    """`harness.parser` with the flags of a side-by-side benchmark: `--prompt`, `--new-tokens`, `--contexts`
+    (`contexts`: its default; None: no such flag) and, given `families` (name -> transformers class), `--families`."""
+    parser = harness.parser(name, doc)
     parser.add_argument("--prompt", type=int, default=512, help="prefill length (default 512)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens (default 32)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384], help="cached tokens per row")
+    if contexts is not None:
+        parser.add_argument("--contexts", type=int, nargs="+", default=contexts, help="cached tokens per row")
+    if families is not None:
+        parser.add_argument("--families", nargs="+", default=list(families), choices=list(families),
+                            help="the families run side by side (default all)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = side_by_side_parser("hybrid", __doc__, [1024, 16384])
     args = parser.parse_args(argv)
     run = harness.begin("hybrid", argv, args)
     widths = SMOKE_WIDTHS if args.smoke else WIDTHS

@@ -35,7 +35,7 @@ import transformers as tf
 from modular_decoder import ModularDecoderConfig, ModularDecoderForCausalLM
 
 from . import harness
-from .hybrid import OURS, context_rows, flat_in_context, side_by_side, side_rows
+from .hybrid import OURS, context_rows, flat_in_context, side_by_side, side_by_side_parser, side_rows
 
 # The side-by-side widths (`--smoke`: a 64-wide model)
 SIZES = dict(hidden=512, heads=8, head_dim=64, mamba_heads=16, mamba_head_dim=64, state=64, chunk=128, ffn=1536,
@@ -111,10 +111,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = harness.parser("mamba2", __doc__)
-    parser.add_argument("--prompt", type=int, default=512, help="prefill length (default 512)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens (default 32)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384], help="cached tokens per row")
+    parser = side_by_side_parser("mamba2", __doc__, [1024, 4096, 16384])
     args = parser.parse_args(argv)
     run = harness.begin("mamba2", argv, args)
     sizes, widths = (SMOKE_SIZES, SMOKE_LAYER_WIDTHS) if args.smoke else (SIZES, LAYER_WIDTHS)

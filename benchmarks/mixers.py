@@ -46,7 +46,7 @@ from modular_decoder.contract import cache_bytes, cache_bytes_per_token, state_b
 
 from . import harness, measure
 from .families import load_side
-from .hybrid import flat_in_context, side_by_side
+from .hybrid import flat_in_context, side_by_side, side_by_side_parser
 
 FULL = dict(hidden_size=1024, vocab_size=8192, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
             head_dim=128, max_position_embeddings=32768, pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -229,12 +229,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = harness.parser("mixers", __doc__)
-    parser.add_argument("--prompt", type=int, default=512, help="prefill length (default 512)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens (default 32)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384], help="cached tokens per row")
-    parser.add_argument("--families", nargs="+", default=list(CLASSES), choices=list(CLASSES),
-                        help="the families run side by side (default all)")
+    parser = side_by_side_parser("mixers", __doc__, [1024, 4096, 16384], CLASSES)
     args = parser.parse_args(argv)
     run = harness.begin("mixers", argv, args)
     prompt, new_tokens = (32, 4) if args.smoke else (args.prompt, args.new_tokens)

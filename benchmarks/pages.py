@@ -447,6 +447,70 @@ def hybrid_section(run: dict) -> str:
     ])
 
 
+# --- benchmarks/results_deepseek_v4.json: `python -m benchmarks deepseek_v4 --out ...` -----------------------------
+
+def deepseek_v4_section(run: dict | None) -> str:
+    if run is None:
+        return not_recorded(["## DeepSeek-V4 (CPU, fp32)", ""], "deepseek_v4", "results_deepseek_v4.json")
+    from .deepseek_v4 import report  # the tables, as the benchmark prints them
+
+    side, rows, last = run["side_by_side"], run["decode_against_window"], run["cache_bytes"][-1]
+    compressed = last["decoding_total_per_token"]
+    return "\n".join([
+        "## DeepSeek-V4 (CPU, fp32)", "",
+        *command_block(run),
+        "DeepSeek-V4's layout shrunk (a window-only layer, CSA, HCA, CSA; hyper-connections, hash-routed √softplus "
+        "experts; `benchmarks/deepseek_v4.py` names the widths), made by transformers' `DeepseekV4ForCausalLM` and "
+        "converted: prefill (ours SDPA, transformers' eager, its only backend) and batch-1 decode through each side's "
+        f"own cache, sides alternating in one process, {len(side['prefill']['ratios'])} repeat(s), "
+        f"{run['provenance']['machine']['torch_threads']} torch thread(s). Cache bytes: the `deepseek_v4` preset "
+        "(DeepSeek-V4-Flash, 43 layers) in bf16, both sides built on the meta device (real shapes, no memory) and run "
+        "through their own caches, a prefill of C tokens and one decode step; every tensor each cache layer holds, "
+        "each storage once, at its allocated size (ours' payload: what the next step attends to; every layer full: "
+        "the contract's arithmetic). Decode against the window only: one layer of each kind at DeepSeek-V4-Flash's "
+        "attention widths (64 heads), compressed caches filled directly, against the same weights with every layer a "
+        "window only.", "",
+        report(run), "",
+        f"At {last['context']:,} tokens a decoding DeepSeek-V4-Flash holds {compressed['ours']:,.0f} bytes per token "
+        f"in ours' cache and {compressed['transformers']:,.0f} in transformers' "
+        f"(ours' payload {last['ours_payload_every_layer_full_per_token'] / last['ours_payload_per_token']:.1f}x "
+        f"below what every layer attending in full would hold). From {rows[0]['context']:,} to {rows[-1]['context']:,} cached tokens the "
+        f"compressed model's decode step goes from {rows[0]['ratio_to_window_only']:.2f}x to "
+        f"{rows[-1]['ratio_to_window_only']:.2f}x the window-only model's (which reads a constant window).",
+    ])
+
+
+# --- benchmarks/results_topologies.json: `python -m benchmarks topologies --out ...` -----------------------------
+
+def topologies_section(run: dict | None) -> str:
+    lines = ["## Llama 4, Gemma 4, Gemma 3n (CPU, fp32)", ""]
+    if run is None:
+        return not_recorded(lines, "topologies", "results_topologies.json")
+    from .topologies import report  # the tables, as the benchmark prints them
+
+    families, sizes = run["families"], run["sizes"]
+    repeats = len(next(iter(families.values()))["prefill"]["ratios"])
+    diff = max(side["max_logit_diff"] for side in families.values())
+    same = all(side["same_greedy_tokens"] for side in families.values())
+    return "\n".join(lines + [
+        *command_block(run),
+        f"Each family's layout at hidden {sizes['hidden_size']} ({sizes['num_attention_heads']} heads of "
+        f"{sizes['head_dim']}; `benchmarks/topologies.py` names the layers: Llama 4's chunked and NoPE layers and "
+        "top-1 experts, Gemma 4's per-layer shapes, shared keys and values and per-layer embeddings, Gemma 3n's AltUp, "
+        "LAUREL, per-layer embeddings and shared keys and values), made by its transformers class and converted, both "
+        f"sides loaded with `from_pretrained` (SDPA), sides alternating in one process, {repeats} repeats, "
+        f"{run['provenance']['machine']['torch_threads']} torch thread(s); the largest logit difference of any prefill "
+        f"is {diff:.1e}, and the greedy tokens are {'the same' if same else 'NOT the same'} on both sides. Then the "
+        "cache bytes per token of the published Gemma 3n and Gemma 4 E2B layouts in bf16, both sides built on the meta "
+        "device (real shapes, no memory) and run through their own caches, a prefill of C tokens and one decode step: "
+        "every tensor each cache layer holds, each storage once, at its allocated size (ours' payload: what the next "
+        "step attends to; no sharing: the contract's arithmetic with `num_kv_shared_layers=0`). A prefill keeping the "
+        "last position's logits runs the layers that share keys and values on that position only: transformers' Gemma "
+        "4 and ours (`kept_positions.py`, on Gemma 3n too), not transformers' Gemma 3n.", "",
+        report(run),
+    ])
+
+
 # --- benchmarks/results_mixers.json: `python -m benchmarks mixers --out ...` ------------------------------------
 
 def mixers_section(run: dict | None) -> str:
@@ -825,6 +889,8 @@ SECTIONS = (
     Section(("results_mla_crossover.json",), mla_crossover_section, optional=True),
     Section(("results_dsa_decode.json",), dsa_decode_section),
     Section(("results_hybrid.json",), hybrid_section),
+    Section(("results_deepseek_v4.json",), deepseek_v4_section),
+    Section(("results_topologies.json",), topologies_section),
     Section(("results_mixers.json",), mixers_section, optional=True),
     Section(("results_mamba2.json",), mamba2_section),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),

@@ -64,6 +64,13 @@ BENCHMARKS = (
     Benchmark("hybrid", "hybrid", "hybrid linear attention: prefill and decode against transformers' "
               "Qwen3NextForCausalLM, and one decode step of a Gated DeltaNet layer beside a full-attention layer at "
               "1k and 16k cached tokens (time, cache bytes)", "results_hybrid.json"),
+    Benchmark("deepseek_v4", "deepseek_v4", "DeepSeek-V4: prefill and decode against transformers' "
+              "DeepseekV4ForCausalLM, the compressed caches' bytes per token against transformers' at 4k and 32k, "
+              "and one decode step from 8k to 64k cached tokens against the same model with a window only",
+              "results_deepseek_v4.json"),
+    Benchmark("topologies", "topologies", "Llama 4, Gemma 4 and Gemma 3n (text): prefill and decode against each "
+              "transformers class, and the cache bytes per token the Gemma 3n and Gemma 4 layouts keep with their "
+              "layers sharing keys and values, against transformers' at 4k and 32k", "results_topologies.json"),
     Benchmark("mixers", "mixers", "the recurrent mixers (LFM2's short convolution, OLMo hybrid's and Qwen3.5-MoE's "
               "Gated DeltaNet, Kimi Linear's KDA): prefill and decode against each transformers class, one decode step "
               "of each mixer beside full attention from 1k to 16k cached tokens, prompt lookup against plain decoding "

@@ -40,6 +40,7 @@ FAMILIES: dict[str, str] = {
     "deepseek_v2": "modular_decoder.conversion.families.deepseek_v2",
     "deepseek_v3": "modular_decoder.conversion.families.deepseek_v3",
     "deepseek_v32": "modular_decoder.conversion.families.deepseek_v32",
+    "deepseek_v4": "modular_decoder.conversion.families.deepseek_v4",
     "mixtral": "modular_decoder.conversion.families.mixtral",
     "qwen2_moe": "modular_decoder.conversion.families.qwen2_moe",
     "qwen3_moe": "modular_decoder.conversion.families.qwen3_moe",

@@ -12,9 +12,10 @@ from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mt
                    is_mtp_rule, plan_rules, refuse_tensors)
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
-from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, copy_plan, copy_release_files,
-                         effective_tie, open_kept, open_release, parameters, parsed_config,
-                         release_config, with_kept_tensors, write_manifest, write_release_files)
+from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, check_wrapper_builds, copy_plan,
+                         copy_release_files, describe_ids_embedded_apart, effective_tie, ids_embedded_apart, open_kept,
+                         open_release, parameters, parsed_config, release_config, with_kept_tensors, write_manifest,
+                         write_release_files)
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
                       quantization_of)
 from .stream import Sink, plan_shapes, produce, write_plan
@@ -201,6 +202,8 @@ def convert(
         check_shapes({k: v for k, v in produced.items() if not (tied and k == head)}, expected, f"converting {src}")
         if verify:
             check_verify_memory(model.num_parameters())
+            if release is not None:
+                check_wrapper_builds(release.wrapper)
         plan = _tied_head(plan, tensors, cfg, tied, embed, head, "source")
     planned = {k: (torch_dtype if produced[k].is_floating_point() else produced[k].dtype, tuple(produced[k].shape))
                for k in expected}  # in the model's order, as `save_pretrained` shards it
@@ -215,7 +218,8 @@ def convert(
         copy_side_files(src, tmp)
         if release is not None:
             _keep_release(release, tmp / KEPT_FOLDER, family.name, cfg, progress)
-        description = _card_description(base_model, quantization, torch_dtype, release)
+        dropped = [what for prefix, what in family.dropped.items() if any(name.startswith(prefix) for name in files)]
+        description = _card_description(base_model, quantization, torch_dtype, release, dropped)
         (tmp / "README.md").write_text(render_model_card(cfg, base_model=base_model, description=description))
     if verify:
         diff = compare_with_source(src, out, gguf_file=gguf_file)
@@ -321,11 +325,15 @@ def _release_config(kept: KeptRelease, family: Family, cfg):
 
 
 def _card_description(base_model: str | None, quantization: dict | None, dtype: torch.dtype,
-                      release: OpenedRelease | None) -> str | None:
-    """The model card's first paragraph where the source needs one said: published quantized, or a multimodal
-    release whose other parts are kept in `multimodal/`."""
+                      release: OpenedRelease | None, dropped: list[str] = ()) -> str | None:
+    """The model card's first paragraph where the source needs one said: published quantized, a multimodal
+    release whose other parts are kept in `multimodal/`, or parts the family's model does not hold (`dropped`)."""
     if quantization is None and release is None:
-        return None
+        if not dropped:
+            return None
+        origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a checkpoint"
+        return (f"The weights of {origin}, converted to the modular_decoder family. Not converted: "
+                f"{'; '.join(dropped)}.")
     origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a checkpoint"
     text = f"The language model of {origin} (a `{release.wrapper.model_type}` release)" if release else \
         f"The weights of {origin}"
@@ -333,9 +341,15 @@ def _card_description(base_model: str | None, quantization: dict | None, dtype: 
         text += f", published as {describe_quantization(quantization)}, dequantized to {str(dtype).split('.')[1]}"
     text += (" and" if quantization is not None else ",") + " converted to the modular_decoder family."
     if release is not None:
-        text += f" The release's vision tower, projector, processor and config are kept as published in `{KEPT_FOLDER}/`"
+        text += (" Everything else in the release (its vision or audio towers, projectors, processor and config) is "
+                 f"kept as published in `{KEPT_FOLDER}/`")
         text += "." if quantization is not None else \
             f"; `modular-decoder export THIS BACK --family {release.wrapper.model_type}` writes the release back."
+        apart = ids_embedded_apart(release.wrapper, release.config)
+        if apart:
+            text += " " + describe_ids_embedded_apart(release.wrapper, apart)
+    if dropped:
+        text += f" Not converted: {'; '.join(dropped)}."
     return text
 
 

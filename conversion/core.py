@@ -221,9 +221,13 @@ TRANSFORMS: dict[str, Transform] = {
     "transpose_experts": Transform(_transpose_experts, _transpose_experts, per_expert=True),
 }
 
-# Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`)
-MIXERS = {"attention": ("full_attention", "sliding_attention", "chunked_attention"),
-          "linear_attention": ("linear_attention",)}
+# Which layers a `{layer}` rule applies to, by the contract's `layer_types` (`Rule.mixer`): DeepSeek-V4's compressed
+# layers attend as the others do, and hold their compressor (CSA: and its indexer) beside
+MIXERS = {"attention": ("full_attention", "sliding_attention", "chunked_attention", "compressed_sparse_attention",
+                        "heavily_compressed_attention"),
+          "linear_attention": ("linear_attention",),
+          "compressed": ("compressed_sparse_attention", "heavily_compressed_attention"),
+          "compressed_sparse": ("compressed_sparse_attention",)}
 
 
 @dataclass(frozen=True)
@@ -426,6 +430,11 @@ class Family:
             `{mtp_layer}` (the source's layer index of module k, `num_hidden_layers` + k); `None`: the family has
             no MTP modules. The modules the files hold are what converts (`count_mtp_layers`); their tensors go
             by `{mtp}` rules.
+        aliases: Prefixes of another layout the family's files are published in (a release's own names) -> those
+            `renames` reads, applied before them; read only: export writes what transformers' `save_pretrained`
+            writes.
+        dropped: Name prefixes of source tensors the family's transformers model does not hold (it loads without
+            them) -> what they are: not converted, as transformers does not load them; the model card says so.
         description: One line for the table of families (`conversion/table.py`): the releases it reads and what
             sets the family apart.
         mtp_drafts: With MTP modules, whether `generate(use_mtp=True)` drafts with them once converted
@@ -454,6 +463,8 @@ class Family:
     experts: tuple[ExpertStack, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
     mtp_layers: str | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
     description: str = ""
     mtp_drafts: bool = True
     vllm_native: bool = True
@@ -528,7 +539,7 @@ def _mtp_modules(r: Rule, cfg) -> list[int]:
     return list(range(getattr(cfg, "num_mtp_layers", 0) if applies else 0))
 
 
-def _instances(rules: list[Rule], cfg):
+def rule_instances(rules: list[Rule], cfg):
     for r in rules:
         if is_mtp_rule(r):
             for k in _mtp_modules(r, cfg):
@@ -604,7 +615,7 @@ def plan_rules(rules: list[Rule], names, cfg, direction: str = "forward") -> lis
     remaining = set(names)
     plan = []
     names = set(names)
-    for r, src, dst in _instances(rules, cfg):
+    for r, src, dst in rule_instances(rules, cfg):
         if r.transform == "duplicate":
             plan += _duplicate_instance(r, src[0], dst[0], names, remaining, inverse)
             continue

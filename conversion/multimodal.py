@@ -3,7 +3,7 @@
 Most 2025-26 releases ship their language model inside a multimodal folder (a vision tower, a projector, a processor
 and a wrapper class such as `Gemma3ForConditionalGeneration`). `convert` reads such a folder's language model through
 its text family (`gemma3_text`, `mistral`, `qwen3_5_text`, `qwen3_5_moe_text`,
-`gemma4_text`, `llama4_text`) and writes everything else,
+`gemma4_text`, `llama4_text`, `gemma3n_text`) and writes everything else,
 untouched, into OUT's `multimodal/` folder: the release's `config.json`, every other tensor under its own name (copied
 file tensor by file tensor, never through a model), the processor, tokenizer and other files, and
 `modular_decoder.json` (which release, which text family, where its files keep the language model, the contract it
@@ -14,12 +14,13 @@ A release is one `Wrapper` entry: its `model_type`, the text families its `text_
 keep the language model (`layouts`). transformers reads two layouts: the Llava-era one (`language_model.model.*`,
 `language_model.lm_head.*`), which its "llava" conversion mapping renames on load and writes back on save (Gemma 3,
 Mistral 3; Llama 4's wrapper holds its language model under these names itself), and the modules' own names
-(`model.language_model.*`, `lm_head.*`: Qwen3.5, Gemma 4).
+(`model.language_model.*`, `lm_head.*`: Qwen3.5, Gemma 4, Gemma 3n).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -60,12 +61,21 @@ class Wrapper:
             checkpoint of the family uses}; a folder uses exactly one, and export writes the one it was read from.
         unapplied: Text config fields the wrapper class does not apply though the text class does (Gemma 3's wrapper
             computes no final logit softcap): a release that sets one is refused, its function being ambiguous.
+        embedded_apart: Sub-configs whose token ids (`vocab_offset` up to `vocab_offset + vocab_size`) the wrapper
+            class embeds through embedders of its own, kept in `multimodal/` (Gemma 3n's `embed_vision` and
+            `embed_audio`: its image and audio tokens), not through the language model's table. The converted model
+            embeds them through its table, as the text class does; `convert` names them in a warning, the manifest
+            and the model card.
+        builds_with: Python packages transformers needs to build the wrapper class (Gemma 3n's vision tower is timm's
+            MobileNetV5): `--verify`, which runs the wrapper class, is refused by name without them.
     """
 
     model_type: str
     text_families: tuple[str, ...]
     layouts: tuple[dict[str, str], ...]
     unapplied: tuple[str, ...] = ()
+    embedded_apart: tuple[str, ...] = ()
+    builds_with: tuple[str, ...] = ()
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -76,6 +86,8 @@ WRAPPERS: dict[str, Wrapper] = {
     "qwen3_5_moe": Wrapper("qwen3_5_moe", ("qwen3_5_moe_text",), (QWEN3_5,)),
     "gemma4": Wrapper("gemma4", ("gemma4_text",), (MODULES,)),
     "llama4": Wrapper("llama4", ("llama4_text",), (LLAVA,)),
+    "gemma3n": Wrapper("gemma3n", ("gemma3n_text",), (MODULES,), embedded_apart=("vision_config", "audio_config"),
+                       builds_with=("timm",)),
 }
 
 
@@ -125,7 +137,41 @@ def open_release(src: Path, config, files: dict[str, SourceTensor]) -> OpenedRel
         else:
             text_name = layout[prefix] + name[len(prefix):]
             language_model[text_name] = dataclasses.replace(tensor, name=text_name)
+    apart = ids_embedded_apart(wrapper, config)
+    if apart:
+        logger.warning(f"{src}: {describe_ids_embedded_apart(wrapper, apart)}")
     return OpenedRelease(src, wrapper, config, text, layout, language_model, kept)
+
+
+def ids_embedded_apart(wrapper: Wrapper, config) -> dict[str, list[int]]:
+    """{sub-config: [first id, end]} of the token ids release `config`'s wrapper class embeds through embedders of its
+    own (`Wrapper.embedded_apart`)."""
+    ranges = {}
+    for name in wrapper.embedded_apart:
+        sub = getattr(config, name)
+        ranges[name] = [sub.vocab_offset, sub.vocab_offset + sub.vocab_size]
+    return ranges
+
+
+def describe_ids_embedded_apart(wrapper: Wrapper, ranges: dict[str, list[int]]) -> str:
+    """One sentence for the convert warning and the model card: which ids the converted model embeds otherwise."""
+    spans = " and ".join(f"{first}-{end - 1} (`{name}`)" for name, (first, end) in ranges.items())
+    return (f"{wrapper.model_type}'s wrapper class embeds token ids {spans} through embedders of its own, kept in "
+            f"`{KEPT_FOLDER}/`; the converted language model embeds them through its own table, as its text class "
+            "does (its logits are the wrapper's on every other id).")
+
+
+def check_wrapper_builds(wrapper: Wrapper) -> None:
+    """Refuse `--verify` (which runs the wrapper class) where a package transformers builds that class with does
+    not import."""
+    for package in wrapper.builds_with:
+        try:
+            importlib.import_module(package)
+        except (ImportError, RuntimeError, OSError) as error:  # timm raises RuntimeError where torchvision fails
+            reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            raise ValueError(f"`--verify` runs {wrapper.model_type}'s wrapper class, which transformers builds with "
+                             f"`{package}`, and `import {package}` fails here ({reason}): install it, or convert "
+                             "without `--verify`.") from None
 
 
 def effective_tie(release: OpenedRelease, tensors: dict[str, SourceTensor], embed: str, head: str) -> bool:
@@ -182,12 +228,15 @@ def copy_release_files(src: Path, folder: Path, read_files) -> None:
 
 
 def write_manifest(folder: Path, release: OpenedRelease, family: str, cfg) -> None:
-    """`modular_decoder.json`: which release, which text family, where its files keep the language model, and the
-    contract it converted to (export compares the model it writes back with it)."""
+    """`modular_decoder.json`: which release, which text family, where its files keep the language model, the
+    contract it converted to (export compares the model it writes back with it), and the token ids the wrapper class
+    embeds apart where it does."""
     values = cfg.to_dict()
     contract = {name: values[name] for name in type(cfg).declared_fields() if name in values}
     manifest = {"release": release.wrapper.model_type, "text_family": family, "language_model": release.layout,
                 "contract": contract}
+    if release.wrapper.embedded_apart:
+        manifest["ids_embedded_apart"] = ids_embedded_apart(release.wrapper, release.config)
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 

@@ -141,6 +141,22 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     return out.reshape(*scale_inv.shape[:-2], rows, cols)
 
 
+def dequantize_fp4_blocks(packed: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                          name: str = "weight") -> torch.Tensor:
+    """FP4-packed weights as DeepSeek-V4 publishes its experts (`expert_dtype="fp4"`): `packed` (..., rows, cols / 2)
+    bytes holding two E2M1 codes each, low nibble first, `scale_inv` (..., rows / bm, cols / bn) whose grid sets the
+    block (DeepSeek-V4: one scale per 32 values of a row). What transformers' `Fp8Dequantize` computes: the values
+    in float32 times their block's scale, rounded once to `dtype`."""
+    codes = packed.contiguous().view(torch.uint8)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.stack((lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]), dim=-1).flatten(-2)
+    rows, cols = values.shape[-2:]
+    grid = tuple(scale_inv.shape[-2:])
+    if rows % grid[0] or cols % grid[1]:
+        raise ValueError(f"{name}: FP4 values of shape {(rows, cols)} do not divide into its scale grid {grid}.")
+    return dequantize_fp8(values, scale_inv, (rows // grid[0], cols // grid[1]), dtype, name)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
     """MXFP4 experts as gpt-oss publishes them: `blocks` (E, R, G, 16) bytes, two E2M1 codes each (low nibble
     first), `scales` (E, R, G) E8M0 exponents (2**(byte - 127)) for each group of 32 values. Returns the

@@ -17,7 +17,11 @@ from pathlib import Path
 import torch
 
 from .core import Family, rename
-from .quantized import Fp8Format, dequantize_fp8, dequantize_mxfp4, fp8_format, fp8_scale_name, scale_blocks
+from .quantized import (Fp8Format, dequantize_fp4_blocks, dequantize_fp8, dequantize_mxfp4, fp8_format, fp8_scale_name,
+                        scale_blocks)
+
+# Storage dtypes of FP4-packed weights beside an FP8 checkpoint's scales (DeepSeek-V4's experts: int8)
+FP4_PACKED = (torch.int8, torch.uint8, *((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()))
 from .tensor_files import StoredTensor, folder_layout, read_tensor
 
 
@@ -111,7 +115,8 @@ def describe_quantization(quantization: dict | None) -> str | None:
     if quantization.get("quant_method") == "mxfp4":
         return "MXFP4 experts (E2M1 values, one E8M0 scale per 32)"
     fp8 = fp8_format(quantization, "the source")
-    return fp8.description if fp8 is not None else str(quantization.get("quant_method"))
+    experts = " and FP4 experts (E2M1 values, one scale per 32)" if quantization.get("expert_dtype") == "fp4" else ""
+    return fp8.description + experts if fp8 is not None else str(quantization.get("quant_method"))
 
 
 def dequantized(tensors: dict[str, SourceTensor], quantization: dict | None, dtype: torch.dtype,
@@ -160,6 +165,11 @@ def _fp8_entries(tensors: dict[str, SourceTensor], fp8: Fp8Format, dtype, where:
             _refuse_float8([tensor], where, f"`{fp8_scale_name(name, fp8.scale_suffix)}` is missing")
             out[name] = tensor
             continue
+        if tensor.dtype in FP4_PACKED:  # DeepSeek-V4's FP4 experts: two values a byte, their scale grid sets the block
+            out[name] = _combined(name, [tensor, scale], (*tensor.shape[:-1], 2 * tensor.shape[-1]), dtype,
+                                  lambda w=tensor, s=scale, name=name: dequantize_fp4_blocks(w.read(), s.read(), dtype,
+                                                                                             name))
+            continue
         block, as_grid = scale_blocks(tensor.shape, scale.shape, fp8.block, name)
 
         def read(w=tensor, s=scale, name=name, block=block, as_grid=as_grid):
@@ -207,7 +217,9 @@ def model_tensors(tensors: dict[str, SourceTensor], family: Family) -> dict[str,
     keep = (family.prefix, *family.head) if family.prefix else None
     named = {}
     for tensor in tensors.values():
-        name = rename(tensor.name, family.renames)
+        if tensor.name.startswith(tuple(family.dropped)):  # not held by the family's model (`Family.dropped`)
+            continue
+        name = rename(rename(tensor.name, family.aliases), family.renames)
         if keep is not None and not name.startswith(keep):
             name = family.prefix + name
         named[name] = dataclasses.replace(tensor, name=name)

@@ -94,7 +94,7 @@ def page() -> str:
         "A release folder as published (a vision tower, a projector and a processor beside the language model) "
         "converts its language model through a text family above and keeps everything else, untouched, in "
         "`OUT/multimodal/`; `export OUT BACK --family <release>` writes the folder back "
-        "([using.md](using.md#multimodal-releases-gemma-3-mistral-3-qwen35-gemma-4-llama-4-folders)).",
+        "([using.md](using.md#multimodal-release-folders)).",
         "",
         releases_table(),
         "",

@@ -127,6 +127,7 @@ class AltUpKind(ResidualStreamKind):
     """`residual_stream="altup"`: n streams, one computed per layer."""
 
     name = "altup"
+    position_dim = 2  # (n, B, T, d)
     fields = ALTUP_FIELDS
 
     def validate(self, config) -> None:

@@ -85,7 +85,6 @@ class StandardAttention(AttentionLayer):
         self.num_key_value_heads = layer_kv_heads(config, layer_type)
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.kv_source = kv_sources(config)[layer_idx]  # the layer whose keys and values this one reads, if any
-        self.kv_shared = layer_idx in kv_sources(config)  # whether later layers read this one's
         own_kv = self.kv_source is None
         d, kv_width = config.hidden_size, self.num_key_value_heads * hd
         self.gated = config.attn_output_gate
@@ -149,12 +148,13 @@ class StandardAttention(AttentionLayer):
 
     def _keys_and_values(self, k, v, cache, shared_kv: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values this layer attends to: its own, appended to its cache, or those its source layer
-        attended to in this forward (`kv_sharing.py`); a source hands its own to its readers."""
+        attended to in this forward (`kv_sharing.py`); a layer given the forward's dict hands its own over in it (a
+        source to its readers, a drafter's layer to the drafter: `kv_assistant.py`)."""
         if self.kv_source is not None:
             return shared_kv[self.kv_source]
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, H_kv, cached + T, D)
-        if self.kv_shared:
+        if shared_kv is not None:
             shared_kv[self.layer_idx] = (k, v)
         return k, v
 

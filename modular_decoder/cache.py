@@ -107,7 +107,10 @@ class ModularDecoderCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' `crop` (a negative count of tokens to remove); where a linear-attention layer cannot
-        restore the state before them, a `ValueError` before any layer changes."""
+        restore the state before them, or compressed entries cannot be unpooled, a `ValueError` before any layer
+        changes."""
+        if (error := self.config.attention_kind.rollback_error(self.config)) is not None:
+            raise ValueError(error)
         for layer in self.layers:
             for part in _parts(layer):  # (a hybrid layer's state too)
                 if isinstance(part, RecurrentLayer):
@@ -118,7 +121,10 @@ class ModularDecoderCache(Cache):
         """Keep what `crop` needs to undo the next forwards (assisted decoding calls it before drafting):
         linear-attention layers record the states of up to `recurrent_states_to_keep` tokens (the tokens drafted
         per step), sliding layers every entry until the crop. The same on every transformers release (5.16 passes
-        no count; the drafting paths of `ModularDecoderForCausalLM.generate` then give it)."""
+        no count; the drafting paths of `ModularDecoderForCausalLM.generate` then give it). Refused where compressed
+        entries cannot be rolled back."""
+        if (error := self.config.attention_kind.rollback_error(self.config)) is not None:
+            raise ValueError(error)
         for layer in (part for whole in self.layers for part in _parts(whole)):
             if isinstance(layer, RecurrentLayer):
                 layer.activate_past_recording(recurrent_states_to_keep)
@@ -185,7 +191,7 @@ class ModularDecoderCache(Cache):
     def _payload(self, layer, window: int | None) -> int:
         if not getattr(layer, "is_initialized", False):
             return 0
-        if isinstance(layer, RecurrentLayer):  # a fixed-size state per sequence
+        if hasattr(layer, "payload_bytes"):  # a recurrent state, compressed entries: the layer counts its own
             return layer.payload_bytes()
         tensors = _layer_tensors(layer)
         if not isinstance(layer, StaticLayer):

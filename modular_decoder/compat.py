@@ -28,7 +28,9 @@ cannot honour the config before a kernel is picked), `PreTrainedModel._can_set_e
 (transformers guesses it from the modeling file's source; the experts live in `experts.py`) and
 `GenerationMixin._prepare_cache_for_generation` (builds this family's cache) and
 `GenerationMixin._get_candidate_generator` (returns `mtp_generation.MtpCandidateGenerator` for `use_mtp=True`:
-transformers has no public way to give assisted decoding a drafter). That drafter subclasses transformers'
+transformers has no public way to give assisted decoding a drafter; and transformers' drafter for its Gemma 4
+assistant, `SinglePositionMultiTokenCandidateGenerator`, which transformers picks for its own Gemma classes only:
+`kv_assistant.py`). That drafter subclasses transformers'
 public `CandidateGenerator` and is called by the assisted-decoding loop with the model's outputs
 (`requires_model_outputs`, `model_kwargs_overrides`, `get_candidates(..., model_outputs=, is_first_iteration=,
 n_last_matches=)`), the same on 5.16.1 to 5.25. `GENERATION_HOOKS` names each of these;
@@ -382,13 +384,29 @@ def create_masks_for_generate(**kwargs):
         masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING["chunked_attention"] = chunked
 
 
-# The private parts of transformers' `GenerationMixin` this family relies on for `generate(use_mtp=True)`: the
-# methods it overrides, and the words of the assisted-decoding loop's call to a drafter that reads model outputs
+# The private parts of transformers' `GenerationMixin` this family relies on for `generate(use_mtp=True)` and for
+# transformers' Gemma 4 assistant (`kv_assistant.py`): the methods it overrides, the words of the assisted-decoding
+# loop's call to a drafter that reads model outputs; the drafter transformers runs its Gemma 4 assistants with (its
+# module, class, and the words of what it reads of the model: the keyword that asks for the keys and values, the output
+# fields, the embedding it calls), and the assistants' class names transformers picks it by, for its own Gemma
+# targets only (`_get_candidate_generator`)
 GENERATION_HOOKS = {
     "overridden": ("_prepare_cache_for_generation", "_get_candidate_generator"),
     "assisted_loop": ("_assisted_decoding", ("requires_model_outputs", "model_kwargs_overrides", "model_outputs=",
                                              "is_first_iteration=", "n_last_matches=", "update_candidate_strategy")),
+    "kv_assistant_generator": ("transformers.generation.candidate_generator",
+                               "SinglePositionMultiTokenCandidateGenerator",
+                               ('"return_shared_kv_states": True', "model_outputs.shared_kv_states",
+                                "model_outputs.hidden_states[-1]", "self.target_model_input_embeddings(")),
+    "kv_assistant_classes": ("Gemma4Assistant", "Gemma4UnifiedAssistant"),
 }
+
+
+def kv_assistant_generator():
+    """transformers' drafter for its Gemma 4 assistants (`GENERATION_HOOKS["kv_assistant_generator"]`), looked up when
+    first used."""
+    module, name, _ = GENERATION_HOOKS["kv_assistant_generator"]
+    return getattr(importlib.import_module(module), name)
 
 
 def drafted_tokens_per_step(candidate_generator) -> int | None:

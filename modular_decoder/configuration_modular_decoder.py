@@ -17,8 +17,10 @@ from transformers import PretrainedConfig  # noqa: E402
 
 from .blocks import BlockFields, LayerNormPositionFields, mixing_layer_types, validate_block  # noqa: E402
 from .chunked_attention import CHUNKED_ATTENTION  # noqa: E402
+from .compressed_attention import COMPRESSED_LAYER_TYPES  # noqa: E402
 from .gated_deltanet import GatedDeltaNetFields  # noqa: E402
-from .kinds import HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int, require_number  # noqa: E402
+from .kinds import (HYBRID, LINEAR_ATTENTION, require_bool, require_choice, require_int,  # noqa: E402
+                    require_number, require_per_layer)
 from .mamba2 import Mamba2Fields  # noqa: E402
 from .moe import ExpertFormFields  # noqa: E402
 from .mup import MupFields  # noqa: E402
@@ -31,8 +33,9 @@ from .registries import (ATTENTIONS, FEATURES, FIELD_MIXINS, LINEAR_ATTENTIONS, 
 from .mla import LatentAttentionFields  # noqa: E402
 from .short_conv import ShortConvFields  # noqa: E402
 
-# The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", CHUNKED_ATTENTION)
+# The layers that attend (they read positions and masks); "linear_attention" layers keep a recurrent state instead.
+# The compressed ones (DeepSeek-V4's CSA / HCA) are those of the attention kinds that build them (`shared_kv`).
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", CHUNKED_ATTENTION, *COMPRESSED_LAYER_TYPES)
 LAYER_TYPES = (*ATTENTION_LAYER_TYPES, "linear_attention", HYBRID)
 # Config fields that hold one entry per layer: a multi-token-prediction module is built from a config whose
 # lists hold the last layer's entry once per module (`mtp.mtp_block_config`). A new per-layer field goes here.
@@ -487,7 +490,7 @@ class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormField
         """transformers' `from_dict`, after dropping values earlier versions wrote into every config.json for
         fields the chosen kinds do not read (`Registry.forget_formerly_written`)."""
         config_dict = dict(config_dict)
-        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS):
+        for registry in (ATTENTIONS, LINEAR_ATTENTIONS, MLPS, RESIDUAL_STREAMS):
             registry.forget_formerly_written(cls, config_dict)
         return super().from_dict(config_dict, **kwargs)
 
@@ -643,11 +646,15 @@ class ModularDecoderConfig(BlockFields, LayerNormPositionFields, ExpertFormField
             registry.check(self)
 
     def _validate_layer_types(self) -> None:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"`layer_types` has {len(self.layer_types)} entries for "
-                             f"`num_hidden_layers`={self.num_hidden_layers}.")
+        require_per_layer("layer_types", self.layer_types, self)
         for layer_type in self.layer_types:
             require_choice("layer_types[...]", layer_type, LAYER_TYPES)
+        kind = ATTENTIONS.get(self.attention_type) if isinstance(self.attention_type, str) else None
+        unbuilt = sorted({t for t in self.layer_types if t in ATTENTION_LAYER_TYPES} - set(kind.layer_types)) if kind else []
+        if unbuilt:
+            owners = [name for name, entry in ATTENTIONS.items() if set(unbuilt) <= set(entry.layer_types)]
+            raise ValueError(f"`layer_types` has {unbuilt} layers, which `attention_type`={self.attention_type!r} "
+                             f"does not build: use `attention_type` in {owners}.")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("`layer_types` has sliding layers but `sliding_window` is None.")
         if not self.attention_layer_count and self.position_embedding_type in ("rope", "alibi"):

@@ -21,6 +21,7 @@ from .configuration_modular_decoder import ModularDecoderConfig
 from .norms import NORMS, norm_parameters
 from .kinds import HYBRID, LINEAR_ATTENTION
 from .laurel import laurel_parameters
+from .mtp import mtp_block_config
 from .per_layer_embeddings import PER_LAYER_EMBEDDINGS
 from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
 from .registries import ATTENTIONS, FEATURES, LINEAR_ATTENTIONS, MLPS, POSITIONS, RESIDUAL_STREAMS
@@ -121,8 +122,8 @@ def mtp_module_parameters(config: ModularDecoderConfig) -> int:
     block of the last layer's kinds (its embedding and head are the model's)."""
     d = config.hidden_size
     last = config.num_hidden_layers - 1
-    block = (attention_parameters(config) + mlp_parameters(config, last)
-             + block_norm_count(config, last) * norm_parameters(config, d))
+    block = (attention_parameters(mtp_block_config(config), 0)  # its layer, of the last layer's kinds
+             + mlp_parameters(config, last) + block_norm_count(config, last) * norm_parameters(config, d))
     return 3 * norm_parameters(config, d) + 2 * d * d + block
 
 
@@ -186,7 +187,9 @@ def cache_bytes(config: ModularDecoderConfig, context: int, batch_size: int = 1,
                 dtype: torch.dtype | int = torch.bfloat16, quantization: str | None = None) -> int:
     """Exact payload of a cache holding `context` tokens for `batch_size` sequences (linear-attention states
     included, once per sequence)."""
-    payload = sum(layer_bytes_per_token(config, dtype, quantization, i) * cached_tokens(config, layer_type, context)
+    kind, element = config.attention_kind, _dtype_bytes(dtype)
+    payload = sum(kind.cached_bytes(config, i, layer_type, cached_tokens(config, layer_type, context), context, element,
+                                    quantization)
                   for i, types in enumerate(mixing_layer_types(config)) for layer_type in types
                   if layer_type != LINEAR_ATTENTION)
     return batch_size * (payload + state_bytes_per_sequence(config, dtype))
@@ -260,7 +263,7 @@ def _unread(config: ModularDecoderConfig) -> set[str]:
 # per-layer lists shown as counts and a one-letter pattern
 _PATTERNS = {
     "layer_types": {"sliding_attention": "S", "full_attention": "F", CHUNKED_ATTENTION: "C", LINEAR_ATTENTION: "L",
-                    HYBRID: "H"},
+                    HYBRID: "H", "compressed_sparse_attention": "A", "heavily_compressed_attention": "X"},
     "block_types": {"mixer_mlp": "B", "mixer": "M", "mlp": "F"},
     "mlp_layer_types": {"sparse": "S", "dense": "D"},
     "no_rope_layers": {1: "R", 0: "N"},

@@ -6,7 +6,8 @@ Per value head, with an L2-normalised key k_t and query q_t (scaled by d_k^-1/2)
 
     S_t = α_t · S_{t-1} + β_t · k_t ⊗ (v_t - α_t · S_{t-1}ᵀ k_t)        o_t = S_tᵀ q_t
 
-Two ways to compute it, equal within fp32 rounding (both in fp32, as transformers' reference does):
+Two ways to compute it, equal within fp32 rounding (both in fp32, as transformers' reference does; float64 for a
+float64 model):
 
 * `recurrent_gated_delta_rule`: token by token (a decode step, one token against the cached state);
 * `chunked_gated_delta_rule`: chunks of `CHUNK_SIZE` tokens; inside a chunk the updates are condensed by the
@@ -28,6 +29,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .recurrent_cache import state_dtype
+
 # Tokens per chunk of the chunked rule (transformers' and fla's default)
 CHUNK_SIZE = 64
 
@@ -38,12 +41,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def heads_first_fp32(query, key, value, g, beta):
-    """(B, T, H, D) -> (B, H, T, D) in fp32, q/k repeated to the value heads (each q/k head serves
-    H_v / H_k consecutive value heads), q and k L2-normalised and q scaled by d_k^-1/2."""
+    """(B, T, H, D) -> (B, H, T, D) in fp32 (float64 for a float64 model), q/k repeated to the value heads (each q/k
+    head serves H_v / H_k consecutive value heads), q and k L2-normalised and q scaled by d_k^-1/2."""
     groups = value.shape[2] // key.shape[2]
     if groups > 1:
         query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
-    query, key, value, g, beta = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    dtype = state_dtype(value.dtype)
+    query, key, value, g, beta = (x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
                                   for x in (query, key, value, g, beta))
     query, key = l2norm(query), l2norm(key)
     return query * query.shape[-1] ** -0.5, key, value, g, beta
@@ -63,8 +67,8 @@ def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None):
     q, k, v, g, beta = heads_first_fp32(query, key, value, g, beta)
     batch, heads, length, d_k = k.shape
     d_v = v.shape[-1]
-    state = (torch.zeros(batch, heads, d_k, d_v, dtype=torch.float32, device=v.device)
-             if initial_state is None else initial_state.to(torch.float32))
+    state = (torch.zeros(batch, heads, d_k, d_v, dtype=v.dtype, device=v.device)
+             if initial_state is None else initial_state.to(v.dtype))
     out = torch.empty_like(v)
     decays = g.exp()  # (B, H, T) or, KDA's, (B, H, T, d_k)
     decays = decays[..., None] if decays.dim() == 4 else decays[..., None, None]
@@ -129,8 +133,8 @@ def carry_state(q, k, inner, new_values, decayed_keys, chunk_decay, initial_stat
     the state on (decayed by `chunk_decay`, plus its keys decayed to the chunk's end, `k`). Inputs (B, H, N, C, ...);
     returns the output (B, T, H, d_v) in `dtype` and the final state (B, H, d_k, d_v) in fp32."""
     batch, heads, chunks, _, d_v = new_values.shape
-    state = (torch.zeros(batch, heads, k.shape[-1], d_v, dtype=torch.float32, device=new_values.device)
-             if initial_state is None else initial_state.to(torch.float32))
+    state = (torch.zeros(batch, heads, k.shape[-1], d_v, dtype=new_values.dtype, device=new_values.device)
+             if initial_state is None else initial_state.to(new_values.dtype))
     out = torch.empty_like(new_values)
     for n in range(chunks):
         corrected = new_values[:, :, n] - decayed_keys[:, :, n] @ state  # (B, H, C, d_v)

@@ -12,8 +12,9 @@ With `moe_mlp_type="dense"` each expert is act(x W_up) W_down (Nemotron-H's relu
 (E, f, d) in place of `gate_up_proj` (and `up_proj_bias`), transformers' names for such experts. With
 `moe_latent_size` the experts read and write that width instead of d (Nemotron-H's latent experts).
 
-The gate is act(gate) ⊙ up with `hidden_act`, or with `swiglu_limit` gpt-oss's clamped SwiGLU:
-g = min(gate, limit), u = clamp(up, ±limit), (u + 1) ⊙ g·σ(α·g), α = `swiglu_alpha`. (gpt-oss's checkpoints
+The gate is act(gate) ⊙ up with `hidden_act`, or with `swiglu_limit` a clamped SwiGLU (`clamped_swiglu`):
+g = min(gate, limit), u = clamp(up, ±limit), (u + c) ⊙ g·σ(α·g), α = `swiglu_alpha`, c = `swiglu_up_offset`
+(gpt-oss: α = 1.702, c = 1; DeepSeek-V4: α = 1, c = 0, i.e. SiLU(g) ⊙ u). (gpt-oss's checkpoints
 interleave gate and up columns and store the products transposed; conversion rearranges them into this one
 layout, so every family's experts share this module, its kernels' flags and its parallel plans.)
 
@@ -22,12 +23,36 @@ Part of the remote-code files: torch and transformers only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
 from .compat import experts_kernels
 from .split_products import linear
+
+
+@dataclass(kw_only=True)
+class ClampedSwiGLUFields:
+    """Args:
+        swiglu_up_offset (`float`, *optional*): c in the clamped SwiGLU (u + c) ⊙ g·σ(α·g) that `swiglu_limit` turns
+            on: gpt-oss adds 1 to the clamped up projection, DeepSeek-V4 nothing (with `swiglu_alpha`=1 its experts
+            compute SiLU(g) ⊙ u). Defaults to gpt-oss's 1.0 where `swiglu_limit` is set; unset otherwise.
+            `mlp_type="moe"` only.
+    """
+
+    swiglu_up_offset: float | None = None
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float, offset: float,
+                   act_fn) -> torch.Tensor:
+    """(u + c) ⊙ g·σ(α·g) on g = min(gate, limit), u = clamp(up, ±limit): gpt-oss's form term for term (α = 1.702,
+    c = 1), DeepSeek-V4's as transformers computes it (α = 1, c = 0: `act_fn`(g) ⊙ u, `act_fn` SiLU)."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = act_fn(gate) if alpha == 1.0 else gate * torch.sigmoid(gate * alpha)
+    return (up + offset) * glu if offset else glu * up
 
 
 class Experts(nn.Module):
@@ -62,7 +87,7 @@ class Experts(nn.Module):
             "down_proj_bias", nn.Parameter(torch.empty(self.num_experts, self.hidden_dim)) if biases else None
         )
         self.act_fn = ACT2FN[config.hidden_act]
-        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+        self.limit, self.alpha, self.up_offset = config.swiglu_limit, config.swiglu_alpha, config.swiglu_up_offset
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -100,15 +125,13 @@ class Experts(nn.Module):
         return out if self.down_proj_bias is None else out + self.down_proj_bias[expert]
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """(S, 2·f) [gate; up] -> (S, f): act(gate) ⊙ up, or gpt-oss's clamped SwiGLU with `swiglu_limit` (its
-        formula, term for term). transformers' experts kernels call this too."""
+        """(S, 2·f) [gate; up] -> (S, f): act(gate) ⊙ up, or the clamped SwiGLU with `swiglu_limit`
+        (`clamped_swiglu`). transformers' experts kernels call this too."""
         # f from the tensor, not the config: tensor parallelism shards each half of gate_up_proj
         gate, up = gate_up.chunk(2, dim=-1)  # (S, f) each
         if self.limit is None:
             return self.act_fn(gate) * up
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return clamped_swiglu(gate, up, self.limit, self.alpha, self.up_offset, self.act_fn)
 
 
 _EXPERTS_KERNELS = experts_kernels()
@@ -154,4 +177,4 @@ def experts_kernels_available() -> bool:
     return _EXPERTS_KERNELS is not None
 
 
-__all__ = ["KERNEL_DTYPES", "Experts", "experts_kernels_available"]
+__all__ = ["KERNEL_DTYPES", "ClampedSwiGLUFields", "Experts", "clamped_swiglu", "experts_kernels_available"]

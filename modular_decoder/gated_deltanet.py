@@ -44,7 +44,7 @@ from transformers.activations import ACT2FN
 from .delta_rule import kernels_for
 from .kinds import LinearAttentionKind, require_bool, require_int, require_number
 from .packed_documents import PackedDocuments
-from .recurrent_cache import RecurrentLayer
+from .recurrent_cache import RecurrentLayer, upcast
 from .recurrent_mixer import RecurrentMixer
 
 
@@ -76,10 +76,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
+        x32 = upcast(x)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * x32.to(dtype)
-        return (out * self.gate(gate.float())).to(dtype)
+        return (out * self.gate(upcast(gate))).to(dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, activation={self.activation}"
@@ -132,7 +132,7 @@ class GatedDeltaNet(RecurrentMixer):
         value = value.reshape(batch, seq, -1, self.head_v_dim)  # (B, T, H_v, d_v)
         beta = self.in_proj_b(hidden_states).sigmoid() * self.beta_scale  # (B, T, H_v)
         # fp32: in half precision -exp(A_log) could overflow to -inf
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+        g = -upcast(self.A_log).exp() * F.softplus(upcast(self.in_proj_a(hidden_states)) + self.dt_bias)
         if attention_mask is not None:  # a padded position neither writes (β = 0) nor decays (g = 0) the state
             beta, g = beta * attention_mask[:, :, None], g * attention_mask[:, :, None]
         out = self._delta_rule((query, key, value, g, beta), layer, kernels, documents)  # (B, T, H_v, d_v)

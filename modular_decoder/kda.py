@@ -32,7 +32,7 @@ from transformers.activations import ACT2FN
 from .gated_deltanet import GatedDeltaNetKind, GatedRMSNorm, output_norm_eps
 from .kda_rule import kda_kernels_for
 from .packed_documents import PackedDocuments
-from .recurrent_cache import RecurrentLayer
+from .recurrent_cache import RecurrentLayer, upcast
 from .recurrent_mixer import RecurrentMixer
 
 # fla's initialisation of the decay (transformers' Kimi Linear follows it): A ~ U(1, 16), dt ~ logU(1e-3, 1e-1)
@@ -79,9 +79,9 @@ class KimiDeltaAttention(RecurrentMixer):
         query, key, value = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         query, key = (x.reshape(batch, seq, -1, self.head_k_dim) for x in (query, key))  # (B, T, H, d_k)
         value = value.reshape(batch, seq, -1, self.head_v_dim)  # (B, T, H, d_v)
-        gate = self.f_b_proj(self.f_a_proj(hidden_states)).float() + self.dt_bias.float()
+        gate = upcast(self.f_b_proj(self.f_a_proj(hidden_states))) + upcast(self.dt_bias)
         # fp32: the decay of each key channel, -exp(A_log)·softplus(f + dt_bias)
-        g = -self.A_log.float().exp()[:, None] * F.softplus(gate.reshape(batch, seq, -1, self.head_k_dim))
+        g = -upcast(self.A_log).exp()[:, None] * F.softplus(gate.reshape(batch, seq, -1, self.head_k_dim))
         beta = self.b_proj(hidden_states).sigmoid() * self.beta_scale  # (B, T, H)
         if attention_mask is not None:  # a padded position neither writes (β = 0) nor decays (g = 0) the state
             beta, g = beta * attention_mask[:, :, None], g * attention_mask[:, :, None, None]

@@ -138,6 +138,8 @@ class AttentionKind(Kind):
     reads = ("head_dim", "num_key_value_heads")  # per-head queries, keys and values
     # `ModularDecoderCache` implementations this kind stores (see `cache_layer`)
     cache_implementations: tuple[str, ...] = ("dynamic", "static")
+    # the attending values of `layer_types` its layers may take
+    layer_types: tuple[str, ...] = ("full_attention", "sliding_attention", "chunked_attention")
 
     def build(self, config, layer_idx: int) -> nn.Module:
         """The attention of layer `layer_idx`."""
@@ -187,6 +189,17 @@ class AttentionKind(Kind):
     def layer_bytes_per_token(self, config, element_bytes: int, quantization: str | None, layer_idx: int) -> int:
         """Bytes layer `layer_idx` caches per token, where a kind's layers differ (`bytes_per_token` otherwise)."""
         return self.bytes_per_token(config, element_bytes, quantization)
+
+    def cached_bytes(self, config, layer_idx: int, layer_type: str, kept_tokens: int, context: int,
+                     element_bytes: int, quantization: str | None = None) -> int:
+        """One sequence's bytes in layer `layer_idx` (of `layer_type`) after `context` tokens, of which its window
+        keeps `kept_tokens` (`contract.cached_tokens`): `layer_bytes_per_token` for each (a kind that keeps more
+        than its tokens' keys, e.g. compressed entries, counts them here)."""
+        return self.layer_bytes_per_token(config, element_bytes, quantization, layer_idx) * kept_tokens
+
+    def rollback_error(self, config) -> str | None:
+        """Why this config's cache cannot be rolled back to an earlier token (assisted decoding refused), or None."""
+        return None
 
     def describe(self, config) -> str:
         """A short tag for cards and tables (`mha`, `gqa`, `mqa`, `mla`, ...)."""
@@ -383,11 +396,18 @@ def require_bool(name: str, value, optional: bool = False) -> None:
         raise ValueError(f"`{name}` must be true or false, got {value!r}.")
 
 
+def require_per_layer(name: str, value, config, what: str = "one entry") -> None:
+    """A list of one entry per layer (`config.num_hidden_layers` of them); `what` says what each entry is."""
+    layers = config.num_hidden_layers
+    if not isinstance(value, list) or len(value) != layers:
+        raise ValueError(f"`{name}` must list {what} per layer (`num_hidden_layers`={layers}), got {value!r}.")
+
+
 def require_choice(name: str, value, allowed) -> None:
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"`{name}`={value!r} is not one of the allowed values {sorted(allowed)}.")
 
 
-__all__ = ["require_int", "require_number", "require_bool", "require_choice", "Registry", "Kind", "AttentionKind",
-           "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "HYBRID", "field_default", "mixer_layer_types",
-           "attention_layer_type", "Feature", "FeatureSet", "require_unset_unless"]
+__all__ = ["require_int", "require_number", "require_bool", "require_choice", "require_per_layer", "Registry", "Kind",
+           "AttentionKind", "FeedForwardKind", "LinearAttentionKind", "LINEAR_ATTENTION", "HYBRID", "field_default",
+           "mixer_layer_types", "attention_layer_type", "Feature", "FeatureSet", "require_unset_unless"]

@@ -12,6 +12,9 @@ A reader holds no `k_proj`, `v_proj` or key norm, and its slot in the cache hold
 `contract.cache_bytes` counts the sources only. What counts the tokens a reader sees (`get_seq_length`, the mask
 sizes) is its source's layer.
 
+A drafter that reads the model's keys and values (transformers' Gemma 4 assistant, `kv_assistant.py`) gets, per
+attention type, those of the last layer of that type computing its own (`drafter_kv_layers`), handed over the same way.
+
 `KVSharingFields` holds the field; the standard attention kind owns its rules (`attention.py`).
 """
 
@@ -54,6 +57,21 @@ def kv_sources(config) -> list[int | None]:
         if types[index] is not None:
             sources[index] = len(before) - 1 - before[::-1].index(types[index])
     return sources
+
+
+# the layer types whose keys and values a drafter reads (transformers' Gemma attention types)
+DRAFTER_KV_TYPES = ("sliding_attention", "full_attention")
+
+
+def drafter_kv_layers(config) -> dict[str, int]:
+    """Per attention type a drafter reads (`DRAFTER_KV_TYPES`), the layer whose keys and values it gets: the last
+    standard-attention layer of that type computing its own (transformers' Gemma 4 "store" layers: the sharing
+    layers' sources, else each type's last layer)."""
+    if config.attention_type != "standard":
+        return {}
+    types = _attending_types(config)[: config.num_hidden_layers - config.num_kv_shared_layers]
+    return {layer_type: len(types) - 1 - types[::-1].index(layer_type)
+            for layer_type in DRAFTER_KV_TYPES if layer_type in types}
 
 
 def validate_kv_sharing(config) -> None:
@@ -113,4 +131,5 @@ class SharedKVLayer(CacheLayerMixin):
     def batch_select_indices(self, indices) -> None: ...
 
 
-__all__ = ["KVSharingFields", "SharedKVLayer", "kv_sources", "validate_kv_sharing"]
+__all__ = ["DRAFTER_KV_TYPES", "KVSharingFields", "SharedKVLayer", "drafter_kv_layers", "kv_sources",
+           "validate_kv_sharing"]

@@ -85,26 +85,47 @@ class LightningIndexer(nn.Module):
         that sees fewer than k keys also gets some it may not see, as transformers' indexer does: the attention
         masks those, so they change nothing.
         """
-        batch, q_len, _ = hidden_states.shape
         queries = self.wq_b(q_latent).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        queries = self._rotate(queries, position_embeddings).transpose(1, 2).float()  # (B, T, H_I, D_I)
-        dtype = getattr(self.weights_proj, "weight", hidden_states).dtype  # kept in fp32 under fp16
-        # ReLU(x·s) = ReLU(x)·s for the positive scale s = D_I^-1/2: it rides in the head weights (one pass fewer
-        # over the scores)
-        weights = self.weights_proj(hidden_states.to(dtype)).float() * (self.num_heads**-0.5 * self.scaling)
-        keys_t = keys.float().transpose(1, 2).unsqueeze(1)  # (B, 1, D_I, S)
-        top_k = min(self.top_k, keys.shape[1])
-        block = query_block(batch, self.num_heads, keys.shape[1])
-        indices = []
-        for start in range(0, q_len, block):
-            rows = slice(start, min(start + block, q_len))
-            scores = (queries[:, rows] @ keys_t).relu_()  # (B, t, H_I, S)
-            scores = (weights[:, rows].unsqueeze(-2) @ scores).squeeze(-2)  # (B, t, S)
-            if visible is not None:  # a boolean mask (True = may see) or an additive one, as transformers applies it
-                mask = visible[:, 0, rows]
-                scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
-            indices.append(top_k_earliest(scores, top_k))
-        return indices[0] if len(indices) == 1 else torch.cat(indices, dim=1)
+        queries = self._rotate(queries, position_embeddings).transpose(1, 2)  # (B, T, H_I, D_I)
+        weights = index_head_weights(self.weights_proj, hidden_states, self.scaling)
+        return rank_keys(queries, weights, keys, lambda rows: None if visible is None else visible[:, 0, rows],
+                         self.top_k)
+
+
+def index_head_weights(weights_proj: nn.Module, hidden_states: torch.Tensor, scaling: float) -> torch.Tensor:
+    """w[t] = weights_proj(x_t) / sqrt(H_I), times the score scale `scaling` (D_I^-1/2): (B, T, H_I) fp32.
+    ReLU(x·s) = ReLU(x)·s for the positive scale s: it rides in the head weights (one pass fewer over the scores)."""
+    dtype = getattr(weights_proj, "weight", hidden_states).dtype  # kept in fp32 under fp16
+    heads = weights_proj.out_features
+    return weights_proj(hidden_states.to(dtype)).float() * (heads**-0.5 * scaling)
+
+
+def rank_keys(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible_rows, top_k: int
+              ) -> torch.Tensor:
+    """The indices (B, T, k) of the keys of highest indexer score I[t, s] = Σ_h w[t, h] · ReLU(q[t, h] · k[s])
+    each query keeps, k = min(`top_k`, S), equal scores earliest key first (`top_k_earliest`).
+
+    queries (B, T, H, D) rotated as the keys are, weights (B, T, H) (`index_head_weights`), keys (B, S, D);
+    `visible_rows(rows)`: for the queries `rows` (a slice), the (B, t, S) mask of the keys they may see, boolean
+    (True = may see) or additive, or None (all). A query that sees fewer than k keys also gets some it may not
+    see (the attention masks those, as transformers' indexers leave them). Scored `query_block` queries per pass,
+    so the (B, t, H, S) per-head scores stay within `INDEX_SCORE_BYTES`.
+    """
+    batch, q_len, heads, _ = queries.shape
+    queries = queries.float()
+    keys_t = keys.float().transpose(1, 2).unsqueeze(1)  # (B, 1, D, S)
+    top_k = min(top_k, keys.shape[1])
+    block = query_block(batch, heads, keys.shape[1])
+    indices = []
+    for start in range(0, q_len, block):
+        rows = slice(start, min(start + block, q_len))
+        scores = (queries[:, rows] @ keys_t).relu_()  # (B, t, H, S)
+        scores = (weights[:, rows].unsqueeze(-2) @ scores).squeeze(-2)  # (B, t, S)
+        mask = visible_rows(rows)
+        if mask is not None:  # a boolean mask (True = may see) or an additive one, as transformers applies it
+            scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
+        indices.append(top_k_earliest(scores, top_k))
+    return indices[0] if len(indices) == 1 else torch.cat(indices, dim=1)
 
 
 def top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -122,4 +143,5 @@ def top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
     return (keep * positions).topk(k, dim=-1).indices
 
 
-__all__ = ["LightningIndexer", "INDEX_SCORE_BYTES", "query_block", "halves_layout", "top_k_earliest"]
+__all__ = ["LightningIndexer", "INDEX_SCORE_BYTES", "index_head_weights", "query_block", "halves_layout", "rank_keys",
+           "top_k_earliest"]

@@ -36,7 +36,7 @@ from transformers.activations import ACT2FN
 from .kinds import LinearAttentionKind, require_bool, require_choice, require_int, require_number
 from .mamba2_scan import CHUNK_SIZE, kernels_for
 from .packed_documents import PackedDocuments
-from .recurrent_cache import RecurrentLayer, run_recurrence
+from .recurrent_cache import RecurrentLayer, run_recurrence, upcast
 from .recurrent_mixer import RecurrentMixer
 
 # The parts of `in_proj`'s output `ssm_multipliers` scales, in order
@@ -107,11 +107,11 @@ class GroupedGatedRMSNorm(nn.Module):
         self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        gate32 = F.silu(gate.float())
-        x32 = x.float() if self.norm_before_gate else x.float() * gate32
+        gate32 = F.silu(upcast(gate))
+        x32 = upcast(x) if self.norm_before_gate else upcast(x) * gate32
         grouped = x32.unflatten(-1, (self.groups, -1))
         x32 = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        out = self.weight.float() * x32
+        out = upcast(self.weight) * x32
         return (out * gate32 if self.norm_before_gate else out).to(gate.dtype)
 
     def extra_repr(self) -> str:
@@ -183,14 +183,14 @@ class Mamba2(RecurrentMixer):
             xbc = self._convolve_documents(xbc, layer, kernels, documents)
         x, B, C = xbc.transpose(1, 2).split((self.inner, self.n_groups * self.state_size,
                                              self.n_groups * self.state_size), dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)  # (B, T, H)
+        dt = F.softplus(upcast(dt) + upcast(self.dt_bias)).clamp(*self.time_step_limit)  # (B, T, H)
         if attention_mask is not None:  # a padded position neither decays nor writes the state
             dt = dt * attention_mask[:, :, None]
         inputs = (x.reshape(batch, seq, self.num_heads, self.head_dim), dt,
                   B.reshape(batch, seq, self.n_groups, self.state_size),
                   C.reshape(batch, seq, self.n_groups, self.state_size))
         y = self._scan(inputs, layer, kernels, documents).reshape(batch, seq, self.inner)  # fp32
-        y = self.norm(y, z) if self.norm is not None else (y * F.silu(z.float())).to(dtype)
+        y = self.norm(y, z) if self.norm is not None else (y * F.silu(upcast(z))).to(dtype)
         out = self.out_proj(y.to(dtype))
         return (out * self.out_multiplier if self.out_multiplier != 1.0 else out), None
 
@@ -209,7 +209,7 @@ class Mamba2(RecurrentMixer):
         """The scan over (x, dt, B, C): recurrent for a one-token step on a cached state, chunked otherwise
         (`recurrent_cache.run_recurrence`, which also records the states a crop may restore), or document by document;
         the cache keeps the new state. Returns y (B, T, H, P) in fp32."""
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(upcast(self.A_log))
         if documents is None:
             def chunked(x, dt, B, C, state):
                 return kernels.chunked(x, dt, A, B, C, self.D, state, chunk_size=self.chunk_size)

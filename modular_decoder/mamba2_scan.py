@@ -30,6 +30,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .recurrent_cache import upcast
+
 # Tokens per chunk where a config does not say (transformers' Bamba / Granite / Falcon-H1 default)
 CHUNK_SIZE = 256
 
@@ -42,18 +44,18 @@ def _by_heads(B: torch.Tensor, heads: int) -> torch.Tensor:
 def recurrent_scan(x, dt, A, B, C, D, initial_state=None):
     """The scan token by token. x (b, T, H, P), dt (b, T, H), A (H,), B/C (b, T, G, N), D (H,), initial_state
     (b, H, P, N) or None. Returns y (b, T, H, P) and the final state (b, H, P, N), both fp32."""
-    x, dt = x.float(), dt.float()
-    B, C = _by_heads(B.float(), x.shape[2]), _by_heads(C.float(), x.shape[2])  # (b, T, H, N)
+    x, dt = upcast(x), upcast(dt)
+    B, C = _by_heads(upcast(B), x.shape[2]), _by_heads(upcast(C), x.shape[2])  # (b, T, H, N)
     batch, length, heads, width = x.shape
     state = (x.new_zeros(batch, heads, width, B.shape[-1]) if initial_state is None
-             else initial_state.float())
-    decay = torch.exp(dt * A.float())  # (b, T, H)
+             else upcast(initial_state))
+    decay = torch.exp(dt * upcast(A))  # (b, T, H)
     out = torch.empty_like(x)
     for t in range(length):
         written = (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]  # (b, H, P, N)
         state = state * decay[:, t, :, None, None] + written
         out[:, t] = (state @ C[:, t, :, :, None]).squeeze(-1)  # (b, H, P)
-    return out + D.float()[:, None] * x, state
+    return out + upcast(D)[:, None] * x, state
 
 
 def _segment_sums(a: torch.Tensor) -> torch.Tensor:
@@ -77,8 +79,8 @@ def chunked_scan(x, dt, A, B, C, D, initial_state=None, chunk_size: int = CHUNK_
     groups, size = B.shape[-2], B.shape[-1]
     chunk_size = max(1, min(chunk_size, length))  # a shorter sequence is one chunk of its length: no padded tokens
     pad = (chunk_size - length % chunk_size) % chunk_size
-    x, dt, B, C = x.float(), dt.float(), B.float(), C.float()
-    skip = D.float()[:, None] * x
+    x, dt, B, C = upcast(x), upcast(dt), upcast(B), upcast(C)
+    skip = upcast(D)[:, None] * x
     if pad:  # zero tokens at the end: dt = 0 neither decays nor writes; their outputs are dropped
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
         dt = F.pad(dt, (0, 0, 0, pad))
@@ -86,7 +88,7 @@ def chunked_scan(x, dt, A, B, C, D, initial_state=None, chunk_size: int = CHUNK_
     # (b, c, l, G, r, P): heads as (group, head within group), so B and C stay per group
     xdt = (x * dt[..., None]).reshape(batch, chunks, chunk_size, groups, per, width)
     B, C = (t.reshape(batch, chunks, chunk_size, groups, size) for t in (B, C))
-    a = (dt * A.float()).reshape(batch, chunks, chunk_size, groups, per).permute(0, 1, 3, 4, 2)  # (b, c, G, r, l)
+    a = (dt * upcast(A)).reshape(batch, chunks, chunk_size, groups, per).permute(0, 1, 3, 4, 2)  # (b, c, G, r, l)
     gamma = a.cumsum(dim=-1)
     scores = torch.einsum("bclgn,bcsgn->bcgls", C, B)  # (b, c, G, l, s): C_i·B_j
     weights = scores[:, :, :, None] * torch.exp(_segment_sums(a))  # (b, c, G, r, l, s), causal
@@ -96,7 +98,7 @@ def chunked_scan(x, dt, A, B, C, D, initial_state=None, chunk_size: int = CHUNK_
     from_start = torch.exp(gamma)  # (b, c, G, r, l)
     chunk_decay = torch.exp(gamma[..., -1])[..., None, None]  # (b, c, G, r, 1, 1)
     state = (x.new_zeros(batch, groups, per, width, size) if initial_state is None
-             else initial_state.float().reshape(batch, groups, per, width, size))
+             else upcast(initial_state).reshape(batch, groups, per, width, size))
     for n in range(chunks):
         carried = torch.einsum("blgn,bgrpn,bgrl->blgrp", C[:, n], state, from_start[:, n])
         out[:, n] += carried

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
+from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number, require_per_layer
 from .mup import validate_mlp_multipliers
 from .split_products import project, takes_split_branch
 
@@ -153,9 +153,7 @@ class ActivatedKind(FeedForwardKind):
             values = getattr(config, name)
             if values is None:
                 continue
-            if not isinstance(values, list) or len(values) != config.num_hidden_layers:
-                raise ValueError(f"`{name}` must list one value per layer (`num_hidden_layers`="
-                                 f"{config.num_hidden_layers}), got {values!r}.")
+            require_per_layer(name, values, config, "one value")
             for value in values:
                 check(value)
         if "mlp_multipliers" in self.fields:

@@ -32,12 +32,16 @@ from .blocks import BLOCKS, DecoderBlock, block_class
 from .cache import ModularDecoderCache
 from .checkpoint_checks import check_checkpoint
 from .chunked_attention import CHUNKED_ATTENTION, CHUNKED_ATTENTION_FEATURE
+from .compressed_attention import COMPRESSED_LAYER_TYPES
+from .compressed_cache import refuse_rollback_decoding
 from .configuration_modular_decoder import ModularDecoderConfig
 from .experts import experts_kernels_available
 from .gated_deltanet import GatedRMSNorm
 from .input_checks import check_generate_inputs, check_inputs, check_token_ids, generating
 from .kinds import LINEAR_ATTENTION, attention_layer_type, mixer_layer_types
-from .kv_sharing import kv_sources
+from .kept_positions import keep_last, kept_positions_from
+from .kv_assistant import check_kv_assistant, drafter_kv, kv_assistant_drafter, reads_model_kv
+from .kv_sharing import drafter_kv_layers, kv_sources
 from .mamba2 import GroupedGatedRMSNorm
 from .moe import init_moe_weights
 from .mtp import MultiTokenPredictor, default_draft_vocab
@@ -68,7 +72,9 @@ def linear_attention_mask(config, inputs_embeds, attention_mask, position_ids=No
     return new_token_columns(attention_mask, _tokens_before(cache), seq).to(inputs_embeds.dtype)
 
 
+# (a compressed layer attends to a window, then to its entries, which it masks itself: `compressed_attention.py`)
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
+                 **dict.fromkeys(COMPRESSED_LAYER_TYPES, create_sliding_window_causal_mask),
                  CHUNKED_ATTENTION: CHUNKED_ATTENTION_FEATURE.mask_builder, LINEAR_ATTENTION: linear_attention_mask}
 
 
@@ -95,7 +101,8 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
     def __init__(self, config: ModularDecoderConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
         # read by `from_pretrained` in half precision (e.g. DeepSeek-V3's sigmoid routers stay fp32)
-        self._keep_in_fp32_modules_strict = list(config.mlp_kind.fp32_parameters(config))
+        self._keep_in_fp32_modules_strict = [*config.mlp_kind.fp32_parameters(config),
+                                             *RESIDUAL_STREAMS.of(config).fp32_modules(config)]
         self._keep_in_fp32_modules = list(config.attention_kind.fp32_modules(config))  # under fp16 only
 
     @classmethod
@@ -180,8 +187,21 @@ class ModularDecoderPreTrainedModel(PreTrainedModel):
         elif hasattr(module, "inv_freq"):  # sinusoidal table
             fresh = ABSOLUTE_POSITIONS["sinusoidal"](self.config)
             init.copy_(module.inv_freq, fresh.inv_freq)
-        if hasattr(module, "init_own_weights"):  # a mechanism's own tensors (a layer scalar, AltUp's coefficients)
+        if hasattr(module, "init_own_weights"):  # a mechanism's own tensors (a layer scalar, AltUp's coefficients,
+            # hyper-connections, compressors' position biases)
             module.init_own_weights(init, std)
+
+
+@dataclass
+class ModularDecoderModelOutput(MoeModelOutputWithPast):
+    """The base model's output: transformers' MoE output, and the keys and values a drafter reads.
+
+    `shared_kv_states` (with `return_shared_kv_states=True`, which transformers' assisted decoding passes for its
+    Gemma 4 assistant; else `None`): per attention type, the (keys, values) (B, H_kv, T_kv, D) that the last layer of
+    that type computing its own attended to in this forward, as transformers' Gemma 4 returns them
+    (`kv_assistant.py`)."""
+
+    shared_kv_states: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class ModularDecoderModel(ModularDecoderPreTrainedModel):
@@ -221,9 +241,11 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
-        """Embeds, runs every block with the masks / positions of its layer type, and norms.
+    ) -> ModularDecoderModelOutput:
+        """Embeds, runs every block with the masks / positions of its layer type, and norms. With an integer
+        `logits_to_keep`, the layers that cache nothing run on the positions kept only (`kept_positions.py`).
 
         `position_ids` default to counting the real tokens of a 2-D `attention_mask` (so left
         padding does not shift positions), else to the cache length onwards. Packed documents
@@ -246,25 +268,32 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
             position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_seen)
 
         hidden = self._embed(inputs_embeds, position_ids)
-        layer_inputs = self._layer_inputs(input_ids, hidden)
+        # `return_shared_kv_states`: hand a drafter the keys and values it reads (transformers' name; kv_assistant.py)
+        hand_over = kwargs.pop("return_shared_kv_states", False)
+        layer_inputs = self._layer_inputs(input_ids, hidden, hand_over)
         masks = self._masks(inputs_embeds, attention_mask, packed_positions, cache, past_seen)
         rotary = self._rotary_tables(hidden, position_ids)
         layer_kwargs = self._alibi_kwargs(hidden, cache)
         if (documents := self._linear_documents(packed_positions, attention_mask, inputs_embeds)) is not None:
             layer_kwargs[LINEAR_ATTENTION] = {"documents": documents}
         hidden = self.residual_stream(hidden)  # the stream(s) the layers join (`residual_streams.py`)
+        cut_from = kept_positions_from(self, logits_to_keep, inputs_embeds.shape[1], masks, cache, kwargs)
 
-        # what each layer type takes, gathered once per type rather than once per layer
         layer_types = self.config.layer_types
-        by_type = {layer_type: dict(attention_mask=layer_masks(masks, layer_type),
-                                    **layer_kwargs_of(layer_kwargs, layer_type)) for layer_type in set(layer_types)}
+        by_type = layer_type_kwargs(layer_types, masks, layer_kwargs)
         # the first `num_hidden_layers` as transformers' models run them: its assistant early exit drafts with
         # the model itself after lowering that number
         for layer_idx, block in enumerate(self.layers[: self.config.num_hidden_layers]):
+            if layer_idx == cut_from:
+                hidden, masks, rotary, position_ids, input_ids, layer_inputs = keep_last(
+                    logits_to_keep, RESIDUAL_STREAMS.of(self.config).position_dim, hidden, masks, rotary,
+                    position_ids, input_ids, layer_inputs)
+                by_type = layer_type_kwargs(layer_types, masks, layer_kwargs)  # (the masks of the kept positions)
             hidden = block(
                 hidden,
                 position_embeddings=rotary[layer_idx],
                 position_ids=position_ids,
+                input_ids=input_ids,
                 cache=cache,
                 **by_type[layer_types[layer_idx]],
                 **layer_inputs[layer_idx],
@@ -273,22 +302,26 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         hidden = self.residual_stream(hidden, leaving=True)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
-        return MoeModelOutputWithPast(last_hidden_state=hidden, **with_cache(cache if use_cache else None))
+        return ModularDecoderModelOutput(last_hidden_state=hidden, **with_cache(cache if use_cache else None),
+                                         shared_kv_states=drafter_kv(self.config, layer_inputs, hand_over))
 
-    def _layer_inputs(self, input_ids, hidden: torch.Tensor) -> list[dict]:
+    def _layer_inputs(self, input_ids, hidden: torch.Tensor, hand_over: bool = False) -> list[dict]:
         """What each layer takes beside the stream: its per-layer embedding (`per_layer_input`), and for layers that
-        share keys and values, this forward's dict of them (`shared_kv`, `kv_sharing.py`)."""
+        share keys and values, or hand them to a drafter (`hand_over`), this forward's dict of them (`shared_kv`,
+        `kv_sharing.py`)."""
         inputs = [{} for _ in range(self.config.num_hidden_layers)]
         if self.per_layer_embeddings is not None:
             for layer_input, embedding in zip(inputs, self.per_layer_embeddings(input_ids, hidden).unbind(2)):
                 layer_input["per_layer_input"] = embedding
-        if not self.config.num_kv_shared_layers:  # (no layer reads another's: the common case, one config read)
+        if not self.config.num_kv_shared_layers and not hand_over:  # (no layer reads another's: the common case)
             return inputs
         sources = kv_sources(self.config)
-        if any(source is not None for source in sources):
-            shared, sharing = {}, set(sources) | {i for i, source in enumerate(sources) if source is not None}
-            for layer_idx in sharing - {None}:
-                inputs[layer_idx]["shared_kv"] = shared
+        sharing = set(sources) | {i for i, source in enumerate(sources) if source is not None}
+        if hand_over:
+            sharing |= set(drafter_kv_layers(self.config).values())
+        shared = {}
+        for layer_idx in sharing - {None}:
+            inputs[layer_idx]["shared_kv"] = shared
         return inputs
 
     def _check_inputs(self, input_ids, attention_mask, inputs_embeds, cache) -> None:
@@ -445,6 +478,12 @@ def layer_kwargs_of(kwargs_by_type: dict, layer_type: str) -> dict:
     return {key: value for t in mixer_layer_types(layer_type) for key, value in kwargs_by_type.get(t, {}).items()}
 
 
+def layer_type_kwargs(layer_types: list[str], masks: dict, kwargs_by_type: dict) -> dict[str, dict]:
+    """{layer type: its mask and extra keyword arguments}, gathered once per type rather than once per layer."""
+    return {layer_type: dict(attention_mask=layer_masks(masks, layer_type),
+                             **layer_kwargs_of(kwargs_by_type, layer_type)) for layer_type in set(layer_types)}
+
+
 def new_token_columns(mask: torch.Tensor, past_seen: int | torch.Tensor, seq: int) -> torch.Tensor:
     """Columns `past_seen .. past_seen + seq` of a (B, L) tensor laid out like a 2-D attention mask: those of
     the new tokens (a static cache counts `past_seen` on the device, so it is indexed, never read)."""
@@ -488,10 +527,12 @@ class ModularDecoderCausalLMOutput(MoeCausalLMOutputWithPast):
     one for sigmoid routers), `z_loss` (softmax routers only) and `mtp_loss` (the mean of the MTP modules'
     cross-entropies) are the unweighted losses; `loss` (with `labels`) already holds
     `router_aux_loss_coef · aux_loss + router_z_loss_coef · z_loss + mtp_loss_scaling_factor · mtp_loss`.
+    `shared_kv_states`: the base model's (`ModularDecoderModelOutput`), for a drafter that reads them.
     """
 
     z_loss: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None
+    shared_kv_states: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
@@ -563,6 +604,8 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
+            # (the model runs its last layers on these positions only where none of the others is read)
+            logits_to_keep=0 if labels is not None else logits_to_keep,
             **kwargs,
         )
         logits = self._logits(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
@@ -587,6 +630,7 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits,
             z_loss=z_loss,
             mtp_loss=mtp_loss,
+            shared_kv_states=outputs.shared_kv_states,
         )
 
     # computed once: generate reads it at every step of a model registered for the Auto classes (transformers'
@@ -658,9 +702,12 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
         use_mtp = kwargs.get("use_mtp") or getattr(kwargs.get("generation_config"), "use_mtp", None)
         options = options_of(kwargs, (kwargs.get("generation_config"), self.generation_config))
         check_use_mtp(self.config, use_mtp)
+        check_kv_assistant(self.config, kwargs.get("assistant_model"))
         check_draft_tokens(self.config, use_mtp, options.draft_tokens)
         if use_mtp and (refusal := drafting_refusal(self.config)) is not None:
             raise ValueError(refusal)
+        if (rollback_error := self.config.attention_kind.rollback_error(self.config)) is not None:
+            refuse_rollback_decoding(kwargs, self.generation_config, rollback_error)  # compressed entries: no crop
         check_generate_inputs(
             self.config,
             input_ids=inputs if inputs is not None else kwargs.get("input_ids"),
@@ -685,17 +732,23 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
     prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 *args, **kwargs):
-        """With `use_mtp`, the candidate generator that drafts with this model's own MTP modules; otherwise
-        transformers' choice (a hook of transformers' `GenerationMixin`: see compat.py). The cache is told how many
-        tokens a step drafts, which its linear-attention layers record to roll back (transformers 5.16-5.24 tell it
-        nothing)."""
-        if generation_config.use_mtp and generation_config.assistant_early_exit is None \
-                and generation_config.prompt_lookup_num_tokens is None:
+                                 assistant_model=None, *args, **kwargs):
+        """With `use_mtp`, the candidate generator that drafts with this model's own MTP modules; with transformers'
+        Gemma 4 assistant, transformers' drafter for it, reading this model's keys and values (`kv_assistant.py`);
+        otherwise transformers' choice (a hook of transformers' `GenerationMixin`: see compat.py). The cache is told
+        how many tokens a step drafts, which its linear-attention layers record to roll back (transformers 5.16-5.24
+        tell it nothing)."""
+        transformers_first = generation_config.assistant_early_exit is not None \
+            or generation_config.prompt_lookup_num_tokens is not None
+        if generation_config.use_mtp and not transformers_first:
             generator = MtpCandidateGenerator(self, generation_config, model_kwargs, logits_processor)
+        elif reads_model_kv(assistant_model) and not transformers_first:
+            generator = kv_assistant_drafter(self, assistant_model, generation_config, input_ids, inputs_tensor,
+                                             logits_processor, model_kwargs)
         else:
             generator = super()._get_candidate_generator(generation_config, input_ids, inputs_tensor,
-                                                         logits_processor, model_kwargs, *args, **kwargs)
+                                                         logits_processor, model_kwargs, assistant_model, *args,
+                                                         **kwargs)
         if isinstance(cache := cache_of(model_kwargs), ModularDecoderCache):
             drafts = drafted_tokens_per_step(generator)
             if drafts_grow(generator):  # at most the tokens left to generate
@@ -744,4 +797,4 @@ class ModularDecoderForCausalLM(ModularDecoderPreTrainedModel, GenerationMixin):
 
 
 __all__ = ["ModularDecoderPreTrainedModel", "ModularDecoderModel", "ModularDecoderForCausalLM",
-           "ModularDecoderCausalLMOutput"]
+           "ModularDecoderCausalLMOutput", "ModularDecoderModelOutput"]

@@ -22,7 +22,7 @@ experts kernels and PEFT's `target_parameters` apply unchanged:
     mlp.shared_experts.{gate,up,down}_proj.weight      one gated MLP of width n_shared·f_shared
     mlp.shared_expert_gate.weight        (1, d)        `shared_expert_gate=True` only
 
-The router (`TopKRouter`, its selection functions and losses) is in `routers.py`, the routed experts
+The router (`TopKRouter` or `HashRouter`, its selection functions and losses) is in `routers.py`, the routed experts
 (`Experts`, transformers' experts kernels) in `experts.py`; this module holds the block that joins
 them with the shared experts, and the kind's registry entry: completion, validation, parameter counts
 and parallelism plans.
@@ -48,11 +48,11 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .compat import experts_ep_plan
-from .experts import Experts
-from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number
+from .experts import Experts, clamped_swiglu
+from .kinds import FeedForwardKind, require_bool, require_choice, require_int, require_number, require_per_layer
 from .mlp import DenseMLP, GatedMLP, activated_parameters, mlp_tp_plan
 from .norms import build_norm, norm_parameters
-from .routers import AUX_LOSS_COEF, ROUTERS, TopKRouter
+from .routers import AUX_LOSS_COEF, ROUTERS, HashRouter, Router, TopKRouter
 
 # transformers' own values for `mlp_layer_types` (`configuration_utils.ALLOWED_MLP_LAYER_TYPES`),
 # which it checks whenever a config is saved
@@ -113,9 +113,10 @@ class SparseMoeBlock(nn.Module):
        └─ shared_experts [· σ(shared_expert_gate x)] ─┘
     """
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        self.gate = TopKRouter(config)
+        self.gate = (HashRouter if layer_idx < config.num_hash_layers else TopKRouter)(config)
+        self.routes_by_token = self.gate.tid2eid is not None  # the block then passes the tokens' ids
         latent = config.moe_latent_size
         if latent is not None:
             self.fc1_latent_proj = nn.Linear(config.hidden_size, latent, bias=config.mlp_bias)
@@ -123,16 +124,17 @@ class SparseMoeBlock(nn.Module):
         self.latent = latent is not None
         self.experts = Experts(config)
         shared = shared_experts_intermediate_size(config)
-        mlp = EXPERT_FORMS[config.moe_mlp_type]
+        mlp = ClampedGatedMLP if config.swiglu_limit is not None else EXPERT_FORMS[config.moe_mlp_type]
         self.shared_experts = mlp(config, intermediate_size=shared) if shared else None
         use_gate = shared and config.shared_expert_gate
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if use_gate else None
         self.weight_on_input = config.apply_router_weight_on_input
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_ids` (B, T): the tokens of `hidden_states` (B, T, d), which a hash router routes by."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (N, d)
-        _, weights, indices = self.gate(x)
+        _, weights, indices = self.gate(x, token_ids)
         if self.weight_on_input:
             out = self._routed_on_input(x, weights, indices)
         elif self.latent:
@@ -185,6 +187,19 @@ class ParallelDenseMoeBlock(nn.Module):
         return dense + self.post_experts_norm(routed)
 
 
+class ClampedGatedMLP(GatedMLP):
+    """The shared experts of a model whose experts clamp their SwiGLU (`swiglu_limit`): the same clamped gate as
+    the routed experts (`experts.clamped_swiglu`; DeepSeek-V4's shared expert clamps as its routed ones do)."""
+
+    def __init__(self, config, intermediate_size: int | None = None):
+        super().__init__(config, intermediate_size)
+        self.limit, self.alpha, self.up_offset = config.swiglu_limit, config.swiglu_alpha, config.swiglu_up_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        glu = clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit, self.alpha, self.up_offset, self.act_fn)
+        return self.down_proj(glu)
+
+
 def _up_products(config) -> int:
     """The products before the activation in each MLP of a MoE model: gate and up, or up alone (`moe_mlp_type`)."""
     return 2 if config.moe_mlp_type == "gated" else 1
@@ -210,7 +225,7 @@ def init_moe_weights(module: nn.Module, std: float, init) -> bool:
         for bias in (getattr(module, f"{module.up_name}_bias"), module.down_proj_bias):
             if bias is not None:
                 init.zeros_(bias)
-    elif isinstance(module, TopKRouter):
+    elif isinstance(module, Router):
         init.normal_(module.weight, mean=0.0, std=std)
         if module.bias is not None:
             init.normal_(module.bias, mean=0.0, std=std)  # as transformers' gpt-oss
@@ -232,11 +247,14 @@ MOE_FIELDS = (
     "mlp_layer_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
     "shared_expert_intermediate_size", "shared_expert_gate", "router_type", "router_bias", "norm_topk_prob", "n_group",
     "topk_group", "routed_scaling_factor", "router_aux_loss_coef", "router_z_loss_coef", "output_router_logits",
-    "swiglu_limit", "swiglu_alpha", *ExpertFormFields.__dataclass_fields__, *RoutingInputFields.__dataclass_fields__,
+    "swiglu_limit", "swiglu_alpha", "swiglu_up_offset", "num_hash_layers", *ExpertFormFields.__dataclass_fields__,
+    *RoutingInputFields.__dataclass_fields__,
 )
 
 # gpt-oss's sigmoid gain in its clamped SwiGLU (transformers' `GptOssConfig.swiglu_alpha` default; 5.16-5.19 fix it)
 GPT_OSS_SWIGLU_ALPHA = 1.702
+# gpt-oss adds 1 to the clamped up projection ((u + 1) ⊙ g·σ(α·g), transformers' `GptOssExperts`)
+GPT_OSS_SWIGLU_UP_OFFSET = 1.0
 
 # transformers' names and styles for the experts module (mixtral, qwen*_moe, olmoe, deepseek_v2/v3)
 EXPERTS_TP_PLAN = {"mlp.experts.gate_up_proj": "packed_colwise", "mlp.experts.down_proj": "rowwise",
@@ -272,6 +290,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
             config.topk_group = config.n_group
         if config.swiglu_alpha is None and config.swiglu_limit is not None:
             config.swiglu_alpha = GPT_OSS_SWIGLU_ALPHA
+        if config.swiglu_up_offset is None and config.swiglu_limit is not None:
+            config.swiglu_up_offset = GPT_OSS_SWIGLU_UP_OFFSET
         router = ROUTERS.get(config.router_type) if isinstance(config.router_type, str) else None
         if config.router_aux_loss_coef is None and router is not None:  # a bad `router_type` is named by `validate`
             config.router_aux_loss_coef = router.default_aux_loss_coef
@@ -334,6 +354,7 @@ class MixtureOfExpertsKind(FeedForwardKind):
         require_choice("moe_mlp_type", config.moe_mlp_type, EXPERT_FORMS)
         require_int("moe_latent_size", config.moe_latent_size, minimum=1, optional=True)
         self._validate_clamped_swiglu(config)
+        self._validate_hash_layers(config)
         if config.swiglu_limit is not None and config.moe_mlp_type != "gated":
             raise ValueError("`swiglu_limit` clamps a gated expert's gate and up products, and `moe_mlp_type` is "
                              f"{config.moe_mlp_type!r} (no gate): leave it unset.")
@@ -342,19 +363,38 @@ class MixtureOfExpertsKind(FeedForwardKind):
     def _validate_clamped_swiglu(config) -> None:
         require_number("swiglu_limit", config.swiglu_limit, above=0, optional=True)
         require_number("swiglu_alpha", config.swiglu_alpha, above=0, optional=True)
-        if config.swiglu_limit is None and config.swiglu_alpha is not None:
-            raise ValueError(f"`swiglu_alpha`={config.swiglu_alpha} is the gain of the clamped SwiGLU, which "
-                             "`swiglu_limit` turns on; set both or neither.")
+        require_number("swiglu_up_offset", config.swiglu_up_offset, optional=True)
+        for name in ("swiglu_alpha", "swiglu_up_offset"):
+            if config.swiglu_limit is None and getattr(config, name) is not None:
+                raise ValueError(f"`{name}`={getattr(config, name)} shapes the clamped SwiGLU, which `swiglu_limit` "
+                                 "turns on; set `swiglu_limit` or leave it unset.")
         if config.swiglu_limit is not None and config.hidden_act != "silu":
             raise ValueError(f"`swiglu_limit` gives the experts gpt-oss's clamped SwiGLU (g·σ(α·g)), which replaces "
                              f"`hidden_act`: leave it 'silu', got {config.hidden_act!r}.")
 
     @staticmethod
+    def _validate_hash_layers(config) -> None:
+        require_int("num_hash_layers", config.num_hash_layers, minimum=0, maximum=config.num_hidden_layers)
+        if config.num_hash_layers and config.parallel_dense_mlp:
+            raise ValueError("`num_hash_layers` with `parallel_dense_mlp` is not supported: the experts beside a dense "
+                             "MLP are routed by their router, not by token id.")
+        hashed = config.mlp_layer_types[: config.num_hash_layers]
+        if "dense" in hashed:
+            raise ValueError(f"`num_hash_layers`={config.num_hash_layers} routes the first layers by token id, and "
+                             f"layer {hashed.index('dense')} is \"dense\" in `mlp_layer_types`: they must be sparse.")
+        if config.num_mtp_layers and config.num_hash_layers == config.num_hidden_layers:
+            raise ValueError("`num_mtp_layers` builds its modules' blocks of the last layer's kinds, and "
+                             f"`num_hash_layers`={config.num_hash_layers} routes every layer by token id: MTP "
+                             "blocks that route by token id are not supported; leave the last layer unhashed.")
+        if config.num_hash_layers and ROUTERS[config.router_type].affinity is None:
+            raise ValueError(f"`num_hash_layers` weighs each token's looked-up experts by the router's per-expert "
+                             f"scores, which `router_type`={config.router_type!r} has none of: use 'softmax_topk', "
+                             "'sigmoid_topk' or 'sqrtsoftplus_topk'.")
+
+    @staticmethod
     def _validate_layer_types(config) -> None:
         kinds = config.mlp_layer_types
-        if not isinstance(kinds, list) or len(kinds) != config.num_hidden_layers:
-            raise ValueError(f"`mlp_layer_types` must list one entry per layer (`num_hidden_layers`="
-                             f"{config.num_hidden_layers}), got {kinds!r}.")
+        require_per_layer("mlp_layer_types", kinds, config)
         for kind in kinds:
             require_choice("mlp_layer_types[...]", kind, MLP_LAYER_TYPES)
         if "sparse" not in kinds:
@@ -391,6 +431,8 @@ class MixtureOfExpertsKind(FeedForwardKind):
         needed = {"experts_activation"} if config.hidden_act != "silu" else set()
         if config.swiglu_limit is not None:
             needed.add("experts_clamped_swiglu")
+        if config.num_hash_layers:
+            needed.add("hash_routing")
         if config.mlp_bias:
             needed.add("experts_bias")
         if config.router_bias:
@@ -401,7 +443,7 @@ class MixtureOfExpertsKind(FeedForwardKind):
         """`SparseMoeBlock` (`ParallelDenseMoeBlock` with `parallel_dense_mlp`) for a `"sparse"` layer, an MLP of
         `intermediate_size` (of `moe_mlp_type`'s form) for a `"dense"` one."""
         if config.mlp_layer_types[layer_idx] == "sparse":
-            return ParallelDenseMoeBlock(config) if config.parallel_dense_mlp else SparseMoeBlock(config)
+            return ParallelDenseMoeBlock(config) if config.parallel_dense_mlp else SparseMoeBlock(config, layer_idx)
         return EXPERT_FORMS[config.moe_mlp_type](config)
 
     def parameters(self, config, layer_idx: int) -> int:
@@ -479,6 +521,7 @@ __all__ = [
     "MIXTURE_OF_EXPERTS",
     "MLP_LAYER_TYPES",
     "MOE_FIELDS",
+    "ClampedGatedMLP",
     "MixtureOfExpertsKind",
     "ParallelDenseMoeBlock",
     "RoutingInputFields",

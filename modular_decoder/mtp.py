@@ -44,6 +44,7 @@ def mtp_block_config(config):
         if per_layer:
             setattr(block_config, name, [per_layer[-1]] * count)
     block_config.num_hidden_layers = count
+    block_config.num_hash_layers = 0  # the last layer routes by its router (the config refuses it hashed)
     return block_config
 
 

@@ -23,12 +23,14 @@ TABLE_PREFIX = "TRANSFORMERS_MODELS_TO_"
 # A linear-attention layer makes its queries, keys and values in one projection before its convolution (Gated
 # DeltaNet's `in_proj_qkv`; Mamba-2's `in_proj`, which also makes its gate and step sizes: x, B, C are its values,
 # keys and queries; LFM2's short convolution's `in_proj`, its two gates and its input) and projects out by
-# `out_proj` (transformers' names); Kimi Delta Attention has Llama's `q_proj` ... `o_proj`.
+# `out_proj` (transformers' names); Kimi Delta Attention has Llama's `q_proj` ... `o_proj`. Shared key = value
+# attention (DeepSeek-V4) makes its one key = value head by `kv_proj` and projects out by `o_b_proj` after its
+# grouped `o_a_proj` (which is no `nn.Linear`: a LoRA on it would not know its groups).
 LLAMA_TO_OURS = {
     "q_proj": ("q_proj", "q_b_proj", "in_proj_qkv", "in_proj"),  # MLA: `q_proj`, or `q_b_proj` after its bottleneck
-    "k_proj": ("k_proj", "kv_b_proj", "in_proj_qkv", "in_proj"),  # MLA's per-head keys and values: `kv_b_proj`
-    "v_proj": ("v_proj", "kv_b_proj", "in_proj_qkv", "in_proj"),
-    "o_proj": ("o_proj", "out_proj"),
+    "k_proj": ("k_proj", "kv_b_proj", "in_proj_qkv", "in_proj", "kv_proj"),  # MLA's per-head keys and values: `kv_b_proj`
+    "v_proj": ("v_proj", "kv_b_proj", "in_proj_qkv", "in_proj", "kv_proj"),
+    "o_proj": ("o_proj", "out_proj", "o_b_proj"),
     # the dense FFN and the shared experts (routed experts are fused 3-D parameters, not modules)
     "gate_proj": ("gate_proj",),
     "up_proj": ("up_proj",),

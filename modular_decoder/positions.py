@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin, dynamic_rope_update
 
 from .compat import rope_validation_view
-from .kinds import Kind, Registry, attention_layer_type, require_bool, require_int, require_number
+from .kinds import Kind, Registry, attention_layer_type, require_bool, require_int, require_number, require_per_layer
 from .split_products import is_fx_proxy
 
 
@@ -156,8 +156,10 @@ def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first `cos.shape[-1]` features of each head of `x` (B, H, T, D); pass the rest.
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                 trailing: bool = False) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` features of each head of `x` (B, H, T, D) (the last ones with `trailing`,
+    DeepSeek-V4's [content | rotary] head); pass the rest.
 
     `cos`/`sin` are (B, 1, T, rot), as `RotaryEmbedding.tables` shapes them. The half layout pairs
     feature i with i + rot/2 (GPT-NeoX, Llama); the interleaved layout pairs 2i with 2i+1 (GPT-J).
@@ -166,6 +168,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     rotate = _rotate_pairs if interleaved else _rotate_half
     if not is_fx_proxy(x) and rot == x.shape[-1]:  # (a traced proxy has no shape to branch on: general form)
         return x * cos + rotate(x) * sin
+    if trailing:
+        x_pass, x_rot = x[..., :-rot], x[..., -rot:]
+        return torch.cat((x_pass, x_rot * cos + rotate(x_rot) * sin), dim=-1)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 
@@ -225,7 +230,7 @@ def _validate_rope(config) -> None:
     one 0 / 1 per layer."""
     require_number("partial_rotary_factor", config.partial_rotary_factor, above=0, at_most=1)
     require_bool("rope_interleaved", config.rope_interleaved)
-    _validate_no_rope_layers(config)
+    validate_no_rope_layers(config)
     params = config.rope_parameters
     if not isinstance(params, dict) or not params:
         raise ValueError(f"`rope_parameters` must be a dict with a `rope_type`, got {params!r}.")
@@ -252,14 +257,12 @@ def _validate_rope(config) -> None:
         raise ValueError(f"`rope_parameters` is incomplete: {error.args[0]}") from None
 
 
-def _validate_no_rope_layers(config) -> None:
+def validate_no_rope_layers(config) -> None:
     """`None` (every layer rotates) or transformers' SmolLM3 list: 1 for a RoPE layer, 0 for a NoPE one, per layer."""
     flags = config.no_rope_layers
     if flags is None:
         return
-    if not isinstance(flags, list) or len(flags) != config.num_hidden_layers:
-        raise ValueError(f"`no_rope_layers` must list one 1 (RoPE) or 0 (NoPE) per layer (`num_hidden_layers`="
-                         f"{config.num_hidden_layers}), got {flags!r}.")
+    require_per_layer("no_rope_layers", flags, config, "one 1 (RoPE) or 0 (NoPE)")
     for flag in flags:
         if isinstance(flag, bool) or flag not in (0, 1):
             raise ValueError(f"`no_rope_layers` holds 1 (the layer rotates) or 0 (NoPE) per layer, got {flag!r}.")

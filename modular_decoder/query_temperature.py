@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .kinds import field_default, require_bool, require_choice, require_int, require_number
+from .positions import validate_no_rope_layers
 
 
 @dataclass(kw_only=True)
@@ -67,6 +68,7 @@ def validate_query_temperature(config) -> None:
     require_number("attn_scale", config.attn_scale)
     require_int("attn_temperature_offset", config.attn_temperature_offset, minimum=0)
     require_choice("attn_temperature_layers", config.attn_temperature_layers, TEMPERATURE_LAYERS)
+    validate_no_rope_layers(config)  # (read below; the positions' own check may run after this one)
     if config.attn_temperature_layers == "nope" and (config.no_rope_layers is None or all(config.no_rope_layers)):
         raise ValueError("`attn_temperature_layers`='nope' scales the queries of the NoPE layers, and `no_rope_layers` "
                          "has none (a 0 marks one).")

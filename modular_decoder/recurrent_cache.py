@@ -51,6 +51,18 @@ from typing import Callable, Sequence
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision a recurrent state is computed in for a model of `dtype`: fp32 for half and fp32 models (as
+    transformers and the kernels), float64 for a float64 model (so its cached steps equal its full forward to float64
+    rounding)."""
+    return dtype if dtype == torch.float64 else torch.float32
+
+
+def upcast(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in its recurrent state's precision (`state_dtype`)."""
+    return tensor.to(state_dtype(tensor.dtype))
+
 # Tokens a crop may remove when `activate_past_recording` was not told (transformers' default draft length,
 # `num_assistant_tokens`); generate's drafting paths tell it (`recurrent_states_to_keep`)
 DEFAULT_STATES_TO_KEEP = 20

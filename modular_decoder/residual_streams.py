@@ -1,24 +1,26 @@
 """How a layer's output joins the residual stream (`residual_stream`), and what a layer adds to it beside its
 sublayers.
 
-    single   one stream: x_{l+1} = layer(x_l), the sublayers' residual additions as the block draws them (every
-             family until Gemma 3n)
-    altup    n streams, each layer computing one between a predict and a correct step (Gemma 3n; `altup.py`)
-
-Hyper-connections (DeepSeek-V4) would be another entry: n streams mixed around each sublayer, which needs the join
-at each of the block's residual additions (`block.residual`) rather than around its whole diagram.
+    single             one stream: x_{l+1} = layer(x_l), the sublayers' residual additions as the block draws them
+                       (every family until Gemma 3n and DeepSeek-V4)
+    altup              n streams, each layer computing one between a predict and a correct step (Gemma 3n;
+                       `altup.py`)
+    hyper_connections  n streams mixed around each sublayer's branch by learned, Sinkhorn-normalised matrices
+                       (DeepSeek-V4's manifold-constrained hyper-connections; `hyper_connections.py`): the join runs
+                       a serial block's two branches (`blocks.SerialBlock`) rather than its whole diagram
 
 An entry owns the model's part (`model_module`: the stream(s) made from the embedded input, and collapsed back to
 one before the final norm), each layer's part (`layer_modules`) and the join itself (`join`: run the block's
-sublayers, `DecoderBlock.sublayers`, and merge their output into the stream). What every entry joins the same way,
-each after the sublayers and in this order:
+sublayers, `DecoderBlock.sublayers`, or its two branches, and merge their output into the stream). What the
+entries that run the whole diagram (single, altup) join the same way, each after the sublayers and in this order:
 
 - a per-layer embedding's branch (`per_layer_embeddings.py`, `hidden_size_per_layer_input`): added to the stream;
 - `layer_scalar` (Gemma 4): the layer's output times a scalar the checkpoint holds (`layer_scalar`, a saved
   buffer per layer, 1 when fresh; transformers' name), as Gemma 4 scales it.
 
 Inside the diagram, the attention sublayer's output may join with a LAUREL branch beside it (`laurel_rank`,
-`laurel.py`), which every entry allows.
+`laurel.py`), which those entries allow. Hyper-connections refuse the three by name (their streams mix around each
+branch, where none of them has a place).
 
 `ResidualStreamFields` holds the fields, `registries.RESIDUAL_STREAMS` the entries.
 """
@@ -38,8 +40,9 @@ from .per_layer_embeddings import PER_LAYER_EMBEDDINGS, PerLayerInputBranch
 @dataclass(kw_only=True)
 class ResidualStreamFields:
     """Args:
-        residual_stream (`str`): How each layer's output joins the residual stream: `"single"` (one stream) or
-            `"altup"` (AltUp's `altup_num_inputs` streams, one computed per layer: Gemma 3n).
+        residual_stream (`str`): How each layer's output joins the residual stream: `"single"` (one stream),
+            `"altup"` (AltUp's `altup_num_inputs` streams, one computed per layer: Gemma 3n) or `"hyper_connections"`
+            (`hc_mult` streams mixed around each sublayer: DeepSeek-V4).
         layer_scalar (`bool`): Each layer's output, the whole stream, times a scalar of its own (`layer_scalar`, a
             buffer saved with the weights and not trained, 1 when fresh: Gemma 4).
         laurel_rank (`int`): Width r of LAUREL's low-rank branch beside each layer's attention (Gemma 3n's field): the
@@ -54,6 +57,8 @@ class ResidualStreamFields:
 
 class ResidualStreamKind(Kind):
     """A value of `residual_stream`: the model's and each layer's parts, and the join."""
+
+    position_dim = 1  # the positions' dim in the stream(s) the layers pass on ((B, T, d); (B, T, n, d))
 
     def validate(self, config) -> None:
         require_bool("layer_scalar", config.layer_scalar)
@@ -83,6 +88,10 @@ class ResidualStreamKind(Kind):
     def model_parameters(self, config) -> int:
         """Parameters the model's part holds."""
         return 0
+
+    def fp32_modules(self, config) -> tuple[str, ...]:
+        """Name patterns of its modules that stay fp32 whatever dtype the model loads in."""
+        return ()
 
 
 class OneStream(nn.Module):

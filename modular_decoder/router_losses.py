@@ -70,20 +70,22 @@ def sequence_balance_loss(
     top_k: int,
     batch_size: int,
     attention_mask: torch.Tensor | None = None,
+    affinity=torch.sigmoid,
 ) -> torch.Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss (arXiv 2412.19437 §2.1.2, eq. 17-20), unweighted.
 
     For each sequence of T real tokens and each layer, Σ_i f_i · P_i with
     f_i = N_r / (K_r · T) · Σ_t 1[s_{i,t} ∈ TopK({s_{j,t}}, K_r)] and P_i = 1/T · Σ_t s'_{i,t}, where
-    s = sigmoid(logits) are the affinities and s' = s / Σ_j s_j their per-token normalisation. The TopK is
-    that of the affinities, as eq. 18 writes it (not the bias-corrected, group-limited choice). Averaged
-    over the sequences that hold a real token, summed over MoE layers as DeepSeek's reference code adds
-    each layer's loss; the config's `router_aux_loss_coef` is the paper's α. The loss of sigmoid routers.
+    s = `affinity`(logits) are the affinities (sigmoid: DeepSeek-V3; √softplus: DeepSeek-V4) and s' = s / Σ_j s_j
+    their per-token normalisation. The TopK is that of the affinities, as eq. 18 writes it (not the bias-corrected,
+    group-limited choice). Averaged over the sequences that hold a real token, summed over MoE layers as DeepSeek's
+    reference code adds each layer's loss; the config's `router_aux_loss_coef` is the paper's α. The loss of
+    routers whose affinities are independent per expert (sigmoid, √softplus).
     """
     device = router_logits[0].device
     loss = torch.zeros((), device=device)
     for logits in router_logits:
-        scores = logits.to(device).float().sigmoid().view(batch_size, -1, num_experts)  # (B, T, E)
+        scores = affinity(logits.to(device).float()).view(batch_size, -1, num_experts)  # (B, T, E)
         weights = _token_weights(attention_mask, logits.shape[0], device).view(batch_size, -1, 1)  # (B, T, 1)
         tokens = weights.sum(dim=1)  # (B, 1) real tokens of each sequence
         chosen = scores.topk(top_k, dim=-1).indices

@@ -134,8 +134,13 @@ def few_queries_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     sink = s_aux.float().view(1, kv_heads, group, 1, 1)
     top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # finite: the sink is
-    weights = (scores - top).exp_()
-    weights = weights.div_(weights.sum(-1, keepdim=True) + (sink - top).exp())
+    shifted, denominator_sink = scores - top, (sink - top).exp()
+    if shifted.requires_grad:  # training: autograd keeps exp's output, so no in-place steps on it
+        weights = shifted.exp()
+        weights = weights / (weights.sum(-1, keepdim=True) + denominator_sink)
+    else:  # decoding: one buffer
+        weights = shifted.exp_()
+        weights = weights.div_(weights.sum(-1, keepdim=True) + denominator_sink)
     out = torch.matmul(weights.to(value.dtype).view(batch, kv_heads, group * q_len, kv_len), value)
     return out.view(batch, heads, q_len, -1).transpose(1, 2)  # (B, T, H, D_v)
 

@@ -66,6 +66,15 @@ VARIANTS: dict[str, dict] = {
     # (vLLM's fused attention and MLP would drop them)
     "mup_sublayers": dict(num_key_value_heads=2, mlp_type="gated", attention_in_multiplier=0.5, key_multiplier=1.5,
                           attention_out_multiplier=2.0, mlp_multipliers=[0.7, 1.3]),
+    # DeepSeek-V4's layout: one key = value head with sinks, a window, then a CSA layer keeping 2 of its entries per
+    # query (eager and SDPA only), hyper-connections, the first layer's experts looked up by token id
+    "deepseek_v4": dict(attention_type="shared_kv", num_key_value_heads=1, q_lora_rank=12, o_groups=2, o_lora_rank=8,
+                        attention_sinks=True, sliding_window=4,
+                        layer_types=["sliding_attention", "compressed_sparse_attention"],
+                        compress_rates={"compressed_sparse_attention": 2}, index_n_heads=4, index_head_dim=8,
+                        index_topk=2, residual_stream="hyper_connections", hc_mult=2, mlp_type="moe", num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=16, router_type="sqrtsoftplus_topk",
+                        num_hash_layers=1, swiglu_limit=1.0, swiglu_alpha=1.0, swiglu_up_offset=0.0),
 }
 
 

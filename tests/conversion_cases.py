@@ -90,6 +90,18 @@ CASES: dict[str, tuple[str, callable]] = {
         use_sliding_window=True, sliding_window=8, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
 }
 
+# DeepSeek-V4: a window-only layer and the compressed ones (CSA every 2 tokens keeping 3 entries per query of its
+# 8-head indexer, HCA every 4), hash routing in the first layer, 3 hyper-connection streams, a clamp low enough to bite
+DSV4 = dict(vocab_size=V, hidden_size=D, moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=H,
+            head_dim=16, q_lora_rank=12, o_groups=2, o_lora_rank=8, sliding_window=5, partial_rotary_factor=0.5,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                         "compressed_sparse_attention"],
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, index_n_heads=8,
+            index_head_dim=8, index_topk=3, n_routed_experts=4, num_experts_per_tok=2, hc_mult=3, hc_sinkhorn_iters=5,
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], swiglu_limit=0.5, max_position_embeddings=P)
+if hasattr(tf, "DeepseekV4Config"):
+    CASES["deepseek_v4"] = ("deepseek_v4", lambda: tf.DeepseekV4Config(**DSV4))
+
 # The 2025-26 dense and MoE families. Phi-3 / Phi-4: fused q/k/v and gate/up, a window on every layer; with
 # LongRoPE and partial RoPE past an original length of 16, which a prompt of 12 and 20 new tokens crosses
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
@@ -292,7 +304,7 @@ def skip_without_class(case: str) -> None:
 # not Gemma 4's, whose class records router probabilities, not logits: test_gemma4.py)
 MOE_CASES = [name for name in CASES if name.split("-")[0] in
              ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "minimax_m2", "glm4_moe",
-              "qwen3_5_moe_text", "kimi_linear")
+              "qwen3_5_moe_text", "kimi_linear", "deepseek_v4")
              or name == "qwen3_next"
              or name.endswith(("-moe", "-moe-grouped")) and not name.startswith("gemma4") or name == "llama4_text"]
 
@@ -319,6 +331,8 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
         for name, buffer in model.named_buffers():
             if name in saved and buffer.is_floating_point():
                 buffer.add_(torch.randn_like(buffer) * 0.1)
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: fresh, every token's experts are 0
+                buffer.copy_(torch.randint(0, model.config.n_routed_experts, buffer.shape))
     return model
 
 
@@ -399,14 +413,16 @@ def preset_parameter_counts(name: str, family: str, tiny: bool) -> tuple[int, in
     return sum(p.numel() for p in theirs.parameters()), parameter_count(config)["total"], ours.num_parameters()
 
 
-def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_step=None):
+def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_step=None, family: str | None = None):
     """A LoRA adapter on `targets` made on transformers' model in `path / "theirs"` and loaded onto ours in
     `path / "ours"` (checked: the same modules adapted, the same logits on `ids`), trained one SGD step there (after
     `before_step(ours)`), saved under `out` and loaded back onto transformers' model (checked: ours' logits).
-    Returns (ours, its logits before the step)."""
+    With `family`, the adapter goes through `modular-decoder convert` on its way to ours and `export --family` back
+    (the family names some modules otherwise than ours). Returns (ours, its logits before the step)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from modular_decoder import ModularDecoderForCausalLM
+    from modular_decoder.commands import main
 
     def adapted(model) -> set[str]:
         return {name.rsplit(".", 2)[-2] for name, _ in model.named_modules() if name.endswith(".base_layer")}
@@ -415,8 +431,11 @@ def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_ste
     torch.manual_seed(1)
     theirs = get_peft_model(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), config).eval()
     theirs.save_pretrained(out / "adapter")
-    ours = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(path / "ours"), out / "adapter",
-                                     is_trainable=True)
+    if family is not None:
+        assert main(["convert", str(out / "adapter"), str(out / "adapter-ours"),
+                     "--adapter-base", str(path / "theirs")]) == 0
+    ours = PeftModel.from_pretrained(ModularDecoderForCausalLM.from_pretrained(path / "ours"),
+                                     out / ("adapter" if family is None else "adapter-ours"), is_trainable=True)
     assert adapted(ours) == adapted(theirs) == set(targets)
     with torch.no_grad():
         before = ours(ids).logits
@@ -431,7 +450,11 @@ def lora_round_trip(path, targets: list[str], ids: torch.Tensor, out, before_ste
     # (the adapter names transformers' folder as its base, whose config.json PEFT's vocabulary check would read
     # with our config class: nothing was resized, so say so)
     ours.save_pretrained(out / "trained", save_embedding_layers=False)
-    back = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"), out / "trained").eval()
+    if family is not None:
+        assert main(["export", str(out / "trained"), str(out / "trained-theirs"), "--family", family,
+                     "--adapter-base", str(path / "ours")]) == 0
+    back = PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(path / "theirs"),
+                                     out / ("trained" if family is None else "trained-theirs")).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
     return ours, before

@@ -1,6 +1,6 @@
 """Worker of `test_decode_adapters.test_torchao_int8_weight_only_on_every_projection`: torchao's int8 weight-only
 quantization of every `nn.Linear`, then cached decoding against the quantized model's uncached forward, for every
-attention kind of `test_decode_adapters.KINDS`. Runs with torchao on PYTHONPATH (`.venv/isolated-clients`), two
+attention kind and recurrent mixer of `test_decode_adapters.KINDS`. Runs with torchao on PYTHONPATH (`.venv/isolated-clients`), two
 threads. Prints one JSON line: per kind, the linear weights' classes and the largest logit differences.
 """
 

@@ -99,9 +99,9 @@ def right_padded(features: list[dict]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def compiled_eager_and_reference(ours, reference, prompt: torch.Tensor, new_tokens: int = 8):
-    """Greedy tokens of `ours` through `generate(**compiled_decoding())` (a static cache, the decode step compiled with
-    fullgraph=True), of `ours` eager and of `reference` (transformers' class), and whether the step compiled."""
+def assert_compiled_decoding_matches(ours, reference, prompt: torch.Tensor, new_tokens: int = 8) -> None:
+    """`ours` through `generate(**compiled_decoding())` (a static cache, the decode step compiled with fullgraph=True):
+    the step compiles, and its greedy tokens equal `ours` eager and `reference`'s (transformers' class)."""
     import warnings
 
     from modular_decoder import compiled_decoding
@@ -117,4 +117,6 @@ def compiled_eager_and_reference(ours, reference, prompt: torch.Tensor, new_toke
             tokens = reference.generate(prompt, **arguments)
     finally:
         torch._dynamo.reset()
-    return compiled, eager, tokens, bool(graphs)
+    assert graphs, "generate did not compile the decode step"
+    assert torch.equal(compiled, eager)
+    assert torch.equal(compiled, tokens)

@@ -57,3 +57,26 @@ def fake_fla(torch_rule, calls):
         return torch.cat([o for o, _ in parts], dim=1), torch.cat([s for _, s in parts])
 
     return kernel
+
+
+def use_causal_conv1d(monkeypatch, calls: list) -> None:
+    """causal-conv1d reported available and this device counted as its own, for every recurrent mixer (the delta
+    rules' and Mamba-2's kernel sets), as stand-ins that record their calls in `calls` ("conv", "conv_update");
+    the kernel caches cleared (`clear_kernel_caches` again after `monkeypatch.undo()`)."""
+    from modular_decoder import compat, delta_rule, mamba2_scan
+
+    monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
+        lambda *a, **k: calls.append("conv") or fake_causal_conv1d_fn(*a, **k),
+        lambda *a, **k: calls.append("conv_update") or fake_causal_conv1d_update(*a, **k)))
+    monkeypatch.setattr(delta_rule, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
+    monkeypatch.setattr(mamba2_scan, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
+    clear_kernel_caches()
+
+
+def clear_kernel_caches() -> None:
+    """Forget which kernels each device was given (they are looked up once per device type)."""
+    from modular_decoder import delta_rule, kda_rule, mamba2_scan
+
+    delta_rule._kernels_for.cache_clear()
+    kda_rule._kda_kernels_for.cache_clear()
+    mamba2_scan._kernels_for.cache_clear()

@@ -41,7 +41,7 @@ LINEAR = "linear_attention"
 
 # What the strategy knows how to draw for each registry; `test_strategies_cover_every_registry_entry`
 # fails when an entry is added to a registry and not here.
-ATTENTION_TYPES = ("standard", "mla", "dsa")
+ATTENTION_TYPES = ("standard", "mla", "dsa", "shared_kv")
 MLP_TYPES = ("dense", "gated", "moe")
 LINEAR_ATTENTION_TYPES = ("gated_deltanet", "mamba2", "kda", "short_conv")
 LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -50,6 +50,7 @@ POSITION_TYPES = ("learned", "sinusoidal", "rope", "alibi", "none")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's lightning indexer
 LATENT_TYPES = ("mla", "dsa")
+COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")  # shared_kv's CSA / HCA layers
 REGISTRIES = {"attention_type": (ATTENTIONS, ATTENTION_TYPES), "mlp_type": (MLPS, MLP_TYPES),
               "position_embedding_type": (POSITIONS, POSITION_TYPES), "norm_type": (NORMS, tuple(NORMS)),
               "linear_attention_type": (LINEAR_ATTENTIONS, LINEAR_ATTENTION_TYPES)}
@@ -110,6 +111,8 @@ def _heads(draw, attention_type: str) -> dict:
         kv = draw(st.sampled_from(divisors + [None]))  # None: MHA by default
         if kv is not None:
             out["num_key_value_heads"] = kv
+    elif attention_type == "shared_kv":  # DeepSeek-V4: one key = value head
+        out["num_key_value_heads"] = 1
     if draw(st.booleans()):  # d_h derived from the hidden size
         out["hidden_size"] = heads * draw(st.integers(1, MAX_HIDDEN // heads))
     else:
@@ -166,7 +169,8 @@ def config_kwargs(draw) -> dict:
         kw["sliding_window"] = window
         if draw(st.integers(0, 2)):  # mostly an explicit per-layer list (local/global mixes)
             kw["layer_types"] = draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=layers, max_size=layers))
-    elif draw(st.integers(0, 3)) == 0 and attention_type != "dsa":  # Llama 4's chunks (never beside sliding layers)
+    elif draw(st.integers(0, 3)) == 0 and attention_type in ("standard", "mla"):  # Llama 4's chunks (not beside
+        # sliding layers)
         kw["attention_chunk_size"] = draw(st.integers(2, MAX_SEQ))
         kw["layer_types"] = draw(st.lists(st.sampled_from(["chunked_attention", "full_attention"]), min_size=layers,
                                           max_size=layers))
@@ -174,6 +178,10 @@ def config_kwargs(draw) -> dict:
     elif draw(st.booleans()):
         kw["layer_types"] = ["full_attention"] * layers
     layer_types = kw.get("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
+    if attention_type == "shared_kv" and window is not None and draw(st.booleans()):  # DeepSeek-V4's CSA / HCA
+        compressed = draw(st.lists(st.sampled_from((None, *COMPRESSED)), min_size=layers, max_size=layers))
+        layer_types = kw["layer_types"] = [c or t for c, t in zip(compressed, layer_types)]
+        kw["compress_rates"] = {t: draw(st.integers(1, 4)) for t in COMPRESSED if t in layer_types}
     # a hybrid: some layers (all, without MLA / DSA, whose rotary key needs an attention layer) linear attention
     if draw(st.integers(0, 2)) == 0 and (attention_type not in LATENT_TYPES or layers > 1):
         linear = draw(st.lists(st.booleans(), min_size=layers, max_size=layers))
@@ -202,6 +210,19 @@ def config_kwargs(draw) -> dict:
             kw["kv_latent_norm"] = False  # the linear latent of a converted standard attention
         position = "rope"
         rope_width, rotary = kw["qk_rope_head_dim"], kw["qk_rope_head_dim"]
+    elif attention_type == "shared_kv":  # a query latent, a grouped output projection (each optional); no ALiBi
+        sparse = COMPRESSED[0] in layer_types
+        q_lora_rank = draw(st.integers(1, 16)) if sparse else draw(st.none() | st.integers(1, 16))
+        if q_lora_rank is not None:
+            kw["q_lora_rank"] = q_lora_rank
+        if draw(st.booleans()):
+            heads = kw["num_attention_heads"]
+            kw.update(o_groups=draw(st.sampled_from([g for g in range(1, heads + 1) if heads % g == 0])),
+                      o_lora_rank=draw(st.integers(1, 16)))
+        position = draw(st.sampled_from([p for p in POSITION_TYPES if p != "alibi"] if attending
+                                        else ("learned", "sinusoidal", "none")))
+        rope_width = _head_dim(kw)
+        rotary = None
     else:
         kw["qk_norm"] = draw(st.sampled_from(QK_NORMS))
         if draw(st.booleans()):
@@ -248,9 +269,13 @@ def config_kwargs(draw) -> dict:
         # else: no dict, the default rope with the default base
 
     # attention details
-    kw["attention_bias"] = draw(st.booleans())
-    kw["attention_output_bias"] = draw(st.sampled_from([None, True, False]))
-    kw["attn_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
+    if attention_type != "shared_kv":  # (no biases and no cap on shared key = value attention)
+        kw["attention_bias"] = draw(st.booleans())
+        kw["attention_output_bias"] = draw(st.sampled_from([None, True, False]))
+        kw["attn_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
+    elif COMPRESSED[0] in layer_types:  # CSA's indexer, wide enough for the rotated features it rotates
+        kw.update(index_n_heads=draw(st.integers(1, 4)), index_topk=draw(st.integers(1, MAX_SEQ + 1)),
+                  index_head_dim=(rotary if position == "rope" else 1) + draw(st.integers(0, 6)))
     kw["attention_sinks"] = draw(st.booleans())
     kw["final_logit_softcapping"] = draw(st.none() | st.floats(1.0, 50.0))
     kw["query_pre_attn_scalar"] = draw(st.none() | st.floats(1.0, 64.0))
@@ -426,7 +451,7 @@ def _bad_number(out_of_range, optional: bool):
 def _break_rope(draw, kw: dict) -> tuple[dict, str]:
     """A rope dict missing a key its type needs, of an unknown type, with a bad value, or not a dict."""
     params = kw.get("rope_parameters")
-    nested = isinstance(params, dict) and set(params) <= set(LAYER_TYPES) and params
+    nested = isinstance(params, dict) and set(params) <= {*LAYER_TYPES, "chunked_attention", *COMPRESSED} and params
     if nested:  # any table, also one for a layer type no layer has
         key = draw(st.sampled_from(sorted(params)))
         target = params[key]
@@ -603,12 +628,13 @@ def broken_config_kwargs(draw) -> tuple[dict, str]:
             broken[field] = draw(st.sampled_from([0.3, 1.0]))
     elif kind == "linear_field":
         field = draw(st.sampled_from(LINEAR_FIELDS))
-        if LINEAR in (kw.get("layer_types") or ()):
+        reads = LINEAR_ATTENTIONS[kw.get("linear_attention_type", "gated_deltanet")].fields
+        if LINEAR in (kw.get("layer_types") or ()) and field in reads:
             broken[field] = draw(st.sampled_from([0, -1, "4", 2.5, True]))
             if field == "linear_num_value_heads":  # not a multiple of the key heads
                 key_heads = broken.setdefault("linear_num_key_heads", 2)
                 broken[field] = draw(st.sampled_from([0, -1, "4", key_heads + 1] if key_heads > 1 else [0, -1, "4"]))
-        else:  # only linear-attention layers read it
+        else:  # only linear-attention layers of a kind that reads it read it
             broken[field] = draw(st.sampled_from([1, 4, 16]))
     else:  # pragma: no cover
         raise AssertionError(kind)

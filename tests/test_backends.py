@@ -195,6 +195,9 @@ def test_refused_pairs_are_the_expected_ones():
         ("llama4", "vllm"),
         # vLLM's backend allocates one head shape for every layer's cache and pages every layer's keys
         ("gemma_topology", "vllm"),
+        # shared key = value attention masks its windows and entries per query: eager and SDPA only
+        ("deepseek_v4", "flex_attention"), ("deepseek_v4", "flash_attention_2"), ("deepseek_v4", "flash_attention_3"),
+        ("deepseek_v4", "flash_attention_4"), ("deepseek_v4", "vllm"),
     }
 
 
@@ -242,6 +245,9 @@ def test_chunked_prefill_against_a_cache_equals_the_full_forward(variant, backen
     every chunk equal the no-cache forward's, with and without left padding."""
     if implementation == "static" and variant.startswith("alibi") and "sliding" in variant:
         pytest.skip("ALiBi with a static sliding cache is refused (ring slots are not in position order)")
+    config = make_config(variant)
+    if implementation not in config.attention_kind.cache_implementations:
+        pytest.skip(f"{config.attention_type} stores no {implementation} cache: refused (test_deepseek_v4.py)")
     model = make_model(variant, backend)
     ids, mask = padded_batch(lengths=(sum(CHUNKS), sum(CHUNKS) - 3 if padded else sum(CHUNKS)))
     real = mask.bool()
@@ -263,6 +269,8 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy(variant, backend, kern
     """Candidate tokens are verified several at a time against the cache, then the cache is cropped."""
     if variant == "hybrid":
         pytest.skip("a recurrent state cannot be cropped: refused (test_linear_attention.py)")
+    if make_config(variant).attention_kind.rollback_error(make_config(variant)):
+        pytest.skip("compressed entries cannot be cropped: refused (test_deepseek_v4.py)")
     model = make_model(variant, backend)
     prompt = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(4))
     prompt = torch.cat([prompt, prompt, prompt[:, :3]], dim=1)  # repeated n-grams give lookup candidates

@@ -652,3 +652,61 @@ def test_sinks_smoke_times_every_case_at_every_size(tmp_path):
     assert "| its attention alone, 32 cached |" in page
     assert f"{record['decode']['32']['ratios']['eager_sinks']:.2f}x" in page
     assert f"{record['decode_attention']['32']['ratios']['sdpa_sinks']:.2f}x" in page
+
+
+def test_topologies_smoke_measures_each_family_and_the_sharing_caches(tmp_path):
+    """`python -m benchmarks topologies --smoke`: Llama 4, Gemma 4 and Gemma 3n against their transformers classes
+    with the same logits and greedy tokens; the KV-sharing presets' caches: the shared layers hold nothing on either
+    side, the windows the same bytes on both, ours' payload within what ours holds and below the unshared model's."""
+    from benchmarks import topologies
+
+    out = tmp_path / "topologies.json"
+    assert topologies.main(["--smoke", "--repeats", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["families"]) == set(topologies.CLASSES)
+    for side in record["families"].values():
+        assert side["max_logit_diff"] < 1e-4 and side["same_greedy_tokens"] and side["decode"]["median_ratio"] > 0
+    assert set(record["kv_sharing"]) == set(topologies.SHARING)
+    for rows in record["kv_sharing"].values():
+        assert [row["context"] for row in rows] == [40, 100]
+        for row in rows:
+            held = row["decoding_per_token"]
+            for group in held["ours"]:
+                if group.startswith("shared "):
+                    assert held["ours"][group] == held["transformers"][group] == 0, group
+                elif group == "sliding_attention":
+                    assert held["ours"][group] == held["transformers"][group] > 0
+            assert row["ours_payload_per_token"] <= row["decoding_total_per_token"]["ours"]
+            assert row["ours_payload_per_token"] < row["ours_payload_without_sharing_per_token"]
+
+
+def test_deepseek_v4_smoke_measures_both_sides_the_compressed_caches_and_the_window_only_twin(tmp_path):
+    """`python -m benchmarks deepseek_v4 --smoke`: ours and transformers' DeepseekV4ForCausalLM with the same logits and
+    greedy tokens; the compressed caches below what every layer attending in full would hold; the decode step at each
+    context beside the window-only twin, whose cache does not grow."""
+    from benchmarks import deepseek_v4
+
+    out = tmp_path / "dsv4.json"
+    assert deepseek_v4.main(["--smoke", "--repeats", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    side = record["side_by_side"]
+    assert side["max_logit_diff"] < 1e-4 and side["same_greedy_tokens"] and side["prefill"]["median_ratio"] > 0
+    for row in record["cache_bytes"]:
+        assert row["ours_payload_per_token"] <= row["decoding_total_per_token"]["ours"]
+        assert row["ours_payload_per_token"] < row["ours_payload_every_layer_full_per_token"]
+    first, last = record["decode_against_window"]
+    assert first["cache_bytes"]["window only"] == last["cache_bytes"]["window only"]
+    assert last["cache_bytes"]["compressed"] > first["cache_bytes"]["compressed"]
+    assert first["ratio_to_window_only"] > 0
+
+
+@pytest.mark.parametrize("preset, family", [("gemma3n", "gemma3n_text"), ("deepseek_v4", "deepseek_v4")])
+def test_cache_bytes_counted_on_the_meta_device_equal_those_of_real_tensors(preset, family):
+    """`meta_cache.bytes_per_token` (what the benchmarks count at 32k without the memory) gives from a prefill and a
+    decode step on the meta device the bytes it counts from real tensors on the CPU, on both sides."""
+    from benchmarks import meta_cache
+
+    on = {device: meta_cache.bytes_per_token(preset, family, [40], tiny=True, device=device)
+          for device in ("meta", "cpu")}
+    assert on["meta"] == on["cpu"]
+    assert on["cpu"][0]["decoding_total_per_token"]["transformers"] > 0

@@ -524,3 +524,86 @@ def test_other_fp8_layouts_are_refused_by_name(quantization, named, tmp_path):
     with pytest.raises(ValueError, match=named):
         convert(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+# --- DeepSeek-V4: FP8 linears and FP4 experts, power-of-two (E8M0) scales ---------------------------------------
+
+FP4_VALUES = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0))
+
+
+def _e8m0(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(x.clamp(min=2**-100))))  # the power of two at or above x
+
+
+def quantize_fp8_e8m0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, E8M0 scale per 128 x 128 block): DeepSeek-V4's `scale_fmt: ue8m0`."""
+    rows, cols = weight.shape
+    grid = (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+    scales, out = torch.empty(grid), torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            block = weight[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
+            scales[i, j] = _e8m0(block.abs().amax() / FP8_MAX)
+            out[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / scales[i, j]).to(out.dtype)
+    return out, scales.to(torch.float8_e8m0fnu)
+
+
+def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 bytes of two E2M1 codes each, low nibble first; E8M0 scale per 32 values of a row): DeepSeek-V4's
+    `expert_dtype: fp4` experts."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // 32, 32)
+    scales = _e8m0(groups.abs().amax(-1) / 6.0)
+    values = (groups / scales[..., None]).reshape(rows, cols)
+    codes = (values[..., None] - FP4_VALUES).abs().argmin(-1).to(torch.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8), scales.to(torch.float8_e8m0fnu)
+
+
+def deepseek_v4_folder(path: Path) -> Path:
+    config = tf.DeepseekV4Config(
+        vocab_size=96, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        head_dim=128, q_lora_rank=128, n_routed_experts=4, num_experts_per_tok=2, o_groups=2, o_lora_rank=128,
+        index_n_heads=2, index_head_dim=128, index_topk=2, sliding_window=4, partial_rotary_factor=0.5,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"], hc_mult=2, hc_sinkhorn_iters=3, max_position_embeddings=64)
+    config.architectures = None
+    torch.manual_seed(0)
+    perturbed(AutoModelForCausalLM.from_config(config)).to(torch.bfloat16).save_pretrained(path)
+    weights = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        if ".ffn.experts." in name:
+            weights[name], weights[name + "_scale_inv"] = quantize_fp4(tensor)
+        elif tensor.dim() == 2 and (".attn.w" in name or ".shared_experts." in name or ".indexer.wq_b" in name):
+            weights[name], weights[name + "_scale_inv"] = quantize_fp8_e8m0(tensor)  # (the compressors stay bf16)
+        else:
+            weights[name] = tensor.contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    saved = json.loads((path / "config.json").read_text())
+    saved.update(quantization_config={**QUANTIZATION, "scale_fmt": "ue8m0", "expert_dtype": "fp4"}, dtype="bfloat16")
+    (path / "config.json").write_text(json.dumps(saved, indent=2))
+    return path
+
+
+@pytest.mark.skipif(not hasattr(tf, "DeepseekV4Config"), reason="this transformers has no DeepSeek-V4 class")
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_deepseek_v4_fp8_and_fp4_experts_convert_to_transformers_dequantized_weights(dtype, tmp_path):
+    """Every tensor equals transformers' `FineGrainedFP8Config(dequantize=True)` load: in float32 bit for bit; in
+    bf16 (the default) rounded once, which is the reference's own bf16 tensor except where transformers keeps a
+    tensor fp32 (hyper-connections, sinks, position biases, norms), rounded from it."""
+    src = deepseek_v4_folder(tmp_path / "src")
+    assert {torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu} <= {t.dtype for t in load_file(src / "model.safetensors").values()}
+    out = convert(src, tmp_path / "md", dtype=dtype, progress=False)
+    torch_dtype = torch.float32 if dtype else torch.bfloat16
+    try:
+        reference = reference_state(src, torch_dtype)
+    except AttributeError as error:  # 5.16's FP8 quantizer reads DeepSeek-V4's `modules_to_not_convert` as None
+        pytest.skip(f"this transformers cannot load DeepSeek-V4 dequantized ({error})")
+    expected = expected_contract(src, reference)
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch_dtype)
+        assert torch.equal(got[name], tensor), name
+    assert "FP4 experts" in (out / "README.md").read_text()

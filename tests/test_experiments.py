@@ -146,7 +146,7 @@ def test_ablation_hybrid_axis(tmp_path):
     hybrid = "Gated DeltaNet 3:1 hybrid"
     out = tmp_path / "out"
     assert main(["experiment", "ablation", "--tokens", "1024", "--seeds", "2", "--out", str(out),
-                 "--variants", ablation.HYBRID_BASELINE, hybrid]) == 0
+                 "--variants", ablation.BASELINE, hybrid]) == 0
     table = (out / "ablation.md").read_text()
     base, row = json.loads((out / "ablation.json").read_text())["results"]
     config = ablation.config_for(hybrid)
@@ -165,30 +165,78 @@ def test_ablation_hybrid_axis(tmp_path):
     assert "+0.76%" in table and f"train on {ablation.SEQ}-token sequences" in table
 
 
-def test_ablation_mamba2_hybrid_matches_the_base_parameters():
-    """The Mamba-2 3:1 hybrid: the Gated DeltaNet hybrid's layer pattern with Mamba-2 mixers, within 1% of the base's
-    parameters (the built model's count equals the contract's), a short run trains it, and the page names the mixer."""
-    name = "Mamba-2 3:1 hybrid"
+# per mixer layer, by hand: Mamba-2 in_proj 128·(2·128 + 2·64 + 4) + conv (4 taps + bias)·256 + A, D, dt_bias 3·4
+# + norm 128 + out_proj 128²; KDA q, k, v, o 4·128·96 + conv 4·288 + f_a, g_a 2·128·32 + f_b, g_b 2·32·96 + b 128·3
+# + A_log 3 + dt_bias 96 + norm 32; short convolution in_proj 3·128² + out_proj 128² + conv 4·128. The base: 820,352.
+MIXER_LAYERS = {
+    "Mamba-2 3:1 hybrid": ("mamba2", "3 Mamba-2 layers (4-tap convolution) of 67,468 parameters", "+0.71%"),
+    "KDA 3:1 hybrid": ("kda", "3 KDA layers (4-tap convolution) of 65,155 parameters", "-0.14%"),
+    "short-conv 3:1 hybrid": ("short_conv", "3 short-convolution layers (4-tap convolution) of 66,048 parameters",
+                              "+0.19%")}
+
+
+@pytest.mark.parametrize("name", list(MIXER_LAYERS))
+def test_ablation_mixer_hybrids_match_the_base_parameters(name):
+    """Each 3:1 hybrid of a newer mixer: the Gated DeltaNet hybrid's layer pattern with its own mixer, within 1% of the
+    base's parameters (the built model's count equals the contract's, and each layer the count worked out by hand), a
+    short run trains it, and the page names the mixer."""
+    kind, layers, percent = MIXER_LAYERS[name]
     config, deltanet = ablation.config_for(name), ablation.config_for("Gated DeltaNet 3:1 hybrid")
-    assert config.layer_types == deltanet.layer_types and config.linear_attention_type == "mamba2"
-    base = ablation.parameter_count(ablation.config_for(ablation.HYBRID_BASELINE))["total"]
+    assert config.layer_types == deltanet.layer_types and config.linear_attention_type == kind
+    base = ablation.parameter_count(ablation.config_for(ablation.BASELINE))["total"]
     row = ablation.train(name, tokens=1024, seed=0)
     assert row["params"] == ablation.parameter_count(config)["total"]
-    assert 0 < row["params"] - base < 0.01 * base and row["held_out_loss"] == row["held_out_loss"]  # not NaN
+    assert abs(row["params"] - base) < 0.01 * base and row["held_out_loss"] == row["held_out_loss"]  # not NaN
     text = ablation.hybrid_arithmetic([name])
-    assert "3 Mamba-2 layers (4-tap convolution) of 67,468 parameters" in text and "+0.71%" in text
+    assert layers in text and percent in text
+
+
+STREAMS = {"hyper-connections (4 streams)": dict(residual_stream="hyper_connections", hc_mult=4),
+           "per-layer embeddings (16 wide)": dict(residual_stream="single", hidden_size_per_layer_input=16),
+           "AltUp (4 streams)": dict(residual_stream="altup", altup_num_inputs=4)}
+
+
+@pytest.mark.parametrize("name", list(STREAMS))
+def test_ablation_residual_streams_hold_the_base_parameters(name):
+    """Each residual-stream variant is the base's pre-norm layout with its topology and an FFN whose width brings the
+    total nearest the base's (one unit wider or narrower would be farther; the built model's count equals the
+    contract's), and a short run trains it."""
+    config = ablation.config_for(name)
+    assert {field: getattr(config, field) for field in STREAMS[name]} == STREAMS[name]
+    assert (config.norm_position, config.mlp_type) == ("pre", "dense")
+
+    def total(width):
+        overrides = {**ablation.BASE, **ablation.VARIANTS[name], "intermediate_size": width}
+        return ablation.parameter_count(ablation.ModularDecoderConfig(**overrides))["total"]
+
+    base = ablation.parameter_count(ablation.config_for(ablation.BASELINE))["total"]
+    width = config.intermediate_size
+    assert width < ablation.BASE["intermediate_size"] and total(width) == ablation.parameter_count(config)["total"]
+    assert abs(total(width) - base) <= min(abs(total(width - 1) - base), abs(total(width + 1) - base))
+    row = ablation.train(name, tokens=1024, seed=0)
+    assert row["params"] == total(width) and row["held_out_loss"] == row["held_out_loss"]  # not NaN
+    text = ablation.stream_arithmetic([name])
+    assert f"{name}: adds " in text and f"512 → {width} wide" in text and f"{total(width):,} in all" in text
+    control = ablation.config_for(ablation.NARROW_FFN_CONTROL)
+    assert control.intermediate_size == ablation.config_for("hyper-connections (4 streams)").intermediate_size
+    assert control.residual_stream == "single" and not control.hidden_size_per_layer_input
 
 
 def test_hybrid_comparison_calls_a_changing_sign_noise():
     def rows(name, losses):
         return {"name": name, "runs": [{"seed": s, "held_out_loss": loss} for s, loss in enumerate(losses)]}
 
-    base = rows(ablation.HYBRID_BASELINE, [2.0, 2.0, 2.0])
-    text = ablation.hybrid_comparison([base, rows("Gated DeltaNet 1:1 hybrid", [1.9, 2.1, 1.95])])
+    base = rows(ablation.BASELINE, [2.0, 2.0, 2.0])
+    text = ablation.paired_comparison([base, rows("Gated DeltaNet 1:1 hybrid", [1.9, 2.1, 1.95])])
     assert "-0.017 (per seed -0.100, +0.100, -0.050" in text and "lower in 2 of 3 seeds" in text and "noise" in text
-    text = ablation.hybrid_comparison([base, rows("Gated DeltaNet 3:1 hybrid", [1.9, 1.8, 1.95])])
+    text = ablation.paired_comparison([base, rows("Gated DeltaNet 3:1 hybrid", [1.9, 1.8, 1.95])])
     assert "lower in every one of 3 seeds" in text
-    assert ablation.hybrid_comparison([rows("Gated DeltaNet 3:1 hybrid", [1.9])]) == ""  # no base: nothing claimed
+    assert ablation.paired_comparison([rows("Gated DeltaNet 3:1 hybrid", [1.9])]) == ""  # no base: nothing claimed
+    text = ablation.paired_comparison([base, rows("AltUp (4 streams)", [2.1, 2.2, 2.05]),
+                                       rows(ablation.NARROW_FFN_CONTROL, [2.0, 2.1, 2.0]),
+                                       rows("SwiGLU (8d/3)", [1.0, 1.0, 1.0])])
+    assert "AltUp (4 streams): +0.117" in text and "higher in every one of 3 seeds" in text
+    assert f"{ablation.NARROW_FFN_CONTROL}: +0.033" in text and "SwiGLU" not in text  # only the paired rows
 
 
 def test_swiglu_variant_is_parameter_matched():

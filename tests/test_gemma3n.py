@@ -10,43 +10,20 @@ newest declared transformers."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
-from conversion_cases import converted_pair
-from decoding import compiled_eager_and_reference
-from family_parity import assert_cache_holds_what_transformers_holds, assert_greedy_tokens_match, assert_logits_match
-from test_gpt_oss_smollm3 import IDS, assert_trainer_matches
+from decoding import assert_compiled_decoding_matches
+from family_parity import assert_cache_holds_what_transformers_holds
+from gemma_cases import (assert_each_edit_changes_logits, pair_fixtures,  # noqa: F401  (the shared tests)
+                         test_greedy_tokens_through_each_sides_cache_match, test_logits_and_a_left_padded_batch_match,
+                         test_trainer_steps_equal_transformers_class_padded_and_packed)
+from test_gpt_oss_smollm3 import IDS
 
 from modular_decoder.backend_features import check_backend
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CASES_HERE = ["gemma3n_text", "gemma3n_text-four-streams"]
-
-
-@pytest.fixture(scope="module", params=CASES_HERE)
-def pair(request, tmp_path_factory):
-    """(transformers' model with perturbed weights, ours converted from its saved folder)."""
-    return converted_pair(request.param, tmp_path_factory.mktemp(request.param), "eager")[:2]
-
-
-@pytest.fixture(scope="module")
-def shared_pair(tmp_path_factory):
-    return converted_pair("gemma3n_text", tmp_path_factory.mktemp("shared"), "eager")[:2]
-
-
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_logits_and_a_left_padded_batch_match(pair, backend):
-    assert_logits_match(*pair, backend)
-
-
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_greedy_tokens_through_each_sides_cache_match(pair, backend, cache):
-    """A left-padded batch generated greedily by each side through its own cache, past the window of 4."""
-    assert_greedy_tokens_match(*pair, backend, cache)
+pair, shared_pair = pair_fixtures(CASES_HERE, "shared_pair")
 
 
 def test_shared_layers_cache_what_transformers_caches(shared_pair):
@@ -55,40 +32,23 @@ def test_shared_layers_cache_what_transformers_caches(shared_pair):
 
 def test_each_mechanism_carries_signal(shared_pair):
     """The proofs above would hold for a model that ignored a mechanism only if it did nothing: each does."""
-    _, ours = shared_pair
-    with torch.no_grad():
-        reference = ours(IDS).logits
-        edits = {
-            "AltUp's prediction": lambda m: [layer.altup.prediction_coefs.weight.zero_() for layer in m.model.layers],
-            "AltUp's correction": lambda m: [layer.altup.correction_coefs.weight.zero_() for layer in m.model.layers],
-            # (a scale alone would be undone: each stream is rescaled to the embedding's RMS)
-            "the streams' projections": lambda m: [p.weight.copy_(p.weight.flip(0)) for p in
-                                                   m.model.residual_stream.projections],
-            "LAUREL": lambda m: [setattr(layer, "laurel", None) for layer in m.model.layers],
-            "per-layer embeddings": lambda m: m.model.per_layer_embeddings.embed.weight.zero_(),
-            "activation sparsity": lambda m: setattr(m.model.layers[0].mlp, "act_fn", m.model.layers[0].mlp.act_fn[1]),
-        }
-        for name, edit in edits.items():
-            changed = copy.deepcopy(ours)
-            edit(changed)
-            assert (changed(IDS).logits - reference).abs().max() > 1e-4, name
-
-
-def test_trainer_steps_equal_transformers_class_padded_and_packed(pair, tmp_path):
-    """`Trainer` on ours and on transformers' class from the same weights: the same loss at every step with
-    right-padded batches; ours with the documents packed in one row gives the padded losses."""
-    source, ours = pair
-    assert_trainer_matches(source, ours, tmp_path, reference_packs=False)
+    assert_each_edit_changes_logits(shared_pair[1], {
+        "AltUp's prediction": lambda m: [layer.altup.prediction_coefs.weight.zero_() for layer in m.model.layers],
+        "AltUp's correction": lambda m: [layer.altup.correction_coefs.weight.zero_() for layer in m.model.layers],
+        # (a scale alone would be undone: each stream is rescaled to the embedding's RMS)
+        "the streams' projections": lambda m: [p.weight.copy_(p.weight.flip(0)) for p in
+                                               m.model.residual_stream.projections],
+        "LAUREL": lambda m: [setattr(layer, "laurel", None) for layer in m.model.layers],
+        "per-layer embeddings": lambda m: m.model.per_layer_embeddings.embed.weight.zero_(),
+        "activation sparsity": lambda m: setattr(m.model.layers[0].mlp, "act_fn", m.model.layers[0].mlp.act_fn[1]),
+    }, atol=1e-4)
 
 
 def test_compiled_decode_step_gives_eager_and_transformers_tokens(shared_pair, two_threads):
     """`generate(**compiled_decoding())`: AltUp's streams, LAUREL, the per-layer embeddings and shared keys in a
     decode step compiled with fullgraph=True over a static cache; transformers' tokens."""
     source, ours = shared_pair
-    compiled, eager, reference, graphs = compiled_eager_and_reference(ours, source, IDS[:1])
-    assert graphs, "generate did not compile the decode step"
-    assert torch.equal(compiled, eager)
-    assert torch.equal(compiled, reference)
+    assert_compiled_decoding_matches(ours, source, IDS[:1])
 
 
 def test_vllm_is_refused_by_name(shared_pair):

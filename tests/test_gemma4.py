@@ -15,9 +15,12 @@ import copy
 import pytest
 import torch
 from conversion_cases import converted_pair
-from decoding import compiled_eager_and_reference
-from family_parity import assert_cache_holds_what_transformers_holds, assert_greedy_tokens_match, assert_logits_match
-from test_gpt_oss_smollm3 import IDS, assert_trainer_matches
+from decoding import assert_compiled_decoding_matches
+from family_parity import assert_cache_holds_what_transformers_holds
+from gemma_cases import (assert_each_edit_changes_logits, pair_fixtures,  # noqa: F401  (the shared tests)
+                         test_greedy_tokens_through_each_sides_cache_match, test_logits_and_a_left_padded_batch_match,
+                         test_trainer_steps_equal_transformers_class_padded_and_packed)
+from test_gpt_oss_smollm3 import IDS
 
 from modular_decoder import ModularDecoderCache, cache_bytes
 from modular_decoder.backend_features import check_backend
@@ -26,30 +29,7 @@ from modular_decoder.contract import cache_bytes_per_token
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CASES_HERE = ["gemma4_text", "gemma4_text-moe"]
-
-
-@pytest.fixture(scope="module", params=CASES_HERE)
-def pair(request, tmp_path_factory):
-    """(transformers' model with perturbed weights, ours converted from its saved folder)."""
-    return converted_pair(request.param, tmp_path_factory.mktemp(request.param), "eager")[:2]
-
-
-@pytest.fixture(scope="module")
-def dense_pair(tmp_path_factory):
-    return converted_pair("gemma4_text", tmp_path_factory.mktemp("dense"), "eager")[:2]
-
-
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_logits_and_a_left_padded_batch_match(pair, backend):
-    assert_logits_match(*pair, backend)
-
-
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_greedy_tokens_through_each_sides_cache_match(pair, backend, cache):
-    """A left-padded batch generated greedily by each side through its own cache (transformers' dynamic one; ours
-    dynamic or static), far past the window of 4: the sharing layers read their sources' windows and full keys."""
-    assert_greedy_tokens_match(*pair, backend, cache)
+pair, dense_pair = pair_fixtures(CASES_HERE, "dense_pair")
 
 
 def test_shared_layers_cache_nothing_as_transformers_counts_and_the_contract_says(dense_pair):
@@ -69,20 +49,12 @@ def test_shared_layers_cache_nothing_as_transformers_counts_and_the_contract_say
 
 def test_each_mechanism_carries_signal(dense_pair):
     """The proofs above would hold for a model that ignored a mechanism only if it did nothing: each does."""
-    _, ours = dense_pair
-    with torch.no_grad():
-        reference = ours(IDS).logits
-        edits = {
-            "per-layer embeddings": lambda m: m.model.per_layer_embeddings.embed.weight.zero_(),
-            "per-layer branch": lambda m: [layer.per_layer_input.output_proj.weight.zero_()
-                                           for layer in m.model.layers],
-            "layer scalars": lambda m: [layer.layer_scalar.fill_(1.0) for layer in m.model.layers],
-            "value norm": lambda m: [setattr(layer.self_attn, "value_norm", False) for layer in m.model.layers],
-        }
-        for name, edit in edits.items():
-            changed = copy.deepcopy(ours)
-            edit(changed)
-            assert (changed(IDS).logits - reference).abs().max() > 1e-3, name
+    assert_each_edit_changes_logits(dense_pair[1], {
+        "per-layer embeddings": lambda m: m.model.per_layer_embeddings.embed.weight.zero_(),
+        "per-layer branch": lambda m: [layer.per_layer_input.output_proj.weight.zero_() for layer in m.model.layers],
+        "layer scalars": lambda m: [layer.layer_scalar.fill_(1.0) for layer in m.model.layers],
+        "value norm": lambda m: [setattr(layer.self_attn, "value_norm", False) for layer in m.model.layers],
+    }, atol=1e-3)
 
 
 def test_router_probabilities_are_transformers(tmp_path):
@@ -97,21 +69,11 @@ def test_router_probabilities_are_transformers(tmp_path):
         torch.testing.assert_close(logits.float().softmax(-1), probabilities, rtol=0, atol=1e-6)
 
 
-def test_trainer_steps_equal_transformers_class_padded_and_packed(pair, tmp_path):
-    """`Trainer` on ours and on transformers' class from the same weights: the same loss at every step with
-    right-padded batches; ours with the documents packed in one row gives the padded losses."""
-    source, ours = pair
-    assert_trainer_matches(source, ours, tmp_path, reference_packs=False)
-
-
 def test_compiled_decode_step_gives_eager_and_transformers_tokens(dense_pair, two_threads):
     """`generate(**compiled_decoding())`: a static cache whose sharing layers' slots hold nothing, the decode step
     (sharing, per-layer embeddings, proportional RoPE) compiled with fullgraph=True; transformers' tokens."""
     source, ours = dense_pair
-    compiled, eager, reference, graphs = compiled_eager_and_reference(ours, source, IDS[:1])
-    assert graphs, "generate did not compile the decode step"
-    assert torch.equal(compiled, eager)
-    assert torch.equal(compiled, reference)
+    assert_compiled_decoding_matches(ours, source, IDS[:1])
 
 
 def test_per_layer_embeddings_need_the_ids(dense_pair):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conversion_cases import CASES, converted_pair, lora_round_trip, perturbed, save_published, skip_without_class
-from decoding import compiled_eager_and_reference, recording_backend, right_padded
+from decoding import assert_compiled_decoding_matches, recording_backend, right_padded
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from modular_decoder import ModularDecoderForCausalLM
@@ -239,7 +239,4 @@ def test_compiled_decode_step_gives_eager_and_transformers_tokens(compiled_case,
     each recurrent kind: the step compiles, and the greedy tokens equal eager decoding and transformers' class
     through its own cache."""
     theirs, ours, _ = compiled_case
-    compiled, eager, reference, graphs = compiled_eager_and_reference(ours, theirs, torch.tensor([DOCUMENTS[2]]))
-    assert graphs, "generate did not compile the decode step"
-    assert torch.equal(compiled, eager)
-    assert torch.equal(compiled, reference)
+    assert_compiled_decoding_matches(ours, theirs, torch.tensor([DOCUMENTS[2]]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conversion_cases import CASES, perturbed, save_published, skip_without_class
-from kernel_stand_ins import TensorShapes, fake_causal_conv1d_fn, fake_causal_conv1d_update, fake_fla
+from kernel_stand_ins import TensorShapes, clear_kernel_caches, fake_fla, use_causal_conv1d
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as reference
 
@@ -283,17 +283,8 @@ def _use_stand_ins(monkeypatch, calls: list) -> None:
         fake_fla(delta_rule.chunked_gated_delta_rule, calls), fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
     monkeypatch.setattr(compat, "fla_kda_kernels", lambda: (
         fake_fla(kda_rule.chunked_kda, calls), fake_fla(delta_rule.recurrent_gated_delta_rule, calls)))
-    monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
-        lambda *a, **k: calls.append("conv") or fake_causal_conv1d_fn(*a, **k),
-        lambda *a, **k: calls.append("conv_update") or fake_causal_conv1d_update(*a, **k)))
     monkeypatch.setattr(delta_rule, "_FLA_DEVICES", ("cpu",))
-    monkeypatch.setattr(delta_rule, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
-    _clear_kernel_caches()
-
-
-def _clear_kernel_caches() -> None:
-    delta_rule._kernels_for.cache_clear()
-    kda_rule._kda_kernels_for.cache_clear()
+    use_causal_conv1d(monkeypatch, calls)
 
 
 def test_gpu_kernels_are_dispatched_where_available(delta_rule_pair, monkeypatch):
@@ -317,7 +308,7 @@ def test_gpu_kernels_are_dispatched_where_available(delta_rule_pair, monkeypatch
         assert torch.equal(ours.generate(grounded, prompt_lookup_num_tokens=3, **GREEDY), greedy)
     finally:
         monkeypatch.undo()
-        _clear_kernel_caches()
+        clear_kernel_caches()
     assert fla | {"conv"} <= set(calls)
     assert "conv_update" not in calls
     assert delta_rule.kernels_for(torch.device("cpu")) == delta_rule.TORCH_KERNELS
@@ -339,7 +330,7 @@ def test_gpu_kernels_take_packed_documents_by_cu_seqlens(delta_rule_pair, monkey
             packed = ours(input_ids=ids, position_ids=positions).logits[0]
     finally:
         monkeypatch.undo()
-        _clear_kernel_caches()
+        clear_kernel_caches()
     assert {"cu_seqlens" for _ in FLA_CALLS[ours.config.linear_attention_type]} | {"conv"} <= set(calls)
     assert "conv_update" not in calls
     torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-5)

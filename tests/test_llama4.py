@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 from conversion_cases import converted_pair
-from decoding import compiled_eager_and_reference
+from decoding import assert_compiled_decoding_matches
 from family_parity import assert_greedy_tokens_match, assert_logits_match
 from test_gpt_oss_smollm3 import IDS, assert_trainer_matches, left_padded
 
@@ -119,10 +119,7 @@ def test_compiled_decode_step_gives_eager_and_transformers_tokens(tuned_pair, tw
     step compiled with fullgraph=True (the NoPE temperature, experts and dense layers in it); the tokens equal
     eager decoding and transformers' class."""
     source, ours = tuned_pair
-    compiled, eager, reference, graphs = compiled_eager_and_reference(ours, source, IDS[:1])
-    assert graphs, "generate did not compile the decode step"
-    assert torch.equal(compiled, eager)
-    assert torch.equal(compiled, reference)
+    assert_compiled_decoding_matches(ours, source, IDS[:1])
 
 
 @pytest.mark.parametrize("backend", ["flash_attention_2", "flash_attention_3", "vllm"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conversion_cases import perturbed, preset_parameter_counts
-from kernel_stand_ins import TensorShapes, fake_causal_conv1d_fn, fake_causal_conv1d_update
+from kernel_stand_ins import TensorShapes, use_causal_conv1d
 from test_hybrid_ecosystem import DOCUMENTS
 from test_linear_attention import GREEDY, IDS, MASK, PADDED, _states, converted_pair
 from transformers.models.bamba import modeling_bamba as bamba
@@ -264,12 +264,8 @@ def stand_ins(monkeypatch):
     calls = []
     monkeypatch.setattr(compat, "mamba_ssm_kernels", lambda: (_fake_mamba_chunk_scan_combined(calls),
                                                               _fake_selective_state_update(calls)))
-    monkeypatch.setattr(compat, "causal_conv1d_kernels", lambda: (
-        lambda *a, **k: calls.append("conv") or fake_causal_conv1d_fn(*a, **k),
-        lambda *a, **k: calls.append("conv_update") or fake_causal_conv1d_update(*a, **k)))
     monkeypatch.setattr(mamba2_scan, "_MAMBA_SSM_DEVICES", ("cpu",))
-    monkeypatch.setattr(mamba2_scan, "_CAUSAL_CONV1D_DEVICES", ("cpu",))
-    mamba2_scan._kernels_for.cache_clear()
+    use_causal_conv1d(monkeypatch, calls)
     yield calls
     monkeypatch.undo()
     mamba2_scan._kernels_for.cache_clear()

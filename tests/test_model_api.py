@@ -170,6 +170,25 @@ def test_bad_config_raises_value_error_naming_the_field(fields, field_name):
         ModularDecoderConfig(**{**base, **fields})
 
 
+@pytest.mark.parametrize("fields, field_name, what", [
+    (dict(layer_types=["full_attention"] * 3), "layer_types", "one entry"),
+    (dict(block_types="mixer_mlp"), "block_types", "one entry"),
+    (dict(mlp_type="moe", num_experts=4, num_experts_per_tok=2, mlp_layer_types=["sparse"]), "mlp_layer_types",
+     "one entry"),
+    (dict(layer_intermediate_sizes=[64]), "layer_intermediate_sizes", "one value"),
+    (dict(activation_sparsity_pattern=[0.5, 0.0, 0.0]), "activation_sparsity_pattern", "one value"),
+    (dict(no_rope_layers=[1, 0, 1]), "no_rope_layers", "one 1 (RoPE) or 0 (NoPE)"),
+])
+def test_a_per_layer_field_of_the_wrong_length_is_named_with_the_layer_count(fields, field_name, what):
+    """Each per-layer field (`kinds.require_per_layer`) says what it must list and how many layers there are."""
+    base = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, vocab_size=50)
+    value = fields[field_name]
+    with pytest.raises(ValueError) as refusal:
+        ModularDecoderConfig(**{**base, **fields})
+    assert str(refusal.value) == (f"`{field_name}` must list {what} per layer (`num_hidden_layers`=2), "
+                                  f"got {value!r}.")
+
+
 @pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                    "max_position_embeddings"])
 def test_a_required_size_of_none_is_named(field):

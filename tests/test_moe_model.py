@@ -75,10 +75,10 @@ def _source_and_ours(case: str, tmp_path):
     return source, AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
 
 
-def _padded_batch():
+def _padded_batch(right: bool = False):
     ids = torch.tensor([[5, 17, 3, 42, 8, 61, 23, 11, 2, 90, 33, 7], [9, 1, 64, 12, 40, 5, 77, 18, 26, 3, 50, 14]])
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0
+    mask[1, slice(-5, None) if right else slice(None, 5)] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # both sides count real tokens only
     labels = ids.masked_fill(mask == 0, -100)
     return ids, mask, positions, labels
@@ -88,26 +88,30 @@ def _padded_batch():
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_router_logits_and_losses_match_the_family(case, implementation, tmp_path):
     """Same weights, a left-padded batch with labels: logits, every sparse layer's router logits,
-    `aux_loss` and the loss (CE + router_aux_loss_coef · aux) equal transformers' class."""
+    `aux_loss` and the loss (CE + router_aux_loss_coef · aux) equal transformers' class. DeepSeek-V4's batch is
+    right-padded: transformers' class pools its compressed windows by column, padding included (docs/using.md)."""
     source, ours = _source_and_ours(case, tmp_path)
     if source._can_set_experts_implementation():  # (Llama 4's experts run every token through every expert)
         source.set_experts_implementation(implementation)
     ours.set_experts_implementation(implementation)
-    ids, mask, positions, labels = _padded_batch()
+    ids, mask, positions, labels = _padded_batch(right=ours.config.attention_type == "shared_kv")
     kwargs = dict(attention_mask=mask, position_ids=positions, labels=labels, output_router_logits=True)
     with torch.no_grad():
         theirs, got = source(ids, **kwargs), ours(ids, **kwargs)
     real = mask.bool()
     torch.testing.assert_close(got.logits[real], theirs.logits[real], rtol=0, atol=1e-4)
-    assert len(got.router_logits) == ours.config.mlp_layer_types.count("sparse") == len(theirs.router_logits)
+    # the layers routed by token id (`num_hash_layers`, DeepSeek-V4's first ones) record no logits, as transformers'
+    hashed = getattr(ours.config, "num_hash_layers", 0) or 0
+    assert len(got.router_logits) == ours.config.mlp_layer_types.count("sparse") - hashed
+    assert len(got.router_logits) == len(theirs.router_logits)
     rows = real.reshape(-1)
     for a, b in zip(got.router_logits, theirs.router_logits):
         torch.testing.assert_close(a[rows], b[rows], rtol=0, atol=1e-5)
     router_loss = 0.0
-    if theirs.aux_loss is not None and ours.config.router_type == "sigmoid_topk":
-        # transformers' MiniMax-M2 adds Switch's loss over the softmax of its sigmoid router's logits; ours is the
-        # sigmoid router's own (DeepSeek-V3's sequence-wise one, tested in test_router_training.py): the language
-        # model's part of the loss is the same
+    if theirs.aux_loss is not None and ours.config.router_type in ("sigmoid_topk", "sqrtsoftplus_topk"):
+        # transformers' MiniMax-M2 and DeepSeek-V4 add Switch's loss over the softmax of their routers' logits; ours
+        # is the sigmoid / √softplus router's own (DeepSeek-V3's sequence-wise one, tested in
+        # test_router_training.py): the language model's part of the loss is the same
         theirs_lm = theirs.loss - source.config.router_aux_loss_coef * theirs.aux_loss
         torch.testing.assert_close(got.loss - ours.config.router_aux_loss_coef * got.aux_loss, theirs_lm,
                                    rtol=1e-5, atol=1e-5)

@@ -1,15 +1,24 @@
-"""Multimodal releases (Gemma 3, Mistral 3, Qwen3.5, Gemma 4, Llama 4 folders) made with transformers' own wrapper
-classes and a tiny vision tower: the language model converts with the wrapper class's text logits and greedy tokens,
-the rest is kept untouched in `multimodal/`, and `export --family <release>` writes every tensor of the release back
-bit for bit, which the wrapper class loads with the same logits. A changed language model (LoRA merged; a layer dropped by `reshape`)
-exports back into the release; a width the kept vision tower cannot feed is refused."""
+"""Multimodal releases (Gemma 3, Mistral 3, Qwen3.5, Gemma 4, Llama 4, Gemma 3n folders) made with transformers' own
+wrapper classes and a tiny vision tower: the language model converts with the wrapper class's text logits and greedy
+tokens, the rest is kept untouched in `multimodal/`, and `export --family <release>` writes every tensor of the release
+back bit for bit, which the wrapper class loads with the same logits. A changed language model (LoRA merged; a layer
+dropped by `reshape`) exports back into the release; a width the kept vision tower cannot feed is refused.
+
+Gemma 3n's wrapper builds its vision tower through timm (MobileNetV5), and timm imports torchvision, whose wheels on the
+package index do not load beside this CPU build of torch: its release is built by the wrapper class with that tower
+left empty (`no_vision_tower`; the class's text path never calls it), and the tower's tensors are written into the
+folder by hand under timm's names. Everything else is the wrapper class's own: the language model, the audio tower,
+the image and audio token embedders, the tied head."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import logging
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -17,9 +26,11 @@ import transformers as tf
 from conversion_cases import CASES as TEXT_CASES
 from conversion_cases import MINISTRAL3_ROPE, perturbed
 from mtp_cases import QWEN_LAYERS, save_qwen3_next_with_mtp
+from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from tiny_tokenizer import tiny_tokenizer
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.models.gemma3n import modeling_gemma3n
 
 import modular_decoder  # noqa: F401  (registers the family with the Auto classes)
 from modular_decoder.commands import main
@@ -100,6 +111,24 @@ RELEASES["llama4"] = lambda: tf.Llama4Config(
     vision_config=dict(TINY_VISION, image_size=28, patch_size=14, vision_output_dim=D, projector_input_dim=D,
                        projector_output_dim=D),
     boi_token_index=92, eoi_token_index=93, image_token_index=94)
+# Gemma 3n: its text model as the conversion cases build it (AltUp, LAUREL, per-layer embeddings, shared keys and
+# values), its vocabulary laid out as released: the text tokens, then the image tokens (`vision_config.vocab_offset`,
+# where the per-layer table ends), then the audio tokens, each of which the wrapper embeds through its own embedder;
+# a one-layer audio tower
+GEMMA3N_IMAGE_IDS, GEMMA3N_AUDIO_IDS = range(96, 104), range(104, 112)
+RELEASES["gemma3n"] = lambda: tf.Gemma3nConfig(
+    text_config=dict(TEXT_CASES["gemma3n_text"][1]().to_dict(), vocab_size=112, vocab_size_per_layer_input=96),
+    vision_config=dict(model_type="gemma3n_vision", hidden_size=16, vocab_size=8, vocab_offset=96,
+                       label_names=["LABEL_0", "LABEL_1"]),
+    audio_config=dict(hidden_size=16, vocab_size=8, vocab_offset=104, input_feat_size=8, conf_num_hidden_layers=1,
+                      conf_num_attention_heads=2, sscp_conv_channel_size=[4, 4]),
+    boi_token_id=94, boa_token_id=95, eoi_token_id=96, image_token_id=97, eoa_token_id=104, audio_token_id=105)
+# MobileNetV5's tensors as Gemma 3n's releases name them (`model.vision_tower.timm_model.*`), at tiny shapes
+GEMMA3N_VISION_TENSORS = {"conv_stem.conv.weight": (8, 3, 3, 3), "conv_stem.bn.weight": (8,),
+                          "conv_stem.bn.running_mean": (8,), "msfa.ffn.pw_exp.conv.weight": (32, 8, 1, 1),
+                          "msfa.norm.weight": (16,)}
+# greedy decoding on text: Gemma 3n's image and audio tokens are not text (see test_gemma3n_image_and_audio_tokens_...)
+TEXT_ONLY = {"gemma3n": dict(suppress_tokens=[*GEMMA3N_IMAGE_IDS, *GEMMA3N_AUDIO_IDS])}
 # case -> what its folder is: as transformers' `save_pretrained` writes the release, or as a published one differs
 CASES = {
     "gemma3": "the Llava-era names transformers writes (`language_model.model.*`), tied head",
@@ -111,7 +140,22 @@ CASES = {
     "qwen3_5_moe": "Qwen3.5-MoE's language model (experts beside a gated shared expert) and its MTP module",
     "gemma4": "the modules' own names, a tied head, per-layer embeddings in the language model",
     "llama4": "the Llava-era names as Llama 4's wrapper holds them, an untied head",
+    "gemma3n": "the modules' own names, a tied head, AltUp and per-layer embeddings, audio and (timm's) vision towers",
 }
+
+
+class _AutoModelWithoutVisionTower:
+    """transformers' `AutoModel` as Gemma 3n's wrapper calls it, with the vision tower (timm's MobileNetV5) an empty
+    module."""
+
+    @staticmethod
+    def from_config(config, **kwargs):
+        return torch.nn.Module() if config.model_type == "gemma3n_vision" else AutoModel.from_config(config, **kwargs)
+
+
+def no_vision_tower():
+    """Gemma 3n's wrapper class built without timm (see the module's docstring)."""
+    return mock.patch.object(modeling_gemma3n, "AutoModel", _AutoModelWithoutVisionTower)
 
 
 def make_release(case: str, path: Path) -> Path:
@@ -119,7 +163,8 @@ def make_release(case: str, path: Path) -> Path:
     tokenizer, a chat template and a processor config beside it."""
     torch.manual_seed(0)
     config = RELEASES.get(case, RELEASES[case.split("-")[0]])()
-    perturbed(AutoModelForImageTextToText.from_config(config)).save_pretrained(path)
+    with no_vision_tower():
+        perturbed(AutoModelForImageTextToText.from_config(config)).save_pretrained(path)
     tiny_tokenizer(vocab_size=90).save_pretrained(path)  # its ids below the special tokens
     (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR, indent=2) + "\n")
     weights = path / "model.safetensors"
@@ -135,6 +180,11 @@ def make_release(case: str, path: Path) -> Path:
         config = json.loads((path / "config.json").read_text())
         del config["tie_word_embeddings"]
         (path / "config.json").write_text(json.dumps(config, indent=2))
+    if case == "gemma3n":
+        tensors = load_file(weights)
+        tensors.update({f"model.vision_tower.timm_model.{name}": torch.randn(shape)
+                        for name, shape in GEMMA3N_VISION_TENSORS.items()})
+        save_file(tensors, weights, metadata={"format": "pt"})
     if case in ("qwen3_5", "qwen3_5_moe"):
         holder = save_qwen3_next_with_mtp(path.parent / "mtp-holder", family=case + "_text")
         tensors = load_file(weights)
@@ -144,7 +194,8 @@ def make_release(case: str, path: Path) -> Path:
 
 
 def wrapper(path):
-    return AutoModelForImageTextToText.from_pretrained(path).eval()
+    with no_vision_tower():
+        return AutoModelForImageTextToText.from_pretrained(path).eval()
 
 
 def greedy(model, ids, **kwargs):
@@ -173,7 +224,8 @@ def test_release_converts_and_exports_back_bit_for_bit(case, tmp_path):
     with torch.no_grad():
         expected = release(input_ids=PROMPT).logits
         torch.testing.assert_close(ours(PROMPT).logits, expected, atol=1e-5, rtol=0)
-    assert torch.equal(greedy(ours, PROMPT[:1]), greedy(release, PROMPT[:1]))
+    text_only = TEXT_ONLY.get(release_name, {})
+    assert torch.equal(greedy(ours, PROMPT[:1], **text_only), greedy(release, PROMPT[:1], **text_only))
     assert ours.config.tie_word_embeddings == (case.startswith(("gemma3", "gemma4")))
     assert ours.config.num_mtp_layers == (1 if case.startswith("qwen3_5") else 0)
 
@@ -197,7 +249,7 @@ def test_release_converts_and_exports_back_bit_for_bit(case, tmp_path):
         assert torch.equal(wrapper(tmp_path / "back")(input_ids=PROMPT).logits, expected)
 
 
-@pytest.mark.parametrize("case", ["gemma3", "gemma4", "llama4"])
+@pytest.mark.parametrize("case", ["gemma3", "gemma4", "llama4", "gemma3n"])
 def test_a_left_padded_batch_gives_the_wrappers_tokens(case, tmp_path):
     """The wrapper on a left-padded batch (its mask per layer kind, positions from the mask) against ours."""
     src = make_release(case, tmp_path / "src")
@@ -206,7 +258,47 @@ def test_a_left_padded_batch_gives_the_wrappers_tokens(case, tmp_path):
     mask = torch.ones_like(ids)
     ids[1, :4], mask[1, :4] = 0, 0
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "md").eval()
-    assert torch.equal(greedy(ours, ids, attention_mask=mask), greedy(wrapper(src), ids, attention_mask=mask))
+    kwargs = dict(attention_mask=mask, **TEXT_ONLY.get(case, {}))
+    assert torch.equal(greedy(ours, ids, **kwargs), greedy(wrapper(src), ids, **kwargs))
+
+
+def test_gemma3n_image_and_audio_tokens_embed_through_the_language_models_table(tmp_path, caplog):
+    """Gemma 3n's wrapper embeds its image and audio token ids (`vision_config` / `audio_config`'s `vocab_offset` on)
+    through `embed_vision` / `embed_audio`, kept in `multimodal/`; the converted language model embeds them through its
+    own table, as `Gemma3nForCausalLM` does: its logits are that class's on a prompt holding them, and the wrapper's
+    up to the first of them. `convert` says so in a warning, the manifest and the model card."""
+    src = make_release("gemma3n", tmp_path / "src")
+    with caplog.at_level(logging.WARNING, logger="modular_decoder.conversion.multimodal"):
+        convert(src, tmp_path / "md", progress=False)
+    said = "embeds token ids 96-103 (`vision_config`) and 104-111 (`audio_config`) through embedders of its own"
+    assert said in caplog.text and said in (tmp_path / "md" / "README.md").read_text()
+    manifest = json.loads((tmp_path / "md" / KEPT_FOLDER / MANIFEST).read_text())
+    assert manifest["ids_embedded_apart"] == {"vision_config": [96, 104], "audio_config": [104, 112]}
+
+    export(tmp_path / "md", tmp_path / "text", family="gemma3n_text", progress=False)
+    text_class = AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
+    assert type(text_class).__name__ == "Gemma3nForCausalLM"
+    ids = PROMPT.clone()
+    ids[0, 6], ids[1, 3] = GEMMA3N_IMAGE_IDS[1], GEMMA3N_AUDIO_IDS[1]  # an image token, an audio token
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "md").eval()
+    with torch.no_grad():
+        got, release = ours(ids).logits, wrapper(src)(input_ids=ids).logits
+        if Version(tf.__version__) >= Version("5.17"):  # 5.16's text class fails on ids past its per-layer table
+            torch.testing.assert_close(got, text_class(ids).logits, atol=1e-5, rtol=0)
+    for row, first in ((0, 6), (1, 3)):
+        torch.testing.assert_close(got[row, :first], release[row, :first], atol=1e-5, rtol=0)
+        assert (got[row, first:] - release[row, first:]).abs().amax(-1).min() > 1e-3  # every position from there
+
+
+@pytest.mark.skipif(importlib.util.find_spec("timm") is not None, reason="timm is installed: the wrapper builds")
+def test_verify_of_a_gemma3n_release_without_timm_is_refused_by_name(tmp_path):
+    """`--verify` runs the wrapper class, whose vision tower transformers builds through timm."""
+    src = make_release("gemma3n", tmp_path / "src")
+    with pytest.raises(ValueError, match="`--verify` runs gemma3n's wrapper class, which transformers builds with "
+                                         "`timm`, and `import timm` fails here"):
+        convert(src, tmp_path / "md", verify=True, progress=False)
+    assert not (tmp_path / "md").exists()
+    assert main(["convert", str(src), str(tmp_path / "md"), "--verify"]) == 2
 
 
 def _tuned(md: Path, out: Path) -> torch.nn.Module:
@@ -222,11 +314,13 @@ def _tuned(md: Path, out: Path) -> torch.nn.Module:
     return merged
 
 
-def test_a_fine_tuned_language_model_exports_into_the_release(tmp_path):
-    src = make_release("mistral3", tmp_path / "src")
+@pytest.mark.parametrize("case, layers", [("mistral3", "language_model.model.layers."),
+                                          ("gemma3n", "model.language_model.layers.")], ids=["mistral3", "gemma3n"])
+def test_a_fine_tuned_language_model_exports_into_the_release(case, layers, tmp_path):
+    src = make_release(case, tmp_path / "src")
     convert(src, tmp_path / "md", progress=False)
     tuned = _tuned(tmp_path / "md", tmp_path / "tuned")
-    export(tmp_path / "tuned", tmp_path / "back", family="mistral3", progress=False)
+    export(tmp_path / "tuned", tmp_path / "back", family=case, progress=False)
     back = wrapper(tmp_path / "back")
     with torch.no_grad():
         got = back(input_ids=PROMPT).logits
@@ -235,7 +329,7 @@ def test_a_fine_tuned_language_model_exports_into_the_release(tmp_path):
     held, written = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(written) == sorted(held)
     changed = {name for name in held if not torch.equal(held[name], written[name])}
-    assert changed and all(name.startswith("language_model.model.layers.") for name in changed)
+    assert changed and all(name.startswith(layers) for name in changed)
     assert (tmp_path / "back" / "config.json").read_bytes() == (src / "config.json").read_bytes()
 
 

@@ -63,6 +63,8 @@ def test_adapter_save_reload_merge(preset, use_dora, tmp_path):
         expected = {"o_proj"} | ({"q_proj"} if config.q_lora_rank is None else set())
         if config.linear_attention_type == "kda" and "linear_attention" in config.layer_types:  # Kimi Linear
             expected |= {"q_proj", "k_proj", "v_proj"}  # KDA's own projections, beside the latent attention
+    elif config.attention_type == "shared_kv":  # DeepSeek-V4's own names (kv_proj, o_b_proj): none of TARGETS'
+        expected = set()
     else:
         expected = {"q_proj", "k_proj", "v_proj", "o_proj"}
     if config.mlp_type == "dense":

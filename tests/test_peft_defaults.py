@@ -69,9 +69,16 @@ def _llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+# Some methods run the model on `inputs_embeds` (SHADOW); DeepSeek-V4's hash routing needs the ids (as transformers'
+# class does), so its preset is tried here without it: the adapters are the attention's and experts' all the same
+WITHOUT_IDS = {"shared_kv": dict(num_hash_layers=0)}
+# Methods that read the decoder layers' hidden states as (B, T, d)
+READS_ONE_STREAM = ("SHADOW",)
+
+
 def _ours(kind: str) -> ModularDecoderForCausalLM:
     torch.manual_seed(0)
-    return ModularDecoderForCausalLM(preset_config(KIND_PRESETS[kind], tiny=True)).eval()
+    return ModularDecoderForCausalLM(preset_config(KIND_PRESETS[kind], tiny=True, **WITHOUT_IDS.get(kind, {}))).eval()
 
 
 def _adapted(peft_model) -> set[str]:
@@ -144,6 +151,9 @@ def test_each_method_s_default_config_works_where_it_works_on_llama(method, kind
     reference = _run(_llama(), method)
     if isinstance(reference, Exception):
         pytest.skip(f"{method}'s default config fails on transformers' Llama too: {reference}")
+    if method in READS_ONE_STREAM and preset_config(KIND_PRESETS[kind], tiny=True).residual_stream != "single":
+        pytest.skip(f"{method} reads each layer's output as one stream; hyper-connections' layers hold several "
+                    "(as transformers' DeepSeek-V4's do)")
     result = _run(_ours(kind), method)
     if (method, kind) in FAILS_ON_THE_FAMILY_CLASS:
         assert isinstance(result, Exception)

@@ -75,8 +75,9 @@ SHIPPED = {
     "sparse_attention.py", "lightning_indexer.py", "gated_deltanet.py", "delta_rule.py", "recurrent_cache.py",
     "mtp.py", "mtp_generation.py", "draft_schedule.py", "packed_documents.py", "draft_vocab.py", "query_temperature.py",
     "mamba2.py", "mamba2_scan.py", "recurrent_mixer.py", "hybrid_cache.py", "mup.py", "short_conv.py", "kda.py",
-    "kda_rule.py", "attention_shapes.py", "kv_sharing.py", "per_layer_embeddings.py", "residual_streams.py", "altup.py",
-    "laurel.py",
+    "kda_rule.py", "attention_shapes.py", "kv_sharing.py", "kept_positions.py", "per_layer_embeddings.py",
+    "residual_streams.py", "altup.py", "laurel.py", "shared_kv_attention.py", "compressed_attention.py",
+    "compressed_cache.py", "hyper_connections.py", "kv_assistant.py",
 }
 
 

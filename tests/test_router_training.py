@@ -97,6 +97,40 @@ def test_sigmoid_model_trains_with_the_sequence_wise_loss():
         preset_config("deepseek_v3", tiny=True, router_z_loss_coef=0.001)
 
 
+@pytest.mark.parametrize("hashed", [1, 3])
+def test_layers_routed_by_token_id_record_no_router_logits(hashed):
+    """On a Llama-like layout with experts in all 3 layers, the first `num_hash_layers` pick their experts from the
+    token-id table: their logits are not in `router_logits` (as transformers' DeepSeek-V4), the balance loss is
+    the formula over the learned routers' logits alone, and with every layer hashed there is no balance loss."""
+    config = ModularDecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                  mlp_type="moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                  router_type="sigmoid_topk", num_hash_layers=hashed, router_aux_loss_coef=0.01)
+    torch.manual_seed(0)
+    model = ModularDecoderForCausalLM(config).eval()
+    ids = prompt(2, 7, vocab=config.vocab_size)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    gates = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda module, args, out: gates.append(out[0]))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask, labels=ids)
+        out = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    for hook in hooks:
+        hook.remove()
+    learned = gates[3 + hashed:]  # (the first 3 calls were the plain forward's)
+    assert len(out.router_logits) == len(learned) == 3 - hashed
+    for got, gate in zip(out.router_logits, learned):
+        torch.testing.assert_close(got, gate, rtol=0, atol=0)
+    if learned:
+        expected = _reference(learned, config.num_experts, config.num_experts_per_tok, mask)
+        torch.testing.assert_close(out.aux_loss.double(), expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(out.loss, plain.loss + 0.01 * out.aux_loss)
+    else:
+        assert out.aux_loss is None
+        torch.testing.assert_close(out.loss, plain.loss)
+
+
 def test_dense_config_refuses_a_router_setting_and_old_files_still_load(tmp_path):
     """A router setting given to a dense config is refused (not rewritten to 0.0); the value every config.json
     held before the default became per kind is dropped only when a saved file is read."""

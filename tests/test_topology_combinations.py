@@ -119,3 +119,13 @@ def test_save_load_and_the_parameter_formula(model, tmp_path):
     ids = prompt(1, 6, vocab=model.config.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("flags", [1, "0101", [1, 0]])
+def test_nope_temperature_with_a_malformed_no_rope_layers_names_that_field(flags):
+    """The NoPE query temperature reads `no_rope_layers`; a value that is not one flag per layer is refused naming
+    it (found by test_properties: an int raised a TypeError there)."""
+    fields = {name: value for name, value in COMBINATIONS["llama_altup_laurel_ple_shared_chunked"].items()
+              if name != "no_rope_layers"}
+    with pytest.raises(ValueError, match="`no_rope_layers`"):
+        ModularDecoderConfig(**fields, no_rope_layers=flags)

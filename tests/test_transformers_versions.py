@@ -537,6 +537,32 @@ def test_nested_rope_tables_cache_reset_and_int8_drafts_on_the_oldest_and_newest
                                expected=sum(OLDER_RELEASE_CASES.values()))
 
 
+# The project's own DeepSeek-V4 tests against that release's `DeepseekV4ForCausalLM` (conversion both ways, each row
+# of a left-padded batch, the cache in steps, beam search, the release's own names, refusals by name)
+DEEPSEEK_V4_CASES = {
+    "test_conversion.py::test_convert_matches_source_and_exports_back[deepseek_v4]": 1,
+    "test_deepseek_v4.py::test_left_padded_batch_equals_transformers_on_each_row": 2,
+    "test_deepseek_v4.py::test_cache_in_steps_equals_the_whole_forward_and_transformers": 2,
+    "test_deepseek_v4.py::test_beam_search_equals_transformers": 1,
+    "test_deepseek_v4.py::test_refused_by_name": 1,
+    "test_deepseek_v4.py::test_release_layout_converts_and_its_mtp_module_is_left_out": 1,
+    "test_deepseek_v4.py::test_preset_parameters_equal_transformers_class_on_meta": 2,
+}
+
+
+@pytest.mark.slow
+def test_deepseek_v4_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
+    """DeepSeek-V4's tests pass against each release's own class (a release without one is skipped by name)."""
+    without = []
+    for version in _oldest_and_newest():
+        if not (_installed(version) / "transformers" / "models" / "deepseek_v4").is_dir():
+            without.append(version)
+            continue
+        _project_tests_pass_on(version, tuple(DEEPSEEK_V4_CASES), tmp_path, expected=sum(DEEPSEEK_V4_CASES.values()))
+    if without:
+        pytest.skip(f"transformers {', '.join(without)} has no DeepseekV4ForCausalLM (the other release passed)")
+
+
 def _project_tests_pass_on(version: str, cases: tuple[str, ...], tmp_path: Path, expected: int | None = None):
     """Runs the project's own tests `cases` (paths under tests/) by pytest in a process with release `version`
     first on the path; all `expected` of them (one per case by default) pass."""
@@ -605,6 +631,23 @@ def test_gemma3n_matches_its_class_on_the_oldest_and_newest_release(tmp_path):
     _family_on_oldest_and_newest("gemma3n_text", tmp_path)
 
 
+# Gemma 3n's release folder (tests/test_multimodal.py builds its wrapper class without timm's vision tower)
+GEMMA3N_RELEASE_CASES = (
+    "test_multimodal.py::test_release_converts_and_exports_back_bit_for_bit[gemma3n]",
+    "test_multimodal.py::test_a_left_padded_batch_gives_the_wrappers_tokens[gemma3n]",
+    "test_multimodal.py::test_gemma3n_image_and_audio_tokens_embed_through_the_language_models_table",
+)
+
+
+@pytest.mark.slow
+def test_gemma3n_release_converts_and_exports_back_on_the_oldest_release(tmp_path):
+    """A `gemma3n` release folder converts to `Gemma3nForConditionalGeneration`'s text logits, greedy and left-padded
+    tokens on the oldest release as on the newest (the suite's own run), and exports back bit for bit; its image and
+    audio tokens embed through the language model's table (5.16's text class fails on them, so there only the
+    wrapper's side of that test runs)."""
+    _project_tests_pass_on(MIN_TRANSFORMERS, GEMMA3N_RELEASE_CASES, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gemma4_text", "gemma4_text-moe"])
 def test_gemma4_matches_its_class_on_the_oldest_and_newest_release(case, tmp_path):
@@ -612,6 +655,16 @@ def test_gemma4_matches_its_class_on_the_oldest_and_newest_release(case, tmp_pat
     shape in `per_layer_config`), shared keys and values, per-layer embeddings, layer scalars; experts beside the
     dense MLP."""
     _family_on_oldest_and_newest(case, tmp_path)
+
+
+@pytest.mark.slow
+def test_gemma4_assistant_drafts_as_with_its_class_on_the_oldest_and_newest_release(tmp_path):
+    """transformers' Gemma 4 assistant drafting for a converted Gemma 4 (`kv_assistant.py`): every draft and token of
+    transformers' Gemma 4 with the same assistant, on each release (5.16's drafter takes the prompt and the model's
+    keyword arguments, 5.25's takes them as `**kwargs`; 5.16's first draft reads the prompt's first hidden state, 5.25's
+    its last): every case of test_gemma4_assistant.py passes on each."""
+    for version in _oldest_and_newest():
+        _project_tests_pass_on(version, ("test_gemma4_assistant.py",), tmp_path, expected=9)
 
 
 @pytest.mark.slow

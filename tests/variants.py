@@ -47,6 +47,10 @@ AXES: dict[str, dict[str, dict]] = {
         "moe_sigmoid_grouped": dict(mlp_type="moe", mlp_layer_types=["sparse", "dense"], num_experts=8,
                                     num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2,
                                     router_type="sigmoid_topk", n_group=4, topk_group=2, routed_scaling_factor=2.5),
+        # DeepSeek-V4: √softplus scores, the first layer routed by token id, SiLU(g)·u clamped (shared expert too)
+        "moe_dsv4": dict(mlp_type="moe", hidden_act="silu", num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16, n_shared_experts=1, router_type="sqrtsoftplus_topk",
+                         num_hash_layers=1, swiglu_limit=1.0, swiglu_alpha=1.0, swiglu_up_offset=0.0),
     },
     "positions": {
         "learned": dict(position_embedding_type="learned"),
@@ -117,6 +121,11 @@ AXES: dict[str, dict[str, dict]] = {
         "mamba2": dict(second_layer="linear_attention", linear_attention_type="mamba2", mamba_n_heads=4,
                        mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
                        time_step_limit=[0.0, 5.0]),
+        # DeepSeek-V4's attention: one key = value head, grouped output, a compressed (CSA) second layer
+        "shared_kv_compressed": dict(attention_type="shared_kv", num_key_value_heads=1, q_lora_rank=12, o_groups=2,
+                                     o_lora_rank=8, second_layer="compressed_sparse_attention", sliding_window=4,
+                                     compress_rates={"compressed_sparse_attention": 2}, index_n_heads=4,
+                                     index_head_dim=8, index_topk=2),
         # Kimi Delta Attention (a decay per key channel, negative eigenvalues) and LFM2's short convolution (biased)
         "kda": dict(second_layer="linear_attention", linear_attention_type="kda", linear_num_key_heads=2,
                     linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -124,7 +133,8 @@ AXES: dict[str, dict[str, dict]] = {
         "short_conv": dict(second_layer="linear_attention", linear_attention_type="short_conv", conv_bias=True),
     },
     # Gemma 3n / Gemma 4 on any layout: the second (full) layer reading the first's keys and values, whose values come
-    # from its keys (one K/V head) and are normed; per-layer embeddings with a scalar per layer
+    # from its keys (one K/V head) and are normed; per-layer embeddings with a scalar per layer; the residual
+    # stream's entries (AltUp, DeepSeek-V4's hyper-connections)
     "topology": {
         "plain": {},
         "shared_kv": dict(num_kv_shared_layers=1, attention_k_eq_v=True, num_global_key_value_heads=1,
@@ -132,6 +142,7 @@ AXES: dict[str, dict[str, dict]] = {
         "per_layer_embeddings": dict(hidden_size_per_layer_input=8, layer_scalar=True),
         "altup": dict(residual_stream="altup", altup_num_inputs=3, hidden_size_per_layer_input=4),  # Gemma 3n
         "laurel": dict(laurel_rank=4),
+        "hyper_connections": dict(residual_stream="hyper_connections", hc_mult=2, hc_sinkhorn_iters=3),
     },
     "ends": {
         "tied": dict(tie_word_embeddings=True),
@@ -150,6 +161,18 @@ BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_laye
 
 def valid(choice: dict[str, str]) -> bool:
     positions = choice.get("positions", "rope")
+    # hyper-connections mix streams around each branch of a serial block whose residual adds it
+    if choice.get("topology") == "hyper_connections" and (
+            choice.get("placement", "pre").startswith(("post", "parallel")) or choice.get("ends") == "mup_scales"):
+        return False
+    # shared key = value attention: no biases, no QK-norm, no ALiBi, no score cap, no chunks (its fields' rules); its
+    # layers read no other layer's keys
+    if choice.get("mixer") == "shared_kv_compressed" and (
+            choice.get("bias", "none") == "qkv_only" or choice.get("bias") == "all" or choice.get("qk_norm", "none") != "none"
+            or positions == "alibi" or choice.get("softcap") in ("attn", "both_scaled")
+            or choice.get("window") in ("mixed_local_base", "chunked") or choice.get("topology") == "shared_kv"
+            or choice.get("ends") == "mup_sublayers"):  # (μP's attention multipliers: standard attention's)
+        return False
     if choice.get("qk_norm") == "weightless" and not positions.startswith("rope"):  # it norms the rotated heads
         return False
     if choice.get("topology") == "laurel" and choice.get("placement", "pre") not in ("pre", "sandwich"):
@@ -194,8 +217,11 @@ def pairwise_choices(seed: int = 0, minimum: int = 40) -> list[dict[str, str]]:
                     uncovered.add(((a, va), (b, vb)))
     chosen: list[dict[str, str]] = []
     while uncovered or len(chosen) < minimum:
-        best, best_gain = None, -1
-        for _ in range(200):
+        best, best_gain, tries = None, -1, 0
+        while tries < 200 or best is None:  # 200 candidates, more where none of them was valid
+            tries += 1
+            if tries > 100_000:
+                raise AssertionError(f"no valid config holds the uncovered pairs {sorted(uncovered)[:3]}")
             cand = {axis: rng.choice(list(AXES[axis])) for axis in axes}
             # seed the candidate with one uncovered pair so progress is guaranteed
             if uncovered:

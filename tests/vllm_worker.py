@@ -5,7 +5,8 @@ our model code reaches vLLM as the folders' remote code.
     python tests/vllm_worker.py SPEC.json OUT.json
 
 SPEC: {"engines": [{"name", "folder", "prompts" (token ids), "max_tokens", optional "model_impl", "dtype",
-"tensor_parallel_size", "pipeline_parallel_size", "tokenizer" (bool), "env" (variables set for this engine only)}], "server": {"folder", "messages",
+"tensor_parallel_size", "pipeline_parallel_size", "tokenizer" (bool), "env" (variables set for this engine only),
+"compilation_config" (vLLM's, e.g. custom ops turned off)}], "server": {"folder", "messages",
 "max_tokens", "port"} or null}. Per engine OUT holds the greedy tokens, the architecture vLLM resolved, the
 class of the model it built and the class inside it, the KV-cache bytes per token its layers declare and
 the linear modules it built in one decoder layer;
@@ -101,6 +102,7 @@ def _run_engine(job: dict) -> dict:
         pipeline_parallel_size=pp,
         distributed_executor_backend="uni" if tp * pp == 1 else "mp",
         seed=0,
+        **({"compilation_config": job["compilation_config"]} if "compilation_config" in job else {}),
     )
     started = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)

@@ -6,6 +6,10 @@ files call `embedding_norm`. Its convolution layers are the contract's `"linear_
 The feed-forward width LFM2 builds is not its `intermediate_size` where `block_auto_adjust_ff_dim` is set (the
 released models): 2/3 of it, times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`. The contract holds
 the width built; export writes it with `block_auto_adjust_ff_dim=False`, which builds the same modules.
+
+The released config.json files also state the blocks' and convolutions' widths (`block_dim`, `conv_dim`,
+`conv_dim_out`: all `hidden_size`), which transformers' class does not read and vLLM's `Lfm2ForCausalLM` does (it
+fails on a config without them); export writes them as the releases do.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def to_contract(src) -> dict:
 def from_contract(cfg) -> Lfm2Config:
     sizes = {k: v for k, v in source_sizes(cfg).items() if k != "head_dim"}  # LFM2 derives it: d / H
     inverse = {ours: theirs for theirs, ours in LAYER_TYPES.items()}
-    return Lfm2Config(**sizes, norm_eps=cfg.norm_eps, rope_parameters=source_rope(cfg),
+    widths = dict.fromkeys(("block_dim", "conv_dim", "conv_dim_out"), cfg.hidden_size)  # the releases' (vLLM reads)
+    return Lfm2Config(**sizes, **widths, norm_eps=cfg.norm_eps, rope_parameters=source_rope(cfg),
                       block_auto_adjust_ff_dim=False, conv_bias=cfg.conv_bias,
                       conv_L_cache=cfg.linear_conv_kernel_dim or Lfm2Config().conv_L_cache,
                       layer_types=[inverse[t] for t in cfg.layer_types])

@@ -1,14 +1,17 @@
-"""`modular-decoder convert SRC OUT [--gguf-file NAME] [--dtype ...] [--verify] [--force] [--allow-bin]`."""
+"""`modular-decoder convert SRC OUT [--gguf-file NAME] [--dtype ...] [--verify] [--force] [--allow-bin]`; SRC a LoRA
+adapter folder: `convert SRC OUT [--adapter-base FOLDER]`."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from modular_decoder.conversion.api import DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="a Hugging Face model folder, or the folder holding --gguf-file")
+    parser.add_argument("src", help="a Hugging Face model folder, or the folder holding --gguf-file, or a LoRA adapter "
+                                    "folder made on one")
     parser.add_argument("out", help="the modular_decoder folder to write")
     parser.add_argument("--gguf-file", default=None, help="name of a GGUF file inside SRC")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -20,13 +23,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hub id of the source checkpoint, recorded as `base_model` in the model card")
     parser.add_argument("--allow-bin", action="store_true",
                         help="read legacy pytorch_model*.bin weights (unpickling: only for trusted sources)")
+    parser.add_argument("--adapter-base", default=None,
+                        help="SRC an adapter: the model folder it was made on (default: its base_model_name_or_path)")
 
 
 def run(args: argparse.Namespace) -> int:
     from modular_decoder.commands import user_input
     from modular_decoder.conversion import convert
+    from modular_decoder.conversion.adapters import ADAPTER_CONFIG, convert_adapter
 
-    out = convert(args.src, args.out, gguf_file=args.gguf_file, dtype=args.dtype, force=args.force,
-                  verify=args.verify, allow_bin=args.allow_bin, base_model=args.base_model, input_checks=user_input)
+    if (Path(args.src) / ADAPTER_CONFIG).is_file():
+        out = convert_adapter(args.src, args.out, args.adapter_base, force=args.force, input_checks=user_input)
+    else:
+        out = convert(args.src, args.out, gguf_file=args.gguf_file, dtype=args.dtype, force=args.force,
+                      verify=args.verify, allow_bin=args.allow_bin, base_model=args.base_model, input_checks=user_input)
     print(f"wrote {out}")
     return 0

@@ -70,6 +70,15 @@ changes which keys are chosen, but it is not trained by the language-model loss:
 as in transformers' `DeepseekV32`."""
 
 
+# Shared key = value attention (DeepSeek-V4): its projections' names beside Llama's
+SHARED_KV_ADAPTERS = """
+
+Shared key = value attention (`attention_type="shared_kv"`) projects its queries through `q_a_proj` and `q_b_proj`,
+its one key = value head through `kv_proj`, and its output through the grouped `o_a_proj` (not an `nn.Linear`:
+PEFT adapts it through `target_parameters`) and `o_b_proj`; `LoraConfig()`'s defaults pick `q_b_proj` and
+`kv_proj`."""
+
+
 def variant_tags(config: ModularDecoderConfig) -> list[str]:
     """Hub tags naming the value of every variant axis, so the Hub can filter by design choice."""
     tags = [
@@ -87,6 +96,12 @@ def variant_tags(config: ModularDecoderConfig) -> list[str]:
         tags.append(f"qk-norm-{config.qk_norm}")
     if "sliding_attention" in config.layer_types:
         tags.append("sliding-window")
+    if any(t in ("compressed_sparse_attention", "heavily_compressed_attention") for t in config.layer_types):
+        tags.append("compressed-attention")
+    if config.residual_stream != "single":
+        tags.append(f"residual-{config.residual_stream}")
+    if config.mlp_kind.routed and config.num_hash_layers:
+        tags.append("hash-routing")
     if "chunked_attention" in config.layer_types:
         tags.append("chunked-attention")
     if config.linear_attention_kind.in_use(config):
@@ -164,6 +179,7 @@ def render_model_card(
     metadata = yaml.safe_dump(card_metadata(config, base_model, license, tags), sort_keys=False)
     adapters = ADAPTERS + (EXPERT_ADAPTERS if config.mlp_kind.routed else "")
     adapters += INDEXER_ADAPTERS if config.attention_type == "dsa" else ""
+    adapters += SHARED_KV_ADAPTERS if config.attention_type == "shared_kv" else ""
     return CARD_TEMPLATE.substitute(metadata=metadata, title=title, description=description, repo_id=repo_id,
                                     adapters=adapters, contract=contract_table(config))
 

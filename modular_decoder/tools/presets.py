@@ -6,6 +6,7 @@ switch) and shrinks the sizes, for tests and experiments.
 
 from __future__ import annotations
 
+import copy
 import math
 
 from modular_decoder.configuration_modular_decoder import ModularDecoderConfig
@@ -359,6 +360,29 @@ NEMOTRON_LAYERS = {"M": ("mixer", "linear_attention", "dense"), "*": ("mixer", "
 PRESETS["deepseek_v32"] = dict(PRESETS["deepseek_v3"], attention_type="dsa", index_n_heads=64, index_head_dim=128,
                                index_topk=2048)
 
+# DeepSeek-V4-Flash as transformers' `DeepseekV4Config` defaults give it (its docstring names
+# deepseek-ai/DeepSeek-V4-Flash-Base): 43 layers, each a window of 128 keys over one key = value head of width 512
+# (64 query heads from a 1,024-wide latent, the last 64 features rotated, interleaved) with sinks, a grouped output
+# (8 groups of 1,024), two heavily compressed (HCA, 128 tokens per entry) layers then CSA (4 tokens, overlapping,
+# an indexer of 64 heads of 128 keeping 512 entries) and HCA alternating, the compressed layers' RoPE base 160,000;
+# 4 hyper-connection streams (20 Sinkhorn steps); 256 experts of width 2,048 in every layer, 6 per token by √softplus
+# scores plus one shared, the first 3 layers routed by token id, SwiGLU clamped at 10 (its MTP module is not part of
+# the model, as transformers' class does not hold it)
+_V4_LAYERS = 43
+PRESETS["deepseek_v4"] = dict(
+    vocab_size=129280, hidden_size=4096, intermediate_size=2048, num_hidden_layers=_V4_LAYERS, num_attention_heads=64,
+    num_key_value_heads=1, head_dim=512, max_position_embeddings=1048576, norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=0, eos_token_id=1, attention_type="shared_kv", attention_sinks=True, q_lora_rank=1024, o_groups=8,
+    o_lora_rank=1024, sliding_window=128, compressed_layers=True,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, index_n_heads=64,
+    index_head_dim=128, index_topk=512, rope_interleaved=True, partial_rotary_factor=64 / 512,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "compressed_sparse_attention": {"rope_type": "default", "rope_theta": 160000.0},
+                     "heavily_compressed_attention": {"rope_type": "default", "rope_theta": 160000.0}},
+    residual_stream="hyper_connections", hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, mlp_type="moe",
+    num_experts=256, num_experts_per_tok=6, moe_intermediate_size=2048, n_shared_experts=1,
+    router_type="sqrtsoftplus_topk", routed_scaling_factor=1.5, num_hash_layers=3, swiglu_limit=10.0, swiglu_alpha=1.0,
+    swiglu_up_offset=0.0, router_aux_loss_coef=0.001)
 # Qwen/Qwen3.5-35B-A3B config.json, its `text_config`: Qwen3-Next's layout at 40 layers, with 256 experts, top-8 (a
 # shared expert of width 512 beside them, in every layer; the vision tower and the multi-token-prediction module are
 # not part of the model)
@@ -417,6 +441,12 @@ def _no_rope_layers(num_layers: int, interval: int | None) -> list[int] | None:
     return [int((i + 1) % interval != 0) for i in range(num_layers)]
 
 
+def _compressed_layer_types(num_layers: int) -> list[str]:
+    """DeepSeek-V4's schedule (transformers' default): two HCA layers, then CSA and HCA alternating from CSA."""
+    rest = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(num_layers - 2)]
+    return ["heavily_compressed_attention"] * min(num_layers, 2) + rest
+
+
 def _mlp_layer_types(num_layers: int, first_dense: int | None) -> list[str] | None:
     """DeepSeek's `first_k_dense_replace`: the first layers dense, the rest sparse."""
     if first_dense is None:
@@ -433,11 +463,12 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
     linear-attention layer then its full layer, with 2 key heads of 16 and values in the preset's ratios."""
     if name not in PRESETS:
         raise ValueError(f"Unknown preset {name!r}; known presets: {sorted(PRESETS)}.")
-    fields = dict(PRESETS[name])
+    fields = copy.deepcopy(PRESETS[name])  # the config standardises its rope dicts in place
     pattern = fields.pop("sliding_window_pattern", None)
     first_dense = fields.pop("first_dense_layers", None)
     interval = fields.pop("full_attention_interval", None)
     no_rope_interval = fields.pop("no_rope_interval", None)
+    compressed = fields.pop("compressed_layers", False)
     double_wide = fields.pop("double_wide_shared_mlp", False)
     sparse_first = fields.pop("sparse_first_layers", None)
     attention_layers = fields.pop("attention_layers", None)
@@ -481,6 +512,10 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
             fields["shared_expert_intermediate_size"] = TINY_MOE["moe_intermediate_size"]
         if no_rope_interval is not None:
             no_rope_interval = 2
+        if compressed:  # one CSA layer after an HCA one: entries every 4 and 8 tokens, 4 of them kept per query
+            fields.update(num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=48, o_groups=2,
+                          o_lora_rank=16, partial_rotary_factor=0.5, num_hash_layers=1, **TINY_INDEXER,
+                          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
         if "attention_chunk_size" in fields:  # chunks these lengths cross
             fields["attention_chunk_size"] = 8
         if fields.get("num_kv_shared_layers"):  # a local and a global layer, then two reading theirs
@@ -509,6 +544,10 @@ def preset_config(name: str, tiny: bool = False, **overrides) -> ModularDecoderC
         fields["layer_types"] = _layer_types(fields["num_hidden_layers"], pattern, fields.get("sliding_window"))
         if interval is not None:
             fields["layer_types"] = _hybrid_layer_types(fields["num_hidden_layers"], interval)
+        if compressed:
+            layers = fields["num_hidden_layers"]
+            fields["layer_types"] = (_compressed_layer_types(layers) if layers > 2
+                                     else ["heavily_compressed_attention", "compressed_sparse_attention"][:layers])
     if "mlp_layer_types" not in overrides and "mlp_layer_types" not in fields:
         fields["mlp_layer_types"] = _mlp_layer_types(fields["num_hidden_layers"], first_dense)
     if "no_rope_layers" not in overrides:

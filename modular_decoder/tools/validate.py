@@ -205,6 +205,8 @@ def _component(name: str) -> str:
         return "embedding_norm"
     if ".final_norm." in name:
         return "final_norm"
+    if any(part in name for part in (".attn_hc.", ".ffn_hc.", ".residual_stream.")):
+        return "residual_stream"  # hyper-connections: each layer's and the model's
     if ".self_attn." in name:
         return "attention"
     if ".linear_attn." in name:
@@ -491,7 +493,7 @@ def check_cached_decoding(ctx: _Context) -> str:
     ids = ctx.ids(2, seq)
     full = ctx.logits(ids, use_cache=False)
     rows, worst = [], 0.0
-    for implementation in ("dynamic", "static"):
+    for implementation in _implementations(ctx.config):
         cache = ModularDecoderCache(ctx.config, implementation, max_cache_len=seq)
         steps = []
         with torch.no_grad():
@@ -511,6 +513,12 @@ def check_cached_decoding(ctx: _Context) -> str:
 # 5. cache bytes against the formula
 
 
+def _implementations(config) -> list[str]:
+    """The dynamic and static caches, those of them the attention kind stores (shared key = value attention with
+    compressed layers: dynamic only, as transformers' DeepSeek-V4)."""
+    return [name for name in ("dynamic", "static") if name in config.attention_kind.cache_implementations]
+
+
 def check_cache_bytes(ctx: _Context) -> str:
     config = ctx.config
     windows = {layer_window(config, layer_type) for layer_type in config.layer_types} - {None}
@@ -520,7 +528,7 @@ def check_cache_bytes(ctx: _Context) -> str:
     mismatches, cases = [], 0
     for batch in (1, 3):
         for length in lengths:
-            for implementation in ("dynamic", "static"):
+            for implementation in _implementations(config):
                 cache = ModularDecoderCache(config, implementation, max_cache_len=max(lengths))
                 with torch.no_grad():
                     # prefill half, then decode one token at a time: both paths fill the cache

@@ -19,9 +19,20 @@ layer. The linear layers have 2 key and 4 value heads of the base's head width (
 heads), which nearly matches an attention layer's parameters (`hybrid_arithmetic` gives the difference); a
 control keeps the 3:1 pattern with a one-tap convolution (no token mixing before the delta rule). A Mamba-2 3:1
 hybrid puts Mamba-2 mixers in the same layers (expand 1: 4 heads of the base's head width, one group of state width
-64, a 4-tap convolution; Mamba-2's usual expand 2 would hold about 1.5 times an attention layer's parameters). The
-hybrids' rows are compared with the base seed by seed (`hybrid_comparison`): the runs of one seed share data,
-initialisation seed and batch order, so the paired difference is the measure, not the overlap of ranges.
+64, a 4-tap convolution; Mamba-2's usual expand 2 would hold about 1.5 times an attention layer's parameters), a KDA
+3:1 hybrid Kimi Delta Attention (3 heads of the base's head width: 4 would hold 1.28 times attention's parameters)
+and a short-convolution 3:1 hybrid LFM2's gated short convolution (its in and out projections hold attention's 4d²;
+4 taps, as the other mixers' convolutions).
+
+Residual streams at equal parameters: hyper-connections (DeepSeek-V4's, 4 streams), per-layer embeddings (Gemma 3n's,
+16 wide: d/8, Gemma 3n's ratio) and AltUp (Gemma 3n's, 4 streams), each on the base's pre-norm layout (a combination
+no published family ships) with the FFN narrowed until the total parameters come nearest the base's
+(`equal_parameters`; `stream_arithmetic` gives the counts). A control keeps one stream with the hyper-connections
+row's narrower FFN (`NARROW_FFN_CONTROL`): what the width given up costs alone.
+
+The hybrids' and the residual streams' rows are compared with the base seed by seed (`paired_comparison`): the runs
+of one seed share data, initialisation seed and batch order, so the paired difference is the measure, not the
+overlap of ranges.
 
 Reported per variant: parameters (total and active), final training loss (mean of the last tenth of
 the steps), held-out loss, tokens/s, each as the mean over seeds with its min-max range, cache bytes per
@@ -58,8 +69,23 @@ LINEAR = dict(linear_attention_type="gated_deltanet", linear_num_key_heads=2, li
 # parameters against attention's 65,536
 MAMBA2 = dict(linear_attention_type="mamba2", mamba_n_heads=HEADS, mamba_d_head=D // HEADS, mamba_n_groups=1,
               mamba_d_state=64, mamba_d_conv=4)
+# KDA layers of 3 heads of the base's head width (key heads = value heads, as KDA requires), a 4-tap convolution:
+# 65,155 parameters against attention's 65,536 (4 heads: 84,132)
+KDA = dict(linear_attention_type="kda", linear_num_key_heads=3, linear_num_value_heads=3,
+           linear_key_head_dim=D // HEADS, linear_value_head_dim=D // HEADS, linear_conv_kernel_dim=4)
+# LFM2's gated short convolution, 4 taps like the other mixers' convolutions (LFM2's own: 3): 4d² + 4d = 66,048
+# parameters against attention's 65,536
+SHORT_CONV = dict(linear_attention_type="short_conv", linear_conv_kernel_dim=4)
 # the linear-attention kind's name in the page's prose
-MIXER_NAMES = {"gated_deltanet": "Gated DeltaNet", "mamba2": "Mamba-2"}
+MIXER_NAMES = {"gated_deltanet": "Gated DeltaNet", "mamba2": "Mamba-2", "kda": "KDA", "short_conv": "short-convolution"}
+
+
+def equal_parameters(overrides: dict) -> dict:
+    """`overrides` with the base's FFN narrowed so the total parameters come nearest the base's: what the variant adds
+    is paid from the FFN's width (each unit of width holds 2·d parameters per layer)."""
+    base = parameter_count(ModularDecoderConfig(**BASE))["total"]
+    added = parameter_count(ModularDecoderConfig(**dict(BASE, **overrides)))["total"] - base
+    return dict(overrides, intermediate_size=BASE["intermediate_size"] - round(added / (2 * D * LAYERS)))
 
 
 def hybrid(full_attention_interval: int, mixer: dict = LINEAR) -> dict:
@@ -92,11 +118,21 @@ VARIANTS: dict[str, dict] = {
     # delta rule brings alone
     "Gated DeltaNet 3:1 hybrid, 1-tap conv": dict(hybrid(4), linear_conv_kernel_dim=1),
     "Mamba-2 3:1 hybrid": hybrid(4, MAMBA2),
+    "KDA 3:1 hybrid": hybrid(4, KDA),
+    "short-conv 3:1 hybrid": hybrid(4, SHORT_CONV),
+    "hyper-connections (4 streams)": equal_parameters(dict(residual_stream="hyper_connections", hc_mult=4)),
+    "per-layer embeddings (16 wide)": equal_parameters(dict(hidden_size_per_layer_input=D // 8)),
+    "AltUp (4 streams)": equal_parameters(dict(residual_stream="altup", altup_num_inputs=4)),
 }
+# the base with the FFN as narrow as the hyper-connections row's: what the narrower FFN costs with one stream
+NARROW_FFN = VARIANTS["hyper-connections (4 streams)"]["intermediate_size"]
+NARROW_FFN_CONTROL = f"pre-norm, FFN {NARROW_FFN} (control)"
+VARIANTS[NARROW_FFN_CONTROL] = dict(intermediate_size=NARROW_FFN)
 # the dense variant the MoE rows are matched to (active parameters, tokens)
 MOE_BASELINE = "SwiGLU (8d/3)"
-# the all-full-attention variant the hybrid rows are compared with (the same block otherwise)
-HYBRID_BASELINE = "pre-norm (base)"
+# the variant the hybrid and residual-stream rows are compared with, seed by seed (one stream, full attention in
+# every layer, the same block otherwise)
+BASELINE = "pre-norm (base)"
 DEFAULT_SEEDS = 3
 
 
@@ -218,8 +254,9 @@ def markdown(results: list[dict], tokens: int) -> str:
         lines.append(f"| {r['name']} | {r['params']:,} | {r['active_params']:,} | {_range(r['train_loss'])} | "
                      f"{_range(r['held_out_loss'])} | {r['tokens_per_s']['mean']:,.0f} | "
                      f"{r['cache_bytes_per_token']:,} | {r['state_bytes_per_sequence']:,} |")
-    for paragraph in (moe_arithmetic([r["name"] for r in results]), hybrid_arithmetic([r["name"] for r in results]),
-                      hybrid_comparison(results)):
+    names = [r["name"] for r in results]
+    for paragraph in (moe_arithmetic(names), hybrid_arithmetic(names), stream_arithmetic(names),
+                      paired_comparison(results)):
         if paragraph:
             lines += ["", paragraph]
     return "\n".join(lines)
@@ -248,13 +285,24 @@ def _is_hybrid(name: str) -> bool:
     return "linear_attention" in VARIANTS[name].get("layer_types", ())
 
 
+def _is_stream_variant(name: str) -> bool:
+    """A residual-stream variant: several streams, or per-layer embeddings beside the one stream."""
+    variant = VARIANTS[name]
+    return variant.get("residual_stream", "single") != "single" or bool(variant.get("hidden_size_per_layer_input"))
+
+
+def _is_paired(name: str) -> bool:
+    """A row compared with the base seed by seed: a hybrid, a residual-stream variant or the narrower FFN's control."""
+    return name in VARIANTS and (_is_hybrid(name) or _is_stream_variant(name) or name == NARROW_FFN_CONTROL)
+
+
 def hybrid_arithmetic(names: list[str]) -> str:
     """What each hybrid row present changes against the all-attention base: parameters (`parameter_count`), cache
     bytes per token and the constant state per sequence (`contract`)."""
     hybrids = [n for n in names if _is_hybrid(n)]
     if not hybrids:
         return ""
-    base = config_for(HYBRID_BASELINE)
+    base = config_for(BASELINE)
     base_total, attention = parameter_count(base)["total"], parameter_count(base)["attention"] // LAYERS
     parts = []
     for name in hybrids:
@@ -269,11 +317,23 @@ def hybrid_arithmetic(names: list[str]) -> str:
                      f"{100 * (counts['total'] - base_total) / base_total:+.2f}%); cache "
                      f"{cache_bytes_per_token(config):,} bytes/token against {cache_bytes_per_token(base):,}, plus "
                      f"{state_bytes_per_sequence(config):,} bytes per sequence whatever its length")
-    return (f"Hybrids against {HYBRID_BASELINE} (every layer full attention; Gated DeltaNet layers: "
-            f"{LINEAR['linear_num_key_heads']} key and {LINEAR['linear_num_value_heads']} value heads of "
-            f"{LINEAR['linear_key_head_dim']}; Mamba-2 layers: {MAMBA2['mamba_n_heads']} heads of "
-            f"{MAMBA2['mamba_d_head']}, {MAMBA2['mamba_n_groups']} group of state width {MAMBA2['mamba_d_state']}): "
-            + "; ".join(parts) + ".")
+    shapes = {_mixer_of(config)[0]: _mixer_shape(config) for config in map(config_for, hybrids)}
+    return (f"Hybrids against {BASELINE} (every layer full attention; "
+            + "; ".join(f"{mixer} layers: {shape}" for mixer, shape in shapes.items()) + "): " + "; ".join(parts) + ".")
+
+
+def _mixer_shape(config: ModularDecoderConfig) -> str:
+    """A hybrid's mixer layer sized in its own fields, as the page names them."""
+    kind = config.linear_attention_type
+    if kind == "mamba2":
+        return (f"{config.mamba_n_heads} heads of {config.mamba_d_head}, {config.mamba_n_groups} group of state width "
+                f"{config.mamba_d_state}")
+    if kind == "short_conv":
+        return "projections d → 3d and d → d"
+    if config.linear_num_key_heads == config.linear_num_value_heads:
+        return f"{config.linear_num_key_heads} heads of {config.linear_key_head_dim}"
+    return (f"{config.linear_num_key_heads} key and {config.linear_num_value_heads} value heads of "
+            f"{config.linear_key_head_dim}")
 
 
 def _mixer_of(config: ModularDecoderConfig) -> tuple[str, int]:
@@ -283,16 +343,36 @@ def _mixer_of(config: ModularDecoderConfig) -> tuple[str, int]:
     return MIXER_NAMES.get(kind, kind), taps
 
 
-def hybrid_comparison(results: list[dict]) -> str:
-    """Each hybrid row against the base, seed by seed: the held-out loss difference (hybrid - base) per seed, its
-    mean and range, and in how many seeds the sign agrees; a sign that changes across seeds is called noise."""
+def stream_arithmetic(names: list[str]) -> str:
+    """What each residual-stream row present adds against the base (`parameter_count`: the streams' and the
+    per-layer embeddings' parameters) and what the narrower FFN gives back (`equal_parameters`)."""
+    streams = [n for n in names if _is_stream_variant(n)]
+    if not streams:
+        return ""
+    base = parameter_count(config_for(BASELINE))
+    parts = []
+    for name in streams:
+        config, counts = config_for(name), parameter_count(config_for(name))
+        added = counts.get("residual_stream", 0) + counts.get("per_layer_embeddings", 0)
+        difference = counts["total"] - base["total"]
+        parts.append(f"{name}: adds {added:,}, the FFN {BASE['intermediate_size']} → {config.intermediate_size} wide "
+                     f"gives back {base['mlp'] - counts['mlp']:,}: {counts['total']:,} in all "
+                     f"({difference:+,}, {100 * difference / base['total']:+.2f}%)")
+    return (f"Residual streams against {BASELINE} ({base['total']:,} parameters, one stream) at equal parameters, what "
+            f"each adds paid from the FFN's width ({2 * D * LAYERS:,} parameters per unit): " + "; ".join(parts) + ".")
+
+
+def paired_comparison(results: list[dict]) -> str:
+    """Each hybrid and residual-stream row against the base, seed by seed: the held-out loss difference (variant -
+    base) per seed, its mean and range, and in how many seeds the sign agrees; a sign that changes across seeds is
+    called noise."""
     by_name = {r["name"]: r for r in results}
-    base = by_name.get(HYBRID_BASELINE)
+    base = by_name.get(BASELINE)
     if base is None:
         return ""
     parts = []
     for r in results:
-        if not _is_hybrid(r["name"]):
+        if not _is_paired(r["name"]):
             continue
         base_of = {run["seed"]: run["held_out_loss"] for run in base["runs"]}
         diffs = [run["held_out_loss"] - base_of[run["seed"]] for run in r["runs"] if run["seed"] in base_of]
@@ -307,7 +387,7 @@ def hybrid_comparison(results: list[dict]) -> str:
                      f"std {spread['std']:.3f}), {verdict}")
     if not parts:
         return ""
-    return (f"Held-out loss, hybrid minus {HYBRID_BASELINE}, paired by seed (same data, initialisation seed and "
+    return (f"Held-out loss, variant minus {BASELINE}, paired by seed (same data, initialisation seed and "
             "batch order): " + "; ".join(parts) + ".")
 
 
@@ -342,7 +422,8 @@ def plot(results: list[dict], path) -> None:
         columns = list(zip(*per_seed))
         mean = [sum(c) / len(c) for c in columns]
         variant = VARIANTS.get(r["name"], {})
-        style = "--" if variant.get("mlp_type") == "moe" else ":" if "layer_types" in variant else "-"
+        style = ("--" if variant.get("mlp_type") == "moe" else ":" if "layer_types" in variant else
+                 "-." if r["name"] in VARIANTS and _is_stream_variant(r["name"]) else "-")
         curves.plot(tokens, mean, style, color=colour, label=r["name"], linewidth=1.3)
         if len(per_seed) > 1:
             curves.fill_between(tokens, [min(c) for c in columns], [max(c) for c in columns], color=colour,
@@ -368,7 +449,8 @@ def page(results: list[dict], tokens: int, command: str, image: str, record: dic
     """The ablation page (`docs/ablation/ablation.md`): command, where it ran (`record`, the run's provenance),
     table, plot, and how to read them."""
     seeds = len(results[0]["runs"])
-    hybrids = any(_is_hybrid(r["name"]) for r in results if r["name"] in VARIANTS)
+    known = [r["name"] for r in results if r["name"] in VARIANTS]
+    hybrids, streams = any(map(_is_hybrid, known)), any(map(_is_stream_variant, known))
     return "\n".join([
         "# Ablation (matched token budget, CPU)", "", "```bash", command, "```", "",
         *([provenance.line(record), ""] if record else []),
@@ -383,8 +465,12 @@ def page(results: list[dict], tokens: int, command: str, image: str, record: dic
         "`modular-decoder experiment gradnorm` and `experiment ffn-budget` reproduce the other seed measurements.",
         *(["", f"The hybrid rows train on {SEQ}-token sequences: they measure what replacing attention layers costs "
             "or gains in quality at short context, not the long-context memory and speed a constant state buys "
-            "(the cache columns give that arithmetic). Their linear layers run the PyTorch chunked forms (the delta "
-            "rule, Mamba-2's chunked scan) on the CPU; the kernels a GPU would run (flash-linear-attention, "
-            "mamba_ssm) are not timed here."] if hybrids
+            "(the cache columns give that arithmetic). Their linear layers run the PyTorch forms (the chunked delta "
+            "rule and KDA's rule, Mamba-2's chunked scan, the short convolution) on the CPU; the kernels a GPU would "
+            "run (flash-linear-attention, mamba_ssm, causal-conv1d) are not timed here."] if hybrids
            else []),
+        *(["", "The residual-stream rows hold the base's parameters with a narrower FFN (the arithmetic above), so "
+            "each measures a stream topology against the FFN width it costs. Hyper-connections and AltUp carry "
+            "4 streams of width d through every layer: their tokens/s pays for that, their parameters do not "
+            "show it."] if streams else []),
     ])
