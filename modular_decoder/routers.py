@@ -118,7 +118,7 @@ def hash_select(affinity, logits: torch.Tensor, indices: torch.Tensor, *, norm_t
     weights = affinity(logits.float()).gather(1, indices)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, indices
+    return scaled(weights, routed_scaling_factor), indices
 
 
 def topk_softmax(
