@@ -62,7 +62,8 @@ def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: in
                  backends: tuple[str, str] = ("sdpa", "sdpa")) -> dict:
     """Prefill and decode tokens/s of transformers' class for `config` (named `reference`) and ours with the same
     weights, alternating (`backends`: transformers' attention implementation, ours), the prefill's largest logit
-    difference and whether the sides decode the same greedy tokens."""
+    difference and whether the sides decode the same greedy tokens; each decode's median step (`decode_median_step`);
+    and decode steps of the two taken in turn (`decode_interleaved`, `measure.interleaved_decode_steps`)."""
     save_pair(config, folder)
     models = dict(zip((reference, OURS), load_pair(folder, attn_implementation=None)))
     for model, backend in zip(models.values(), backends):
@@ -76,8 +77,9 @@ def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: in
 
     def round_of(name: str):
         def run() -> dict:
-            return {"prefill": measure.prefill(models[name], long)["tokens_per_s"],
-                    "decode": measure.decode(models[name], short, new_tokens)["tokens_per_s"]}
+            prefill = measure.prefill(models[name], long)["tokens_per_s"]
+            decode = measure.decode(models[name], short, new_tokens)
+            return {"prefill": prefill, "decode": decode["tokens_per_s"], "decode_step_ms": decode["step_ms_median"]}
         return run
 
     rounds = measure.alternating({name: round_of(name) for name in models}, repeats, warmup=0)
@@ -91,6 +93,19 @@ def side_by_side(folder: Path, config, prompt: int, new_tokens: int, repeats: in
         ratios = [ours / theirs for ours, theirs in zip(values[OURS], values[reference])]
         result[key] = {"tokens_per_s": values, "median_tokens_per_s": {n: statistics.median(v) for n, v in values.items()},
                        "ratios": ratios, "median_ratio": statistics.median(ratios)}
+    # the same decodes by their median step (ratio: its step / ours, so above 1 ours is faster, as above)
+    steps = {name: [r["decode_step_ms"] for r in rounds[name]] for name in models}
+    ratios = [theirs / ours for ours, theirs in zip(steps[OURS], steps[reference])]
+    result["decode_median_step"] = {"step_ms": steps, "median_step_ms": {n: statistics.median(v) for n, v in steps.items()},
+                                    "ratios": ratios, "median_ratio": statistics.median(ratios)}
+    # and the two models stepping in turn, `repeats` x `new_tokens` steps each (ratio per pair of adjacent steps)
+    times = measure.interleaved_decode_steps(models, short, repeats * new_tokens)
+    ratios = [theirs / ours for ours, theirs in zip(times[OURS], times[reference])]
+    result["decode_interleaved"] = {"steps": len(ratios),
+                                    "median_step_ms": {n: 1e3 * statistics.median(v) for n, v in times.items()},
+                                    "median_ratio": statistics.median(ratios),
+                                    "quartile_ratios": statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1
+                                    else ratios * 2}
     return result
 
 

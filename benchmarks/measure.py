@@ -6,8 +6,8 @@
 - `PeakMemory(device)`: the one peak-memory probe (the CUDA allocator's high-water mark on a GPU, the kernel's
   resident high-water mark on a CPU); `TensorBytes()` the bytes of the tensors one call allocates, alive at
   once (exact, any device: for a function inside a step, where a process-wide probe also sees the rest);
-- `prefill`, `decode`, `train_step`: one measured call of a model; `copy_bandwidth` and the bytes a decode step
-  reads, for rooflines.
+- `prefill`, `decode`, `train_step`: one measured call of a model; `interleaved_decode_steps`: models decoding
+  step by step in turn; `copy_bandwidth` and the bytes a decode step reads, for rooflines.
 """
 
 from __future__ import annotations
@@ -259,8 +259,9 @@ def prefill(model, prompt: torch.Tensor, sample_memory: bool = False) -> dict:
 def decode(model, prompt: torch.Tensor, new_tokens: int, window: int = 8, sample_memory: bool = False,
            **generate_kwargs) -> dict:
     """Greedy generate of exactly `new_tokens`; decode tokens/s from the steps after the prompt's
-    forward, and the median step time over the first and last `window` steps. `sample_memory=True` measures the
-    peak memory above the start (`peak_mb`, `PeakMemory`; NaN otherwise): a separate, untimed run."""
+    forward, the median step time over all of them (`step_ms_median`: what a burst of other work on a shared machine,
+    which stretches a few steps, moves least) and over the first and last `window` steps. `sample_memory=True`
+    measures the peak memory above the start (`peak_mb`, `PeakMemory`; NaN otherwise): a separate, untimed run."""
     clock = _StepClock()
     with (PeakMemory(prompt.device) if sample_memory else _NoPeak()) as memory:
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
@@ -270,10 +271,37 @@ def decode(model, prompt: torch.Tensor, new_tokens: int, window: int = 8, sample
     window = max(1, min(window, len(steps) // 2))
     return {
         "tokens_per_s": prompt.shape[0] * len(steps) / sum(steps),
+        "step_ms_median": 1e3 * statistics.median(steps),
         "step_ms_start": 1e3 * sorted(steps[:window])[window // 2],
         "step_ms_end": 1e3 * sorted(steps[-window:])[window // 2],
         "peak_mb": memory.above_mb,
     }
+
+
+def interleaved_decode_steps(models: dict, prompt: torch.Tensor, steps: int) -> dict[str, list[float]]:
+    """{name: the seconds of each of `steps` greedy decode steps}: every model prefills `prompt` into its own cache,
+    then the models take one step each in turn (the order flipping every step), each forward on its own last token
+    and cache. Adjacent steps share the machine's state of the moment, so the ratio of a pair of them is what a
+    burst of other work moves least; generate's own loop is not in it (`decode` times that)."""
+    from modular_decoder.compat import cache_of, with_cache
+
+    state = {}
+    for name, model in models.items():
+        out = model(prompt, use_cache=True, logits_to_keep=1)
+        state[name] = (cache_of(out), out.logits[:, -1:].argmax(-1))
+    times = {name: [] for name in models}
+    order = list(models)
+    for step in range(steps):
+        for name in order if step % 2 == 0 else reversed(order):
+            cache, token = state[name]
+            sync()
+            start = time.perf_counter()
+            out = models[name](token, use_cache=True, logits_to_keep=1, **with_cache(cache))
+            token = out.logits[:, -1:].argmax(-1)
+            sync()
+            times[name].append(time.perf_counter() - start)
+            state[name] = (cache, token)
+    return times
 
 
 def inactive_expert_bytes(model) -> int:

@@ -10,8 +10,11 @@ Side by side (`hybrid.side_by_side`): each family's layout at hidden 1,024, 4 la
 layer as its released models interleave them, 8 attention heads of 128 over 2 K/V heads where standard, a dense
 SwiGLU of 2,816 or 8 experts of 512, top-2, vocabulary 8,192), made by transformers' class and converted, both
 loaded with `from_pretrained`: prefill of 1 x PROMPT tokens and greedy decode of NEW_TOKENS after 16 (batch 1, each
-side through its own cache), the sides alternating, their ratio per repeat, and the prefill's largest logit
-difference.
+side through its own cache), the sides alternating, their ratio per repeat, the same decodes' ratio by their median step
+(transformers' step / ours: a burst of other work on a shared machine stretches a few steps, which moves a mean, the
+tokens/s, more than the median), then REPEATS x NEW_TOKENS decode steps of the two models taken in turn, each through
+its own cache (`measure.interleaved_decode_steps`: the forward alone, no generate loop; the median and quartiles of the
+ratios of adjacent steps), and the prefill's largest logit difference.
 
 Flat in context (`hybrid.flat_in_context`): one-layer models of ours at hidden 1,024, one per mixer (Gated DeltaNet of
 8 key / 16 value heads of 128, KDA of 8 heads of 128, the short convolution of 3 taps) and the full-attention layer
@@ -189,13 +192,15 @@ def state_against_kv() -> list[dict]:
 def report(result: dict) -> str:
     """The three tables (markdown)."""
     lines = ["| family | transformers class | prefill ours / it (median; range) | decode ours / it (median; range) "
-             "| prefill tok/s ours | decode tok/s ours | largest logit diff |", "|---|---|---:|---:|---:|---:|---:|"]
+             "| decode by median step | decode steps in turn (median; quartiles) | prefill tok/s ours | decode tok/s ours "
+             "| largest logit diff |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for family, side in result["side_by_side"].items():
         cells = []
-        for key in ("prefill", "decode"):
-            ratios = side[key]["ratios"]
-            cells.append(f"{side[key]['median_ratio']:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
-        lines.append(f"| {family} | {CLASSES[family]} | {cells[0]} | {cells[1]} | "
+        for key in ("prefill", "decode", "decode_median_step", "decode_interleaved"):
+            part = side.get(key, {"median_ratio": float("nan")})  # (a record from before the column)
+            spread = part.get("ratios") or part.get("quartile_ratios") or [float("nan")]
+            cells.append(f"{part['median_ratio']:.2f}x ({min(spread):.2f}-{max(spread):.2f})")
+        lines.append(f"| {family} | {CLASSES[family]} | {' | '.join(cells)} | "
                      f"{side['prefill']['median_tokens_per_s']['ours']:.1f} | "
                      f"{side['decode']['median_tokens_per_s']['ours']:.1f} | {side['max_logit_diff']:.1e} |")
     kinds = list(result["flat_in_context"][0]["step_ms"])

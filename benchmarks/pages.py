@@ -851,11 +851,17 @@ def later_families_section(results: dict | None) -> str:
         run.table(results, _run_args(results)), "",
         f"- Prefill 1x{_run_args(results).prefill}: " + ", ".join(f"{f} {r['metrics']['prefill_1']['ratio']['ours']:.2f}x"
                                           for f, r in fams.items()) + "; batch-1 decode: "
-        + ", ".join(f"{f} {r['metrics']['decode_1']['ratio']['ours']:.2f}x" + _without_split(r) for f, r in fams.items())
-        + ".",
+        + ", ".join(f"{f} {r['metrics']['decode_1']['ratio']['ours']:.2f}x" + _without_split(r) + _in_turn(r)
+                    for f, r in fams.items()) + ".",
         "", spread_note(timed, results),
     ]
     return "\n".join(lines)
+
+
+def _in_turn(result: dict) -> str:
+    """The note " (N.NNx by steps taken in turn)": transformers' median step over ours, where the run timed them."""
+    row = result["metrics"].get("step_turns_1")
+    return "" if row is None else f" ({1 / row['ratio']['ours']:.2f}x by steps taken in turn)"
 
 
 def _without_split(result: dict) -> str:

@@ -4,8 +4,10 @@
 
 For each family (see benchmarks/families.py): prefill tokens/s at 1xP and 4xP (no cache, last
 logits only), greedy decode tokens/s at batch 1 and batch B over N new tokens (steps after the
-prompt's forward), the median step time over the first and last 8 steps, and the peak resident
-memory added during a batch-B decode. The two models run alternately inside each repeat (their
+prompt's forward), the median step time over the first and last 8 steps, the median step time of
+batch-1 decode steps that transformers' model and ours take in turn (each forward on its own cache,
+no generate loop: every step of ours beside one of transformers' under the same load; one value per
+repeat of N steps), and the peak resident memory added during a batch-B decode. The two models run alternately inside each repeat (their
 order flipping every repeat) so machine noise hits both alike; the table shows the median over
 repeats, the ratio ours / transformers, and the spread (min-max) over repeats. The batch-1 decode
 roofline is the measured copy bandwidth divided by the weight bytes a step must read (for the
@@ -57,8 +59,8 @@ from modular_decoder import parameter_count
 
 from . import harness
 from .families import CONFIGS, LORA_TARGETS, MOE_FAMILIES, build_pair
-from .measure import (active_bytes_read_per_step, alternating, bytes_read_per_step, copy_bandwidth, decode, prefill,
-                      train_step)
+from .measure import (active_bytes_read_per_step, alternating, bytes_read_per_step, copy_bandwidth, decode,
+                      interleaved_decode_steps, prefill, train_step)
 from .memory import run_probes
 
 # "ours" is the model as `from_pretrained` gives it (few-row products split across the cores by
@@ -72,6 +74,7 @@ ROWS = {
     "decode_1": ("decode b1 tok/s", True),
     "step_start_1": ("b1 step ms, first 8", False),
     "step_end_1": ("b1 step ms, last 8", False),
+    "step_turns_1": ("b1 step ms, the two taking steps in turn", False),
     "decode_B": ("decode b{B} tok/s", True),
     "peak_mb_B": ("decode b{B} peak +MB (separate untimed run, `measure.PeakMemory`)", False),
 }
@@ -185,8 +188,19 @@ def measure_family(reference, ours, args, experts: dict | None = None) -> dict:
             # memory: untimed, after the timed runs
             _select_variant(models, name, "decode", experts)
             values["peak_mb_B"][name].append(decode(models[name], short, args.new_tokens, sample_memory=True)["peak_mb"])
+        values["step_turns_1"] = steps_in_turn(models, short[:1], args, experts)
     set_split_products(True)
     return values
+
+
+def steps_in_turn(models: dict, prompt: torch.Tensor, args, experts: dict | None) -> dict:
+    """{transformers / ours: the median step ms of each of `--repeats` runs of `--new-tokens` batch-1 decode steps},
+    the two models taking their steps in turn, each on its own cache (`measure.interleaved_decode_steps`: the forward
+    alone, every step of ours beside one of transformers' under the same load of a shared machine)."""
+    _select_variant(models, "ours", "decode", experts)
+    steps = interleaved_decode_steps({name: models[name] for name in PAIR}, prompt, args.repeats * args.new_tokens)
+    return {name: [1e3 * statistics.median(times[start:start + args.new_tokens])
+                   for start in range(0, len(times), args.new_tokens)] for name, times in steps.items()}
 
 
 def _lora_config(model, targets: list[str]):

@@ -24,8 +24,9 @@ def test_suite_quick_writes_table_and_json(tmp_path, capsys):
         assert family["roofline_b1_tok_s"] > 0
         for key in run.ROWS:
             row = family["metrics"][key]
-            assert set(row) - {"ratio"} == set(run.timed_models())
-            for model in run.timed_models():
+            models = run.PAIR if key == "step_turns_1" else run.timed_models()  # (steps in turn: the pair)
+            assert set(row) - {"ratio"} == set(models)
+            for model in models:
                 assert len(row[model]["all"]) == 1
             if run.ROWS[key][1]:  # a rate: positive on both sides
                 assert row["transformers"]["median"] > 0 and row["ours"]["median"] > 0
@@ -591,6 +592,8 @@ def test_mixers_smoke_measures_each_family_each_mixer_and_the_presets(tmp_path):
     assert set(record["side_by_side"]) <= {"lfm2", "kimi_linear"} and "lfm2" in record["side_by_side"]
     for side in record["side_by_side"].values():
         assert side["max_logit_diff"] < 1e-4 and side["decode"]["median_ratio"] > 0
+        assert side["decode_median_step"]["median_ratio"] > 0 and side["decode_interleaved"]["median_ratio"] > 0
+        assert side["decode_interleaved"]["steps"] == 4  # 1 repeat x 4 new tokens
     first, last = record["flat_in_context"]
     for kind in ("gated_deltanet", "kda", "short_conv"):
         assert first["cache_bytes"][kind] == last["cache_bytes"][kind] > 0
