@@ -39,11 +39,11 @@ COMPRESSED_LAYER_TYPES = (COMPRESSED_SPARSE, HEAVILY_COMPRESSED)
 NEVER = torch.iinfo(torch.int64).max // 2
 
 
-def real_tokens(attention_mask, q_len: int, batch: int, device) -> torch.Tensor:
+def real_tokens(attention_mask, q_len: int, batch: int, device) -> torch.Tensor | None:
     """(B, T) bool: which of the T new tokens are real, read off the diagonal of the 4-D mask the layer received
-    (a real token always sees itself; a padding query sees nothing). No mask, or another form: all real."""
+    (a real token always sees itself; a padding query sees nothing). No mask, or another form: None, all real."""
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        return torch.ones(batch, q_len, dtype=torch.bool, device=device)
+        return None
     kv_len = attention_mask.shape[-1]
     rows = torch.arange(q_len, device=attention_mask.device)
     diagonal = attention_mask[:, 0, rows, kv_len - q_len + rows]  # (B or 1, T)
@@ -205,30 +205,55 @@ class WindowCompression(nn.Module):
         # RoPE at each entry's window start (the layer's table, as transformers' compressors own one)
         self.rotary_emb = RotaryEmbedding(config) if config.uses_rope else None
 
-    def forward(self, hidden_states, real, positions, docs, cache_layer, rotary: bool) -> Entries:
-        """This layer's entries for the new tokens: real, positions, docs (B, T). The first forward (no cache, or
-        a cache holding nothing yet) attends to the windows its own tokens complete, each query to its document's
-        (packed documents); a cache keeps each row's last document, which a later forward continues (slots)."""
-        kv, gate = self.compressor.project(hidden_states)
-        streams = {"compressor": (self.compressor, kv, gate)}
-        if self.indexer is not None:
-            streams["indexer"] = (self.indexer.compressor, *self.indexer.compressor.project(hidden_states))
+    def forward(self, hidden_states, real, positions, cache_layer, rotary: bool) -> Entries:
+        """This layer's entries for the new tokens: real (B, T) (None: all real), positions (B, T). The first
+        forward (no cache, or a cache holding nothing yet) attends to the windows its own tokens complete, each query
+        to its document's (packed documents); a cache keeps each row's last document, which a later forward
+        continues (slots)."""
+        streams = self._projected(hidden_states)
         first = cache_layer is None or not cache_layer.tails
+        if not first and not self._completes_a_window(real, positions):  # a decode step between window ends
+            for name, (_, kv, gate) in streams.items():
+                cache_layer.push(name, kv, gate, real)
+            return self._held(cache_layer)
+        if real is None:
+            real = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         tail = cache_layer.tail_length if cache_layer is not None else 0
+        docs = documents(positions)
         plan = WindowPlan.of(real, positions, docs, tail, self.rate)
         last_document = docs.masked_fill(~real, -1).amax(dim=1, keepdim=True)  # (B, 1): each row's last real token's
-        local, slots = {}, {}
+        local = {}
         for name, (compressor, kv, gate) in streams.items():
             if cache_layer is not None:
                 kv, gate = cache_layer.with_tail(name, kv, gate, tail)
             local[name] = self._rotated(compressor.pool(kv, gate, plan), plan.windows, rotary)
             if cache_layer is not None:
-                slots[name] = cache_layer.store(name, kv, gate, plan.order, local[name], plan,
-                                                plan.valid & (plan.documents == last_document))
+                cache_layer.store(name, kv, gate, plan.order, local[name], plan,
+                                  plan.valid & (plan.documents == last_document))
         if not first:
-            return Entries(slots["compressor"], slots.get("indexer"), cache_layer.entry_windows(), self.rate)
+            return self._held(cache_layer)
         windows = plan.windows.masked_fill(~plan.valid, NEVER)
         return Entries(local["compressor"], local.get("indexer"), windows, self.rate, plan.documents, docs)
+
+    def _projected(self, hidden_states) -> dict:
+        """{stream name: (its compressor, C, Z)} of the new tokens: the compressor's, and CSA's indexer's."""
+        streams = {"compressor": (self.compressor, *self.compressor.project(hidden_states))}
+        if self.indexer is not None:
+            streams["indexer"] = (self.indexer.compressor, *self.indexer.compressor.project(hidden_states))
+        return streams
+
+    def _completes_a_window(self, real, positions) -> bool:
+        """Whether a real new token closes a window in some row. A one-token step that closes none pools nothing:
+        it only joins the cache's last tokens (transformers' compressors likewise pool once a window is full)."""
+        if positions.shape[1] != 1:
+            return True
+        closes = (positions + 1) % self.rate == 0
+        return bool((closes if real is None else closes & real).any())
+
+    def _held(self, cache_layer) -> Entries:
+        """The entries the cache holds, one slot per window index."""
+        entries = cache_layer.entries
+        return Entries(entries["compressor"], entries.get("indexer"), cache_layer.entry_windows(), self.rate)
 
     def _rotated(self, entries: torch.Tensor, windows: torch.Tensor, rotary: bool) -> torch.Tensor:
         """RoPE on each entry's last rotary features at its window's first position w·m (the layer's table)."""

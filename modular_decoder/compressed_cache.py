@@ -81,6 +81,7 @@ class CompressedLayer(KeyValueSlidingLayer):
         self.rate, self.tail_length = rate, tail_length
         self.tails: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.entries: dict[str, torch.Tensor] = {}  # name -> (B, slots + 1, D): the last slot takes what is dropped
+        self._entry_windows: torch.Tensor | None = None
 
     def with_tail(self, name: str, kv: torch.Tensor, gate: torch.Tensor, tail: int):
         """The held last tokens' (C, Z) before the new ones', (B, tail + T, ·); nothing held yet: zeros with gates
@@ -91,10 +92,9 @@ class CompressedLayer(KeyValueSlidingLayer):
                     gate.new_full((gate.shape[0], tail, gate.shape[-1]), float("-inf")))
         return torch.cat((held[0], kv), dim=1), torch.cat((held[1], gate), dim=1)
 
-    def store(self, name: str, kv, gate, order, pooled: torch.Tensor, plan, kept: torch.Tensor) -> torch.Tensor:
+    def store(self, name: str, kv, gate, order, pooled: torch.Tensor, plan, kept: torch.Tensor) -> None:
         """Keep the last `tail_length` real tokens' (C, Z) of X (`kv`, `gate` (B, N, ·) in `order`) and write the
-        windows `plan` completes that `kept` (B, K) marks (those of each row's last document) into their slots;
-        returns every slot's entry (B, S, D)."""
+        windows `plan` completes that `kept` (B, K) marks (those of each row's last document) into their slots."""
         keep = order[:, -self.tail_length:].unsqueeze(-1) if self.tail_length else order[:, :0].unsqueeze(-1)
         self.tails[name] = (kv.gather(1, keep.expand(-1, -1, kv.shape[-1])),
                             gate.gather(1, keep.expand(-1, -1, gate.shape[-1])))
@@ -102,7 +102,15 @@ class CompressedLayer(KeyValueSlidingLayer):
         trash = entries.shape[1] - 1
         slot = torch.where(kept, plan.windows, trash).clamp(max=trash)
         entries.scatter_(1, slot.unsqueeze(-1).expand(-1, -1, pooled.shape[-1]), pooled.to(entries.dtype))
-        return entries
+
+    def push(self, name: str, kv: torch.Tensor, gate: torch.Tensor, real: torch.Tensor) -> None:
+        """Join one new token's (C, Z) (B, 1, ·) to the held last tokens, in the rows where it is real (`real`
+        (B, 1), None: all); the oldest leaves. What `store` keeps after a one-token forward that closes no window."""
+        held = self.tails[name]
+        joined = tuple(torch.cat((old, new), dim=1)[:, 1:] for old, new in zip(held, (kv, gate)))
+        if real is not None:
+            joined = tuple(torch.where(real.unsqueeze(-1), new, old) for new, old in zip(joined, held))
+        self.tails[name] = joined
 
     def _slots(self, name: str, pooled: torch.Tensor) -> torch.Tensor:
         """The entry slots of `name`, grown to the windows the tokens seen so far can have completed (positions
@@ -118,10 +126,13 @@ class CompressedLayer(KeyValueSlidingLayer):
         return held
 
     def entry_windows(self) -> torch.Tensor:
-        """(1, S) the window index of each slot (the last, which takes what is dropped, none)."""
+        """(1, S) the window index of each slot (the last, which takes what is dropped, none); made again only
+        when the slots grow."""
         slots = next(iter(self.entries.values())).shape[1]
-        windows = torch.arange(slots, device=self.keys.device)
-        return windows.masked_fill(windows == slots - 1, NEVER).unsqueeze(0)
+        if self._entry_windows is None or self._entry_windows.shape[1] != slots:
+            windows = torch.arange(slots, device=self.keys.device)
+            self._entry_windows = windows.masked_fill(windows == slots - 1, NEVER).unsqueeze(0)
+        return self._entry_windows
 
     def completed_windows(self) -> int:
         """Entries the windows completed so far hold per sequence, at most (for `payload_bytes`)."""

@@ -59,9 +59,14 @@ def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
 def sinkhorn(matrix: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
     """Column, then alternately row and column normalisations (`iterations` of each in all), as DeepSeek-V4."""
     matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iterations - 1):
-        matrix = matrix / (matrix.sum(dim=-1, keepdim=True) + eps)
-        matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
+    if matrix.requires_grad:  # training: autograd keeps each step's input
+        for _ in range(iterations - 1):
+            matrix = matrix / (matrix.sum(dim=-1, keepdim=True) + eps)
+            matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
+        return matrix
+    for _ in range(iterations - 1):  # the same operations in one buffer (a decode step runs 2 per layer)
+        matrix.div_(matrix.sum(dim=-1, keepdim=True).add_(eps))
+        matrix.div_(matrix.sum(dim=-2, keepdim=True).add_(eps))
     return matrix
 
 

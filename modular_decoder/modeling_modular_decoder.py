@@ -365,16 +365,12 @@ class ModularDecoderModel(ModularDecoderPreTrainedModel):
         mask_cache = self._mask_cache(cache, past_seen)
         if attention_mask is None:
             attention_mask = self._static_cache_mask(inputs_embeds, mask_cache, past_seen)
-        return {
-            layer_type: MASK_BUILDERS[layer_type](
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=packed_positions,
-                **with_cache(mask_cache),
-            )
-            for layer_type in {t for layer_type in set(self.config.layer_types) for t in mixer_layer_types(layer_type)}
-        }
+        layer_types = {t for layer_type in set(self.config.layer_types) for t in mixer_layer_types(layer_type)}
+        # one mask per builder: layer types that share one (a window on compressed layers too) share its mask
+        built = {builder: builder(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                  position_ids=packed_positions, **with_cache(mask_cache))
+                 for builder in {MASK_BUILDERS[layer_type] for layer_type in layer_types}}
+        return {layer_type: built[MASK_BUILDERS[layer_type]] for layer_type in layer_types}
 
     @staticmethod
     def _mask_cache(cache, past_seen) -> Cache | None:

@@ -69,12 +69,15 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = config.rope_interleaved
         self.nested = config.rope_is_nested
         if self.nested:
-            self.rope_type = {}
+            self.rope_type, self.table_of, tables = {}, {}, {}
             for layer_type in sorted(attending_layer_types(config.layer_types)):
                 params = config.rope_parameters[layer_type]
                 self.rope_type[layer_type] = params["rope_type"]
                 type_config = copy.copy(rope_config)  # a layer type may have its own head width (Gemma 4's global)
                 type_config.head_dim = config.attention_kind.rope_head_dim(config, layer_type)
+                # layer types of equal parameters and width read one table, computed once a forward
+                self.table_of[layer_type] = tables.setdefault(repr((sorted(params.items()), type_config.head_dim)),
+                                                              layer_type)
                 inv_freq, scaling = self._init_fn(params["rope_type"])(type_config, None, layer_type=layer_type)
                 self.register_buffer(f"{layer_type}_inv_freq", inv_freq, persistent=False)
                 self.register_buffer(f"{layer_type}_original_inv_freq", inv_freq.clone(), persistent=False)
@@ -109,7 +112,8 @@ class RotaryEmbedding(nn.Module):
         if not self.nested:
             shared = for_heads(self(x, position_ids))
             return {layer_type: shared for layer_type in attending}
-        return {layer_type: for_heads(self(x, position_ids, layer_type)) for layer_type in attending}
+        computed = {t: for_heads(self(x, position_ids, t)) for t in {self.table_of[t] for t in attending}}
+        return {layer_type: computed[self.table_of[layer_type]] for layer_type in attending}
 
 
 def longrope_switch_length(config) -> int | None:

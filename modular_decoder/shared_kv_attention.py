@@ -30,8 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import linear_parameters
 from .attention_layer import AttentionLayer
-from .compressed_attention import (COMPRESSED_LAYER_TYPES, COMPRESSED_SPARSE, WindowCompression, documents,
-                                   real_tokens)
+from .compressed_attention import COMPRESSED_LAYER_TYPES, COMPRESSED_SPARSE, WindowCompression, real_tokens
 from .compressed_cache import ROLLBACK_ERROR, CompressedLayer, KeyValueLayer, KeyValueSlidingLayer
 from .eager_attention import eager_attention, explicit_mask
 from .kinds import AttentionKind, require_int
@@ -149,8 +148,7 @@ class SharedKVAttention(AttentionLayer):
         if self.compressor is not None:
             real = real_tokens(attention_mask, seq, batch, hidden_states.device)
             layer = cache.layers[self.layer_idx] if cache is not None else None
-            entries = self.compressor(hidden_states, real, positions, documents(positions), layer,
-                                      position_embeddings is not None)
+            entries = self.compressor(hidden_states, real, positions, layer, position_embeddings is not None)
         out, weights = self._attend(q, kv, attention_mask, entries, q_latent, hidden_states, positions,
                                     position_embeddings, kwargs)  # (B, T, H, D)
         if position_embeddings is not None:  # the values' rotation undone at the query's position
@@ -192,7 +190,7 @@ class SharedKVAttention(AttentionLayer):
         implementation = self.config._attn_implementation
         window = as_keep(explicit_mask(attention_mask, q_len, kv_len, self.sliding_window, implementation))
         eager = implementation == "eager"
-        if entries is not None and not eager and q_len == 1 and entries.index_keys is not None:
+        if entries is not None and not eager and q_len == 1 and self._ranks(entries):
             return self._gathered_step(q, kv, window, entries, q_latent, hidden_states, positions,
                                        position_embeddings, kwargs)
         block = q_len if eager else self._query_block(batch, kv_len, entries)
@@ -231,11 +229,16 @@ class SharedKVAttention(AttentionLayer):
     def _entry_keep(self, entries, rows: slice, q_latent, hidden_states, positions, position_embeddings):
         """(B, t, E): the entries the queries `rows` attend to, the visible ones (CSA: those of them chosen)."""
         visible = entries.visible(positions[:, rows], rows)
-        if entries.index_keys is None:
+        if not self._ranks(entries):
             return visible
         chosen = self._chosen(entries, rows, visible, q_latent, hidden_states, position_embeddings)
         selected = torch.zeros_like(visible).scatter_(-1, chosen, True)
         return visible & selected
+
+    def _ranks(self, entries) -> bool:
+        """Whether CSA's indexer has a choice to make: it keeps `index_topk` entries, so with no more entry slots
+        than that it keeps every visible one, and the attention reads the visible entries as HCA does."""
+        return entries.index_keys is not None and entries.values.shape[1] > self.compressor.indexer.top_k
 
     def _chosen(self, entries, rows, visible, q_latent, hidden_states, position_embeddings) -> torch.Tensor:
         """The indexer's picks (B, t, k) for the queries `rows` among the visible entries."""

@@ -84,6 +84,68 @@ def test_cache_in_steps_equals_the_whole_forward_and_transformers(pair, backend)
     assert cache.payload_bytes() > 0
 
 
+def _their_steps(source, prompt, tokens):
+    """transformers' logits for `prompt` (1, T) and then each of `tokens` (n,) one at a time through its own cache."""
+    out = source(prompt, use_cache=True)
+    logits, cache = [out.logits[0]], out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    for token in tokens:
+        out = source(token.view(1, 1), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        logits.append(out.logits[0])
+    return torch.cat(logits)
+
+
+def _decode_steps(ours, ids, mask, tokens):
+    """Our logits for a prefill of `ids` and then one step per column of `tokens`, through our cache."""
+    cache, width = ModularDecoderCache(ours.config), ids.shape[1]
+    full = torch.cat([mask, torch.ones_like(tokens)], dim=1)
+    logits = [ours(ids, attention_mask=mask, cache=cache, use_cache=True).logits]
+    for step in range(tokens.shape[1]):
+        columns = width + step + 1
+        logits.append(ours(tokens[:, step:step + 1], attention_mask=full[:, :columns], cache=cache,
+                           use_cache=True).logits)
+    return torch.cat(logits, dim=1), cache
+
+
+@pytest.mark.parametrize(("backend", "top_k"), [("eager", 3), ("sdpa", 3), ("sdpa", 64)])
+def test_decode_across_windows_of_a_left_padded_batch(pair, backend, top_k, monkeypatch):
+    """Ten one-token steps of a left-padded batch (windows of 2 and 4 completing at other steps in each row, as
+    their positions differ) give the uncached forward's logits and, per row, transformers' through its own cache;
+    steps that complete no window pool nothing, and give what pooling at every step gives. With an indexer keeping
+    more entries than there are (`top_k` 64), every visible entry is read without ranking, as ranking would keep."""
+    from modular_decoder.compressed_attention import Compressor, WindowCompression
+
+    source, ours, _ = pair
+    ours.config._attn_implementation = backend
+    for theirs, mine in zip(source.model.layers, ours.model.layers):
+        if mine.self_attn.compressor is not None and mine.self_attn.compressor.indexer is not None:
+            monkeypatch.setattr(theirs.self_attn.compressor.indexer, "index_topk", top_k)
+            monkeypatch.setattr(mine.self_attn.compressor.indexer, "top_k", top_k)
+    ids, mask, pad = left_padded()
+    tokens = torch.randint(1, ours.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    pools = []
+    monkeypatch.setattr(Compressor, "pool", lambda self, *a, _pool=Compressor.pool: pools.append(1) or _pool(self, *a))
+    with torch.no_grad():
+        whole = ours(torch.cat([ids, tokens], 1), attention_mask=torch.cat([mask, torch.ones_like(tokens)], 1)).logits
+        pools.clear()
+        stepped, cache = _decode_steps(ours, ids, mask, tokens)
+        theirs = [_their_steps(source, prompt, row) for prompt, row in ((LONG, tokens[0]), (SHORT, tokens[1]))]
+        # a window closes in a row at positions p with p + 1 divisible by the rate: 13.., and 8.. in the padded row
+        steps = {rate: sum(any((p + 1) % rate == 0 for p in (13 + i, 8 + i)) for i in range(10)) for rate in (2, 4)}
+        assert len(pools) == 2 + 3 + 2 * 2 * steps[2] + steps[4]  # prefill (CSA: 2 streams), then closing steps
+        monkeypatch.setattr(WindowCompression, "_completes_a_window", lambda self, real, positions: True)
+        every_step, every_cache = _decode_steps(ours, ids, mask, tokens)
+    torch.testing.assert_close(stepped[0], whole[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(stepped[1, pad:], whole[1, pad:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(stepped[0], theirs[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(stepped[1, pad:], theirs[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(stepped, every_step, atol=0, rtol=0)
+    for layer, every in zip(cache.layers, every_cache.layers):
+        for name, tail in getattr(layer, "tails", {}).items():
+            assert all(torch.equal(a, b) for a, b in zip(tail, every.tails[name]))
+            assert torch.equal(layer.entries[name][:, :-1], every.entries[name][:, :-1])  # (the last: dropped ones)
+
+
 def test_beam_search_equals_transformers(pair):
     """Beam search reorders the compressed caches' tails and entries as transformers' reorders its own."""
     source, ours, _ = pair
