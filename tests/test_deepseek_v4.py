@@ -132,7 +132,8 @@ def test_decode_across_windows_of_a_left_padded_batch(pair, backend, top_k, monk
         theirs = [_their_steps(source, prompt, row) for prompt, row in ((LONG, tokens[0]), (SHORT, tokens[1]))]
         # a window closes in a row at positions p with p + 1 divisible by the rate: 13.., and 8.. in the padded row
         steps = {rate: sum(any((p + 1) % rate == 0 for p in (13 + i, 8 + i)) for i in range(10)) for rate in (2, 4)}
-        assert len(pools) == 2 + 3 + 2 * 2 * steps[2] + steps[4]  # prefill (CSA: 2 streams), then closing steps
+        # pools per forward: 2 streams in each of the 2 CSA layers (rate 2), 1 in the HCA layer (rate 4)
+        assert len(pools) == 2 * 2 + 1 + 2 * 2 * steps[2] + steps[4]  # the prefill, then the steps that close one
         monkeypatch.setattr(WindowCompression, "_completes_a_window", lambda self, real, positions: True)
         every_step, every_cache = _decode_steps(ours, ids, mask, tokens)
     torch.testing.assert_close(stepped[0], whole[0], atol=1e-5, rtol=0)
