@@ -81,7 +81,6 @@ class CompressedLayer(KeyValueSlidingLayer):
         self.rate, self.tail_length = rate, tail_length
         self.tails: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.entries: dict[str, torch.Tensor] = {}  # name -> (B, slots + 1, D): the last slot takes what is dropped
-        self._entry_windows: torch.Tensor | None = None
 
     def with_tail(self, name: str, kv: torch.Tensor, gate: torch.Tensor, tail: int):
         """The held last tokens' (C, Z) before the new ones', (B, tail + T, ·); nothing held yet: zeros with gates
@@ -126,13 +125,10 @@ class CompressedLayer(KeyValueSlidingLayer):
         return held
 
     def entry_windows(self) -> torch.Tensor:
-        """(1, S) the window index of each slot (the last, which takes what is dropped, none); made again only
-        when the slots grow."""
+        """(1, S) the window index of each slot (the last, which takes what is dropped, none)."""
         slots = next(iter(self.entries.values())).shape[1]
-        if self._entry_windows is None or self._entry_windows.shape[1] != slots:
-            windows = torch.arange(slots, device=self.keys.device)
-            self._entry_windows = windows.masked_fill(windows == slots - 1, NEVER).unsqueeze(0)
-        return self._entry_windows
+        windows = torch.arange(slots, device=self.keys.device)
+        return windows.masked_fill(windows == slots - 1, NEVER).unsqueeze(0)
 
     def completed_windows(self) -> int:
         """Entries the windows completed so far hold per sequence, at most (for `payload_bytes`)."""
