@@ -443,7 +443,9 @@ def hybrid_section(run: dict) -> str:
         f"From {first['context']:,} to {last['context']:,} cached tokens the linear layer's step changes "
         f"{growth['linear_attention']:.2f}x and its cache not at all (a state per sequence); the full-attention "
         f"layer's step {growth['full_attention']:.2f}x and its cache "
-        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x.",
+        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x. The drafting rows run "
+        "random weights, whose drafts are seldom kept: they show what drafting costs; what it gains on hybrids trained "
+        "to copy is measured in [Prompt lookup on trained hybrids](#prompt-lookup-on-trained-hybrids-cpu-fp32-batch-1).",
     ])
 
 
@@ -536,7 +538,9 @@ def mixers_section(run: dict | None) -> str:
         report(run), "",
         f"From {first['context']:,} to {last['context']:,} cached tokens each layer's step changes: {growth}; the "
         "mixers' caches not at all (a state per sequence), the full-attention layer's "
-        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x.",
+        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x. The drafting rows run "
+        "random weights, whose drafts are seldom kept: they show what drafting costs; what it gains on hybrids trained "
+        "to copy is measured in [Prompt lookup on trained hybrids](#prompt-lookup-on-trained-hybrids-cpu-fp32-batch-1).",
     ])
 
 
