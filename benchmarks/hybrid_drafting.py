@@ -25,9 +25,11 @@ warm-up round. A case's tokens/s is new tokens over the seconds of the whole `ge
 median over repeats per prompt, then the median over prompts; its speed-up, the median over prompts of that ratio
 to the same side's plain decoding. The drafted tokens and those kept are counted on transformers'
 `PromptLookupCandidateGenerator` (`mixers.CountingDrafts`) over every prompt; every case's tokens are compared with
-its side's plain greedy tokens and with ours plain (prompt lookup must give greedy's tokens); `copied` is the share
-of ours' plain new tokens equal to the token one cycle (40 tokens) before, what a perfect copier writes. `--smoke`:
-hidden 32, vocabulary 64, 4 training steps of 2 x 32 tokens, two prompts of 28 tokens, 8 new tokens.
+its side's plain greedy tokens and with ours plain (prompt lookup must give greedy's tokens). What ours writes:
+`copied`, the share of its plain new tokens equal to the token one cycle (40 tokens) before (the cycle continued in
+step, as a perfect copier writes it), and `repeated`, the share that follow their two preceding tokens as somewhere
+earlier in the text (spans copied from anywhere: a jump within the cycle, a loop). `--smoke`: hidden 32, vocabulary
+64, 4 training steps of 2 x 32 tokens, two prompts of 28 tokens, 8 new tokens.
 """
 
 from __future__ import annotations
@@ -169,10 +171,24 @@ def decode_case(model, prompt: torch.Tensor, new_tokens: int, kwargs: dict):
 
 
 def copied_share(prompt: torch.Tensor, tokens: list[int], period: int) -> float:
-    """The share of `tokens` (continuing `prompt`) equal to the token one `period` before it."""
+    """The share of `tokens` (continuing `prompt`) equal to the token one `period` before it: the cycle continued in
+    step."""
     text = prompt[0].tolist() + tokens
     start = len(prompt[0])
     return sum(text[i] == text[i - period] for i in range(start, len(text))) / len(tokens)
+
+
+def repeated_share(prompt: torch.Tensor, tokens: list[int]) -> float:
+    """The share of `tokens` (continuing `prompt`) that follow their two preceding tokens as those were followed
+    somewhere earlier in the text: spans copied from anywhere before (a jump within the cycle, a loop), which
+    prompt lookup drafts as well."""
+    text = prompt[0].tolist() + tokens
+    seen = {(text[j - 2], text[j - 1], text[j]) for j in range(2, len(prompt[0]))}
+    repeated = 0
+    for i in range(len(prompt[0]), len(text)):
+        repeated += (text[i - 2], text[i - 1], text[i]) in seen
+        seen.add((text[i - 2], text[i - 1], text[i]))
+    return repeated / len(tokens)
 
 
 def summarize(runs: list[dict], prompts: list[torch.Tensor], period: int) -> dict:
@@ -195,6 +211,8 @@ def summarize(runs: list[dict], prompts: list[torch.Tensor], period: int) -> dic
         }
     per_case["ours"]["copied"] = statistics.mean(copied_share(p, run["ours"][0]["tokens"], period)
                                                  for p, run in zip(prompts, runs))
+    per_case["ours"]["repeated"] = statistics.mean(repeated_share(p, run["ours"][0]["tokens"])
+                                                   for p, run in zip(prompts, runs))
     return per_case
 
 

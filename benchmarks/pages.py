@@ -558,8 +558,11 @@ def hybrid_drafting_section(run: dict | None) -> str:
         f"{name} ({LAYOUTS[name][1]}, {row['model']['parameters'] / 1e6:.2f}M parameters): loss "
         f"{row['model']['loss_first']:.2f} to {row['model']['loss_last']:.2f} in {row['model']['cpu_seconds']:.0f} CPU "
         f"s, held-out copy loss {row['model']['copy_loss_before']:.2f} to {row['model']['copy_loss_after']:.3f}, "
-        f"{row['cases']['ours']['copied']:.0%} of its greedy tokens copy the prompt's cycle, largest logit difference "
-        f"ours / transformers {row['model']['max_logit_diff']:.1e}" for name, row in layouts.items())
+        f"{row['cases']['ours']['copied']:.0%} of its greedy tokens continue the prompt's cycle in step"
+        + (f" and {row['cases']['ours']['repeated']:.0%} repeat a span from earlier in the text (a jump, a loop)"
+           if "repeated" in row["cases"]["ours"] else "")
+        + f", largest logit difference ours / transformers {row['model']['max_logit_diff']:.1e}"
+        for name, row in layouts.items())
     return "\n".join(lines + [
         *command_block(run),
         f"Small 3:1 hybrids (hidden {sizes['hidden_size']}, vocabulary {sizes['vocab_size']:,}, four layers: three "
