@@ -114,7 +114,9 @@ def drafting(model, new_tokens: int, repeats: int, piece: int = 64) -> dict:
     """Greedy decoding of `new_tokens` after an input-grounded prompt, plain and with prompt lookup, alternating:
     tokens/s of each, whether their tokens are equal, and the share of drafted tokens kept."""
     prompt = grounded_tokens(model.config.vocab_size, torch.Generator().manual_seed(1), piece, 16, 2 * piece + 16)
-    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    # the mask says every prompt token is text: without it `generate` reads the ids equal to `pad_token_id` as padding
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(prompt))
     cases = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}}
     tokens, kept = {}, []
 
