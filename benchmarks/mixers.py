@@ -113,11 +113,10 @@ def one_layer_models(smoke: bool) -> dict:
 def drafting(model, new_tokens: int, repeats: int, piece: int = 64) -> dict:
     """Greedy decoding of `new_tokens` after an input-grounded prompt, plain and with prompt lookup, alternating:
     tokens/s of each, whether their tokens are equal, and the share of drafted tokens kept."""
-    generator = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size
-    text = torch.randint(0, vocab, (1, piece), generator=generator)
-    prompt = torch.cat([text, torch.randint(0, vocab, (1, 16), generator=generator), text], dim=1)
-    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    prompt = grounded_tokens(model.config.vocab_size, torch.Generator().manual_seed(1), piece, 16, 2 * piece + 16)
+    # the mask says every prompt token is text: without it `generate` reads the ids equal to `pad_token_id` as padding
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(prompt))
     cases = {"plain": {}, "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}}
     tokens, kept = {}, []
 
@@ -139,6 +138,14 @@ def drafting(model, new_tokens: int, repeats: int, piece: int = 64) -> dict:
             "tokens_per_s": rates, "median_tokens_per_s": {n: statistics.median(v) for n, v in rates.items()},
             "median_ratio": statistics.median(d / p for d, p in zip(rates["prompt_lookup"], rates["plain"])),
             "drafted_tokens_kept": kept}
+
+
+def grounded_tokens(vocab: int, generator: torch.Generator, piece: int, others: int, length: int) -> torch.Tensor:
+    """(1, length) random tokens: a piece of `piece` tokens and `others` tokens after it, repeated (text that a model
+    which copies continues, and prompt lookup drafts from)."""
+    cycle = torch.cat([torch.randint(0, vocab, (1, piece), generator=generator),
+                       torch.randint(0, vocab, (1, others), generator=generator)], dim=1)
+    return cycle.repeat(1, -(-length // cycle.shape[1]))[:, :length]
 
 
 class CountingDrafts:

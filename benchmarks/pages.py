@@ -443,7 +443,9 @@ def hybrid_section(run: dict) -> str:
         f"From {first['context']:,} to {last['context']:,} cached tokens the linear layer's step changes "
         f"{growth['linear_attention']:.2f}x and its cache not at all (a state per sequence); the full-attention "
         f"layer's step {growth['full_attention']:.2f}x and its cache "
-        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x.",
+        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x. The drafting rows run "
+        "random weights, whose drafts are seldom kept: they show what drafting costs; what it gains on hybrids trained "
+        "to copy is measured in [Prompt lookup on trained hybrids](#prompt-lookup-on-trained-hybrids-cpu-fp32-batch-1).",
     ])
 
 
@@ -536,7 +538,47 @@ def mixers_section(run: dict | None) -> str:
         report(run), "",
         f"From {first['context']:,} to {last['context']:,} cached tokens each layer's step changes: {growth}; the "
         "mixers' caches not at all (a state per sequence), the full-attention layer's "
-        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x.",
+        f"{last['cache_bytes']['full_attention'] / first['cache_bytes']['full_attention']:.0f}x. The drafting rows run "
+        "random weights, whose drafts are seldom kept: they show what drafting costs; what it gains on hybrids trained "
+        "to copy is measured in [Prompt lookup on trained hybrids](#prompt-lookup-on-trained-hybrids-cpu-fp32-batch-1).",
+    ])
+
+
+# --- benchmarks/results_hybrid_drafting.json: `python -m benchmarks hybrid_drafting --out ...` --------------------
+
+def hybrid_drafting_section(run: dict | None) -> str:
+    lines = ["## Prompt lookup on trained hybrids (CPU, fp32, batch 1)", ""]
+    if run is None:
+        return not_recorded(lines, "hybrid_drafting", "results_hybrid_drafting.json")
+    from .hybrid_drafting import LAYOUTS, report  # the table, as the benchmark prints it
+
+    sizes, layouts = run["sizes"], run["layouts"]
+    made = next(iter(layouts.values()))["model"]
+    trained = "; ".join(
+        f"{name} ({LAYOUTS[name][1]}, {row['model']['parameters'] / 1e6:.2f}M parameters): loss "
+        f"{row['model']['loss_first']:.2f} to {row['model']['loss_last']:.2f} in {row['model']['cpu_seconds']:.0f} CPU "
+        f"s, held-out copy loss {row['model']['copy_loss_before']:.2f} to {row['model']['copy_loss_after']:.3f}, "
+        f"{row['cases']['ours']['copied']:.0%} of its greedy tokens continue the prompt's cycle in step"
+        + (f" and {row['cases']['ours']['repeated']:.0%} repeat a span from earlier in the text (a jump, a loop)"
+           if "repeated" in row["cases"]["ours"] else "")
+        + f", largest logit difference ours / transformers {row['model']['max_logit_diff']:.1e}"
+        for name, row in layouts.items())
+    return "\n".join(lines + [
+        *command_block(run),
+        f"Small 3:1 hybrids (hidden {sizes['hidden_size']}, vocabulary {sizes['vocab_size']:,}, four layers: three "
+        "recurrent, then one full-attention layer) made by transformers' class, converted, and trained in the run "
+        f"({made['steps']} AdamW steps of {made['batch']} x {made['length']} tokens, lr {made['learning_rate']}, "
+        "seeded, fp32) to continue random text in which a piece and the tokens after it recur; then exported back to the "
+        "family's format and loaded by transformers' class (`benchmarks/hybrid_drafting.py` says how). "
+        f"{len(next(iter(layouts.values()))['cases']['ours']['per_prompt_tokens_per_s'])} held-out prompts of "
+        f"{run['prompt_tokens']} tokens (a random piece of {run['prompt_piece']}, {run['prompt_others']} others, the "
+        f"piece again), {run['new_tokens']} greedy tokens each, every case alternating in one process "
+        f"({run['repeats']} repeats, {_threads(run)} torch thread(s)); tok/s is new tokens over the whole `generate` "
+        "call, the median over prompts, as are \"ours / transformers\" and \"vs plain\" (against the same side's "
+        "plain decoding); \"same tokens as greedy\": the case's tokens equal its side's plain greedy tokens and ours "
+        "on every prompt.", "",
+        report(run), "",
+        f"The models: {trained}.",
     ])
 
 
@@ -893,6 +935,7 @@ SECTIONS = (
     Section(("results_topologies.json",), topologies_section),
     Section(("results_mixers.json",), mixers_section, optional=True),
     Section(("results_mamba2.json",), mamba2_section),
+    Section(("results_hybrid_drafting.json",), hybrid_drafting_section, optional=True),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
     Section(("results_split_slices.json",), split_slices_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),

@@ -75,6 +75,10 @@ BENCHMARKS = (
               "Gated DeltaNet, Kimi Linear's KDA): prefill and decode against each transformers class, one decode step "
               "of each mixer beside full attention from 1k to 16k cached tokens, prompt lookup against plain decoding "
               "on each family, state bytes against K/V bytes", "results_mixers.json"),
+    Benchmark("hybrid_drafting", "hybrid_drafting", "prompt lookup on small 3:1 hybrids (Gated DeltaNet, LFM2's short "
+              "convolution) trained in the run to copy: greedy decoding of input-grounded prompts plain and with prompt "
+              "lookup, ours against each transformers class with the same weights (tokens/s, drafts kept, the same "
+              "tokens)", "results_hybrid_drafting.json"),
     Benchmark("mamba2", "mamba2", "the Mamba-2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1): prefill and "
               "decode against each transformers class, and one decode step of a Mamba-2 layer beside a full-attention "
               "layer from 1k to 16k cached tokens (time, state bytes against KV bytes)", "results_mamba2.json"),

@@ -13,9 +13,8 @@ from .core import (Family, RuleInstance, check_duplicate, check_shapes, count_mt
 from .gguf_source import open_gguf
 from .io import atomic_folder, check_destination, copy_side_files
 from .multimodal import (KEPT_FOLDER, WRAPPERS, KeptRelease, OpenedRelease, check_fits, check_wrapper_builds, copy_plan,
-                         copy_release_files, describe_ids_embedded_apart, effective_tie, ids_embedded_apart, open_kept,
-                         open_release, parameters, parsed_config, release_config, with_kept_tensors, write_manifest,
-                         write_release_files)
+                         copy_release_files, effective_tie, open_kept, open_release, parameters, parsed_config,
+                         release_config, text_differences, with_kept_tensors, write_manifest, write_release_files)
 from .sources import (SourceTensor, dequantized, describe_quantization, folder_tensors, model_tensors,
                       quantization_of)
 from .stream import Sink, plan_shapes, produce, write_plan
@@ -345,9 +344,7 @@ def _card_description(base_model: str | None, quantization: dict | None, dtype: 
                  f"kept as published in `{KEPT_FOLDER}/`")
         text += "." if quantization is not None else \
             f"; `modular-decoder export THIS BACK --family {release.wrapper.model_type}` writes the release back."
-        apart = ids_embedded_apart(release.wrapper, release.config)
-        if apart:
-            text += " " + describe_ids_embedded_apart(release.wrapper, apart)
+        text += "".join(" " + sentence for sentence in text_differences(release.wrapper, release.config))
     if dropped:
         text += f" Not converted: {'; '.join(dropped)}."
     return text

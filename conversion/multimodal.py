@@ -66,6 +66,10 @@ class Wrapper:
             `embed_audio`: its image and audio tokens), not through the language model's table. The converted model
             embeds them through its table, as the text class does; `convert` names them in a warning, the manifest
             and the model card.
+        read_as_pad: Config fields naming placeholder token ids (Gemma 4's image, video and audio tokens) that the
+            wrapper class embeds as the text config's pad token, in the embedding and the per-layer inputs, before
+            its encoders' features take their place. The converted model embeds them through their own rows, as the
+            text class does; `convert` names them in a warning, the manifest and the model card.
         builds_with: Python packages transformers needs to build the wrapper class (Gemma 3n's vision tower is timm's
             MobileNetV5): `--verify`, which runs the wrapper class, is refused by name without them.
     """
@@ -75,6 +79,7 @@ class Wrapper:
     layouts: tuple[dict[str, str], ...]
     unapplied: tuple[str, ...] = ()
     embedded_apart: tuple[str, ...] = ()
+    read_as_pad: tuple[str, ...] = ()
     builds_with: tuple[str, ...] = ()
 
 
@@ -84,7 +89,8 @@ WRAPPERS: dict[str, Wrapper] = {
     # Mistral Small 3.1 / 3.2 (`mistral`), Ministral 3 (`ministral3`)
     "mistral3": Wrapper("mistral3", ("mistral", "ministral3"), (LLAVA, MODULES)),
     "qwen3_5_moe": Wrapper("qwen3_5_moe", ("qwen3_5_moe_text",), (QWEN3_5,)),
-    "gemma4": Wrapper("gemma4", ("gemma4_text",), (MODULES,)),
+    "gemma4": Wrapper("gemma4", ("gemma4_text",), (MODULES,),
+                      read_as_pad=("image_token_id", "video_token_id", "audio_token_id")),
     "llama4": Wrapper("llama4", ("llama4_text",), (LLAVA,)),
     "gemma3n": Wrapper("gemma3n", ("gemma3n_text",), (MODULES,), embedded_apart=("vision_config", "audio_config"),
                        builds_with=("timm",)),
@@ -137,9 +143,8 @@ def open_release(src: Path, config, files: dict[str, SourceTensor]) -> OpenedRel
         else:
             text_name = layout[prefix] + name[len(prefix):]
             language_model[text_name] = dataclasses.replace(tensor, name=text_name)
-    apart = ids_embedded_apart(wrapper, config)
-    if apart:
-        logger.warning(f"{src}: {describe_ids_embedded_apart(wrapper, apart)}")
+    for sentence in text_differences(wrapper, config):
+        logger.warning(f"{src}: {sentence}")
     return OpenedRelease(src, wrapper, config, text, layout, language_model, kept)
 
 
@@ -153,12 +158,37 @@ def ids_embedded_apart(wrapper: Wrapper, config) -> dict[str, list[int]]:
     return ranges
 
 
-def describe_ids_embedded_apart(wrapper: Wrapper, ranges: dict[str, list[int]]) -> str:
-    """One sentence for the convert warning and the model card: which ids the converted model embeds otherwise."""
-    spans = " and ".join(f"{first}-{end - 1} (`{name}`)" for name, (first, end) in ranges.items())
-    return (f"{wrapper.model_type}'s wrapper class embeds token ids {spans} through embedders of its own, kept in "
-            f"`{KEPT_FOLDER}/`; the converted language model embeds them through its own table, as its text class "
-            "does (its logits are the wrapper's on every other id).")
+def ids_read_as_pad(wrapper: Wrapper, config) -> dict[str, int]:
+    """{config field: token id} of the placeholders release `config`'s wrapper class embeds as its pad token
+    (`Wrapper.read_as_pad`), for the fields the release sets."""
+    ids = {name: getattr(config, name, None) for name in wrapper.read_as_pad}
+    return {name: token for name, token in ids.items() if token is not None}
+
+
+def text_differences(wrapper: Wrapper, config) -> list[str]:
+    """Sentences for the convert warning and the model card: the token ids on which the converted language model
+    computes other logits than the release's wrapper class, and why."""
+    sentences = []
+    apart = ids_embedded_apart(wrapper, config)
+    if apart:
+        spans = " and ".join(f"{first}-{end - 1} (`{name}`)" for name, (first, end) in apart.items())
+        sentences.append(f"{wrapper.model_type}'s wrapper class embeds token ids {spans} through embedders of its "
+                         f"own, kept in `{KEPT_FOLDER}/`; the converted language model embeds them through its own "
+                         "table, as its text class does (its logits are the wrapper's on every other id).")
+    as_pad = ids_read_as_pad(wrapper, config)
+    if as_pad:
+        ids = ", ".join(f"{token} (`{name}`)" for name, token in as_pad.items())
+        sentences.append(f"{wrapper.model_type}'s wrapper class embeds the placeholder token ids {ids} as its pad "
+                         "token; the converted language model embeds them through their own rows, as its text class "
+                         "does (its logits are the wrapper's on every other id).")
+    return sentences
+
+
+def text_difference_ids(wrapper: Wrapper, config) -> dict:
+    """The manifest's entries for `text_differences`: `ids_embedded_apart` and `ids_read_as_pad`, where set."""
+    entries = {"ids_embedded_apart": ids_embedded_apart(wrapper, config),
+               "ids_read_as_pad": ids_read_as_pad(wrapper, config)}
+    return {key: value for key, value in entries.items() if value}
 
 
 def check_wrapper_builds(wrapper: Wrapper) -> None:
@@ -230,13 +260,12 @@ def copy_release_files(src: Path, folder: Path, read_files) -> None:
 def write_manifest(folder: Path, release: OpenedRelease, family: str, cfg) -> None:
     """`modular_decoder.json`: which release, which text family, where its files keep the language model, the
     contract it converted to (export compares the model it writes back with it), and the token ids the wrapper class
-    embeds apart where it does."""
+    embeds otherwise than the language model does, where it does."""
     values = cfg.to_dict()
     contract = {name: values[name] for name in type(cfg).declared_fields() if name in values}
     manifest = {"release": release.wrapper.model_type, "text_family": family, "language_model": release.layout,
                 "contract": contract}
-    if release.wrapper.embedded_apart:
-        manifest["ids_embedded_apart"] = ids_embedded_apart(release.wrapper, release.config)
+    manifest.update(text_difference_ids(release.wrapper, release.config))
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 

@@ -604,6 +604,40 @@ def test_mixers_smoke_measures_each_family_each_mixer_and_the_presets(tmp_path):
         assert row["same_tokens"] and row["median_tokens_per_s"]["prompt_lookup"] > 0
 
 
+def test_hybrid_drafting_smoke_trains_exports_and_measures_both_sides(capsys, tmp_path):
+    """`python -m benchmarks hybrid_drafting --smoke`: a tiny hybrid trained a few steps, exported to transformers'
+    class with the same logits, each side decoding plain and with prompt lookup the same greedy tokens, drafts
+    counted; the printed table is what the page renders."""
+    from benchmarks import hybrid_drafting, pages
+
+    out = tmp_path / "drafting.json"
+    assert hybrid_drafting.main(["--smoke", "--repeats", "1", "--layouts", "gated_deltanet", "--draft-tokens", "3",
+                                 "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    row = run["layouts"]["gated_deltanet"]
+    assert row["model"]["max_logit_diff"] < 1e-4 and row["model"]["steps"] == 4
+    assert set(row["cases"]) == {"ours", "ours_prompt_lookup_k3", "transformers", "transformers_prompt_lookup_k3"}
+    assert row["cases"]["ours_prompt_lookup_k3"]["drafted"] > 0
+    assert row["cases"]["ours_prompt_lookup_k3"]["same_tokens_as_ours_plain"]
+    assert row["cases"]["transformers"]["same_tokens_as_ours_plain"]
+    assert 0 <= row["cases"]["ours"]["copied"] <= 1 and 0 <= row["cases"]["ours"]["repeated"] <= 1
+    printed = capsys.readouterr().out
+    page = pages.hybrid_drafting_section(run)
+    assert next(line for line in printed.splitlines() if "| prompt lookup, K=3 |" in line) in page
+
+
+def test_hybrid_drafting_counts_the_cycle_continued_and_spans_repeated():
+    """What a trained copier writes after a prompt, counted two ways: the cycle continued in step, and spans repeated
+    from anywhere earlier (a loop counts there, not in the cycle)."""
+    from benchmarks.hybrid_drafting import copied_share, repeated_share
+
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5]])
+    assert copied_share(prompt, [1, 2, 3, 4], 5) == repeated_share(prompt, [1, 2, 3, 4]) == 1
+    loop = [1, 2, 1, 2]  # (5, 1) -> 2 seen, (1, 2) -> 1 not seen until the loop's first round
+    assert copied_share(prompt, loop, 5) == 0.5 and repeated_share(prompt, loop) == 0.5
+    assert repeated_share(prompt, [9, 9, 9, 9]) == 0.25  # (9, 9) -> 9 only once seen
+
+
 def test_mamba2_smoke_measures_each_family_and_both_layer_kinds(tmp_path):
     """`python -m benchmarks mamba2 --smoke`: each Mamba-2 family against its transformers class with the same logits,
     and the decode step of a Mamba-2 layer and a full-attention layer at each context, the state the same size at

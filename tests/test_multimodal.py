@@ -290,6 +290,37 @@ def test_gemma3n_image_and_audio_tokens_embed_through_the_language_models_table(
         assert (got[row, first:] - release[row, first:]).abs().amax(-1).min() > 1e-3  # every position from there
 
 
+def test_gemma4_placeholder_tokens_embed_through_their_own_rows(tmp_path, caplog):
+    """Gemma 4's wrapper embeds its image, video and audio placeholder ids as the text config's pad token (in the
+    embedding and the per-layer inputs); the converted language model embeds them through their own rows, as
+    `Gemma4ForCausalLM` does: its logits are that class's on a prompt holding them, and the wrapper's where the prompt
+    holds the pad token in their place. `convert` says so in a warning, the manifest and the model card."""
+    src = make_release("gemma4", tmp_path / "src")
+    with caplog.at_level(logging.WARNING, logger="modular_decoder.conversion.multimodal"):
+        convert(src, tmp_path / "md", progress=False)
+    said = ("embeds the placeholder token ids 91 (`image_token_id`), 92 (`video_token_id`), 95 (`audio_token_id`) as "
+            "its pad token")
+    assert said in caplog.text and said in (tmp_path / "md" / "README.md").read_text()
+    manifest = json.loads((tmp_path / "md" / KEPT_FOLDER / MANIFEST).read_text())
+    assert manifest["ids_read_as_pad"] == {"image_token_id": 91, "video_token_id": 92, "audio_token_id": 95}
+    assert "ids_embedded_apart" not in manifest
+
+    export(tmp_path / "md", tmp_path / "text", family="gemma4_text", progress=False)
+    text_class = AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
+    assert type(text_class).__name__ == "Gemma4ForCausalLM"
+    release = wrapper(src)
+    pad = release.config.text_config.pad_token_id
+    ids = PROMPT.clone()
+    ids[0, 6], ids[1, 3] = 91, 95  # an image placeholder, an audio placeholder
+    as_pad = torch.where((ids == 91) | (ids == 95), pad, ids)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "md").eval()
+    with torch.no_grad():
+        got = ours(ids).logits
+        torch.testing.assert_close(got, text_class(ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours(as_pad).logits, release(input_ids=ids).logits, atol=1e-5, rtol=0)
+        assert (got - release(input_ids=ids).logits).abs().amax() > 1e-3
+
+
 @pytest.mark.skipif(importlib.util.find_spec("timm") is not None, reason="timm is installed: the wrapper builds")
 def test_verify_of_a_gemma3n_release_without_timm_is_refused_by_name(tmp_path):
     """`--verify` runs the wrapper class, whose vision tower transformers builds through timm."""
