@@ -245,8 +245,9 @@ class WindowCompression(nn.Module):
     def _completes_a_window(self, real, positions) -> bool:
         """Whether a real new token closes a window in some row. A one-token step that closes none pools nothing:
         it only joins the cache's last tokens (transformers' compressors likewise pool once a window is full).
-        (Positions on the meta device hold no values: the general path, which pools what closes.)"""
-        if positions.shape[1] != 1 or positions.is_meta:
+        Positions off the CPU take the general path, which pools what closes: reading them would stall an
+        accelerator's queue once a layer each step (and the meta device holds no values)."""
+        if positions.shape[1] != 1 or positions.device.type != "cpu":
             return True
         closes = (positions + 1) % self.rate == 0
         return bool((closes if real is None else closes & real).any())
