@@ -76,7 +76,6 @@ BATCH, LENGTH = 16, 128
 PIECE, OTHERS = (4, 32), (2, 16)  # training: the piece's and the others' lengths, drawn per sequence
 LEARNING_RATE = 1e-3
 PROMPT_PIECE, PROMPT_OTHERS = 32, 8  # held-out prompts: a cycle of 40 (trained on cycles of 6 to 48)
-SIDES = {"ours": "ours", "transformers": "transformers"}
 
 
 def training_batch(vocab: int, generator: torch.Generator, batch: int, length: int) -> torch.Tensor:
@@ -200,11 +199,11 @@ def summarize(runs: list[dict], prompts: list[torch.Tensor], period: int) -> dic
         medians = [statistics.median(r["tokens_per_s"] for r in run[case]) for run in runs]
         plain = [statistics.median(r["tokens_per_s"] for r in run[side]) for run in runs]
         drafted = sum(run[case][0]["drafted"] for run in runs)
+        kept = sum(run[case][0]["kept"] for run in runs)
         per_case[case] = {
             "tokens_per_s": statistics.median(medians), "per_prompt_tokens_per_s": medians,
             "speedup": statistics.median(m / p for m, p in zip(medians, plain)),
-            "drafted": drafted, "kept": sum(run[case][0]["kept"] for run in runs),
-            "kept_share": sum(run[case][0]["kept"] for run in runs) / drafted if drafted else None,
+            "drafted": drafted, "kept": kept, "kept_share": kept / drafted if drafted else None,
             "same_tokens_as_ours_plain": all(run[case][0]["tokens"] == run["ours"][0]["tokens"] for run in runs),
             "same_tokens_as_its_plain": all(run[case][0]["tokens"] == run[side][0]["tokens"] for run in runs),
             "parted_prompts": sum(run[case][0]["tokens"] != run[side][0]["tokens"] for run in runs),
