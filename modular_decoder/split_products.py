@@ -204,11 +204,11 @@ def is_fx_proxy(x) -> bool:
 def takes_split_branch(layer: nn.Module, x) -> bool:
     """Whether a forward with two branches takes the one through `project` (few-row products split across cores).
 
-    The split is on, torch
-    runs more than one thread, `x` is an fp32 CPU value (not a tracer's proxy) and `layer` (the linear that branch
-    ends with) is bare. The cheap tests come first: with one thread, on an accelerator or in half precision every
-    forward takes the plain branch, with no per-product checks (a decode step has ~7 products a layer). The other branch calls each module plainly
-    (`forward`'s own source is what vLLM's fusers read under its trace)."""
+    The split is on, torch runs more than one thread, `x` is an fp32 CPU value (not a tracer's proxy) and `layer`
+    (the linear that branch ends with) is bare. The cheap tests come first: with one thread, on an accelerator or in
+    half precision every forward takes the plain branch, with no per-product checks (a decode step has ~7 products a
+    layer). The other branch calls each module plainly (`forward`'s own source is what vLLM's fusers read under its
+    trace)."""
     return (
         _enabled and _threads() > 1 and not is_fx_proxy(x) and x.dtype is torch.float32 and x.device.type == "cpu"
         and is_bare_linear(layer) and layer.weight.numel() >= tuning().min_split_weight
