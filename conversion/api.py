@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from .sources import (SourceTensor, dequantized, describe_quantization, folder_t
 from .stream import Sink, plan_shapes, produce, write_plan
 from .tensor_files import WEIGHTS_NAME, ShardedWriter, folder_files
 
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Contract fields that do not change the function a checkpoint computes (compared on export).
 _NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "pad_token_id",
@@ -284,6 +286,8 @@ def export(src_dir, out_dir, family: str, force: bool = False, progress: bool = 
         else:
             write_release_files(kept, release_raw, src, tmp)
         _write_weights(tmp, plan, tensors, cfg, planned, sinks, total, None, f"exporting {family}", progress)
+    for sentence in fam.export_warnings(src_cfg) if fam.export_warnings else ():
+        logger.warning(f"{out}: {sentence}")
     return out
 
 

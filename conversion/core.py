@@ -449,6 +449,9 @@ class Family:
             export gives back the file's name only in those layers (OLMo hybrid's files name a linear layer's norms
             otherwise than an attention layer's, Kimi Linear's a sparse layer's MLP otherwise than a dense one's,
             which their models name alike).
+        export_warnings: The exported family config -> sentences `export` logs as warnings: where an engine serving
+            the family's format natively computes otherwise than transformers' class with this model (vLLM's LFM2
+            ties its head to the embedding).
     """
 
     name: str
@@ -471,6 +474,7 @@ class Family:
     refusals: tuple[str, ...] = ()
     split: tuple[SplitTensor, ...] = ()
     renamed_layers: dict[str, str] = field(default_factory=dict)
+    export_warnings: Callable[[Any], list[str]] | None = None
 
 
 def refuse_tensors(names, family: Family) -> None:

@@ -51,23 +51,41 @@ HC_FIELDS = ("hc_mult", "hc_sinkhorn_iters", "hc_eps")
 SINKHORN_ITERS, HC_EPS = 20, 1e-6
 
 
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    """`x` in fp32 (itself when it is already: no cast dispatched, dozens a decode step)."""
+    return x if x.dtype is torch.float32 else x.float()
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype` (itself when it is already)."""
+    return x if x.dtype is dtype else x.to(dtype)
+
+
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, without weight (x in fp32 here)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(fp32(x).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def sinkhorn(matrix: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
-    """Column, then alternately row and column normalisations (`iterations` of each in all), as DeepSeek-V4."""
-    matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
+    """Column, then alternately row and column normalisations (`iterations` of each in all), as DeepSeek-V4:
+    each divides by its sums plus `eps`."""
     if matrix.requires_grad:  # training: autograd keeps each step's input
+        matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
         for _ in range(iterations - 1):
             matrix = matrix / (matrix.sum(dim=-1, keepdim=True) + eps)
             matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
         return matrix
-    for _ in range(iterations - 1):  # the same operations in one buffer (a decode step runs 2 per layer)
-        matrix.div_(matrix.sum(dim=-1, keepdim=True).add_(eps))
-        matrix.div_(matrix.sum(dim=-2, keepdim=True).add_(eps))
-    return matrix
+    # Inference: `eps` rides along as an extra column and row, so one sum gives each normaliser (two operations a
+    # normalisation instead of three, in one buffer; a decode step runs 2 Sinkhorns a layer of tiny tensors, where
+    # each operation's dispatch is the cost). The sums add the same terms, perhaps in another order: fp32 rounding.
+    n = matrix.shape[-1]
+    padded = F.pad(matrix, (0, 1, 0, 1), value=eps)
+    square, rows, columns = padded[..., :n, :n], padded[..., :n, :], padded[..., :n]
+    square.div_(columns.sum(dim=-2, keepdim=True))
+    for _ in range(iterations - 1):
+        square.div_(rows.sum(dim=-1, keepdim=True))
+        square.div_(columns.sum(dim=-2, keepdim=True))
+    return square
 
 
 class HyperConnection(nn.Module):
@@ -90,16 +108,18 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor, branch) -> torch.Tensor:
         """X (B, T, n, d) -> post ⊗ branch(Σ pre_i X_i) + combᵀ X (module docstring)."""
         n, dtype = self.streams, streams.dtype
-        mixes = F.linear(rms_unweighted(streams.flatten(2).float(), self.norm_eps), self.fn.float())
+        mixes = F.linear(rms_unweighted(fp32(streams.flatten(2)), self.norm_eps), fp32(self.fn))
         pre, post, comb = mixes.split([n, n, n * n], dim=-1)
-        pre_base, post_base, comb_base = self.base.float().split([n, n, n * n])
-        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre * pre_scale + pre_base) + self.eps  # (B, T, n)
-        post = 2 * torch.sigmoid(post * post_scale + post_base)  # (B, T, n)
-        comb = torch.softmax(comb.unflatten(-1, (n, n)) * comb_scale + comb_base.view(n, n), dim=-1) + self.eps
-        comb = sinkhorn(comb, self.iterations, self.eps)  # (B, T, n, n)
-        out = branch((pre.unsqueeze(-1) * streams).sum(dim=2).to(dtype))  # (B, T, d)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        pre_base, post_base, comb_base = fp32(self.base).split([n, n, n * n])
+        pre_scale, post_scale, comb_scale = fp32(self.scale).unbind(0)
+        # (addcmul: base + coefficients · scale in one operation; a decode step runs dozens of these tiny ones)
+        pre = torch.sigmoid(torch.addcmul(pre_base, pre, pre_scale)) + self.eps  # (B, T, n)
+        post = 2 * torch.sigmoid(torch.addcmul(post_base, post, post_scale))  # (B, T, n)
+        comb = torch.softmax(torch.addcmul(comb_base.view(n, n), comb.unflatten(-1, (n, n)), comb_scale), dim=-1)
+        comb = sinkhorn(comb + self.eps, self.iterations, self.eps)  # (B, T, n, n)
+        out = branch(cast((pre.unsqueeze(-1) * streams).sum(dim=2), dtype))  # (B, T, d)
+        mixed = torch.matmul(cast(comb, dtype).transpose(-1, -2), streams)
+        return torch.addcmul(mixed, cast(post, dtype).unsqueeze(-1), out.unsqueeze(-2))
 
 
 class HyperHead(nn.Module):

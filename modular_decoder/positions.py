@@ -100,7 +100,10 @@ class RotaryEmbedding(nn.Module):
         freqs = position_ids[..., None].float() * inv_freq.to(x.device)  # (B, T, rot/2)
         # Layout matches `apply_rotary`: pairs (2i, 2i+1) when interleaved, halves otherwise.
         emb = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if not isinstance(scaling, float) or scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        return (cos, sin) if cos.dtype is x.dtype else (cos.to(x.dtype), sin.to(x.dtype))
 
     def tables(self, x: torch.Tensor, position_ids: torch.Tensor, layer_types: list[str]) -> dict:
         """{layer_type: (cos, sin)} for the layer types present, each (B, 1, T, rot): shaped once per

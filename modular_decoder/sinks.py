@@ -125,22 +125,18 @@ def few_queries_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.
     kv_heads, kv_len = key.shape[1], key.shape[2]
     group = heads // kv_heads
     grouped = query.reshape(batch, kv_heads, group * q_len, -1)  # head h = kv_head * group + j, as `repeat_kv`
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float().mul_(scaling)
+    scores = torch.matmul(grouped, key.transpose(-1, -2))
+    scores = (scores.mul_(scaling) if scores.dtype is torch.float32 else scores.float().mul_(scaling))
     scores = scores.view(batch, kv_heads, group, q_len, kv_len)  # (B, H_kv, g, T, S)
     if position_bias is not None:
         scores = scores + position_bias[..., :kv_len].float().view(position_bias.shape[0], kv_heads, group, q_len, kv_len)
     if attention_mask is not None:
         mask = attention_mask[..., :kv_len].unsqueeze(2)  # (B, 1, 1, T, S)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    sink = s_aux.float().view(1, kv_heads, group, 1, 1)
-    top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # finite: the sink is
-    shifted, denominator_sink = scores - top, (sink - top).exp()
-    if shifted.requires_grad:  # training: autograd keeps exp's output, so no in-place steps on it
-        weights = shifted.exp()
-        weights = weights / (weights.sum(-1, keepdim=True) + denominator_sink)
-    else:  # decoding: one buffer
-        weights = shifted.exp_()
-        weights = weights.div_(weights.sum(-1, keepdim=True) + denominator_sink)
+    # The sink is one more logit of each head's row, outside the values: a softmax over [scores | sink] (finite
+    # wherever the sink is, even where the mask hides every key), its last column dropped
+    sink = s_aux.view(1, kv_heads, group, 1, 1).expand(scores.shape[0], -1, -1, q_len, 1)
+    weights = torch.softmax(torch.cat((scores, sink.to(scores.dtype)), dim=-1), dim=-1)[..., :kv_len]
     out = torch.matmul(weights.to(value.dtype).view(batch, kv_heads, group * q_len, kv_len), value)
     return out.view(batch, heads, q_len, -1).transpose(1, 2)  # (B, T, H, D_v)
 

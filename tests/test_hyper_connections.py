@@ -25,8 +25,10 @@ def perturbed(model):
     return model.eval()
 
 
-def test_hyper_connection_equals_transformers_deepseek_v4():
-    """The mix around one sublayer and the final collapse compute what transformers' modules compute."""
+@pytest.mark.parametrize("gradients", [True, False], ids=["training", "inference"])
+def test_hyper_connection_equals_transformers_deepseek_v4(gradients):
+    """The mix around one sublayer and the final collapse compute what transformers' modules compute, with gradients
+    and without (where Sinkhorn normalises in one buffer with `eps` as an extra row and column)."""
     transformers_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
     from transformers import DeepseekV4Config
 
@@ -44,7 +46,10 @@ def test_hyper_connection_equals_transformers_deepseek_v4():
     streams, branch = torch.randn(2, 5, 4, 32), torch.nn.Linear(32, 32)
     post, comb, collapsed = theirs(streams)
     expected = post.unsqueeze(-1) * branch(collapsed).unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
-    torch.testing.assert_close(ours(streams, branch), expected, atol=1e-6, rtol=0)
+    with torch.set_grad_enabled(gradients):
+        mixed = ours(streams, branch)
+    assert mixed.requires_grad == gradients
+    torch.testing.assert_close(mixed, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(our_head(streams, leaving=True), their_head(streams), atol=0, rtol=0)
     torch.testing.assert_close(comb.sum(-2), torch.ones(2, 5, 4), atol=1e-5, rtol=0)  # Sinkhorn ends on columns
     assert torch.equal(our_head(streams[:, :, 0]), streams[:, :, :1].expand(-1, -1, 4, -1))

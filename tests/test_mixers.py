@@ -6,6 +6,8 @@ case of each kind."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conversion_cases import CASES, perturbed, save_published, skip_without_class
@@ -165,6 +167,26 @@ def test_a_short_convolution_combines_with_a_llama_layout():
     for extra in (dict(), dict(norm_position="sandwich", num_key_value_heads=1),
                   dict(attention_type="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)):
         _steps_give_the_no_cache_logits(ModularDecoderConfig(**base, **extra))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_untied_lfm2_export_warns_that_vllm_ties_its_head(tied, tmp_path, caplog):
+    """transformers' Lfm2ForCausalLM reads the untied head as written (the export's logits are ours); vLLM's class
+    ties it, so `export` says so, and says nothing for a tied model."""
+    config = preset_config("lfm2", tiny=True, vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                           tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    ours = perturbed(ModularDecoderForCausalLM(config))
+    ours.save_pretrained(tmp_path / "md")
+    with caplog.at_level(logging.WARNING, logger="modular_decoder.conversion.api"):
+        export(tmp_path / "md", tmp_path / "lfm2", "lfm2", progress=False)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "lfm2").eval()
+    ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, atol=1e-5, rtol=0)
+    assert theirs.config.tie_word_embeddings == tied
+    assert ("always ties its head to the embedding" in caplog.text) != tied
 
 
 def test_olmo_hybrid_folders_of_either_layout_convert_and_export_to_the_released_one(tmp_path):

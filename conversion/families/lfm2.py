@@ -73,5 +73,15 @@ def rules(src) -> list:
             rule("lm_head.weight", "lm_head.weight", optional=True)]
 
 
+def export_warnings(src) -> list[str]:
+    """vLLM's `Lfm2ForCausalLM` ties its head to the embedding whatever the config says (the releases tie)."""
+    if src.tie_word_embeddings:
+        return []
+    return ["`tie_word_embeddings` is False, and vLLM's `Lfm2ForCausalLM` always ties its head to the embedding: "
+            "vLLM would serve this export with the embedding as its head (transformers' `Lfm2ForCausalLM` reads "
+            "`lm_head.weight` as written). Serve it through transformers, or tie the head before exporting."]
+
+
 FAMILY = Family("lfm2", to_contract, from_contract, rules, "model.", Lfm2Config,
-                description="LFM2: gated short convolutions (`short_conv`) beside GQA with QK-norm")
+                description="LFM2: gated short convolutions (`short_conv`) beside GQA with QK-norm",
+                export_warnings=export_warnings)
