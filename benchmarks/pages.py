@@ -637,7 +637,6 @@ def split_threshold_section(run: dict | None) -> str:
     lines = ["## Split products: from what weight size (CPU, fp32)", ""]
     if run is None:
         return not_recorded(lines, "split_threshold", "results_split_threshold.json")
-    variants = list(run["variants"])
     lines += [
         *command_block(run),
         f"Decode steps of ours (Llama layouts, hidden h, FFN 3h, {run['layers']} layers, random weights): the median "
@@ -645,11 +644,36 @@ def split_threshold_section(run: dict | None) -> str:
         "alternating in one process: the split products off, and on for every weight of at least N elements "
         f"(`MIN_SPLIT_WEIGHT`, shipped {run['min_split_weight']:,}; N = 0 splits every few-row product).", "",
     ]
-    lines += variant_table(["hidden", "weights MB", "largest weight"],
-                           [([str(row["hidden"]), f"{row['weights_mb']:.1f}", f"{row['largest_weight']:,}"],
-                             row["step_ms"]) for row in run["rows"]], variants)
+    return "\n".join(lines + _split_steps_table(run))
+
+
+def _split_steps_table(run: dict) -> list[str]:
+    variants = list(run["variants"])
+    lines = variant_table(["hidden", "weights MB", "largest weight"],
+                          [([str(row["hidden"]), f"{row['weights_mb']:.1f}", f"{row['largest_weight']:,}"],
+                            row["step_ms"]) for row in run["rows"]], variants)
     timed = [row["step_ms"][v]["all"] for row in run["rows"] for v in variants]
-    return "\n".join(lines + ["", spread_note(timed, run)])
+    return lines + ["", spread_note(timed, run)]
+
+
+# --- benchmarks/results_split_auto.json: `python -m benchmarks split_threshold --out ...`, with mode "auto" -------
+
+def split_auto_section(run: dict | None) -> str:
+    lines = ["## Split products: timed per shape on the machine (mode \"auto\", CPU, fp32)", ""]
+    if run is None:
+        return not_recorded(lines, "split_threshold", "results_split_auto.json")
+    lines += [
+        *command_block(run),
+        f"The decode steps of the section above (hidden h, FFN 3h, {run['layers']} layers, the median of "
+        f"{run['steps']} cached one-token forwards, median ± half the spread over the repeats, the variants alternating "
+        "in one process), on another CPU, with mode \"auto\" beside the fixed thresholds: \"off\" splits nothing, "
+        "\"from N\" splits every few-row product over a weight of at least N elements (shipped "
+        f"{run['min_split_weight']:,} as the floor), \"auto\" times each product shape once, at its first product, and "
+        "splits only the shapes where the split was faster (\"auto from 0\": with no floor).", "",
+    ]
+    auto = [f"hidden {row['hidden']}: {sum(d['split'] for d in row['auto_decisions'])} of "
+            f"{len(row['auto_decisions'])} shapes split, timing {row['auto_timing_ms']:.1f} ms" for row in run["rows"]]
+    return "\n".join(lines + _split_steps_table(run) + ["", "Mode \"auto\" here: " + "; ".join(auto) + "."])
 
 
 # --- benchmarks/results_split_slices.json: `python -m benchmarks split_slices --out ...` -------------------------
@@ -937,6 +961,7 @@ SECTIONS = (
     Section(("results_mamba2.json",), mamba2_section),
     Section(("results_hybrid_drafting.json",), hybrid_drafting_section, optional=True),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
+    Section(("results_split_auto.json",), split_auto_section, optional=True),
     Section(("results_split_slices.json",), split_slices_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),
     Section(("results_draft_vocab.json",), draft_vocab_section, optional=True),
