@@ -37,9 +37,9 @@ accelerate's and tensor parallelism's wrappers and PEFT's layers run as usual.
 Whether such a product is split is measured on the machine it runs on (mode "auto", the default): whether
 the split pays depends on the CPU (its cores, caches and memory bandwidth), so no fixed threshold serves
 every machine. The first product of each shape (the weight's output and input widths, the row count, the
-thread count, the slice count, a bias or none) is timed both ways on its own tensors (`_measure`: a warm-up
-run of each, then alternating runs, the fastest of each; two rounds at least, more while the runs stay short, so
-that a large head costs a few runs of its product), and the faster is remembered for the process
+thread count, the slice count, a bias or none) is timed both ways on its own tensors (`_measure`: alternating
+runs, the fastest of each; two rounds at least, more while the runs stay short, so that a large head costs four
+runs of its product), and the faster is remembered for the process
 (`split_decisions()`); the split must be clearly faster (`SPLIT_MARGIN`) to be taken. Such a timing runs the weight from the cache, as a decode step does not where the
 model is larger than the caches: the split's gain there is, if anything, larger than measured, so the timing
 errs toward `F.linear`, which is what every other engine runs. Either way the result is `F.linear`'s up to
@@ -86,9 +86,9 @@ VARIABLE = "MODULAR_DECODER_SPLIT_PRODUCTS"
 MODES = ("auto", "always", "off")
 _SPELLINGS = {"1": "auto", "true": "auto", "yes": "auto", "on": "auto", "0": "off", "false": "off", "no": "off"}
 # Mode "auto" splits a product only if the split is at least this much faster (a tie gains nothing, and the split
-# keeps every core busy). The timing: a warm-up run of each, then rounds of one run of each (in turn first), at least
-# `_ROUNDS[0]`, at most `_ROUNDS[1]`, no new round once the rounds' fastest runs add up to `_BUDGET_S` (a large head
-# is timed over two rounds, a small product over all)
+# keeps every core busy). The timing: rounds of one run of each (in turn first), at least `_ROUNDS[0]`, at most
+# `_ROUNDS[1]`, no new round once the rounds' fastest runs add up to `_BUDGET_S` (a large head is timed over two
+# rounds, a small product over all)
 SPLIT_MARGIN = 0.95
 _ROUNDS, _BUDGET_S = (2, 7), 0.005
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -241,9 +241,8 @@ def _decide(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def _measure(f_linear, split) -> tuple[float, float]:
     """(fastest seconds of `f_linear`, of `split`) over alternating runs (module docstring). The fastest run, not
-    the median: a run the scheduler interrupts is only ever slower."""
+    the median: a run the scheduler interrupts, or the first (allocations, the thread pool), is only ever slower."""
     clock = time.perf_counter
-    f_linear(), split()
     best, runs = [math.inf, math.inf], (f_linear, split)
     for turn in range(_ROUNDS[1]):
         if turn >= _ROUNDS[0] and turn * (best[0] + best[1]) > _BUDGET_S:  # (runs, not interruptions, count)
@@ -352,15 +351,26 @@ def takes_split_branch(layer: nn.Module, x) -> bool:
     branch, with no per-product checks (a decode step has ~7 products a layer); so does a layer whose shape the timing
     kept on `F.linear`. The other branch calls each module plainly (`forward`'s own source is what vLLM's fusers read
     under its trace)."""
-    if not (
-        _mode != "off" and _threads() > 1 and not is_fx_proxy(x) and x.dtype is torch.float32 and x.device.type == "cpu"
-        and is_bare_linear(layer) and layer.weight.numel() >= tuning().min_split_weight
-    ):
+    if _mode == "off":
         return False
-    if _mode == "always" or torch.compiler.is_compiling() or not x.dim():  # (under compile: `_splits` decides)
-        return True
-    key = _shape_key(layer.weight, x.numel() // x.shape[-1] if x.shape[-1] else 0, _threads(), layer.bias is not None)
-    return _decisions.get(key, True)  # untimed: the branch whose products time it
+    threads = _threads()
+    if threads < 2 or is_fx_proxy(x) or x.dtype is not torch.float32 or x.device.type != "cpu":
+        return False
+    if _mode == "auto" and not torch.compiler.is_compiling() and _timed_slower(layer, x, threads):
+        return False  # first, as the cheapest answer where it applies (under compile, `_splits` decides)
+    return is_bare_linear(layer) and layer.weight.numel() >= tuning().min_split_weight
+
+
+def _timed_slower(layer: nn.Module, x: torch.Tensor, threads: int) -> bool:
+    """Whether mode "auto" timed `layer`'s product of `x` slower split (False where not timed yet: the branch through
+    `project` times it). Runs every step for every layer: reads the parameters once (`layer.weight` costs a
+    microsecond), and answers before the longer `is_bare_linear` test (False is always a safe answer)."""
+    weight, bias = layer._parameters.get("weight"), layer._parameters.get("bias")
+    if weight is None or weight.dim() != 2 or not x.dim() or not x.shape[-1]:
+        return False
+    rows, (out_features, in_features) = x.numel() // x.shape[-1], weight.shape
+    parts = threads if rows == 1 else _cache_sized(threads, weight)
+    return _decisions.get((out_features, in_features, rows, threads, parts, bias is not None)) is False
 
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -492,6 +492,20 @@ def test_auto_with_the_real_timing_records_a_decision_and_f_linear_result():
     assert torch.equal(y, y_again)
 
 
+def test_the_timing_runs_both_products_alike_and_boundedly():
+    """`_measure` runs the two products the same number of times, at least two rounds and at most its cap, and
+    returns each one's fastest run."""
+    runs = {"f_linear": 0, "split": 0}
+
+    def run(name):
+        runs[name] += 1
+
+    fastest = split_products._measure(lambda: run("f_linear"), lambda: run("split"))
+    low, high = split_products._ROUNDS
+    assert runs["f_linear"] == runs["split"] and low <= runs["split"] <= high
+    assert all(0 <= seconds < math.inf for seconds in fastest)
+
+
 @pytest.mark.parametrize("faster", [False, True])
 def test_auto_under_compile_decides_at_tracing(faster):
     """`torch.compile` traces with stand-in tensors: a shape of one row is timed at tracing on real tensors of its size
