@@ -356,19 +356,22 @@ def takes_split_branch(layer: nn.Module, x) -> bool:
     threads = _threads()
     if threads < 2 or is_fx_proxy(x) or x.dtype is not torch.float32 or x.device.type != "cpu":
         return False
-    if _mode == "auto" and not torch.compiler.is_compiling() and _timed_slower(layer, x, threads):
-        return False  # first, as the cheapest answer where it applies (under compile, `_splits` decides)
+    # The plain branch is always a safe answer: a weight below the floor, or a shape timed slower split, take it
+    # before the longer `is_bare_linear` test (this runs every step for every layer; `_parameters` is read directly
+    # because `layer.weight` costs a microsecond)
+    weight = layer._parameters.get("weight")
+    if weight is not None and (weight.numel() < tuning().min_split_weight or (
+            _mode == "auto" and not torch.compiler.is_compiling() and _timed_slower(layer, weight, x, threads))):
+        return False  # (under compile, `_splits` decides)
     return is_bare_linear(layer) and layer.weight.numel() >= tuning().min_split_weight
 
 
-def _timed_slower(layer: nn.Module, x: torch.Tensor, threads: int) -> bool:
+def _timed_slower(layer: nn.Module, weight: torch.Tensor, x: torch.Tensor, threads: int) -> bool:
     """Whether mode "auto" timed `layer`'s product of `x` slower split (False where not timed yet: the branch through
-    `project` times it). Runs every step for every layer: reads the parameters once (`layer.weight` costs a
-    microsecond), and answers before the longer `is_bare_linear` test (False is always a safe answer)."""
-    weight, bias = layer._parameters.get("weight"), layer._parameters.get("bias")
-    if weight is None or weight.dim() != 2 or not x.dim() or not x.shape[-1]:
+    `project` times it)."""
+    if weight.dim() != 2 or not x.dim() or not x.shape[-1]:
         return False
-    rows, (out_features, in_features) = x.numel() // x.shape[-1], weight.shape
+    rows, (out_features, in_features), bias = x.numel() // x.shape[-1], weight.shape, layer._parameters.get("bias")
     parts = threads if rows == 1 else _cache_sized(threads, weight)
     return _decisions.get((out_features, in_features, rows, threads, parts, bias is not None)) is False
 
