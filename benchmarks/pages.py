@@ -658,7 +658,7 @@ def _split_steps_table(run: dict) -> list[str]:
 
 # --- benchmarks/results_split_auto.json: `python -m benchmarks split_threshold --out ...`, with mode "auto" -------
 
-def split_auto_section(run: dict | None) -> str:
+def split_auto_section(run: dict | None, smollm2: dict | None = None) -> str:
     lines = ["## Split products: timed per shape on the machine (mode \"auto\", CPU, fp32)", ""]
     if run is None:
         return not_recorded(lines, "split_threshold", "results_split_auto.json")
@@ -673,7 +673,32 @@ def split_auto_section(run: dict | None) -> str:
     ]
     auto = [f"hidden {row['hidden']}: {sum(d['split'] for d in row['auto_decisions'])} of "
             f"{len(row['auto_decisions'])} shapes split, timing {row['auto_timing_ms']:.1f} ms" for row in run["rows"]]
-    return "\n".join(lines + _split_steps_table(run) + ["", "Mode \"auto\" here: " + "; ".join(auto) + "."])
+    lines += _split_steps_table(run) + ["", "Mode \"auto\" here: " + "; ".join(auto) + "."]
+    return "\n".join(lines + ([] if smollm2 is None else ["", *split_auto_smollm2(smollm2)]))
+
+
+def split_auto_smollm2(run: dict) -> list[str]:
+    """The family table's SmolLM2 rows run again in mode "auto" on the same CPU (`benchmarks/run.py`)."""
+    family = run["families"]["llama"]
+    metrics = family["metrics"]
+    one, steps, many = metrics["decode_1"], metrics["step_turns_1"], metrics["decode_B"]
+    decisions = run["split_products"]["decisions"]
+    first = [d for d in decisions if d["out_in_rows_threads_slices_bias"][2] == 1]
+    cell = lambda row, side: f"{row[side]['median']:.1f}"  # noqa: E731
+    return [
+        f"{family['label']} on the same CPU, greedy decode of {run['provenance']['arguments']['new_tokens']} tokens "
+        f"after a {run['provenance']['arguments']['prompt']}-token prompt (the family table's harness, "
+        f"`benchmarks/run.py`, mode \"{run['split_products']['mode']}\"): batch 1 ours {cell(one, 'ours')} tok/s, with "
+        f"the split off {cell(one, 'ours, no split products')}, transformers' Llama {cell(one, 'transformers')} "
+        f"({one['ratio']['ours']:.2f}x; off {one['ratio']['ours, no split products']:.2f}x); steps taken in turn ours "
+        f"{cell(steps, 'ours')} ms against {cell(steps, 'transformers')} ms; batch {run['provenance']['arguments']['decode_batch']} "
+        f"{many['ratio']['ours']:.2f}x (off {many['ratio']['ours, no split products']:.2f}x). Mode \"auto\" split "
+        f"{sum(d['split'] for d in first)} of the {len(first)} one-row shapes and "
+        f"{sum(d['split'] for d in decisions if d not in first)} of the {len(decisions) - len(first)} shapes of more "
+        f"rows; timing the one-row shapes (a batch-1 decode's first step) cost "
+        f"{1e3 * sum(d['cost_s'] for d in first):.0f} ms, the head's {1e3 * max(d['cost_s'] for d in first):.0f} ms "
+        "of it.",
+    ]
 
 
 # --- benchmarks/results_split_slices.json: `python -m benchmarks split_slices --out ...` -------------------------
@@ -961,7 +986,7 @@ SECTIONS = (
     Section(("results_mamba2.json",), mamba2_section),
     Section(("results_hybrid_drafting.json",), hybrid_drafting_section, optional=True),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
-    Section(("results_split_auto.json",), split_auto_section, optional=True),
+    Section(("results_split_auto.json", "results_split_auto_smollm2.json"), split_auto_section, optional=True),
     Section(("results_split_slices.json",), split_slices_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),
     Section(("results_draft_vocab.json",), draft_vocab_section, optional=True),
