@@ -15,7 +15,7 @@ dispatch, masks, positions and cache handling: what a GPU step waits on while th
 Both models generate greedily from left-padded 64-token prompts at batch 1 and 32; a step's time is the CPU
 time of this thread ((`--new-tokens` + 8 steps) - 8 steps, so the prefill cancels), which a busy machine
 disturbs less than the clock; the median of `--repeats`, models alternating (`measure.alternating`). Ours runs
-twice: as shipped, and with the split products off (`split_products.set_split_products(False)`).
+twice: as shipped, and with the split products off (`split_products.set_split_products("off")`).
 
 `--smoke`: tiny random shapes, few steps.
 """
@@ -73,11 +73,8 @@ def host_overhead(repeats: int, new_tokens: int, layers: int = 16) -> dict:
         model.generation_config.pad_token_id = 0
 
     def ours_unsplit(*args):
-        split_products.set_split_products(False)
-        try:
+        with split_products.using_split_products("off"):
             return _host_step_ms(ours, *args)
-        finally:
-            split_products.set_split_products(True)
 
     runs = {"transformers": lambda *a: _host_step_ms(reference, *a), "ours": lambda *a: _host_step_ms(ours, *a),
             "ours, split products off": ours_unsplit}

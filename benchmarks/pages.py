@@ -637,7 +637,6 @@ def split_threshold_section(run: dict | None) -> str:
     lines = ["## Split products: from what weight size (CPU, fp32)", ""]
     if run is None:
         return not_recorded(lines, "split_threshold", "results_split_threshold.json")
-    variants = list(run["variants"])
     lines += [
         *command_block(run),
         f"Decode steps of ours (Llama layouts, hidden h, FFN 3h, {run['layers']} layers, random weights): the median "
@@ -645,11 +644,61 @@ def split_threshold_section(run: dict | None) -> str:
         "alternating in one process: the split products off, and on for every weight of at least N elements "
         f"(`MIN_SPLIT_WEIGHT`, shipped {run['min_split_weight']:,}; N = 0 splits every few-row product).", "",
     ]
-    lines += variant_table(["hidden", "weights MB", "largest weight"],
-                           [([str(row["hidden"]), f"{row['weights_mb']:.1f}", f"{row['largest_weight']:,}"],
-                             row["step_ms"]) for row in run["rows"]], variants)
+    return "\n".join(lines + _split_steps_table(run))
+
+
+def _split_steps_table(run: dict) -> list[str]:
+    variants = list(run["variants"])
+    lines = variant_table(["hidden", "weights MB", "largest weight"],
+                          [([str(row["hidden"]), f"{row['weights_mb']:.1f}", f"{row['largest_weight']:,}"],
+                            row["step_ms"]) for row in run["rows"]], variants)
     timed = [row["step_ms"][v]["all"] for row in run["rows"] for v in variants]
-    return "\n".join(lines + ["", spread_note(timed, run)])
+    return lines + ["", spread_note(timed, run)]
+
+
+# --- benchmarks/results_split_auto.json: `python -m benchmarks split_threshold --out ...`, with mode "auto" -------
+
+def split_auto_section(run: dict | None, smollm2: dict | None = None) -> str:
+    lines = ["## Split products: timed per shape on the machine (mode \"auto\", CPU, fp32)", ""]
+    if run is None:
+        return not_recorded(lines, "split_threshold", "results_split_auto.json")
+    lines += [
+        *command_block(run),
+        f"The decode steps of the section above (hidden h, FFN 3h, {run['layers']} layers, the median of "
+        f"{run['steps']} cached one-token forwards, median ± half the spread over the repeats, the variants alternating "
+        "in one process), on another CPU, with mode \"auto\" beside the fixed thresholds: \"off\" splits nothing, "
+        "\"from N\" splits every few-row product over a weight of at least N elements (shipped "
+        f"{run['min_split_weight']:,} as the floor), \"auto\" times each product shape once, at its first product, and "
+        "splits only the shapes where the split was faster (\"auto from 0\": with no floor).", "",
+    ]
+    auto = [f"hidden {row['hidden']}: {sum(d['split'] for d in row['auto_decisions'])} of "
+            f"{len(row['auto_decisions'])} shapes split, timing {row['auto_timing_ms']:.1f} ms" for row in run["rows"]]
+    lines += _split_steps_table(run) + ["", "Mode \"auto\" here: " + "; ".join(auto) + "."]
+    return "\n".join(lines + ([] if smollm2 is None else ["", *split_auto_smollm2(smollm2)]))
+
+
+def split_auto_smollm2(run: dict) -> list[str]:
+    """The family table's SmolLM2 rows run again in mode "auto" on the same CPU (`benchmarks/run.py`)."""
+    family = run["families"]["llama"]
+    metrics = family["metrics"]
+    one, steps, many = metrics["decode_1"], metrics["step_turns_1"], metrics["decode_B"]
+    decisions = run["split_products"]["decisions"]
+    first = [d for d in decisions if d["out_in_rows_threads_slices_bias"][2] == 1]
+    cell = lambda row, side: f"{row[side]['median']:.1f}"  # noqa: E731
+    return [
+        f"{family['label']} on the same CPU, greedy decode of {run['provenance']['arguments']['new_tokens']} tokens "
+        f"after a {run['provenance']['arguments']['prompt']}-token prompt (the family table's harness, "
+        f"`benchmarks/run.py`, mode \"{run['split_products']['mode']}\"): batch 1 ours {cell(one, 'ours')} tok/s, with "
+        f"the split off {cell(one, 'ours, no split products')}, transformers' Llama {cell(one, 'transformers')} "
+        f"({one['ratio']['ours']:.2f}x; off {one['ratio']['ours, no split products']:.2f}x); steps taken in turn ours "
+        f"{cell(steps, 'ours')} ms against {cell(steps, 'transformers')} ms; batch {run['provenance']['arguments']['decode_batch']} "
+        f"{many['ratio']['ours']:.2f}x (off {many['ratio']['ours, no split products']:.2f}x). Mode \"auto\" split "
+        f"{sum(d['split'] for d in first)} of the {len(first)} one-row shapes and "
+        f"{sum(d['split'] for d in decisions if d not in first)} of the {len(decisions) - len(first)} shapes of more "
+        f"rows; timing the one-row shapes (a batch-1 decode's first step) cost "
+        f"{1e3 * sum(d['cost_s'] for d in first):.0f} ms, the head's {1e3 * max(d['cost_s'] for d in first):.0f} ms "
+        "of it.",
+    ]
 
 
 # --- benchmarks/results_split_slices.json: `python -m benchmarks split_slices --out ...` -------------------------
@@ -937,6 +986,7 @@ SECTIONS = (
     Section(("results_mamba2.json",), mamba2_section),
     Section(("results_hybrid_drafting.json",), hybrid_drafting_section, optional=True),
     Section(("results_split_threshold.json",), split_threshold_section, optional=True),
+    Section(("results_split_auto.json", "results_split_auto_smollm2.json"), split_auto_section, optional=True),
     Section(("results_split_slices.json",), split_slices_section, optional=True),
     Section(("results_mtp_decode.json",), mtp_section, optional=True),
     Section(("results_draft_vocab.json",), draft_vocab_section, optional=True),

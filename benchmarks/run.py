@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from modular_decoder.compat import attn_implementation
-from modular_decoder.split_products import set_split_products
+from modular_decoder.split_products import set_split_products, split_decisions, split_products_mode
 
 from modular_decoder import parameter_count
 
@@ -64,8 +64,10 @@ from .measure import (active_bytes_read_per_step, alternating, bytes_read_per_st
 from .memory import run_probes
 
 # "ours" is the model as `from_pretrained` gives it (few-row products split across the cores by
-# `modular_decoder.split_products`, computation only); "ours, no split products" is the same
-# object with them switched off around its measurements (an ablation).
+# `modular_decoder.split_products` where this process's mode says: by default where timed to pay on this machine,
+# computation only); "ours, no split products" is the same object with them switched off around its measurements
+# (an ablation).
+SPLIT_MODE = split_products_mode()
 MODELS = ("transformers", "ours", "ours, no split products")
 # metric key -> (row label, higher is better)
 ROWS = {
@@ -104,7 +106,7 @@ PREFILL_EXPERTS = ("eager", "grouped_mm")  # batched_mm: decode only (see choose
 def _select_variant(models: dict, name: str, phase: str = "decode", experts: dict | None = None) -> None:
     """Split products on or off for `name`; with experts, every model runs its choice for `phase`
     (`experts`: {"transformers": {phase: implementation}, "ours": {...}})."""
-    set_split_products(name != "ours, no split products")
+    set_split_products("off" if name == "ours, no split products" else SPLIT_MODE)
     if experts:
         for side in PAIR:
             models[side].set_experts_implementation(experts[side][phase])
@@ -189,7 +191,7 @@ def measure_family(reference, ours, args, experts: dict | None = None) -> dict:
             _select_variant(models, name, "decode", experts)
             values["peak_mb_B"][name].append(decode(models[name], short, args.new_tokens, sample_memory=True)["peak_mb"])
         values["step_turns_1"] = steps_in_turn(models, short[:1], args, experts)
-    set_split_products(True)
+    set_split_products(SPLIT_MODE)
     return values
 
 
@@ -220,7 +222,7 @@ def measure_training(reference, ours, family: str, args, experts: dict | None = 
 
     vocab = reference.config.get_text_config().vocab_size
     batch = torch.randint(0, vocab, (args.train_batch, args.train_seq), generator=torch.Generator().manual_seed(2))
-    set_split_products(True)
+    set_split_products(SPLIT_MODE)
     if experts:
         for side, model in (("transformers", reference), ("ours", ours)):
             model.set_experts_implementation(experts[side]["train"])
@@ -457,6 +459,8 @@ def main(argv=None) -> int:
               + ", ".join(f"{k} {v:.0f} s" for k, v in entry["phase_seconds"].items())
               + f"), load average {os.getloadavg()[0]:.2f}", flush=True)
     print(table(results, args))
+    results["split_products"] = {"mode": SPLIT_MODE, "decisions": [  # what mode "auto" timed, per product shape
+        {"out_in_rows_threads_slices_bias": list(key), **decision} for key, decision in split_decisions().items()]}
     harness.write_result(args.out, results, run)
     return 0
 

@@ -21,30 +21,53 @@ Four questions, one predicate each:
     is_fx_proxy(x)              is `x` a symbolic tracer's stand-in rather than a value
 
 and `takes_split_branch(layer, x)`, the branch test of a forward that routes its linears through
-`project` (the split on, more than one thread, an fp32 CPU value, `is_bare_linear` with a weight of at least
-`tuning().min_split_weight`).
+`project` (the split not off, more than one thread, an fp32 CPU value, `is_bare_linear` with a weight of at least
+`tuning().min_split_weight`, and in mode "auto" a shape not timed slower split).
 
-The split engages only where it is measured to pay and computes what `F.linear` computes: fp32 input,
+The split engages only where it computes what `F.linear` computes: fp32 input,
 weight and bias, all on the CPU, plain tensors (never a DTensor, a quantized or other tensor subclass,
 or a meta tensor), a contiguous 2-D weight whose input width matches the input's (anything else goes
 to `F.linear`, which raises its own error), a bias of the weight's output width, no gradient needed
 (grad mode off, or neither input, weight nor bias requiring grad), no CPU `torch.autocast` (where
 `F.linear` computes in the autocast dtype), not while exporting (`torch.export`, ONNX's dynamo export)
-nor under TorchScript (`torch.jit.trace` / `script`, and the ONNX export built on it). Through
-`project`, only a bare `nn.Linear` is split, so hooks, accelerate's and tensor parallelism's wrappers
-and PEFT's layers run as usual.
+nor under TorchScript (`torch.jit.trace` / `script`, and the ONNX export built on it), over a weight of at
+least `tuning().min_split_weight` elements. Through `project`, only a bare `nn.Linear` is split, so hooks,
+accelerate's and tensor parallelism's wrappers and PEFT's layers run as usual.
 
-Under `torch.compile` the split is part of the graph (the thread count is read once, at tracing):
-inductor fuses the small operations between the products while the products keep streaming on all
-cores, which is what makes a compiled decode step fast (`benchmarks/compiled_decode.py`).
+Whether such a product is split is measured on the machine it runs on (mode "auto", the default): whether
+the split pays depends on the CPU (its cores, caches and memory bandwidth), so no fixed threshold serves
+every machine. The first product of each shape (the weight's output and input widths, the row count, the
+thread count, the slice count, a bias or none) is timed both ways on its own tensors (`_measure`: alternating
+runs, the fastest of each; two rounds at least, more while the runs stay short, so that a large head costs four
+runs of its product), and the faster is remembered for the process
+(`split_decisions()`); the split must be clearly faster (`SPLIT_MARGIN`) to be taken. Such a timing runs the weight from the cache, as a decode step does not where the
+model is larger than the caches: the split's gain there is, if anything, larger than measured, so the timing
+errs toward `F.linear`, which is what every other engine runs. Either way the result is `F.linear`'s up to
+rounding order (bit-equal for one row), so the decision changes speed only.
 
-Off switch: the environment variable `MODULAR_DECODER_SPLIT_PRODUCTS=0` (read at import; also in
-a saved folder's remote code), or `set_split_products(False)` at run time.
+Under `torch.compile` the decision is taken at tracing, where the tensors are stand-ins without values: a
+recorded decision for the shape is used, else the shape is timed on fresh tensors of its size (the same
+kernels the graph calls) and recorded; with a dynamic row count (`dynamic=True`) an undecided shape takes
+`F.linear`. The split then is part of the graph (the thread count is read once, at tracing): inductor fuses
+the small operations between the products while the products keep streaming on all cores
+(`benchmarks/compiled_decode.py`).
+
+Modes (`set_split_products(mode)`, or the environment variable `MODULAR_DECODER_SPLIT_PRODUCTS`, read at
+import, also in a saved folder's remote code):
+
+    "auto"    (default; also `True`, and "1", "true", "yes", "on")  split where timing says it pays
+    "always"  split every product that may split, untimed (what tests of the split's arithmetic need)
+    "off"     (also `False`, and "0", "false", "no")                 `F.linear` everywhere
+
+Any other value is refused with a `ValueError` naming the function or the variable.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import time
 
 import torch
 import torch.fx
@@ -57,25 +80,79 @@ from .tuning import Tuning, tuning
 FEW_ROWS = 16
 # ... and only over a weight of at least `tuning().min_split_weight` elements (`tuning.py`: a setting, and the
 # measurement behind its default): below it, dispatching the batched product costs more than one core's pass over
-# a matrix that small. `MIN_SPLIT_WEIGHT` is the shipped default.
+# a matrix that small, so such products are not even timed. `MIN_SPLIT_WEIGHT` is the shipped default.
 MIN_SPLIT_WEIGHT = Tuning.min_split_weight
-_enabled = os.environ.get("MODULAR_DECODER_SPLIT_PRODUCTS", "1").strip().lower() not in ("0", "false", "no", "off")
+VARIABLE = "MODULAR_DECODER_SPLIT_PRODUCTS"
+MODES = ("auto", "always", "off")
+_SPELLINGS = {"1": "auto", "true": "auto", "yes": "auto", "on": "auto", "0": "off", "false": "off", "no": "off"}
+# Mode "auto" splits a product only if the split is at least this much faster (a tie gains nothing, and the split
+# keeps every core busy). The timing: rounds of one run of each (in turn first), at least `_ROUNDS[0]`, at most
+# `_ROUNDS[1]`, no new round once the rounds' fastest runs add up to `_BUDGET_S` (a large head is timed over two
+# rounds, a small product over all)
+SPLIT_MARGIN = 0.95
+_ROUNDS, _BUDGET_S = (2, 7), 0.005
 _PLAIN = (torch.Tensor, nn.Parameter)
 # torch.export sees F.linear; a torch without `is_exporting` keeps the split out of every compiler
 _exporting = getattr(torch.compiler, "is_exporting", torch.compiler.is_compiling)
 
 
-def set_split_products(enabled: bool) -> None:
-    """Turn on or off, for this process, splitting few-row products across the CPU cores.
+def _mode_of(value, source: str) -> str:
+    """The mode `value` names (module docstring), or a `ValueError` naming `source`."""
+    if isinstance(value, bool):
+        return "auto" if value else "off"
+    text = value.strip().lower() if isinstance(value, str) else None
+    mode = _SPELLINGS.get(text, text)
+    if mode not in MODES:
+        raise ValueError(f"{source} must be one of {', '.join(map(repr, MODES))} (or True / False), got {value!r}.")
+    return mode
 
-    The environment variable `MODULAR_DECODER_SPLIT_PRODUCTS` sets it at import.
-    """
-    global _enabled
-    _enabled = bool(enabled)
+
+_mode = _mode_of(os.environ.get(VARIABLE, "auto"), f"`{VARIABLE}`")
+# shape key -> whether the split pays (mode "auto"); `_timings`: what each decision measured, for reports
+_decisions: dict[tuple, bool] = {}
+_timings: dict[tuple, dict] = {}
+
+
+def set_split_products(mode: bool | str = "auto") -> str:
+    """Split few-row products across the CPU cores, for this process: "auto" (where measured to pay, the default;
+    also `True`), "always" (every product that may split) or "off" (also `False`). Returns the previous mode.
+
+    The environment variable `MODULAR_DECODER_SPLIT_PRODUCTS` sets it at import."""
+    global _mode
+    previous, _mode = _mode, _mode_of(mode, "`set_split_products`'s mode")
+    return previous
+
+
+def split_products_mode() -> str:
+    """The mode in force: "auto", "always" or "off"."""
+    return _mode
 
 
 def split_products_enabled() -> bool:
-    return _enabled
+    """Whether few-row products may be split at all (the mode is not "off")."""
+    return _mode != "off"
+
+
+@contextlib.contextmanager
+def using_split_products(mode: bool | str):
+    """The split products in `mode` inside the block only."""
+    previous = set_split_products(mode)
+    try:
+        yield
+    finally:
+        set_split_products(previous)
+
+
+def split_decisions() -> dict[tuple, dict]:
+    """What mode "auto" decided so far in this process: {(out features, in features, rows, threads, slices,
+    bias): {"split": bool, "f_linear_s": seconds, "split_s": seconds, "cost_s": the timing's own seconds}}."""
+    return {key: {"split": split, **_timings.get(key, {})} for key, split in _decisions.items()}
+
+
+def forget_split_decisions() -> None:
+    """Drop every recorded decision: the next product of each shape is timed again."""
+    _decisions.clear()
+    _timings.clear()
 
 
 @torch.compiler.assume_constant_result
@@ -86,9 +163,10 @@ def _threads() -> int:
 
 
 def _splits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """How many slices `linear` splits `x @ weight.T + bias` into: the thread count where the split is
-    `F.linear`'s product up to rounding order and measured to pay (module docstring), else 1."""
-    if not _enabled or torch.jit.is_tracing():  # TorchScript's tracer (and ONNX's export through it): F.linear
+    """How many slices `linear` splits `x @ weight.T + bias` into: the thread count (or more, `_cache_sized`) where
+    the split is `F.linear`'s product up to rounding order and, in mode "auto", measured to pay here (module
+    docstring), else 1."""
+    if _mode == "off" or torch.jit.is_tracing():  # TorchScript's tracer (and ONNX's export through it): F.linear
         return 1
     parts = _threads()
     if parts < 2:  # one thread: nothing to split over (tested first, it is the cheapest)
@@ -113,7 +191,67 @@ def _splits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         return 1  # autocast's dtype, and export, see F.linear
     if not weight.is_contiguous() or weight.shape[0] % parts:
         return 1
-    return parts if rows == 1 else _cache_sized(parts, weight)
+    key = _shape_key(weight, rows, parts, bias is not None)
+    return key[4] if _mode == "always" or _split_pays(key, x, weight, bias) else 1
+
+
+def _shape_key(weight: torch.Tensor, rows: int, threads: int, with_bias: bool) -> tuple:
+    """What decides whether a product pays for being split: (out features, in features, rows, threads, slices,
+    bias), the slices as `_splits` cuts them."""
+    parts = threads if rows == 1 else _cache_sized(threads, weight)
+    return weight.shape[0], weight.shape[1], rows, threads, parts, with_bias
+
+
+def _split_pays(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the split of `key`'s shape is faster than `F.linear` here: recorded, else timed now (a benign race:
+    two threads may both time a new shape, and either answer is right)."""
+    if torch.compiler.is_compiling():  # tracing: stand-in tensors, nothing to time on
+        # One row (a size-1 dimension is never symbolic: the graph is for one row) and a parameter's sizes are
+        # constants of the graph; more rows may be a symbolic size, which the decision cannot be keyed by: F.linear
+        return key[2] == 1 and _decision_for_graph(*key)
+    split = _decisions.get(key)
+    if split is None:
+        split = _decide(key, x, weight, bias)
+    return split
+
+
+@torch.compiler.assume_constant_result
+def _decision_for_graph(out_features: int, in_features: int, rows: int, threads: int, parts: int,
+                        with_bias: bool) -> bool:
+    """`_split_pays` at tracing, a constant of the graph: the recorded decision, else one timed on fresh tensors of
+    the shape (outside the tracer's fake tensors; the values do not matter to the time, ones keep the seed)."""
+    key = (out_features, in_features, rows, threads, parts, with_bias)
+    if key in _decisions:
+        return _decisions[key]
+    unfaked = getattr(torch._subclasses.fake_tensor, "unset_fake_temporarily", contextlib.nullcontext)
+    with unfaked(), torch.no_grad():
+        weight, x = torch.ones(out_features, in_features), torch.ones(rows, in_features)
+        return _decide(key, x, weight, torch.ones(out_features) if with_bias else None)
+
+
+def _decide(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    started = time.perf_counter()
+    f_linear_s, split_s = _measure(lambda: nn.functional.linear(x, weight, bias),
+                                   lambda: _product(x, weight, bias, key[4]))
+    split = split_s < SPLIT_MARGIN * f_linear_s
+    _timings[key] = {"f_linear_s": f_linear_s, "split_s": split_s, "cost_s": time.perf_counter() - started}
+    _decisions[key] = split
+    return split
+
+
+def _measure(f_linear, split) -> tuple[float, float]:
+    """(fastest seconds of `f_linear`, of `split`) over alternating runs (module docstring). The fastest run, not
+    the median: a run the scheduler interrupts, or the first (allocations, the thread pool), is only ever slower."""
+    clock = time.perf_counter
+    best, runs = [math.inf, math.inf], (f_linear, split)
+    for turn in range(_ROUNDS[1]):
+        if turn >= _ROUNDS[0] and turn * (best[0] + best[1]) > _BUDGET_S:  # (runs, not interruptions, count)
+            break
+        for index in ((0, 1) if turn % 2 == 0 else (1, 0)):
+            before = clock()
+            runs[index]()
+            best[index] = min(best[index], clock() - before)
+    return best[0], best[1]
 
 
 def _cache_sized(parts: int, weight: torch.Tensor) -> int:
@@ -141,8 +279,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     parts = _splits(x, weight, bias)
-    if parts == 1:
-        return nn.functional.linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias) if parts == 1 else _product(x, weight, bias, parts)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` as one batched product over `parts` contiguous slices of the weight's rows."""
     out_features, in_features = weight.shape
     rows, width = x.numel() // in_features, out_features // parts
     # Views written as single `as_strided` calls: a decode step issues hundreds of these products and
@@ -204,15 +345,35 @@ def is_fx_proxy(x) -> bool:
 def takes_split_branch(layer: nn.Module, x) -> bool:
     """Whether a forward with two branches takes the one through `project` (few-row products split across cores).
 
-    The split is on, torch runs more than one thread, `x` is an fp32 CPU value (not a tracer's proxy) and `layer`
-    (the linear that branch ends with) is bare. The cheap tests come first: with one thread, on an accelerator or in
-    half precision every forward takes the plain branch, with no per-product checks (a decode step has ~7 products a
-    layer). The other branch calls each module plainly (`forward`'s own source is what vLLM's fusers read under its
-    trace)."""
-    return (
-        _enabled and _threads() > 1 and not is_fx_proxy(x) and x.dtype is torch.float32 and x.device.type == "cpu"
-        and is_bare_linear(layer) and layer.weight.numel() >= tuning().min_split_weight
-    )
+    The split is not off, torch runs more than one thread, `x` is an fp32 CPU value (not a tracer's proxy), `layer`
+    (the linear that branch ends with) is bare and, in mode "auto", its product has not been timed slower split. The
+    cheap tests come first: with one thread, on an accelerator or in half precision every forward takes the plain
+    branch, with no per-product checks (a decode step has ~7 products a layer); so does a layer whose shape the timing
+    kept on `F.linear`. The other branch calls each module plainly (`forward`'s own source is what vLLM's fusers read
+    under its trace)."""
+    if _mode == "off":
+        return False
+    threads = _threads()
+    if threads < 2 or is_fx_proxy(x) or x.dtype is not torch.float32 or x.device.type != "cpu":
+        return False
+    # The plain branch is always a safe answer: a weight below the floor, or a shape timed slower split, take it
+    # before the longer `is_bare_linear` test (this runs every step for every layer; `_parameters` is read directly
+    # because `layer.weight` costs a microsecond)
+    weight = layer._parameters.get("weight")
+    if weight is not None and (weight.numel() < tuning().min_split_weight or (
+            _mode == "auto" and not torch.compiler.is_compiling() and _timed_slower(layer, weight, x, threads))):
+        return False  # (under compile, `_splits` decides)
+    return is_bare_linear(layer) and layer.weight.numel() >= tuning().min_split_weight
+
+
+def _timed_slower(layer: nn.Module, weight: torch.Tensor, x: torch.Tensor, threads: int) -> bool:
+    """Whether mode "auto" timed `layer`'s product of `x` slower split (False where not timed yet: the branch through
+    `project` times it)."""
+    if weight.dim() != 2 or not x.dim() or not x.shape[-1]:
+        return False
+    rows, (out_features, in_features), bias = x.numel() // x.shape[-1], weight.shape, layer._parameters.get("bias")
+    parts = threads if rows == 1 else _cache_sized(threads, weight)
+    return _decisions.get((out_features, in_features, rows, threads, parts, bias is not None)) is False
 
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

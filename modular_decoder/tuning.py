@@ -11,9 +11,12 @@ environment variable read at import (a saved folder's remote code reads them too
         hold at most (batch, heads, block, cached tokens) values at a time, two such blocks at the scoring's
         peak. Measured: the "query_blocks" rows of the same file (time, the step's peak, the scoring's own peak).
     min_split_weight         MODULAR_DECODER_MIN_SPLIT_WEIGHT         (default 65536)
-        The fewest weight elements over which a few-row product is split across the CPU cores
-        (`split_products`); 0: every product that may split does. Measured: `benchmarks/results_split_threshold.json`
-        (`python -m benchmarks split_threshold`: decode steps with the split off, everywhere, from each threshold).
+        The fewest weight elements over which a few-row product may be split across the CPU cores
+        (`split_products`): a floor below which nothing is split nor timed; above it, mode "auto" (the default)
+        splits a product shape only where timing it on this machine says the split pays, mode "always" splits
+        every one. 0: no floor. Measured: `benchmarks/results_split_threshold.json` and
+        `benchmarks/results_split_auto.json` (`python -m benchmarks split_threshold`: decode steps with the split
+        off, from each threshold, and timed per shape, on two CPUs).
     split_slice_bytes        MODULAR_DECODER_SPLIT_SLICE_BYTES        (default 262144)
         The smallest slice (bytes of weight) a split product of 2 or more rows is cut into: more slices than threads
         while each keeps this size, so that the rows re-read a slice from the cache (`split_products._cache_sized`);

@@ -57,14 +57,16 @@ def one_thread():
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """Two torch threads and no weight-size threshold, so that the split products (`split_products.py`: a
-    decode step's few rows over all cores) run on the tiny test weights (xdist workers have one thread, and
-    `tuning().min_split_weight` keeps small products on F.linear)."""
+    """Two torch threads, no weight-size threshold and mode "always", so that the split products
+    (`split_products.py`: a decode step's few rows over all cores) run on the tiny test weights whatever a timing
+    would say on this machine (xdist workers have one thread, and `tuning().min_split_weight` keeps small products
+    on F.linear)."""
+    from modular_decoder.split_products import using_split_products
     from modular_decoder.tuning import tuned
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    with tuned(min_split_weight=0):
+    with tuned(min_split_weight=0), using_split_products("always"):
         yield
     torch.set_num_threads(threads)
 

@@ -23,9 +23,11 @@ import torch
 warnings.filterwarnings("ignore")
 torch.set_num_threads(2)
 import modular_decoder  # noqa: E402,F401  (registers the Auto classes: the default load path)
+from modular_decoder.split_products import set_split_products  # noqa: E402
 from modular_decoder.tuning import set_tuning  # noqa: E402
 
 set_tuning(min_split_weight=0)  # tiny weights: the split path is what must leave quantized weights alone
+set_split_products("always")  # whatever a timing would say on this machine
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 folders = {"llama": sys.argv[1], "ours": sys.argv[2]}

@@ -546,6 +546,24 @@ def test_split_slices_smoke_records_every_variant_and_renders(tmp_path):
     assert "| 2 | " in page and "Against a 1-token forward, threads only -> shipped: 2 tokens" in page
 
 
+def test_split_threshold_smoke_compares_off_fixed_and_auto_and_renders(tmp_path):
+    """`python -m benchmarks split_threshold --smoke`: off, every fixed threshold and mode "auto" in one table per
+    width, with what "auto" decided per product shape and what its timing cost, rendered on both pages."""
+    from benchmarks import pages, split_threshold
+
+    out = tmp_path / "auto.json"
+    assert split_threshold.main(["--smoke", "--threads", "2", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert {"off", "auto", "auto from 0", "from 0"} <= set(run["variants"])
+    assert run["variants"]["auto"] == {"mode": "auto", "min_split_weight": run["min_split_weight"]}
+    for row in run["rows"]:
+        assert set(row["step_ms"]) == set(run["variants"])
+        assert row["auto_decisions"] and all(isinstance(d["split"], bool) for d in row["auto_decisions"])
+        assert row["auto_timing_ms"] > 0
+    assert "shapes split, timing" in pages.split_auto_section(run)
+    assert "| 64 | " in pages.split_threshold_section(run)
+
+
 def test_dsa_decode_smoke_compares_the_three_sides_on_one_cache(tmp_path):
     """`python -m benchmarks dsa_decode --smoke`: every side steps from the same cache contents (ours equals
     transformers' DeepseekV32 there, and differs from dense MLA: the selection is in play), with a time, a peak and

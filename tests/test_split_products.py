@@ -3,7 +3,9 @@ rounding order (the batched product may sum each output in another order: compar
 never bit for bit), on every preset; they never change how parameters are stored; they step aside for
 anything that is not a plain fp32 CPU tensor, for hooks of every kind, under autograd and export, and when
 switched off (those paths are `F.linear` itself: compared exactly); under `torch.compile` they are part of
-the graph."""
+the graph. Most tests run mode "always" (every product that may split does), so that they hold on any machine;
+mode "auto" (the default: each shape timed once, the faster kept) is tested with a stand-in timing, never a
+speed."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from transformers import AutoModelForCausalLM
 
 from decoding import prompt, recording_backend, tiny_model
 from modular_decoder import compiled_decoding, split_products
-from modular_decoder.split_products import linear, project, set_split_products, takes_split_branch
+from modular_decoder.split_products import (forget_split_decisions, linear, project, set_split_products,
+                                            split_decisions, split_products_mode, takes_split_branch,
+                                            using_split_products)
 from modular_decoder.tuning import Tuning, set_tuning, tuned
 from modular_decoder.tools.presets import PRESETS
 
@@ -32,10 +36,12 @@ SHIPPED_MIN_SPLIT_WEIGHT = Tuning.min_split_weight
 
 @pytest.fixture(autouse=True)
 def split_every_size():
-    """The tiny weights here split too (`tuning().min_split_weight` keeps small products on `F.linear` by
-    default: `test_small_weights_stay_on_f_linear`)."""
-    with tuned(min_split_weight=0):
+    """Every product that may split does, the tiny weights here too (`tuning().min_split_weight` keeps small
+    products on `F.linear` by default: `test_small_weights_stay_on_f_linear`; mode "auto" times each shape: the
+    tests of `auto`)."""
+    with tuned(min_split_weight=0), using_split_products("always"):
         yield
+    forget_split_decisions()
 
 
 @contextlib.contextmanager
@@ -269,14 +275,11 @@ def test_under_autograd_the_weight_gets_its_gradient_through_f_linear():
 
 def test_the_off_switch():
     weight, x = torch.randn(64, 32), torch.randn(1, 1, 32)
-    try:
-        set_split_products(False)
-        with threads(2), counting(torch, "bmm") as bmm_calls:
+    for off in ("off", False, " 0", "no"):
+        with using_split_products(off), threads(2), counting(torch, "bmm") as bmm_calls:
             linear(x, weight)
             project(nn.Linear(32, 64), x)
-        assert not bmm_calls
-    finally:
-        set_split_products(True)
+        assert not bmm_calls, off
     with threads(2), counting(torch, "bmm") as bmm_calls:
         linear(x, weight)
     assert bmm_calls
@@ -294,11 +297,8 @@ def test_every_variant_decodes_the_same_with_and_without_split_products(variant)
         with counting(torch, "bmm") as bmm_calls:
             split = model.generate(ids, **kwargs)
         assert bmm_calls  # the split ran
-        try:
-            set_split_products(False)
+        with using_split_products("off"):
             plain = model.generate(ids, **kwargs)
-        finally:
-            set_split_products(True)
     assert torch.equal(split.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(split.logits), torch.stack(plain.logits), rtol=1e-5, atol=1e-5)
 
@@ -395,3 +395,195 @@ def test_several_rows_cut_each_weight_into_cache_sized_slices(rows):
             y = linear(x, weight, bias)
         assert [slices.shape[0] for _, slices in bmm_calls] == [2 if rows == 1 else parts], slice_bytes
         torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@contextlib.contextmanager
+def timed_as(f_linear_s: float, split_s: float):
+    """Mode "auto" with a stand-in for the timing: every shape measures (`f_linear_s`, `split_s`); yields the list of
+    the timings asked for, each the results of the two products it was given (run once, as the real timing runs
+    them), so that a test sees what was timed and on what."""
+    calls = []
+
+    def stand_in(f_linear, split):
+        calls.append((f_linear(), split()))
+        return f_linear_s, split_s
+
+    original = split_products._measure
+    split_products._measure = stand_in
+    forget_split_decisions()
+    try:
+        with using_split_products("auto"):
+            yield calls
+    finally:
+        split_products._measure = original
+        forget_split_decisions()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("faster", [False, True])
+def test_auto_takes_what_the_timing_found_faster(rows, faster):
+    """Where the split measures faster it runs, where slower `F.linear` runs (exactly); either way the result is
+    F.linear's. The timing ran both products on the call's own tensors, and the decision is recorded."""
+    weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(1, rows, 64)
+    with timed_as(1.0, 0.5 if faster else 2.0) as timings, threads(2), torch.no_grad():
+        with counting(torch, "bmm") as bmm_calls:
+            y = linear(x, weight, bias)
+        (timed_f_linear, timed_split), = timings
+        decisions = split_decisions()
+    expected = F.linear(x, weight, bias)
+    assert torch.equal(timed_f_linear, expected)
+    torch.testing.assert_close(timed_split, expected, rtol=1e-5, atol=1e-5)
+    assert len(bmm_calls) == (2 if faster else 1)  # the timing's split, then the product's own if it pays
+    if faster:
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(y, expected)
+    ((key, decision),) = decisions.items()
+    assert key[:4] == (96, 64, rows, 2) and key[5] is True and decision["split"] is faster
+    assert decision["f_linear_s"] == 1.0 and decision["cost_s"] >= 0
+
+
+def test_auto_times_each_shape_once_per_process():
+    """A shape is timed at its first product only; every later product of that shape reuses the decision. The row
+    count, the thread count and a bias or none are each part of the shape."""
+    weight, x = torch.randn(96, 64), torch.randn(1, 1, 64)
+    with timed_as(1.0, 0.5) as timings, torch.no_grad():
+        with threads(2):
+            for _ in range(3):
+                linear(x, weight)
+                project(nn.Linear(64, 96), x)  # a bias: another shape
+            assert len(timings) == 2
+            linear(torch.randn(1, 2, 64), weight)
+            assert len(timings) == 3
+        with threads(3):
+            linear(x, weight)
+            linear(x, weight)
+        assert len(timings) == 4
+        assert [key[2:4] for key in split_decisions()] == [(1, 2), (1, 2), (2, 2), (1, 3)]
+
+
+def test_auto_times_nothing_that_may_not_split():
+    """Products that go to F.linear anyway (one thread, bf16, a weight below `min_split_weight`, under autograd) are
+    never timed."""
+    weight, x = torch.randn(64, 32), torch.randn(1, 1, 32)
+    with timed_as(1.0, 0.5) as timings:
+        with threads(1):
+            linear(x, weight)
+        with threads(2):
+            linear(x.bfloat16(), weight.bfloat16())
+            linear(x.requires_grad_(), weight)
+            with tuned(min_split_weight=64 * 32 + 1):
+                linear(x, weight)
+    assert not timings and not split_decisions()
+
+
+def test_auto_with_the_real_timing_records_a_decision_and_f_linear_result():
+    """The real timing runs (its speed is not asserted): it records one decision, with both products' fastest
+    seconds, and the product equals F.linear's whichever way it went."""
+    weight, x = torch.randn(128, 64), torch.randn(1, 1, 64)
+    forget_split_decisions()
+    with using_split_products("auto"), threads(2), torch.no_grad():
+        y = linear(x, weight)
+        y_again = linear(x, weight)
+    ((key, decision),) = split_decisions().items()
+    assert key == (128, 64, 1, 2, 2, False)
+    assert decision["f_linear_s"] > 0 and decision["split_s"] > 0 and decision["cost_s"] > 0
+    torch.testing.assert_close(y, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, y_again)
+
+
+def test_the_timing_runs_both_products_alike_and_boundedly():
+    """`_measure` runs the two products the same number of times, at least two rounds and at most its cap, and
+    returns each one's fastest run."""
+    runs = {"f_linear": 0, "split": 0}
+
+    def run(name):
+        runs[name] += 1
+
+    fastest = split_products._measure(lambda: run("f_linear"), lambda: run("split"))
+    low, high = split_products._ROUNDS
+    assert runs["f_linear"] == runs["split"] and low <= runs["split"] <= high
+    assert all(0 <= seconds < math.inf for seconds in fastest)
+
+
+@pytest.mark.parametrize("faster", [False, True])
+def test_auto_under_compile_decides_at_tracing(faster):
+    """`torch.compile` traces with stand-in tensors: a shape of one row is timed at tracing on real tensors of its size
+    (or its recorded decision is used), and the graph holds the split only where it paid; more rows (a size the graph
+    may keep symbolic) take F.linear untimed. Either way the result is F.linear's."""
+    module = _Projection(nn.Linear(48, 96).requires_grad_(False))
+    one, three = torch.randn(1, 1, 48), torch.randn(1, 3, 48)
+    for recorded in (False, True):
+        graphs = []
+        torch._dynamo.reset()
+        with timed_as(1.0, 0.5 if faster else 2.0) as timings, threads(2), torch.no_grad():
+            if recorded:
+                linear(one, module.layer.weight, module.layer.bias)
+            compiled = torch.compile(module, backend=recording_backend(graphs), fullgraph=True, dynamic=False)
+            y = compiled(one)
+            z = torch.compile(module, fullgraph=True, dynamic=True, backend="eager")(three)
+        torch._dynamo.reset()
+        assert len(timings) == 1, recorded  # once: in eager, or at tracing
+        assert all(type(value) is torch.Tensor for value in timings[0])  # real values, not the tracer's
+        assert (torch.bmm in {node.target for node in graphs[0].graph.nodes}) is faster
+        torch.testing.assert_close(y, module(one), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(z, module(three), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_under_torchscript_times_nothing():
+    """TorchScript's tracer records F.linear untimed (`check_trace` would run the module eagerly too, which may time)."""
+    module = _Projection(nn.Linear(48, 96).requires_grad_(False))
+    with timed_as(1.0, 0.5) as timings, threads(2), torch.no_grad():
+        traced = torch.jit.trace(module, (torch.randn(1, 1, 48),), check_trace=False)
+    assert "aten::bmm" not in {node.kind() for node in traced.inlined_graph.nodes()}
+    assert not timings
+
+
+def test_modes_and_their_spellings():
+    """`set_split_products` takes the three modes, True (auto) and False (off), returns the previous mode and
+    refuses anything else by name."""
+    with using_split_products("auto"):
+        for value, mode in (("always", "always"), (True, "auto"), (" OFF", "off"), (False, "off"), ("1", "auto"),
+                            ("auto", "auto")):
+            set_split_products(value)
+            assert split_products_mode() == mode, value
+        assert set_split_products("always") == "auto"
+        assert split_products.split_products_enabled()
+        for bad in ("sometimes", 2, None, ""):
+            with pytest.raises(ValueError, match="`set_split_products`'s mode must be one of 'auto', 'always'"):
+                set_split_products(bad)
+        assert split_products_mode() == "always"
+
+
+def _fresh_split_products(monkeypatch, value: str | None):
+    """split_products.py imported anew with `MODULAR_DECODER_SPLIT_PRODUCTS` set to `value` (the module the model
+    uses is left as it is)."""
+    import importlib.util
+
+    if value is None:
+        monkeypatch.delenv("MODULAR_DECODER_SPLIT_PRODUCTS", raising=False)
+    else:
+        monkeypatch.setenv("MODULAR_DECODER_SPLIT_PRODUCTS", value)
+    spec = importlib.util.spec_from_file_location("modular_decoder._split_products_fresh", split_products.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_environment_variable_sets_the_mode_at_import(monkeypatch):
+    for value, mode in ((None, "auto"), ("always", "always"), ("0", "off"), ("false", "off"), ("1", "auto")):
+        assert _fresh_split_products(monkeypatch, value).split_products_mode() == mode, value
+    with pytest.raises(ValueError, match="`MODULAR_DECODER_SPLIT_PRODUCTS` must be one of .*got 'sometimes'"):
+        _fresh_split_products(monkeypatch, "sometimes")
+
+
+@pytest.mark.parametrize("faster", [False, True])
+def test_auto_branch_test_follows_the_decision(faster):
+    """A forward's branch test sends a layer whose shape was timed slower split to the plain branch (module calls,
+    as with the split off), and one timed faster, or not yet timed, through `project`."""
+    layer, x = nn.Linear(64, 96).requires_grad_(False), torch.randn(1, 1, 64)
+    with timed_as(1.0, 0.5 if faster else 2.0) as timings, threads(2), torch.no_grad():
+        assert takes_split_branch(layer, x)  # not timed yet
+        y = project(layer, x)
+        assert takes_split_branch(layer, x) is faster and len(timings) == 1
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
