@@ -24,7 +24,7 @@ from .kv_sharing import SharedKVLayer, kv_sources, validate_kv_sharing
 from .kinds import AttentionKind
 from .mup import ATTENTION_MULTIPLIERS, validate_attention_multipliers
 from .split_products import project, takes_split_branch
-from .norms import build_norm, norm_parameters
+from .norms import build_norm, norm_parameters, rms_unweighted
 from .positions import apply_rotary, rotary_layers
 from .query_temperature import FIELDS as QUERY_TEMPERATURE_FIELDS
 from .query_temperature import query_temperature, scale_queries, validate_query_temperature
@@ -57,6 +57,8 @@ class QKNorm(nn.Module):
 
 def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, in fp32, cast back (Llama 4's L2 norm of q and k: no weight)."""
+    if x.dtype is torch.float32:  # the same in one call (`rms_unweighted` differs only where it casts)
+        return rms_unweighted(x, eps)
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 

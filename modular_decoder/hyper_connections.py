@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kinds import require_int, require_number
+from .norms import rms_unweighted
 from .residual_streams import ResidualStreamKind
 
 
@@ -59,11 +60,6 @@ def fp32(x: torch.Tensor) -> torch.Tensor:
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` in `dtype` (itself when it is already)."""
     return x if x.dtype is dtype else x.to(dtype)
-
-
-def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, without weight (x in fp32 here)."""
-    return x * torch.rsqrt(fp32(x).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def sinkhorn(matrix: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
@@ -142,9 +138,9 @@ class HyperHead(nn.Module):
     def forward(self, hidden: torch.Tensor, leaving: bool = False) -> torch.Tensor:
         if not leaving:  # (B, T, d) -> (B, T, n, d)
             return hidden.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
-        mixes = F.linear(rms_unweighted(hidden.flatten(2).float(), self.norm_eps), self.fn.float())
-        pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.eps  # (B, T, n)
-        return (pre.unsqueeze(-1) * hidden).sum(dim=2).to(hidden.dtype)
+        mixes = F.linear(rms_unweighted(fp32(hidden.flatten(2)), self.norm_eps), fp32(self.fn))
+        pre = torch.sigmoid(mixes * fp32(self.scale) + fp32(self.base)) + self.eps  # (B, T, n)
+        return cast((pre.unsqueeze(-1) * hidden).sum(dim=2), hidden.dtype)
 
 
 class HyperConnections(ResidualStreamKind):

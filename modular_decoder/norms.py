@@ -8,6 +8,14 @@ from torch import nn
 from .split_products import is_fx_proxy
 
 
+def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, without a weight: the statistics in fp32, the result in x's dtype (DeepSeek-V4's
+    unweighted norms, as transformers' `DeepseekV4UnweightedRMSNorm` computes them)."""
+    if not is_fx_proxy(x) and x.dtype is torch.float32:  # the same math in one call (bit-equal in fp32)
+        return nn.functional.rms_norm(x, x.shape[-1:], None, eps)
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) · w, computed in fp32 (as Llama and Gemma do) and cast back.
 

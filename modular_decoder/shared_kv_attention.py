@@ -34,7 +34,7 @@ from .compressed_attention import COMPRESSED_LAYER_TYPES, COMPRESSED_SPARSE, Win
 from .compressed_cache import ROLLBACK_ERROR, CompressedLayer, KeyValueLayer, KeyValueSlidingLayer
 from .eager_attention import eager_attention, explicit_mask
 from .kinds import AttentionKind, require_int
-from .norms import build_norm, norm_parameters
+from .norms import build_norm, norm_parameters, rms_unweighted
 from .positions import apply_rotary
 from .sinks import sink_parameters
 from .split_products import project
@@ -64,11 +64,6 @@ class SharedKVFields:
     o_groups: int | None = None
     o_lora_rank: int | None = None
     compress_rates: dict | None = None
-
-
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, without weight, computed in fp32 and cast back (transformers' DeepSeek-V4)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class GroupedLinear(nn.Module):
@@ -164,7 +159,7 @@ class SharedKVAttention(AttentionLayer):
         else:
             q_latent = self.q_a_norm(self.q_a_proj(hidden_states))
             q = self.q_b_proj(q_latent)
-        return q_latent, rms(q.unflatten(-1, (-1, self.head_dim)).transpose(1, 2), self.eps)
+        return q_latent, rms_unweighted(q.unflatten(-1, (-1, self.head_dim)).transpose(1, 2), self.eps)
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """(B, T, H·D) -> (B, T, d): the grouped low-rank projection, or `o_proj`."""
