@@ -351,7 +351,7 @@ def takes_split_branch(layer: nn.Module, x) -> bool:
     branch, with no per-product checks (a decode step has ~7 products a layer); so does a layer whose shape the timing
     kept on `F.linear`. The other branch calls each module plainly (`forward`'s own source is what vLLM's fusers read
     under its trace)."""
-    if _mode == "off":
+    if _mode == "off" or torch.jit.is_tracing():  # (TorchScript's tracer records F.linear: `_splits`)
         return False
     threads = _threads()
     if threads < 2 or is_fx_proxy(x) or x.dtype is not torch.float32 or x.device.type != "cpu":

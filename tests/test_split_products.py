@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -531,9 +532,11 @@ def test_auto_under_compile_decides_at_tracing(faster):
 
 
 def test_auto_under_torchscript_times_nothing():
-    """TorchScript's tracer records F.linear untimed (`check_trace` would run the module eagerly too, which may time)."""
+    """TorchScript's tracer records F.linear untimed (`check_trace` would run the module eagerly too, which may time),
+    without reading a shape as a value on the way (no `TracerWarning`)."""
     module = _Projection(nn.Linear(48, 96).requires_grad_(False))
-    with timed_as(1.0, 0.5) as timings, threads(2), torch.no_grad():
+    with timed_as(1.0, 0.5) as timings, threads(2), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
         traced = torch.jit.trace(module, (torch.randn(1, 1, 48),), check_trace=False)
     assert "aten::bmm" not in {node.kind() for node in traced.inlined_graph.nodes()}
     assert not timings
