@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from conversion_cases import converted_pair
-from family_parity import assert_greedy_tokens_match, assert_logits_match
+from family_parity import assert_gradients_match, assert_greedy_tokens_match, assert_logits_match
 from test_gpt_oss_smollm3 import IDS, assert_trainer_matches
 
 
@@ -46,6 +46,11 @@ def test_trainer_steps_equal_transformers_class_padded_and_packed(pair, tmp_path
     right-padded batches; ours with the documents packed in one row gives the padded losses."""
     source, ours = pair
     assert_trainer_matches(source, ours, tmp_path, reference_packs=False)
+
+
+def test_gradients_equal_transformers_class(pair, tmp_path):
+    """A loss's gradient on every parameter, AltUp's and the per-layer embeddings' included, is transformers'."""
+    assert_gradients_match(*pair, tmp_path)
 
 
 def assert_each_edit_changes_logits(ours, edits: dict, atol: float) -> None:

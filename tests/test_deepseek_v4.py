@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from conversion_cases import CASES, DSV4, perturbed
+from family_parity import assert_gradients_match
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -43,6 +44,12 @@ def left_padded():
     mask = torch.ones_like(ids)
     mask[1, :pad] = 0
     return ids, mask, pad
+
+
+def test_gradients_equal_transformers_class(pair, tmp_path):
+    """A loss's gradient on every parameter, the hyper-connections' (Sinkhorn with autograd), the compressors' and
+    the hash-routed experts' included, is transformers'."""
+    assert_gradients_match(*pair[:2], tmp_path)
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])

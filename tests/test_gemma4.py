@@ -18,6 +18,7 @@ from conversion_cases import converted_pair
 from decoding import assert_compiled_decoding_matches
 from family_parity import assert_cache_holds_what_transformers_holds
 from gemma_cases import (assert_each_edit_changes_logits, pair_fixtures,  # noqa: F401  (the shared tests)
+                         test_gradients_equal_transformers_class,
                          test_greedy_tokens_through_each_sides_cache_match, test_logits_and_a_left_padded_batch_match,
                          test_trainer_steps_equal_transformers_class_padded_and_packed)
 from test_gpt_oss_smollm3 import IDS

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conversion_cases import converted_pair
 from decoding import assert_compiled_decoding_matches
-from family_parity import assert_greedy_tokens_match, assert_logits_match
+from family_parity import assert_gradients_match, assert_greedy_tokens_match, assert_logits_match
 from test_gpt_oss_smollm3 import IDS, assert_trainer_matches, left_padded
 
 from modular_decoder import ModularDecoderForCausalLM
@@ -104,6 +104,12 @@ def test_each_mechanism_changes_the_function(pair):
             for module in ours.modules():
                 if hasattr(module, "weight_on_input"):
                     module.weight_on_input = True
+
+
+def test_gradients_equal_transformers_class(pair, tmp_path):
+    """A loss's gradient on every parameter, the chunked and NoPE layers' and the top-1 experts' included, is
+    transformers'."""
+    assert_gradients_match(*pair, tmp_path)
 
 
 def test_trainer_steps_equal_transformers_class_padded_and_packed(plain_pair, tmp_path):
