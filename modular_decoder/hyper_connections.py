@@ -52,14 +52,13 @@ HC_FIELDS = ("hc_mult", "hc_sinkhorn_iters", "hc_eps")
 SINKHORN_ITERS, HC_EPS = 20, 1e-6
 
 
-def fp32(x: torch.Tensor) -> torch.Tensor:
-    """`x` in fp32 (itself when it is already: no cast dispatched, dozens a decode step)."""
-    return x if x.dtype is torch.float32 else x.float()
-
-
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x` in `dtype` (itself when it is already)."""
+    """`x` in `dtype` (itself when it is already: no cast dispatched, dozens a decode step)."""
     return x if x.dtype is dtype else x.to(dtype)
+
+
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    return cast(x, torch.float32)
 
 
 def sinkhorn(matrix: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:

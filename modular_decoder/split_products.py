@@ -363,7 +363,7 @@ def takes_split_branch(layer: nn.Module, x) -> bool:
     if weight is not None and (weight.numel() < tuning().min_split_weight or (
             _mode == "auto" and not torch.compiler.is_compiling() and _timed_slower(layer, weight, x, threads))):
         return False  # (under compile, `_splits` decides)
-    return is_bare_linear(layer) and layer.weight.numel() >= tuning().min_split_weight
+    return is_bare_linear(layer)  # (a bare `nn.Linear` holds its weight in `_parameters`: the floor is checked above)
 
 
 def _timed_slower(layer: nn.Module, weight: torch.Tensor, x: torch.Tensor, threads: int) -> bool:
@@ -371,9 +371,8 @@ def _timed_slower(layer: nn.Module, weight: torch.Tensor, x: torch.Tensor, threa
     `project` times it)."""
     if weight.dim() != 2 or not x.dim() or not x.shape[-1]:
         return False
-    rows, (out_features, in_features), bias = x.numel() // x.shape[-1], weight.shape, layer._parameters.get("bias")
-    parts = threads if rows == 1 else _cache_sized(threads, weight)
-    return _decisions.get((out_features, in_features, rows, threads, parts, bias is not None)) is False
+    key = _shape_key(weight, x.numel() // x.shape[-1], threads, layer._parameters.get("bias") is not None)
+    return _decisions.get(key) is False
 
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
